@@ -1,0 +1,25 @@
+"""megarefit: move Megatron-Core training weights into vLLM inference workers.
+
+Public API::
+
+    megarefit.megatron_to_hf(shards, hf_config, *, tp=1, pp=1, ep=1) -> {hf_name: tensor}
+    megarefit.hf_to_megatron(hf_state, hf_config, *, tp=1, pp=1, ep=1) -> {(tp, pp, ep): {name: tensor}}
+    megarefit.plan_megatron_to_hf(dims, layout, dtype) -> Plan      (pure, validated)
+    megarefit.run_refit_cycle(plan, transport) -> iterator of (hf_name, tensor)
+"""
+
+from megarefit.dims import ModelDims
+from megarefit.errors import MegarefitError
+from megarefit.layout import Box, RankCoord, SourceLayout
+from megarefit.plan import CopyOp, Plan, validate_plan
+from megarefit.planner import plan_hf_to_megatron, plan_megatron_to_hf
+from megarefit.receiver import RefitStats, run_refit_cycle
+from megarefit.translate import hf_to_megatron, megatron_to_hf
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Box", "CopyOp", "MegarefitError", "ModelDims", "Plan", "RankCoord", "RefitStats", "SourceLayout",
+    "hf_to_megatron", "megatron_to_hf", "plan_hf_to_megatron", "plan_megatron_to_hf", "run_refit_cycle",
+    "validate_plan",
+]

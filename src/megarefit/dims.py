@@ -1,0 +1,161 @@
+"""ModelDims: the numbers from an HF config that every layout depends on."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megarefit.errors import LayoutError, MegarefitError
+from megarefit.specs import FamilySpec, family_for_config, get_family
+from megarefit.specs.table import Condition
+
+DEFAULT_VOCAB_DIVISOR = 128
+"""Megatron's default ``--make-vocab-size-divisible-by``."""
+
+
+def load_hf_config(config: str | os.PathLike[str] | Mapping[str, Any] | Any) -> Mapping[str, Any] | Any:
+    """Accept a ``config.json`` path, a directory holding one, a dict, or a ``PretrainedConfig``."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    return config
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Model dimensions (element counts, not bytes) from an HF config.
+
+    ``head_dim`` is Megatron's ``kv_channels``; it may differ from
+    ``hidden_size / num_attention_heads`` (Qwen3). ``num_query_groups`` is HF's
+    ``num_key_value_heads`` (equal to the head count for MHA).
+    """
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    proj_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+                     "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise MegarefitError(f"ModelDims.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise MegarefitError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any] | Any, family: FamilySpec | None = None) -> ModelDims:
+        """Read dims from an HF config dict / ``PretrainedConfig`` / path.
+
+        Raises:
+            UnsupportedModelError: the config names no supported family.
+            MegarefitError: a required key is missing.
+        """
+        cfg = load_hf_config(hf_config)
+        fam = family or family_for_config(cfg)
+        get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
+
+        def need(key: str) -> int:
+            value = get(key)
+            if value is None:
+                raise MegarefitError(f"HF config for family {fam.name} lacks {key!r}")
+            return int(value)
+
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+
+        def flag(rule: bool | str) -> bool:
+            return bool(get(rule, False)) if isinstance(rule, str) else rule
+
+        tie = get("tie_word_embeddings")
+        return cls(
+            family=fam.name,
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or hidden // heads),
+            ffn_hidden_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            tie_word_embeddings=fam.tie_word_embeddings_default if tie is None else bool(tie),
+            qkv_bias=flag(fam.qkv_bias),
+            proj_bias=flag(fam.proj_bias),
+            mlp_bias=flag(fam.mlp_bias),
+        )
+
+    @property
+    def spec(self) -> FamilySpec:
+        return get_family(self.family)
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+        """Megatron's padded vocab: ``vocab_size`` rounded up to a multiple of ``divisible_by * tp``."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def size(self, symbol: str, *, padded_vocab: int | None = None) -> int:
+        """Resolve a spec-table shape symbol to an element count."""
+        q = self.num_attention_heads * self.head_dim
+        table = {
+            "hidden": self.hidden_size,
+            "ffn": self.ffn_hidden_size,
+            "2ffn": 2 * self.ffn_hidden_size,
+            "vocab": self.vocab_size if padded_vocab is None else padded_vocab,
+            "head_dim": self.head_dim,
+            "q": q,
+            "qkv": q + 2 * self.num_query_groups * self.head_dim,
+        }
+        return table[symbol]
+
+    def conditions(self, pp: int) -> frozenset[Condition]:
+        """Spec-table conditions that hold for this model at pipeline size ``pp``."""
+        out = set()
+        if self.qkv_bias:
+            out.add(Condition.QKV_BIAS)
+        if self.proj_bias:
+            out.add(Condition.PROJ_BIAS)
+        if self.mlp_bias:
+            out.add(Condition.MLP_BIAS)
+        if not self.tie_word_embeddings:
+            out.add(Condition.UNTIED)
+        elif pp > 1:
+            out.add(Condition.TIED_COPY)
+        return frozenset(out)
+
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise :class:`LayoutError` if Megatron could not shard this model with these sizes
+        (the layer split over ``pp`` is checked by ``SourceLayout.build``)."""
+        for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        problems = []
+        if self.num_query_groups % tp:
+            problems.append(f"num_query_groups={self.num_query_groups} not divisible by tp={tp}")
+        if self.num_attention_heads % tp:
+            problems.append(f"num_attention_heads={self.num_attention_heads} not divisible by tp={tp}")
+        if self.ffn_hidden_size % tp:
+            problems.append(f"ffn_hidden_size={self.ffn_hidden_size} not divisible by tp={tp}")
+        if ep != 1:
+            problems.append(f"ep={ep}: family {self.family} has no experts; use ep=1")
+        if problems:
+            raise LayoutError(f"{self.family} model cannot be laid out at tp={tp} pp={pp} ep={ep}: "
+                              + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

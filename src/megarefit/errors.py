@@ -1,0 +1,53 @@
+"""Exception types.
+
+Every error raised on bad input names what is wrong in the caller's terms: the
+tensor name, the Megatron rank ``(tp, pp, ep)``, and expected vs actual values.
+All derive from :class:`MegarefitError`, which derives from ``ValueError`` so
+callers that only know the standard hierarchy still catch them.
+"""
+
+from __future__ import annotations
+
+
+class MegarefitError(ValueError):
+    """Base class of every megarefit error."""
+
+
+class UnsupportedModelError(MegarefitError):
+    """The HF config names an architecture / ``model_type`` with no spec table."""
+
+
+class SpecTableError(MegarefitError):
+    """A spec table is malformed (unknown placeholder, overlapping entries, ...)."""
+
+
+class UnknownParameterError(MegarefitError):
+    """A Megatron parameter name matches no spec-table entry."""
+
+
+class AmbiguousParameterError(MegarefitError):
+    """A Megatron parameter name matches more than one active spec-table entry."""
+
+
+class MissingParameterError(MegarefitError):
+    """A tensor the layout requires is absent (on a given rank, or in an HF state)."""
+
+
+class UnexpectedParameterError(MegarefitError):
+    """A tensor is present that the layout does not expect (e.g. wrong rank or spelling)."""
+
+
+class ShapeMismatchError(MegarefitError):
+    """A tensor's shape (or dtype) differs from what the config and layout imply."""
+
+
+class LayoutError(MegarefitError):
+    """Parallel sizes are invalid for the model, or ranks are missing / extra."""
+
+
+class PlanValidationError(MegarefitError):
+    """A plan fails validation: out-of-bounds box, overlap, or incomplete cover."""
+
+
+class ClassificationError(MegarefitError):
+    """A live Megatron model disagrees with the spec table on parameter roles."""

@@ -1,0 +1,331 @@
+"""Harness that builds REAL Megatron-Core ``GPTModel`` instances on CPU.
+
+Used by the test-suite and by ``megarefit demo``: every rank is a separate
+process (see :func:`run_workers`) talking over a gloo process group, so
+tensor (TP) and pipeline (PP) parallelism can be exercised without GPUs.
+
+CPU recipe (verified with megatron-core 0.16.1):
+
+* gloo default process group; ``parallel_state.initialize_model_parallel(tp, pp)``;
+* ``use_cpu_initialization=True`` and fp32 params: Megatron initialises the
+  full ("master") weight from the default torch RNG on every rank and keeps its
+  own shard, so the same seed on every rank gives a deterministic model;
+* all fusions off and dropout 0 (the fused kernels are CUDA/TE only);
+* local (non-TransformerEngine) layer spec with RMSNorm;
+* an inference RNG tracker instead of ``model_parallel_cuda_manual_seed``
+  (which would touch CUDA generators);
+* an explicit causal attention mask on every forward, because Megatron's
+  default mask is allocated with ``device="cuda"``;
+* the remaining CUDA assumptions are patched in :func:`apply_cpu_patches`
+  (process-wide) and :func:`_no_tensor_cuda` (only while building a model).
+
+``GPTModel(..., parallel_output=False)`` all-gathers the vocab-parallel logits,
+so the last pipeline stage returns full-vocabulary logits on every TP rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron.core.models.gpt import GPTModel
+
+__all__ = [
+    "GPTArch",
+    "apply_cpu_patches",
+    "init_parallel",
+    "build_gpt_model",
+    "forward_logits",
+    "local_named_parameters",
+    "run_workers",
+]
+
+
+@dataclass(frozen=True)
+class GPTArch:
+    """Architecture of a decoder-only GPT (Llama/Qwen style) as plain numbers."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int  # head_dim; may differ from hidden_size // num_attention_heads (Qwen3)
+    ffn_hidden_size: int
+    padded_vocab_size: int  # already padded by the caller (divisible by tp)
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_word_embeddings: bool = False
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    max_sequence_length: int = 256
+
+
+# --------------------------------------------------------------------------- CPU patches
+_PATCHED = False
+
+
+def apply_cpu_patches() -> None:
+    """Apply every process-wide workaround needed to run Megatron-Core on CPU.
+
+    Idempotent. All CPU hacks live here (plus the build-time-only
+    :func:`_no_tensor_cuda`), so they are easy to audit:
+
+    1. ``torch.cuda.current_device()`` is used by Megatron as a *device* argument
+       in many places (buffers, RNG tracker, p2p helpers); returning ``"cpu"``
+       makes those allocations land on the CPU instead of raising.
+    2. Silence warnings that are pure noise for this harness (message-specific
+       filters only): missing Apex/TransformerEngine (we use the local spec on
+       purpose), the ``CUDA_DEVICE_MAX_CONNECTIONS`` hint of the TP linear layers,
+       the default ``cuda_graph_scope`` deprecation, and torch's deprecation of
+       ``all_gather_into_tensor`` (used by Megatron's logits gather).
+    Call it before importing megatron so import-time warnings are filtered too.
+    """
+    global _PATCHED
+    if _PATCHED:
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    for msg in (
+        r"(Transformer Engine and )?Apex (is|are) not installed",
+        r".*CUDA_DEVICE_MAX_CONNECTIONS",
+        r"full scope is deprecated",
+        r".*all_gather_into_tensor.*is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=msg)
+    _PATCHED = True
+
+
+@contextlib.contextmanager
+def _no_tensor_cuda() -> Iterator[None]:
+    """Make ``Tensor.cuda()`` a no-op while building a model (restored afterwards).
+
+    With tied embeddings and PP>1, ``LanguageModule.setup_embeddings_and_output_layer``
+    does ``weight.data = weight.data.cuda()`` before all-reducing the embedding
+    copy between the first and last stages.
+    """
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- parallel state
+def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: int) -> None:
+    """Initialise (or re-initialise) gloo + Megatron model parallelism for this rank.
+
+    The default gloo process group is created once per process (on
+    ``127.0.0.1:master_port``); later calls may change ``tp``/``pp`` (any data
+    parallelism fills the rest of ``world_size``). Models built under a previous
+    layout must not be used afterwards.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{master_port}",
+            rank=rank,
+            world_size=world_size,
+        )
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise RuntimeError(
+            f"process group already initialised as rank {dist.get_rank()}/"
+            f"{dist.get_world_size()}, asked for {rank}/{world_size}"
+        )
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size={world_size} not divisible by tp*pp={tp * pp}")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+# --------------------------------------------------------------------------- model
+def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> "GPTModel":
+    """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
+
+    Uses the current parallel state (see :func:`init_parallel`);
+    ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
+    RMSNorm, RoPE, no linear biases except optional QKV bias. Seeding the
+    default torch RNG with ``seed`` on every rank makes the result deterministic.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    torch.manual_seed(seed)
+    with _no_tensor_cuda():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=arch.padded_vocab_size,
+            max_sequence_length=arch.max_sequence_length,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            parallel_output=False,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rotary_base,
+        )
+    return model.eval()
+
+
+@torch.no_grad()
+def forward_logits(model: "GPTModel", tokens: torch.Tensor) -> torch.Tensor | None:
+    """Run a full forward pass across all pipeline stages.
+
+    ``tokens``: ``[batch, seq]`` int64, identical on every rank. Stages are run
+    in order; activations ``[seq, batch, hidden]`` go to the next stage by gloo
+    send/recv and enter via ``model.set_input_tensor``. Returns fp32 logits
+    ``[batch, seq, padded_vocab]`` on every TP rank of the last pipeline stage,
+    ``None`` on other stages.
+    """
+    from megatron.core import parallel_state as ps
+
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(seq, batch, model.config.hidden_size, dtype=torch.float32)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    out = model(tokens, position_ids, attention_mask=mask)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out.float()
+
+
+def local_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU clones of ``model.named_parameters()`` (this rank's shards, Megatron names)."""
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- multi-process
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        payload = ("err", traceback.format_exc())
+    q.put((rank, *payload))
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: tuple = (),
+    master_port: int | None = None,
+    timeout: float = 600.0,
+) -> list:
+    """Run ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
+
+    ``fn`` must be picklable (module level) and return a picklable result
+    (tensors are sent by value). Returns the results ordered by rank. Raises
+    ``RuntimeError`` carrying the worker's traceback if any worker fails or dies,
+    and ``TimeoutError`` after ``timeout`` seconds; remaining workers are killed.
+    """
+    port = master_port if master_port is not None else _free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, payload = q.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(f"workers did not finish within {timeout}s") from None
+                for r, p in enumerate(procs):
+                    # a dead worker may still have its result in the pipe: short grace period
+                    if r not in results and p.exitcode is not None:
+                        if now - dead_since.setdefault(r, now) > 5.0:
+                            raise RuntimeError(
+                                f"worker {r} died with exit code {p.exitcode} without a result"
+                            )
+                continue
+            if status == "err":
+                dead = [f"worker {r} exited with code {p.exitcode}"
+                        for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                note = f" ({'; '.join(dead)})" if dead else ""
+                raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
+            results[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            if p.is_alive() and len(results) < world_size:
+                p.kill()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        q.close()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,194 @@
+"""Parallel layouts and boxes: where a shard sits, in elements.
+
+A :class:`Box` is an axis-aligned sub-block of a row-major tensor, given as
+per-dim ``offsets`` and ``lengths`` in *elements* (DCP's ``ReadItem`` and
+Megatron's ``ShardedTensor`` use the same idea)::
+
+    tensor shape (6, 4)          Box(offsets=(2, 0), lengths=(3, 4))
+    row 0  . . . .
+    row 1  . . . .
+    row 2  # # # #   <- contiguous: full trailing dims, one run of 12 elements
+    row 3  # # # #      starting at flat element 8
+    row 4  # # # #
+    row 5  . . . .
+
+    Box(offsets=(0, 2), lengths=(6, 2)) is strided: six runs of 2 elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+from typing import NamedTuple
+
+from megarefit.errors import LayoutError
+from megarefit.specs.table import LayerSpec
+
+
+class RankCoord(NamedTuple):
+    """A Megatron rank's coordinates in the model-parallel grid (a plain tuple)."""
+
+    tp: int
+    pp: int
+    ep: int = 0
+
+    def __str__(self) -> str:
+        return f"(tp={self.tp}, pp={self.pp}, ep={self.ep})"
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A sub-block of a tensor: ``offsets`` and ``lengths`` per dim, in elements."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @classmethod
+    def rows(cls, shape: tuple[int, ...], start: int, length: int) -> Box:
+        """Rows ``[start, start+length)`` of dim 0, all of every other dim."""
+        return cls((start,) + (0,) * (len(shape) - 1), (length,) + tuple(shape[1:]))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    def within(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.offsets) and all(
+            o >= 0 and n > 0 and o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape)
+        )
+
+    def is_contiguous_in(self, shape: tuple[int, ...]) -> bool:
+        """True when the box is one contiguous run of the row-major tensor ``shape``:
+        after the first dim with length > 1, every dim is full."""
+        started = False
+        for o, n, s in zip(self.offsets, self.lengths, shape):
+            if started and (o != 0 or n != s):
+                return False
+            if n > 1:
+                started = True
+        return True
+
+    def flat_offset(self, shape: tuple[int, ...]) -> int:
+        """Flat element offset of the box's first element in row-major ``shape``."""
+        offset = 0
+        for o, s in zip(self.offsets, shape):
+            offset = offset * s + o
+        return offset
+
+    def overlaps(self, other: Box) -> bool:
+        return all(
+            a < b + m and b < a + n for a, n, b, m in zip(self.offsets, self.lengths, other.offsets, other.lengths)
+        )
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths))
+
+    def to_list(self) -> list[list[int]]:
+        return [list(self.offsets), list(self.lengths)]
+
+    @classmethod
+    def from_list(cls, data: list[list[int]]) -> Box:
+        return cls(tuple(data[0]), tuple(data[1]))
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """The trainer's Megatron layout.
+
+    Attributes:
+        tp, pp, ep: tensor / pipeline / expert parallel sizes.
+        padded_vocab_size: Megatron's vocab rows across all TP ranks (HF
+            ``vocab_size`` rounded up; see ``ModelDims.padded_vocab_size``).
+        stage_layers: decoder layers held by each pipeline stage, in stage order
+            (Megatron's even split, or uneven with
+            ``num_layers_in_first/last_pipeline_stage``).
+        layer_spec: which spelling of the fused norms the names use.
+    """
+
+    tp: int
+    pp: int
+    ep: int
+    padded_vocab_size: int
+    stage_layers: tuple[int, ...]
+    layer_spec: LayerSpec = "local"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        if len(self.stage_layers) != self.pp or any(n < 0 for n in self.stage_layers):
+            raise LayoutError(f"stage_layers={self.stage_layers} must list pp={self.pp} non-negative counts")
+        if self.padded_vocab_size % self.tp:
+            raise LayoutError(f"padded_vocab_size={self.padded_vocab_size} is not divisible by tp={self.tp}")
+        if self.layer_spec not in ("local", "te"):
+            raise LayoutError(f"layer_spec must be 'local' or 'te', got {self.layer_spec!r}")
+
+    @classmethod
+    def build(cls, *, tp: int, pp: int, ep: int = 1, padded_vocab_size: int, num_layers: int,
+              first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+              layer_spec: LayerSpec = "local") -> SourceLayout:
+        """Split ``num_layers`` over ``pp`` stages the way Megatron-Core does.
+
+        Without ``first_stage_layers`` / ``last_stage_layers`` (Megatron's
+        ``num_layers_in_first_pipeline_stage`` / ``..._last_...``) the split is
+        even; with them, the remaining layers split evenly over the middle stages.
+
+        Raises:
+            LayoutError: the layers do not split as asked (e.g. Llama-3.1-405B's
+                126 layers at pp=16 need first/last stages of 7).
+        """
+        if not isinstance(pp, int) or pp < 1:
+            raise LayoutError(f"pp must be a positive integer, got {pp!r}")
+        fixed = {}
+        if first_stage_layers is not None:
+            fixed[0] = first_stage_layers
+        if last_stage_layers is not None:
+            fixed[pp - 1] = last_stage_layers
+        rest = num_layers - sum(fixed.values())
+        middle = pp - len(fixed)
+        if middle == 0:
+            ok = rest == 0
+        else:
+            ok = rest >= 0 and rest % middle == 0
+        if not ok or (pp == 1 and len(fixed) > 0 and fixed.get(0) != num_layers):
+            hint = ""
+            if not fixed and pp > 2 and (num_layers + 2) % pp == 0:
+                k = (num_layers + 2) // pp - 1
+                hint = f"; try first_stage_layers={k}, last_stage_layers={k}"
+            raise LayoutError(
+                f"num_layers={num_layers} does not split over pp={pp}"
+                + (f" with first/last stage layers {first_stage_layers}/{last_stage_layers}" if fixed else "")
+                + hint
+            )
+        per = rest // middle if middle else 0
+        stages = tuple(fixed.get(i, per) for i in range(pp))
+        return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.stage_layers)
+
+    def layer_offset(self, pp_rank: int) -> int:
+        """Global index of pipeline stage ``pp_rank``'s local layer 0."""
+        return sum(self.stage_layers[:pp_rank])
+
+    def ranks(self) -> list[RankCoord]:
+        return [RankCoord(t, p, e) for p, t, e in product(range(self.pp), range(self.tp), range(self.ep))]
+
+    def with_layer_spec(self, layer_spec: LayerSpec) -> SourceLayout:
+        return SourceLayout(self.tp, self.pp, self.ep, self.padded_vocab_size, self.stage_layers, layer_spec)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "padded_vocab_size": self.padded_vocab_size,
+                "stage_layers": list(self.stage_layers), "layer_spec": self.layer_spec}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> SourceLayout:
+        return cls(d["tp"], d["pp"], d["ep"], d["padded_vocab_size"], tuple(d["stage_layers"]),  # type: ignore[arg-type]
+                   d["layer_spec"])  # type: ignore[arg-type]

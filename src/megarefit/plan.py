@@ -1,0 +1,272 @@
+"""Plans as data: frozen copy ops, exact-cover validation, JSON round trip.
+
+A :class:`Plan` is a list of :class:`CopyOp` s, each ``(source tensor, source
+box) -> (target tensor, target box)``, plus the shapes of every tensor it
+touches. It is computed from shapes alone (no tensor is read) and checked by
+:func:`validate_plan` before any byte moves.
+
+Offsets are kept in **elements**; ``*_byte_offset`` / ``nbytes`` give the same in
+**bytes** for the plan's dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal, NamedTuple
+
+from megarefit.dims import ModelDims
+from megarefit.errors import PlanValidationError
+from megarefit.layout import Box, RankCoord, SourceLayout
+
+Direction = Literal["megatron_to_hf", "hf_to_megatron"]
+OpKind = Literal["contiguous", "scratch"]
+
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return ITEMSIZE[dtype]
+    except KeyError:
+        raise PlanValidationError(f"unsupported dtype {dtype!r}; known: {sorted(ITEMSIZE)}") from None
+
+
+class TensorRef(NamedTuple):
+    """A tensor by name; ``rank`` is the Megatron rank, or ``None`` for an HF tensor."""
+
+    rank: RankCoord | None
+    name: str
+
+    def __str__(self) -> str:
+        return self.name if self.rank is None else f"{self.name} @ rank {self.rank}"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape (elements) and dtype of a tensor a plan touches.
+
+    ``zero_fill`` lists boxes of a *target* that no op writes and that must be
+    zero: Megatron's vocab padding rows on import.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    zero_fill: tuple[Box, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy ``src[src_box]`` into ``dst[dst_box]`` (same box lengths).
+
+    ``kind == "contiguous"``: both boxes are single runs, so one transport
+    descriptor moves it (a contiguous sliced pull). ``kind == "scratch"``: one
+    side is strided (on export, the target box of a row-parallel tensor); move
+    the contiguous run through a scratch buffer and copy strided locally.
+    No op is strided on both sides.
+    """
+
+    src: TensorRef
+    src_box: Box
+    dst: TensorRef
+    dst_box: Box
+    kind: OpKind
+    src_offset: int  # flat element offset of src_box's first element
+    dst_offset: int  # flat element offset of dst_box's first element
+    itemsize: int  # bytes per element
+
+    @property
+    def numel(self) -> int:
+        return self.src_box.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def src_byte_offset(self) -> int:
+        return self.src_offset * self.itemsize
+
+    @property
+    def dst_byte_offset(self) -> int:
+        return self.dst_offset * self.itemsize
+
+
+def make_op(src: TensorRef, src_shape: tuple[int, ...], src_box: Box,
+            dst: TensorRef, dst_shape: tuple[int, ...], dst_box: Box, item: int) -> CopyOp:
+    both = src_box.is_contiguous_in(src_shape) and dst_box.is_contiguous_in(dst_shape)
+    kind: OpKind = "contiguous" if both else "scratch"
+    return CopyOp(src, src_box, dst, dst_box, kind, src_box.flat_offset(src_shape), dst_box.flat_offset(dst_shape),
+                  item)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated list of copy ops and the tensors they touch.
+
+    ``ops`` are grouped by target, targets in ``targets`` order, so a receiver
+    can finish (and hand over) one target tensor at a time.
+    """
+
+    direction: Direction
+    dims: ModelDims
+    layout: SourceLayout
+    dtype: str
+    sources: Mapping[TensorRef, TensorMeta]
+    targets: Mapping[TensorRef, TensorMeta]
+    ops: tuple[CopyOp, ...]
+    digest: str = field(default="")
+
+    @cached_property
+    def ops_by_target(self) -> dict[TensorRef, tuple[CopyOp, ...]]:
+        out: dict[TensorRef, list[CopyOp]] = {t: [] for t in self.targets}
+        for op in self.ops:
+            out[op.dst].append(op)
+        return {t: tuple(v) for t, v in out.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.nbytes for op in self.ops)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts per source rank (``None`` for HF sources): ops, contiguous pulls, scratch copies, bytes."""
+        per: dict[Any, dict[str, int]] = defaultdict(lambda: {"ops": 0, "contiguous": 0, "scratch": 0, "bytes": 0})
+        for op in self.ops:
+            row = per[op.src.rank]
+            row["ops"] += 1
+            row[op.kind] += 1
+            row["bytes"] += op.nbytes
+        total = {k: sum(r[k] for r in per.values()) for k in ("ops", "contiguous", "scratch", "bytes")}
+        return {"sources": len(self.sources), "targets": len(self.targets), "per_rank": dict(per), "total": total}
+
+    # ---- serialization -------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        def ref(r: TensorRef) -> list[Any]:
+            return [None if r.rank is None else list(r.rank), r.name]
+
+        def meta(r: TensorRef, m: TensorMeta) -> list[Any]:
+            return [ref(r), list(m.shape), m.dtype, [b.to_list() for b in m.zero_fill]]
+
+        return {
+            "format": "megarefit.plan/1",
+            "direction": self.direction,
+            "dims": self.dims.to_dict(),
+            "layout": self.layout.to_dict(),
+            "dtype": self.dtype,
+            "digest": self.digest,
+            "sources": [meta(r, m) for r, m in self.sources.items()],
+            "targets": [meta(r, m) for r, m in self.targets.items()],
+            "ops": [[ref(o.src), o.src_box.to_list(), ref(o.dst), o.dst_box.to_list()] for o in self.ops],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        if data.get("format") != "megarefit.plan/1":
+            raise PlanValidationError(f"not a megarefit plan (format={data.get('format')!r})")
+
+        def ref(x: list[Any]) -> TensorRef:
+            return TensorRef(None if x[0] is None else RankCoord(*x[0]), x[1])
+
+        def metas(rows: list[Any]) -> dict[TensorRef, TensorMeta]:
+            return {ref(r): TensorMeta(tuple(s), d, tuple(Box.from_list(b) for b in z)) for r, s, d, z in rows}
+
+        sources, targets = metas(data["sources"]), metas(data["targets"])
+        item = itemsize(data["dtype"])
+        ops = []
+        for s, sb, d, db in data["ops"]:
+            sr, dr = ref(s), ref(d)
+            if sr not in sources or dr not in targets:
+                raise PlanValidationError(f"op refers to unknown tensor {sr if sr not in sources else dr}")
+            ops.append(make_op(sr, sources[sr].shape, Box.from_list(sb), dr, targets[dr].shape, Box.from_list(db),
+                               item))
+        plan = cls(data["direction"], ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]), data["dtype"],
+                   sources, targets, tuple(ops), data["digest"])
+        validate_plan(plan)
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+
+def digest_of(*parts: Any) -> str:
+    """Stable short digest of JSON-serializable parts (the plan-cache key)."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def validate_plan(plan: Plan) -> None:
+    """Prove the plan is safe to execute.
+
+    Checks, for every op: both tensors are declared, both boxes lie in bounds,
+    box lengths agree, the recorded kind and offsets match the boxes, and at
+    least one side is a single contiguous run. For every target: op boxes plus
+    declared ``zero_fill`` boxes are pairwise disjoint and their volume equals
+    the target's element count, i.e. every element is written exactly once.
+
+    Runs in O(ops log ops) for the layouts planned here (boxes are sorted and
+    swept along dim 0).
+
+    Raises:
+        PlanValidationError: naming the op / target and what is wrong.
+    """
+    boxes: dict[TensorRef, list[tuple[Box, str]]] = defaultdict(list)
+    for op in plan.ops:
+        src, dst = plan.sources.get(op.src), plan.targets.get(op.dst)
+        if src is None or dst is None:
+            raise PlanValidationError(f"op {op.src} -> {op.dst}: tensor not declared in plan")
+        if not op.src_box.within(src.shape):
+            raise PlanValidationError(f"op {op.src} -> {op.dst}: source box {op.src_box} outside shape {src.shape}")
+        if not op.dst_box.within(dst.shape):
+            raise PlanValidationError(f"op {op.src} -> {op.dst}: target box {op.dst_box} outside shape {dst.shape}")
+        if op.src_box.lengths != op.dst_box.lengths:
+            raise PlanValidationError(
+                f"op {op.src} -> {op.dst}: box lengths differ: {op.src_box.lengths} vs {op.dst_box.lengths}"
+            )
+        src_run, dst_run = op.src_box.is_contiguous_in(src.shape), op.dst_box.is_contiguous_in(dst.shape)
+        if not (src_run or dst_run):
+            raise PlanValidationError(f"op {op.src} -> {op.dst}: both boxes are strided ({op.src_box}, {op.dst_box})")
+        want = "contiguous" if src_run and dst_run else "scratch"
+        if op.kind != want or op.src_offset != op.src_box.flat_offset(src.shape) or (
+            op.dst_offset != op.dst_box.flat_offset(dst.shape)
+        ):
+            raise PlanValidationError(f"op {op.src} -> {op.dst}: kind/offsets inconsistent with its boxes")
+        boxes[op.dst].append((op.dst_box, str(op.src)))
+    for ref, meta in plan.targets.items():
+        entries = boxes.get(ref, []) + [(b, "zero fill") for b in meta.zero_fill]
+        for b, who in entries:
+            if not b.within(meta.shape):
+                raise PlanValidationError(f"target {ref}: box {b} from {who} outside shape {meta.shape}")
+        _check_disjoint(ref, entries)
+        covered = sum(b.numel for b, _ in entries)
+        if covered != meta.numel:
+            raise PlanValidationError(
+                f"target {ref}: ops cover {covered} of {meta.numel} elements (shape {meta.shape})"
+            )
+
+
+def _check_disjoint(ref: TensorRef, entries: list[tuple[Box, str]]) -> None:
+    active: list[tuple[Box, str]] = []
+    for box, who in sorted(entries, key=lambda e: e[0].offsets):
+        start = box.offsets[0] if box.offsets else 0
+        active = [(b, w) for b, w in active if not b.offsets or b.offsets[0] + b.lengths[0] > start]
+        for other, other_who in active:
+            if box.overlaps(other):
+                raise PlanValidationError(
+                    f"target {ref}: box {box} from {who} overlaps box {other} from {other_who}"
+                )
+        active.append((box, who))

@@ -1,0 +1,320 @@
+"""Slice planner: spec table + dims + Megatron layout -> validated :class:`Plan`.
+
+This module is the one place that knows where each row of a sharded Megatron
+tensor lands in the HF tensors. Everything else (translator, receiver,
+transports) executes plans.
+
+QKV (``linear_qkv``, role ``qkv``); H heads, G query groups, d = head_dim,
+hq = H/G. Rows are grouped per query group; TP rank r holds G/tp whole groups::
+
+    Megatron global (tp=1)              HF
+    +-------------------+               q_proj [H*d, hidden]   = [q_0; q_1; ...]
+    | q_0  (hq*d rows)  |--------+      k_proj [G*d, hidden]   = [k_0; k_1; ...]
+    | k_0  (d rows)     |-----+  |      v_proj [G*d, hidden]   = [v_0; v_1; ...]
+    | v_0  (d rows)     |--+  |  +----> q_proj rows [0, hq*d)
+    | q_1               |  |  +-------> k_proj rows [0, d)
+    | k_1               |  +----------> v_proj rows [0, d)
+    | v_1               |   ... group g -> q rows [g*hq*d, +hq*d), k/v rows [g*d, +d)
+    +-------------------+
+
+Gated MLP (``linear_fc1``, role ``gated_mlp``); f = ffn, rank r of tp::
+
+    rank r local [2f/tp, hidden] = [ gate rows [r*f/tp, (r+1)*f/tp) ;
+                                     up   rows [r*f/tp, (r+1)*f/tp) ]
+    (so concatenating ranks does NOT give [gate; up])
+
+Vocab (``word_embeddings``, ``output_layer``): rows split over the *padded*
+vocab; rows >= HF ``vocab_size`` are padding, trimmed on export and zero on
+import. Row-parallel (``linear_proj``, ``linear_fc2``): rank r holds columns
+``[r*n/tp, (r+1)*n/tp)``; each op is one contiguous source run landing strided
+in the HF tensor, i.e. a scratch copy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megarefit.dims import ModelDims
+from megarefit.errors import LayoutError, MissingParameterError, UnexpectedParameterError
+from megarefit.layout import Box, RankCoord, SourceLayout
+from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
+from megarefit.specs.table import LAYER_SPECS, LayerSpec, ParallelMode, ParamSpec, Role, Stage
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One Megatron tensor on one rank: its table row, global layer, local shape."""
+
+    spec: ParamSpec
+    layer: int | None  # global layer index
+    shape: tuple[int, ...]  # local shape on this rank (elements)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[src_start, src_start+length)`` of a local tensor land at HF ``hf_name``
+    rows ``[dst_start, ...)``; ``column`` marks a row-parallel piece (dim-1 split)."""
+
+    hf_name: str
+    src_start: int
+    dst_start: int
+    length: int
+    column: bool = False
+
+
+def global_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
+    """The Megatron tensor's shape at TP=1 (vocab padded)."""
+    return tuple(dims.size(s, padded_vocab=layout.padded_vocab_size) for s in spec.shape)
+
+
+def local_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
+    shape = global_shape(spec, dims, layout)
+    mode = spec.role.parallel_mode
+    if mode is ParallelMode.COLUMN:
+        return (shape[0] // layout.tp,) + shape[1:]
+    if mode is ParallelMode.ROW:
+        return (shape[0], shape[1] // layout.tp)
+    return shape
+
+
+def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the HF tensors a row becomes, in ``spec.hf`` order."""
+    shape = global_shape(spec, dims, layout)
+    rest = shape[1:]
+    if spec.role is Role.QKV:
+        q, kv = dims.num_attention_heads * dims.head_dim, dims.num_query_groups * dims.head_dim
+        return ((q,) + rest, (kv,) + rest, (kv,) + rest)
+    if spec.role is Role.GATED_MLP:
+        return ((shape[0] // 2,) + rest,) * 2
+    if spec.role is Role.VOCAB:
+        return ((dims.vocab_size,) + rest,)
+    return (shape,)
+
+
+def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: SourceLayout, tp_rank: int) -> list[Piece]:
+    """Where TP rank ``tp_rank``'s local tensor lands in the HF tensors ``names``."""
+    shape = global_shape(spec, dims, layout)
+    tp, role = layout.tp, spec.role
+    n = shape[0] // tp if role.parallel_mode is ParallelMode.COLUMN else shape[0]
+    if role is Role.REPLICATED:
+        return [Piece(names[0], 0, 0, shape[0])]
+    if role is Role.COLUMN:
+        return [Piece(names[0], 0, tp_rank * n, n)]
+    if role is Role.ROW:
+        k = shape[1] // tp
+        return [Piece(names[0], 0, tp_rank * k, k, column=True)]
+    if role is Role.VOCAB:
+        keep = min(n, dims.vocab_size - tp_rank * n)
+        return [Piece(names[0], 0, tp_rank * n, keep)] if keep > 0 else []
+    if role is Role.GATED_MLP:
+        half = n // 2  # local rows are [gate_r; up_r]
+        return [Piece(names[0], 0, tp_rank * half, half), Piece(names[1], half, tp_rank * half, half)]
+    if role is Role.QKV:
+        d, groups = dims.head_dim, dims.num_query_groups
+        hq = dims.num_attention_heads // groups
+        out = []
+        for j in range(groups // tp):
+            g, base = tp_rank * (groups // tp) + j, j * (hq + 2) * d
+            out += [Piece(names[0], base, g * hq * d, hq * d),
+                    Piece(names[1], base + hq * d, g * d, d),
+                    Piece(names[2], base + (hq + 1) * d, g * d, d)]
+        return out
+    raise NotImplementedError(f"role {role.value} has no layout yet")
+
+
+def _boxes(p: Piece, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[Box, Box]:
+    if p.column:
+        return Box.full(src_shape), Box((0, p.dst_start), (dst_shape[0], p.length))
+    return Box.rows(src_shape, p.src_start, p.length), Box.rows(dst_shape, p.dst_start, p.length)
+
+
+def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dict[str, SourceTensor]]:
+    """Every Megatron parameter each rank holds under ``layout``, with local shapes.
+
+    Names are as ``named_parameters()`` gives them on that rank (local layer index).
+    """
+    dims.check_layout(layout.tp, layout.pp, layout.ep)
+    rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec)
+    out: dict[RankCoord, dict[str, SourceTensor]] = {}
+    for rank in layout.ranks():
+        first, last = rank.pp == 0, rank.pp == layout.pp - 1
+        tensors: dict[str, SourceTensor] = {}
+        for stage_part in (Stage.FIRST, Stage.LAYER, Stage.LAST):
+            if (stage_part is Stage.FIRST and not first) or (stage_part is Stage.LAST and not last):
+                continue
+            part = [r for r in rows if r.stage is stage_part]
+            layers = range(layout.stage_layers[rank.pp]) if stage_part is Stage.LAYER else [None]
+            for local in layers:
+                for row in part:
+                    glob = None if local is None else layout.layer_offset(rank.pp) + local
+                    tensors[row.megatron_name(local)] = SourceTensor(row, glob, local_shape(row, dims, layout))
+        out[rank] = tensors
+    return out
+
+
+def _merge(ops: list[CopyOp]) -> list[CopyOp]:
+    """Merge consecutive ops whose source and target runs are both adjacent row ranges."""
+    out: list[CopyOp] = []
+    for op in ops:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.kind == op.kind == "contiguous" and prev.src == op.src and prev.dst == op.dst
+                and _adjacent_rows(prev.src_box, op.src_box) and _adjacent_rows(prev.dst_box, op.dst_box)):
+            grow = lambda a, b: Box(a.offsets, (a.lengths[0] + b.lengths[0],) + a.lengths[1:])  # noqa: E731
+            out[-1] = CopyOp(prev.src, grow(prev.src_box, op.src_box), prev.dst, grow(prev.dst_box, op.dst_box),
+                             "contiguous", prev.src_offset, prev.dst_offset, prev.itemsize)
+        else:
+            out.append(op)
+    return out
+
+
+def _adjacent_rows(a: Box, b: Box) -> bool:
+    return (a.offsets[0] + a.lengths[0] == b.offsets[0] and a.offsets[1:] == b.offsets[1:]
+            and a.lengths[1:] == b.lengths[1:])
+
+
+@lru_cache(maxsize=64)
+def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16") -> Plan:
+    """Plan the export of every HF tensor from Megatron shards (full HF tensors as targets).
+
+    Each HF element is read from exactly one rank. Replicated tensors are read
+    from TP ranks in turn (``k % tp`` for the k-th replicated tensor of a stage)
+    to spread the load; tied-embedding copies on the last stage are not read.
+    Cached per ``(dims, layout, dtype)``.
+
+    Raises:
+        LayoutError: tp/pp/ep do not fit the model.
+        PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
+    """
+    item = itemsize(dtype)
+    tensors = source_tensors(dims, layout)
+    sources = {TensorRef(r, n): TensorMeta(t.shape, dtype) for r, ts in tensors.items() for n, t in ts.items()}
+    targets: dict[TensorRef, TensorMeta] = {}
+    by_target: dict[TensorRef, list[CopyOp]] = defaultdict(list)
+    replicated_count: dict[int, int] = defaultdict(int)
+    for rank, ts in tensors.items():
+        for name, t in ts.items():
+            if t.spec.duplicate:
+                continue
+            names = t.spec.hf_names(t.layer)
+            shapes = hf_shapes(t.spec, dims, layout)
+            for hf_name, shape in zip(names, shapes):
+                targets.setdefault(TensorRef(None, hf_name), TensorMeta(shape, dtype))
+            reader = rank
+            if t.spec.role is Role.REPLICATED:
+                if rank.tp != 0 or rank.ep != 0:
+                    continue  # one replica is enough; chosen below from the tp=0 visit
+                k = replicated_count[rank.pp]
+                replicated_count[rank.pp] += 1
+                reader = RankCoord(k % layout.tp, rank.pp, 0)
+            shape_of = dict(zip(names, shapes))
+            for p in pieces(t.spec, names, dims, layout, reader.tp):
+                sbox, dbox = _boxes(p, t.shape, shape_of[p.hf_name])
+                dst = TensorRef(None, p.hf_name)
+                by_target[dst].append(make_op(TensorRef(reader, name), t.shape, sbox, dst, shape_of[p.hf_name], dbox,
+                                              item))
+    ops = [op for ref in _hf_order(targets) for op in _merge(by_target[ref])]
+    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, {r: targets[r] for r in _hf_order(targets)},
+                tuple(ops), digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype))
+    validate_plan(plan)
+    return plan
+
+
+def _hf_order(targets: Mapping[TensorRef, TensorMeta]) -> list[TensorRef]:
+    """Targets in first-seen order (embedding, layers in order, final norm, head)."""
+    return list(targets)
+
+
+@lru_cache(maxsize=64)
+def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16") -> Plan:
+    """Plan the import of full HF tensors into every rank's Megatron shards.
+
+    The exact inverse of :func:`plan_megatron_to_hf`'s geometry: every replica
+    (each TP rank, the tied copy on the last stage) is written, and vocab
+    padding rows are declared ``zero_fill``. Cached per ``(dims, layout, dtype)``.
+    """
+    item = itemsize(dtype)
+    tensors = source_tensors(dims, layout)
+    sources: dict[TensorRef, TensorMeta] = {}
+    targets: dict[TensorRef, TensorMeta] = {}
+    ops: list[CopyOp] = []
+    for rank, ts in tensors.items():
+        for name, t in ts.items():
+            names, shapes = t.spec.hf_names(t.layer), hf_shapes(t.spec, dims, layout)
+            shape_of = dict(zip(names, shapes))
+            for hf_name, shape in shape_of.items():
+                sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, dtype))
+            dst = TensorRef(rank, name)
+            written = 0
+            for p in pieces(t.spec, names, dims, layout, rank.tp):
+                dbox, sbox = _boxes(p, t.shape, shape_of[p.hf_name])
+                ops.append(make_op(TensorRef(None, p.hf_name), shape_of[p.hf_name], sbox, dst, t.shape, dbox, item))
+                written += p.length
+            zero = ()
+            if t.spec.role is Role.VOCAB and written < t.shape[0]:
+                zero = (Box.rows(t.shape, written, t.shape[0] - written),)
+            targets[dst] = TensorMeta(t.shape, dtype, zero)
+    plan = Plan("hf_to_megatron", dims, layout, dtype, sources, targets, tuple(ops),
+                digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype))
+    validate_plan(plan)
+    return plan
+
+
+def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
+                       names: Mapping[RankCoord, Iterable[str]]) -> SourceLayout:
+    """Check provided Megatron names against the layout; return it with the detected layer spec.
+
+    ``names`` must hold every rank of ``layout`` and, on each, exactly the
+    parameters the spec table implies (either fused-norm spelling, not both).
+
+    Raises:
+        LayoutError: a rank is missing or not part of the layout.
+        UnknownParameterError / AmbiguousParameterError: a name matches no / two rows.
+        MissingParameterError / UnexpectedParameterError: names differ from the layout's,
+            naming the tensor and rank.
+    """
+    expected_ranks = set(layout.ranks())
+    given = {RankCoord(*r): list(v) for r, v in names.items()}
+    missing = sorted(expected_ranks - given.keys())
+    extra = sorted(given.keys() - expected_ranks)
+    if missing or extra:
+        raise LayoutError(
+            f"shards for tp={layout.tp} pp={layout.pp} ep={layout.ep} must hold ranks {sorted(expected_ranks)}; "
+            + (f"missing {[tuple(r) for r in missing]}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"unexpected {[tuple(r) for r in extra]} (wrong tp/pp/ep?)" if extra else "")
+        )
+    spec, conds = dims.spec, dims.conditions(layout.pp)
+    spellings = set()
+    for rank, ns in given.items():
+        for n in ns:
+            row = spec.match(n, conds, rank=rank).spec
+            if row.spelling is not None:
+                spellings.add(row.spelling)
+    if len(spellings) > 1:
+        raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec norm names")
+    chosen: LayerSpec = spellings.pop() if spellings else layout.layer_spec
+    resolved = layout.with_layer_spec(chosen)
+    expected = source_tensors(dims, resolved)
+    for rank in sorted(expected_ranks):
+        want, have = set(expected[rank]), set(given[rank])
+        if want - have:
+            first = sorted(want - have)
+            raise MissingParameterError(
+                f"rank {rank} lacks {len(first)} expected parameter(s), e.g. {first[:3]} "
+                f"(layout tp={layout.tp} pp={layout.pp}: stage {rank.pp} holds layers "
+                f"{layout.layer_offset(rank.pp)}..{layout.layer_offset(rank.pp) + layout.stage_layers[rank.pp] - 1})"
+            )
+        if have - want:
+            first = sorted(have - want)
+            raise UnexpectedParameterError(
+                f"rank {rank} holds {len(first)} parameter(s) the layout does not place there, e.g. {first[:3]} "
+                f"(stage {rank.pp} of pp={layout.pp} has {layout.stage_layers[rank.pp]} local layers)"
+            )
+    return resolved
+
+
+__all__ = ["LAYER_SPECS", "Piece", "SourceTensor", "global_shape", "hf_shapes", "local_shape", "pieces",
+           "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]

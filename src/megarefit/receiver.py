@@ -1,0 +1,89 @@
+"""Receiver: execute a plan through a transport, one target tensor at a time.
+
+``run_refit_cycle`` yields ``(hf_name, tensor)`` pairs in the form vLLM's
+``model.load_weights(weights)`` consumes. Only the tensor being assembled is
+alive inside the generator, so extra memory is bounded by the largest target
+(and by nothing when the target is a zero-copy view of a local source).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from megarefit.errors import MegarefitError
+from megarefit.layout import Box
+from megarefit.plan import Plan, TensorRef
+from megarefit.transport.base import Transport
+
+
+@dataclass
+class RefitStats:
+    """Counters of one refit cycle: seconds per stage and bytes moved (not counting views)."""
+
+    pull_s: float = 0.0
+    tensors: int = 0
+    views: int = 0
+    bytes_copied: int = 0
+    bytes_viewed: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise MegarefitError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def materialize(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",
+                stats: RefitStats | None = None) -> Iterator[tuple[TensorRef, torch.Tensor]]:
+    """Yield every target of ``plan`` as a tensor, in plan order.
+
+    A target written by a single op that covers all of it is yielded as a
+    zero-copy view of the source when ``views`` is true and the transport can
+    address the source; such a tensor shares memory with the source. Others are
+    freshly allocated (zeros where the plan declares ``zero_fill``) and filled by
+    ``transport.pull``.
+    """
+    dtype = torch_dtype(plan.dtype)
+    by_target = plan.ops_by_target
+    for ref, meta in plan.targets.items():
+        ops = by_target[ref]
+        t0 = time.perf_counter()
+        tensor = None
+        if views and len(ops) == 1 and not meta.zero_fill and ops[0].dst_box == Box.full(meta.shape):
+            tensor = transport.view(ops[0])
+            if tensor is not None and stats is not None:
+                stats.views += 1
+                stats.bytes_viewed += ops[0].nbytes
+        if tensor is None:
+            alloc = torch.zeros if meta.zero_fill else torch.empty
+            tensor = alloc(meta.shape, dtype=dtype, device=device)
+            transport.pull(ops, tensor)
+            if stats is not None:
+                stats.bytes_copied += sum(op.nbytes for op in ops)
+        if stats is not None:
+            stats.pull_s += time.perf_counter() - t0
+            stats.tensors += 1
+        yield ref, tensor
+
+
+def run_refit_cycle(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",
+                    stats: RefitStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Execute a Megatron->HF plan; yield ``(hf_name, tensor)`` for ``model.load_weights``.
+
+    Tensors are full HF tensors (shapes as the HF checkpoint), vocab padding
+    trimmed, in the plan's dtype. Pass ``stats`` to collect timings and bytes.
+
+    Raises:
+        MegarefitError: ``plan`` is not a ``megatron_to_hf`` plan.
+        Whatever the transport raises for a failed pull (names the tensor).
+    """
+    if plan.direction != "megatron_to_hf":
+        raise MegarefitError(f"run_refit_cycle needs a megatron_to_hf plan, got {plan.direction}")
+    for ref, tensor in materialize(plan, transport, views=views, device=device, stats=stats):
+        yield ref.name, tensor

@@ -1,0 +1,58 @@
+"""Spec tables per model family, and the family lookup from an HF config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from megarefit.errors import UnsupportedModelError
+from megarefit.specs.llama import LLAMA
+from megarefit.specs.qwen import QWEN2, QWEN3
+from megarefit.specs.table import (
+    LAYER_SPECS,
+    Condition,
+    FamilySpec,
+    LayerSpec,
+    Match,
+    ParallelMode,
+    ParamSpec,
+    Role,
+    Stage,
+)
+
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3)
+
+__all__ = [
+    "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",
+    "Role", "Stage", "family_for_config", "get_family",
+]
+
+
+def get_family(name: str) -> FamilySpec:
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise UnsupportedModelError(f"unknown family {name!r}; known: {[f.name for f in FAMILIES]}")
+
+
+def family_for_config(hf_config: Mapping[str, Any] | Any) -> FamilySpec:
+    """Pick the spec table for an HF config (dict or ``PretrainedConfig``).
+
+    ``architectures[0]`` decides when present; otherwise ``model_type``.
+
+    Raises:
+        UnsupportedModelError: neither names a supported family.
+    """
+    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    archs = tuple(get("architectures") or ())
+    model_type = get("model_type")
+    for fam in FAMILIES:
+        if archs and archs[0] in fam.architectures:
+            return fam
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    supported = sorted(a for f in FAMILIES for a in f.architectures)
+    raise UnsupportedModelError(
+        f"no spec table for architectures={list(archs)} model_type={model_type!r}; supported: {supported}"
+    )

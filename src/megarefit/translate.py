@@ -1,0 +1,213 @@
+"""Offline translation between Megatron-Core shards and HF checkpoint tensors.
+
+Both directions execute a plan from :mod:`megarefit.planner` through the
+in-process :class:`~megarefit.transport.LocalTransport`, so the offline path and
+the online refit path share one planner and one set of layout facts.
+
+Shards are keyed by Megatron rank ``(tp_rank, pp_rank, ep_rank)``; each value is
+that rank's ``dict(model.named_parameters())`` (local layer indices, optional
+``module.`` wrapper prefixes and ``_extra_state`` entries are accepted).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
+from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.layout import RankCoord, SourceLayout
+from megarefit.plan import Plan
+from megarefit.planner import plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
+from megarefit.receiver import materialize, run_refit_cycle
+from megarefit.specs.table import LayerSpec, canonical_name
+from megarefit.transport.local import LocalTransport
+
+Shards = Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]]
+
+_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def normalize_shards(shards: Shards) -> dict[RankCoord, dict[str, torch.Tensor]]:
+    """Key by :class:`RankCoord`, strip ``module.`` prefixes, drop ``_extra_state`` entries."""
+    out: dict[RankCoord, dict[str, torch.Tensor]] = {}
+    for rank, params in shards.items():
+        if not (isinstance(rank, tuple) and len(rank) == 3 and all(isinstance(x, int) for x in rank)):
+            raise MegarefitError(f"shard keys must be (tp_rank, pp_rank, ep_rank) int tuples, got {rank!r}")
+        coord = RankCoord(*rank)
+        clean: dict[str, torch.Tensor] = {}
+        for name, tensor in params.items():
+            canon = canonical_name(name)
+            if canon is None:
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise MegarefitError(f"parameter {name!r} on rank {coord} is {type(tensor).__name__}, not a tensor")
+            if canon in clean:
+                raise UnexpectedParameterError(f"parameter {canon!r} appears twice on rank {coord}")
+            clean[canon] = tensor
+        out[coord] = clean
+    return out
+
+
+def _common_dtype(tensors: Mapping[Any, Mapping[str, torch.Tensor]]) -> str:
+    seen: dict[torch.dtype, str] = {}
+    for rank, params in tensors.items():
+        for name, t in params.items():
+            seen.setdefault(t.dtype, f"{name!r} on rank {rank}")
+    if not seen:
+        raise MissingParameterError("no tensors given")
+    if len(seen) > 1:
+        detail = ", ".join(f"{_dtype_name(d)} ({where})" for d, where in seen.items())
+        raise ShapeMismatchError(f"tensors must share one dtype, found {detail}")
+    return _dtype_name(next(iter(seen)))
+
+
+def _padded_vocab(dims: ModelDims, shards: Mapping[RankCoord, Mapping[str, torch.Tensor]], tp: int,
+                  divisible_by: int | None) -> int:
+    if divisible_by is not None:
+        return dims.padded_vocab_size(tp, divisible_by)
+    for rank, params in sorted(shards.items()):
+        for name in _VOCAB_NAMES:
+            if name in params:
+                rows = params[name].shape[0] * tp
+                if rows < dims.vocab_size:
+                    raise ShapeMismatchError(
+                        f"{name!r} on rank {rank} has {params[name].shape[0]} rows x tp={tp} = {rows}, "
+                        f"fewer than vocab_size={dims.vocab_size}"
+                    )
+                return rows
+    return dims.padded_vocab_size(tp, DEFAULT_VOCAB_DIVISOR)
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _stage_split(tensors: Mapping[RankCoord, Mapping[str, torch.Tensor]], pp: int,
+                 num_layers: int) -> dict[str, int | None]:
+    """Infer an uneven pipeline split from the layer indices each stage holds.
+
+    Returns ``first_stage_layers`` / ``last_stage_layers`` for
+    ``SourceLayout.build`` when the names show Megatron's uneven split; an even
+    split (or names that fit none) returns no override and is checked later.
+    """
+    if pp == 1:
+        return {}
+    counts = []
+    for stage in range(pp):
+        layers = {int(m.group(1)) for rank, params in tensors.items() if rank.pp == stage
+                  for name in params if (m := _LAYER_RE.match(name))}
+        counts.append(max(layers) + 1 if layers else 0)
+    if sum(counts) != num_layers or len(set(counts[1:-1])) > 1 or counts == [counts[0]] * pp:
+        return {}
+    return {"first_stage_layers": counts[0], "last_stage_layers": counts[-1]}
+
+
+def check_shapes(plan: Plan, tensors: Mapping[RankCoord | None, Mapping[str, torch.Tensor]]) -> None:
+    """Every plan source must exist in ``tensors`` with the planned shape.
+
+    Raises:
+        MissingParameterError: naming tensor and rank.
+        ShapeMismatchError: naming tensor, rank, expected and actual shape.
+    """
+    for ref, meta in plan.sources.items():
+        t = tensors.get(ref.rank, {}).get(ref.name)
+        if t is None:
+            raise MissingParameterError(f"tensor {ref} is missing")
+        if tuple(t.shape) != meta.shape:
+            raise ShapeMismatchError(
+                f"tensor {ref}: expected shape {meta.shape} from the config and layout "
+                f"(tp={plan.layout.tp}, pp={plan.layout.pp}), got {tuple(t.shape)}"
+            )
+
+
+def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                   make_vocab_size_divisible_by: int | None = None) -> dict[str, torch.Tensor]:
+    """Translate Megatron-Core shards to full HF checkpoint tensors.
+
+    Args:
+        shards: ``{(tp_rank, pp_rank, ep_rank): {megatron_name: local_tensor}}`` for
+            every rank of the ``tp x pp x ep`` grid (one data-parallel replica).
+        hf_config: HF ``config.json`` dict, path, or ``PretrainedConfig``.
+        tp, pp, ep: the trainer's parallel sizes.
+        make_vocab_size_divisible_by: Megatron's vocab padding divisor; by
+            default inferred from the embedding shard's row count.
+
+    Returns:
+        ``{hf_name: tensor}`` with on-disk HF checkpoint names and shapes
+        (e.g. ``model.layers.0.self_attn.q_proj.weight`` ``[heads*head_dim, hidden]``),
+        vocab padding trimmed, no ``lm_head.weight`` when embeddings are tied.
+        Where the layout allows, tensors are zero-copy views of the shards
+        (norms, and at TP=1 most weights); copy them before mutating the shards.
+
+    Raises:
+        LayoutError: a rank is missing/extra, or tp/pp/ep do not fit the config.
+        UnknownParameterError: a name matches no spec-table row (names tensor and rank).
+        MissingParameterError / UnexpectedParameterError: names differ from the layout.
+        ShapeMismatchError: a shard's shape or dtype disagrees with the config.
+    """
+    cfg = load_hf_config(hf_config)
+    dims = ModelDims.from_hf_config(cfg)
+    dims.check_layout(tp, pp, ep)
+    tensors = normalize_shards(shards)
+    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
+                              make_vocab_size_divisible_by), num_layers=dims.num_layers,
+                              **_stage_split(tensors, pp, dims.num_layers))
+    layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
+    plan = plan_megatron_to_hf(dims, layout, _common_dtype(tensors))
+    check_shapes(plan, tensors)
+    return dict(run_refit_cycle(plan, LocalTransport(tensors)))
+
+
+def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                   layer_spec: LayerSpec = "local", make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+                   first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> dict[RankCoord, dict[str, torch.Tensor]]:
+    """Translate full HF checkpoint tensors to Megatron-Core shards: the exact inverse of
+    :func:`megatron_to_hf`.
+
+    Returns ``{RankCoord(tp, pp, ep): {megatron_name: local_tensor}}`` (``RankCoord``
+    is a plain tuple) with local layer indices per stage, vocab padding rows zero,
+    and, with tied embeddings and ``pp > 1``, the last stage's ``output_layer.weight``
+    copy of the embedding. ``layer_spec`` picks the norm spelling (``"local"`` or
+    ``"te"``); ``first_stage_layers`` / ``last_stage_layers`` give Megatron's uneven
+    pipeline split (``num_layers_in_first/last_pipeline_stage``). Tensors may be zero-copy views of ``hf_state`` (replicated tensors are
+    shared between TP ranks); copy them before mutating.
+
+    An in-memory ``lm_head.weight`` of a tied model (as ``state_dict()`` returns it)
+    is accepted and ignored.
+
+    Raises:
+        LayoutError: tp/pp/ep do not fit the config.
+        MissingParameterError / UnexpectedParameterError: HF names differ from the config's.
+        ShapeMismatchError: an HF tensor's shape or dtype disagrees with the config.
+    """
+    cfg = load_hf_config(hf_config)
+    dims = ModelDims.from_hf_config(cfg)
+    dims.check_layout(tp, pp, ep)
+    state = dict(hf_state)
+    if dims.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(
+        tp, make_vocab_size_divisible_by), num_layers=dims.num_layers, first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers, layer_spec=layer_spec)
+    plan = plan_hf_to_megatron(dims, layout, _common_dtype({None: state}))
+    expected = {ref.name for ref in plan.sources}
+    if expected - state.keys():
+        missing = sorted(expected - state.keys())
+        raise MissingParameterError(f"HF state lacks {len(missing)} tensor(s) the config implies, e.g. {missing[:3]}")
+    if state.keys() - expected:
+        extra = sorted(state.keys() - expected)
+        raise UnexpectedParameterError(f"HF state has {len(extra)} tensor(s) the {dims.family} table does not "
+                                       f"expect, e.g. {extra[:3]}")
+    check_shapes(plan, {None: state})
+    out: dict[RankCoord, dict[str, torch.Tensor]] = defaultdict(dict)
+    for ref, tensor in materialize(plan, LocalTransport({None: state})):
+        out[ref.rank][ref.name] = tensor
+    return dict(out)

@@ -1,0 +1,43 @@
+"""In-process transport: sources are tensors in this process (tests, colocated refit)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from megarefit.errors import MissingParameterError
+from megarefit.layout import RankCoord
+from megarefit.plan import CopyOp, TensorRef
+
+
+class LocalTransport:
+    """Reads plan sources from ``sources[rank][name]`` (``rank`` is ``None`` for HF tensors).
+
+    Contiguous ops copy one flat run; scratch ops copy the strided box with one
+    ``copy_`` (the source run is already addressable, so no scratch buffer).
+    """
+
+    def __init__(self, sources: Mapping[RankCoord | None, Mapping[str, torch.Tensor]]):
+        self._sources = sources
+
+    def _tensor(self, ref: TensorRef) -> torch.Tensor:
+        try:
+            return self._sources[ref.rank][ref.name]
+        except KeyError:
+            raise MissingParameterError(f"source tensor {ref} is not available to the local transport") from None
+
+    def pull(self, ops: Sequence[CopyOp], out: torch.Tensor) -> None:
+        flat_out = out.view(-1)
+        for op in ops:
+            src = self._tensor(op.src)
+            if op.kind == "contiguous" and src.is_contiguous():
+                n = op.numel
+                flat_out[op.dst_offset:op.dst_offset + n].copy_(src.view(-1)[op.src_offset:op.src_offset + n])
+            else:
+                out[op.dst_box.slices()].copy_(src[op.src_box.slices()])
+
+    def view(self, op: CopyOp) -> torch.Tensor | None:
+        src = self._tensor(op.src)
+        v = src[op.src_box.slices()]
+        return v if v.is_contiguous() else None
