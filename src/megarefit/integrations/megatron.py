@@ -43,15 +43,8 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
-__all__ = [
-    "GPTArch",
-    "apply_cpu_patches",
-    "init_parallel",
-    "build_gpt_model",
-    "forward_logits",
-    "local_named_parameters",
-    "run_workers",
-]
+__all__ = ["GPTArch", "apply_cpu_patches", "init_parallel", "build_gpt_model",
+           "forward_logits", "local_named_parameters", "run_workers"]
 
 
 @dataclass(frozen=True)
@@ -157,7 +150,7 @@ def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: 
 
 
 # --------------------------------------------------------------------------- model
-def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> "GPTModel":
+def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
     """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
 
     Uses the current parallel state (see :func:`init_parallel`);
@@ -194,12 +187,10 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> "GPTModel":
         qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # fused kernels are CUDA-only
+        **dict.fromkeys(("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+                         "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion"),
+                        False),
     )
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     torch.manual_seed(seed)
@@ -220,7 +211,7 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> "GPTModel":
 
 
 @torch.no_grad()
-def forward_logits(model: "GPTModel", tokens: torch.Tensor) -> torch.Tensor | None:
+def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None:
     """Run a full forward pass across all pipeline stages.
 
     ``tokens``: ``[batch, seq]`` int64, identical on every rank. Stages are run

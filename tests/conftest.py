@@ -1,0 +1,33 @@
+"""Shared fixtures: real HF configs (shrunk for weight-building tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CONFIG_DIR = Path(__file__).parent / "data" / "configs"
+
+FAMILY_CONFIGS = {"llama": "Llama-3.1-8B", "qwen2": "Qwen2.5-0.5B", "qwen3": "Qwen3-0.6B", "mistral": "Mistral-7B-v0.3"}
+
+
+def real_config(name: str) -> dict[str, Any]:
+    return json.loads((CONFIG_DIR / f"{name}.json").read_text())
+
+
+def tiny_config(name: str, **dims: Any) -> dict[str, Any]:
+    """A real config with its dims shrunk (and RoPE scaling dropped) for CPU tests."""
+    cfg = real_config(name)
+    cfg.update({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+                "num_hidden_layers": 4, "vocab_size": 250, "rope_scaling": None, "max_position_embeddings": 256})
+    if "head_dim" in cfg:
+        cfg["head_dim"] = 32  # Qwen3 keeps head_dim != hidden/heads
+    cfg.update(dims)
+    return cfg
+
+
+@pytest.fixture
+def config():
+    return tiny_config
