@@ -262,6 +262,20 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     return plan
 
 
+def check_ranks(tp: int, pp: int, ep: int, ranks: Iterable[tuple[int, int, int]]) -> None:
+    """Raise :class:`LayoutError` unless ``ranks`` is exactly the ``tp x pp x ep`` grid."""
+    expected = {RankCoord(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+    given = {RankCoord(*r) for r in ranks}
+    missing, extra = sorted(expected - given), sorted(given - expected)
+    if missing or extra:
+        raise LayoutError(
+            f"shards for tp={tp} pp={pp} ep={ep} must hold ranks {[tuple(r) for r in sorted(expected)]}; "
+            + (f"missing {[tuple(r) for r in missing]}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"unexpected {[tuple(r) for r in extra]} (wrong tp/pp/ep?)" if extra else "")
+        )
+
+
 def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
                        names: Mapping[RankCoord, Iterable[str]]) -> SourceLayout:
     """Check provided Megatron names against the layout; return it with the detected layer spec.
@@ -275,17 +289,9 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
         MissingParameterError / UnexpectedParameterError: names differ from the layout's,
             naming the tensor and rank.
     """
-    expected_ranks = set(layout.ranks())
     given = {RankCoord(*r): list(v) for r, v in names.items()}
-    missing = sorted(expected_ranks - given.keys())
-    extra = sorted(given.keys() - expected_ranks)
-    if missing or extra:
-        raise LayoutError(
-            f"shards for tp={layout.tp} pp={layout.pp} ep={layout.ep} must hold ranks {sorted(expected_ranks)}; "
-            + (f"missing {[tuple(r) for r in missing]}" if missing else "")
-            + ("; " if missing and extra else "")
-            + (f"unexpected {[tuple(r) for r in extra]} (wrong tp/pp/ep?)" if extra else "")
-        )
+    check_ranks(layout.tp, layout.pp, layout.ep, given)
+    expected_ranks = set(layout.ranks())
     spec, conds = dims.spec, dims.conditions(layout.pp)
     spellings = set()
     for rank, ns in given.items():
@@ -317,4 +323,4 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
 
 
 __all__ = ["LAYER_SPECS", "Piece", "SourceTensor", "global_shape", "hf_shapes", "local_shape", "pieces",
-           "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]
+           "check_ranks", "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]

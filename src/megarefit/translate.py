@@ -22,7 +22,7 @@ from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
-from megarefit.planner import plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
+from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
 from megarefit.receiver import materialize, run_refit_cycle
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.local import LocalTransport
@@ -157,6 +157,7 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     dims = ModelDims.from_hf_config(cfg)
     dims.check_layout(tp, pp, ep)
     tensors = normalize_shards(shards)
+    check_ranks(tp, pp, ep, tensors)
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
                               **_stage_split(tensors, pp, dims.num_layers))

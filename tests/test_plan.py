@@ -1,0 +1,115 @@
+"""Plans: exact cover over many layouts, validation that can fail, JSON round trip, speed of big plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import real_config
+from megarefit import ModelDims, Plan, SourceLayout, plan_hf_to_megatron, plan_megatron_to_hf, validate_plan
+from megarefit.errors import LayoutError, PlanValidationError
+from megarefit.layout import Box
+
+
+@st.composite
+def dims_and_layout(draw):
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    pp = draw(st.sampled_from([1, 2, 4]))
+    groups = tp * draw(st.integers(1, 3))
+    cfg = {"architectures": [draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]))],
+           "hidden_size": draw(st.integers(1, 64)), "num_attention_heads": groups * draw(st.integers(1, 4)),
+           "num_key_value_heads": groups, "head_dim": draw(st.integers(1, 16)),
+           "intermediate_size": tp * draw(st.integers(1, 50)), "num_hidden_layers": pp * draw(st.integers(1, 3)),
+           "vocab_size": draw(st.integers(1, 5000)), "tie_word_embeddings": draw(st.booleans()),
+           "attention_bias": draw(st.booleans()), "mlp_bias": draw(st.booleans())}
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp, draw(st.sampled_from([1, 8, 128]))),
+                                num_layers=dims.num_layers, layer_spec=draw(st.sampled_from(["local", "te"])))
+    return dims, layout
+
+
+@settings(max_examples=200, deadline=None)
+@given(dims_and_layout(), st.sampled_from(["bfloat16", "float32"]))
+def test_every_plan_covers_exactly(case, dtype):
+    dims, layout = case
+    for plan in (plan_megatron_to_hf(dims, layout, dtype), plan_hf_to_megatron(dims, layout, dtype)):
+        validate_plan(plan)  # also run inside the planner; explicit here
+        written = {t: 0 for t in plan.targets}
+        for op in plan.ops:
+            written[op.dst] += op.numel
+        for t, meta in plan.targets.items():
+            assert written[t] + sum(b.numel for b in meta.zero_fill) == meta.numel
+    export = plan_megatron_to_hf(dims, layout, dtype)
+    # export reads every HF element once: bytes moved == bytes of the HF model
+    assert export.nbytes == sum(m.numel for m in export.targets.values()) * (2 if dtype == "bfloat16" else 4)
+
+
+def _plan():
+    dims = ModelDims.from_hf_config(real_config("Qwen3-0.6B") | {"num_hidden_layers": 4})
+    return plan_megatron_to_hf(dims, SourceLayout.build(tp=2, pp=2, padded_vocab_size=dims.padded_vocab_size(2),
+                                                        num_layers=4))
+
+
+def test_validation_rejects_a_missing_op():
+    plan = _plan()
+    broken = dataclasses.replace(plan, ops=plan.ops[1:])
+    with pytest.raises(PlanValidationError, match="cover"):
+        validate_plan(broken)
+
+
+def test_validation_rejects_an_overlap():
+    plan = _plan()
+    broken = dataclasses.replace(plan, ops=plan.ops + plan.ops[:1])
+    with pytest.raises(PlanValidationError, match="overlaps"):
+        validate_plan(broken)
+
+
+def test_validation_rejects_out_of_bounds():
+    plan = _plan()
+    op = plan.ops[0]
+    shifted = dataclasses.replace(op, dst_box=Box((op.dst_box.offsets[0] + 10**6,) + op.dst_box.offsets[1:],
+                                                  op.dst_box.lengths))
+    with pytest.raises(PlanValidationError, match="outside"):
+        validate_plan(dataclasses.replace(plan, ops=(shifted,) + plan.ops[1:]))
+
+
+def test_validation_rejects_a_lying_kind():
+    plan = _plan()
+    i = next(i for i, op in enumerate(plan.ops) if op.kind == "scratch")
+    lie = dataclasses.replace(plan.ops[i], kind="contiguous")
+    with pytest.raises(PlanValidationError, match="kind"):
+        validate_plan(dataclasses.replace(plan, ops=plan.ops[:i] + (lie,) + plan.ops[i + 1:]))
+
+
+def test_json_round_trip():
+    plan = _plan()
+    again = Plan.from_json(plan.to_json())
+    assert again.ops == plan.ops and dict(again.targets) == dict(plan.targets) and again.digest == plan.digest
+
+
+def test_row_parallel_ops_are_scratch_and_column_ops_contiguous():
+    plan = _plan()
+    kinds = {(op.dst.name.rsplit(".", 2)[-2], op.kind) for op in plan.ops}
+    assert ("o_proj", "scratch") in kinds and ("down_proj", "scratch") in kinds
+    assert ("q_proj", "contiguous") in kinds and ("gate_proj", "contiguous") in kinds
+    assert not any(k == "scratch" for n, k in kinds if n in {"q_proj", "k_proj", "gate_proj", "embed_tokens"})
+
+
+def test_llama_405b_plan_is_quick():
+    dims = ModelDims.from_hf_config(real_config("Llama-3.1-405B"))
+    with pytest.raises(LayoutError, match="first_stage_layers=7"):
+        SourceLayout.build(tp=8, pp=16, padded_vocab_size=dims.padded_vocab_size(8), num_layers=dims.num_layers)
+    layout = SourceLayout.build(tp=8, pp=16, padded_vocab_size=dims.padded_vocab_size(8), num_layers=126,
+                                first_stage_layers=7, last_stage_layers=7)
+    plan_megatron_to_hf.cache_clear()
+    t0 = time.perf_counter()
+    plan = plan_megatron_to_hf(dims, layout, "bfloat16")
+    assert time.perf_counter() - t0 < 20  # generous: ~0.3 s on a 2-core CPU
+    # every byte of the 405B model is read once
+    assert plan.nbytes == 2 * sum(m.numel for m in plan.targets.values())
+    assert 800e9 < plan.nbytes < 820e9
+    assert layout.stage_layers == (7,) + (8,) * 14 + (7,)
