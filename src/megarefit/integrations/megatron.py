@@ -43,8 +43,8 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
-__all__ = ["GPTArch", "apply_cpu_patches", "init_parallel", "build_gpt_model",
-           "forward_logits", "local_named_parameters", "run_workers"]
+__all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "forward_logits", "gpt_arch_from_hf",
+           "init_parallel", "local_named_parameters", "perturb_parameters_", "run_workers", "trainer_job"]
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,9 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
 
     Uses the current parallel state (see :func:`init_parallel`);
     ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
-    RMSNorm, RoPE, no linear biases except optional QKV bias. Seeding the
-    default torch RNG with ``seed`` on every rank makes the result deterministic.
+    RMSNorm, RoPE, no linear biases except optional QKV bias. The default torch
+    RNG is seeded from ``seed`` and the pipeline rank (same on every TP rank), so
+    the result is deterministic.
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
@@ -193,7 +194,9 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
                         False),
     )
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
-    torch.manual_seed(seed)
+    # Seed per pipeline stage: the same seed on every stage would give local layer i
+    # identical values on every stage (hiding layer-renumbering bugs).
+    torch.manual_seed(seed + 7919 * ps.get_pipeline_model_parallel_rank())
     with _no_tensor_cuda():
         model = GPTModel(
             config=config,
@@ -320,3 +323,106 @@ def run_workers(
                 p.join()
         q.close()
     return [results[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- HF configs and jobs
+def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
+                     max_sequence_length: int = 256) -> GPTArch:
+    """GPTArch for a dense HF config (Llama / Mistral / Qwen2 / Qwen3), vocab padded as Megatron pads it.
+
+    Raises:
+        MegarefitError: the config needs something this harness does not build
+            (linear biases beyond QKV, RoPE scaling).
+    """
+    from megarefit.dims import ModelDims, load_hf_config
+    from megarefit.errors import MegarefitError
+
+    cfg = load_hf_config(hf_config)
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    dims = ModelDims.from_hf_config(cfg)
+    if dims.proj_bias or dims.mlp_bias:
+        raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
+    rope = get("rope_parameters") or {}
+    scaling = get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or (
+            rope.get("rope_type", "default") != "default"):
+        raise MegarefitError("the CPU harness builds plain RoPE only; drop rope_scaling from the config")
+    theta = get("rope_theta") or rope.get("rope_theta") or 10000.0
+    return GPTArch(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
+        padded_vocab_size=dims.padded_vocab_size(tp, make_vocab_size_divisible_by), qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.family == "qwen3", tie_word_embeddings=dims.tie_word_embeddings,
+        rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
+        max_sequence_length=max_sequence_length,
+    )
+
+
+@torch.no_grad()
+def perturb_parameters_(model: torch.nn.Module, *, seed: int, scale: float = 0.05) -> None:
+    """Add deterministic noise to every parameter, in place.
+
+    Megatron initialises norms to 1 and biases to 0, which would hide a swapped
+    norm or bias in a layout test. Noise is keyed by (name, pipeline rank, and
+    TP rank for TP-sharded tensors), so replicated tensors stay identical across
+    TP ranks. A tied output-layer copy gets the embedding's noise, so the two
+    copies stay equal.
+    """
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    for name, p in model.named_parameters():
+        key, stage = name, pp_rank
+        if tied and name == "output_layer.weight":
+            key, stage = "embedding.word_embeddings.weight", 0
+        sharded = bool(getattr(p, "tensor_model_parallel", False))
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{stage}/{tp_rank if sharded else -1}".encode()))
+        p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+@dataclass(frozen=True)
+class TrainerCase:
+    """One model to build in :func:`trainer_job`: HF config, layout, tokens for the forward pass."""
+
+    key: str
+    hf_config: dict
+    tp: int
+    pp: int
+    tokens: torch.Tensor  # [batch, seq] int64
+    seed: int = 1234
+
+
+def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
+    """Worker body for :func:`run_workers`: build each case's GPTModel, perturb it, run the
+    classifier against the spec table, run the forward pass.
+
+    Returns ``{case.key: {"coord": (tp, pp, ep), "params": {...}, "logits": tensor | None,
+    "problems": [classifier disagreements], "build_s": s, "forward_s": s}}`` for ranks of
+    the first data-parallel replica; other ranks return ``{}`` entries.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megarefit.classify import classify_model
+    from megarefit.dims import ModelDims
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp)
+        t0 = time.perf_counter()
+        model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+        perturb_parameters_(model, seed=case.seed)
+        t1 = time.perf_counter()
+        logits = forward_logits(model, case.tokens)
+        t2 = time.perf_counter()
+        if ps.get_data_parallel_rank() != 0:
+            out[case.key] = {}
+            continue
+        dims = ModelDims.from_hf_config(case.hf_config)
+        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp) if not c.ok]
+        coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
+        out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
+                         "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
+    return out

@@ -1,0 +1,117 @@
+"""HF transformers as a refit target: build a model, install weights, save a checkpoint.
+
+``install_weights`` plays the role vLLM's ``load_weights`` plays on an
+inference worker: it consumes ``(hf_name, tensor)`` pairs one at a time and
+checks, like vLLM's ``AutoWeightsLoader``, that exactly the expected names were
+loaded. Tied parameters (``lm_head.weight`` sharing the embedding) are expected
+once, under the on-disk name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarefit.errors import MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+
+
+def hf_config_object(config: Mapping[str, Any] | Any) -> Any:
+    """A ``PretrainedConfig`` from a ``config.json`` dict (or pass one through)."""
+    from transformers import AutoConfig
+
+    if not isinstance(config, Mapping):
+        return config
+    data = dict(config)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def build_hf_model(config: Mapping[str, Any] | Any, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An ``AutoModelForCausalLM`` with random weights, in eval mode (weights get installed after)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(hf_config_object(config), dtype=dtype)
+    return model.eval()
+
+
+def expected_weight_names(model: torch.nn.Module) -> list[str]:
+    """Parameter/buffer names a checkpoint must provide: one name per distinct storage
+    (a tied ``lm_head.weight`` is covered by ``model.embed_tokens.weight``)."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.nn.Parameter):
+            continue
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        names.append(name)
+    return names
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What :func:`install_weights` loaded: names and bytes."""
+
+    loaded: tuple[str, ...]
+    nbytes: int
+
+
+@torch.no_grad()
+def install_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> LoadReport:
+    """Copy each ``(hf_name, tensor)`` into ``model``'s parameter of that name.
+
+    The stream is checked as it goes: an unknown name, a repeated name, or a
+    shape mismatch raises before that tensor is copied. After the stream ends,
+    a missing name raises. Note that tensors copied before an error stay copied:
+    validate a plan before streaming (``megarefit`` plans are validated).
+
+    Raises:
+        UnexpectedParameterError: a name the model does not have, or given twice.
+        ShapeMismatchError: naming the tensor, expected and actual shape.
+        MissingParameterError: names the model expects that never arrived.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = set(expected_weight_names(model))
+    loaded: list[str] = []
+    nbytes = 0
+    for name, tensor in weights:
+        if name not in expected:
+            raise UnexpectedParameterError(f"weight {name!r} is not a parameter of {type(model).__name__}")
+        if name in loaded:
+            raise UnexpectedParameterError(f"weight {name!r} arrived twice")
+        target = params[name]
+        if target.shape != tensor.shape:
+            raise ShapeMismatchError(f"weight {name!r}: model expects shape {tuple(target.shape)}, "
+                                     f"got {tuple(tensor.shape)}")
+        target.copy_(tensor)
+        loaded.append(name)
+        nbytes += tensor.numel() * tensor.element_size()
+    missing = expected - set(loaded)
+    if missing:
+        raise MissingParameterError(f"{len(missing)} weight(s) never arrived, e.g. {sorted(missing)[:3]}")
+    return LoadReport(tuple(loaded), nbytes)
+
+
+def save_checkpoint(directory: str | os.PathLike[str], config: Mapping[str, Any],
+                    tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (on-disk HF checkpoint names)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(dict(config), f, indent=2)
+    # views of shared shards must become separate, contiguous tensors for safetensors
+    save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()},
+              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[batch, seq, vocab_size]`` for ``tokens`` ``[batch, seq]``."""
+    return model(input_ids=tokens).logits.float()

@@ -1,0 +1,43 @@
+"""Worker bodies for the real Megatron-Core tests (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megarefit.integrations.megatron import (
+    TrainerCase, build_gpt_model, gpt_arch_from_hf, init_parallel, trainer_job,
+)
+
+
+class Wrapper(torch.nn.Module):
+    """Stands in for DDP / Float16Module: parameters gain a ``module.`` prefix."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+
+def job(rank: int, world_size: int, port: int, cases: list[TrainerCase], classifier_config: dict) -> dict[str, Any]:
+    from megarefit.classify import check_model, classify_model
+    from megarefit.dims import ModelDims
+    from megarefit.errors import ClassificationError
+
+    out = trainer_job(rank, world_size, port, cases)
+    init_parallel(rank=rank, world_size=world_size, master_port=port, tp=2, pp=1)
+    model = build_gpt_model(gpt_arch_from_hf(classifier_config, tp=2))
+    dims = ModelDims.from_hf_config(classifier_config)
+    wrapped = classify_model(Wrapper(Wrapper(model)), dims)
+    overridden = classify_model(model, dims, overrides={"RowParallelLinear": "column"})
+    try:
+        check_model(model, dims, overrides={"decoder.layers.0.mlp.linear_fc1.weight": "replicated"})
+        raised = None
+    except ClassificationError as exc:
+        raised = str(exc)
+    out["classifier"] = {
+        "wrapped": [(c.name, c.module_class, c.module_mode, c.attr_mode, c.role, c.problem) for c in wrapped],
+        "overridden_problems": sorted(c.name for c in overridden if not c.ok),
+        "raised": raised,
+    }
+    return out
