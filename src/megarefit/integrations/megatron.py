@@ -403,6 +403,7 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
     "problems": [classifier disagreements], "build_s": s, "forward_s": s}}`` for ranks of
     the first data-parallel replica; other ranks return ``{}`` entries.
     """
+    apply_cpu_patches()  # before the first megatron import, so its import-time warnings are filtered
     from megatron.core import parallel_state as ps
 
     from megarefit.classify import classify_model

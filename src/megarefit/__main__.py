@@ -1,0 +1,5 @@
+import sys
+
+from megarefit.cli import main
+
+sys.exit(main())

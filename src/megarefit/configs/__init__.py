@@ -1,0 +1,1 @@
+"""Shipped HF configs (package data)."""
