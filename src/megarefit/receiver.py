@@ -9,12 +9,12 @@ alive inside the generator, so extra memory is bounded by the largest target
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from megarefit.errors import MegarefitError
+from megarefit.errors import MegarefitError, ShapeMismatchError
 from megarefit.layout import Box
 from megarefit.plan import Plan, TensorRef
 from megarefit.transport.base import Transport
@@ -40,14 +40,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def materialize(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",
+                buffers: Mapping[TensorRef, torch.Tensor] | None = None,
                 stats: RefitStats | None = None) -> Iterator[tuple[TensorRef, torch.Tensor]]:
     """Yield every target of ``plan`` as a tensor, in plan order.
 
-    A target written by a single op that covers all of it is yielded as a
-    zero-copy view of the source when ``views`` is true and the transport can
-    address the source; such a tensor shares memory with the source. Others are
-    freshly allocated (zeros where the plan declares ``zero_fill``) and filled by
+    A target with an entry in ``buffers`` is written in place into that tensor
+    (contiguous, the target's shape and the plan's dtype; ``zero_fill`` boxes are
+    zeroed): warm refit cycles allocate nothing. Otherwise, a target written by a
+    single op that covers all of it is yielded as a zero-copy view of the source
+    when ``views`` is true and the transport can address the source (it shares
+    memory with the source); the rest are freshly allocated and filled by
     ``transport.pull``.
+
+    Raises:
+        ShapeMismatchError: a buffer's shape, dtype or layout does not fit its target.
     """
     dtype = torch_dtype(plan.dtype)
     by_target = plan.ops_by_target
@@ -55,7 +61,20 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         ops = by_target[ref]
         t0 = time.perf_counter()
         tensor = None
-        if views and len(ops) == 1 and not meta.zero_fill and ops[0].dst_box == Box.full(meta.shape):
+        buf = buffers.get(ref) if buffers else None
+        if buf is not None:
+            if tuple(buf.shape) != meta.shape or buf.dtype != dtype or not buf.is_contiguous():
+                raise ShapeMismatchError(
+                    f"buffer for {ref}: expected contiguous {plan.dtype} {meta.shape}, got "
+                    f"{str(buf.dtype).removeprefix('torch.')} {tuple(buf.shape)} contiguous={buf.is_contiguous()}"
+                )
+            for box in meta.zero_fill:
+                buf[box.slices()].zero_()
+            transport.pull(ops, buf)
+            tensor = buf
+            if stats is not None:
+                stats.bytes_copied += sum(op.nbytes for op in ops)
+        elif views and len(ops) == 1 and not meta.zero_fill and ops[0].dst_box == Box.full(meta.shape):
             tensor = transport.view(ops[0])
             if tensor is not None and stats is not None:
                 stats.views += 1
@@ -73,11 +92,15 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
 
 
 def run_refit_cycle(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",
+                    buffers: Mapping[str, torch.Tensor] | None = None,
                     stats: RefitStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Execute a Megatron->HF plan; yield ``(hf_name, tensor)`` for ``model.load_weights``.
 
     Tensors are full HF tensors (shapes as the HF checkpoint), vocab padding
-    trimmed, in the plan's dtype. Pass ``stats`` to collect timings and bytes.
+    trimmed, in the plan's dtype. ``buffers`` maps HF names to preallocated
+    destination tensors written in place (e.g. a previous cycle's outputs, or an
+    HF model's own parameters); see :func:`materialize`. Pass ``stats`` to
+    collect timings and bytes.
 
     Raises:
         MegarefitError: ``plan`` is not a ``megatron_to_hf`` plan.
@@ -85,5 +108,6 @@ def run_refit_cycle(plan: Plan, transport: Transport, *, views: bool = True, dev
     """
     if plan.direction != "megatron_to_hf":
         raise MegarefitError(f"run_refit_cycle needs a megatron_to_hf plan, got {plan.direction}")
-    for ref, tensor in materialize(plan, transport, views=views, device=device, stats=stats):
+    refs = {TensorRef(None, name): t for name, t in buffers.items()} if buffers else None
+    for ref, tensor in materialize(plan, transport, views=views, device=device, buffers=refs, stats=stats):
         yield ref.name, tensor

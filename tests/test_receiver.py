@@ -1,0 +1,70 @@
+"""run_refit_cycle: streams one target at a time, writes in place into buffers, checks them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megarefit
+from megarefit.errors import MegarefitError, ShapeMismatchError
+from megarefit.receiver import RefitStats, run_refit_cycle
+from megarefit.transport import LocalTransport, Transport
+from reference import reference_hf_state, reference_shards
+
+
+@pytest.fixture
+def setup(config):
+    cfg = config("Qwen3-0.6B")
+    hf = reference_hf_state(cfg, "qwen3")
+    shards = {megarefit.RankCoord(*r): s for r, s in reference_shards(hf, cfg, tp=2, pp=2).items()}
+    dims = megarefit.ModelDims.from_hf_config(cfg)
+    layout = megarefit.SourceLayout.build(tp=2, pp=2, padded_vocab_size=256, num_layers=4)
+    return hf, shards, megarefit.plan_megatron_to_hf(dims, layout, "float32")
+
+
+class CountingTransport(LocalTransport):
+    def __init__(self, sources):
+        super().__init__(sources)
+        self.pulled: list[str] = []
+
+    def pull(self, ops, out):
+        self.pulled.append(ops[0].dst.name)
+        super().pull(ops, out)
+
+
+def test_streams_one_target_at_a_time(setup):
+    hf, shards, plan = setup
+    transport = CountingTransport(shards)
+    assert isinstance(transport, Transport)
+    stream = run_refit_cycle(plan, transport, views=False)
+    for i, (name, tensor) in enumerate(stream, start=1):
+        assert transport.pulled[-1] == name and len(transport.pulled) == i  # nothing pulled ahead
+        assert torch.equal(tensor, hf[name])
+    assert len(transport.pulled) == len(hf)
+
+
+def test_buffers_are_written_in_place(setup):
+    hf, shards, plan = setup
+    buffers = {name: torch.full_like(t, float("nan")) for name, t in hf.items()}
+    stats = RefitStats()
+    for name, tensor in run_refit_cycle(plan, LocalTransport(shards), buffers=buffers, stats=stats):
+        assert tensor is buffers[name]
+    assert all(torch.equal(buffers[k], v) for k, v in hf.items())
+    assert stats.views == 0 and stats.bytes_copied == plan.nbytes
+
+
+def test_bad_buffer_is_rejected_before_writing(setup):
+    hf, shards, plan = setup
+    name = "model.layers.2.mlp.down_proj.weight"
+    buffers = {name: torch.zeros(hf[name].shape[::-1])}
+    with pytest.raises(ShapeMismatchError, match=rf"buffer for {name}: expected contiguous float32 \(64, 96\)"):
+        list(run_refit_cycle(plan, LocalTransport(shards), buffers=buffers))
+    with pytest.raises(ShapeMismatchError, match="bfloat16"):
+        list(run_refit_cycle(plan, LocalTransport(shards), buffers={name: hf[name].bfloat16()}))
+
+
+def test_refuses_an_import_plan(setup):
+    _, shards, plan = setup
+    imp = megarefit.plan_hf_to_megatron(plan.dims, plan.layout, "float32")
+    with pytest.raises(MegarefitError, match="megatron_to_hf plan"):
+        next(run_refit_cycle(imp, LocalTransport(shards)))
