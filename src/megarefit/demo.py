@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from megarefit.dims import ModelDims, load_hf_config
+from megarefit.errors import MegarefitError
 from megarefit.layout import SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import plan_megatron_to_hf, resolve_layer_spec
@@ -50,6 +51,23 @@ class DemoResult:
         return self.max_logit_diff < TOLERANCE and self.logit_scale > 0
 
 
+def _check_memory(dims: ModelDims, tp: int, pp: int) -> None:
+    """Refuse configs whose fp32 copies (Megatron shards, results, HF model) would not fit in RAM."""
+    import os
+
+    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers)
+    need = 4 * plan_megatron_to_hf(dims, layout, "float32").nbytes  # shards, their pickled copies, HF model, grads-free
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise MegarefitError(
+            f"the demo builds the model in fp32 on CPU: ~{need / 1e9:.1f} GB needed, {have / 1e9:.1f} GB free; "
+            "shrink the config (hidden_size, num_hidden_layers, vocab_size) or use `megarefit plan` for full sizes"
+        )
+
+
 def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, batch: int = 2, seed: int = 1234,
              status: Callable[[str], None] = lambda _: None) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it).
@@ -66,6 +84,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
     dims = ModelDims.from_hf_config(cfg)
     dims.check_layout(tp, pp)
     gpt_arch_from_hf(cfg, tp=tp)  # fail early on what the CPU harness cannot build
+    _check_memory(dims, tp, pp)
     vocab = dims.vocab_size
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     stages: dict[str, float] = {}

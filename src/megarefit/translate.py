@@ -11,7 +11,6 @@ that rank's ``dict(model.named_parameters())`` (local layer indices, optional
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -24,13 +23,10 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
 from megarefit.receiver import materialize, run_refit_cycle
-from megarefit.specs.table import LayerSpec, canonical_name
+from megarefit.specs.table import LayerSpec, Role, canonical_name
 from megarefit.transport.local import LocalTransport
 
 Shards = Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]]
-
-_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -74,8 +70,9 @@ def _padded_vocab(dims: ModelDims, shards: Mapping[RankCoord, Mapping[str, torch
                   divisible_by: int | None) -> int:
     if divisible_by is not None:
         return dims.padded_vocab_size(tp, divisible_by)
+    vocab_names = [r.megatron for r in dims.spec.entries if r.role is Role.VOCAB and not r.per_layer]
     for rank, params in sorted(shards.items()):
-        for name in _VOCAB_NAMES:
+        for name in vocab_names:
             if name in params:
                 rows = params[name].shape[0] * tp
                 if rows < dims.vocab_size:
@@ -87,25 +84,27 @@ def _padded_vocab(dims: ModelDims, shards: Mapping[RankCoord, Mapping[str, torch
     return dims.padded_vocab_size(tp, DEFAULT_VOCAB_DIVISOR)
 
 
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def _stage_split(tensors: Mapping[RankCoord, Mapping[str, torch.Tensor]], pp: int,
-                 num_layers: int) -> dict[str, int | None]:
+def _stage_split(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch.Tensor]],
+                 pp: int) -> dict[str, int | None]:
     """Infer an uneven pipeline split from the layer indices each stage holds.
 
     Returns ``first_stage_layers`` / ``last_stage_layers`` for
     ``SourceLayout.build`` when the names show Megatron's uneven split; an even
     split (or names that fit none) returns no override and is checked later.
+
+    Raises:
+        UnknownParameterError: a name matches no spec-table row.
     """
     if pp == 1:
         return {}
-    counts = []
-    for stage in range(pp):
-        layers = {int(m.group(1)) for rank, params in tensors.items() if rank.pp == stage
-                  for name in params if (m := _LAYER_RE.match(name))}
-        counts.append(max(layers) + 1 if layers else 0)
-    if sum(counts) != num_layers or len(set(counts[1:-1])) > 1 or counts == [counts[0]] * pp:
+    conds = dims.conditions(pp)
+    counts = [0] * pp
+    for rank, params in tensors.items():
+        for name in params:
+            layer = dims.spec.match(name, conds, rank=rank).layer
+            if layer is not None:
+                counts[rank.pp] = max(counts[rank.pp], layer + 1)
+    if sum(counts) != dims.num_layers or len(set(counts[1:-1])) > 1 or counts == [counts[0]] * pp:
         return {}
     return {"first_stage_layers": counts[0], "last_stage_layers": counts[-1]}
 
@@ -160,7 +159,7 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     check_ranks(tp, pp, ep, tensors)
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
-                              **_stage_split(tensors, pp, dims.num_layers))
+                              **_stage_split(dims, tensors, pp))
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
     plan = plan_megatron_to_hf(dims, layout, _common_dtype(tensors))
     check_shapes(plan, tensors)

@@ -352,7 +352,7 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
         padded_vocab_size=dims.padded_vocab_size(tp, make_vocab_size_divisible_by), qkv_bias=dims.qkv_bias,
-        qk_layernorm=dims.family == "qwen3", tie_word_embeddings=dims.tie_word_embeddings,
+        qk_layernorm=any(r.megatron.endswith(".q_layernorm.weight") for r in dims.spec.entries), tie_word_embeddings=dims.tie_word_embeddings,
         rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
         max_sequence_length=max_sequence_length,
     )
