@@ -113,3 +113,24 @@ def test_llama_405b_plan_is_quick():
     assert plan.nbytes == 2 * sum(m.numel for m in plan.targets.values())
     assert 800e9 < plan.nbytes < 820e9
     assert layout.stage_layers == (7,) + (8,) * 14 + (7,)
+
+
+def test_adjacent_row_runs_merge_into_one_pull():
+    from megarefit.plan import TensorRef, make_op
+    from megarefit.planner import merge_ops
+
+    src, dst = TensorRef(None, "src"), TensorRef(None, "dst")
+
+    def rows(s0, d0, n):  # src rows [s0, s0+n) of an (8, 4) tensor -> dst rows [d0, d0+n) of a (10, 4) tensor
+        return make_op(src, (8, 4), Box.rows((8, 4), s0, n), dst, (10, 4), Box.rows((10, 4), d0, n), 2)
+
+    merged = merge_ops([rows(0, 2, 2), rows(2, 4, 2), rows(4, 6, 3)])
+    assert len(merged) == 1
+    assert merged[0].src_box == Box.rows((8, 4), 0, 7) and merged[0].dst_box == Box.rows((10, 4), 2, 7)
+    assert (merged[0].kind, merged[0].nbytes, merged[0].src_offset, merged[0].dst_offset) == ("contiguous", 56, 0, 8)
+    assert len(merge_ops([rows(0, 2, 2), rows(2, 5, 2)])) == 2  # target runs not adjacent
+    assert len(merge_ops([rows(0, 2, 2), rows(3, 4, 2)])) == 2  # source runs not adjacent
+    column = make_op(src, (8, 4), Box.rows((8, 4), 2, 2), dst, (10, 4), Box((4, 0), (2, 4)), 2)
+    partial = make_op(src, (8, 4), Box((2, 0), (2, 2)), dst, (10, 4), Box((4, 0), (2, 2)), 2)
+    assert partial.kind == "scratch" and len(merge_ops([rows(0, 2, 2), partial])) == 2
+    assert len(merge_ops([rows(0, 2, 2), column])) == 1

@@ -155,8 +155,9 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     return out
 
 
-def _merge(ops: list[CopyOp]) -> list[CopyOp]:
-    """Merge consecutive ops whose source and target runs are both adjacent row ranges."""
+def merge_ops(ops: list[CopyOp]) -> list[CopyOp]:
+    """Merge consecutive contiguous ops between the same two tensors whose source and
+    target boxes are adjacent row ranges: one larger contiguous sliced pull."""
     out: list[CopyOp] = []
     for op in ops:
         prev = out[-1] if out else None
@@ -215,16 +216,11 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 dst = TensorRef(None, p.hf_name)
                 by_target[dst].append(make_op(TensorRef(reader, name), t.shape, sbox, dst, shape_of[p.hf_name], dbox,
                                               item))
-    ops = [op for ref in _hf_order(targets) for op in _merge(by_target[ref])]
-    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, {r: targets[r] for r in _hf_order(targets)},
-                tuple(ops), digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype))
+    # targets in first-seen order: embedding, layers in order, final norm, head
+    ops = [op for ref in targets for op in merge_ops(by_target[ref])]
+    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, targets, tuple(ops), digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype))
     validate_plan(plan)
     return plan
-
-
-def _hf_order(targets: Mapping[TensorRef, TensorMeta]) -> list[TensorRef]:
-    """Targets in first-seen order (embedding, layers in order, final norm, head)."""
-    return list(targets)
 
 
 @lru_cache(maxsize=64)
@@ -323,4 +319,4 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
 
 
 __all__ = ["LAYER_SPECS", "Piece", "SourceTensor", "global_shape", "hf_shapes", "local_shape", "pieces",
-           "check_ranks", "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]
+           "check_ranks", "merge_ops", "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]
