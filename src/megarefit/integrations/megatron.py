@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
 __all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "forward_logits", "gpt_arch_from_hf",
-           "init_parallel", "local_named_parameters", "perturb_parameters_", "run_workers", "trainer_job"]
+           "init_parallel", "local_named_parameters", "perturb_parameters_", "run_workers", "start_workers",
+           "trainer_job"]
 
 
 @dataclass(frozen=True)
@@ -263,66 +264,81 @@ def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tu
             dist.destroy_process_group()
 
 
-def run_workers(
-    fn: Callable[..., Any],
-    *,
-    world_size: int,
-    args: tuple = (),
-    master_port: int | None = None,
-    timeout: float = 600.0,
-) -> list:
-    """Run ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
+class WorkerGroup:
+    """Worker processes started by :func:`start_workers`; :meth:`join` collects their results."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
+        self.world_size = world_size
+        self.port = master_port if master_port is not None else _free_port()
+        ctx = mp.get_context("spawn")
+        self._q = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker (fault-injection in tests)."""
+        self._procs[rank].kill()
+
+    def join(self, timeout: float = 600.0) -> list:
+        """Wait for every worker's result, ordered by rank.
+
+        Raises ``RuntimeError`` carrying the worker's traceback if any worker fails
+        or dies, and ``TimeoutError`` after ``timeout`` seconds; remaining workers
+        are killed.
+        """
+        procs, q, world_size = self._procs, self._q, self.world_size
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        dead_since: dict[int, float] = {}
+        try:
+            while len(results) < world_size:
+                try:
+                    rank, status, payload = q.get(timeout=0.2)
+                except queue.Empty:
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise TimeoutError(f"workers did not finish within {timeout}s") from None
+                    for r, p in enumerate(procs):
+                        # a dead worker may still have its result in the pipe: short grace period
+                        if r not in results and p.exitcode is not None:
+                            if now - dead_since.setdefault(r, now) > 5.0:
+                                raise RuntimeError(f"worker {r} died with exit code {p.exitcode} without a result")
+                    continue
+                if status == "err":
+                    dead = [f"worker {r} exited with code {p.exitcode}"
+                            for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                    note = f" ({'; '.join(dead)})" if dead else ""
+                    raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
+                results[rank] = pickle.loads(payload)
+        finally:
+            for p in procs:
+                if p.is_alive() and len(results) < world_size:
+                    p.kill()
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            q.close()
+        return [results[r] for r in range(world_size)]
+
+
+def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
+                  master_port: int | None = None) -> WorkerGroup:
+    """Start ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
 
     ``fn`` must be picklable (module level) and return a picklable result
-    (tensors are sent by value). Returns the results ordered by rank. Raises
-    ``RuntimeError`` carrying the worker's traceback if any worker fails or dies,
-    and ``TimeoutError`` after ``timeout`` seconds; remaining workers are killed.
+    (tensors are sent by value). Returns at once; call ``.join()`` for results.
     """
-    port = master_port if master_port is not None else _free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    dead_since: dict[int, float] = {}
-    try:
-        while len(results) < world_size:
-            try:
-                rank, status, payload = q.get(timeout=0.2)
-            except queue.Empty:
-                now = time.monotonic()
-                if now > deadline:
-                    raise TimeoutError(f"workers did not finish within {timeout}s") from None
-                for r, p in enumerate(procs):
-                    # a dead worker may still have its result in the pipe: short grace period
-                    if r not in results and p.exitcode is not None:
-                        if now - dead_since.setdefault(r, now) > 5.0:
-                            raise RuntimeError(
-                                f"worker {r} died with exit code {p.exitcode} without a result"
-                            )
-                continue
-            if status == "err":
-                dead = [f"worker {r} exited with code {p.exitcode}"
-                        for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
-                note = f" ({'; '.join(dead)})" if dead else ""
-                raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
-            results[rank] = pickle.loads(payload)
-    finally:
-        for p in procs:
-            if p.is_alive() and len(results) < world_size:
-                p.kill()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        q.close()
-    return [results[r] for r in range(world_size)]
+    return WorkerGroup(fn, world_size, args, master_port)
+
+
+def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), master_port: int | None = None,
+                timeout: float = 600.0) -> list:
+    """:func:`start_workers` then ``join(timeout)``: results ordered by rank."""
+    return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
 
 
 # --------------------------------------------------------------------------- HF configs and jobs
@@ -426,4 +442,40 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
         coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
         out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
                          "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
+    return out
+
+
+def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
+                        rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01) -> dict[str, Any]:
+    """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
+
+    Builds the case's GPTModel, wraps its parameters in a :class:`~megarefit.publisher.Publisher`
+    (registered once), then for v = 1..versions: (v > 1) changes every weight in
+    place as an optimizer step would, runs the forward pass, snapshots the
+    shards, publishes version v, and waits until a receiver marks v consumed.
+    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+
+    from megarefit.publisher import Publisher
+    from megarefit.rendezvous import Rendezvous
+
+    init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp)
+    model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+    perturb_parameters_(model, seed=case.seed)
+    coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
+    host, port, job = rendezvous
+    rdzv = Rendezvous.connect(host, port, job=job)
+    pub = Publisher(dict(model.named_parameters()), case.hf_config, rank=coord, tp=case.tp, pp=case.pp,
+                    rendezvous=rdzv)
+    out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
+    for v in range(1, versions + 1):
+        if v > 1:
+            perturb_parameters_(model, seed=case.seed + v, scale=step_scale)  # stands in for optimizer.step()
+        out["logits"][v] = forward_logits(model, case.tokens)
+        out["snapshots"][v] = local_named_parameters(model)
+        pub.publish(v)
+        rdzv.wait_consumed(v)
+        out["counters"].append(dict(pub.counters))
     return out

@@ -1,0 +1,84 @@
+"""Manifests: what a trainer rank publishes about its live shards.
+
+One manifest per Megatron rank ``(tp, pp, ep)``: the model dims and source
+layout (so a receiver can plan from shapes alone), the NIXL agent that serves
+the bytes, and per tensor its name, role, dtype, local and global shape, and
+the address / byte length of its registered memory. The weight **version** is
+published separately (it changes every optimizer step; the manifest does not).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megarefit.dims import ModelDims
+from megarefit.errors import MegarefitError
+from megarefit.layout import RankCoord, SourceLayout
+from megarefit.plan import digest_of
+
+FORMAT = "megarefit.manifest/1"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One published tensor. ``addr``/``nbytes`` locate its bytes in the publisher's
+    registered memory (``addr`` is 0 where no address applies, e.g. the local transport)."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]  # local shape on this rank, elements
+    global_shape: tuple[int, ...]  # Megatron shape at TP=1 (vocab padded), elements
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one trainer rank publishes; see the module docstring."""
+
+    rank: RankCoord
+    dims: ModelDims
+    layout: SourceLayout
+    agent: str  # NIXL agent name serving this rank's bytes
+    tensors: tuple[TensorEntry, ...]
+    format: str = FORMAT
+
+    @property
+    def layout_digest(self) -> str:
+        """Digest of what decides the plan: dims, layout, dtypes (not addresses, not version)."""
+        return digest_of(self.dims.to_dict(), self.layout.to_dict(), sorted({t.dtype for t in self.tensors}))
+
+    @property
+    def memory_digest(self) -> str:
+        """Digest of the served memory (agent and addresses): changes when a trainer re-registers."""
+        return digest_of(self.agent, [(t.name, t.addr, t.nbytes) for t in self.tensors])
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {
+            "format": self.format, "rank": list(self.rank), "dims": self.dims.to_dict(),
+            "layout": self.layout.to_dict(), "agent": self.agent,
+            "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes]
+                        for t in self.tensors],
+        }
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Raises MegarefitError on a format (version skew) mismatch."""
+        data = json.loads(text)
+        if data.get("format") != FORMAT:
+            raise MegarefitError(f"manifest format {data.get('format')!r} is not {FORMAT!r} (version skew between "
+                                 "trainer and receiver megarefit?)")
+        tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b) for n, r, d, s, g, a, b in data["tensors"])
+        return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
+                   data["agent"], tensors)
+
+    def summary(self) -> dict[str, Any]:
+        return {"rank": tuple(self.rank), "agent": self.agent, "tensors": len(self.tensors),
+                "bytes": sum(t.nbytes for t in self.tensors), **asdict(self.layout)}

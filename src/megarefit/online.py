@@ -1,0 +1,200 @@
+"""Online refit: discover trainer ranks, fence versions, plan once, pull over NIXL.
+
+``RefitReceiver.run_refit_cycle(version)`` runs one refit cycle::
+
+    discover   read every rank's manifest (parsed again only when its bytes change)
+    version    wait until every rank publishes ``version``; mixed versions past the
+               timeout raise VersionMismatchError naming each rank's version
+    plan       plan from shapes, cached by layout digest (a layout change re-plans)
+    prepare    target arena + scratch allocated and registered once; one prepared
+               READ per source rank, re-posted on warm cycles
+    pull       post all READs, wait, scratch copies for strided targets
+    fence      versions re-read: if any rank moved on during the pull, raise
+               StaleVersionError before a single tensor is handed over
+
+Then it yields ``(hf_name, tensor)`` views of the arena, valid until the next
+cycle (vLLM's ``load_weights`` copies them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from megarefit.errors import LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
+from megarefit.layout import RankCoord
+from megarefit.manifest import Manifest
+from megarefit.plan import Plan, TensorRef
+from megarefit.planner import plan_megatron_to_hf
+from megarefit.receiver import torch_dtype
+from megarefit.rendezvous import Rendezvous
+from megarefit.transport.nixl import NixlTransport
+
+
+class VersionMismatchError(MegarefitError):
+    """Trainer ranks do not (all) publish the requested weight version."""
+
+
+class StaleVersionError(VersionMismatchError):
+    """A trainer rank published a new version while its bytes were being read."""
+
+
+@dataclass
+class CycleStats:
+    """One refit cycle: seconds per stage, bytes moved, and whether it was cold."""
+
+    version: int
+    cold: bool
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_moved: int = 0
+    model_bytes: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class RefitReceiver:
+    """Receives trainer weights; see the module docstring.
+
+    Args:
+        rendezvous: where trainer ranks publish manifests and versions.
+        name: this receiver's NIXL agent name (unique per receiver process).
+        timeout: seconds to wait for manifests, versions and transfers.
+    """
+
+    def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0):
+        self.rendezvous = rendezvous
+        self.transport = NixlTransport(name)
+        self.timeout = timeout
+        self.stats: CycleStats | None = None
+        self._manifests: dict[RankCoord, Manifest] = {}
+        self._raw: dict[RankCoord, bytes] = {}
+        self._checked: tuple[str, ...] = ()
+        self._plan: Plan | None = None
+        self._buffers: dict[TensorRef, torch.Tensor] = {}
+        self.plans_built = 0
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {**self.transport.counters, "plans_built": self.plans_built}
+
+    # ---- stages ------------------------------------------------------------
+    def _discover(self) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]]:
+        manifests, metadata = self.rendezvous.manifests(self._manifests.keys() or None, timeout=self.timeout)
+        first = manifests[min(manifests)]
+        if set(manifests) != set(first.layout.ranks()):  # a new layout: rediscover every rank
+            manifests, metadata = self.rendezvous.manifests(first.layout.ranks(), timeout=self.timeout)
+        self._manifests = manifests
+        return manifests, metadata
+
+    def _wait_version(self, ranks: list[RankCoord], version: int | None) -> int:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            seen = self.rendezvous.versions(ranks)
+            values = set(seen.values())
+            if version is None and len(values) == 1 and None not in values:
+                return values.pop()  # type: ignore[return-value]
+            if version is not None and values == {version}:
+                return version
+            if time.monotonic() > deadline:
+                detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
+                want = f"version {version}" if version is not None else "one common version"
+                raise VersionMismatchError(f"trainer ranks do not publish {want} after {self.timeout:.1f} s: "
+                                           f"{detail}")
+            time.sleep(0.005)
+
+    def _plan_for(self, manifests: dict[RankCoord, Manifest]) -> tuple[Plan, bool]:
+        first = manifests[min(manifests)]
+        for rank, m in manifests.items():
+            if m.dims != first.dims or m.layout != first.layout:
+                raise LayoutError(f"rank {rank} publishes dims/layout {m.layout.to_dict()} that differ from rank "
+                                  f"{first.rank}'s {first.layout.to_dict()}")
+        dtypes = {t.dtype for m in manifests.values() for t in m.tensors}
+        if len(dtypes) != 1:
+            raise ShapeMismatchError(f"trainer ranks publish mixed dtypes {sorted(dtypes)}; one dtype is supported")
+        plan = self._plan
+        if plan is not None and plan.dims == first.dims and plan.layout == first.layout and plan.dtype in dtypes:
+            return plan, False
+        plan = plan_megatron_to_hf(first.dims, first.layout, dtypes.pop())
+        self.plans_built += 1
+        self._plan = plan
+        self._checked = ()
+        dtype = torch_dtype(plan.dtype)
+        total = sum(m.numel for m in plan.targets.values())
+        arena = torch.empty(total, dtype=dtype)
+        self._buffers, at = {}, 0
+        for ref, meta in plan.targets.items():
+            self._buffers[ref] = arena[at: at + meta.numel].view(meta.shape)
+            at += meta.numel
+        return plan, True
+
+    def _check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
+        key = tuple(manifests[r].memory_digest for r in sorted(manifests))
+        if key == self._checked:
+            return
+        entries = {r: m.by_name() for r, m in manifests.items()}
+        for ref, meta in plan.sources.items():
+            entry = entries[ref.rank].get(ref.name)
+            if entry is None:
+                raise MissingParameterError(f"trainer rank {ref.rank} does not publish {ref.name} "
+                                            f"(agent {manifests[ref.rank].agent!r})")
+            if tuple(entry.shape) != meta.shape or entry.dtype != meta.dtype:
+                raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {ref.name} as {entry.dtype} "
+                                         f"{tuple(entry.shape)}, plan expects {meta.dtype} {meta.shape}")
+            if entry.nbytes != meta.numel * torch_dtype(meta.dtype).itemsize:
+                raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {entry.nbytes} bytes for {ref.name}, "
+                                         f"expected {meta.numel * torch_dtype(meta.dtype).itemsize}")
+        self._checked = key
+
+    # ---- the cycle -----------------------------------------------------------
+    def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pull ``version`` (default: the version every rank publishes) and yield HF tensors.
+
+        Everything is pulled and fenced before the first tensor is yielded, so a
+        failure leaves the consumer's model untouched.
+
+        Raises:
+            RendezvousTimeout: a rank never published a manifest.
+            VersionMismatchError / StaleVersionError: see the module docstring.
+            MissingParameterError / ShapeMismatchError: a manifest lacks a tensor
+                or disagrees on its shape / dtype (names tensor and rank).
+            TransferError: a peer died, a READ failed or timed out (names peer,
+                tensor, byte range).
+        """
+        t = time.perf_counter()
+        seconds: dict[str, float] = {}
+        before = (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+
+        def lap(stage: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            seconds[stage] = now - t
+            t = now
+
+        manifests, metadata = self._discover()
+        lap("discover")
+        ranks = sorted(manifests)
+        got = self._wait_version(ranks, version)
+        lap("version")
+        plan, _ = self._plan_for(manifests)
+        self._check_manifests(plan, manifests)
+        lap("plan")
+        self.transport.connect(metadata)
+        prepared = self.transport.prepare(plan, manifests, self._buffers)
+        lap("prepare")
+        self.transport.execute(prepared, self._buffers, timeout=self.timeout)
+        lap("pull")
+        after = self.rendezvous.versions(ranks)
+        moved = {r: v for r, v in after.items() if v != got}
+        if moved:
+            raise StaleVersionError(f"ranks moved past version {got} during the pull: "
+                                    + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())))
+        lap("fence")
+        cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+        self.stats = CycleStats(got, cold, seconds, plan.nbytes,
+                                sum(m.numel for m in plan.targets.values()) * torch_dtype(plan.dtype).itemsize,
+                                dict(self.counters))
+        for ref, tensor in self._buffers.items():
+            yield ref.name, tensor

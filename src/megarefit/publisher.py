@@ -1,0 +1,101 @@
+"""Publisher (trainer side): serve a rank's live shards over NIXL, no gather, no copy.
+
+Each Megatron rank wraps its parameters once::
+
+    pub = Publisher(dict(model.named_parameters()), hf_config, rank=(tp_rank, pp_rank, 0),
+                    tp=tp, pp=pp, rendezvous=Rendezvous.connect(host, port))
+    ...
+    optimizer.step()
+    pub.publish(version=step)          # after every optimizer step; registers nothing new
+
+The parameter tensors themselves are registered with a NIXL agent (their memory
+must stay put: Megatron updates parameters in place) and described in a
+:class:`~megarefit.manifest.Manifest`. Receivers read the bytes one-sided while
+the trainer does not touch the weights; bump the version only after the
+optimizer step has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
+from megarefit.errors import MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.layout import RankCoord, SourceLayout
+from megarefit.manifest import Manifest, TensorEntry
+from megarefit.planner import global_shape, source_tensors
+from megarefit.rendezvous import Rendezvous
+from megarefit.specs.table import LayerSpec, canonical_name
+from megarefit.transport.nixl import NixlAgent
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Publisher:
+    """Serves one trainer rank's parameters; see the module docstring.
+
+    Raises (at construction):
+        MissingParameterError / UnexpectedParameterError: the parameters are not
+            exactly what the spec table and layout place on this rank.
+        ShapeMismatchError: a parameter's shape differs from the layout's, or is
+            not contiguous.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], hf_config: Any, *, rank: tuple[int, int, int],
+                 tp: int, pp: int, ep: int = 1, rendezvous: Rendezvous, layer_spec: LayerSpec = "local",
+                 make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                 agent_name: str | None = None):
+        self.rank = RankCoord(*rank)
+        self.dims = ModelDims.from_hf_config(load_hf_config(hf_config))
+        self.dims.check_layout(tp, pp, ep)
+        self.layout = SourceLayout.build(
+            tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, make_vocab_size_divisible_by),
+            num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers, layer_spec=layer_spec)
+        self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
+        expected = source_tensors(self.dims, self.layout)[self.rank]
+        missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())
+        if missing:
+            raise MissingParameterError(f"rank {self.rank} lacks {len(missing)} parameter(s) the layout places "
+                                        f"there, e.g. {missing[:3]}")
+        if extra:
+            raise UnexpectedParameterError(f"rank {self.rank} has {len(extra)} parameter(s) the layout does not "
+                                           f"place there, e.g. {extra[:3]}")
+        entries = []
+        for name, t in expected.items():
+            p = self.params[name]
+            if tuple(p.shape) != t.shape or not p.is_contiguous():
+                raise ShapeMismatchError(f"parameter {name} on rank {self.rank}: expected contiguous {t.shape}, "
+                                         f"got {tuple(p.shape)} contiguous={p.is_contiguous()}")
+            entries.append(TensorEntry(name, t.spec.role.value, _dtype_name(p.dtype), t.shape,
+                                       global_shape(t.spec, self.dims, self.layout), p.data_ptr(),
+                                       p.numel() * p.element_size()))
+        name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
+        self.agent = NixlAgent(name)
+        self.agent.register([self.params[e.name] for e in entries])
+        self.manifest = Manifest(self.rank, self.dims, self.layout, name, tuple(entries))
+        self.rendezvous = rendezvous
+        rendezvous.publish_manifest(self.manifest, self.agent.metadata)
+
+    @property
+    def counters(self):
+        return self.agent.counters
+
+    def publish(self, version: int) -> None:
+        """Announce that the weights now hold ``version`` (call after the optimizer step).
+
+        Raises:
+            ShapeMismatchError: a parameter moved in memory since registration
+                (e.g. re-allocated by a resharding step); create a new Publisher.
+        """
+        for entry in self.manifest.tensors:
+            if self.params[entry.name].data_ptr() != entry.addr:
+                raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
+                                         "re-create the Publisher")
+        self.rendezvous.publish_version(self.rank, version)

@@ -1,0 +1,113 @@
+"""Rendezvous for manifests and versions over ``torch.distributed.TCPStore``.
+
+Keys, under a job prefix (``megarefit/<job>/``)::
+
+    manifest/<tp>.<pp>.<ep>   Manifest JSON            (set once per registration)
+    nixl/<tp>.<pp>.<ep>       NIXL agent metadata      (bytes; NIXL's own metadata exchange)
+    version/<tp>.<pp>.<ep>    weight version, decimal  (bumped after each optimizer step)
+    consumed/<version>        set by a receiver when it no longer reads that version
+
+One side serves the store (``Rendezvous.serve``), the others connect
+(``Rendezvous.connect``); on one machine the embedded default needs nothing
+else running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megarefit.errors import MegarefitError
+from megarefit.layout import RankCoord
+from megarefit.manifest import Manifest
+
+
+class RendezvousTimeout(MegarefitError, TimeoutError):
+    """A key did not appear in time (a trainer rank that never published, or died)."""
+
+
+def _rank_key(rank: RankCoord) -> str:
+    return f"{rank.tp}.{rank.pp}.{rank.ep}"
+
+
+class Rendezvous:
+    """Manifest and version exchange between trainer ranks and receivers."""
+
+    def __init__(self, store: dist.TCPStore, job: str = "default"):
+        self.store = store
+        self.prefix = f"megarefit/{job}/"
+
+    @classmethod
+    def serve(cls, host: str = "127.0.0.1", port: int = 0, *, job: str = "default",
+              timeout: float = 300.0) -> Rendezvous:
+        """Host the store (``port=0`` picks a free port; see :attr:`port`)."""
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
+        return cls(store, job)
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, job: str = "default", timeout: float = 300.0) -> Rendezvous:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        return cls(store, job)
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    # ---- trainer side ----------------------------------------------------
+    def publish_manifest(self, manifest: Manifest, nixl_metadata: bytes = b"") -> None:
+        key = _rank_key(manifest.rank)
+        self.store.set(self.prefix + "nixl/" + key, nixl_metadata)
+        self.store.set(self.prefix + "manifest/" + key, manifest.to_json())
+
+    def publish_version(self, rank: RankCoord, version: int) -> None:
+        self.store.set(self.prefix + "version/" + _rank_key(rank), str(int(version)))
+
+    # ---- receiver side ---------------------------------------------------
+    def _wait(self, keys: list[str], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = [k for k in keys if not self.store.check([self.prefix + k])]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"no {what} after {timeout:.1f} s from: {missing[:8]}")
+            time.sleep(0.01)
+
+    def manifests(self, ranks: Iterable[RankCoord] | None = None, *,
+                  timeout: float = 60.0) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]]:
+        """Wait for and read every rank's manifest and NIXL metadata.
+
+        Without ``ranks``, rank (0, 0, 0)'s manifest tells the layout and hence the ranks.
+
+        Raises:
+            RendezvousTimeout: naming the ranks that did not publish.
+        """
+        if ranks is None:
+            self._wait(["manifest/0.0.0"], timeout, "manifest")
+            first = Manifest.from_json(self.store.get(self.prefix + "manifest/0.0.0"))
+            ranks = first.layout.ranks()
+        ranks = list(ranks)
+        self._wait([f"manifest/{_rank_key(r)}" for r in ranks], timeout, "manifest")
+        manifests = {r: Manifest.from_json(self.store.get(self.prefix + "manifest/" + _rank_key(r))) for r in ranks}
+        metadata = {r: self.store.get(self.prefix + "nixl/" + _rank_key(r)) for r in ranks}
+        return manifests, metadata
+
+    def versions(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int | None]:
+        """Current version per rank (``None`` where none was published yet)."""
+        out: dict[RankCoord, int | None] = {}
+        for r in ranks:
+            key = self.prefix + "version/" + _rank_key(r)
+            out[r] = int(self.store.get(key)) if self.store.check([key]) else None
+        return out
+
+    # ---- hand-shake (optional): trainers may wait until a version was read ----
+    def mark_consumed(self, version: int) -> None:
+        self.store.set(self.prefix + f"consumed/{int(version)}", "1")
+
+    def wait_consumed(self, version: int, timeout: float = 300.0) -> None:
+        """Block until a receiver marked ``version`` consumed (raises RendezvousTimeout)."""
+        self._wait([f"consumed/{int(version)}"], timeout, f"receiver consumed version {version}")

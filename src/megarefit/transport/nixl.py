@@ -1,0 +1,217 @@
+"""NIXL transport: plan ops as batched one-sided READs (UCX backend).
+
+Receiver side, per source rank, all of that rank's ops become ONE prepared
+transfer request: a remote descriptor list (each op's source run inside the
+trainer's registered tensor) and a local one (the op's destination run in the
+receiver's registered arena, or a scratch slot for strided targets). Requests
+are prepared once and re-posted on every warm cycle; nothing is registered or
+prepared again until a source re-registers its memory or the layout changes.
+
+::
+
+    trainer rank (tp=1)          receiver arena (one registration)
+    [ linear_qkv (local) ]  --READ-->  [ q_proj | k_proj | v_proj | ... ]   contiguous pulls,
+    [ linear_fc2 (local) ]  --READ-->  [ scratch slot ] --strided copy--> down_proj columns
+
+``nixl`` is imported lazily; install the ``nixl`` extra.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megarefit.errors import MegarefitError
+from megarefit.layout import RankCoord
+from megarefit.manifest import Manifest
+from megarefit.plan import CopyOp, Plan, TensorRef
+
+
+class TransferError(MegarefitError, RuntimeError):
+    """A NIXL transfer failed or timed out; names the peer, tensors and byte ranges."""
+
+
+def _nixl():
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise MegarefitError("the NIXL transport needs the `nixl` package: pip install 'megarefit[nixl]'") from exc
+    return nixl_agent, nixl_agent_config
+
+
+class NixlAgent:
+    """A NIXL agent (UCX backend) with counters for what it registers and prepares.
+
+    ``counters`` keys: ``registrations`` (register_memory calls), ``registered_bytes``,
+    ``remote_agents`` (add_remote_agent calls), ``dlists`` (prepared descriptor
+    lists), ``xfers`` (transfer requests created), ``posts`` (transfers posted).
+    """
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = name
+        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self.counters: Counter[str] = Counter()
+        self._registered: dict[tuple[int, int], Any] = {}
+
+    def register(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Register tensors' memory once (already-registered regions are skipped)."""
+        new = [t for t in tensors if (t.data_ptr(), t.numel() * t.element_size()) not in self._registered]
+        if not new:
+            return
+        for t in new:
+            if not t.is_contiguous():
+                raise MegarefitError(f"cannot register a non-contiguous tensor of shape {tuple(t.shape)}")
+        handle = self.agent.register_memory(list(new))
+        for t in new:
+            self._registered[(t.data_ptr(), t.numel() * t.element_size())] = handle
+        self.counters["registrations"] += 1
+        self.counters["registered_bytes"] += sum(t.numel() * t.element_size() for t in new)
+
+    @property
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+
+@dataclass
+class _SourcePulls:
+    rank: RankCoord
+    agent: str
+    ops: list[CopyOp]
+    handle: Any = None
+
+
+@dataclass
+class PreparedPlan:
+    """Prepared transfer requests for one plan against one set of source memories."""
+
+    key: tuple[str, ...]
+    per_source: list[_SourcePulls]
+    scratch_ops: list[tuple[CopyOp, torch.Tensor]] = field(default_factory=list)
+
+
+class NixlTransport:
+    """Executes whole plans over NIXL into preallocated target buffers."""
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+        self.nixl = NixlAgent(name, backends=backends)
+        self._remotes: dict[bytes, str] = {}
+        self._prepared: dict[tuple[str, ...], PreparedPlan] = {}
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.nixl.counters
+
+    def connect(self, metadata: Mapping[RankCoord, bytes]) -> None:
+        """Load each source's NIXL metadata (NIXL's own metadata exchange); once per agent."""
+        for rank, blob in metadata.items():
+            if blob and blob not in self._remotes:
+                name = self.nixl.agent.add_remote_agent(blob)
+                self._remotes[blob] = name.decode() if isinstance(name, bytes) else name
+                self.nixl.counters["remote_agents"] += 1
+
+    def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
+                buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
+        """Prepare (or fetch from cache) one READ request per source rank for ``plan``.
+
+        ``buffers`` are the targets (contiguous, registered here once). Cached by
+        the plan digest and every source's memory digest.
+        """
+        key = (plan.digest,) + tuple(manifests[r].memory_digest for r in sorted(manifests))
+        cached = self._prepared.get(key)
+        if cached is not None:
+            return cached
+        self.nixl.register(list(buffers.values()))
+        scratch_elems = sum(op.numel for op in plan.ops if op.kind == "scratch")
+        if scratch_elems and (self._scratch is None or self._scratch.numel() < scratch_elems):
+            self._scratch = torch.empty(scratch_elems, dtype=next(iter(buffers.values())).dtype)
+            self.nixl.register([self._scratch])
+        by_rank: dict[RankCoord, _SourcePulls] = {}
+        prepared = PreparedPlan(key, [])
+        scratch_at = 0
+        for op in plan.ops:
+            rank = op.src.rank
+            assert rank is not None
+            pulls = by_rank.get(rank)
+            if pulls is None:
+                pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
+            pulls.ops.append(op)
+        for rank, pulls in sorted(by_rank.items()):
+            entries = manifests[rank].by_name()
+            remote, local = [], []
+            for op in pulls.ops:
+                src = entries[op.src.name]
+                remote.append((src.addr + op.src_byte_offset, op.nbytes, 0))
+                if op.kind == "contiguous":
+                    buf = buffers[op.dst]
+                    local.append((buf.data_ptr() + op.dst_byte_offset, op.nbytes, 0))
+                else:
+                    assert self._scratch is not None
+                    slot = self._scratch[scratch_at: scratch_at + op.numel]
+                    prepared.scratch_ops.append((op, slot))
+                    local.append((slot.data_ptr(), op.nbytes, 0))
+                    scratch_at += op.numel
+            agent = self.nixl.agent
+            rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, "DRAM")
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+            idx = list(range(len(pulls.ops)))
+            pulls.handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
+            self.nixl.counters["dlists"] += 2
+            self.nixl.counters["xfers"] += 1
+            prepared.per_source.append(pulls)
+        self._prepared = {key: prepared}  # keep only the current layout's requests
+        return prepared
+
+    def _remote_name(self, manifest: Manifest) -> str:
+        if manifest.agent not in self._remotes.values():
+            raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
+        return manifest.agent
+
+    def execute(self, prepared: PreparedPlan, buffers: Mapping[TensorRef, torch.Tensor], *,
+                timeout: float = 60.0) -> None:
+        """Post every source's READ, wait for all, then do the scratch copies.
+
+        Raises:
+            TransferError: a peer disconnected, a transfer failed, or ``timeout``
+                seconds passed; the message names the peer, its first tensors
+                and byte ranges.
+        """
+        agent = self.nixl.agent
+        for pulls in prepared.per_source:
+            try:
+                agent.transfer(pulls.handle)
+            except Exception as exc:  # nixl raises its own error types per failure
+                raise TransferError(self._describe(pulls, f"could not post READ: {exc!r}")) from exc
+            self.nixl.counters["posts"] += 1
+        deadline = time.monotonic() + timeout
+        pending = list(prepared.per_source)
+        while pending:
+            still = []
+            for pulls in pending:
+                try:
+                    state = agent.check_xfer_state(pulls.handle)
+                except Exception as exc:
+                    raise TransferError(self._describe(pulls, f"transfer failed: {exc!r}")) from exc
+                if state == "ERR":
+                    raise TransferError(self._describe(pulls, "transfer reported ERR"))
+                if state != "DONE":
+                    still.append(pulls)
+            pending = still
+            if pending and time.monotonic() > deadline:
+                raise TransferError(self._describe(pending[0], f"no completion after {timeout:.1f} s"))
+        for op, slot in prepared.scratch_ops:
+            out = buffers[op.dst]
+            out[op.dst_box.slices()].copy_(slot.view(op.dst_box.lengths))
+
+    @staticmethod
+    def _describe(pulls: _SourcePulls, what: str) -> str:
+        first = ", ".join(f"{op.src.name} bytes [{op.src_byte_offset}, {op.src_byte_offset + op.nbytes})"
+                          for op in pulls.ops[:3])
+        return (f"READ from peer {pulls.agent!r} (rank {pulls.rank}) of {len(pulls.ops)} ops "
+                f"({sum(op.nbytes for op in pulls.ops)} bytes): {what}; first ops: {first}")
