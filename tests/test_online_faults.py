@@ -1,0 +1,121 @@
+"""Online receiver faults, with real NIXL agents (UCX loopback) in one process.
+
+Publishers serve reference shards (tensors in this process); a RefitReceiver
+pulls them. Each bad input must raise a clear error before any tensor is yielded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+import megarefit  # noqa: E402
+from megarefit.errors import MissingParameterError, ShapeMismatchError  # noqa: E402
+from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
+from megarefit.publisher import Publisher  # noqa: E402
+from megarefit.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
+from reference import reference_hf_state, reference_shards  # noqa: E402
+
+_JOBS = iter(range(10**6))
+
+
+@pytest.fixture
+def served(config):
+    cfg = config("Llama-3.1-8B")
+    hf = reference_hf_state(cfg, "llama")
+    shards = reference_shards(hf, cfg, tp=2, pp=1)
+    shards = {r: {n: t.clone() for n, t in s.items()} for r, s in shards.items()}  # own, contiguous memory
+    job = f"faults-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = {r: Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}")
+            for r, s in shards.items()}
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=2)
+    return cfg, hf, shards, rdzv, pubs, receiver
+
+
+def test_in_process_refit_matches(served):
+    cfg, hf, shards, rdzv, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(7)
+    got = dict(receiver.run_refit_cycle())
+    assert receiver.stats.version == 7
+    assert got.keys() == hf.keys() and all(torch.equal(got[k], v) for k, v in hf.items())
+
+
+def test_mixed_versions_are_refused(served):
+    *_, pubs, receiver = served
+    pubs[(0, 0, 0)].publish(3)
+    pubs[(1, 0, 0)].publish(4)
+    with pytest.raises(VersionMismatchError, match=r"\(0, 0, 0\): 3, \(1, 0, 0\): 4"):
+        next(receiver.run_refit_cycle(3))
+    with pytest.raises(VersionMismatchError, match="one common version"):
+        next(receiver.run_refit_cycle())
+
+
+def test_version_moving_during_the_pull_is_caught(served):
+    *_, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    execute = receiver.transport.execute
+
+    def execute_then_step(*args, **kwargs):
+        execute(*args, **kwargs)
+        pubs[(1, 0, 0)].publish(2)  # the trainer stepped while we were reading
+
+    receiver.transport.execute = execute_then_step
+    with pytest.raises(StaleVersionError, match=r"\(1, 0, 0\) -> 2"):
+        next(receiver.run_refit_cycle(1))
+
+
+def test_manifest_missing_a_tensor(served):
+    _, _, _, rdzv, pubs, receiver = served
+    pub = pubs[(1, 0, 0)]
+    manifest = dataclasses.replace(pub.manifest, tensors=tuple(
+        t for t in pub.manifest.tensors if t.name != "decoder.layers.2.mlp.linear_fc1.weight"))
+    rdzv.publish_manifest(manifest, pub.agent.metadata)
+    for p in pubs.values():
+        p.publish(1)
+    with pytest.raises(MissingParameterError, match=r"rank \(tp=1, pp=0, ep=0\) does not publish "
+                                                    r"decoder\.layers\.2\.mlp\.linear_fc1\.weight"):
+        next(receiver.run_refit_cycle(1))
+
+
+def test_dtype_mismatch(served):
+    _, _, _, rdzv, pubs, receiver = served
+    pub = pubs[(0, 0, 0)]
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    manifest = dataclasses.replace(pub.manifest, tensors=tuple(
+        dataclasses.replace(t, dtype="bfloat16") if t.name == name else t for t in pub.manifest.tensors))
+    rdzv.publish_manifest(manifest, pub.agent.metadata)
+    for p in pubs.values():
+        p.publish(1)
+    with pytest.raises(ShapeMismatchError, match=r"mixed dtypes \['bfloat16', 'float32'\]"):
+        next(receiver.run_refit_cycle(1))
+
+
+def test_missing_rank_times_out_naming_it(config):
+    cfg = config("Llama-3.1-8B")
+    shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
+    rdzv = Rendezvous.serve(job="lonely")
+    Publisher({n: t.clone() for n, t in shards[(0, 0, 0)].items()}, cfg, rank=(0, 0, 0), tp=2, pp=1,
+              rendezvous=rdzv, agent_name="lonely-0")
+    with pytest.raises(RendezvousTimeout, match=r"manifest/1\.0\.0"):
+        next(RefitReceiver(rdzv, name="lonely-receiver", timeout=1).run_refit_cycle())
+
+
+def test_publisher_rejects_wrong_parameters(config):
+    cfg = config("Llama-3.1-8B")
+    shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
+    params = {n: t.clone() for n, t in shards[(1, 0, 0)].items()}
+    rdzv = Rendezvous.serve(job="wrong")
+    with pytest.raises(MissingParameterError, match=r"rank \(tp=1, pp=0, ep=0\) lacks .*output_layer"):
+        Publisher({k: v for k, v in params.items() if k != "output_layer.weight"}, cfg, rank=(1, 0, 0), tp=2, pp=1,
+                  rendezvous=rdzv)
+    bad = dict(params, **{"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(64, 96)})
+    with pytest.raises(ShapeMismatchError, match=r"linear_fc2\.weight on rank \(tp=1, pp=0, ep=0\): expected "
+                                                 r"contiguous \(64, 48\)"):
+        Publisher(bad, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv)
