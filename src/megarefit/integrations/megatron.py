@@ -446,14 +446,17 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
 
 def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
-                        rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01) -> dict[str, Any]:
+                        rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01,
+                        snapshot_dir: str | None = None) -> dict[str, Any]:
     """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
 
     Builds the case's GPTModel, wraps its parameters in a :class:`~megarefit.publisher.Publisher`
     (registered once), then for v = 1..versions: (v > 1) changes every weight in
     place as an optimizer step would, runs the forward pass, snapshots the
     shards, publishes version v, and waits until a receiver marks v consumed.
-    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``.
+    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``;
+    with ``snapshot_dir`` each version's shards are also saved there as
+    ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published.
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
@@ -475,6 +478,8 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
             perturb_parameters_(model, seed=case.seed + v, scale=step_scale)  # stands in for optimizer.step()
         out["logits"][v] = forward_logits(model, case.tokens)
         out["snapshots"][v] = local_named_parameters(model)
+        if snapshot_dir is not None:
+            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord)))
         pub.publish(v)
         rdzv.wait_consumed(v)
         out["counters"].append(dict(pub.counters))
