@@ -52,3 +52,18 @@ def test_demo_passes():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "max |HF logits - Megatron logits|" in proc.stdout
+
+
+@pytest.mark.megatron
+def test_live_demo_over_nixl_passes():
+    pytest.importorskip("nixl")
+    pytest.importorskip("megatron.core")
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--transport", "nixl", "--engine", "hf",
+                           "--versions", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "v2 (warm)" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_vllm_engine_needs_nixl(capsys):
+    assert main(["demo", "--engine", "vllm"]) == 2
+    assert "--engine vllm needs --transport nixl" in capsys.readouterr().out

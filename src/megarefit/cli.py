@@ -112,8 +112,44 @@ def _execute_on_meta(plan: Any) -> float:
     return time.perf_counter() - t0
 
 
+def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
+    from megarefit.live_demo import run_live_demo
+
+    with console.status("starting") as status:
+        result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
+                               status=lambda msg: status.update(msg))
+    console.print(_model_line(result.dims, result.dims.padded_vocab_size(args.tp)))
+    console.print(f"trainer: real Megatron-Core, tp={args.tp} pp={args.pp}, publishing live shards over NIXL "
+                  f"(UCX); engine: {args.engine}; startup {result.startup_s['trainers + engine start']:.1f} s")
+    stages = ("discover", "version", "plan", "prepare", "pull", "fence", "load")
+    table = Table(title="refit cycles")
+    table.add_column("", no_wrap=True)
+    for c in result.cycles:
+        table.add_column(f"v{c.version} ({'cold' if c.report['cold'] else 'warm'})", justify="right", no_wrap=True)
+    for k in stages:
+        table.add_row(f"{k} s", *(f"{c.report['seconds'].get(k, 0.0):.4f}" for c in result.cycles))
+    table.add_row("bytes moved", *(_mb(c.report["bytes_moved"]) for c in result.cycles))
+    table.add_row("NIXL registrations (total)", *(str(c.report["counters"]["registrations"]) for c in result.cycles))
+    table.add_row("READ requests prepared (total)", *(str(c.report["counters"]["xfers"]) for c in result.cycles))
+    table.add_row("greedy tokens == HF", *("[green]yes[/]" if c.match else "[red]no[/]" for c in result.cycles))
+    console.print(table)
+    last = result.cycles[-1].report if result.cycles else None
+    if last is not None:
+        console.print(f"bytes moved per cycle {_mb(last['bytes_moved'])} = model bytes {_mb(last['model_bytes'])}; "
+                      "warm cycles registered and prepared nothing new" if result.passed else "")
+    verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+    console.print(f"greedy generation after every refit matches HF transformers with the trainer's weights, "
+                  f"warm cycles allocate/register nothing: {verdict}")
+    return 0 if result.passed else 1
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from megarefit.demo import TOLERANCE, run_demo
+
+    if args.transport == "nixl":
+        return cmd_live_demo(args, console)
+    if args.engine != "hf":
+        raise MegarefitError("--engine vllm needs --transport nixl (the local transport refits HF models)")
 
     with console.status("starting") as status:
         result = run_demo(args.config, tp=args.tp, pp=args.pp, seq=args.seq,
@@ -146,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tp", type=int, default=2, help="trainer tensor-parallel size (default 2)")
     demo.add_argument("--pp", type=int, default=1, help="trainer pipeline-parallel size (default 1)")
     demo.add_argument("--seq", type=int, default=16, help="tokens per sequence in the logits check")
+    demo.add_argument("--transport", choices=["local", "nixl"], default="local",
+                      help="local: in-process shards (default); nixl: trainers serve live shards over NIXL")
+    demo.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                      help="refit target: HF transformers (default) or a real vLLM engine (needs --transport nixl)")
+    demo.add_argument("--versions", type=int, default=2, help="weight versions to refit with --transport nixl")
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser("plan", help="build and validate a refit plan from shapes alone")
