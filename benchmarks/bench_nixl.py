@@ -52,6 +52,7 @@ def trainer(rank: int, world_size: int, _port: int, rdzv_port: int, cfg: dict, d
     raw = torch.empty(sum(p.numel() * p.element_size() for p in params.values()), dtype=torch.uint8)
     pub.agent.register([raw])
     rdzv.store.set(f"bench/raw/{rank}", f"{raw.data_ptr()},{raw.numel()}")
+    rdzv.store.set(f"bench/meta/{rank}", pub.agent.metadata)  # now includes the raw block
     pub.publish(1)
     rdzv.wait_consumed(1, timeout=600)
     return {}
@@ -83,14 +84,18 @@ def main() -> None:
         cycles.append((time.perf_counter() - t0, receiver.stats))
     stats = cycles[-1][1]
 
-    # raw NIXL: each trainer's whole block, one descriptor each, prepared once, warm
-    agent = receiver.transport.nixl.agent
+    # raw NIXL: each trainer's whole block, one descriptor each, prepared once, warm (own agent)
+    from megarefit.transport.nixl import NixlAgent
+
+    raw_agent = NixlAgent("bench-raw-receiver")
+    agent = raw_agent.agent
     blocks = []
     for r in range(args.tp):
         addr, n = map(int, rdzv.store.get(f"bench/raw/{r}").decode().split(","))
-        blocks.append((f"megarefit-trainer-{r}-0-0", addr, n))
+        name = agent.add_remote_agent(rdzv.store.get(f"bench/meta/{r}"))
+        blocks.append((name.decode() if isinstance(name, bytes) else name, addr, n))
     local = torch.empty(sum(n for *_, n in blocks), dtype=torch.uint8)
-    receiver.transport.nixl.register([local])
+    raw_agent.register([local])
     handles, at = [], 0
     for name, addr, n in blocks:
         rh = agent.prep_xfer_dlist(name, [(addr, n, 0)], "DRAM")

@@ -73,7 +73,7 @@ def test_warm_cycles_register_and_prepare_nothing(live):
     for t in trainers:
         assert [c["registrations"] for c in t["counters"]] == [1] * VERSIONS
     assert stats[3].bytes_moved == stats[3].model_bytes
-    assert set(stats[3].seconds) == {"discover", "version", "plan", "prepare", "pull", "fence"}
+    assert set(stats[3].seconds) == {"discover", "version", "plan", "prepare", "pull", "pull.read", "pull.scratch", "fence"}
 
 
 def test_dead_peer_fails_naming_it():

@@ -158,7 +158,7 @@ def test_warm_refit_registers_nothing_new(run):
     for key in ("registrations", "registered_bytes", "remote_agents", "dlists", "xfers", "plans_built"):
         assert r3["counters"][key] == r1["counters"][key], key
     assert r3["bytes_moved"] == r3["model_bytes"]
-    assert set(r3["seconds"]) == {"discover", "version", "plan", "prepare", "pull", "fence", "load"}
+    assert set(r3["seconds"]) == {"discover", "version", "plan", "prepare", "pull", "pull.read", "pull.scratch", "fence", "load"}
 
 
 def test_failed_refits_leave_the_previous_weights(run):

@@ -8,7 +8,8 @@
     plan       plan from shapes, cached by layout digest (a layout change re-plans)
     prepare    target arena + scratch allocated and registered once; one prepared
                READ per source rank, re-posted on warm cycles
-    pull       post all READs, wait, scratch copies for strided targets
+    pull       post all READs, wait (``pull.read``), scratch copies for strided
+               targets (``pull.scratch``)
     fence      versions re-read: if any rank moved on during the pull, raise
                StaleVersionError before a single tensor is handed over
 
@@ -186,6 +187,7 @@ class RefitReceiver:
         lap("prepare")
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
         lap("pull")
+        seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
         after = self.rendezvous.versions(ranks)
         moved = {r: v for r, v in after.items() if v != got}
         if moved:

@@ -47,15 +47,18 @@ def _nixl():
 class NixlAgent:
     """A NIXL agent (UCX backend) with counters for what it registers and prepares.
 
+    ``progress_thread``: NIXL's background progress thread (needed on the serving
+    side so peers can connect; it busy-polls a CPU core).
+
     ``counters`` keys: ``registrations`` (register_memory calls), ``registered_bytes``,
     ``remote_agents`` (add_remote_agent calls), ``dlists`` (prepared descriptor
     lists), ``xfers`` (transfer requests created), ``posts`` (transfers posted).
     """
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True):
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name
-        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends)))
         self.counters: Counter[str] = Counter()
         self._registered: dict[tuple[int, int], Any] = {}
 
@@ -98,11 +101,15 @@ class PreparedPlan:
 class NixlTransport:
     """Executes whole plans over NIXL into preallocated target buffers."""
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
-        self.nixl = NixlAgent(name, backends=backends)
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False):
+        # The receiver drives progress itself while it polls for completion; a
+        # progress thread would only busy-poll a core (inside a vLLM worker, one
+        # taken from inference). Publishers keep theirs: peers need it to connect.
+        self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread)
         self._remotes: dict[bytes, str] = {}
         self._prepared: dict[tuple[str, ...], PreparedPlan] = {}
         self._scratch: torch.Tensor | None = None
+        self.last_seconds: dict[str, float] = {}
 
     @property
     def counters(self) -> Counter[str]:
@@ -183,6 +190,7 @@ class NixlTransport:
                 and byte ranges.
         """
         agent = self.nixl.agent
+        t_post = time.perf_counter()
         for pulls in prepared.per_source:
             try:
                 agent.transfer(pulls.handle)
@@ -205,9 +213,11 @@ class NixlTransport:
             pending = still
             if pending and time.monotonic() > deadline:
                 raise TransferError(self._describe(pending[0], f"no completion after {timeout:.1f} s"))
+        t_wait = time.perf_counter()
         for op, slot in prepared.scratch_ops:
             out = buffers[op.dst]
             out[op.dst_box.slices()].copy_(slot.view(op.dst_box.lengths))
+        self.last_seconds = {"read": t_wait - t_post, "scratch": time.perf_counter() - t_wait}
 
     @staticmethod
     def _describe(pulls: _SourcePulls, what: str) -> str:
