@@ -40,11 +40,18 @@ from megarefit.transport.local import LocalTransport
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def best_of(fn, repeat: int) -> float:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def best_of(fn, repeat: int) -> tuple[float, float]:
     times = []
     for _ in range(repeat):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times)
 
@@ -107,11 +114,13 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (shards, buffers and copies on that device)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
 
     cfg = json.loads(Path(args.config).read_text())
     g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     dims = megarefit.ModelDims.from_hf_config(cfg)
     layout = megarefit.SourceLayout.build(tp=args.tp, pp=1, padded_vocab_size=dims.padded_vocab_size(args.tp),
                                           num_layers=dims.num_layers)
@@ -119,7 +128,11 @@ def main() -> None:
     plan = plan_megatron_to_hf(dims, layout, args.dtype)
     shards: dict = {}
     for ref, meta in plan.sources.items():
-        shards.setdefault(tuple(ref.rank), {})[ref.name] = torch.randn(meta.shape, generator=g).to(dtype)
+        if args.device == "cpu":
+            t = torch.randn(meta.shape, generator=g)
+        else:
+            t = torch.randn(meta.shape, device=args.device)
+        shards.setdefault(tuple(ref.rank), {})[ref.name] = t.to(args.device, dtype)
     hf_bytes = sum(m.numel for m in plan.targets.values()) * torch.finfo(dtype).bits // 8
     src = [t for s in shards.values() for t in s.values()]
     dst = [torch.empty_like(t) for t in src]
@@ -135,10 +148,10 @@ def main() -> None:
         return megarefit.megatron_to_hf(shards, cfg, tp=args.tp)
 
     transport = LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})
-    buffers = {ref.name: torch.empty(meta.shape, dtype=dtype) for ref, meta in plan.targets.items()}
+    buffers = {ref.name: torch.empty(meta.shape, dtype=dtype, device=args.device) for ref, meta in plan.targets.items()}
 
     def refit_warm():
-        for _ in run_refit_cycle(plan, transport, buffers=buffers):
+        for _ in run_refit_cycle(plan, transport, buffers=buffers, device=args.device):
             pass
 
     def naive():
@@ -157,7 +170,9 @@ def main() -> None:
     copy_best = rows["plain copy (preallocated)"][0]
 
     print(f"machine: {machine()}")
-    print(f"model: {Path(args.config).stem} ({dims.family}), tp={args.tp}, {args.dtype}, "
+    if args.device != "cpu":
+        print(f"device: {torch.cuda.get_device_name()}")
+    print(f"model: {Path(args.config).stem} ({dims.family}), tp={args.tp}, {args.dtype}, on {args.device}, "
           f"HF bytes {hf_bytes / 1e9:.3f} GB, {plan.summary()['total']['ops']} ops")
     print(f"| path | best s | median s | GB/s (best) | vs plain copy |")
     print(f"|---|---:|---:|---:|---:|")

@@ -145,6 +145,7 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
         vocab padding trimmed, no ``lm_head.weight`` when embeddings are tied.
         Where the layout allows, tensors are zero-copy views of the shards
         (norms, and at TP=1 most weights); copy them before mutating the shards.
+        Other tensors are allocated on the shards' device.
 
     Raises:
         LayoutError: a rank is missing/extra, or tp/pp/ep do not fit the config.
@@ -163,7 +164,8 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
     plan = plan_megatron_to_hf(dims, layout, _common_dtype(tensors))
     check_shapes(plan, tensors)
-    return dict(run_refit_cycle(plan, LocalTransport(tensors)))
+    device = next(t for params in tensors.values() for t in params.values()).device
+    return dict(run_refit_cycle(plan, LocalTransport(tensors), device=device))
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -208,6 +210,7 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
                                        f"expect, e.g. {extra[:3]}")
     check_shapes(plan, {None: state})
     out: dict[RankCoord, dict[str, torch.Tensor]] = defaultdict(dict)
-    for ref, tensor in materialize(plan, LocalTransport({None: state})):
+    device = next(iter(state.values())).device
+    for ref, tensor in materialize(plan, LocalTransport({None: state}), device=device):
         out[ref.rank][ref.name] = tensor
     return dict(out)
