@@ -70,7 +70,10 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--receiver-threads", type=int, default=0, help="torch threads in the receiver (0: default)")
     args = ap.parse_args()
+    if args.receiver_threads:
+        torch.set_num_threads(args.receiver_threads)
     cfg = json.loads(Path(args.config).read_text())
 
     rdzv = Rendezvous.serve(job="bench")
@@ -126,6 +129,7 @@ def main() -> None:
     pull = [s.seconds["pull"] for _, s in cycles[1:]]
     best_raw = min(raw_times)
     print(f"machine: {machine()}")
+    print(f"receiver torch threads: {torch.get_num_threads()}")
     print(f"model: {Path(args.config).stem}, tp={args.tp} trainer processes, {args.dtype}; bytes moved "
           f"{nbytes / 1e9:.3f} GB = model bytes {stats.model_bytes / 1e9:.3f} GB "
           f"({nbytes / stats.model_bytes:.2f}x); raw block bytes {local.numel() / 1e9:.3f} GB")

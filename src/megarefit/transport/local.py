@@ -37,6 +37,27 @@ class LocalTransport:
             else:
                 out[op.dst_box.slices()].copy_(src[op.src_box.slices()])
 
+    def pull_batch(self, items: Sequence[tuple[Sequence[CopyOp], torch.Tensor]]) -> None:
+        """Execute many targets' ops at once. On a GPU all contiguous runs go through one
+        batched ``torch._foreach_copy_`` (a few kernel launches instead of one per op);
+        on CPU, and for strided ops, one copy each."""
+        dsts, srcs = [], []
+        for ops, out in items:
+            flat_out = out.view(-1)
+            for op in ops:
+                src = self._tensor(op.src)
+                if op.kind == "contiguous" and src.is_contiguous():
+                    n = op.numel
+                    dsts.append(flat_out[op.dst_offset:op.dst_offset + n])
+                    srcs.append(src.view(-1)[op.src_offset:op.src_offset + n])
+                else:
+                    out[op.dst_box.slices()].copy_(src[op.src_box.slices()])
+        if dsts and dsts[0].is_cuda:
+            torch._foreach_copy_(dsts, srcs)  # fused launches; on CPU a plain loop is faster
+        else:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+
     def view(self, op: CopyOp) -> torch.Tensor | None:
         src = self._tensor(op.src)
         v = src[op.src_box.slices()]
