@@ -119,3 +119,38 @@ def test_publisher_rejects_wrong_parameters(config):
     with pytest.raises(ShapeMismatchError, match=r"linear_fc2\.weight on rank \(tp=1, pp=0, ep=0\): expected "
                                                  r"contiguous \(64, 48\)"):
         Publisher(bad, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv)
+
+
+def test_layout_change_invalidates_the_cache(served, config):
+    cfg, hf, _, rdzv, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    assert all(torch.equal(t, hf[n]) for n, t in receiver.run_refit_cycle(1))
+    before = dict(receiver.counters)
+    # the trainer re-shards to tp=1 under the same job: rank (0, 0, 0) republishes
+    hf2 = reference_hf_state(cfg, "llama", seed=5)
+    single = {n: t.clone() for n, t in reference_shards(hf2, cfg, tp=1, pp=1)[(0, 0, 0)].items()}
+    pub = Publisher(single, cfg, rank=(0, 0, 0), tp=1, pp=1, rendezvous=rdzv, agent_name=f"{rdzv.prefix}tp1")
+    pub.publish(2)
+    got = dict(receiver.run_refit_cycle(2))
+    assert got.keys() == hf2.keys() and all(torch.equal(got[k], v) for k, v in hf2.items())
+    after = receiver.counters
+    assert after["plans_built"] == before["plans_built"] + 1 and after["xfers"] == before["xfers"] + 1
+    assert receiver.stats.cold
+
+
+def test_restarted_trainer_with_the_same_agent_name(served):
+    cfg, hf, shards, rdzv, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    list(receiver.run_refit_cycle(1))
+    # rank 1 restarts: new memory, new NIXL agent under the same name, new weights
+    old = pubs[(1, 0, 0)]
+    fresh = {n: (t * 2).contiguous() for n, t in shards[(1, 0, 0)].items()}
+    pubs[(1, 0, 0)] = Publisher(fresh, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv, agent_name=old.agent.name)
+    for p in pubs.values():
+        p.publish(2)
+    got = dict(receiver.run_refit_cycle(2))
+    want = megarefit.megatron_to_hf({(0, 0, 0): shards[(0, 0, 0)], (1, 0, 0): fresh}, cfg, tp=2)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert receiver.counters["remote_agents"] == 3 and receiver.counters["plans_built"] == 1

@@ -182,7 +182,7 @@ class RefitReceiver:
         plan, _ = self._plan_for(manifests)
         self._check_manifests(plan, manifests)
         lap("plan")
-        self.transport.connect(metadata)
+        self.transport.connect(manifests, metadata)
         prepared = self.transport.prepare(plan, manifests, self._buffers)
         lap("prepare")
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)

@@ -107,6 +107,7 @@ class _SourcePulls:
     agent: str
     ops: list[CopyOp]
     handle: Any = None
+    dlists: tuple[Any, ...] = ()
     scratch_ops: list[tuple[CopyOp, torch.Tensor]] = field(default_factory=list)
 
 
@@ -126,7 +127,7 @@ class NixlTransport:
         # progress thread would only busy-poll a core (inside a vLLM worker, one
         # taken from inference). Publishers keep theirs: peers need it to connect.
         self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread)
-        self._remotes: dict[bytes, str] = {}
+        self._remotes: dict[str, bytes] = {}  # agent name -> metadata loaded
         self._prepared: dict[tuple[str, ...], PreparedPlan] = {}
         self._scratch: torch.Tensor | None = None
         self.last_seconds: dict[str, float] = {}
@@ -135,13 +136,34 @@ class NixlTransport:
     def counters(self) -> Counter[str]:
         return self.nixl.counters
 
-    def connect(self, metadata: Mapping[RankCoord, bytes]) -> None:
-        """Load each source's NIXL metadata (NIXL's own metadata exchange); once per agent."""
+    def connect(self, manifests: Mapping[RankCoord, Manifest], metadata: Mapping[RankCoord, bytes]) -> None:
+        """Load each source's NIXL metadata (NIXL's own metadata exchange); once per agent.
+
+        A source that re-registered (e.g. a restarted trainer: same agent name, new
+        metadata) replaces its old entry, and requests prepared against it are released.
+        """
         for rank, blob in metadata.items():
-            if blob and blob not in self._remotes:
-                name = self.nixl.agent.add_remote_agent(blob)
-                self._remotes[blob] = name.decode() if isinstance(name, bytes) else name
-                self.nixl.counters["remote_agents"] += 1
+            name = manifests[rank].agent
+            if not blob or self._remotes.get(name) == blob:
+                continue
+            if name in self._remotes:
+                self._release_prepared()
+                self.nixl.agent.remove_remote_agent(name)
+                del self._remotes[name]
+            added = self.nixl.agent.add_remote_agent(blob)
+            added = added.decode() if isinstance(added, bytes) else added
+            if added != name:
+                raise TransferError(f"rank {rank}: NIXL metadata names agent {added!r}, manifest says {name!r}")
+            self._remotes[name] = blob
+            self.nixl.counters["remote_agents"] += 1
+
+    def _release_prepared(self) -> None:
+        for prepared in self._prepared.values():
+            for pulls in prepared.per_source:
+                for handle in (pulls.handle, *pulls.dlists):
+                    with contextlib.suppress(Exception):
+                        handle.release()
+        self._prepared = {}
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                 buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
@@ -189,14 +211,16 @@ class NixlTransport:
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
             idx = list(range(len(pulls.ops)))
             pulls.handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
+            pulls.dlists = (lh, rh)
             self.nixl.counters["dlists"] += 2
             self.nixl.counters["xfers"] += 1
             prepared.per_source.append(pulls)
-        self._prepared = {key: prepared}  # keep only the current layout's requests
+        self._release_prepared()  # keep only the current layout's requests
+        self._prepared = {key: prepared}
         return prepared
 
     def _remote_name(self, manifest: Manifest) -> str:
-        if manifest.agent not in self._remotes.values():
+        if manifest.agent not in self._remotes:
             raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
         return manifest.agent
 
