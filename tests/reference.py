@@ -105,3 +105,102 @@ def reference_hf_state(cfg: dict, family: str, seed: int = 0, dtype=torch.float3
         key = next(k for k in sorted(shapes, key=len, reverse=True) if k in name)
         out[name] = torch.randn(shapes[key], generator=g).to(dtype)
     return out
+
+
+# ---- MoE (Qwen3-MoE / Mixtral style): independent names and layout --------------------------
+
+MOE_HF = {  # family -> (block, gate, expert names gate/up/down)
+    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+}
+
+
+def moe_dense_layers(cfg: dict, family: str) -> set[int]:
+    if family == "qwen3_moe":
+        step = cfg.get("decoder_sparse_step") or 1
+        return set(cfg.get("mlp_only_layers") or []) | {i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step}
+    return set()
+
+
+def moe_hf_state(cfg: dict, family: str, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Random HF tensors of a Qwen3-MoE / Mixtral model, from the config alone."""
+    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or hidden // heads
+    experts = cfg["num_experts"] if family == "qwen3_moe" else cfg["num_local_experts"]
+    ffn = cfg["moe_intermediate_size"] if family == "qwen3_moe" else cfg["intermediate_size"]
+    block, gate, (w_gate, w_up, w_down) = MOE_HF[family]
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(shape, generator=g).to(dtype)
+
+    out = {"model.embed_tokens.weight": r(vocab, hidden), "model.norm.weight": r(hidden)}
+    if not cfg.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = r(vocab, hidden)
+    dense = moe_dense_layers(cfg, family)
+    for i in range(cfg["num_hidden_layers"]):
+        H = f"model.layers.{i}."
+        out |= {H + "input_layernorm.weight": r(hidden), H + "post_attention_layernorm.weight": r(hidden),
+                H + "self_attn.q_proj.weight": r(heads * d, hidden), H + "self_attn.k_proj.weight": r(groups * d, hidden),
+                H + "self_attn.v_proj.weight": r(groups * d, hidden), H + "self_attn.o_proj.weight": r(hidden, heads * d)}
+        if family == "qwen3_moe":
+            out |= {H + "self_attn.q_norm.weight": r(d), H + "self_attn.k_norm.weight": r(d)}
+        if i in dense:
+            f = cfg["intermediate_size"]
+            out |= {H + "mlp.gate_proj.weight": r(f, hidden), H + "mlp.up_proj.weight": r(f, hidden),
+                    H + "mlp.down_proj.weight": r(hidden, f)}
+            continue
+        out[H + f"{block}.{gate}.weight"] = r(experts, hidden)
+        for e in range(experts):
+            E = H + f"{block}.experts.{e}."
+            out |= {E + f"{w_gate}.weight": r(ffn, hidden), E + f"{w_up}.weight": r(ffn, hidden),
+                    E + f"{w_down}.weight": r(hidden, ffn)}
+    return out
+
+
+def moe_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, family: str, *, tp: int, pp: int, ep: int,
+                         etp: int, grouped: bool = False, divisor: int = 128) -> dict:
+    """Megatron shards of a MoE model: dense parts as ``reference_shards``, experts on
+    ep rank ``e // (E/ep)`` with local index ``e % (E/ep)``, split over ``etp``."""
+    dense_cfg = dict(cfg)
+    experts = cfg["num_experts"] if family == "qwen3_moe" else cfg["num_local_experts"]
+    block, gate, (w_gate, w_up, w_down) = MOE_HF[family]
+    dense_layers = moe_dense_layers(cfg, family)
+    per_stage, per_ep = cfg["num_hidden_layers"] // pp, experts // ep
+    # dense parts: the dense reference, given placeholder MLPs in MoE layers that are dropped below
+    fake, hidden = dict(hf), cfg["hidden_size"]
+    for i in set(range(cfg["num_hidden_layers"])) - dense_layers:
+        H = f"model.layers.{i}.mlp."
+        fake |= {H + "gate_proj.weight": torch.zeros(tp, hidden), H + "up_proj.weight": torch.zeros(tp, hidden),
+                 H + "down_proj.weight": torch.zeros(hidden, tp)}
+    base = reference_shards(fake, dense_cfg, tp=tp, pp=pp, divisor=divisor)
+    out = {}
+    for (t, p, _), params in base.items():
+        for e_rank in range(ep):
+            s = {}
+            for name, tensor in params.items():
+                if name.startswith("decoder.layers."):
+                    local = int(name.split(".")[2])
+                    if p * per_stage + local not in dense_layers and ".mlp.linear_fc" in name:
+                        continue
+                s[name] = tensor
+            for local in range(per_stage):
+                i = p * per_stage + local
+                if i in dense_layers:
+                    continue
+                H, L = f"model.layers.{i}.{block}.", f"decoder.layers.{local}.mlp."
+                s[L + "router.weight"] = hf[H + f"{gate}.weight"]
+                for j in range(per_ep):
+                    e = e_rank * per_ep + j
+                    E = H + f"experts.{e}."
+                    rank = t if etp > 1 else 0
+                    fc1 = torch.cat([hf[E + f"{w_gate}.weight"].chunk(etp)[rank], hf[E + f"{w_up}.weight"].chunk(etp)[rank]])
+                    fc2 = hf[E + f"{w_down}.weight"].chunk(etp, dim=1)[rank]
+                    if grouped:
+                        s[L + f"experts.linear_fc1.weight{j}"], s[L + f"experts.linear_fc2.weight{j}"] = fc1, fc2
+                    else:
+                        s[L + f"experts.local_experts.{j}.linear_fc1.weight"] = fc1
+                        s[L + f"experts.local_experts.{j}.linear_fc2.weight"] = fc2
+            out[(t, p, e_rank)] = s
+    return out

@@ -48,8 +48,19 @@ class ModelDims:
     qkv_bias: bool = False
     proj_bias: bool = False
     mlp_bias: bool = False
+    num_experts: int = 0  # routed experts per MoE layer; 0 for dense models
+    moe_ffn_hidden_size: int = 0  # per routed expert
+    shared_expert_ffn: int = 0  # total shared-expert intermediate size; 0 for none
+    router_bias: bool = False  # router score-correction bias (DeepSeek-V3 e_score_correction_bias)
+    dense_layers: tuple[int, ...] = ()  # global indices of dense layers in an MoE model
+    q_lora_rank: int = 0  # MLA; 0 without a low-rank q projection
+    kv_lora_rank: int = 0  # MLA; 0 for non-MLA attention
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
                      "ffn_hidden_size", "vocab_size"):
             if getattr(self, name) <= 0:
@@ -85,6 +96,30 @@ class ModelDims:
             return bool(get(rule, False)) if isinstance(rule, str) else rule
 
         tie = get("tie_word_embeddings")
+        moe: dict[str, Any] = {}
+        if fam.experts_key is not None and get(fam.experts_key):
+            experts = int(get(fam.experts_key))
+            moe_ffn = int(get(fam.moe_ffn_key)) if fam.moe_ffn_key else 0
+            layers = need("num_hidden_layers")
+            dense = set()
+            if fam.first_dense_key and get(fam.first_dense_key):
+                dense |= set(range(int(get(fam.first_dense_key))))
+            if fam.mlp_only_key and get(fam.mlp_only_key):
+                dense |= {int(i) for i in get(fam.mlp_only_key)}
+            if fam.sparse_step_key and get(fam.sparse_step_key):
+                step = int(get(fam.sparse_step_key))
+                dense |= {i for i in range(layers) if (i + 1) % step}
+            if isinstance(fam.router_bias, tuple):
+                bias = get(fam.router_bias[0]) == fam.router_bias[1]
+            else:
+                bias = fam.router_bias
+            shared = int(get(fam.shared_experts_key) or 0) if fam.shared_experts_key else 0
+            moe = {"num_experts": experts, "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn": shared * moe_ffn,
+                   "router_bias": bool(bias), "dense_layers": tuple(sorted(dense))}
+        if fam.mla:
+            moe.update(q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=need("kv_lora_rank"),
+                       qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+                       v_head_dim=need("v_head_dim"))
         return cls(
             family=fam.name,
             num_layers=need("num_hidden_layers"),
@@ -98,6 +133,7 @@ class ModelDims:
             qkv_bias=flag(fam.qkv_bias),
             proj_bias=flag(fam.proj_bias),
             mlp_bias=flag(fam.mlp_bias),
+            **moe,
         )
 
     @property
@@ -112,7 +148,19 @@ class ModelDims:
     def size(self, symbol: str, *, padded_vocab: int | None = None) -> int:
         """Resolve a spec-table shape symbol to an element count."""
         q = self.num_attention_heads * self.head_dim
+        heads = self.num_attention_heads
         table = {
+            "experts": self.num_experts,
+            "moe_ffn": self.moe_ffn_hidden_size,
+            "2moe_ffn": 2 * self.moe_ffn_hidden_size,
+            "shared_ffn": self.shared_expert_ffn,
+            "2shared_ffn": 2 * self.shared_expert_ffn,
+            "q_lora": self.q_lora_rank,
+            "kv_lora": self.kv_lora_rank,
+            "q_up": heads * (self.qk_nope_head_dim + self.qk_rope_head_dim),
+            "kv_down": self.kv_lora_rank + self.qk_rope_head_dim,
+            "kv_up": heads * (self.qk_nope_head_dim + self.v_head_dim),
+            "v_heads": heads * self.v_head_dim,
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
             "2ffn": 2 * self.ffn_hidden_size,
@@ -136,26 +184,50 @@ class ModelDims:
             out.add(Condition.UNTIED)
         elif pp > 1:
             out.add(Condition.TIED_COPY)
+        if self.shared_expert_ffn:
+            out.add(Condition.SHARED_EXPERTS)
+        if self.router_bias:
+            out.add(Condition.ROUTER_BIAS)
+        if self.q_lora_rank:
+            out.add(Condition.Q_LORA)
         return frozenset(out)
 
-    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+    def layer_kind(self, layer: int) -> str:
+        """``"moe"`` or ``"dense"`` for global decoder layer ``layer``."""
+        return "moe" if self.num_experts and layer not in self.dense_layers else "dense"
+
+    def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
         """Raise :class:`LayoutError` if Megatron could not shard this model with these sizes
-        (the layer split over ``pp`` is checked by ``SourceLayout.build``)."""
+        (the layer split over ``pp`` is checked by ``SourceLayout.build``). ``etp`` is
+        Megatron's ``expert_tensor_parallel_size`` (default ``tp``)."""
+        etp = tp if etp is None else etp
         for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         problems = []
-        if self.num_query_groups % tp:
+        if self.kv_lora_rank:  # MLA splits by heads
+            pass
+        elif self.num_query_groups % tp:
             problems.append(f"num_query_groups={self.num_query_groups} not divisible by tp={tp}")
         if self.num_attention_heads % tp:
             problems.append(f"num_attention_heads={self.num_attention_heads} not divisible by tp={tp}")
         if self.ffn_hidden_size % tp:
             problems.append(f"ffn_hidden_size={self.ffn_hidden_size} not divisible by tp={tp}")
-        if ep != 1:
-            problems.append(f"ep={ep}: family {self.family} has no experts; use ep=1")
+        if ep != 1 and not self.num_experts:
+            problems.append(f"ep={ep}: this {self.family} model has no experts; use ep=1")
+        if self.num_experts and self.num_experts % ep:
+            problems.append(f"num_experts={self.num_experts} not divisible by ep={ep}")
+        if self.num_experts and self.moe_ffn_hidden_size % etp:
+            problems.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} not divisible by etp={etp}")
+        if self.shared_expert_ffn % tp:
+            problems.append(f"shared expert ffn={self.shared_expert_ffn} not divisible by tp={tp}")
+        if etp not in (1, tp):
+            problems.append(f"etp={etp}: expert tensor parallelism must be 1 or tp={tp}")
         if problems:
             raise LayoutError(f"{self.family} model cannot be laid out at tp={tp} pp={pp} ep={ep}: "
                               + "; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["dense_layers"] = list(self.dense_layers)
+        return d

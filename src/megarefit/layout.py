@@ -17,13 +17,14 @@ Megatron's ``ShardedTensor`` use the same idea)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import product
 from typing import NamedTuple
 
 from megarefit.errors import LayoutError
-from megarefit.specs.table import LayerSpec
+from megarefit.specs.table import ExpertLayout, LayerSpec
 
 
 class RankCoord(NamedTuple):
@@ -65,8 +66,11 @@ class Box:
     def is_contiguous_in(self, shape: tuple[int, ...]) -> bool:
         """True when the box is one contiguous run of the row-major tensor ``shape``:
         after the first dim with length > 1, every dim is full."""
+        lengths = self.lengths
+        if len(lengths) <= 1 or lengths[1:] == shape[1:]:
+            return True  # the common case: a row range
         started = False
-        for o, n, s in zip(self.offsets, self.lengths, shape):
+        for o, n, s in zip(self.offsets, lengths, shape):
             if started and (o != 0 or n != s):
                 return False
             if n > 1:
@@ -108,6 +112,9 @@ class SourceLayout:
             (Megatron's even split, or uneven with
             ``num_layers_in_first/last_pipeline_stage``).
         layer_spec: which spelling of the fused norms the names use.
+        etp: expert tensor parallel size (Megatron's ``expert_tensor_parallel_size``):
+            ``tp`` (0 means "same as tp") or 1.
+        expert_layout: how routed experts are stored (see ``ExpertLayout``).
     """
 
     tp: int
@@ -116,8 +123,16 @@ class SourceLayout:
     padded_vocab_size: int
     stage_layers: tuple[int, ...]
     layer_spec: LayerSpec = "local"
+    etp: int = 0
+    expert_layout: ExpertLayout = "sequential"
 
     def __post_init__(self) -> None:
+        if self.etp == 0:
+            object.__setattr__(self, "etp", self.tp)
+        if self.etp not in (1, self.tp):
+            raise LayoutError(f"etp={self.etp} must be 1 or tp={self.tp}")
+        if self.expert_layout not in ("sequential", "te_grouped", "legacy_grouped"):
+            raise LayoutError(f"unknown expert_layout {self.expert_layout!r}")
         for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -132,7 +147,8 @@ class SourceLayout:
     @classmethod
     def build(cls, *, tp: int, pp: int, ep: int = 1, padded_vocab_size: int, num_layers: int,
               first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-              layer_spec: LayerSpec = "local") -> SourceLayout:
+              layer_spec: LayerSpec = "local", etp: int | None = None,
+              expert_layout: ExpertLayout = "sequential") -> SourceLayout:
         """Split ``num_layers`` over ``pp`` stages the way Megatron-Core does.
 
         Without ``first_stage_layers`` / ``last_stage_layers`` (Megatron's
@@ -168,7 +184,7 @@ class SourceLayout:
             )
         per = rest // middle if middle else 0
         stages = tuple(fixed.get(i, per) for i in range(pp))
-        return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec)
+        return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec, tp if etp is None else etp, expert_layout)
 
     @property
     def num_layers(self) -> int:
@@ -182,13 +198,17 @@ class SourceLayout:
         return [RankCoord(t, p, e) for p, t, e in product(range(self.pp), range(self.tp), range(self.ep))]
 
     def with_layer_spec(self, layer_spec: LayerSpec) -> SourceLayout:
-        return SourceLayout(self.tp, self.pp, self.ep, self.padded_vocab_size, self.stage_layers, layer_spec)
+        return dataclasses.replace(self, layer_spec=layer_spec)
+
+    def with_expert_layout(self, expert_layout: ExpertLayout) -> SourceLayout:
+        return dataclasses.replace(self, expert_layout=expert_layout)
 
     def to_dict(self) -> dict[str, object]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "padded_vocab_size": self.padded_vocab_size,
-                "stage_layers": list(self.stage_layers), "layer_spec": self.layer_spec}
+                "stage_layers": list(self.stage_layers), "layer_spec": self.layer_spec, "etp": self.etp,
+                "expert_layout": self.expert_layout}
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> SourceLayout:
         return cls(d["tp"], d["pp"], d["ep"], d["padded_vocab_size"], tuple(d["stage_layers"]),  # type: ignore[arg-type]
-                   d["layer_spec"])  # type: ignore[arg-type]
+                   d["layer_spec"], d.get("etp", 0), d.get("expert_layout", "sequential"))  # type: ignore[arg-type]

@@ -51,6 +51,7 @@ class SourceTensor:
     spec: ParamSpec
     layer: int | None  # global layer index
     shape: tuple[int, ...]  # local shape on this rank (elements)
+    expert: int | None = None  # global expert id
 
 
 @dataclass(frozen=True)
@@ -65,21 +66,29 @@ class Piece:
     column: bool = False
 
 
+@lru_cache(maxsize=4096)
 def global_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
     """The Megatron tensor's shape at TP=1 (vocab padded)."""
     return tuple(dims.size(s, padded_vocab=layout.padded_vocab_size) for s in spec.shape)
 
 
+def _split(spec: ParamSpec, layout: SourceLayout) -> int:
+    """TP degree that splits this row: ``etp`` for experts, ``tp`` otherwise."""
+    return layout.etp if spec.role.is_expert else layout.tp
+
+
+@lru_cache(maxsize=4096)
 def local_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
     shape = global_shape(spec, dims, layout)
-    mode = spec.role.parallel_mode
+    mode, split = spec.role.parallel_mode, _split(spec, layout)
     if mode is ParallelMode.COLUMN:
-        return (shape[0] // layout.tp,) + shape[1:]
+        return (shape[0] // split,) + shape[1:]
     if mode is ParallelMode.ROW:
-        return (shape[0], shape[1] // layout.tp)
+        return (shape[0], shape[1] // split)
     return shape
 
 
+@lru_cache(maxsize=4096)
 def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[tuple[int, ...], ...]:
     """Shapes of the HF tensors a row becomes, in ``spec.hf`` order."""
     shape = global_shape(spec, dims, layout)
@@ -87,7 +96,7 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
     if spec.role is Role.QKV:
         q, kv = dims.num_attention_heads * dims.head_dim, dims.num_query_groups * dims.head_dim
         return ((q,) + rest, (kv,) + rest, (kv,) + rest)
-    if spec.role is Role.GATED_MLP:
+    if spec.role in (Role.GATED_MLP, Role.EXPERT_GATED_MLP):
         return ((shape[0] // 2,) + rest,) * 2
     if spec.role is Role.VOCAB:
         return ((dims.vocab_size,) + rest,)
@@ -95,21 +104,23 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
 
 
 def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: SourceLayout, tp_rank: int) -> list[Piece]:
-    """Where TP rank ``tp_rank``'s local tensor lands in the HF tensors ``names``."""
+    """Where TP rank ``tp_rank``'s local tensor lands in the HF tensors ``names``
+    (expert roles split over ``etp``; with ``etp == 1`` every TP rank holds whole experts)."""
     shape = global_shape(spec, dims, layout)
-    tp, role = layout.tp, spec.role
+    tp, role = _split(spec, layout), spec.role
+    tp_rank = tp_rank if tp > 1 else 0
     n = shape[0] // tp if role.parallel_mode is ParallelMode.COLUMN else shape[0]
     if role is Role.REPLICATED:
         return [Piece(names[0], 0, 0, shape[0])]
     if role is Role.COLUMN:
         return [Piece(names[0], 0, tp_rank * n, n)]
-    if role is Role.ROW:
+    if role in (Role.ROW, Role.EXPERT_ROW):
         k = shape[1] // tp
         return [Piece(names[0], 0, tp_rank * k, k, column=True)]
     if role is Role.VOCAB:
         keep = min(n, dims.vocab_size - tp_rank * n)
         return [Piece(names[0], 0, tp_rank * n, keep)] if keep > 0 else []
-    if role is Role.GATED_MLP:
+    if role in (Role.GATED_MLP, Role.EXPERT_GATED_MLP):
         half = n // 2  # local rows are [gate_r; up_r]
         return [Piece(names[0], 0, tp_rank * half, half), Piece(names[1], half, tp_rank * half, half)]
     if role is Role.QKV:
@@ -134,10 +145,14 @@ def _boxes(p: Piece, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> 
 def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dict[str, SourceTensor]]:
     """Every Megatron parameter each rank holds under ``layout``, with local shapes.
 
-    Names are as ``named_parameters()`` gives them on that rank (local layer index).
+    Names are as ``named_parameters()`` gives them on that rank: local layer
+    index per pipeline stage, local expert index per expert-parallel rank
+    (global expert = ``ep_rank * num_experts / ep + local``). Non-expert tensors
+    are replicated over ``ep`` ranks.
     """
-    dims.check_layout(layout.tp, layout.pp, layout.ep)
-    rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec)
+    dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
+    rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
+    per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
     out: dict[RankCoord, dict[str, SourceTensor]] = {}
     for rank in layout.ranks():
         first, last = rank.pp == 0, rank.pp == layout.pp - 1
@@ -148,9 +163,18 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
             part = [r for r in rows if r.stage is stage_part]
             layers = range(layout.stage_layers[rank.pp]) if stage_part is Stage.LAYER else [None]
             for local in layers:
+                glob = None if local is None else layout.layer_offset(rank.pp) + local
+                kind = None if glob is None else dims.layer_kind(glob)
                 for row in part:
-                    glob = None if local is None else layout.layer_offset(rank.pp) + local
-                    tensors[row.megatron_name(local)] = SourceTensor(row, glob, local_shape(row, dims, layout))
+                    if row.layer_kind is not None and row.layer_kind != kind:
+                        continue
+                    shape = local_shape(row, dims, layout)
+                    if row.per_expert:
+                        for i in range(per_ep):
+                            tensors[row.megatron_name(local, i)] = SourceTensor(row, glob, shape,
+                                                                                rank.ep * per_ep + i)
+                    else:
+                        tensors[row.megatron_name(local)] = SourceTensor(row, glob, shape)
         out[rank] = tensors
     return out
 
@@ -199,17 +223,23 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
         for name, t in ts.items():
             if t.spec.duplicate:
                 continue
-            names = t.spec.hf_names(t.layer)
+            if not t.spec.role.is_expert and rank.ep != 0:
+                continue  # non-expert tensors are replicated over ep: read from ep rank 0
+            names = t.spec.hf_names(t.layer, t.expert)
             shapes = hf_shapes(t.spec, dims, layout)
             for hf_name, shape in zip(names, shapes):
                 targets.setdefault(TensorRef(None, hf_name), TensorMeta(shape, dtype))
             reader = rank
             if t.spec.role is Role.REPLICATED:
-                if rank.tp != 0 or rank.ep != 0:
+                if rank.tp != 0:
                     continue  # one replica is enough; chosen below from the tp=0 visit
                 k = replicated_count[rank.pp]
                 replicated_count[rank.pp] += 1
                 reader = RankCoord(k % layout.tp, rank.pp, 0)
+            elif t.spec.role.is_expert and layout.etp == 1 and layout.tp > 1:
+                if rank.tp != 0:
+                    continue  # whole experts on every TP rank: read expert e from TP rank e % tp
+                reader = RankCoord(t.expert % layout.tp, rank.pp, rank.ep)  # same name on every TP rank
             shape_of = dict(zip(names, shapes))
             for p in pieces(t.spec, names, dims, layout, reader.tp):
                 sbox, dbox = _boxes(p, t.shape, shape_of[p.hf_name])
@@ -238,7 +268,7 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     ops: list[CopyOp] = []
     for rank, ts in tensors.items():
         for name, t in ts.items():
-            names, shapes = t.spec.hf_names(t.layer), hf_shapes(t.spec, dims, layout)
+            names, shapes = t.spec.hf_names(t.layer, t.expert), hf_shapes(t.spec, dims, layout)
             shape_of = dict(zip(names, shapes))
             for hf_name, shape in shape_of.items():
                 sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, dtype))
@@ -274,7 +304,8 @@ def check_ranks(tp: int, pp: int, ep: int, ranks: Iterable[tuple[int, int, int]]
 
 def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
                        names: Mapping[RankCoord, Iterable[str]]) -> SourceLayout:
-    """Check provided Megatron names against the layout; return it with the detected layer spec.
+    """Check provided Megatron names against the layout; return it with the detected layer
+    spec (norm spelling) and expert layout.
 
     ``names`` must hold every rank of ``layout`` and, on each, exactly the
     parameters the spec table implies (either fused-norm spelling, not both).
@@ -289,16 +320,22 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
     check_ranks(layout.tp, layout.pp, layout.ep, given)
     expected_ranks = set(layout.ranks())
     spec, conds = dims.spec, dims.conditions(layout.pp)
-    spellings = set()
+    spellings, expert_layouts = set(), set()
     for rank, ns in given.items():
         for n in ns:
             row = spec.match(n, conds, rank=rank).spec
             if row.spelling is not None:
                 spellings.add(row.spelling)
+            if row.expert_layout is not None:
+                expert_layouts.add(row.expert_layout)
     if len(spellings) > 1:
         raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec norm names")
+    if len(expert_layouts) > 1:
+        raise UnexpectedParameterError(f"shards mix expert layouts {sorted(expert_layouts)}")
     chosen: LayerSpec = spellings.pop() if spellings else layout.layer_spec
     resolved = layout.with_layer_spec(chosen)
+    if expert_layouts:
+        resolved = resolved.with_expert_layout(expert_layouts.pop())
     expected = source_tensors(dims, resolved)
     for rank in sorted(expected_ranks):
         want, have = set(expected[rank]), set(given[rank])

@@ -23,7 +23,7 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
 from megarefit.receiver import materialize, run_refit_cycle
-from megarefit.specs.table import LayerSpec, Role, canonical_name
+from megarefit.specs.table import ExpertLayout, LayerSpec, Role, canonical_name
 from megarefit.transport.local import LocalTransport
 
 Shards = Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]]
@@ -127,7 +127,20 @@ def check_shapes(plan: Plan, tensors: Mapping[RankCoord | None, Mapping[str, tor
             )
 
 
+def _infer_etp(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch.Tensor]], tp: int) -> int:
+    """Expert-TP size from an expert fc1 shard's rows (``2 * moe_ffn / etp``); ``tp`` if none."""
+    if not dims.num_experts:
+        return tp
+    for rank, params in sorted(tensors.items()):
+        for name, t in params.items():
+            if ".mlp.experts." in name and ".linear_fc1." in name and t.dim() == 2:
+                rows = t.shape[0]
+                return max(1, 2 * dims.moe_ffn_hidden_size // rows) if rows else tp
+    return tp
+
+
 def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                   etp: int | None = None,
                    make_vocab_size_divisible_by: int | None = None) -> dict[str, torch.Tensor]:
     """Translate Megatron-Core shards to full HF checkpoint tensors.
 
@@ -136,8 +149,13 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
             every rank of the ``tp x pp x ep`` grid (one data-parallel replica).
         hf_config: HF ``config.json`` dict, path, or ``PretrainedConfig``.
         tp, pp, ep: the trainer's parallel sizes.
+        etp: expert tensor parallel size (1 or ``tp``); by default inferred from
+            the expert shards' shapes.
         make_vocab_size_divisible_by: Megatron's vocab padding divisor; by
             default inferred from the embedding shard's row count.
+
+    The norm spelling (local / Transformer-Engine spec) and the expert layout
+    (SequentialMLP / TE grouped) are detected from the names.
 
     Returns:
         ``{hf_name: tensor}`` with on-disk HF checkpoint names and shapes
@@ -155,12 +173,13 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     """
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
-    dims.check_layout(tp, pp, ep)
     tensors = normalize_shards(shards)
     check_ranks(tp, pp, ep, tensors)
+    etp = _infer_etp(dims, tensors, tp) if etp is None else etp
+    dims.check_layout(tp, pp, ep, etp)
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
-                              **_stage_split(dims, tensors, pp))
+                              etp=etp, **_stage_split(dims, tensors, pp))
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
     plan = plan_megatron_to_hf(dims, layout, _common_dtype(tensors))
     check_shapes(plan, tensors)
@@ -169,7 +188,9 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                   layer_spec: LayerSpec = "local", make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+                   etp: int | None = None, layer_spec: LayerSpec = "local",
+                   expert_layout: ExpertLayout = "sequential",
+                   make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
                    first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> dict[RankCoord, dict[str, torch.Tensor]]:
     """Translate full HF checkpoint tensors to Megatron-Core shards: the exact inverse of
     :func:`megatron_to_hf`.
@@ -179,7 +200,8 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     and, with tied embeddings and ``pp > 1``, the last stage's ``output_layer.weight``
     copy of the embedding. ``layer_spec`` picks the norm spelling (``"local"`` or
     ``"te"``); ``first_stage_layers`` / ``last_stage_layers`` give Megatron's uneven
-    pipeline split (``num_layers_in_first/last_pipeline_stage``). Tensors may be zero-copy views of ``hf_state`` (replicated tensors are
+    pipeline split (``num_layers_in_first/last_pipeline_stage``); ``etp`` (default
+    ``tp``) and ``expert_layout`` (``"sequential"`` / ``"te_grouped"``) shape the experts. Tensors may be zero-copy views of ``hf_state`` (replicated tensors are
     shared between TP ranks); copy them before mutating.
 
     An in-memory ``lm_head.weight`` of a tied model (as ``state_dict()`` returns it)
@@ -192,13 +214,13 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     """
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
-    dims.check_layout(tp, pp, ep)
+    dims.check_layout(tp, pp, ep, etp)
     state = dict(hf_state)
     if dims.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(
         tp, make_vocab_size_divisible_by), num_layers=dims.num_layers, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers, layer_spec=layer_spec)
+        last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout)
     plan = plan_hf_to_megatron(dims, layout, _common_dtype({None: state}))
     expected = {ref.name for ref in plan.sources}
     if expected - state.keys():

@@ -7,7 +7,8 @@ from typing import Any
 
 from megarefit.errors import UnsupportedModelError
 from megarefit.specs.llama import LLAMA
-from megarefit.specs.qwen import QWEN2, QWEN3
+from megarefit.specs.mixtral import MIXTRAL
+from megarefit.specs.qwen import QWEN2, QWEN3, QWEN3_MOE
 from megarefit.specs.table import (
     LAYER_SPECS,
     Condition,
@@ -20,7 +21,7 @@ from megarefit.specs.table import (
     Stage,
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3)
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

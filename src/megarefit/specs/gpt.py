@@ -43,18 +43,19 @@ QK_NORM = (
     ParamSpec(_L + "self_attention.k_layernorm.weight", R.REPLICATED, (_ATTN + "k_norm.weight",), ("head_dim",)),
 )
 
-GATED_MLP = (
+GATED_MLP = (  # the MLP of dense layers (every layer of a dense model)
     ParamSpec(_L + "pre_mlp_layernorm.weight", R.REPLICATED, (_H + "post_attention_layernorm.weight",), ("hidden",),
-              spelling="local"),
+              spelling="local", layer_kind="dense"),
     ParamSpec(_L + "mlp.linear_fc1.layer_norm_weight", R.REPLICATED, (_H + "post_attention_layernorm.weight",),
-              ("hidden",), spelling="te"),
+              ("hidden",), spelling="te", layer_kind="dense"),
     ParamSpec(_L + "mlp.linear_fc1.weight", R.GATED_MLP, (_MLP + "gate_proj.weight", _MLP + "up_proj.weight"),
-              ("2ffn", "hidden")),
+              ("2ffn", "hidden"), layer_kind="dense"),
     ParamSpec(_L + "mlp.linear_fc1.bias", R.GATED_MLP, (_MLP + "gate_proj.bias", _MLP + "up_proj.bias"), ("2ffn",),
-              requires=frozenset({C.MLP_BIAS})),
-    ParamSpec(_L + "mlp.linear_fc2.weight", R.ROW, (_MLP + "down_proj.weight",), ("hidden", "ffn")),
+              requires=frozenset({C.MLP_BIAS}), layer_kind="dense"),
+    ParamSpec(_L + "mlp.linear_fc2.weight", R.ROW, (_MLP + "down_proj.weight",), ("hidden", "ffn"),
+              layer_kind="dense"),
     ParamSpec(_L + "mlp.linear_fc2.bias", R.REPLICATED, (_MLP + "down_proj.bias",), ("hidden",),
-              requires=frozenset({C.MLP_BIAS})),
+              requires=frozenset({C.MLP_BIAS}), layer_kind="dense"),
 )
 
 OUTPUT = (

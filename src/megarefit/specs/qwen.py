@@ -1,6 +1,9 @@
-"""Qwen2 / Qwen2.5 (q/k/v bias always on) and Qwen3 (q/k RMSNorm, head_dim from the config)."""
+"""Qwen2 / Qwen2.5 (q/k/v bias always on), Qwen3 (q/k RMSNorm, head_dim from the config)
+and Qwen3-MoE (Qwen3 attention, routed experts; dense layers from ``mlp_only_layers`` /
+``decoder_sparse_step``)."""
 
 from megarefit.specs import gpt
+from megarefit.specs.moe import moe_rows
 from megarefit.specs.table import FamilySpec
 
 QWEN2 = FamilySpec(
@@ -18,4 +21,17 @@ QWEN3 = FamilySpec(
     entries=gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT,
     qkv_bias="attention_bias",
     proj_bias="attention_bias",
+)
+
+QWEN3_MOE = FamilySpec(
+    name="qwen3_moe",
+    architectures=("Qwen3MoeForCausalLM",),
+    model_types=("qwen3_moe",),
+    entries=gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(),
+    qkv_bias="attention_bias",
+    proj_bias="attention_bias",
+    experts_key="num_experts",
+    moe_ffn_key="moe_intermediate_size",
+    mlp_only_key="mlp_only_layers",
+    sparse_step_key="decoder_sparse_step",
 )

@@ -33,6 +33,20 @@ norms as separate modules (``input_layernorm``, ``pre_mlp_layernorm``);
 
 LAYER_SPECS: tuple[LayerSpec, ...] = ("local", "te")
 
+ExpertLayout = Literal["sequential", "te_grouped", "legacy_grouped"]
+"""How Megatron-Core stores routed experts::
+
+    sequential      SequentialMLP: mlp.experts.local_experts.{i}.linear_fc1.weight   [2*ffn/etp, hidden]
+    te_grouped      TEGroupedMLP:  mlp.experts.linear_fc1.weight{i}                  [2*ffn/etp, hidden]
+    legacy_grouped  GroupedMLP:    mlp.experts.weight1  [hidden, E_local*2*ffn/etp]  (transposed, all experts)
+
+``i`` is the local expert index; the global expert is ``ep_rank * E/ep + i``."""
+
+EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("sequential", "te_grouped", "legacy_grouped")
+
+LayerKind = Literal["dense", "moe"]
+"""Which decoder layers a row exists in (MoE models mix dense and MoE layers)."""
+
 
 class ParallelMode(str, Enum):
     """How Megatron tensor parallelism splits a parameter (Megatron's ``partition_dim``)."""
@@ -54,7 +68,12 @@ class Role(str, Enum):
     vocab      dim 0 1, column over the *padded* vocab; HF keeps ``vocab_size`` rows
     qkv        dim 0 3 (q, k, v), rows interleaved per query group, see planner
     gated_mlp  dim 0 2 (gate, up), rank r holds ``[gate_r; up_r]``, see planner
+    expert_gated_mlp  dim 0 over expert-TP, per expert, like gated_mlp
+    expert_row        dim 1 over expert-TP, per expert, like row
     ========== ===== ================================================================
+
+    Expert roles are split over expert-tensor-parallel ranks (``etp``, Megatron's
+    ``expert_tensor_parallel_size``, 1 or ``tp``) and spread over ``ep`` ranks by expert.
     """
 
     REPLICATED = "replicated"
@@ -63,6 +82,12 @@ class Role(str, Enum):
     VOCAB = "vocab"
     QKV = "qkv"
     GATED_MLP = "gated_mlp"
+    EXPERT_GATED_MLP = "expert_gated_mlp"
+    EXPERT_ROW = "expert_row"
+
+    @property
+    def is_expert(self) -> bool:
+        return self in (Role.EXPERT_GATED_MLP, Role.EXPERT_ROW)
 
     @property
     def parallel_mode(self) -> ParallelMode:
@@ -81,8 +106,10 @@ _ROLE_MODE = {
     Role.VOCAB: ParallelMode.COLUMN,
     Role.QKV: ParallelMode.COLUMN,
     Role.GATED_MLP: ParallelMode.COLUMN,
+    Role.EXPERT_GATED_MLP: ParallelMode.COLUMN,
+    Role.EXPERT_ROW: ParallelMode.ROW,
 }
-_ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2}
+_ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2}
 
 
 class Stage(str, Enum):
@@ -101,13 +128,21 @@ class Condition(str, Enum):
     MLP_BIAS = "mlp_bias"  # MLP linears carry biases
     UNTIED = "untied"  # separate output layer / lm_head
     TIED_COPY = "tied_copy"  # tied embeddings and pp > 1: last stage keeps a synced copy
+    SHARED_EXPERTS = "shared_experts"  # MoE layers have shared (always-on) experts
+    Q_LORA = "q_lora"  # MLA with a low-rank q projection (q_a_proj / q_b_proj)
+    ROUTER_BIAS = "router_bias"  # router has a score-correction bias (DeepSeek-V3 noaux_tc)
 
 
 # Dimension symbols allowed in ParamSpec.shape; ModelDims.size() resolves them.
-SHAPE_SYMBOLS = frozenset({"hidden", "ffn", "2ffn", "vocab", "head_dim", "q", "qkv"})
-_ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: "2ffn", Role.VOCAB: "vocab"}
+SHAPE_SYMBOLS = frozenset({
+    "hidden", "ffn", "2ffn", "vocab", "head_dim", "q", "qkv",  # dense
+    "experts", "moe_ffn", "2moe_ffn", "shared_ffn", "2shared_ffn",  # MoE
+    "q_lora", "kv_lora", "q_up", "kv_down", "kv_up", "v_heads",  # MLA
+})
+_ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
+                        Role.EXPERT_GATED_MLP: "2moe_ffn"}
 
-_PLACEHOLDERS = {"layer": r"(?P<layer>0|[1-9][0-9]*)"}
+_PLACEHOLDERS = {"layer": r"(?P<layer>0|[1-9][0-9]*)", "expert": r"(?P<expert>0|[1-9][0-9]*)"}
 _PLACEHOLDER_RE = re.compile(r"\{([a-z_]+)\}")
 
 
@@ -142,6 +177,9 @@ class ParamSpec:
         spelling: the layer spec that uses this spelling; ``None`` for both.
         duplicate: the tensor is a kept-in-sync copy of another row's HF tensor
             (tied output layer at PP>1); it is filled on import, skipped on export.
+        layer_kind: ``"dense"`` / ``"moe"``: the row exists only in that kind of
+            decoder layer; ``None``: in every layer (or not a layer row).
+        expert_layout: the expert storage this spelling belongs to; ``None`` for all.
     """
 
     megatron: str
@@ -151,6 +189,8 @@ class ParamSpec:
     requires: frozenset[Condition] = frozenset()
     spelling: LayerSpec | None = None
     duplicate: bool = False
+    layer_kind: LayerKind | None = None
+    expert_layout: ExpertLayout | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,9 +208,17 @@ class ParamSpec:
         if unknown:
             raise SpecTableError(f"{where}: unknown shape symbols {sorted(unknown)}")
         lead = _ROLE_LEADING_SYMBOL.get(self.role)
-        if lead is not None and self.shape[:1] != (lead,):
-            raise SpecTableError(f"{where}: role {self.role.value} needs leading dim {lead!r}, got {self.shape}")
-        if self.role is Role.ROW and len(self.shape) != 2:
+        leads = (lead,) if isinstance(lead, str) else lead
+        if leads is not None and self.shape[0] not in leads:
+            raise SpecTableError(f"{where}: role {self.role.value} needs leading dim {leads}, got {self.shape}")
+        if self.per_expert != self.role.is_expert:
+            raise SpecTableError(f"{where}: expert roles and the {{expert}} placeholder go together")
+        if self.per_expert and self.layer_kind != "moe":
+            raise SpecTableError(f"{where}: expert rows exist in MoE layers only (layer_kind='moe')")
+        for template in self.hf:
+            if ("{expert}" in template) != self.per_expert:
+                raise SpecTableError(f"{where}: HF name {template!r} and pattern disagree on {{expert}}")
+        if self.role in (Role.ROW, Role.EXPERT_ROW) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
 
     @property
@@ -178,26 +226,32 @@ class ParamSpec:
         return "{layer}" in self.megatron
 
     @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
+    @property
     def stage(self) -> Stage:
         if self.per_layer:
             return Stage.LAYER
         return Stage.FIRST if self.megatron.startswith("embedding.") else Stage.LAST
 
-    def active(self, conditions: frozenset[Condition], spelling: LayerSpec | None) -> bool:
-        """Whether this row exists under ``conditions`` and layer spec ``spelling``
-        (``spelling=None`` accepts either spelling)."""
+    def active(self, conditions: frozenset[Condition], spelling: LayerSpec | None,
+               expert_layout: ExpertLayout | None = None) -> bool:
+        """Whether this row exists under ``conditions``, layer spec ``spelling`` and
+        ``expert_layout`` (``None`` accepts any)."""
         if not self.requires <= conditions:
+            return False
+        if expert_layout is not None and self.expert_layout is not None and self.expert_layout != expert_layout:
             return False
         return spelling is None or self.spelling is None or self.spelling == spelling
 
-    def megatron_name(self, layer: int | None = None) -> str:
-        return self.megatron.format(layer=layer) if self.per_layer else self.megatron
+    def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        """Megatron name for local layer ``layer`` and local expert ``expert``."""
+        return self.megatron.format(layer=layer, expert=expert)
 
-    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
-        """HF names for global layer ``layer`` (ignored for non-layer rows)."""
-        if not self.per_layer:
-            return self.hf
-        return tuple(t.format(layer=layer) for t in self.hf)
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
+        """HF names for global layer ``layer`` and global expert ``expert``."""
+        return tuple(t.format(layer=layer, expert=expert) for t in self.hf)
 
 
 @dataclass(frozen=True)
@@ -206,6 +260,7 @@ class Match:
 
     spec: ParamSpec
     layer: int | None
+    expert: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +279,15 @@ class FamilySpec:
     proj_bias: bool | str = False
     mlp_bias: bool | str = False
     tie_word_embeddings_default: bool = False
+    # MoE: HF config keys (None: the family has no such setting)
+    experts_key: str | None = None  # number of routed experts
+    moe_ffn_key: str | None = None  # per-expert intermediate size
+    shared_experts_key: str | None = None  # number of shared experts (x moe ffn)
+    first_dense_key: str | None = None  # first k layers are dense (DeepSeek first_k_dense_replace)
+    mlp_only_key: str | None = None  # explicit dense layers (Qwen3-MoE mlp_only_layers)
+    sparse_step_key: str | None = None  # every n-th layer is MoE (Qwen3-MoE decoder_sparse_step)
+    router_bias: bool | tuple[str, str] = False  # True/False, or (config key, value that means "on")
+    mla: bool = False  # multi-latent attention dims from q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.entries):
@@ -231,31 +295,39 @@ class FamilySpec:
                 if other.megatron == row.megatron and not _exclusive(row, other):
                     raise SpecTableError(f"family {self.name}: rows for {row.megatron!r} can be active together")
 
-    def rows(self, conditions: frozenset[Condition], spelling: LayerSpec | None = None) -> tuple[ParamSpec, ...]:
-        return tuple(r for r in self.entries if r.active(conditions, spelling))
+    def rows(self, conditions: frozenset[Condition], spelling: LayerSpec | None = None,
+             expert_layout: ExpertLayout | None = None) -> tuple[ParamSpec, ...]:
+        return tuple(r for r in self.entries if r.active(conditions, spelling, expert_layout))
 
     def match(
-        self, name: str, conditions: frozenset[Condition], spelling: LayerSpec | None = None, *, rank: object = None
+        self, name: str, conditions: frozenset[Condition], spelling: LayerSpec | None = None, *, rank: object = None,
+        expert_layout: ExpertLayout | None = None,
     ) -> Match:
-        """Resolve one Megatron parameter name.
+        """Resolve one Megatron parameter name (local layer / expert indices in the result).
+
+        Rows for different layer kinds may share a pattern (``pre_mlp_layernorm`` in
+        dense and MoE layers); they resolve to one match when they agree on role,
+        HF names and shape.
 
         Raises:
             UnknownParameterError: no active row matches ``name``.
-            AmbiguousParameterError: two active rows match ``name``.
+            AmbiguousParameterError: two different active rows match ``name``.
         """
         hits = []
         for row in self.entries:
             m = row._regex.fullmatch(name)
-            if m is not None and row.active(conditions, spelling):
+            if m is not None and row.active(conditions, spelling, expert_layout):
                 layer = int(m.group("layer")) if row.per_layer else None
-                hits.append(Match(row, layer))
+                expert = int(m.group("expert")) if row.per_expert else None
+                hits.append(Match(row, layer, expert))
         where = f" on rank {rank}" if rank is not None else ""
         if not hits:
             raise UnknownParameterError(
                 f"Megatron parameter {name!r}{where} matches no row of the {self.name} spec table "
                 f"(active conditions: {sorted(c.value for c in conditions)})"
             )
-        if len(hits) > 1:
+        distinct = {(h.spec.role, h.spec.hf, h.spec.shape, h.spec.duplicate) for h in hits}
+        if len(distinct) > 1:
             raise AmbiguousParameterError(
                 f"Megatron parameter {name!r}{where} matches {len(hits)} rows of the {self.name} "
                 f"spec table: {[h.spec.megatron for h in hits]}"
@@ -268,6 +340,10 @@ _EXCLUSIVE = {frozenset({Condition.UNTIED, Condition.TIED_COPY})}
 
 def _exclusive(a: ParamSpec, b: ParamSpec) -> bool:
     if a.spelling is not None and b.spelling is not None and a.spelling != b.spelling:
+        return True
+    if a.layer_kind is not None and b.layer_kind is not None and a.layer_kind != b.layer_kind:
+        return True
+    if a.expert_layout is not None and b.expert_layout is not None and a.expert_layout != b.expert_layout:
         return True
     return any(frozenset({x, y}) in _EXCLUSIVE for x in a.requires for y in b.requires)
 

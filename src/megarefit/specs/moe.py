@@ -1,0 +1,57 @@
+"""Rows of MoE layers: pre-MLP norm, router, routed experts (all three Megatron
+layouts), shared experts. Families pick their HF spelling of the block
+(``mlp`` / ``block_sparse_moe``) and of the expert projections.
+
+::
+
+    Megatron (local layer i, local expert j on ep rank e)         HF (global layer, global expert e*E/ep + j)
+    decoder.layers.i.mlp.router.weight            [E, hidden]     model.layers.L.mlp.gate.weight
+    decoder.layers.i.mlp.router.expert_bias       [E]             model.layers.L.mlp.gate.e_score_correction_bias
+    ...mlp.experts.local_experts.j.linear_fc1.weight  [2f/etp, h] model.layers.L.mlp.experts.E.{gate,up}_proj.weight
+    ...mlp.experts.local_experts.j.linear_fc2.weight  [h, f/etp]  model.layers.L.mlp.experts.E.down_proj.weight
+    ...mlp.experts.linear_fc1.weight{j}  (Transformer-Engine grouped experts, same shapes)
+    ...mlp.shared_experts.linear_fc1.weight           [2s/tp, h]  model.layers.L.mlp.shared_experts.{gate,up}_proj.weight
+"""
+
+from __future__ import annotations
+
+from megarefit.specs.table import Condition, ParamSpec, Role
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+R = Role
+C = Condition
+
+
+def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts",
+             expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+             shared: str | None = None) -> tuple[ParamSpec, ...]:
+    """MoE-layer rows for one family's HF spelling (data built once at import)."""
+    hb = _H + block + "."
+    g, u, d = (f"{hb}{experts}.{{expert}}.{p}.weight" for p in expert_proj)
+    rows = [
+        ParamSpec(_L + "pre_mlp_layernorm.weight", R.REPLICATED, (_H + "post_attention_layernorm.weight",),
+                  ("hidden",), layer_kind="moe"),
+        ParamSpec(_L + "mlp.router.weight", R.REPLICATED, (hb + gate + ".weight",), ("experts", "hidden"),
+                  layer_kind="moe"),
+        ParamSpec(_L + "mlp.router.expert_bias", R.REPLICATED, (hb + gate + ".e_score_correction_bias",),
+                  ("experts",), requires=frozenset({C.ROUTER_BIAS}), layer_kind="moe"),
+        ParamSpec(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", R.EXPERT_GATED_MLP, (g, u),
+                  ("2moe_ffn", "hidden"), layer_kind="moe", expert_layout="sequential"),
+        ParamSpec(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", R.EXPERT_ROW, (d,),
+                  ("hidden", "moe_ffn"), layer_kind="moe", expert_layout="sequential"),
+        ParamSpec(_L + "mlp.experts.linear_fc1.weight{expert}", R.EXPERT_GATED_MLP, (g, u),
+                  ("2moe_ffn", "hidden"), layer_kind="moe", expert_layout="te_grouped"),
+        ParamSpec(_L + "mlp.experts.linear_fc2.weight{expert}", R.EXPERT_ROW, (d,),
+                  ("hidden", "moe_ffn"), layer_kind="moe", expert_layout="te_grouped"),
+    ]
+    if shared is not None:
+        sb = hb + shared + "."
+        rows += [
+            ParamSpec(_L + "mlp.shared_experts.linear_fc1.weight", R.GATED_MLP,
+                      (sb + "gate_proj.weight", sb + "up_proj.weight"), ("2shared_ffn", "hidden"),
+                      requires=frozenset({C.SHARED_EXPERTS}), layer_kind="moe"),
+            ParamSpec(_L + "mlp.shared_experts.linear_fc2.weight", R.ROW, (sb + "down_proj.weight",),
+                      ("hidden", "shared_ffn"), requires=frozenset({C.SHARED_EXPERTS}), layer_kind="moe"),
+        ]
+    return tuple(rows)
