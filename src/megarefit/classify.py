@@ -45,6 +45,10 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("WrappedTorchNorm", "*"): P.REPLICATED,
     ("L2Norm", "*"): P.REPLICATED,
     ("Embedding", "weight"): P.REPLICATED,  # learned absolute position embeddings
+    # MoE: the router is replicated over TP; expert linears split over expert-TP
+    ("TopKRouter", "*"): P.REPLICATED,
+    ("TEColumnParallelGroupedLinear", "*"): P.COLUMN,  # weight{i} per local expert
+    ("TERowParallelGroupedLinear", "*"): P.ROW,
 }
 
 
@@ -106,6 +110,7 @@ def classify_model(model: torch.nn.Module, dims: ModelDims, *, pp: int = 1, laye
         if name is None:
             continue
         mod_name, _, attr = raw.rpartition(".")
+        attr = attr.rstrip("0123456789") if attr[:1].isalpha() and attr[-1:].isdigit() else attr  # weight{i}
         cls_name = type(modules[mod_name]).__name__
         m_mode = module_mode(cls_name, attr, overrides, name)
         a_mode = _attr_mode(param)

@@ -65,6 +65,12 @@ class GPTArch:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     max_sequence_length: int = 256
+    # MoE (SequentialMLP experts, allgather dispatcher); num_experts=0 for dense models
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (HF norm_topk_prob=False)
+    dense_layers: tuple[int, ...] = ()  # global indices of dense layers in an MoE model
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -91,6 +97,10 @@ def apply_cpu_patches() -> None:
     if _PATCHED:
         return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # 3. megatron.core.transformer.moe.moe_utils references Transformer-Engine names
+    #    (te_general_gemm, fused_*) unconditionally; without TE they are undefined
+    #    (NameError in the router). None is what they are when TE is absent.
+    #    Applied after the import, in _patch_moe_utils().
     for msg in (
         r"(Transformer Engine and )?Apex (is|are) not installed",
         r".*CUDA_DEVICE_MAX_CONNECTIONS",
@@ -99,6 +109,17 @@ def apply_cpu_patches() -> None:
     ):
         warnings.filterwarnings("ignore", message=msg)
     _PATCHED = True
+
+
+def _patch_moe_utils() -> None:
+    """See point 3 of :func:`apply_cpu_patches`."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 @contextlib.contextmanager
@@ -118,7 +139,8 @@ def _no_tensor_cuda() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- parallel state
-def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: int) -> None:
+def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: int, ep: int = 1,
+                  etp: int | None = None) -> None:
     """Initialise (or re-initialise) gloo + Megatron model parallelism for this rank.
 
     The default gloo process group is created once per process (on
@@ -146,7 +168,9 @@ def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: 
         raise ValueError(f"world_size={world_size} not divisible by tp*pp={tp * pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    _patch_moe_utils()
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -168,7 +192,7 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    config = TransformerConfig(
+    kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -194,7 +218,22 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
                          "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion"),
                         False),
     )
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    if arch.num_experts:
+        kwargs.update(
+            num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
+            moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            moe_layer_freq=[0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
+        )
+    config = TransformerConfig(**kwargs)
+    if arch.num_experts:  # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     # Seed per pipeline stage: the same seed on every stage would give local layer i
     # identical values on every stage (hiding layer-renumbering bugs).
     torch.manual_seed(seed + 7919 * ps.get_pipeline_model_parallel_rank())
@@ -358,6 +397,8 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
     dims = ModelDims.from_hf_config(cfg)
     if dims.proj_bias or dims.mlp_bias:
         raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
+    if dims.shared_expert_ffn or dims.router_bias or dims.kv_lora_rank:
+        raise MegarefitError("the CPU harness builds no shared experts, router bias or MLA yet")
     rope = get("rope_parameters") or {}
     scaling = get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default" or (
@@ -371,6 +412,11 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         qk_layernorm=any(r.megatron.endswith(".q_layernorm.weight") for r in dims.spec.entries), tie_word_embeddings=dims.tie_word_embeddings,
         rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
         max_sequence_length=max_sequence_length,
+        num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+        moe_router_topk=int(get("num_experts_per_tok") or 2),
+        # HF renormalises the top-k probabilities unless norm_topk_prob is False (Mixtral always does)
+        moe_router_pre_softmax=get("norm_topk_prob", True) is False,
+        dense_layers=dims.dense_layers,
     )
 
 
@@ -389,13 +435,18 @@ def perturb_parameters_(model: torch.nn.Module, *, seed: int, scale: float = 0.0
     from megatron.core import parallel_state as ps
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    etp_rank, etp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     for name, p in model.named_parameters():
         key, stage = name, pp_rank
         if tied and name == "output_layer.weight":
             key, stage = "embedding.word_embeddings.weight", 0
-        sharded = bool(getattr(p, "tensor_model_parallel", False))
-        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{stage}/{tp_rank if sharded else -1}".encode()))
+        if ".mlp.experts." in name:  # routed experts: identity = (ep rank, local expert, expert-TP rank)
+            shard = f"ep{ep_rank}/etp{etp_rank if etp > 1 else -1}"
+        else:  # replicated over ep; TP-sharded tensors differ per TP rank
+            shard = f"tp{tp_rank if getattr(p, 'tensor_model_parallel', False) else -1}"
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{stage}/{shard}".encode()))
         p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
@@ -409,6 +460,7 @@ class TrainerCase:
     pp: int
     tokens: torch.Tensor  # [batch, seq] int64
     seed: int = 1234
+    ep: int = 1
 
 
 def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
@@ -427,19 +479,20 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
     out: dict[str, Any] = {}
     for case in cases:
-        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp)
+        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
         t0 = time.perf_counter()
         model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
         perturb_parameters_(model, seed=case.seed)
         t1 = time.perf_counter()
         logits = forward_logits(model, case.tokens)
         t2 = time.perf_counter()
-        if ps.get_data_parallel_rank() != 0:
+        if ps.get_data_parallel_rank() // max(1, case.ep) != 0:  # one copy of each (tp, pp, ep) shard
             out[case.key] = {}
             continue
         dims = ModelDims.from_hf_config(case.hf_config)
         problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp) if not c.ok]
-        coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
+        coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                 ps.get_expert_model_parallel_rank())
         out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
                          "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
     return out
