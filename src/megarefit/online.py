@@ -112,23 +112,26 @@ class RefitReceiver:
             if m.dims != first.dims or m.layout != first.layout:
                 raise LayoutError(f"rank {rank} publishes dims/layout {m.layout.to_dict()} that differ from rank "
                                   f"{first.rank}'s {first.layout.to_dict()}")
-        dtypes = {t.dtype for m in manifests.values() for t in m.tensors}
-        if len(dtypes) != 1:
-            raise ShapeMismatchError(f"trainer ranks publish mixed dtypes {sorted(dtypes)}; one dtype is supported")
+        counts: dict[str, int] = {}
+        for m in manifests.values():
+            for t in m.tensors:
+                counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        dtype = max(counts, key=counts.__getitem__)  # the model dtype; per-tensor dtypes checked below
         plan = self._plan
-        if plan is not None and plan.dims == first.dims and plan.layout == first.layout and plan.dtype in dtypes:
+        if plan is not None and plan.dims == first.dims and plan.layout == first.layout and plan.dtype == dtype:
             return plan, False
-        plan = plan_megatron_to_hf(first.dims, first.layout, dtypes.pop())
+        plan = plan_megatron_to_hf(first.dims, first.layout, dtype)
         self.plans_built += 1
         self._plan = plan
         self._checked = ()
-        dtype = torch_dtype(plan.dtype)
-        total = sum(m.numel for m in plan.targets.values())
-        arena = torch.empty(total, dtype=dtype)
-        self._buffers, at = {}, 0
+        totals: dict[str, int] = {}
+        for meta in plan.targets.values():
+            totals[meta.dtype] = totals.get(meta.dtype, 0) + meta.numel
+        arenas = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in totals.items()}  # one per dtype
+        self._buffers, at = {}, dict.fromkeys(totals, 0)
         for ref, meta in plan.targets.items():
-            self._buffers[ref] = arena[at: at + meta.numel].view(meta.shape)
-            at += meta.numel
+            self._buffers[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
+            at[meta.dtype] += meta.numel
         return plan, True
 
     def _check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
@@ -196,7 +199,7 @@ class RefitReceiver:
         lap("fence")
         cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
         self.stats = CycleStats(got, cold, seconds, plan.nbytes,
-                                sum(m.numel for m in plan.targets.values()) * torch_dtype(plan.dtype).itemsize,
+                                sum(m.numel * torch_dtype(m.dtype).itemsize for m in plan.targets.values()),
                                 dict(self.counters))
         for ref, tensor in self._buffers.items():
             yield ref.name, tensor

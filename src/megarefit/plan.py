@@ -122,7 +122,7 @@ class Plan:
     direction: Direction
     dims: ModelDims
     layout: SourceLayout
-    dtype: str
+    dtype: str  # the model's dtype; a tensor's own is in its TensorMeta
     sources: Mapping[TensorRef, TensorMeta]
     targets: Mapping[TensorRef, TensorMeta]
     ops: tuple[CopyOp, ...]
@@ -185,14 +185,13 @@ class Plan:
             return {ref(r): TensorMeta(tuple(s), d, tuple(Box.from_list(b) for b in z)) for r, s, d, z in rows}
 
         sources, targets = metas(data["sources"]), metas(data["targets"])
-        item = itemsize(data["dtype"])
         ops = []
         for s, sb, d, db in data["ops"]:
             sr, dr = ref(s), ref(d)
             if sr not in sources or dr not in targets:
                 raise PlanValidationError(f"op refers to unknown tensor {sr if sr not in sources else dr}")
             ops.append(make_op(sr, sources[sr].shape, Box.from_list(sb), dr, targets[dr].shape, Box.from_list(db),
-                               item))
+                               itemsize(sources[sr].dtype)))
         plan = cls(data["direction"], ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]), data["dtype"],
                    sources, targets, tuple(ops), data["digest"])
         validate_plan(plan)

@@ -213,9 +213,9 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
         LayoutError: tp/pp/ep do not fit the model.
         PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
     """
-    item = itemsize(dtype)
     tensors = source_tensors(dims, layout)
-    sources = {TensorRef(r, n): TensorMeta(t.shape, dtype) for r, ts in tensors.items() for n, t in ts.items()}
+    sources = {TensorRef(r, n): TensorMeta(t.shape, t.spec.dtype or dtype)
+               for r, ts in tensors.items() for n, t in ts.items()}
     targets: dict[TensorRef, TensorMeta] = {}
     by_target: dict[TensorRef, list[CopyOp]] = defaultdict(list)
     replicated_count: dict[int, int] = defaultdict(int)
@@ -227,8 +227,10 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 continue  # non-expert tensors are replicated over ep: read from ep rank 0
             names = t.spec.hf_names(t.layer, t.expert)
             shapes = hf_shapes(t.spec, dims, layout)
+            tdtype = t.spec.dtype or dtype
+            item = itemsize(tdtype)
             for hf_name, shape in zip(names, shapes):
-                targets.setdefault(TensorRef(None, hf_name), TensorMeta(shape, dtype))
+                targets.setdefault(TensorRef(None, hf_name), TensorMeta(shape, tdtype))
             reader = rank
             if t.spec.role is Role.REPLICATED:
                 if rank.tp != 0:
@@ -261,7 +263,6 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     (each TP rank, the tied copy on the last stage) is written, and vocab
     padding rows are declared ``zero_fill``. Cached per ``(dims, layout, dtype)``.
     """
-    item = itemsize(dtype)
     tensors = source_tensors(dims, layout)
     sources: dict[TensorRef, TensorMeta] = {}
     targets: dict[TensorRef, TensorMeta] = {}
@@ -270,8 +271,10 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
         for name, t in ts.items():
             names, shapes = t.spec.hf_names(t.layer, t.expert), hf_shapes(t.spec, dims, layout)
             shape_of = dict(zip(names, shapes))
+            tdtype = t.spec.dtype or dtype
+            item = itemsize(tdtype)
             for hf_name, shape in shape_of.items():
-                sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, dtype))
+                sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, tdtype))
             dst = TensorRef(rank, name)
             written = 0
             for p in pieces(t.spec, names, dims, layout, rank.tp):
@@ -281,7 +284,7 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
             zero = ()
             if t.spec.role is Role.VOCAB and written < t.shape[0]:
                 zero = (Box.rows(t.shape, written, t.shape[0] - written),)
-            targets[dst] = TensorMeta(t.shape, dtype, zero)
+            targets[dst] = TensorMeta(t.shape, tdtype, zero)
     plan = Plan("hf_to_megatron", dims, layout, dtype, sources, targets, tuple(ops),
                 digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype))
     validate_plan(plan)

@@ -57,14 +57,14 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
     Raises:
         ShapeMismatchError: a buffer's shape, dtype or layout does not fit its target.
     """
-    dtype = torch_dtype(plan.dtype)
     by_target = plan.ops_by_target
     if buffers:
         for ref, buf in buffers.items():
             meta = plan.targets.get(ref)
-            if meta is not None and (tuple(buf.shape) != meta.shape or buf.dtype != dtype or not buf.is_contiguous()):
+            if meta is not None and (tuple(buf.shape) != meta.shape or buf.dtype != torch_dtype(meta.dtype)
+                                     or not buf.is_contiguous()):
                 raise ShapeMismatchError(
-                    f"buffer for {ref}: expected contiguous {plan.dtype} {meta.shape}, got "
+                    f"buffer for {ref}: expected contiguous {meta.dtype} {meta.shape}, got "
                     f"{str(buf.dtype).removeprefix('torch.')} {tuple(buf.shape)} contiguous={buf.is_contiguous()}"
                 )
     batched = False
@@ -100,7 +100,7 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
                 stats.bytes_viewed += ops[0].nbytes
         if tensor is None:
             alloc = torch.zeros if meta.zero_fill else torch.empty
-            tensor = alloc(meta.shape, dtype=dtype, device=device)
+            tensor = alloc(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
             transport.pull(ops, tensor)
             if stats is not None:
                 stats.bytes_copied += sum(op.nbytes for op in ops)

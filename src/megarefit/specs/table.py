@@ -180,6 +180,8 @@ class ParamSpec:
         layer_kind: ``"dense"`` / ``"moe"``: the row exists only in that kind of
             decoder layer; ``None``: in every layer (or not a layer row).
         expert_layout: the expert storage this spelling belongs to; ``None`` for all.
+        dtype: a dtype the tensor always has, whatever the model's (the fp32
+            router ``expert_bias`` buffer of a bf16 model); ``None``: the model dtype.
     """
 
     megatron: str
@@ -191,6 +193,7 @@ class ParamSpec:
     duplicate: bool = False
     layer_kind: LayerKind | None = None
     expert_layout: ExpertLayout | None = None
+    dtype: str | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

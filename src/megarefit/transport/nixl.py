@@ -177,9 +177,9 @@ class NixlTransport:
         if cached is not None:
             return cached
         self.nixl.register(list(buffers.values()))
-        scratch_elems = sum(op.numel for op in plan.ops if op.kind == "scratch")
-        if scratch_elems and (self._scratch is None or self._scratch.numel() < scratch_elems):
-            self._scratch = torch.empty(scratch_elems, dtype=next(iter(buffers.values())).dtype)
+        scratch_bytes = sum(-(-op.nbytes // 16) * 16 for op in plan.ops if op.kind == "scratch")
+        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes):
+            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
             self.nixl.register([self._scratch])
         by_rank: dict[RankCoord, _SourcePulls] = {}
         prepared = PreparedPlan(key, [])
@@ -202,10 +202,10 @@ class NixlTransport:
                     local.append((buf.data_ptr() + op.dst_byte_offset, op.nbytes, 0))
                 else:
                     assert self._scratch is not None
-                    slot = self._scratch[scratch_at: scratch_at + op.numel]
+                    slot = self._scratch[scratch_at: scratch_at + op.nbytes].view(buffers[op.dst].dtype)
                     pulls.scratch_ops.append((op, slot))
                     local.append((slot.data_ptr(), op.nbytes, 0))
-                    scratch_at += op.numel
+                    scratch_at += -(-op.nbytes // 16) * 16  # keep slots aligned
             agent = self.nixl.agent
             rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, "DRAM")
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
