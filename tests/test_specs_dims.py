@@ -52,7 +52,7 @@ def test_family_selection():
 
 def test_table_roles_for_both_norm_spellings():
     fam = family_for_config(real_config("Qwen3-8B"))
-    conds = frozenset({Condition.UNTIED})
+    conds = frozenset({Condition.UNTIED, Condition.QK_NORM})
     for name in ("decoder.layers.3.input_layernorm.weight", "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight",
                  "decoder.layers.3.mlp.linear_fc1.layer_norm_weight", "decoder.layers.3.self_attention.q_layernorm.weight"):
         m = fam.match(name, conds)

@@ -63,11 +63,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
     cfg = load_hf_config(args.config)
     dims = ModelDims.from_hf_config(cfg)
-    dims.check_layout(args.tp, args.pp, args.ep)
+    dims.check_layout(args.tp, args.pp, args.ep, args.etp)
     padded = dims.padded_vocab_size(args.tp, args.vocab_divisible_by)
     layout = SourceLayout.build(tp=args.tp, pp=args.pp, ep=args.ep, padded_vocab_size=padded,
                                 num_layers=dims.num_layers, first_stage_layers=args.first_stage_layers,
-                                last_stage_layers=args.last_stage_layers, layer_spec=args.layer_spec)
+                                last_stage_layers=args.last_stage_layers, layer_spec=args.layer_spec,
+                                etp=args.etp, expert_layout=args.expert_layout)
     t0 = time.perf_counter()
     plan = plan_megatron_to_hf(dims, layout, args.dtype)
     plan_s = time.perf_counter() - t0
@@ -75,8 +76,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.execute_meta:
         meta_s = _execute_on_meta(plan)
     console.print(_model_line(dims, padded))
-    console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}, layers per stage {list(layout.stage_layers)}, "
-                  f"layer spec {args.layer_spec}, dtype {args.dtype}")
+    experts = (f", {dims.num_experts} experts (etp={layout.etp}, {layout.expert_layout})"
+               if dims.num_experts else "")
+    console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
+                  f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}")
     console.print(plan_table(plan, per_rank=args.per_rank))
     s = plan.summary()
     console.print(f"{s['sources']} Megatron tensors -> {s['targets']} HF tensors; {s['total']['ops']} ops "
@@ -194,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=int, default=1)
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--ep", type=int, default=1)
+    plan.add_argument("--etp", type=int, help="expert tensor parallel size: 1 or tp (default: tp)")
+    plan.add_argument("--expert-layout", choices=["sequential", "te_grouped"], default="te_grouped",
+                      help="expert storage (default: te_grouped)")
     plan.add_argument("--first-stage-layers", type=int, help="Megatron num_layers_in_first_pipeline_stage")
     plan.add_argument("--last-stage-layers", type=int, help="Megatron num_layers_in_last_pipeline_stage")
     plan.add_argument("--layer-spec", choices=["local", "te"], default="te",

@@ -48,6 +48,7 @@ class ModelDims:
     qkv_bias: bool = False
     proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     num_experts: int = 0  # routed experts per MoE layer; 0 for dense models
     moe_ffn_hidden_size: int = 0  # per routed expert
     shared_expert_ffn: int = 0  # total shared-expert intermediate size; 0 for none
@@ -133,6 +134,7 @@ class ModelDims:
             qkv_bias=flag(fam.qkv_bias),
             proj_bias=flag(fam.proj_bias),
             mlp_bias=flag(fam.mlp_bias),
+            qk_norm=flag(fam.qk_norm),
             **moe,
         )
 
@@ -190,6 +192,8 @@ class ModelDims:
             out.add(Condition.ROUTER_BIAS)
         if self.q_lora_rank:
             out.add(Condition.Q_LORA)
+        if self.qk_norm:
+            out.add(Condition.QK_NORM)
         return frozenset(out)
 
     def layer_kind(self, layer: int) -> str:

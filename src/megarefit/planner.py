@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megarefit.dims import ModelDims
-from megarefit.errors import LayoutError, MissingParameterError, UnexpectedParameterError
+from megarefit.errors import LayoutError, MissingParameterError, UnexpectedParameterError, UnknownParameterError
 from megarefit.layout import Box, RankCoord, SourceLayout
 from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
 from megarefit.specs.table import LAYER_SPECS, LayerSpec, ParallelMode, ParamSpec, Role, Stage
@@ -81,11 +81,13 @@ def _split(spec: ParamSpec, layout: SourceLayout) -> int:
 def local_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
     shape = global_shape(spec, dims, layout)
     mode, split = spec.role.parallel_mode, _split(spec, layout)
-    if mode is ParallelMode.COLUMN:
-        return (shape[0] // split,) + shape[1:]
-    if mode is ParallelMode.ROW:
-        return (shape[0], shape[1] // split)
-    return shape
+    dim = {ParallelMode.COLUMN: 0, ParallelMode.ROW: 1}.get(mode)
+    if dim is None:
+        return shape
+    if shape[dim] % split:
+        raise LayoutError(f"{spec.megatron}: dim {dim} of shape {shape} does not split over "
+                          f"{'etp' if spec.role.is_expert else 'tp'}={split}")
+    return shape[:dim] + (shape[dim] // split,) + shape[dim + 1:]
 
 
 @lru_cache(maxsize=4096)
@@ -323,19 +325,31 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
     check_ranks(layout.tp, layout.pp, layout.ep, given)
     expected_ranks = set(layout.ranks())
     spec, conds = dims.spec, dims.conditions(layout.pp)
-    spellings, expert_layouts = set(), set()
-    for rank, ns in given.items():
-        for n in ns:
-            row = spec.match(n, conds, rank=rank).spec
-            if row.spelling is not None:
-                spellings.add(row.spelling)
-            if row.expert_layout is not None:
-                expert_layouts.add(row.expert_layout)
-    if len(spellings) > 1:
+    names_all = [(rank, n) for rank, ns in given.items() for n in ns]
+
+    def fits(spelling: LayerSpec) -> bool:
+        try:
+            for rank, n in names_all:
+                spec.match(n, conds, spelling, rank=rank)
+        except UnknownParameterError:
+            return False
+        return True
+
+    # The same name can mean different roles in the two layer specs (MLA down-projections:
+    # column-parallel in the local spec, replicated in the TE spec): decide the spelling first.
+    candidates = [s for s in LAYER_SPECS if fits(s)]
+    if not candidates:
+        for rank, n in names_all:
+            spec.match(n, conds, rank=rank)  # raises UnknownParameterError for a truly unknown name
         raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec norm names")
+    chosen: LayerSpec = layout.layer_spec if layout.layer_spec in candidates else candidates[0]
+    expert_layouts = set()
+    for rank, n in names_all:
+        row = spec.match(n, conds, chosen, rank=rank).spec
+        if row.expert_layout is not None:
+            expert_layouts.add(row.expert_layout)
     if len(expert_layouts) > 1:
         raise UnexpectedParameterError(f"shards mix expert layouts {sorted(expert_layouts)}")
-    chosen: LayerSpec = spellings.pop() if spellings else layout.layer_spec
     resolved = layout.with_layer_spec(chosen)
     if expert_layouts:
         resolved = resolved.with_expert_layout(expert_layouts.pop())

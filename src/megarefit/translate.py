@@ -90,17 +90,13 @@ def _stage_split(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch
     Returns ``first_stage_layers`` / ``last_stage_layers`` for
     ``SourceLayout.build`` when the names show Megatron's uneven split; an even
     split (or names that fit none) returns no override and is checked later.
-
-    Raises:
-        UnknownParameterError: a name matches no spec-table row.
     """
     if pp == 1:
         return {}
-    conds = dims.conditions(pp)
     counts = [0] * pp
     for rank, params in tensors.items():
         for name in params:
-            layer = dims.spec.match(name, conds, rank=rank).layer
+            layer = dims.spec.layer_index(name)
             if layer is not None:
                 counts[rank.pp] = max(counts[rank.pp], layer + 1)
     if sum(counts) != dims.num_layers or len(set(counts[1:-1])) > 1 or counts == [counts[0]] * pp:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megarefit.errors import UnsupportedModelError
+from megarefit.specs.deepseek import DEEPSEEK_V3, GLM4_MOE
 from megarefit.specs.llama import LLAMA
 from megarefit.specs.mixtral import MIXTRAL
 from megarefit.specs.qwen import QWEN2, QWEN3, QWEN3_MOE
@@ -21,7 +22,7 @@ from megarefit.specs.table import (
     Stage,
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL)
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

@@ -39,8 +39,10 @@ ATTENTION = (
 )
 
 QK_NORM = (
-    ParamSpec(_L + "self_attention.q_layernorm.weight", R.REPLICATED, (_ATTN + "q_norm.weight",), ("head_dim",)),
-    ParamSpec(_L + "self_attention.k_layernorm.weight", R.REPLICATED, (_ATTN + "k_norm.weight",), ("head_dim",)),
+    ParamSpec(_L + "self_attention.q_layernorm.weight", R.REPLICATED, (_ATTN + "q_norm.weight",), ("head_dim",),
+              requires=frozenset({C.QK_NORM})),
+    ParamSpec(_L + "self_attention.k_layernorm.weight", R.REPLICATED, (_ATTN + "k_norm.weight",), ("head_dim",),
+              requires=frozenset({C.QK_NORM})),
 )
 
 GATED_MLP = (  # the MLP of dense layers (every layer of a dense model)

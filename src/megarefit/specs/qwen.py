@@ -21,6 +21,7 @@ QWEN3 = FamilySpec(
     entries=gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT,
     qkv_bias="attention_bias",
     proj_bias="attention_bias",
+    qk_norm=True,
 )
 
 QWEN3_MOE = FamilySpec(
@@ -30,6 +31,7 @@ QWEN3_MOE = FamilySpec(
     entries=gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(),
     qkv_bias="attention_bias",
     proj_bias="attention_bias",
+    qk_norm=True,
     experts_key="num_experts",
     moe_ffn_key="moe_intermediate_size",
     mlp_only_key="mlp_only_layers",

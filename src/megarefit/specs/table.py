@@ -130,6 +130,7 @@ class Condition(str, Enum):
     TIED_COPY = "tied_copy"  # tied embeddings and pp > 1: last stage keeps a synced copy
     SHARED_EXPERTS = "shared_experts"  # MoE layers have shared (always-on) experts
     Q_LORA = "q_lora"  # MLA with a low-rank q projection (q_a_proj / q_b_proj)
+    QK_NORM = "qk_norm"  # per-head q/k RMSNorm (Qwen3; GLM-4.5 when use_qk_norm)
     ROUTER_BIAS = "router_bias"  # router has a score-correction bias (DeepSeek-V3 noaux_tc)
 
 
@@ -282,6 +283,7 @@ class FamilySpec:
     proj_bias: bool | str = False
     mlp_bias: bool | str = False
     tie_word_embeddings_default: bool = False
+    qk_norm: bool | str = False  # True/False or the HF config key holding the flag
     # MoE: HF config keys (None: the family has no such setting)
     experts_key: str | None = None  # number of routed experts
     moe_ffn_key: str | None = None  # per-expert intermediate size
@@ -301,6 +303,14 @@ class FamilySpec:
     def rows(self, conditions: frozenset[Condition], spelling: LayerSpec | None = None,
              expert_layout: ExpertLayout | None = None) -> tuple[ParamSpec, ...]:
         return tuple(r for r in self.entries if r.active(conditions, spelling, expert_layout))
+
+    def layer_index(self, name: str) -> int | None:
+        """The local layer index in ``name`` per this table's patterns (no role resolution);
+        ``None`` for non-layer or unknown names."""
+        for row in self.entries:
+            if row.per_layer and (m := row._regex.fullmatch(name)) is not None:
+                return int(m.group("layer"))
+        return None
 
     def match(
         self, name: str, conditions: frozenset[Condition], spelling: LayerSpec | None = None, *, rank: object = None,

@@ -1,0 +1,83 @@
+"""DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``): multi-latent attention, dense first
+``first_k_dense_replace`` layers, routed + shared experts, an fp32 router score-correction
+bias (``noaux_tc``), and GLM-4.5 (``Glm4MoeForCausalLM``): GQA with q/k/v bias, the same
+MoE block.
+
+MLA (checked against a real Megatron-Core model; a straight copy, no row permutation)::
+
+    Megatron self_attention.                 HF self_attn.           shape (tp=1)
+    linear_q_down_proj.weight            ->  q_a_proj.weight         [q_lora, hidden]
+    q_layernorm.weight                   ->  q_a_layernorm.weight    [q_lora]
+    linear_q_up_proj.weight              ->  q_b_proj.weight         [heads*(qk_nope+qk_rope), q_lora]
+    linear_kv_down_proj.weight           ->  kv_a_proj_with_mqa      [kv_lora+qk_rope, hidden]  ([kv_lora; rope])
+    kv_layernorm.weight                  ->  kv_a_layernorm.weight   [kv_lora]
+    linear_kv_up_proj.weight             ->  kv_b_proj.weight        [heads*(qk_nope+v), kv_lora]  (per head [k_nope; v])
+    linear_proj.weight                   ->  o_proj.weight           [hidden, heads*v]
+
+The local layer spec splits the down-projections over TP (column-parallel); the
+Transformer-Engine spec replicates them and fuses the two norms into
+``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``.
+Not covered: the MTP layer (HF ``model.layers.{num_layers}``), and MLA without
+``q_lora_rank`` (DeepSeek-V2-Lite).
+"""
+
+from megarefit.specs import gpt
+from megarefit.specs.moe import moe_rows
+from megarefit.specs.table import Condition, FamilySpec, ParamSpec, Role
+
+_L = "decoder.layers.{layer}.self_attention."
+_H = "model.layers.{layer}.self_attn."
+R = Role
+Q = frozenset({Condition.Q_LORA})
+
+MLA = (
+    ParamSpec("decoder.layers.{layer}.input_layernorm.weight", R.REPLICATED,
+              ("model.layers.{layer}.input_layernorm.weight",), ("hidden",)),
+    ParamSpec(_L + "linear_q_down_proj.weight", R.COLUMN, (_H + "q_a_proj.weight",), ("q_lora", "hidden"),
+              requires=Q, spelling="local"),
+    ParamSpec(_L + "linear_q_down_proj.weight", R.REPLICATED, (_H + "q_a_proj.weight",), ("q_lora", "hidden"),
+              requires=Q, spelling="te"),
+    ParamSpec(_L + "q_layernorm.weight", R.REPLICATED, (_H + "q_a_layernorm.weight",), ("q_lora",),
+              requires=Q, spelling="local"),
+    ParamSpec(_L + "linear_q_up_proj.layer_norm_weight", R.REPLICATED, (_H + "q_a_layernorm.weight",), ("q_lora",),
+              requires=Q, spelling="te"),
+    ParamSpec(_L + "linear_q_up_proj.weight", R.COLUMN, (_H + "q_b_proj.weight",), ("q_up", "q_lora"), requires=Q),
+    ParamSpec(_L + "linear_kv_down_proj.weight", R.COLUMN, (_H + "kv_a_proj_with_mqa.weight",), ("kv_down", "hidden"),
+              spelling="local"),
+    ParamSpec(_L + "linear_kv_down_proj.weight", R.REPLICATED, (_H + "kv_a_proj_with_mqa.weight",),
+              ("kv_down", "hidden"), spelling="te"),
+    ParamSpec(_L + "kv_layernorm.weight", R.REPLICATED, (_H + "kv_a_layernorm.weight",), ("kv_lora",),
+              spelling="local"),
+    ParamSpec(_L + "linear_kv_up_proj.layer_norm_weight", R.REPLICATED, (_H + "kv_a_layernorm.weight",), ("kv_lora",),
+              spelling="te"),
+    ParamSpec(_L + "linear_kv_up_proj.weight", R.COLUMN, (_H + "kv_b_proj.weight",), ("kv_up", "kv_lora")),
+    ParamSpec(_L + "linear_proj.weight", R.ROW, (_H + "o_proj.weight",), ("hidden", "v_heads")),
+)
+
+DEEPSEEK_V3 = FamilySpec(
+    name="deepseek_v3",
+    architectures=("DeepseekV3ForCausalLM",),
+    model_types=("deepseek_v3", "kimi_k2"),
+    entries=gpt.EMBEDDING + MLA + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(shared="shared_experts"),
+    experts_key="n_routed_experts",
+    moe_ffn_key="moe_intermediate_size",
+    shared_experts_key="n_shared_experts",
+    first_dense_key="first_k_dense_replace",
+    router_bias=("topk_method", "noaux_tc"),
+    mla=True,
+)
+
+GLM4_MOE = FamilySpec(
+    name="glm4_moe",
+    architectures=("Glm4MoeForCausalLM",),
+    model_types=("glm4_moe",),
+    entries=gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT
+    + moe_rows(shared="shared_experts"),
+    qkv_bias="attention_bias",
+    qk_norm="use_qk_norm",
+    experts_key="n_routed_experts",
+    moe_ffn_key="moe_intermediate_size",
+    shared_experts_key="n_shared_experts",
+    first_dense_key="first_k_dense_replace",
+    router_bias=True,
+)
