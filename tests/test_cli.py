@@ -67,3 +67,19 @@ def test_live_demo_over_nixl_passes():
 def test_vllm_engine_needs_nixl(capsys):
     assert main(["demo", "--engine", "vllm"]) == 2
     assert "--engine vllm needs --transport nixl" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, args", [
+    ("DeepSeek-V3", ["--tp", "8", "--pp", "16", "--ep", "64", "--etp", "1", "--first-stage-layers", "4",
+                     "--last-stage-layers", "1"]),
+    ("Qwen3-235B-A22B", ["--tp", "4", "--pp", "16", "--ep", "64", "--first-stage-layers", "5",
+                         "--last-stage-layers", "5"]),
+    ("Mixtral-8x7B-v0.1", ["--tp", "8", "--pp", "16", "--ep", "8"]),
+    ("GLM-4.5-Air", ["--tp", "4", "--pp", "2", "--ep", "16", "--etp", "1", "--layer-spec", "local"]),
+])
+def test_plan_full_size_moe(name, args, capsys):
+    t0 = __import__("time").perf_counter()
+    assert main(["plan", "--config", str(CONFIG_DIR / f"{name}.json"), *args, "--no-execute-meta"]) == 0
+    out = capsys.readouterr().out
+    assert "validated exact cover" in out and "experts" in out
+    assert __import__("time").perf_counter() - t0 < 120  # seconds on a 2-core CPU: ~2-8 s
