@@ -6,7 +6,7 @@ Run from the repo root (CPU; ~1 min, ~6 GB of memory with the defaults):
 
 All ratios come from one run on one machine:
 
-* ``plain copy``: ``dst.copy_(src)`` of every source shard into preallocated
+* ``plain copy``: ``dst.copy_(src)`` of every source shard the plan reads into preallocated
   buffers of the same sizes -- the floor for moving those bytes once;
 * ``plain clone``: the same bytes with allocation (``src.clone()``);
 * ``megarefit, preallocated``: ``run_refit_cycle`` into buffers kept across cycles
@@ -115,15 +115,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (shards, buffers and copies on that device)")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE configs)")
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
 
     cfg = json.loads(Path(args.config).read_text())
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     dims = megarefit.ModelDims.from_hf_config(cfg)
-    layout = megarefit.SourceLayout.build(tp=args.tp, pp=1, padded_vocab_size=dims.padded_vocab_size(args.tp),
-                                          num_layers=dims.num_layers)
+    layout = megarefit.SourceLayout.build(tp=args.tp, pp=1, ep=args.ep,
+                                          padded_vocab_size=dims.padded_vocab_size(args.tp), num_layers=dims.num_layers)
     # random Megatron shards with the planned local shapes
     plan = plan_megatron_to_hf(dims, layout, args.dtype)
     shards: dict = {}
@@ -134,7 +138,10 @@ def main() -> None:
             t = torch.randn(meta.shape, device=args.device)
         shards.setdefault(tuple(ref.rank), {})[ref.name] = t.to(args.device, dtype)
     hf_bytes = sum(m.numel for m in plan.targets.values()) * torch.finfo(dtype).bits // 8
-    src = [t for s in shards.values() for t in s.values()]
+    # the baselines copy exactly the source tensors the plan reads (not the replicas of
+    # dense tensors on other ep ranks, nor replicated norms on other tp ranks)
+    read = {op.src for op in plan.ops}
+    src = [shards[tuple(r.rank)][r.name] for r in plan.sources if r in read]
     dst = [torch.empty_like(t) for t in src]
 
     def plain_copy():
@@ -145,7 +152,7 @@ def main() -> None:
         return [s.clone() for s in src]
 
     def refit():
-        return megarefit.megatron_to_hf(shards, cfg, tp=args.tp)
+        return megarefit.megatron_to_hf(shards, cfg, tp=args.tp, ep=args.ep)
 
     transport = LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})
     buffers = {ref.name: torch.empty(meta.shape, dtype=dtype, device=args.device) for ref, meta in plan.targets.items()}
@@ -157,14 +164,17 @@ def main() -> None:
     def naive():
         return gather_then_convert(shards, cfg, args.tp)
 
-    got, want = refit(), naive()  # warm up + sanity check of the baseline against megarefit
+    moe = bool(dims.num_experts)  # the naive baseline knows dense layers only
+    got, want = refit(), ({} if moe else naive())  # warm up + sanity check of the baseline against megarefit
     assert all(torch.equal(got[k], want[k]) for k in got if k in want), "baselines disagree"
     rows = {}
     refit_warm()
-    assert all(torch.equal(buffers[k], want[k]) for k in buffers if k in want), "buffered refit disagrees"
-    for name, fn in (("plain copy (preallocated)", plain_copy), ("megarefit run_refit_cycle, preallocated buffers",
-                     refit_warm), ("plain clone (allocating)", plain_clone),
-                     ("megarefit megatron_to_hf (allocating)", refit), ("gather-then-convert (naive, allocating)", naive)):
+    assert all(torch.equal(buffers[k], got[k]) for k in buffers), "buffered refit disagrees"
+    paths = [("plain copy (preallocated)", plain_copy), ("megarefit run_refit_cycle, preallocated buffers", refit_warm),
+             ("plain clone (allocating)", plain_clone), ("megarefit megatron_to_hf (allocating)", refit)]
+    if not moe:
+        paths.append(("gather-then-convert (naive, allocating)", naive))
+    for name, fn in paths:
         best, median = best_of(fn, args.repeat)
         rows[name] = (best, median)
     copy_best = rows["plain copy (preallocated)"][0]
@@ -172,7 +182,8 @@ def main() -> None:
     print(f"machine: {machine()}")
     if args.device != "cpu":
         print(f"device: {torch.cuda.get_device_name()}")
-    print(f"model: {Path(args.config).stem} ({dims.family}), tp={args.tp}, {args.dtype}, on {args.device}, "
+    print(f"model: {Path(args.config).stem} ({dims.family}, {dims.num_layers} layers), tp={args.tp} ep={args.ep}, "
+          f"{args.dtype}, on {args.device}, "
           f"HF bytes {hf_bytes / 1e9:.3f} GB, {plan.summary()['total']['ops']} ops")
     print(f"| path | best s | median s | GB/s (best) | vs plain copy |")
     print(f"|---|---:|---:|---:|---:|")
