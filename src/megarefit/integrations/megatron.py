@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
 __all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "forward_logits", "gpt_arch_from_hf",
-           "init_parallel", "local_named_parameters", "perturb_parameters_", "run_workers", "start_workers",
+           "init_parallel", "local_named_parameters", "perturb_parameters_", "refit_tensors", "run_workers", "start_workers",
            "trainer_job"]
 
 
@@ -71,6 +71,16 @@ class GPTArch:
     moe_router_topk: int = 2
     moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (HF norm_topk_prob=False)
     dense_layers: tuple[int, ...] = ()  # global indices of dense layers in an MoE model
+    shared_expert_ffn: int = 0
+    router_score_function: str = "softmax"  # "sigmoid" for DeepSeek-V3
+    router_expert_bias: bool = False  # DeepSeek-V3 noaux_tc score-correction bias (an fp32 buffer)
+    router_topk_scaling_factor: float | None = None  # HF routed_scaling_factor
+    # MLA (DeepSeek-V3 style); kv_lora_rank=0 for standard attention
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0  # HF qk_nope_head_dim
+    qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
+    v_head_dim: int = 0
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -109,6 +119,39 @@ def apply_cpu_patches() -> None:
     ):
         warnings.filterwarnings("ignore", message=msg)
     _PATCHED = True
+
+
+_MLA_ATTENTION: type | None = None
+
+
+def _patch_mla() -> type:
+    """MLA without Transformer Engine (megatron-core 0.16.1); parameter names unchanged.
+
+    (a) ``multi_latent_attention`` believes TE is present but ``TELinear`` /
+        ``TEColumnParallelLinear`` are mock placeholders, so an ``isinstance`` check
+        raises: replace them with classes nothing is an instance of.
+    (b) MLA passes ``k_channels`` / ``v_channels`` to its core attention, which the
+        local ``DotProductAttention`` rejects (and sizes its output from
+        ``kv_channels``): returns a subclass that takes them, for the layer specs.
+    """
+    global _MLA_ATTENTION
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for name in ("TELinear", "TEColumnParallelLinear"):
+        if not isinstance(getattr(mla, name, None), type):
+            setattr(mla, name, type(f"_No{name}", (), {}))
+    if _MLA_ATTENTION is None:
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                         **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                if v_channels is not None:
+                    self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+                    self.hidden_size_per_attention_head = v_channels
+
+        _MLA_ATTENTION = MLADotProductAttention
+    return _MLA_ATTENTION
 
 
 def _patch_moe_utils() -> None:
@@ -226,12 +269,34 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
             moe_grouped_gemm=False, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
             moe_layer_freq=[0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
+            moe_router_score_function=arch.router_score_function,
+            moe_router_enable_expert_bias=arch.router_expert_bias,
+            moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
         )
-    config = TransformerConfig(**kwargs)
-    if arch.num_experts:  # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
+        if arch.router_expert_bias:
+            kwargs["moe_router_dtype"] = "fp32"
+        if arch.shared_expert_ffn:
+            kwargs["moe_shared_expert_intermediate_size"] = arch.shared_expert_ffn
+    config_cls = TransformerConfig
+    mla_attention = None
+    if arch.kv_lora_rank:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        mla_attention = _patch_mla()
+        config_cls = MLATransformerConfig
+        kwargs.update(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None,
+                      kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
+                      qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
+                      num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+    config = config_cls(**kwargs)
+    if arch.num_experts or mla_attention is not None:
+        # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if mla_attention is not None:
+            for layer_spec in spec.layer_specs:
+                layer_spec.submodules.self_attention.submodules.core_attention = mla_attention
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     # Seed per pipeline stage: the same seed on every stage would give local layer i
@@ -279,9 +344,18 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None
     return out.float()
 
 
+def refit_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a refit reads from one rank: ``named_parameters()`` plus the persistent
+    buffers HF keeps as weights (the MoE router's ``expert_bias``, HF
+    ``e_score_correction_bias``). Live tensors, not copies."""
+    out = dict(model.named_parameters())
+    out.update({n: b for n, b in model.named_buffers() if n.endswith(".router.expert_bias")})
+    return out
+
+
 def local_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached CPU clones of ``model.named_parameters()`` (this rank's shards, Megatron names)."""
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    """Detached CPU clones of :func:`refit_tensors` (this rank's shards, Megatron names)."""
+    return {name: p.detach().cpu().clone() for name, p in refit_tensors(model).items()}
 
 
 # --------------------------------------------------------------------------- multi-process
@@ -397,8 +471,11 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
     dims = ModelDims.from_hf_config(cfg)
     if dims.proj_bias or dims.mlp_bias:
         raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
-    if dims.shared_expert_ffn or dims.router_bias or dims.kv_lora_rank:
-        raise MegarefitError("the CPU harness builds no shared experts, router bias or MLA yet")
+    if dims.kv_lora_rank and not dims.q_lora_rank:
+        raise MegarefitError("the CPU harness builds MLA with a q_lora_rank only")
+    if (get("n_group") or 1) > 1:
+        raise MegarefitError("group-limited routing differs between Megatron and HF unless topk/group_topk == 2; "
+                             "use n_group=1 for the CPU harness")
     rope = get("rope_parameters") or {}
     scaling = get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default" or (
@@ -409,7 +486,7 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
         padded_vocab_size=dims.padded_vocab_size(tp, make_vocab_size_divisible_by), qkv_bias=dims.qkv_bias,
-        qk_layernorm=any(r.megatron.endswith(".q_layernorm.weight") for r in dims.spec.entries), tie_word_embeddings=dims.tie_word_embeddings,
+        qk_layernorm=dims.qk_norm or bool(dims.kv_lora_rank), tie_word_embeddings=dims.tie_word_embeddings,
         rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
         max_sequence_length=max_sequence_length,
         num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
@@ -417,6 +494,12 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         # HF renormalises the top-k probabilities unless norm_topk_prob is False (Mixtral always does)
         moe_router_pre_softmax=get("norm_topk_prob", True) is False,
         dense_layers=dims.dense_layers,
+        shared_expert_ffn=dims.shared_expert_ffn,
+        router_score_function=get("scoring_func") or "softmax",
+        router_expert_bias=dims.router_bias,
+        router_topk_scaling_factor=float(get("routed_scaling_factor")) if get("routed_scaling_factor") else None,
+        q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_head_dim=dims.qk_nope_head_dim,
+        qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim,
     )
 
 
@@ -438,7 +521,7 @@ def perturb_parameters_(model: torch.nn.Module, *, seed: int, scale: float = 0.0
     ep_rank = ps.get_expert_model_parallel_rank()
     etp_rank, etp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     tied = getattr(model, "share_embeddings_and_output_weights", False)
-    for name, p in model.named_parameters():
+    for name, p in refit_tensors(model).items():
         key, stage = name, pp_rank
         if tied and name == "output_layer.weight":
             key, stage = "embedding.word_embeddings.weight", 0
@@ -490,7 +573,8 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
             out[case.key] = {}
             continue
         dims = ModelDims.from_hf_config(case.hf_config)
-        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp) if not c.ok]
+        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local")
+                    if not c.ok]
         coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                  ps.get_expert_model_parallel_rank())
         out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
@@ -523,7 +607,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
     host, port, job = rendezvous
     rdzv = Rendezvous.connect(host, port, job=job)
-    pub = Publisher(dict(model.named_parameters()), case.hf_config, rank=coord, tp=case.tp, pp=case.pp,
+    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp,
                     rendezvous=rdzv)
     out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     for v in range(1, versions + 1):

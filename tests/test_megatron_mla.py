@@ -1,0 +1,65 @@
+"""Real Megatron-Core DeepSeek-V3-style model on CPU: multi-latent attention (patched to
+build without Transformer Engine, parameter names unchanged), a dense first layer,
+routed experts with a sigmoid router and an fp32 score-correction bias, a shared
+expert. Megatron logits must equal HF ``DeepseekV3ForCausalLM`` logits after
+``megatron_to_hf`` (loaded with ``from_pretrained``), at TP=2/EP=1 and TP=1/EP=2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+
+import megarefit  # noqa: E402
+from conftest import real_config  # noqa: E402
+from megarefit.integrations.hf import hf_logits, save_checkpoint  # noqa: E402
+from megarefit.integrations.megatron import TrainerCase, run_workers, trainer_job  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+TOKENS = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(5))
+
+
+def _config() -> dict:
+    cfg = real_config("DeepSeek-V3")
+    cfg.pop("quantization_config", None)
+    cfg.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, vocab_size=250,
+               intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2,
+               n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=32,
+               kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_scaling=None,
+               num_nextn_predict_layers=0, tie_word_embeddings=False, max_position_embeddings=256,
+               bos_token_id=0, eos_token_id=1)
+    return cfg
+
+
+CASES = {"tp2-ep1": (2, 1), "tp1-ep2": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = [TrainerCase(k, _config(), tp, 1, TOKENS, ep=ep) for k, (tp, ep) in CASES.items()]
+    per_rank = run_workers(trainer_job, world_size=2, args=(cases,), timeout=900)
+    return {key: {"shards": {r[key]["coord"]: r[key]["params"] for r in per_rank if r[key]},
+                  "logits": next(r[key]["logits"] for r in per_rank if r[key] and r[key]["logits"] is not None),
+                  "problems": [p for r in per_rank if r[key] for p in r[key]["problems"]]} for key in CASES}
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_mla_moe_logits_equal_hf(runs, key, tmp_path):
+    tp, ep = CASES[key]
+    cfg, run = _config(), runs[key]
+    assert run["problems"] == []
+    bias = run["shards"][(0, 0, 0)]["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().max() > 0  # a real, perturbed fp32 buffer
+    hf = megarefit.megatron_to_hf(run["shards"], cfg, tp=tp, ep=ep)
+    assert hf["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    save_checkpoint(tmp_path, cfg, hf)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True,
+                                                                    dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    want = run["logits"][..., :250]
+    got = hf_logits(model.eval(), TOKENS)
+    assert (got - want).abs().max().item() < 1e-4
+    assert want.abs().max().item() > 0.1
