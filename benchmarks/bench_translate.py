@@ -185,8 +185,8 @@ def main() -> None:
     print(f"model: {Path(args.config).stem} ({dims.family}, {dims.num_layers} layers), tp={args.tp} ep={args.ep}, "
           f"{args.dtype}, on {args.device}, "
           f"HF bytes {hf_bytes / 1e9:.3f} GB, {plan.summary()['total']['ops']} ops")
-    print(f"| path | best s | median s | GB/s (best) | vs plain copy |")
-    print(f"|---|---:|---:|---:|---:|")
+    print("| path | best s | median s | GB/s (best) | vs plain copy |")
+    print("|---|---:|---:|---:|---:|")
     for name, (best, median) in rows.items():
         print(f"| {name} | {best:.4f} | {median:.4f} | {hf_bytes / best / 1e9:.2f} | {copy_best / best:.2f}x |")
 

@@ -31,3 +31,18 @@ def tiny_config(name: str, **dims: Any) -> dict[str, Any]:
 @pytest.fixture
 def config():
     return tiny_config
+
+
+def hf_model_from(tensors, cfg, directory):
+    """Save ``tensors`` as an HF checkpoint and load it with ``from_pretrained``: HF's own
+    loader must report no missing, unexpected or mismatched keys."""
+    import torch
+    import transformers
+
+    from megarefit.integrations.hf import save_checkpoint
+
+    save_checkpoint(directory, cfg, tensors)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True,
+                                                                    dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()

@@ -16,8 +16,8 @@ pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
 import megarefit  # noqa: E402
-from conftest import tiny_config  # noqa: E402
-from megarefit.integrations.hf import hf_logits, save_checkpoint  # noqa: E402
+from conftest import hf_model_from, tiny_config  # noqa: E402
+from megarefit.integrations.hf import hf_logits  # noqa: E402
 from megarefit.integrations.megatron import TrainerCase, run_workers  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -50,12 +50,7 @@ def runs():
     return out
 
 
-def _hf_model_from(tensors, cfg, tmp_path):
-    save_checkpoint(tmp_path, cfg, tensors)
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True,
-                                                                    dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+_hf_model_from = hf_model_from
 
 
 @pytest.mark.parametrize("key", list(CASES))

@@ -20,7 +20,6 @@ cycle (vLLM's ``load_weights`` copies them).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
