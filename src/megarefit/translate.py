@@ -128,11 +128,11 @@ def _infer_etp(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch.T
     """Expert-TP size from an expert fc1 shard's rows (``2 * moe_ffn / etp``); ``tp`` if none."""
     if not dims.num_experts:
         return tp
+    fc1_rows = [r for r in dims.spec.entries if r.role is Role.EXPERT_GATED_MLP]
     for rank, params in sorted(tensors.items()):
         for name, t in params.items():
-            if ".mlp.experts." in name and ".linear_fc1." in name and t.dim() == 2:
-                rows = t.shape[0]
-                return max(1, 2 * dims.moe_ffn_hidden_size // rows) if rows else tp
+            if t.dim() == 2 and t.shape[0] and any(r.matches(name) for r in fc1_rows):
+                return max(1, 2 * dims.moe_ffn_hidden_size // t.shape[0])
     return tp
 
 

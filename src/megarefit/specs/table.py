@@ -229,6 +229,10 @@ class ParamSpec:
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
 
+    def matches(self, name: str) -> bool:
+        """Whether ``name`` fits this row's pattern (conditions not considered)."""
+        return self._regex.fullmatch(name) is not None
+
     @property
     def per_expert(self) -> bool:
         return "{expert}" in self.megatron
