@@ -160,9 +160,12 @@ def moe_hf_state(cfg: dict, family: str, seed: int = 0, dtype=torch.float32) -> 
 
 
 def moe_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, family: str, *, tp: int, pp: int, ep: int,
-                         etp: int, grouped: bool = False, divisor: int = 128) -> dict:
+                         etp: int, layout: str = "sequential", divisor: int = 128) -> dict:
     """Megatron shards of a MoE model: dense parts as ``reference_shards``, experts on
-    ep rank ``e // (E/ep)`` with local index ``e % (E/ep)``, split over ``etp``."""
+    ep rank ``e // (E/ep)`` with local index ``e % (E/ep)``, split over ``etp``.
+    ``layout``: "sequential" (local_experts.{j}), "te_grouped" (linear_fc1.weight{j}) or
+    "legacy_grouped" (weight1 / weight2 whose memory is [E_local, h, 2F] / [E_local, F, h]
+    of per-expert transposed blocks)."""
     dense_cfg = dict(cfg)
     experts = cfg["num_experts"] if family == "qwen3_moe" else cfg["num_local_experts"]
     block, gate, (w_gate, w_up, w_down) = MOE_HF[family]
@@ -191,16 +194,23 @@ def moe_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, family: str, *,
                     continue
                 H, L = f"model.layers.{i}.{block}.", f"decoder.layers.{local}.mlp."
                 s[L + "router.weight"] = hf[H + f"{gate}.weight"]
+                fc1s, fc2s = [], []
                 for j in range(per_ep):
                     e = e_rank * per_ep + j
                     E = H + f"experts.{e}."
                     rank = t if etp > 1 else 0
                     fc1 = torch.cat([hf[E + f"{w_gate}.weight"].chunk(etp)[rank], hf[E + f"{w_up}.weight"].chunk(etp)[rank]])
                     fc2 = hf[E + f"{w_down}.weight"].chunk(etp, dim=1)[rank]
-                    if grouped:
+                    fc1s.append(fc1)
+                    fc2s.append(fc2)
+                    if layout == "te_grouped":
                         s[L + f"experts.linear_fc1.weight{j}"], s[L + f"experts.linear_fc2.weight{j}"] = fc1, fc2
-                    else:
+                    elif layout == "sequential":
                         s[L + f"experts.local_experts.{j}.linear_fc1.weight"] = fc1
                         s[L + f"experts.local_experts.{j}.linear_fc2.weight"] = fc2
+                if layout == "legacy_grouped":
+                    hidden = fc1s[0].shape[1]
+                    s[L + "experts.weight1"] = torch.stack([f.T for f in fc1s]).reshape(hidden, -1)
+                    s[L + "experts.weight2"] = torch.stack([f.T for f in fc2s]).reshape(-1, hidden)
             out[(t, p, e_rank)] = s
     return out

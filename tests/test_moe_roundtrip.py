@@ -1,6 +1,6 @@
 """MoE property tests: Qwen3-MoE / Mixtral translation agrees with an independent reference
-sharder (experts over ep, expert-TP etp in {1, tp}, sequential and TE-grouped names,
-dense layers mixed in), and the two directions are exact inverses."""
+sharder (experts over ep, expert-TP etp in {1, tp}, SequentialMLP, TE-grouped and legacy
+GroupedMLP layouts, dense layers mixed in), and the two directions are exact inverses."""
 
 from __future__ import annotations
 
@@ -32,20 +32,19 @@ def moe_case(draw):
     else:
         cfg |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
                 "intermediate_size": ffn}
-    return family, cfg, tp, pp, ep, etp, draw(st.booleans())
+    return family, cfg, tp, pp, ep, etp, draw(st.sampled_from(["sequential", "te_grouped", "legacy_grouped"]))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(moe_case(), st.integers(0, 1000))
 def test_moe_matches_reference_and_round_trips(case, seed):
-    family, cfg, tp, pp, ep, etp, grouped = case
+    family, cfg, tp, pp, ep, etp, layout = case
     hf = moe_hf_state(cfg, family, seed)
-    ref = moe_reference_shards(hf, cfg, family, tp=tp, pp=pp, ep=ep, etp=etp, grouped=grouped)
+    ref = moe_reference_shards(hf, cfg, family, tp=tp, pp=pp, ep=ep, etp=etp, layout=layout)
     back = megarefit.megatron_to_hf(ref, cfg, tp=tp, pp=pp, ep=ep, etp=etp)
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], v) for k, v in hf.items())
-    shards = megarefit.hf_to_megatron(hf, cfg, tp=tp, pp=pp, ep=ep, etp=etp,
-                                      expert_layout="te_grouped" if grouped else "sequential")
+    shards = megarefit.hf_to_megatron(hf, cfg, tp=tp, pp=pp, ep=ep, etp=etp, expert_layout=layout)
     assert shards.keys() == ref.keys()
     for rank in ref:
         assert shards[rank].keys() == ref[rank].keys(), rank

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--ep", type=int, default=1)
     plan.add_argument("--etp", type=int, help="expert tensor parallel size: 1 or tp (default: tp)")
-    plan.add_argument("--expert-layout", choices=["sequential", "te_grouped"], default="te_grouped",
+    plan.add_argument("--expert-layout", choices=["sequential", "te_grouped", "legacy_grouped"], default="te_grouped",
                       help="expert storage (default: te_grouped)")
     plan.add_argument("--first-stage-layers", type=int, help="Megatron num_layers_in_first_pipeline_stage")
     plan.add_argument("--last-stage-layers", type=int, help="Megatron num_layers_in_last_pipeline_stage")

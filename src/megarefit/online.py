@@ -143,7 +143,7 @@ class RefitReceiver:
             if entry is None:
                 raise MissingParameterError(f"trainer rank {ref.rank} does not publish {ref.name} "
                                             f"(agent {manifests[ref.rank].agent!r})")
-            if tuple(entry.shape) != meta.shape or entry.dtype != meta.dtype:
+            if tuple(entry.shape) != (meta.storage_shape or meta.shape) or entry.dtype != meta.dtype:
                 raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {ref.name} as {entry.dtype} "
                                          f"{tuple(entry.shape)}, plan expects {meta.dtype} {meta.shape}")
             if entry.nbytes != meta.numel * torch_dtype(meta.dtype).itemsize:

@@ -51,12 +51,15 @@ class TensorMeta:
     """Shape (elements) and dtype of a tensor a plan touches.
 
     ``zero_fill`` lists boxes of a *target* that no op writes and that must be
-    zero: Megatron's vocab padding rows on import.
+    zero: Megatron's vocab padding rows on import. ``storage_shape`` is set when
+    the plan addresses the tensor through a row-major view of another shape
+    (Megatron's legacy ``GroupedMLP`` ``weight1`` ``[h, E*2F]`` as ``[E, h, 2F]``).
     """
 
     shape: tuple[int, ...]
     dtype: str
     zero_fill: tuple[Box, ...] = ()
+    storage_shape: tuple[int, ...] | None = None  # the stored tensor's shape when ``shape`` is a view of it
 
     @property
     def numel(self) -> int:
@@ -85,6 +88,9 @@ class CopyOp:
     src_offset: int  # flat element offset of src_box's first element
     dst_offset: int  # flat element offset of dst_box's first element
     itemsize: int  # bytes per element
+    transpose: bool = False  # dst[dst_box] = src[src_box] with leading 1-dims dropped, transposed (2-D)
+    src_view: tuple[int, ...] | None = None  # view the stored source as this shape first
+    dst_view: tuple[int, ...] | None = None  # view the stored target as this shape first
 
     @property
     def numel(self) -> int:
@@ -104,11 +110,20 @@ class CopyOp:
 
 
 def make_op(src: TensorRef, src_shape: tuple[int, ...], src_box: Box,
-            dst: TensorRef, dst_shape: tuple[int, ...], dst_box: Box, item: int) -> CopyOp:
-    both = src_box.is_contiguous_in(src_shape) and dst_box.is_contiguous_in(dst_shape)
+            dst: TensorRef, dst_shape: tuple[int, ...], dst_box: Box, item: int, *, transpose: bool = False,
+            src_view: bool = False, dst_view: bool = False) -> CopyOp:
+    """``src_view`` / ``dst_view``: the stored tensor is addressed through the view ``*_shape``."""
+    both = src_box.is_contiguous_in(src_shape) and dst_box.is_contiguous_in(dst_shape) and not transpose
     kind: OpKind = "contiguous" if both else "scratch"
     return CopyOp(src, src_box, dst, dst_box, kind, src_box.flat_offset(src_shape), dst_box.flat_offset(dst_shape),
-                  item)
+                  item, transpose, src_shape if src_view else None, dst_shape if dst_view else None)
+
+
+def _squeeze_leading(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    i = 0
+    while i < len(lengths) - 2 and lengths[i] == 1:
+        i += 1
+    return lengths[i:]
 
 
 @dataclass(frozen=True)
@@ -156,10 +171,11 @@ class Plan:
             return [None if r.rank is None else list(r.rank), r.name]
 
         def meta(r: TensorRef, m: TensorMeta) -> list[Any]:
-            return [ref(r), list(m.shape), m.dtype, [b.to_list() for b in m.zero_fill]]
+            return [ref(r), list(m.shape), m.dtype, [b.to_list() for b in m.zero_fill],
+                    None if m.storage_shape is None else list(m.storage_shape)]
 
         return {
-            "format": "megarefit.plan/1",
+            "format": "megarefit.plan/2",
             "direction": self.direction,
             "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(),
@@ -167,7 +183,7 @@ class Plan:
             "digest": self.digest,
             "sources": [meta(r, m) for r, m in self.sources.items()],
             "targets": [meta(r, m) for r, m in self.targets.items()],
-            "ops": [[ref(o.src), o.src_box.to_list(), ref(o.dst), o.dst_box.to_list()] for o in self.ops],
+            "ops": [[ref(o.src), o.src_box.to_list(), ref(o.dst), o.dst_box.to_list(), o.transpose] for o in self.ops],
         }
 
     def to_json(self) -> str:
@@ -175,23 +191,26 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        if data.get("format") != "megarefit.plan/1":
+        if data.get("format") != "megarefit.plan/2":
             raise PlanValidationError(f"not a megarefit plan (format={data.get('format')!r})")
 
         def ref(x: list[Any]) -> TensorRef:
             return TensorRef(None if x[0] is None else RankCoord(*x[0]), x[1])
 
         def metas(rows: list[Any]) -> dict[TensorRef, TensorMeta]:
-            return {ref(r): TensorMeta(tuple(s), d, tuple(Box.from_list(b) for b in z)) for r, s, d, z in rows}
+            return {ref(r): TensorMeta(tuple(s), d, tuple(Box.from_list(b) for b in z), None if v is None else tuple(v))
+                    for r, s, d, z, v in rows}
 
         sources, targets = metas(data["sources"]), metas(data["targets"])
         ops = []
-        for s, sb, d, db in data["ops"]:
+        for s, sb, d, db, tr in data["ops"]:
             sr, dr = ref(s), ref(d)
             if sr not in sources or dr not in targets:
                 raise PlanValidationError(f"op refers to unknown tensor {sr if sr not in sources else dr}")
             ops.append(make_op(sr, sources[sr].shape, Box.from_list(sb), dr, targets[dr].shape, Box.from_list(db),
-                               itemsize(sources[sr].dtype)))
+                               itemsize(sources[sr].dtype), transpose=tr,
+                               src_view=sources[sr].storage_shape is not None,
+                               dst_view=targets[dr].storage_shape is not None))
         plan = cls(data["direction"], ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]), data["dtype"],
                    sources, targets, tuple(ops), data["digest"])
         validate_plan(plan)
@@ -232,14 +251,19 @@ def validate_plan(plan: Plan) -> None:
             raise PlanValidationError(f"op {op.src} -> {op.dst}: source box {op.src_box} outside shape {src.shape}")
         if not op.dst_box.within(dst.shape):
             raise PlanValidationError(f"op {op.src} -> {op.dst}: target box {op.dst_box} outside shape {dst.shape}")
-        if op.src_box.lengths != op.dst_box.lengths:
+        if op.transpose:
+            squeezed = _squeeze_leading(op.src_box.lengths)
+            if len(squeezed) != 2 or squeezed[::-1] != _squeeze_leading(op.dst_box.lengths):
+                raise PlanValidationError(f"op {op.src} -> {op.dst}: transposed box lengths do not match: "
+                                          f"{op.src_box.lengths} vs {op.dst_box.lengths}")
+        elif op.src_box.lengths != op.dst_box.lengths:
             raise PlanValidationError(
                 f"op {op.src} -> {op.dst}: box lengths differ: {op.src_box.lengths} vs {op.dst_box.lengths}"
             )
         src_run, dst_run = op.src_box.is_contiguous_in(src.shape), op.dst_box.is_contiguous_in(dst.shape)
         if not (src_run or dst_run):
             raise PlanValidationError(f"op {op.src} -> {op.dst}: both boxes are strided ({op.src_box}, {op.dst_box})")
-        want = "contiguous" if src_run and dst_run else "scratch"
+        want = "contiguous" if src_run and dst_run and not op.transpose else "scratch"
         if op.kind != want or op.src_offset != op.src_box.flat_offset(src.shape) or (
             op.dst_offset != op.dst_box.flat_offset(dst.shape)
         ):

@@ -77,8 +77,24 @@ def _split(spec: ParamSpec, layout: SourceLayout) -> int:
     return layout.etp if spec.role.is_expert else layout.tp
 
 
+def view_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...] | None:
+    """The row-major view the plan addresses a grouped-experts tensor through
+    (``[E_local, h, 2F/etp]`` for ``weight1``, ``[E_local, F/etp, h]`` for ``weight2``);
+    ``None`` for every other row."""
+    if not spec.role.is_grouped:
+        return None
+    per_ep = dims.num_experts // layout.ep
+    a, b = global_shape(spec, dims, layout)  # one expert's stored block
+    if spec.role is Role.GROUPED_EXPERT_FC1:
+        return (per_ep, a, b // layout.etp)
+    return (per_ep, a // layout.etp, b)
+
+
 @lru_cache(maxsize=4096)
 def local_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
+    if spec.role.is_grouped:  # stored 2-D: weight1 [h, E_local*2F/etp], weight2 [E_local*F/etp, h]
+        e, a, b = view_shape(spec, dims, layout)  # type: ignore[misc]
+        return (a, e * b) if spec.role is Role.GROUPED_EXPERT_FC1 else (e * a, b)
     shape = global_shape(spec, dims, layout)
     mode, split = spec.role.parallel_mode, _split(spec, layout)
     dim = {ParallelMode.COLUMN: 0, ParallelMode.ROW: 1}.get(mode)
@@ -100,6 +116,10 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
         return ((q,) + rest, (kv,) + rest, (kv,) + rest)
     if spec.role in (Role.GATED_MLP, Role.EXPERT_GATED_MLP):
         return ((shape[0] // 2,) + rest,) * 2
+    if spec.role is Role.GROUPED_EXPERT_FC1:  # block [h, 2F] -> gate, up [F, h]
+        return ((shape[1] // 2, shape[0]),) * 2
+    if spec.role is Role.GROUPED_EXPERT_FC2:  # block [F, h] -> down [h, F]
+        return ((shape[1], shape[0]),)
     if spec.role is Role.VOCAB:
         return ((dims.vocab_size,) + rest,)
     return (shape,)
@@ -136,6 +156,30 @@ def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: Sou
                     Piece(names[2], base + (hq + 1) * d, g * d, d)]
         return out
     raise NotImplementedError(f"role {role.value} has no layout yet")
+
+
+def grouped_pieces(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_rank: int, ep_rank: int,
+                   layer: int) -> list[tuple[str, Box, Box]]:
+    """Legacy GroupedMLP: ``(hf_name, box in the view, box in the HF tensor)`` per local expert;
+    every copy is transposed (the stored block is the HF slab transposed)::
+
+        weight1 as [E_local, h, 2F_l]: expert j = [ gate_r^T | up_r^T ]   (h rows, F_l + F_l columns)
+        weight2 as [E_local, F_l, h]:  expert j = down_r^T                 (down_r = down_proj[:, r*F_l:(r+1)*F_l])
+    """
+    e_local, a, b = view_shape(spec, dims, layout)  # type: ignore[misc]
+    r = tp_rank if layout.etp > 1 else 0
+    out = []
+    for j in range(e_local):
+        names = spec.hf_names(layer, ep_rank * e_local + j)
+        if spec.role is Role.GROUPED_EXPERT_FC1:
+            h, f = a, b // 2
+            hf_shape = (f * layout.etp, h)
+            for k, name in enumerate(names):  # gate, up
+                out.append((name, Box((j, 0, k * f), (1, h, f)), Box.rows(hf_shape, r * f, f)))
+        else:
+            f, h = a, b
+            out.append((names[0], Box((j, 0, 0), (1, f, h)), Box((0, r * f), (h, f))))
+    return out
 
 
 def _boxes(p: Piece, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[Box, Box]:
@@ -227,6 +271,19 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 continue
             if not t.spec.role.is_expert and rank.ep != 0:
                 continue  # non-expert tensors are replicated over ep: read from ep rank 0
+            if t.spec.role.is_grouped:
+                if layout.etp == 1 and rank.tp != 0:
+                    continue  # whole experts on every TP rank: read them from TP rank 0
+                view = view_shape(t.spec, dims, layout)
+                sources[TensorRef(rank, name)] = TensorMeta(view, t.spec.dtype or dtype, storage_shape=t.shape)
+                item = itemsize(t.spec.dtype or dtype)
+                hf_shape = hf_shapes(t.spec, dims, layout)[0]
+                for hf_name, sbox, dbox in grouped_pieces(t.spec, dims, layout, rank.tp, rank.ep, t.layer):
+                    dst = TensorRef(None, hf_name)
+                    targets.setdefault(dst, TensorMeta(hf_shape, t.spec.dtype or dtype))
+                    by_target[dst].append(make_op(TensorRef(rank, name), view, sbox, dst, hf_shape, dbox, item,
+                                                  transpose=True, src_view=True))
+                continue
             names = t.spec.hf_names(t.layer, t.expert)
             shapes = hf_shapes(t.spec, dims, layout)
             tdtype = t.spec.dtype or dtype
@@ -271,6 +328,17 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     ops: list[CopyOp] = []
     for rank, ts in tensors.items():
         for name, t in ts.items():
+            if t.spec.role.is_grouped:
+                view, tdtype = view_shape(t.spec, dims, layout), t.spec.dtype or dtype
+                hf_shape = hf_shapes(t.spec, dims, layout)[0]
+                dst = TensorRef(rank, name)
+                for hf_name, vbox, hbox in grouped_pieces(t.spec, dims, layout, rank.tp, rank.ep, t.layer):
+                    src = TensorRef(None, hf_name)
+                    sources.setdefault(src, TensorMeta(hf_shape, tdtype))
+                    ops.append(make_op(src, hf_shape, hbox, dst, view, vbox, itemsize(tdtype), transpose=True,
+                                       dst_view=True))
+                targets[dst] = TensorMeta(view, tdtype, storage_shape=t.shape)  # type: ignore[arg-type]
+                continue
             names, shapes = t.spec.hf_names(t.layer, t.expert), hf_shapes(t.spec, dims, layout)
             shape_of = dict(zip(names, shapes))
             tdtype = t.spec.dtype or dtype

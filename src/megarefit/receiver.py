@@ -61,10 +61,10 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
     if buffers:
         for ref, buf in buffers.items():
             meta = plan.targets.get(ref)
-            if meta is not None and (tuple(buf.shape) != meta.shape or buf.dtype != torch_dtype(meta.dtype)
-                                     or not buf.is_contiguous()):
+            if meta is not None and (tuple(buf.shape) != (meta.storage_shape or meta.shape)
+                                     or buf.dtype != torch_dtype(meta.dtype) or not buf.is_contiguous()):
                 raise ShapeMismatchError(
-                    f"buffer for {ref}: expected contiguous {meta.dtype} {meta.shape}, got "
+                    f"buffer for {ref}: expected contiguous {meta.dtype} {meta.storage_shape or meta.shape}, got "
                     f"{str(buf.dtype).removeprefix('torch.')} {tuple(buf.shape)} contiguous={buf.is_contiguous()}"
                 )
     batched = False
@@ -93,14 +93,15 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
             tensor = buf
             if stats is not None:
                 stats.bytes_copied += sum(op.nbytes for op in ops)
-        elif views and len(ops) == 1 and not meta.zero_fill and ops[0].dst_box == Box.full(meta.shape):
+        elif (views and len(ops) == 1 and not meta.zero_fill and meta.storage_shape is None
+              and ops[0].dst_box == Box.full(meta.shape)):
             tensor = transport.view(ops[0])
             if tensor is not None and stats is not None:
                 stats.views += 1
                 stats.bytes_viewed += ops[0].nbytes
         if tensor is None:
             alloc = torch.zeros if meta.zero_fill else torch.empty
-            tensor = alloc(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+            tensor = alloc(meta.storage_shape or meta.shape, dtype=torch_dtype(meta.dtype), device=device)
             transport.pull(ops, tensor)
             if stats is not None:
                 stats.bytes_copied += sum(op.nbytes for op in ops)

@@ -115,9 +115,9 @@ def check_shapes(plan: Plan, tensors: Mapping[RankCoord | None, Mapping[str, tor
         t = tensors.get(ref.rank, {}).get(ref.name)
         if t is None:
             raise MissingParameterError(f"tensor {ref} is missing")
-        if tuple(t.shape) != meta.shape:
+        if tuple(t.shape) != (meta.storage_shape or meta.shape):
             raise ShapeMismatchError(
-                f"tensor {ref}: expected shape {meta.shape} from the config and layout "
+                f"tensor {ref}: expected shape {meta.storage_shape or meta.shape} from the config and layout "
                 f"(tp={plan.layout.tp}, pp={plan.layout.pp}), got {tuple(t.shape)}"
             )
         if _dtype_name(t.dtype) != meta.dtype:

@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
-__all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "forward_logits", "gpt_arch_from_hf",
+__all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm", "forward_logits", "gpt_arch_from_hf",
            "init_parallel", "local_named_parameters", "perturb_parameters_", "refit_tensors", "run_workers", "start_workers",
            "trainer_job"]
 
@@ -71,6 +71,7 @@ class GPTArch:
     moe_router_topk: int = 2
     moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (HF norm_topk_prob=False)
     dense_layers: tuple[int, ...] = ()  # global indices of dense layers in an MoE model
+    moe_grouped_gemm: bool = False  # legacy GroupedMLP experts (layout inspection; see fake_grouped_gemm)
     shared_expert_ffn: int = 0
     router_score_function: str = "softmax"  # "sigmoid" for DeepSeek-V3
     router_expert_bias: bool = False  # DeepSeek-V3 noaux_tc score-correction bias (an fp32 buffer)
@@ -152,6 +153,24 @@ def _patch_mla() -> type:
 
         _MLA_ATTENTION = MLADotProductAttention
     return _MLA_ATTENTION
+
+
+def fake_grouped_gemm() -> None:
+    """Let legacy ``GroupedMLP`` build on CPU for layout inspection: install a looped
+    stand-in for the ``grouped_gemm`` package (``gmm(a, b, batch_sizes, trans_b)``)."""
+    import types
+
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+        outs, start = [], 0
+        for i, n in enumerate(batch_sizes.tolist()):
+            outs.append(a[start:start + n] @ (b[i].t() if trans_b else b[i]))
+            start += n
+        return torch.cat(outs, 0)
+
+    gg.grouped_gemm = types.SimpleNamespace(ops=types.SimpleNamespace(gmm=gmm))
+    gg.ops = gg.grouped_gemm.ops
 
 
 def _patch_moe_utils() -> None:
@@ -266,7 +285,8 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
             num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
             moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            moe_grouped_gemm=arch.moe_grouped_gemm,
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
             moe_layer_freq=[0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
             moe_router_score_function=arch.router_score_function,

@@ -10,6 +10,9 @@ layouts), shared experts. Families pick their HF spelling of the block
     ...mlp.experts.local_experts.j.linear_fc1.weight  [2f/etp, h] model.layers.L.mlp.experts.E.{gate,up}_proj.weight
     ...mlp.experts.local_experts.j.linear_fc2.weight  [h, f/etp]  model.layers.L.mlp.experts.E.down_proj.weight
     ...mlp.experts.linear_fc1.weight{j}  (Transformer-Engine grouped experts, same shapes)
+    ...mlp.experts.weight1  [h, E_local*2f/etp]   (legacy GroupedMLP: memory = [E_local, h, 2f/etp],
+                                                   expert j's block is its [gate_r; up_r] transposed)
+    ...mlp.experts.weight2  [E_local*f/etp, h]    (memory = [E_local, f/etp, h]: down_proj slab transposed)
     ...mlp.shared_experts.linear_fc1.weight           [2s/tp, h]  model.layers.L.mlp.shared_experts.{gate,up}_proj.weight
 """
 
@@ -45,6 +48,11 @@ def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts"
                   ("2moe_ffn", "hidden"), layer_kind="moe", expert_layout="te_grouped"),
         ParamSpec(_L + "mlp.experts.linear_fc2.weight{expert}", R.EXPERT_ROW, (d,),
                   ("hidden", "moe_ffn"), layer_kind="moe", expert_layout="te_grouped"),
+        # legacy GroupedMLP: shapes are one expert's block as stored ([h, 2F] and [F, h], transposed)
+        ParamSpec(_L + "mlp.experts.weight1", R.GROUPED_EXPERT_FC1, (g, u), ("hidden", "2moe_ffn"),
+                  layer_kind="moe", expert_layout="legacy_grouped"),
+        ParamSpec(_L + "mlp.experts.weight2", R.GROUPED_EXPERT_FC2, (d,), ("moe_ffn", "hidden"),
+                  layer_kind="moe", expert_layout="legacy_grouped"),
     ]
     if shared is not None:
         sb = hb + shared + "."

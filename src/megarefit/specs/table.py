@@ -84,10 +84,17 @@ class Role(str, Enum):
     GATED_MLP = "gated_mlp"
     EXPERT_GATED_MLP = "expert_gated_mlp"
     EXPERT_ROW = "expert_row"
+    GROUPED_EXPERT_FC1 = "grouped_expert_fc1"  # legacy GroupedMLP weight1: all local experts, transposed
+    GROUPED_EXPERT_FC2 = "grouped_expert_fc2"  # legacy GroupedMLP weight2
 
     @property
     def is_expert(self) -> bool:
-        return self in (Role.EXPERT_GATED_MLP, Role.EXPERT_ROW)
+        return self in (Role.EXPERT_GATED_MLP, Role.EXPERT_ROW, Role.GROUPED_EXPERT_FC1, Role.GROUPED_EXPERT_FC2)
+
+    @property
+    def is_grouped(self) -> bool:
+        """One tensor holds every local expert (no ``{expert}`` in the Megatron name)."""
+        return self in (Role.GROUPED_EXPERT_FC1, Role.GROUPED_EXPERT_FC2)
 
     @property
     def parallel_mode(self) -> ParallelMode:
@@ -108,8 +115,10 @@ _ROLE_MODE = {
     Role.GATED_MLP: ParallelMode.COLUMN,
     Role.EXPERT_GATED_MLP: ParallelMode.COLUMN,
     Role.EXPERT_ROW: ParallelMode.ROW,
+    Role.GROUPED_EXPERT_FC1: ParallelMode.ROW,  # weight1 [h, E_local*2F/etp]: Megatron partition_dim 1
+    Role.GROUPED_EXPERT_FC2: ParallelMode.COLUMN,  # weight2 [E_local*F/etp, h]: partition_dim 0
 }
-_ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2}
+_ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2, Role.GROUPED_EXPERT_FC1: 2}
 
 
 class Stage(str, Enum):
@@ -215,13 +224,13 @@ class ParamSpec:
         leads = (lead,) if isinstance(lead, str) else lead
         if leads is not None and self.shape[0] not in leads:
             raise SpecTableError(f"{where}: role {self.role.value} needs leading dim {leads}, got {self.shape}")
-        if self.per_expert != self.role.is_expert:
-            raise SpecTableError(f"{where}: expert roles and the {{expert}} placeholder go together")
-        if self.per_expert and self.layer_kind != "moe":
+        if self.per_expert != (self.role.is_expert and not self.role.is_grouped):
+            raise SpecTableError(f"{where}: per-expert roles and the {{expert}} placeholder go together")
+        if self.role.is_expert and self.layer_kind != "moe":
             raise SpecTableError(f"{where}: expert rows exist in MoE layers only (layer_kind='moe')")
         for template in self.hf:
-            if ("{expert}" in template) != self.per_expert:
-                raise SpecTableError(f"{where}: HF name {template!r} and pattern disagree on {{expert}}")
+            if ("{expert}" in template) != self.role.is_expert:
+                raise SpecTableError(f"{where}: HF name {template!r} and the role disagree on {{expert}}")
         if self.role in (Role.ROW, Role.EXPERT_ROW) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
 

@@ -35,7 +35,7 @@ class LocalTransport:
                 n = op.numel
                 flat_out[op.dst_offset:op.dst_offset + n].copy_(src.view(-1)[op.src_offset:op.src_offset + n])
             else:
-                out[op.dst_box.slices()].copy_(src[op.src_box.slices()])
+                _strided_copy(op, src, out)
 
     def pull_batch(self, items: Sequence[tuple[Sequence[CopyOp], torch.Tensor]]) -> None:
         """Execute many targets' ops at once. On a GPU all contiguous runs go through one
@@ -51,7 +51,7 @@ class LocalTransport:
                     dsts.append(flat_out[op.dst_offset:op.dst_offset + n])
                     srcs.append(src.view(-1)[op.src_offset:op.src_offset + n])
                 else:
-                    out[op.dst_box.slices()].copy_(src[op.src_box.slices()])
+                    _strided_copy(op, src, out)
         if dsts and dsts[0].is_cuda:
             torch._foreach_copy_(dsts, srcs)  # fused launches; on CPU a plain loop is faster
         else:
@@ -59,6 +59,23 @@ class LocalTransport:
                 d.copy_(s)
 
     def view(self, op: CopyOp) -> torch.Tensor | None:
+        if op.transpose or op.src_view is not None:
+            return None
         src = self._tensor(op.src)
         v = src[op.src_box.slices()]
         return v if v.is_contiguous() else None
+
+
+def _strided_copy(op: CopyOp, src: torch.Tensor, out: torch.Tensor) -> None:
+    """One op as a strided copy, honouring view shapes and transposition."""
+    if op.src_view is not None:
+        src = src.view(op.src_view)
+    if op.dst_view is not None:
+        out = out.view(op.dst_view)
+    part = src[op.src_box.slices()]
+    dst = out[op.dst_box.slices()]
+    if op.transpose:
+        part = part.reshape(part.shape[-2:]).T
+        dst.copy_(part.reshape(dst.shape))
+    else:
+        dst.copy_(part)

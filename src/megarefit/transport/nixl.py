@@ -191,6 +191,10 @@ class NixlTransport:
             if pulls is None:
                 pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
             pulls.ops.append(op)
+        for op in plan.ops:
+            if op.transpose or op.src_view is not None or not op.src_box.is_contiguous_in(plan.sources[op.src].shape):
+                raise TransferError(f"op {op.src} -> {op.dst} reads a strided or transposed source (legacy GroupedMLP "
+                                    "experts): not supported over NIXL yet; use SequentialMLP or TE-grouped experts")
         for rank, pulls in sorted(by_rank.items()):
             entries = manifests[rank].by_name()
             remote, local = [], []
