@@ -49,3 +49,29 @@ def test_moe_matches_reference_and_round_trips(case, seed):
     for rank in ref:
         assert shards[rank].keys() == ref[rank].keys(), rank
         assert all(torch.equal(shards[rank][n], t) for n, t in ref[rank].items()), rank
+
+
+def test_receiver_owning_some_experts_gets_only_their_ops():
+    """vLLM expert parallelism: a receiver owning experts {1, 2, 5} plans ops for those
+    experts only (plus every dense tensor), for all three Megatron expert layouts."""
+    from megarefit import ModelDims, SourceLayout, plan_megatron_to_hf
+    from megarefit.receiver import run_refit_cycle
+    from megarefit.transport import LocalTransport
+
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 20,
+           "num_local_experts": 8, "intermediate_size": 4, "tie_word_embeddings": False}
+    hf = moe_hf_state(cfg, "mixtral", 1)
+    owned = frozenset({1, 2, 5})
+    dims = ModelDims.from_hf_config(cfg)
+    for layout_name in ("sequential", "te_grouped", "legacy_grouped"):
+        shards = moe_reference_shards(hf, cfg, "mixtral", tp=2, pp=1, ep=4, etp=2, layout=layout_name)
+        layout = SourceLayout.build(tp=2, pp=1, ep=4, padded_vocab_size=dims.padded_vocab_size(2), num_layers=2,
+                                    expert_layout=layout_name)
+        plan = plan_megatron_to_hf(dims, layout, "float32", owned)
+        got = dict(run_refit_cycle(plan, LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})))
+        want = {k: v for k, v in hf.items()
+                if ".experts." not in k or int(k.split(".experts.")[1].split(".")[0]) in owned}
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        assert {op.src.rank.ep for op in plan.ops if ".experts." in op.dst.name} == {0, 1, 2}  # experts 1,2 | 5

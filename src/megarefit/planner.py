@@ -247,8 +247,13 @@ def _adjacent_rows(a: Box, b: Box) -> bool:
 
 
 @lru_cache(maxsize=64)
-def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16") -> Plan:
+def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
+                        experts: frozenset[int] | None = None) -> Plan:
     """Plan the export of every HF tensor from Megatron shards (full HF tensors as targets).
+
+    ``experts``: the global routed experts this receiver owns (vLLM expert
+    parallelism); expert tensors of other experts get no target and no op.
+    ``None``: all experts.
 
     Each HF element is read from exactly one rank. Replicated tensors are read
     from TP ranks in turn (``k % tp`` for the k-th replicated tensor of a stage)
@@ -271,6 +276,8 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 continue
             if not t.spec.role.is_expert and rank.ep != 0:
                 continue  # non-expert tensors are replicated over ep: read from ep rank 0
+            if experts is not None and t.expert is not None and t.expert not in experts:
+                continue  # an expert this receiver does not own
             if t.spec.role.is_grouped:
                 if layout.etp == 1 and rank.tp != 0:
                     continue  # whole experts on every TP rank: read them from TP rank 0
@@ -278,7 +285,10 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 sources[TensorRef(rank, name)] = TensorMeta(view, t.spec.dtype or dtype, storage_shape=t.shape)
                 item = itemsize(t.spec.dtype or dtype)
                 hf_shape = hf_shapes(t.spec, dims, layout)[0]
+                per_ep = dims.num_experts // layout.ep
                 for hf_name, sbox, dbox in grouped_pieces(t.spec, dims, layout, rank.tp, rank.ep, t.layer):
+                    if experts is not None and rank.ep * per_ep + sbox.offsets[0] not in experts:
+                        continue  # an expert this receiver does not own
                     dst = TensorRef(None, hf_name)
                     targets.setdefault(dst, TensorMeta(hf_shape, t.spec.dtype or dtype))
                     by_target[dst].append(make_op(TensorRef(rank, name), view, sbox, dst, hf_shape, dbox, item,
@@ -309,7 +319,9 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                                               item))
     # targets in first-seen order: embedding, layers in order, final norm, head
     ops = [op for ref in targets for op in merge_ops(by_target[ref])]
-    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, targets, tuple(ops), digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype))
+    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, targets, tuple(ops),
+                digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
+                          None if experts is None else sorted(experts)))
     validate_plan(plan)
     return plan
 
