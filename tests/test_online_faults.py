@@ -155,3 +155,26 @@ def test_restarted_trainer_with_the_same_agent_name(served):
     want = megarefit.megatron_to_hf({(0, 0, 0): shards[(0, 0, 0)], (1, 0, 0): fresh}, cfg, tp=2)
     assert all(torch.equal(got[k], v) for k, v in want.items())
     assert receiver.counters["remote_agents"] == 3 and receiver.counters["plans_built"] == 1
+
+
+def test_receiver_owning_some_experts_pulls_only_those():
+    """A receiver for vLLM expert parallelism (experts {0, 3} of 4) pulls those experts
+    over NIXL from EP=2 publishers, and every dense tensor; bytes as the offline path."""
+    from reference import moe_hf_state, moe_reference_shards
+
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 20,
+           "num_local_experts": 4, "intermediate_size": 4, "tie_word_embeddings": False}
+    hf = moe_hf_state(cfg, "mixtral", 3)
+    shards = moe_reference_shards(hf, cfg, "mixtral", tp=1, pp=1, ep=2, etp=1)
+    job = f"faults-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=1, pp=1, ep=2, rendezvous=rdzv,
+                      agent_name=f"{job}-trainer-{r[2]}") for r, s in shards.items()]
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5, experts=frozenset({0, 3}))
+    got = dict(receiver.run_refit_cycle(1))
+    want = {k: v for k, v in hf.items() if ".experts." not in k or k.split(".experts.")[1].split(".")[0] in "03"}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    assert receiver.stats.bytes_moved == sum(v.numel() * v.element_size() for v in want.values())

@@ -62,10 +62,14 @@ class RefitReceiver:
         rendezvous: where trainer ranks publish manifests and versions.
         name: this receiver's NIXL agent name (unique per receiver process).
         timeout: seconds to wait for manifests, versions and transfers.
+        experts: global routed experts this receiver owns (vLLM expert
+            parallelism); it pulls only those experts' tensors. ``None``: all.
     """
 
-    def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0):
+    def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
+                 experts: frozenset[int] | None = None):
         self.rendezvous = rendezvous
+        self.experts = None if experts is None else frozenset(experts)
         self.transport = NixlTransport(name)
         self.timeout = timeout
         self.stats: CycleStats | None = None
@@ -119,7 +123,7 @@ class RefitReceiver:
         plan = self._plan
         if plan is not None and plan.dims == first.dims and plan.layout == first.layout and plan.dtype == dtype:
             return plan, False
-        plan = plan_megatron_to_hf(first.dims, first.layout, dtype)
+        plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
         self.plans_built += 1
         self._plan = plan
         self._checked = ()
