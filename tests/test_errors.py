@@ -95,7 +95,8 @@ def test_mixed_norm_spellings(qwen3):
     cfg, _, shards = qwen3
     s = shards[(0, 0, 0)]
     s["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"] = s.pop("decoder.layers.0.input_layernorm.weight")
-    with pytest.raises(UnexpectedParameterError, match="mix"):
+    with pytest.raises(UnexpectedParameterError, match=r"mix local-spec and Transformer-Engine-spec names: "
+                                                       r"'decoder\.layers\.\d\.\S+' on rank \(tp=\d"):
         megarefit.megatron_to_hf(shards, cfg, tp=2, pp=2)
 
 
@@ -133,3 +134,19 @@ def test_ambiguous_match_is_reported():
     ))
     with pytest.raises(AmbiguousParameterError, match=r"decoder\.layers\.0\.w.*2 rows"):
         fam.match("decoder.layers.0.w", frozenset())
+
+
+def test_mixed_expert_layouts_name_a_tensor():
+    from reference import moe_hf_state, moe_reference_shards
+
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 20,
+           "num_local_experts": 2, "intermediate_size": 4, "tie_word_embeddings": False}
+    hf = moe_hf_state(cfg, "mixtral")
+    seq = moe_reference_shards(hf, cfg, "mixtral", tp=1, pp=1, ep=1, etp=1, layout="sequential")[(0, 0, 0)]
+    grouped = moe_reference_shards(hf, cfg, "mixtral", tp=1, pp=1, ep=1, etp=1, layout="te_grouped")[(0, 0, 0)]
+    mixed = {k: v for k, v in seq.items() if "layers.1." not in k} | {k: v for k, v in grouped.items()
+                                                                     if "layers.1." in k}
+    with pytest.raises(UnexpectedParameterError, match=r"mix expert layouts: .*layers\.1\..*on rank \(tp=0, pp=0, "
+                                                       r"ep=0\) is te_grouped"):
+        megarefit.megatron_to_hf({(0, 0, 0): mixed}, cfg)

@@ -421,18 +421,29 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
     if not candidates:
         for rank, n in names_all:
             spec.match(n, conds, rank=rank)  # raises UnknownParameterError for a truly unknown name
-        raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec norm names")
+        examples = []
+        for s in LAYER_SPECS:  # a name that only the *other* spelling explains
+            for rank, n in names_all:
+                try:
+                    spec.match(n, conds, s, rank=rank)
+                except UnknownParameterError:
+                    other = "te" if s == "local" else "local"
+                    examples.append(f"{n!r} on rank {rank} is {other}-spec")
+                    break
+        raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec names: "
+                                       + "; ".join(examples))
     chosen: LayerSpec = layout.layer_spec if layout.layer_spec in candidates else candidates[0]
-    expert_layouts = set()
+    expert_layouts: dict[str, str] = {}
     for rank, n in names_all:
         row = spec.match(n, conds, chosen, rank=rank).spec
         if row.expert_layout is not None:
-            expert_layouts.add(row.expert_layout)
+            expert_layouts.setdefault(row.expert_layout, f"{n!r} on rank {rank}")
     if len(expert_layouts) > 1:
-        raise UnexpectedParameterError(f"shards mix expert layouts {sorted(expert_layouts)}")
+        raise UnexpectedParameterError("shards mix expert layouts: "
+                                       + "; ".join(f"{where} is {lay}" for lay, where in sorted(expert_layouts.items())))
     resolved = layout.with_layer_spec(chosen)
     if expert_layouts:
-        resolved = resolved.with_expert_layout(expert_layouts.pop())
+        resolved = resolved.with_expert_layout(next(iter(expert_layouts)))
     expected = source_tensors(dims, resolved)
     for rank in sorted(expected_ranks):
         want, have = set(expected[rank]), set(given[rank])

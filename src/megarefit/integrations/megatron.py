@@ -366,10 +366,17 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None
 
 def refit_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a refit reads from one rank: ``named_parameters()`` plus the persistent
-    buffers HF keeps as weights (the MoE router's ``expert_bias``, HF
+    buffers a spec table names as weights (the MoE router's ``expert_bias``, HF
     ``e_score_correction_bias``). Live tensors, not copies."""
+    from megarefit.specs import FAMILIES
+    from megarefit.specs.table import canonical_name
+
+    rows = [row for fam in FAMILIES for row in fam.entries]
     out = dict(model.named_parameters())
-    out.update({n: b for n, b in model.named_buffers() if n.endswith(".router.expert_bias")})
+    for name, buf in model.named_buffers():
+        canon = canonical_name(name)
+        if canon is not None and any(row.matches(canon) for row in rows):
+            out[name] = buf
     return out
 
 
