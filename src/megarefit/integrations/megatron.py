@@ -628,13 +628,16 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     from megarefit.publisher import Publisher
     from megarefit.rendezvous import Rendezvous
 
-    init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp)
+    init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
     model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
     perturb_parameters_(model, seed=case.seed)
-    coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
+    coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+             ps.get_expert_model_parallel_rank())
+    if ps.get_data_parallel_rank() // max(1, case.ep) != 0:  # one publisher per (tp, pp, ep) shard
+        return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     host, port, job = rendezvous
     rdzv = Rendezvous.connect(host, port, job=job)
-    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp,
+    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp, ep=case.ep,
                     rendezvous=rdzv)
     out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     for v in range(1, versions + 1):

