@@ -157,24 +157,40 @@ def test_restarted_trainer_with_the_same_agent_name(served):
     assert receiver.counters["remote_agents"] == 3 and receiver.counters["plans_built"] == 1
 
 
-def test_receiver_owning_some_experts_pulls_only_those():
-    """A receiver for vLLM expert parallelism (experts {0, 3} of 4) pulls those experts
-    over NIXL from EP=2 publishers, and every dense tensor; bytes as the offline path."""
+@pytest.mark.parametrize("layout", ["sequential", "te_grouped", "legacy_grouped"])
+@pytest.mark.parametrize("experts", [None, frozenset({0, 3})])
+def test_expert_layouts_over_nixl(layout, experts):
+    """Every expert layout pulls over NIXL from TP=2 x EP=2 publishers (expert-TP 2), and
+    a receiver for vLLM expert parallelism (experts {0, 3} of 4) pulls only those
+    experts plus every dense tensor. Compared with the HF state the reference sharder
+    started from. Legacy GroupedMLP ``weight1`` / ``weight2`` hold per-expert
+    transposed blocks: each block crosses the wire once (one scratch run per tensor,
+    gate and up both cut from it)."""
     from reference import moe_hf_state, moe_reference_shards
 
     cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,
            "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 20,
            "num_local_experts": 4, "intermediate_size": 4, "tie_word_embeddings": False}
     hf = moe_hf_state(cfg, "mixtral", 3)
-    shards = moe_reference_shards(hf, cfg, "mixtral", tp=1, pp=1, ep=2, etp=1)
+    shards = moe_reference_shards(hf, cfg, "mixtral", tp=2, pp=1, ep=2, etp=2, layout=layout)
     job = f"faults-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=1, pp=1, ep=2, rendezvous=rdzv,
-                      agent_name=f"{job}-trainer-{r[2]}") for r, s in shards.items()]
+    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=2, pp=1, ep=2, rendezvous=rdzv,
+                      expert_layout=layout,
+                      agent_name=f"{job}-trainer-{r[0]}-{r[2]}") for r, s in shards.items()]
     for p in pubs:
         p.publish(1)
-    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5, experts=frozenset({0, 3}))
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5, experts=experts)
     got = dict(receiver.run_refit_cycle(1))
-    want = {k: v for k, v in hf.items() if ".experts." not in k or k.split(".experts.")[1].split(".")[0] in "03"}
+    owned = "0123" if experts is None else "03"
+    want = {k: v for k, v in hf.items() if ".experts." not in k or k.split(".experts.")[1].split(".")[0] in owned}
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
     assert receiver.stats.bytes_moved == sum(v.numel() * v.element_size() for v in want.values())
+    if layout == "legacy_grouped":  # each weight1 / weight2 is read in one run: its owned experts' blocks
+        prepared = next(iter(receiver.transport._prepared.values()))
+        runs = [(ref, stop - start) for pulls in prepared.per_source for ref, start, stop in pulls.scratch_runs
+                if ".experts.weight" in ref.name]
+        assert len(runs) == len({ref for ref, _ in runs}) == 4 * 2 * 2  # ranks x layers x (weight1, weight2)
+        block = {"weight1": 8 * 2 * 2, "weight2": 2 * 8}  # per expert: hidden x 2*ffn/etp, ffn/etp x hidden
+        owned_here = 2 if experts is None else 1  # of the 2 local experts per ep rank
+        assert all(n == block[ref.name.rsplit(".", 1)[1]] * owned_here for ref, n in runs)

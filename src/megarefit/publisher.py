@@ -24,7 +24,7 @@ import torch
 
 from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.errors import MissingParameterError, ShapeMismatchError, UnexpectedParameterError
-from megarefit.layout import RankCoord, SourceLayout
+from megarefit.layout import ExpertLayout, RankCoord, SourceLayout
 from megarefit.manifest import Manifest, TensorEntry
 from megarefit.planner import global_shape, source_tensors
 from megarefit.rendezvous import Rendezvous
@@ -50,14 +50,15 @@ class Publisher:
                  tp: int, pp: int, ep: int = 1, rendezvous: Rendezvous, layer_spec: LayerSpec = "local",
                  make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                 etp: int | None = None, expert_layout: ExpertLayout = "sequential",
                  agent_name: str | None = None):
         self.rank = RankCoord(*rank)
         self.dims = ModelDims.from_hf_config(load_hf_config(hf_config))
-        self.dims.check_layout(tp, pp, ep)
+        self.dims.check_layout(tp, pp, ep, etp)
         self.layout = SourceLayout.build(
             tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, make_vocab_size_divisible_by),
             num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
-            last_stage_layers=last_stage_layers, layer_spec=layer_spec)
+            last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout)
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = source_tensors(self.dims, self.layout)[self.rank]
         missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())

@@ -70,9 +70,15 @@ def _strided_copy(op: CopyOp, src: torch.Tensor, out: torch.Tensor) -> None:
     """One op as a strided copy, honouring view shapes and transposition."""
     if op.src_view is not None:
         src = src.view(op.src_view)
+    copy_part(op, src[op.src_box.slices()], out)
+
+
+def copy_part(op: CopyOp, part: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[op.dst_box] = part``, where ``part`` is the op's source box (shape
+    ``op.src_box.lengths``); honours ``op.dst_view`` and ``op.transpose`` (leading
+    1-dims dropped, the last two dims swapped: legacy GroupedMLP experts)."""
     if op.dst_view is not None:
         out = out.view(op.dst_view)
-    part = src[op.src_box.slices()]
     dst = out[op.dst_box.slices()]
     if op.transpose:
         part = part.reshape(part.shape[-2:]).T

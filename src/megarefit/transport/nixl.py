@@ -12,6 +12,13 @@ prepared again until a source re-registers its memory or the layout changes.
     trainer rank (tp=1)          receiver arena (one registration)
     [ linear_qkv (local) ]  --READ-->  [ q_proj | k_proj | v_proj | ... ]   contiguous pulls,
     [ linear_fc2 (local) ]  --READ-->  [ scratch slot ] --strided copy--> down_proj columns
+    [ experts.weight1    ]  --READ-->  [ scratch slot ] --transposed copies--> experts.E.gate_proj / up_proj
+
+A scratch op whose *source* box is strided (legacy GroupedMLP ``weight1`` /
+``weight2``: per-expert ``[hidden, 2*ffn]`` blocks read as transposed gate / up
+halves) pulls the smallest flat run holding its box; runs of one source tensor
+that overlap or touch are merged, so each expert block crosses the wire once and
+gate and up are both cut from the same scratch bytes.
 
 ``nixl`` is imported lazily; install the ``nixl`` extra.
 """
@@ -31,6 +38,7 @@ from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
 from megarefit.manifest import Manifest
 from megarefit.plan import CopyOp, Plan, TensorRef
+from megarefit.transport.local import copy_part
 
 
 SCRATCH_THREADS = 4
@@ -107,8 +115,57 @@ class _SourcePulls:
     agent: str
     ops: list[CopyOp]
     handle: Any = None
+    descriptors: int = 0
+    scratch_runs: list[tuple[TensorRef, int, int]] = field(default_factory=list)  # (source, first, stop) elements
     dlists: tuple[Any, ...] = ()
-    scratch_ops: list[tuple[CopyOp, torch.Tensor]] = field(default_factory=list)
+    scratch_ops: list[tuple[CopyOp, torch.Tensor]] = field(default_factory=list)  # (op, its source box in scratch)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+@dataclass
+class _Segment:
+    """One scratch pull: elements ``[start, stop)`` of a source tensor's flat storage,
+    serving every scratch op whose source box lies inside it."""
+
+    src: TensorRef
+    start: int
+    stop: int
+    ops: list[tuple[CopyOp, tuple[int, ...]]]  # (op, element strides of its source shape)
+
+
+def _scratch_segments(plan: Plan, ops: Sequence[CopyOp]) -> list[_Segment]:
+    """Merge the flat source runs of ``ops`` (scratch ops of one source rank) per tensor."""
+    runs: dict[TensorRef, list[tuple[int, int, CopyOp, tuple[int, ...]]]] = {}
+    for op in ops:
+        strides = _contiguous_strides(op.src_view or plan.sources[op.src].shape)
+        last = op.src_offset + sum((n - 1) * st for n, st in zip(op.src_box.lengths, strides))
+        runs.setdefault(op.src, []).append((op.src_offset, last + 1, op, strides))
+    segments: list[_Segment] = []
+    for ref, items in runs.items():
+        items.sort(key=lambda r: r[0])
+        current: _Segment | None = None
+        for start, stop, op, strides in items:
+            if current is None or start > current.stop:
+                current = _Segment(ref, start, stop, [])
+                segments.append(current)
+            current.stop = max(current.stop, stop)
+            current.ops.append((op, strides))
+    return segments
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+def _seg_bytes(seg: _Segment, itemsize: Mapping[TensorRef, int]) -> int:
+    return (seg.stop - seg.start) * itemsize[seg.src]
 
 
 @dataclass
@@ -177,13 +234,7 @@ class NixlTransport:
         if cached is not None:
             return cached
         self.nixl.register(list(buffers.values()))
-        scratch_bytes = sum(-(-op.nbytes // 16) * 16 for op in plan.ops if op.kind == "scratch")
-        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes):
-            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
-            self.nixl.register([self._scratch])
         by_rank: dict[RankCoord, _SourcePulls] = {}
-        prepared = PreparedPlan(key, [])
-        scratch_at = 0
         for op in plan.ops:
             rank = op.src.rank
             assert rank is not None
@@ -191,29 +242,39 @@ class NixlTransport:
             if pulls is None:
                 pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
             pulls.ops.append(op)
-        for op in plan.ops:
-            if op.transpose or op.src_view is not None or not op.src_box.is_contiguous_in(plan.sources[op.src].shape):
-                raise TransferError(f"op {op.src} -> {op.dst} reads a strided or transposed source (legacy GroupedMLP "
-                                    "experts): not supported over NIXL yet; use SequentialMLP or TE-grouped experts")
+        segments = {rank: _scratch_segments(plan, [op for op in pulls.ops if op.kind == "scratch"])
+                    for rank, pulls in by_rank.items()}
+        itemsize = {op.src: op.itemsize for op in plan.ops}
+        scratch_bytes = sum(_align(_seg_bytes(seg, itemsize)) for segs in segments.values() for seg in segs)
+        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes):
+            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+            self.nixl.register([self._scratch])
+        prepared = PreparedPlan(key, [])
+        scratch_at = 0
         for rank, pulls in sorted(by_rank.items()):
             entries = manifests[rank].by_name()
             remote, local = [], []
             for op in pulls.ops:
-                src = entries[op.src.name]
-                remote.append((src.addr + op.src_byte_offset, op.nbytes, 0))
                 if op.kind == "contiguous":
-                    buf = buffers[op.dst]
-                    local.append((buf.data_ptr() + op.dst_byte_offset, op.nbytes, 0))
-                else:
-                    assert self._scratch is not None
-                    slot = self._scratch[scratch_at: scratch_at + op.nbytes].view(buffers[op.dst].dtype)
-                    pulls.scratch_ops.append((op, slot))
-                    local.append((slot.data_ptr(), op.nbytes, 0))
-                    scratch_at += -(-op.nbytes // 16) * 16  # keep slots aligned
+                    remote.append((entries[op.src.name].addr + op.src_byte_offset, op.nbytes, 0))
+                    local.append((buffers[op.dst].data_ptr() + op.dst_byte_offset, op.nbytes, 0))
+            for seg in segments[rank]:
+                assert self._scratch is not None
+                item, nbytes = itemsize[seg.src], _seg_bytes(seg, itemsize)
+                dtype = buffers[seg.ops[0][0].dst].dtype
+                slot = self._scratch[scratch_at: scratch_at + nbytes].view(dtype)
+                remote.append((entries[seg.src.name].addr + seg.start * item, nbytes, 0))
+                local.append((slot.data_ptr(), nbytes, 0))
+                pulls.scratch_runs.append((seg.src, seg.start, seg.stop))
+                for op, strides in seg.ops:
+                    part = slot[op.src_offset - seg.start:].as_strided(op.src_box.lengths, strides)
+                    pulls.scratch_ops.append((op, part))
+                scratch_at += _align(nbytes)  # keep slots aligned
+            pulls.descriptors = len(remote)
             agent = self.nixl.agent
             rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, "DRAM")
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-            idx = list(range(len(pulls.ops)))
+            idx = list(range(len(remote)))
             pulls.handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
             pulls.dlists = (lh, rh)
             self.nixl.counters["dlists"] += 2
@@ -264,8 +325,8 @@ class NixlTransport:
                 # this source is done: its strided copies overlap the other sources' READs
                 t0 = time.perf_counter()
                 with _bounded_threads(SCRATCH_THREADS):
-                    for op, slot in pulls.scratch_ops:
-                        buffers[op.dst][op.dst_box.slices()].copy_(slot.view(op.dst_box.lengths))
+                    for op, part in pulls.scratch_ops:
+                        copy_part(op, part, buffers[op.dst])
                 scratch_s += time.perf_counter() - t0
             pending = still
             if pending and time.monotonic() > deadline:
