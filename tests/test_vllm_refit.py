@@ -162,6 +162,31 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["initial_ok"], "the comparison itself must work on this engine"
+    # one worker, no expert parallelism: vLLM's routed-experts layers are found, every expert is pulled
+    assert result["experts"] == {"owned": None, "routed_layers": 2, "ep_layers": 0}
     for version in ("1", "2"):
         assert result["vllm"][version] != result["vllm"]["initial"], "the refit must change the engine's weights"
         assert same_generation(result["vllm"][version], result["hf"][version]), (version, result)
+
+
+@pytest.mark.parametrize("strategy", ["linear", "round_robin"])
+def test_owned_experts_follow_vllm_placement(strategy):
+    """The expert set a vLLM EP worker pulls comes from vLLM's own expert map
+    (``determine_expert_map``, as its routed-experts layers hold it in ``_expert_map``):
+    linear placement gives rank r experts [r*E/ep, (r+1)*E/ep), round robin {r, r+ep, ...}."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from megarefit.integrations.vllm import owned_experts
+
+    experts, ep = 8, 4
+    for rank in range(ep):
+        model = torch.nn.Sequential()
+        for _ in range(2):
+            layer = torch.nn.Module()
+            layer.use_ep = True
+            layer.register_buffer("_expert_map", determine_expert_map(ep, rank, experts, strategy)[1],
+                                  persistent=False)
+            model.append(layer)
+        want = set(range(rank * 2, rank * 2 + 2)) if strategy == "linear" else set(range(rank, experts, ep))
+        assert owned_experts(model) == want
+    assert owned_experts(torch.nn.Linear(2, 2)) is None  # no routed-experts layer: every expert

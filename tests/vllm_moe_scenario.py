@@ -57,6 +57,7 @@ def main(work: Path, moe_intermediate_size: int) -> dict:
         out["initial_ok"] = same_generation(out["vllm"]["initial"], hf_generate(initial.eval()))
 
         llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0))
+        out["experts"] = llm.collective_rpc("megarefit_experts")[0]
         llm.collective_rpc("update_weights_from_megatron", args=(1,))
         out["vllm"]["1"] = vllm_generate(llm)
         rdzv.mark_consumed(1)

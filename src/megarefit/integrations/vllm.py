@@ -73,9 +73,30 @@ def _installing(version: int | None, count: int) -> Iterator[None]:
         ) from exc
 
 
-def _receiver(host: str, port: int, job: str, timeout: float, rank: int) -> RefitReceiver:
+def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
+    """Global expert ids this vLLM worker holds under expert parallelism, or ``None``
+    (no EP: every expert). Read from each routed-experts layer's ``_expert_map``
+    (vLLM's global -> local slot map, ``-1`` where another rank holds the expert);
+    the union over layers, so a per-layer placement (EPLB) still gets every expert
+    it needs. The receiver then plans and pulls only these experts; vLLM's
+    ``load_weights`` would drop the others anyway."""
+    owned: set[int] = set()
+    found = False
+    for module in model.modules():
+        expert_map = getattr(module, "_expert_map", None)
+        if not getattr(module, "use_ep", False) or not isinstance(expert_map, torch.Tensor):
+            continue
+        found = True
+        owned.update(int(i) for i in torch.nonzero(expert_map >= 0).flatten())
+    return frozenset(owned) if found else None
+
+
+def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
+              model: torch.nn.Module | None) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout)
+    experts = owned_experts(model) if model is not None else None
+    return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
+                         experts=experts)
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -137,8 +158,10 @@ class MegarefitWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0) -> None:
-        """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side)."""
-        self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0))
+        """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
+        Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -166,6 +189,16 @@ class MegarefitWorkerExtension:
         if _is_cpu():
             _cpu_fixups(runner.get_model())
         return _cycle_report(receiver, time.perf_counter() - t0)
+
+    def megarefit_experts(self) -> dict[str, Any]:
+        """What this worker's receiver pulls: ``{"owned": sorted ids | None, "routed_layers": n,
+        "ep_layers": n}`` (``None``: every expert)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        layers = [m for m in model.modules() if "_expert_map" in m._buffers]  # vLLM's routed-experts layers
+        receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
+        owned = receiver.experts if receiver is not None else owned_experts(model)
+        return {"owned": sorted(owned) if owned is not None else None, "routed_layers": len(layers),
+                "ep_layers": sum(bool(getattr(m, "use_ep", False)) for m in layers)}
 
     def megarefit_counters(self) -> dict[str, int]:
         receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
@@ -207,7 +240,8 @@ def _make_engine_class():
 
         def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
             rank = getattr(self.parallel_config, "rank", 0)
-            self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank)
+            self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
+                                      getattr(self, "model", None))
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:
