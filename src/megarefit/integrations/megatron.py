@@ -63,6 +63,7 @@ class GPTArch:
     qk_layernorm: bool = False
     tie_word_embeddings: bool = False
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # HF partial_rotary_factor (GLM-4.5: 0.5): RoPE on the first part of each head
     norm_epsilon: float = 1e-5
     max_sequence_length: int = 256
     # MoE (SequentialMLP experts, allgather dispatcher); num_experts=0 for dense models
@@ -334,6 +335,7 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=arch.rotary_base,
+            rotary_percent=arch.rotary_percent,
         )
     return model.eval()
 
@@ -484,7 +486,8 @@ def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), ma
 # --------------------------------------------------------------------------- HF configs and jobs
 def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
                      max_sequence_length: int = 256) -> GPTArch:
-    """GPTArch for a dense HF config (Llama / Mistral / Qwen2 / Qwen3), vocab padded as Megatron pads it.
+    """GPTArch for an HF config (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral,
+    DeepSeek-V3-style MLA, GLM-4.5), vocab padded as Megatron pads it.
 
     Raises:
         MegarefitError: the config needs something this harness does not build
@@ -515,6 +518,7 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         padded_vocab_size=dims.padded_vocab_size(tp, make_vocab_size_divisible_by), qkv_bias=dims.qkv_bias,
         qk_layernorm=dims.qk_norm or bool(dims.kv_lora_rank), tie_word_embeddings=dims.tie_word_embeddings,
         rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
+        rotary_percent=float(get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         max_sequence_length=max_sequence_length,
         num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
         moe_router_topk=int(get("num_experts_per_tok") or 2),
@@ -522,7 +526,8 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         moe_router_pre_softmax=get("norm_topk_prob", True) is False,
         dense_layers=dims.dense_layers,
         shared_expert_ffn=dims.shared_expert_ffn,
-        router_score_function=get("scoring_func") or "softmax",
+        # HF Glm4Moe has no scoring_func key: its noaux_tc router (with e_score_correction_bias) is sigmoid
+        router_score_function=get("scoring_func") or ("sigmoid" if dims.router_bias else "softmax"),
         router_expert_bias=dims.router_bias,
         router_topk_scaling_factor=float(get("routed_scaling_factor")) if get("routed_scaling_factor") else None,
         q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_head_dim=dims.qk_nope_head_dim,
