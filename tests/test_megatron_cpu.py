@@ -117,3 +117,26 @@ def test_classifier_on_live_model(runs):
     assert c["overridden_problems"] == sorted(
         f"decoder.layers.{i}.{m}.weight" for i in range(4) for m in ("self_attention.linear_proj", "mlp.linear_fc2"))
     assert "decoder.layers.0.mlp.linear_fc1.weight" in c["raised"] and "replicated" in c["raised"]
+
+
+def test_layout_ranks_match_megatron_rank_generator():
+    """The (tp, pp, ep) coordinates a layout expects are exactly those Megatron-Core's own
+    RankGenerator forms (decoder grid tp/dp/pp, expert grid etp/ep/edp/pp, order
+    "tp-cp-ep-dp-pp"), including etp=1 < tp where some (tp, ep) pairs never exist."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megarefit import SourceLayout
+
+    for tp, pp, ep, etp, dp in [(2, 1, 2, 1, 2), (2, 2, 4, 1, 4), (4, 1, 2, 1, 2), (2, 1, 2, 2, 2), (1, 2, 4, 1, 4),
+                                (4, 1, 8, 1, 8), (2, 1, 1, 1, 3), (8, 1, 4, 1, 4)]:
+        world = tp * pp * dp
+        dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        coord = {}
+        for kind, gen, dim in (("tp", dense, "tp"), ("pp", dense, "pp"), ("ep", expert, "ep")):
+            for group in gen.get_ranks(dim):
+                for i, r in enumerate(group):
+                    coord.setdefault(r, {})[kind] = i
+        want = {(c["tp"], c["pp"], c["ep"]) for c in coord.values()}
+        layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=tp * 8, num_layers=pp)
+        assert {tuple(r) for r in layout.ranks()} == want, (tp, pp, ep, etp, dp)

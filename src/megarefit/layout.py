@@ -194,8 +194,37 @@ class SourceLayout:
         """Global index of pipeline stage ``pp_rank``'s local layer 0."""
         return sum(self.stage_layers[:pp_rank])
 
+    def tp_ep_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The ``(tp rank, ep rank)`` pairs that exist within one pipeline stage.
+
+        Megatron-Core orders ranks tp-fastest (``"tp-cp-ep-dp-pp"``; cp = 1 here):
+        stage-local rank ``r`` has tp rank ``r % tp`` in the dense grid and ep rank
+        ``(r // etp) % ep`` in the expert grid (expert-TP ``etp`` fastest). With
+        ``etp == tp`` every pair exists. With ``etp == 1 < tp`` they are tied::
+
+            tp=2, ep=2, etp=1   r:   0      1      2      3     (dp=2)
+                                     (0,0)  (1,1)  (0,0)  (1,1)   -> no (1,0), no (0,1)
+
+        so a tensor is read from a rank that exists (see :meth:`dense_ep` and
+        :meth:`expert_tps`); ranks repeating a pair hold copies (data parallel).
+        """
+        if self.ep == 1 or self.etp == self.tp:
+            return tuple(product(range(self.tp), range(self.ep)))
+        n = math.lcm(self.tp, self.etp * self.ep)
+        return tuple(sorted({(r % self.tp, (r // self.etp) % self.ep) for r in range(n)}))
+
     def ranks(self) -> list[RankCoord]:
-        return [RankCoord(t, p, e) for p, t, e in product(range(self.pp), range(self.tp), range(self.ep))]
+        """Every distinct ``(tp, pp, ep)`` coordinate of Megatron's process grid."""
+        return [RankCoord(t, p, e) for p in range(self.pp) for t, e in self.tp_ep_pairs()]
+
+    def dense_ep(self, tp_rank: int) -> int:
+        """The ep rank whose copy of TP shard ``tp_rank`` of a non-expert tensor is read
+        (the lowest stage-local rank holding that shard: ``r = tp_rank``)."""
+        return (tp_rank // self.etp) % self.ep
+
+    def expert_tps(self, ep_rank: int) -> tuple[int, ...]:
+        """TP ranks that exist alongside ``ep_rank`` (with ``etp == 1`` each holds whole experts)."""
+        return tuple(t for t, e in self.tp_ep_pairs() if e == ep_rank)
 
     def with_layer_spec(self, layer_spec: LayerSpec) -> SourceLayout:
         return dataclasses.replace(self, layer_spec=layer_spec)

@@ -274,13 +274,13 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
         for name, t in ts.items():
             if t.spec.duplicate:
                 continue
-            if not t.spec.role.is_expert and rank.ep != 0:
-                continue  # non-expert tensors are replicated over ep: read from ep rank 0
+            if not t.spec.role.is_expert and rank.ep != layout.dense_ep(rank.tp):
+                continue  # non-expert tensors are replicated over ep: read one existing copy
             if experts is not None and t.expert is not None and t.expert not in experts:
                 continue  # an expert this receiver does not own
             if t.spec.role.is_grouped:
-                if layout.etp == 1 and rank.tp != 0:
-                    continue  # whole experts on every TP rank: read them from TP rank 0
+                if layout.etp == 1 and rank.tp != layout.expert_tps(rank.ep)[0]:
+                    continue  # whole experts on every TP rank: read them from one
                 view = view_shape(t.spec, dims, layout)
                 sources[TensorRef(rank, name)] = TensorMeta(view, t.spec.dtype or dtype, storage_shape=t.shape)
                 item = itemsize(t.spec.dtype or dtype)
@@ -304,13 +304,14 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
             if t.spec.role is Role.REPLICATED:
                 if rank.tp != 0:
                     continue  # one replica is enough; chosen below from the tp=0 visit
-                k = replicated_count[rank.pp]
+                k = replicated_count[rank.pp] % layout.tp
                 replicated_count[rank.pp] += 1
-                reader = RankCoord(k % layout.tp, rank.pp, 0)
+                reader = RankCoord(k, rank.pp, layout.dense_ep(k))
             elif t.spec.role.is_expert and layout.etp == 1 and layout.tp > 1:
-                if rank.tp != 0:
-                    continue  # whole experts on every TP rank: read expert e from TP rank e % tp
-                reader = RankCoord(t.expert % layout.tp, rank.pp, rank.ep)  # same name on every TP rank
+                tps = layout.expert_tps(rank.ep)
+                if rank.tp != tps[0]:
+                    continue  # whole experts on every TP rank: spread experts over the TP ranks that exist
+                reader = RankCoord(tps[t.expert % len(tps)], rank.pp, rank.ep)  # same name on every TP rank
             shape_of = dict(zip(names, shapes))
             for p in pieces(t.spec, names, dims, layout, reader.tp):
                 sbox, dbox = _boxes(p, t.shape, shape_of[p.hf_name])
@@ -373,14 +374,18 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     return plan
 
 
-def check_ranks(tp: int, pp: int, ep: int, ranks: Iterable[tuple[int, int, int]]) -> None:
-    """Raise :class:`LayoutError` unless ``ranks`` is exactly the ``tp x pp x ep`` grid."""
-    expected = {RankCoord(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+def check_ranks(layout: SourceLayout, ranks: Iterable[tuple[int, int, int]]) -> None:
+    """Raise :class:`LayoutError` unless ``ranks`` holds every coordinate of ``layout``'s
+    process grid (:meth:`SourceLayout.ranks`). Coordinates of the full ``tp x pp x ep``
+    grid that Megatron does not form (``etp == 1 < tp``) are tolerated: callers drop them."""
+    expected = set(layout.ranks())
+    grid = {RankCoord(t, p, e) for t in range(layout.tp) for p in range(layout.pp) for e in range(layout.ep)}
     given = {RankCoord(*r) for r in ranks}
-    missing, extra = sorted(expected - given), sorted(given - expected)
+    missing, extra = sorted(expected - given), sorted(given - grid)
     if missing or extra:
         raise LayoutError(
-            f"shards for tp={tp} pp={pp} ep={ep} must hold ranks {[tuple(r) for r in sorted(expected)]}; "
+            f"shards for tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.etp} must hold ranks "
+            f"{[tuple(r) for r in sorted(expected)]}; "
             + (f"missing {[tuple(r) for r in missing]}" if missing else "")
             + ("; " if missing and extra else "")
             + (f"unexpected {[tuple(r) for r in extra]} (wrong tp/pp/ep?)" if extra else "")
@@ -401,9 +406,9 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
         MissingParameterError / UnexpectedParameterError: names differ from the layout's,
             naming the tensor and rank.
     """
-    given = {RankCoord(*r): list(v) for r, v in names.items()}
-    check_ranks(layout.tp, layout.pp, layout.ep, given)
+    check_ranks(layout, names)
     expected_ranks = set(layout.ranks())
+    given = {RankCoord(*r): list(v) for r, v in names.items() if RankCoord(*r) in expected_ranks}
     spec, conds = dims.spec, dims.conditions(layout.pp)
     names_all = [(rank, n) for rank, ns in given.items() for n in ns]
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
-from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.errors import (LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError,
+                              UnexpectedParameterError)
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
@@ -171,12 +172,17 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
     tensors = normalize_shards(shards)
-    check_ranks(tp, pp, ep, tensors)
+    outside = sorted(r for r in tensors if not (r.tp < tp and r.pp < pp and r.ep < ep))
+    if outside or not tensors:
+        raise LayoutError(f"shards for tp={tp} pp={pp} ep={ep}: " + (
+            f"unexpected {[tuple(r) for r in outside]} (wrong tp/pp/ep?)" if outside else "no shards given"))
     etp = _infer_etp(dims, tensors, tp) if etp is None else etp
     dims.check_layout(tp, pp, ep, etp)
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
                               etp=etp, **_stage_split(dims, tensors, pp))
+    check_ranks(base, tensors)
+    tensors = {r: v for r, v in tensors.items() if r in set(base.ranks())}  # copies Megatron's grid lacks
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
     plan = plan_megatron_to_hf(dims, layout, _model_dtype(tensors))
     check_shapes(plan, tensors)
