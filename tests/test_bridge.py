@@ -124,3 +124,23 @@ def test_name_map_cli_from_bridge(bridge_python, tmp_path):
     assert bad.returncode == 1
     gaps = json.loads(bad.stdout)["disagreements"]
     assert {d["megatron"].rsplit(".", 1)[1] for d in gaps} == {"weight1", "weight2"} and len(gaps) == 8
+
+
+def test_where_bridge_conversion_disagrees_logits_decide(bridge_python, tmp_path):
+    """Same HF checkpoint, same real Megatron-Core model (Qwen3-style, TP=2, two gloo
+    processes). Bridge 0.3.1's ``load_hf_weights`` scatters the row-parallel tensors
+    (o_proj, down_proj) wrongly on gloo (a scatter of non-contiguous views): Megatron's
+    logits then differ from HF's by O(1). megarefit's ``hf_to_megatron`` gives logits
+    equal to HF's. Bridge's own *export* is right: after megarefit's load it returns
+    exactly the checkpoint (an independent check of megarefit's import), after its own
+    load exactly the row-parallel tensors it scattered wrongly are off."""
+    proc = subprocess.run([str(bridge_python), str(Path(__file__).with_name("bridge_contents.py")), str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["hf_max_abs"] > 0.5
+    assert r["megarefit_logits_diff"] < 1e-4  # megarefit: right
+    assert r["bridge_logits_diff"] > 0.1  # Bridge 0.3.1 on gloo: wrong (if this fails, Bridge fixed it)
+    assert r["bridge_export_of_megarefit_load_mismatched"] == []
+    assert r["bridge_export_mismatched"] == [f"model.layers.{i}.{n}.weight" for i in (0, 1)
+                                             for n in ("mlp.down_proj", "self_attn.o_proj")]
