@@ -244,17 +244,24 @@ def bridge_name_map(entries: Iterable[NameMapEntry], hf_config: Mapping[str, Any
 
 def resolve_modules(model: torch.nn.Module, entries: Iterable[NameMapEntry]) -> dict[str, torch.nn.Module]:
     """Global parameter name -> owning module, for a real Megatron model built on one rank
-    (tp = pp = ep = 1, so local names are global). Raises :class:`MegarefitError` if the
-    model lacks a parameter the map lists."""
+    (tp = pp = ep = 1, so local names are global). The model's parameters and the map's
+    entries must be the same set: raises :class:`MegarefitError` naming a parameter
+    either side lacks."""
     owners = {}
     for name, _ in [*model.named_parameters(), *model.named_buffers()]:
         owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         owners[name.removeprefix("module.")] = owner
     out = {}
+    entries = list(entries)
     for e in entries:
         if e.local not in owners:
             raise MegarefitError(f"the model has no parameter {e.local!r} (map entry {e.megatron})")
         out[e.megatron] = owners[e.local]
+    listed = {e.local for e in entries}
+    extra = sorted(n.removeprefix("module.") for n, _ in model.named_parameters()
+                   if n.removeprefix("module.") not in listed)
+    if extra:
+        raise MegarefitError(f"the model has {len(extra)} parameter(s) the name map lacks, e.g. {extra[:3]}")
     return out
 
 
