@@ -21,6 +21,7 @@ DENSE = {"num_hidden_layers": 4}
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
          "intermediate_size": 96, "moe_intermediate_size": 32, "rope_scaling": None, "max_position_embeddings": 256,
          "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 1}
+MTP = {"num_nextn_predict_layers": 1}
 MLA = {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
        "qk_rope_head_dim": 8, "v_head_dim": 16, "scoring_func": "sigmoid"}
 
@@ -35,6 +36,9 @@ CASES = {
     "deepseek_v3": ("DeepSeek-V3", MOE | MLA, [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")],
                     True),
     "glm4_moe": ("GLM-4.5-Air", MOE, [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], True),
+    # with one multi-token-prediction layer (Bridge adds GLM's MTP mappings when the config has them)
+    "deepseek_v3_mtp": ("DeepSeek-V3", MOE | MLA | MTP, [(2, 2, 2, "te", "te_grouped")], False),
+    "glm4_moe_mtp": ("GLM-4.5-Air", MOE | MTP, [(2, 2, 2, "te", "te_grouped")], False),
     "mixtral": ("Mixtral-8x7B-v0.1", MOE, [(1, 1, 2, "te", "te_grouped")], False),
 }
 
@@ -75,7 +79,8 @@ def run() -> dict:
         case: dict = {"patterns": len(patterns), "layouts": {}}
         for tp, pp, ep, spec, experts in layouts:
             layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(tp),
-                                        num_layers=dims.num_layers, layer_spec=spec, expert_layout=experts)
+                                        num_layers=dims.num_layers, layer_spec=spec, expert_layout=experts,
+                                        mtp_layers=dims.mtp_layers)
             entries = name_map(dims, layout)
             modules = _model_modules(cfg, entries) if build and (tp, pp, ep, spec) == (1, 1, 1, "local") else None
             mapped = bridge_name_map(entries, cfg, modules)

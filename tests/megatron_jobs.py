@@ -41,3 +41,29 @@ def job(rank: int, world_size: int, port: int, cases: list[TrainerCase], classif
         "raised": raised,
     }
     return out
+
+
+def mtp_layout_job(rank: int, world_size: int, port: int, configs: dict[str, dict],
+                   layouts: list[tuple[int, int]]) -> dict[str, Any]:
+    """Build each config with one multi-token-prediction layer at each (tp, pp); return this
+    rank's coordinate, parameter shapes and classifier problems (MTP forward needs labels,
+    so no logits)."""
+    from megatron.core import parallel_state as ps
+
+    from megarefit.classify import classify_model
+    from megarefit.dims import ModelDims
+    from megarefit.integrations.megatron import local_named_parameters
+
+    out: dict[str, Any] = {}
+    for key, cfg in configs.items():
+        for tp, pp in layouts:
+            init_parallel(rank=rank, world_size=world_size, master_port=port, tp=tp, pp=pp)
+            model = build_gpt_model(gpt_arch_from_hf(cfg, tp=tp, mtp_layers=1), seed=0)
+            dims = ModelDims.from_hf_config(cfg)
+            coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
+            out[f"{key}-tp{tp}-pp{pp}"] = {
+                "coord": coord,
+                "shapes": {n: tuple(t.shape) for n, t in local_named_parameters(model).items()},
+                "problems": [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=pp, layer_spec="local")
+                             if not c.ok]}
+    return out

@@ -68,7 +68,7 @@ def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
     layout = SourceLayout.build(tp=args.tp, pp=args.pp, ep=args.ep, padded_vocab_size=padded,
                                 num_layers=dims.num_layers, first_stage_layers=args.first_stage_layers,
                                 last_stage_layers=args.last_stage_layers, layer_spec=args.layer_spec,
-                                etp=args.etp, expert_layout=args.expert_layout)
+                                etp=args.etp, expert_layout=args.expert_layout, mtp_layers=args.mtp_layers)
     return cfg, dims, layout, padded
 
 
@@ -240,6 +240,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-spec", choices=["local", "te"], default="te",
                    help="norm spelling of the trainer's layer spec (default: te)")
     p.add_argument("--vocab-divisible-by", type=int, default=128, help="make_vocab_size_divisible_by")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="Megatron mtp_num_layers: multi-token-prediction layers on the last stage (default 0)")
 
 
 def main(argv: list[str] | None = None) -> int:

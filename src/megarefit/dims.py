@@ -59,6 +59,7 @@ class ModelDims:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    mtp_layers: int = 0  # HF num_nextn_predict_layers: MTP layers the checkpoint stores after the decoder
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
@@ -121,6 +122,8 @@ class ModelDims:
             moe.update(q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=need("kv_lora_rank"),
                        qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
                        v_head_dim=need("v_head_dim"))
+        if fam.mtp_key is not None:
+            moe["mtp_layers"] = int(get(fam.mtp_key) or 0)
         return cls(
             family=fam.name,
             num_layers=need("num_hidden_layers"),
@@ -166,6 +169,7 @@ class ModelDims:
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
             "2ffn": 2 * self.ffn_hidden_size,
+            "2hidden": 2 * self.hidden_size,
             "vocab": self.vocab_size if padded_vocab is None else padded_vocab,
             "head_dim": self.head_dim,
             "q": q,

@@ -125,6 +125,7 @@ class SourceLayout:
     layer_spec: LayerSpec = "local"
     etp: int = 0
     expert_layout: ExpertLayout = "sequential"
+    mtp_layers: int = 0  # Megatron mtp_num_layers: multi-token-prediction layers on the last stage
 
     def __post_init__(self) -> None:
         if self.etp == 0:
@@ -141,6 +142,8 @@ class SourceLayout:
             raise LayoutError(f"stage_layers={self.stage_layers} must list pp={self.pp} non-negative counts")
         if self.padded_vocab_size % self.tp:
             raise LayoutError(f"padded_vocab_size={self.padded_vocab_size} is not divisible by tp={self.tp}")
+        if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
+            raise LayoutError(f"mtp_layers must be a non-negative integer, got {self.mtp_layers!r}")
         if self.layer_spec not in ("local", "te"):
             raise LayoutError(f"layer_spec must be 'local' or 'te', got {self.layer_spec!r}")
 
@@ -148,7 +151,7 @@ class SourceLayout:
     def build(cls, *, tp: int, pp: int, ep: int = 1, padded_vocab_size: int, num_layers: int,
               first_stage_layers: int | None = None, last_stage_layers: int | None = None,
               layer_spec: LayerSpec = "local", etp: int | None = None,
-              expert_layout: ExpertLayout = "sequential") -> SourceLayout:
+              expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0) -> SourceLayout:
         """Split ``num_layers`` over ``pp`` stages the way Megatron-Core does.
 
         Without ``first_stage_layers`` / ``last_stage_layers`` (Megatron's
@@ -184,7 +187,8 @@ class SourceLayout:
             )
         per = rest // middle if middle else 0
         stages = tuple(fixed.get(i, per) for i in range(pp))
-        return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec, tp if etp is None else etp, expert_layout)
+        return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec, tp if etp is None else etp, expert_layout,
+                   mtp_layers)
 
     @property
     def num_layers(self) -> int:
@@ -235,9 +239,10 @@ class SourceLayout:
     def to_dict(self) -> dict[str, object]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "padded_vocab_size": self.padded_vocab_size,
                 "stage_layers": list(self.stage_layers), "layer_spec": self.layer_spec, "etp": self.etp,
-                "expert_layout": self.expert_layout}
+                "expert_layout": self.expert_layout, "mtp_layers": self.mtp_layers}
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> SourceLayout:
         return cls(d["tp"], d["pp"], d["ep"], d["padded_vocab_size"], tuple(d["stage_layers"]),  # type: ignore[arg-type]
-                   d["layer_spec"], d.get("etp", 0), d.get("expert_layout", "sequential"))  # type: ignore[arg-type]
+                   d["layer_spec"], d.get("etp", 0), d.get("expert_layout", "sequential"),  # type: ignore[arg-type]
+                   d.get("mtp_layers", 0))  # type: ignore[arg-type]

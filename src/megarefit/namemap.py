@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megarefit.dims import ModelDims
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.planner import source_tensors
-from megarefit.specs.table import ParallelMode, Role
+from megarefit.specs.table import ParallelMode, Role, Stage
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ def name_map(dims: ModelDims, layout: SourceLayout) -> list[NameMapEntry]:
     for rank, tensors in source_tensors(dims, layout).items():
         for local, t in tensors.items():
             row = t.spec
-            glob = row.megatron.format(layer=t.layer, expert=t.expert)
+            index = t.layer - dims.num_layers if row.stage is Stage.MTP else t.layer  # MTP layers count from 0
+            glob = row.megatron.format(layer=index, expert=t.expert)
             if row.role.is_grouped:
                 experts = range(rank.ep * per_ep, (rank.ep + 1) * per_ep)
                 hf = tuple(h.format(layer=t.layer, expert=e) for e in experts for h in row.hf)

@@ -32,6 +32,8 @@ in the HF tensor, i.e. a scratch copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -199,17 +201,34 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
     rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
     per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
+    if layout.mtp_layers > dims.mtp_layers:
+        raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
+                          f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")
     out: dict[RankCoord, dict[str, SourceTensor]] = {}
     for rank in layout.ranks():
         first, last = rank.pp == 0, rank.pp == layout.pp - 1
         tensors: dict[str, SourceTensor] = {}
-        for stage_part in (Stage.FIRST, Stage.LAYER, Stage.LAST):
-            if (stage_part is Stage.FIRST and not first) or (stage_part is Stage.LAST and not last):
+        for stage_part in (Stage.FIRST, Stage.LAYER, Stage.LAST, Stage.MTP):
+            if (stage_part is Stage.FIRST and not first) or (stage_part in (Stage.LAST, Stage.MTP) and not last):
                 continue
             part = [r for r in rows if r.stage is stage_part]
-            layers = range(layout.stage_layers[rank.pp]) if stage_part is Stage.LAYER else [None]
+            if stage_part is Stage.LAYER:
+                layers: range | list[None] = range(layout.stage_layers[rank.pp])
+            elif stage_part is Stage.MTP:
+                layers = range(layout.mtp_layers)
+                if layout.mtp_layers and not first:  # the MTP block's kept-in-sync embedding copy
+                    for row in (r for r in rows if r.stage is Stage.FIRST):
+                        tensors[row.megatron_name()] = SourceTensor(dataclasses.replace(row, duplicate=True), None,
+                                                                    local_shape(row, dims, layout))
+            else:
+                layers = [None]
             for local in layers:
-                glob = None if local is None else layout.layer_offset(rank.pp) + local
+                if local is None:
+                    glob = None
+                elif stage_part is Stage.MTP:
+                    glob = dims.num_layers + local  # HF stores MTP layer i as layer num_layers + i
+                else:
+                    glob = layout.layer_offset(rank.pp) + local
                 kind = None if glob is None else dims.layer_kind(glob)
                 for row in part:
                     if row.layer_kind is not None and row.layer_kind != kind:

@@ -50,7 +50,7 @@ class Publisher:
                  tp: int, pp: int, ep: int = 1, rendezvous: Rendezvous, layer_spec: LayerSpec = "local",
                  make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                 etp: int | None = None, expert_layout: ExpertLayout = "sequential",
+                 etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
                  agent_name: str | None = None):
         self.rank = RankCoord(*rank)
         self.dims = ModelDims.from_hf_config(load_hf_config(hf_config))
@@ -58,7 +58,8 @@ class Publisher:
         self.layout = SourceLayout.build(
             tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, make_vocab_size_divisible_by),
             num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
-            last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout)
+            last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
+            mtp_layers=mtp_layers)
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = source_tensors(self.dims, self.layout)[self.rank]
         missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())

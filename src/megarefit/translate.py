@@ -11,6 +11,8 @@ that rank's ``dict(model.named_parameters())`` (local layer indices, optional
 
 from __future__ import annotations
 
+import re
+
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -52,6 +54,9 @@ def normalize_shards(shards: Shards) -> dict[RankCoord, dict[str, torch.Tensor]]
             clean[canon] = tensor
         out[coord] = clean
     return out
+
+
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.")  # Megatron multi-token-prediction layer names
 
 
 def _model_dtype(tensors: Mapping[Any, Mapping[str, torch.Tensor]]) -> str:
@@ -178,9 +183,10 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
             f"unexpected {[tuple(r) for r in outside]} (wrong tp/pp/ep?)" if outside else "no shards given"))
     etp = _infer_etp(dims, tensors, tp) if etp is None else etp
     dims.check_layout(tp, pp, ep, etp)
+    mtp = {int(m.group(1)) for params in tensors.values() for n in params if (m := _MTP.match(n))}
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
-                              etp=etp, **_stage_split(dims, tensors, pp))
+                              etp=etp, mtp_layers=max(mtp) + 1 if mtp else 0, **_stage_split(dims, tensors, pp))
     check_ranks(base, tensors)
     tensors = {r: v for r, v in tensors.items() if r in set(base.ranks())}  # copies Megatron's grid lacks
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
@@ -194,7 +200,8 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
                    etp: int | None = None, layer_spec: LayerSpec = "local",
                    expert_layout: ExpertLayout = "sequential",
                    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
-                   first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> dict[RankCoord, dict[str, torch.Tensor]]:
+                   first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                   mtp_layers: int = 0) -> dict[RankCoord, dict[str, torch.Tensor]]:
     """Translate full HF checkpoint tensors to Megatron-Core shards: the exact inverse of
     :func:`megatron_to_hf`.
 
@@ -208,7 +215,10 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     shared between TP ranks); copy them before mutating.
 
     An in-memory ``lm_head.weight`` of a tied model (as ``state_dict()`` returns it)
-    is accepted and ignored.
+    is accepted and ignored. ``mtp_layers`` (Megatron ``mtp_num_layers``) builds that
+    many multi-token-prediction layers from HF layers ``num_layers + i``; the copies
+    of the embedding and head some checkpoints keep there (``embed_tokens``,
+    ``shared_head.head``) are accepted and ignored.
 
     Raises:
         LayoutError: tp/pp/ep do not fit the config.
@@ -221,9 +231,13 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     state = dict(hf_state)
     if dims.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    for i in range(dims.num_layers, dims.num_layers + dims.mtp_layers):
+        for copy in ("embed_tokens.weight", "shared_head.head.weight"):
+            state.pop(f"model.layers.{i}.{copy}", None)
     layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(
         tp, make_vocab_size_divisible_by), num_layers=dims.num_layers, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout)
+        last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
+        mtp_layers=mtp_layers)
     plan = plan_hf_to_megatron(dims, layout, _model_dtype({None: state}))
     expected = {ref.name for ref in plan.sources}
     if expected - state.keys():
@@ -231,8 +245,11 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
         raise MissingParameterError(f"HF state lacks {len(missing)} tensor(s) the config implies, e.g. {missing[:3]}")
     if state.keys() - expected:
         extra = sorted(state.keys() - expected)
+        mtp = [k for k in extra if k.startswith(f"model.layers.{dims.num_layers + mtp_layers}.")]
+        hint = (f" (multi-token-prediction layer {dims.num_layers + mtp_layers}: pass mtp_layers="
+                f"{mtp_layers + 1} to build it, or drop it)" if mtp else "")
         raise UnexpectedParameterError(f"HF state has {len(extra)} tensor(s) the {dims.family} table does not "
-                                       f"expect, e.g. {extra[:3]}")
+                                       f"expect, e.g. {extra[:3]}{hint}")
     check_shapes(plan, {None: state})
     out: dict[RankCoord, dict[str, torch.Tensor]] = defaultdict(dict)
     device = next(iter(state.values())).device

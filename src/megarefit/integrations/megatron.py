@@ -83,6 +83,7 @@ class GPTArch:
     qk_head_dim: int = 0  # HF qk_nope_head_dim
     qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
     v_head_dim: int = 0
+    mtp_layers: int = 0  # Megatron mtp_num_layers (multi-token prediction on the last stage)
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -309,6 +310,8 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
                       kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
                       qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
                       num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+    if arch.mtp_layers:
+        kwargs["mtp_num_layers"] = arch.mtp_layers
     config = config_cls(**kwargs)
     if arch.num_experts or mla_attention is not None:
         # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
@@ -320,6 +323,11 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
                 layer_spec.submodules.self_attention.submodules.core_attention = mla_attention
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    mtp_spec = None
+    if arch.mtp_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     # Seed per pipeline stage: the same seed on every stage would give local layer i
     # identical values on every stage (hiding layer-renumbering bugs).
     torch.manual_seed(seed + 7919 * ps.get_pipeline_model_parallel_rank())
@@ -336,6 +344,7 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
             position_embedding_type="rope",
             rotary_base=arch.rotary_base,
             rotary_percent=arch.rotary_percent,
+            mtp_block_spec=mtp_spec,
         )
     return model.eval()
 
@@ -485,7 +494,7 @@ def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), ma
 
 # --------------------------------------------------------------------------- HF configs and jobs
 def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
-                     max_sequence_length: int = 256) -> GPTArch:
+                     max_sequence_length: int = 256, mtp_layers: int = 0) -> GPTArch:
     """GPTArch for an HF config (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral,
     DeepSeek-V3-style MLA, GLM-4.5), vocab padded as Megatron pads it.
 
@@ -531,7 +540,7 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         router_expert_bias=dims.router_bias,
         router_topk_scaling_factor=float(get("routed_scaling_factor")) if get("routed_scaling_factor") else None,
         q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_head_dim=dims.qk_nope_head_dim,
-        qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim,
+        qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim, mtp_layers=mtp_layers,
     )
 
 

@@ -17,12 +17,13 @@ MLA (checked against a real Megatron-Core model; a straight copy, no row permuta
 The local layer spec splits the down-projections over TP (column-parallel); the
 Transformer-Engine spec replicates them and fuses the two norms into
 ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``.
-Not covered: the MTP layer (HF ``model.layers.{num_layers}``), and MLA without
-``q_lora_rank`` (DeepSeek-V2-Lite).
+MTP layers (HF ``model.layers.{num_layers + i}``): see :mod:`megarefit.specs.mtp`.
+Not covered: MLA without ``q_lora_rank`` (DeepSeek-V2-Lite).
 """
 
 from megarefit.specs import gpt
 from megarefit.specs.moe import moe_rows
+from megarefit.specs.mtp import mtp_rows
 from megarefit.specs.table import Condition, FamilySpec, ParamSpec, Role
 
 _L = "decoder.layers.{layer}.self_attention."
@@ -54,16 +55,21 @@ MLA = (
     ParamSpec(_L + "linear_proj.weight", R.ROW, (_H + "o_proj.weight",), ("hidden", "v_heads")),
 )
 
+_DSV3 = gpt.EMBEDDING + MLA + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(shared="shared_experts")
+_GLM = (gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT
+        + moe_rows(shared="shared_experts"))
+
 DEEPSEEK_V3 = FamilySpec(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     model_types=("deepseek_v3", "kimi_k2"),
-    entries=gpt.EMBEDDING + MLA + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(shared="shared_experts"),
+    entries=_DSV3 + mtp_rows(_DSV3),
     experts_key="n_routed_experts",
     moe_ffn_key="moe_intermediate_size",
     shared_experts_key="n_shared_experts",
     first_dense_key="first_k_dense_replace",
     router_bias=("topk_method", "noaux_tc"),
+    mtp_key="num_nextn_predict_layers",
     mla=True,
 )
 
@@ -71,8 +77,7 @@ GLM4_MOE = FamilySpec(
     name="glm4_moe",
     architectures=("Glm4MoeForCausalLM",),
     model_types=("glm4_moe",),
-    entries=gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT
-    + moe_rows(shared="shared_experts"),
+    entries=_GLM + mtp_rows(_GLM),
     qkv_bias="attention_bias",
     qk_norm="use_qk_norm",
     experts_key="n_routed_experts",
@@ -80,4 +85,5 @@ GLM4_MOE = FamilySpec(
     shared_experts_key="n_shared_experts",
     first_dense_key="first_k_dense_replace",
     router_bias=True,
+    mtp_key="num_nextn_predict_layers",
 )

@@ -13,6 +13,13 @@ template it is the global layer index (stage offset + local index)::
     decoder.layers.{layer}.self_attention.linear_qkv.weight     (Megatron, local)
     model.layers.{layer}.self_attn.q_proj.weight                 (HF, global)
 
+Multi-token-prediction rows (``mtp.layers.{layer}...``, Megatron's ``mtp_num_layers``)
+use ``{layer}`` for the MTP layer index; their HF templates get the global index
+``num_layers + index`` (HF checkpoints store MTP layer i as ``model.layers.{N+i}``)::
+
+    mtp.layers.{layer}.eh_proj.weight                            (Megatron, MTP index)
+    model.layers.{layer}.eh_proj.weight                          (HF, num_layers + index)
+
 Rows hold no functions: they serialize, print and compare as plain data.
 """
 
@@ -127,6 +134,7 @@ class Stage(str, Enum):
     FIRST = "first"  # embedding
     LAST = "last"  # final norm, output layer
     LAYER = "layer"  # per decoder layer; the stage owning that layer
+    MTP = "mtp"  # per multi-token-prediction layer (``mtp.layers.{layer}``), on the last stage
 
 
 class Condition(str, Enum):
@@ -145,7 +153,7 @@ class Condition(str, Enum):
 
 # Dimension symbols allowed in ParamSpec.shape; ModelDims.size() resolves them.
 SHAPE_SYMBOLS = frozenset({
-    "hidden", "ffn", "2ffn", "vocab", "head_dim", "q", "qkv",  # dense
+    "hidden", "2hidden", "ffn", "2ffn", "vocab", "head_dim", "q", "qkv",  # dense
     "experts", "moe_ffn", "2moe_ffn", "shared_ffn", "2shared_ffn",  # MoE
     "q_lora", "kv_lora", "q_up", "kv_down", "kv_up", "v_heads",  # MLA
 })
@@ -248,6 +256,8 @@ class ParamSpec:
 
     @property
     def stage(self) -> Stage:
+        if self.megatron.startswith("mtp."):
+            return Stage.MTP
         if self.per_layer:
             return Stage.LAYER
         return Stage.FIRST if self.megatron.startswith("embedding.") else Stage.LAST
@@ -305,6 +315,7 @@ class FamilySpec:
     mlp_only_key: str | None = None  # explicit dense layers (Qwen3-MoE mlp_only_layers)
     sparse_step_key: str | None = None  # every n-th layer is MoE (Qwen3-MoE decoder_sparse_step)
     router_bias: bool | tuple[str, str] = False  # True/False, or (config key, value that means "on")
+    mtp_key: str | None = None  # HF key counting multi-token-prediction layers (num_nextn_predict_layers)
     mla: bool = False  # multi-latent attention dims from q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim
 
     def __post_init__(self) -> None:
@@ -318,10 +329,10 @@ class FamilySpec:
         return tuple(r for r in self.entries if r.active(conditions, spelling, expert_layout))
 
     def layer_index(self, name: str) -> int | None:
-        """The local layer index in ``name`` per this table's patterns (no role resolution);
-        ``None`` for non-layer or unknown names."""
+        """The local decoder-layer index in ``name`` per this table's patterns (no role
+        resolution); ``None`` for non-layer (incl. MTP) or unknown names."""
         for row in self.entries:
-            if row.per_layer and (m := row._regex.fullmatch(name)) is not None:
+            if row.stage is Stage.LAYER and (m := row._regex.fullmatch(name)) is not None:
                 return int(m.group("layer"))
         return None
 

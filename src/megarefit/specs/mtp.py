@@ -1,0 +1,44 @@
+"""Multi-token-prediction (MTP) rows: DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``.
+
+Megatron-Core (``mtp_num_layers``, ``MultiTokenPredictionLayer``) keeps each MTP
+layer on the last pipeline stage; HF checkpoints store MTP layer i after the
+decoder, as layer ``num_hidden_layers + i``::
+
+    Megatron mtp.layers.{i}.                       HF model.layers.{N+i}.
+    enorm.weight                               ->  enorm.weight              [hidden]   (norm of the embedding)
+    hnorm.weight                               ->  hnorm.weight              [hidden]   (norm of the hidden state)
+    eh_proj.weight                             ->  eh_proj.weight            [hidden, 2*hidden]  column-parallel
+    final_layernorm.weight                     ->  shared_head.norm.weight   [hidden]
+    transformer_layer.<decoder-layer param>    ->  <same HF name as in a decoder layer>
+
+``eh_proj`` reads ``cat(enorm(embedding), hnorm(hidden))`` in both. The MTP block
+shares the model's embedding and output layer (with pp > 1 the last stage holds a
+kept-in-sync copy of the embedding, a duplicate); DeepSeek-V3 checkpoints also
+carry copies of them as ``model.layers.{N+i}.embed_tokens`` / ``shared_head.head``,
+which megarefit neither exports nor needs on import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarefit.specs.table import ParamSpec, Role
+
+_M = "mtp.layers.{layer}."
+_H = "model.layers.{layer}."
+
+MTP_OWN = (
+    ParamSpec(_M + "enorm.weight", Role.REPLICATED, (_H + "enorm.weight",), ("hidden",)),
+    ParamSpec(_M + "hnorm.weight", Role.REPLICATED, (_H + "hnorm.weight",), ("hidden",)),
+    ParamSpec(_M + "eh_proj.weight", Role.COLUMN, (_H + "eh_proj.weight",), ("hidden", "2hidden")),
+    ParamSpec(_M + "final_layernorm.weight", Role.REPLICATED, (_H + "shared_head.norm.weight",), ("hidden",)),
+)
+
+
+def mtp_rows(entries: tuple[ParamSpec, ...]) -> tuple[ParamSpec, ...]:
+    """MTP rows for a family whose table is ``entries``: the MTP-only tensors, and every
+    decoder-layer row again under ``mtp.layers.{layer}.transformer_layer.``."""
+    layer = [dataclasses.replace(r, megatron=r.megatron.replace("decoder.layers.{layer}.",
+                                                                 _M + "transformer_layer.", 1))
+             for r in entries if r.megatron.startswith("decoder.layers.{layer}.")]
+    return MTP_OWN + tuple(layer)
