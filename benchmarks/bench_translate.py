@@ -12,6 +12,8 @@ All ratios come from one run on one machine:
 * ``megarefit, preallocated``: ``run_refit_cycle`` into buffers kept across cycles
   (a warm refit: plan cached, nothing allocated; QKV un-interleave / gate-up
   split / vocab trim happen by addressing);
+* ``views rebuilt every cycle``: the same batched pull without the compiled views
+  (per-op Python slicing each cycle, as before they were cached);
 * ``megarefit megatron_to_hf``: the offline API, which allocates its outputs;
 * ``gather-then-convert``: the naive alternative -- concatenate TP shards into full
   Megatron tensors, then un-interleave / split / trim with torch ops.
@@ -161,6 +163,11 @@ def main() -> None:
         for _ in run_refit_cycle(plan, transport, buffers=buffers, device=args.device):
             pass
 
+    items = [(plan.ops_by_target[ref], buffers[ref.name]) for ref in plan.targets]
+
+    def refit_uncompiled():  # the same batch with views rebuilt every cycle (per-op Python)
+        transport.pull_batch(items)
+
     def naive():
         return gather_then_convert(shards, cfg, args.tp)
 
@@ -171,6 +178,7 @@ def main() -> None:
     refit_warm()
     assert all(torch.equal(buffers[k], got[k]) for k in buffers), "buffered refit disagrees"
     paths = [("plain copy (preallocated)", plain_copy), ("megarefit run_refit_cycle, preallocated buffers", refit_warm),
+             ("megarefit batch, views rebuilt every cycle", refit_uncompiled),
              ("plain clone (allocating)", plain_clone), ("megarefit megatron_to_hf (allocating)", refit)]
     if not moe:
         paths.append(("gather-then-convert (naive, allocating)", naive))

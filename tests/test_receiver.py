@@ -68,3 +68,29 @@ def test_refuses_an_import_plan(setup):
     imp = megarefit.plan_hf_to_megatron(plan.dims, plan.layout, "float32")
     with pytest.raises(MegarefitError, match="megatron_to_hf plan"):
         next(run_refit_cycle(imp, LocalTransport(shards)))
+
+
+def test_warm_cycles_reuse_compiled_copies_and_follow_the_sources(setup):
+    """A warm cycle into the same buffers reuses the compiled (destination, source) views:
+    values changed in place are picked up, and a source replaced by a new tensor is
+    noticed (recompiled). Compared with the reference HF state each time."""
+    hf, shards, plan = setup
+    shards = {r: {n: t.clone() for n, t in s.items()} for r, s in shards.items()}  # own memory, no shared views
+    transport = LocalTransport(shards)
+    buffers = {name: torch.empty_like(t) for name, t in hf.items()}
+    list(run_refit_cycle(plan, transport, buffers=buffers))
+    compiled = next(iter(transport._compiled.values()))
+    for rank in shards:  # an optimizer step: every shard changes in place
+        for t in shards[rank].values():
+            t.mul_(2)
+    list(run_refit_cycle(plan, transport, buffers=buffers))
+    assert next(iter(transport._compiled.values())) is compiled
+    assert all(torch.equal(buffers[k], v * 2) for k, v in hf.items())
+    name = "decoder.layers.0.self_attention.linear_proj.weight"  # a strided (row-parallel) source
+    shards[megarefit.RankCoord(1, 0, 0)][name] = shards[megarefit.RankCoord(1, 0, 0)][name].clone().zero_()
+    list(run_refit_cycle(plan, transport, buffers=buffers))
+    assert next(iter(transport._compiled.values())) is not compiled
+    o_proj = buffers["model.layers.0.self_attn.o_proj.weight"]
+    cols = o_proj.shape[1] // 2
+    assert torch.equal(o_proj[:, :cols], hf["model.layers.0.self_attn.o_proj.weight"][:, :cols] * 2)
+    assert not o_proj[:, cols:].any()

@@ -39,6 +39,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+_VALIDATED: set[object] = set()  # (plan digest, buffers' identities) already checked
+
+
 def materialize(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",
                 buffers: Mapping[TensorRef, torch.Tensor] | None = None,
                 stats: RefitStats | None = None) -> Iterator[tuple[TensorRef, torch.Tensor]]:
@@ -58,7 +61,10 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         ShapeMismatchError: a buffer's shape, dtype or layout does not fit its target.
     """
     by_target = plan.ops_by_target
+    key = None
     if buffers:
+        key = (plan.digest, tuple((id(b), b.data_ptr(), b.dtype, b.shape) for b in buffers.values()))
+    if buffers and key not in _VALIDATED:
         for ref, buf in buffers.items():
             meta = plan.targets.get(ref)
             if meta is not None and (tuple(buf.shape) != (meta.storage_shape or meta.shape)
@@ -67,6 +73,9 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
                     f"buffer for {ref}: expected contiguous {meta.dtype} {meta.storage_shape or meta.shape}, got "
                     f"{str(buf.dtype).removeprefix('torch.')} {tuple(buf.shape)} contiguous={buf.is_contiguous()}"
                 )
+        if len(_VALIDATED) > 8:
+            _VALIDATED.clear()
+        _VALIDATED.add(key)  # warm cycles into the same buffers skip the checks
     batched = False
     if buffers and hasattr(transport, "pull_batch") and all(ref in buffers for ref in plan.targets):
         # every target has a buffer: one batched pull (no streaming needed), then yield
@@ -74,7 +83,7 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         for ref, meta in plan.targets.items():
             for box in meta.zero_fill:
                 buffers[ref][box.slices()].zero_()
-        transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets])
+        transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets], key=key)
         batched = True
         if stats is not None:
             stats.pull_s += time.perf_counter() - t0
