@@ -170,10 +170,3 @@ def _strided_copy(op: CopyOp, src: torch.Tensor, out: torch.Tensor) -> None:
     """One op as a strided copy, honouring view shapes and transposition."""
     dst, part = op_views(op, src, out)
     dst.copy_(part)
-
-
-def copy_part(op: CopyOp, part: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[op.dst_box] = part``, where ``part`` is the op's source box (shape
-    ``op.src_box.lengths``); honours ``op.dst_view`` and ``op.transpose``."""
-    dst, src = part_views(op, part, out)
-    dst.copy_(src)

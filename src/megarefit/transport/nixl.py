@@ -38,7 +38,7 @@ from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
 from megarefit.manifest import Manifest
 from megarefit.plan import CopyOp, Plan, TensorRef
-from megarefit.transport.local import copy_part
+from megarefit.transport.local import BOX_WORD, part_views, widened
 
 
 SCRATCH_THREADS = 4
@@ -118,7 +118,8 @@ class _SourcePulls:
     descriptors: int = 0
     scratch_runs: list[tuple[TensorRef, int, int]] = field(default_factory=list)  # (source, first, stop) elements
     dlists: tuple[Any, ...] = ()
-    scratch_ops: list[tuple[CopyOp, torch.Tensor]] = field(default_factory=list)  # (op, its source box in scratch)
+    # (op, destination view, source view in scratch), built once at prepare time
+    scratch_ops: list[tuple[CopyOp, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -268,7 +269,7 @@ class NixlTransport:
                 pulls.scratch_runs.append((seg.src, seg.start, seg.stop))
                 for op, strides in seg.ops:
                     part = slot[op.src_offset - seg.start:].as_strided(op.src_box.lengths, strides)
-                    pulls.scratch_ops.append((op, part))
+                    pulls.scratch_ops.append((op, *widened(*part_views(op, part, buffers[op.dst]), BOX_WORD)))
                 scratch_at += _align(nbytes)  # keep slots aligned
             pulls.descriptors = len(remote)
             agent = self.nixl.agent
@@ -325,8 +326,8 @@ class NixlTransport:
                 # this source is done: its strided copies overlap the other sources' READs
                 t0 = time.perf_counter()
                 with _bounded_threads(SCRATCH_THREADS):
-                    for op, part in pulls.scratch_ops:
-                        copy_part(op, part, buffers[op.dst])
+                    for _, dst, src in pulls.scratch_ops:
+                        dst.copy_(src)
                 scratch_s += time.perf_counter() - t0
             pending = still
             if pending and time.monotonic() > deadline:
