@@ -23,7 +23,7 @@ from megarefit.dims import ModelDims
 from megarefit.errors import PlanValidationError
 from megarefit.layout import Box, RankCoord, SourceLayout
 
-Direction = Literal["megatron_to_hf", "hf_to_megatron"]
+Direction = Literal["megatron_to_hf", "hf_to_megatron", "megatron_to_vllm"]
 OpKind = Literal["contiguous", "scratch"]
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}

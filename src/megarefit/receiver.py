@@ -135,8 +135,8 @@ def run_refit_cycle(plan: Plan, transport: Transport, *, views: bool = True, dev
         MegarefitError: ``plan`` is not a ``megatron_to_hf`` plan.
         Whatever the transport raises for a failed pull (names the tensor).
     """
-    if plan.direction != "megatron_to_hf":
-        raise MegarefitError(f"run_refit_cycle needs a megatron_to_hf plan, got {plan.direction}")
+    if plan.direction not in ("megatron_to_hf", "megatron_to_vllm"):
+        raise MegarefitError(f"run_refit_cycle needs a megatron_to_hf / megatron_to_vllm plan, got {plan.direction}")
     refs = {TensorRef(None, name): t for name, t in buffers.items()} if buffers else None
     for ref, tensor in materialize(plan, transport, views=views, device=device, buffers=refs, stats=stats):
         yield ref.name, tensor

@@ -1,0 +1,101 @@
+"""Megatron shards planned straight into vLLM tensor-parallel parameter shards.
+
+For each case, random HF tensors are sharded for a Megatron trainer (the independent
+reference sharder), then ``plan_megatron_to_vllm`` for vLLM rank t of T is executed.
+Every vLLM parameter shard must equal what *vLLM's own* layers (``QKVParallelLinear``,
+``MergedColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` /
+``ParallelLMHead``) hold after their ``weight_loader``s load the full HF tensors, in
+two real vLLM tensor-parallel processes on CPU (gloo). Cases cover trainer TP larger
+and smaller than vLLM's, GQA with vLLM TP above the kv-head count (replicated kv
+heads), q/k/v biases, Qwen3 q/k norms, tied and untied embeddings, vocab padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import megarefit  # noqa: E402
+from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.integrations.megatron import run_workers  # noqa: E402
+from megarefit.receiver import run_refit_cycle  # noqa: E402
+from megarefit.transport import LocalTransport  # noqa: E402
+from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm  # noqa: E402
+from reference import reference_hf_state, reference_shards  # noqa: E402
+from vllm_loader_jobs import vllm_shards_job  # noqa: E402
+
+CASES = {  # name: (config, family, overrides, trainer tp, trainer pp)
+    "qwen3-tied": ("Qwen3-0.6B", "qwen3", {"num_key_value_heads": 1}, 1, 2),  # vLLM tp 2 > 1 kv head
+    "qwen2-bias": ("Qwen2.5-0.5B", "qwen2", {}, 2, 1),
+    "llama-mha": ("Llama-3.1-8B", "llama", {"vocab_size": 250, "num_key_value_heads": 4}, 4, 1),  # trainer tp 4
+}
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_config_module):
+    out = {}
+    for key, (name, family, extra, tp, pp) in CASES.items():
+        cfg = tiny_config_module(name, **extra)
+        hf = reference_hf_state(cfg, family)
+        out[key] = (cfg, hf, reference_shards(hf, cfg, tp=tp, pp=pp), tp, pp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_config_module():
+    from conftest import tiny_config
+
+    return tiny_config
+
+
+@pytest.fixture(scope="module")
+def vllm_shards(cases):
+    """Per case: what vLLM's layers hold on rank 0 and 1 of vLLM tp=2."""
+    return {key: run_workers(vllm_shards_job, world_size=2, args=(cfg, hf), timeout=600)
+            for key, (cfg, hf, _, _, _) in cases.items()}
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_plan_matches_vllm_weight_loaders(cases, vllm_shards, key):
+    cfg, hf, shards, tp, pp = cases[key]
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers)
+    transport = LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})
+    for rank in range(2):
+        plan = plan_megatron_to_vllm(dims, layout, "float32", VllmTarget(2, rank))
+        got = {name: t.clone() for name, t in run_refit_cycle(plan, transport)}
+        want = vllm_shards[key][rank]
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].shape == want[name].shape, (name, rank)
+            assert torch.equal(got[name], want[name]), (name, rank)
+        # a worker moves 1/T of the big tensors, not the whole model
+        assert plan.nbytes < 0.75 * megarefit.plan_megatron_to_hf(dims, layout, "float32").nbytes
+
+
+def test_kv_heads_replicated_when_vllm_tp_exceeds_them(cases):
+    """vLLM tp=4 with 2 kv heads: ranks 0,1 hold kv head 0 and ranks 2,3 kv head 1 (vLLM's
+    num_kv_head_replicas rule), checked against the HF k_proj rows directly."""
+    cfg, hf, shards, tp, pp = cases["qwen2-bias"]
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers)
+    transport = LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})
+    d, q_local = dims.head_dim, dims.num_attention_heads // 4 * dims.head_dim
+    k = hf["model.layers.1.self_attn.k_proj.weight"]
+    for rank in range(4):
+        plan = plan_megatron_to_vllm(dims, layout, "float32", VllmTarget(4, rank))
+        got = dict(run_refit_cycle(plan, transport))["model.layers.1.self_attn.qkv_proj.weight"]
+        head = rank // 2
+        assert torch.equal(got[q_local:q_local + d], k[head * d:(head + 1) * d])
+
+
+def test_unsupported_models_say_so():
+    from conftest import real_config
+
+    cfg = real_config("Qwen3-30B-A3B")
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=dims.num_layers)
+    with pytest.raises(megarefit.errors.UnsupportedModelError, match="dense models only"):
+        plan_megatron_to_vllm(dims, layout, "bfloat16", VllmTarget(2, 0))
