@@ -77,7 +77,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
     _, dims, layout, padded = _layout(args)
     t0 = time.perf_counter()
-    plan = plan_megatron_to_hf(dims, layout, args.dtype)
+    if args.vllm_tp:
+        from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+
+        plan = plan_megatron_to_vllm(dims, layout, args.dtype, VllmTarget(args.vllm_tp, args.vllm_rank))
+    else:
+        plan = plan_megatron_to_hf(dims, layout, args.dtype)
     plan_s = time.perf_counter() - t0
     meta_s = None
     if args.execute_meta:
@@ -87,9 +92,11 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                if dims.num_experts else "")
     console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
                   f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}")
+    if args.vllm_tp:
+        console.print(f"target: vLLM worker rank {args.vllm_rank} of tp={args.vllm_tp} (its own parameter shards)")
     console.print(plan_table(plan, per_rank=args.per_rank))
     s = plan.summary()
-    console.print(f"{s['sources']} Megatron tensors -> {s['targets']} HF tensors; {s['total']['ops']} ops "
+    console.print(f"{s['sources']} Megatron tensors -> {s['targets']} {'vLLM' if args.vllm_tp else 'HF'} tensors; {s['total']['ops']} ops "
                   f"({s['total']['contiguous']} contiguous sliced pulls, {s['total']['scratch']} scratch copies), "
                   f"{_mb(plan.nbytes)}; validated exact cover.")
     timing = f"planned + validated in {plan_s:.3f} s"
@@ -213,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="skip running the plan against meta tensors")
     plan.add_argument("--json", metavar="FILE", help="write the serialized plan")
+    plan.add_argument("--vllm-tp", type=int, default=0,
+                      help="plan one vLLM tensor-parallel worker's own shards (dense models; default: full HF tensors)")
+    plan.add_argument("--vllm-rank", type=int, default=0, help="that worker's rank (with --vllm-tp)")
     plan.set_defaults(func=cmd_plan)
 
     names = sub.add_parser("name-map", help="Megatron -> HF name map; with --from-bridge, checked against "
