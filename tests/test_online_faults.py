@@ -122,6 +122,16 @@ def test_publisher_rejects_wrong_parameters(config):
         Publisher(bad, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv)
 
 
+def test_publisher_rejects_a_rank_megatron_does_not_form():
+    from megarefit.errors import LayoutError
+
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 20,
+           "num_local_experts": 4, "intermediate_size": 4, "tie_word_embeddings": False}
+    with pytest.raises(LayoutError, match=r"rank \(tp=1, pp=0, ep=0\) is not a coordinate.*\[\(0, 0, 0\), \(1, 0, 1\)\]"):
+        Publisher({}, cfg, rank=(1, 0, 0), tp=2, pp=1, ep=2, etp=1, rendezvous=None)
+
+
 def test_layout_change_invalidates_the_cache(served, config):
     cfg, hf, _, rdzv, pubs, receiver = served
     for p in pubs.values():

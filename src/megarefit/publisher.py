@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
-from megarefit.errors import MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
 from megarefit.layout import ExpertLayout, RankCoord, SourceLayout
 from megarefit.manifest import Manifest, TensorEntry
 from megarefit.planner import global_shape, source_tensors
@@ -60,6 +60,10 @@ class Publisher:
             num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
             mtp_layers=mtp_layers)
+        if self.rank not in set(self.layout.ranks()):
+            raise LayoutError(f"rank {self.rank} is not a coordinate of Megatron's process grid for tp={tp} "
+                              f"ep={ep} etp={self.layout.etp} (with etp=1 < tp, tp and ep ranks are tied; "
+                              f"publish from the ranks {[tuple(r) for r in self.layout.ranks()]} only)")
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = source_tensors(self.dims, self.layout)[self.rank]
         missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())
