@@ -66,7 +66,7 @@ def test_bad_buffer_is_rejected_before_writing(setup):
 def test_refuses_an_import_plan(setup):
     _, shards, plan = setup
     imp = megarefit.plan_hf_to_megatron(plan.dims, plan.layout, "float32")
-    with pytest.raises(MegarefitError, match="megatron_to_hf plan"):
+    with pytest.raises(MegarefitError, match="megatron_to_hf / megatron_to_vllm plan, got hf_to_megatron"):
         next(run_refit_cycle(imp, LocalTransport(shards)))
 
 
