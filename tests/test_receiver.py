@@ -94,3 +94,28 @@ def test_warm_cycles_reuse_compiled_copies_and_follow_the_sources(setup):
     cols = o_proj.shape[1] // 2
     assert torch.equal(o_proj[:, :cols], hf["model.layers.0.self_attn.o_proj.weight"][:, :cols] * 2)
     assert not o_proj[:, cols:].any()
+
+
+@pytest.mark.parametrize("hidden,ffn", [(64, 96), (36, 42)])
+def test_widened_bf16_copies_are_bit_exact(config, hidden, ffn):
+    """Warm batched cycles move bf16 as int32 / int64 words where sizes and offsets allow
+    (64 / 96) and fall back to bf16 element copies where they do not (36 / 42: 21-element
+    column slabs at tp=2); either way the bytes equal the reference HF state, NaN payloads
+    and all."""
+    cfg = config("Llama-3.1-8B", hidden_size=hidden, intermediate_size=ffn, num_attention_heads=4,
+                 num_key_value_heads=2)
+    hf = {k: v.bfloat16() for k, v in reference_hf_state(cfg, "llama").items()}
+    hf["model.layers.0.mlp.down_proj.weight"][0, :4] = torch.tensor([float("nan")] * 4).bfloat16()
+    hf["model.layers.0.mlp.down_proj.weight"].view(torch.int16)[0, 1] = 0x7FC1  # a NaN with a payload
+    shards = {megarefit.RankCoord(*r): {n: t.clone() for n, t in s.items()}
+              for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
+    dims = megarefit.ModelDims.from_hf_config(cfg)
+    layout = megarefit.SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=4)
+    plan = megarefit.plan_megatron_to_hf(dims, layout, "bfloat16")
+    transport = LocalTransport(shards)
+    buffers = {name: torch.empty_like(t) for name, t in hf.items()}
+    for _ in range(2):
+        list(run_refit_cycle(plan, transport, buffers=buffers))
+        assert all(torch.equal(buffers[k].view(torch.int16), v.view(torch.int16)) for k, v in hf.items())
+    widened = {s.dtype for s in next(iter(transport._compiled.values())).boxes[1]}
+    assert widened == ({torch.int64} if hidden == 64 else {torch.bfloat16})
