@@ -59,7 +59,7 @@ def trainer(rank: int, world_size: int, _port: int, rdzv_port: int, cfg: dict, d
 
 
 def main() -> None:
-    from bench_translate import machine
+    from megarefit.bench import machine
 
     from megarefit.integrations.megatron import start_workers
     from megarefit.online import RefitReceiver

@@ -34,7 +34,7 @@ CASES = [  # (config, layout kwargs)
 
 
 def main() -> None:
-    from bench_translate import machine
+    from megarefit.bench import machine
 
     print(f"machine: {machine()}")
     print("| model | layout | source tensors | ops | contiguous | scratch | bytes | best s | median s |")

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,27 +33,12 @@ from pathlib import Path
 import torch
 
 import megarefit
+from megarefit.bench import best_of, machine
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.receiver import run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def best_of(fn, repeat: int) -> tuple[float, float]:
-    times = []
-    for _ in range(repeat):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
 
 
 def gather_then_convert(shards, cfg, tp: int) -> dict[str, torch.Tensor]:
@@ -95,19 +78,6 @@ def gather_then_convert(shards, cfg, tp: int) -> dict[str, torch.Tensor]:
             else:
                 out[h + name.split(".", 3)[3]] = full.clone()  # names are irrelevant to timing
     return out
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}")
 
 
 def main() -> None:

@@ -13,31 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 import megarefit
+from megarefit.bench import best_of
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.receiver import run_refit_cycle
 from megarefit.transport.local import LocalTransport
 from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def timed(fn, device: str, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -67,7 +54,7 @@ def main() -> None:
             for _ in run_refit_cycle(plan, transport, buffers=buffers):
                 pass
         run()
-        return timed(run, args.device, args.repeat)
+        return best_of(run, args.repeat, args.device)[0]
 
     full_s = warm(full)
     print(f"model {Path(args.config).stem}, trainer tp={args.tp}, bf16, {args.device}"
@@ -83,7 +70,7 @@ def main() -> None:
         s = warm(plan)
         block = torch.empty(plan.nbytes, dtype=torch.uint8, device=args.device)
         other = torch.empty_like(block)
-        copy_s = timed(lambda: other.copy_(block), args.device, args.repeat)
+        copy_s = best_of(lambda: other.copy_(block), args.repeat, args.device)[0]
         print(f"| {T} | {plan.nbytes / 1e9:.2f} GB | {s * 1e3:.1f} ms | {plan.nbytes / s / 1e9:.0f} | "
               f"{copy_s / s:.2f}x | {full_s / s:.2f}x faster |")
     print(f"full-tensor refit (what every worker pulls without sharding): {full.nbytes / 1e9:.2f} GB "

@@ -135,3 +135,12 @@ def test_plan_for_one_vllm_worker(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "vLLM worker rank 3 of tp=8" in out
     assert "725 ops (725 contiguous sliced pulls, 0 scratch copies), 17.64 GB" in out
+
+
+def test_bench_reports_the_ratio(capsys):
+    """`megarefit bench` on CPU: a warm refit of a 2-layer Qwen3 and the plain copy of the
+    same bytes, from one run (no speed asserted; the numbers must be there)."""
+    rc = main(["bench", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--layers", "2", "--repeat", "2",
+               "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "plain copy (preallocated)" in out and "megarefit warm refit" in out and "x" in out

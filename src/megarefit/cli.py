@@ -110,6 +110,36 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from megarefit.bench import bench_refit, layout_for, machine
+
+    dims, layout = layout_for(args.config, tp=args.tp, ep=args.ep, layers=args.layers)
+    if args.vllm_tp:
+        from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+
+        plan = plan_megatron_to_vllm(dims, layout, args.dtype, VllmTarget(args.vllm_tp, 0))
+    else:
+        from megarefit.planner import plan_megatron_to_hf
+
+        plan = plan_megatron_to_hf(dims, layout, args.dtype)
+    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    result = bench_refit(plan, device=device, repeat=args.repeat)
+    console.print(f"machine: {machine()}")
+    target = f"vLLM worker 0 of tp={args.vllm_tp}" if args.vllm_tp else "full HF tensors"
+    console.print(f"{dims.family}, {dims.num_layers} layers, trainer tp={args.tp} ep={args.ep}, {args.dtype} on "
+                  f"{device}; target: {target}; {_mb(result.bytes)}, {result.ops} ops")
+    table = Table(title="warm refit vs a plain copy of the same bytes (best / median of "
+                  f"{args.repeat})")
+    for col in ("path", "best s", "median s", "GB/s", "vs plain copy"):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    for name, (best, median) in (("plain copy (preallocated)", result.copy_s),
+                                 ("megarefit warm refit (preallocated)", result.refit_s)):
+        table.add_row(name, f"{best:.4f}", f"{median:.4f}", f"{result.bytes / best / 1e9:.1f}",
+                      f"{result.copy_s[0] / best:.2f}x")
+    console.print(table)
+    return 0
+
+
 def cmd_name_map(args: argparse.Namespace, console: Console) -> int:
     from megarefit.cli_namemap import cmd_name_map as run
 
@@ -224,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan one vLLM tensor-parallel worker's own shards (dense models; default: full HF tensors)")
     plan.add_argument("--vllm-rank", type=int, default=0, help="that worker's rank (with --vllm-tp)")
     plan.set_defaults(func=cmd_plan)
+
+    bench = sub.add_parser("bench", help="time a warm refit against a plain copy of the same bytes, on this machine")
+    bench.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
+    bench.add_argument("--tp", type=int, default=2)
+    bench.add_argument("--ep", type=int, default=1)
+    bench.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
+    bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    bench.add_argument("--repeat", type=int, default=5)
+    bench.add_argument("--vllm-tp", type=int, default=0, help="bench one vLLM worker's sharded plan (dense models)")
+    bench.set_defaults(func=cmd_bench)
 
     names = sub.add_parser("name-map", help="Megatron -> HF name map; with --from-bridge, checked against "
                                             "Megatron-Bridge")
