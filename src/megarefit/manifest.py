@@ -18,7 +18,7 @@ from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import digest_of
 
-FORMAT = "megarefit.manifest/1"
+FORMAT = "megarefit.manifest/2"  # /2: per-tensor NIXL memory type and device
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class TensorEntry:
     global_shape: tuple[int, ...]  # Megatron shape at TP=1 (vocab padded), elements
     addr: int
     nbytes: int
+    mem: str = "DRAM"  # NIXL memory type of the bytes: "DRAM" (host) or "VRAM" (GPU)
+    dev: int = 0  # device id for VRAM (the CUDA device index)
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Manifest:
     @property
     def memory_digest(self) -> str:
         """Digest of the served memory (agent and addresses): changes when a trainer re-registers."""
-        return digest_of(self.agent, [(t.name, t.addr, t.nbytes) for t in self.tensors])
+        return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors])
 
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
@@ -63,8 +65,8 @@ class Manifest:
         data: dict[str, Any] = {
             "format": self.format, "rank": list(self.rank), "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(), "agent": self.agent,
-            "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes]
-                        for t in self.tensors],
+            "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes, t.mem,
+                         t.dev] for t in self.tensors],
         }
         return json.dumps(data, separators=(",", ":"))
 
@@ -75,7 +77,8 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise MegarefitError(f"manifest format {data.get('format')!r} is not {FORMAT!r} (version skew between "
                                  "trainer and receiver megarefit?)")
-        tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b) for n, r, d, s, g, a, b in data["tensors"])
+        tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b, m, v)
+                        for n, r, d, s, g, a, b, m, v in data["tensors"])
         return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
                    data["agent"], tensors)
 

@@ -68,14 +68,18 @@ class RefitReceiver:
         target: a vLLM tensor-parallel worker (:class:`~megarefit.vllm_target.VllmTarget`):
             pull only that worker's own parameter shards, under vLLM parameter names
             (``qkv_proj``, ``gate_up_proj``, ...; dense models). ``None``: full HF tensors.
+        device: where the pulled tensors land (``"cuda:0"`` in a GPU worker: NIXL reads
+            trainer memory, host or GPU, straight into GPU memory; registered as VRAM).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
-                 experts: frozenset[int] | None = None, target: VllmTarget | None = None):
+                 experts: frozenset[int] | None = None, target: VllmTarget | None = None,
+                 device: torch.device | str = "cpu"):
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target plans dense models: give experts or target, not both")
         self.rendezvous = rendezvous
         self.target = target
+        self.device = torch.device(device)
         self.experts = None if experts is None else frozenset(experts)
         self.transport = NixlTransport(name)
         self.timeout = timeout
@@ -140,7 +144,7 @@ class RefitReceiver:
         totals: dict[str, int] = {}
         for meta in plan.targets.values():
             totals[meta.dtype] = totals.get(meta.dtype, 0) + meta.numel
-        arenas = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in totals.items()}  # one per dtype
+        arenas = {d: torch.empty(n, dtype=torch_dtype(d), device=self.device) for d, n in totals.items()}  # per dtype
         self._buffers, at = {}, dict.fromkeys(totals, 0)
         for ref, meta in plan.targets.items():
             self._buffers[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)

@@ -29,7 +29,7 @@ from megarefit.manifest import Manifest, TensorEntry
 from megarefit.planner import global_shape, source_tensors
 from megarefit.rendezvous import Rendezvous
 from megarefit.specs.table import LayerSpec, canonical_name
-from megarefit.transport.nixl import NixlAgent
+from megarefit.transport.nixl import NixlAgent, mem_type
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -81,7 +81,7 @@ class Publisher:
                                          f"got {tuple(p.shape)} contiguous={p.is_contiguous()}")
             entries.append(TensorEntry(name, t.spec.role.value, _dtype_name(p.dtype), t.shape,
                                        global_shape(t.spec, self.dims, self.layout), p.data_ptr(),
-                                       p.numel() * p.element_size()))
+                                       p.numel() * p.element_size(), *mem_type(p)))
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
         self.agent.register([self.params[e.name] for e in entries])

@@ -104,8 +104,9 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
 
         target = VllmTarget(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
     experts = owned_experts(model) if model is not None and target is None else None
+    device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
-                         experts=experts, target=target)
+                         experts=experts, target=target, device=device)
 
 
 @torch.no_grad()

@@ -109,6 +109,13 @@ class NixlAgent:
         return self.agent.get_agent_metadata()
 
 
+def mem_type(t: torch.Tensor) -> tuple[str, int]:
+    """NIXL memory type and device id of a tensor's bytes: ``("VRAM", cuda index)`` or ``("DRAM", 0)``."""
+    if t.is_cuda:
+        return "VRAM", t.device.index or 0
+    return "DRAM", 0
+
+
 @dataclass
 class _SourcePulls:
     rank: RankCoord
@@ -247,25 +254,36 @@ class NixlTransport:
                     for rank, pulls in by_rank.items()}
         itemsize = {op.src: op.itemsize for op in plan.ops}
         scratch_bytes = sum(_align(_seg_bytes(seg, itemsize)) for segs in segments.values() for seg in segs)
-        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes):
-            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
+        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes
+                              or self._scratch.device != device):
+            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)  # beside the buffers
             self.nixl.register([self._scratch])
         prepared = PreparedPlan(key, [])
         scratch_at = 0
+        local_mem = {mem_type(t) for t in buffers.values()} | ({mem_type(self._scratch)} if scratch_bytes else set())
+        if len(local_mem) > 1:
+            raise TransferError(f"receiver buffers span memory types {sorted(local_mem)}; keep them on one device")
+        (lmem, ldev), = local_mem or {("DRAM", 0)}
         for rank, pulls in sorted(by_rank.items()):
             entries = manifests[rank].by_name()
+            remote_mem = {(entries[op.src.name].mem, entries[op.src.name].dev) for op in pulls.ops}
+            if len(remote_mem) > 1:
+                raise TransferError(f"trainer rank {rank} serves tensors from several memories {sorted(remote_mem)}; "
+                                    "a rank must keep its published tensors on one device")
+            (rmem, rdev), = remote_mem
             remote, local = [], []
             for op in pulls.ops:
                 if op.kind == "contiguous":
-                    remote.append((entries[op.src.name].addr + op.src_byte_offset, op.nbytes, 0))
-                    local.append((buffers[op.dst].data_ptr() + op.dst_byte_offset, op.nbytes, 0))
+                    remote.append((entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev))
+                    local.append((buffers[op.dst].data_ptr() + op.dst_byte_offset, op.nbytes, ldev))
             for seg in segments[rank]:
                 assert self._scratch is not None
                 item, nbytes = itemsize[seg.src], _seg_bytes(seg, itemsize)
                 dtype = buffers[seg.ops[0][0].dst].dtype
                 slot = self._scratch[scratch_at: scratch_at + nbytes].view(dtype)
-                remote.append((entries[seg.src.name].addr + seg.start * item, nbytes, 0))
-                local.append((slot.data_ptr(), nbytes, 0))
+                remote.append((entries[seg.src.name].addr + seg.start * item, nbytes, rdev))
+                local.append((slot.data_ptr(), nbytes, ldev))
                 pulls.scratch_runs.append((seg.src, seg.start, seg.stop))
                 for op, strides in seg.ops:
                     part = slot[op.src_offset - seg.start:].as_strided(op.src_box.lengths, strides)
@@ -273,8 +291,8 @@ class NixlTransport:
                 scratch_at += _align(nbytes)  # keep slots aligned
             pulls.descriptors = len(remote)
             agent = self.nixl.agent
-            rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, "DRAM")
-            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+            rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, rmem)
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
             idx = list(range(len(remote)))
             pulls.handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
             pulls.dlists = (lh, rh)
