@@ -17,7 +17,6 @@ pytest.importorskip("nixl")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import megarefit  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.publisher import Publisher  # noqa: E402
 from megarefit.rendezvous import Rendezvous  # noqa: E402
