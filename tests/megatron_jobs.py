@@ -67,3 +67,26 @@ def mtp_layout_job(rank: int, world_size: int, port: int, configs: dict[str, dic
                 "problems": [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=pp, layer_spec="local")
                              if not c.ok]}
     return out
+
+
+def vpp_layout_job(rank: int, world_size: int, port: int, cfg: dict, pp: int, vpp: int) -> dict[str, Any]:
+    """Build every virtual-pipeline chunk of this rank; per chunk, each parameter's shape and the
+    global layer Megatron itself numbers its owning TransformerLayer (``layer_number - 1``)."""
+    from megatron.core import parallel_state as ps
+
+    from megarefit.integrations.megatron import local_named_parameters
+
+    init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=pp, vpp=vpp)
+    out: dict[str, Any] = {}
+    for chunk in range(vpp):
+        model = build_gpt_model(gpt_arch_from_hf(cfg, tp=1), seed=0, vp_stage=chunk)
+        layers = {}
+        for name, module in model.named_modules():
+            if hasattr(module, "layer_number") and name.startswith("decoder.layers."):
+                layers[name] = module.layer_number - 1
+        params = {}
+        for n, t in local_named_parameters(model).items():
+            owner = next((layers[m] for m in layers if n.startswith(m + ".")), None)
+            params[n] = (tuple(t.shape), owner)
+        out[chunk] = {"pp": ps.get_pipeline_model_parallel_rank(), "params": params}
+    return out

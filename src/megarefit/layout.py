@@ -246,3 +246,22 @@ class SourceLayout:
         return cls(d["tp"], d["pp"], d["ep"], d["padded_vocab_size"], tuple(d["stage_layers"]),  # type: ignore[arg-type]
                    d["layer_spec"], d.get("etp", 0), d.get("expert_layout", "sequential"),  # type: ignore[arg-type]
                    d.get("mtp_layers", 0))  # type: ignore[arg-type]
+
+
+def virtual_stage(pp_rank: int, vp_stage: int, pp: int) -> int:
+    """Megatron's interleaved (virtual) pipeline as a plain pipeline of ``pp * vpp`` stages.
+
+    With ``virtual_pipeline_model_parallel_size = vpp``, model chunk ``vp_stage`` of
+    pipeline rank ``pp_rank`` holds the layers of stage ``vp_stage * pp + pp_rank`` of a
+    ``pp * vpp``-stage pipeline (checked against Megatron-Core's own ``layer_number``s)::
+
+        pp=2, vpp=2, 8 layers    rank 0: chunk 0 = layers 0-1 (+ embedding), chunk 1 = layers 4-5
+                                 rank 1: chunk 0 = layers 2-3, chunk 1 = layers 6-7 (+ final norm, head)
+
+    So plan with ``SourceLayout.build(pp=pp * vpp, ...)`` and publish each chunk as rank
+    ``(tp, virtual_stage(pp_rank, vp_stage, pp), ep)``.
+    """
+    if not 0 <= pp_rank < pp or vp_stage < 0:
+        raise LayoutError(f"pipeline rank {pp_rank} of pp={pp}, virtual stage {vp_stage}: out of range")
+    return vp_stage * pp + pp_rank
+

@@ -204,7 +204,7 @@ def _no_tensor_cuda() -> Iterator[None]:
 
 # --------------------------------------------------------------------------- parallel state
 def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: int, ep: int = 1,
-                  etp: int | None = None) -> None:
+                  etp: int | None = None, vpp: int = 1) -> None:
     """Initialise (or re-initialise) gloo + Megatron model parallelism for this rank.
 
     The default gloo process group is created once per process (on
@@ -233,20 +233,22 @@ def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     _patch_moe_utils()
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 # --------------------------------------------------------------------------- model
-def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
+def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None) -> GPTModel:
     """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
 
     Uses the current parallel state (see :func:`init_parallel`);
     ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
     RMSNorm, RoPE, no linear biases except optional QKV bias. The default torch
     RNG is seeded from ``seed`` and the pipeline rank (same on every TP rank), so
-    the result is deterministic.
+    the result is deterministic. ``vp_stage``: with a virtual pipeline
+    (``init_parallel(vpp=...)``), build that model chunk of this rank.
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
@@ -312,6 +314,8 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
                       num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
     if arch.mtp_layers:
         kwargs["mtp_num_layers"] = arch.mtp_layers
+    if vp_stage is not None:
+        kwargs["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
     config = config_cls(**kwargs)
     if arch.num_experts or mla_attention is not None:
         # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
@@ -337,8 +341,9 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234) -> GPTModel:
             transformer_layer_spec=spec,
             vocab_size=arch.padded_vocab_size,
             max_sequence_length=arch.max_sequence_length,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            vp_stage=vp_stage,
             parallel_output=False,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
