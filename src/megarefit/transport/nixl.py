@@ -343,9 +343,12 @@ class NixlTransport:
                     continue
                 # this source is done: its strided copies overlap the other sources' READs
                 t0 = time.perf_counter()
-                with _bounded_threads(SCRATCH_THREADS):
-                    for _, dst, src in pulls.scratch_ops:
-                        dst.copy_(src)
+                if pulls.scratch_ops and pulls.scratch_ops[0][1].is_cuda:  # one fused call on a GPU
+                    torch._foreach_copy_([d for _, d, _ in pulls.scratch_ops], [s for _, _, s in pulls.scratch_ops])
+                else:
+                    with _bounded_threads(SCRATCH_THREADS):
+                        for _, dst, src in pulls.scratch_ops:
+                            dst.copy_(src)
                 scratch_s += time.perf_counter() - t0
             pending = still
             if pending and time.monotonic() > deadline:
