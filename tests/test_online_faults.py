@@ -232,3 +232,27 @@ def test_vllm_sharded_receivers_over_nixl(served):
         moved += receiver.stats.bytes_moved
     full = sum(t.numel() * t.element_size() for t in hf.values())
     assert full <= moved < 1.1 * full  # norms are pulled by both workers
+
+
+def test_interleaved_pipeline_chunks_publish_as_virtual_stages(config):
+    """pp=2 ranks with two model chunks each (vpp=2) publish four Publishers
+    (``vp_stage=c``); a receiver pulls the whole model over NIXL, equal to the HF state the
+    reference sharder started from (sharded as the pp=4 pipeline the chunks form)."""
+    from megarefit.layout import virtual_stage
+
+    cfg = config("Llama-3.1-8B", num_hidden_layers=8)
+    hf = reference_hf_state(cfg, "llama")
+    shards = reference_shards(hf, cfg, tp=1, pp=4)
+    job = f"faults-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = []
+    for pp_rank in range(2):
+        for chunk in range(2):
+            params = {n: t.clone() for n, t in shards[(0, virtual_stage(pp_rank, chunk, 2), 0)].items()}
+            pubs.append(Publisher(params, cfg, rank=(0, pp_rank, 0), tp=1, pp=2, vpp=2, vp_stage=chunk,
+                                  rendezvous=rdzv, agent_name=f"{job}-{pp_rank}-{chunk}"))
+    assert sorted(p.rank.pp for p in pubs) == [0, 1, 2, 3]
+    for p in pubs:
+        p.publish(1)
+    got = dict(RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5).run_refit_cycle(1))
+    assert got.keys() == hf.keys() and all(torch.equal(got[k], v) for k, v in hf.items())

@@ -24,7 +24,7 @@ import torch
 
 from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
-from megarefit.layout import ExpertLayout, RankCoord, SourceLayout
+from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stage
 from megarefit.manifest import Manifest, TensorEntry
 from megarefit.planner import global_shape, source_tensors
 from megarefit.rendezvous import Rendezvous
@@ -39,6 +39,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Publisher:
     """Serves one trainer rank's parameters; see the module docstring.
 
+    With Megatron's interleaved pipeline (``vpp > 1``), publish each model chunk with its
+    own Publisher: ``rank=(tp_rank, pp_rank, ep_rank)``, ``vp_stage=c``; it serves stage
+    ``virtual_stage(pp_rank, c, pp)`` of a ``pp * vpp``-stage pipeline.
+
     Raises (at construction):
         MissingParameterError / UnexpectedParameterError: the parameters are not
             exactly what the spec table and layout place on this rank.
@@ -51,7 +55,10 @@ class Publisher:
                  make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
-                 agent_name: str | None = None):
+                 vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None):
+        if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
+            rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
+            pp *= vpp
         self.rank = RankCoord(*rank)
         self.dims = ModelDims.from_hf_config(load_hf_config(hf_config))
         self.dims.check_layout(tp, pp, ep, etp)
