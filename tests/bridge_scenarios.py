@@ -64,7 +64,7 @@ def _model_modules(cfg: dict, entries: list) -> dict:
 def run() -> dict:
     from megarefit import ModelDims, SourceLayout
     from megarefit.errors import UnsupportedModelError
-    from megarefit.integrations.bridge import bridge_name_map, bridge_patterns, bridge_version
+    from megarefit.integrations.bridge import bridge_name_map, bridge_patterns, bridge_version, rows_from_bridge
     from megarefit.namemap import compare, name_map
 
     out: dict = {"bridge_version": bridge_version(), "cases": {}}
@@ -84,11 +84,17 @@ def run() -> dict:
             entries = name_map(dims, layout)
             modules = _model_modules(cfg, entries) if build and (tp, pp, ep, spec) == (1, 1, 1, "local") else None
             mapped = bridge_name_map(entries, cfg, modules)
-            case["layouts"][f"tp{tp}-pp{pp}-ep{ep}-{spec}-{experts}"] = {
+            result = case["layouts"][f"tp{tp}-pp{pp}-ep{ep}-{spec}-{experts}"] = {
                 "entries": [e.to_dict() for e in mapped],
                 "disagreements": [d.__dict__ for d in compare(mapped)],
                 "resolved_kinds": sorted({e.other_kind for e in mapped if ":" in (e.other_kind or "")}),
             }
+            if modules is not None:  # a spec table generated from Bridge vs megarefit's own rows
+                conds = dims.conditions(layout.pp)
+                ours = {(r.megatron, r.role.value, r.hf) for e in mapped if e.other_kind and not e.duplicate
+                        for r in [dims.spec.match(e.local, conds, spec, expert_layout=experts).spec]}
+                result["rows_ours"] = sorted(ours)
+                result["rows_bridge"] = sorted((g.megatron, g.role, g.hf) for g in rows_from_bridge(mapped))
         out["cases"][key] = case
     return out
 

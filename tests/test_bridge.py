@@ -149,3 +149,15 @@ def test_where_bridge_conversion_disagrees_logits_decide(bridge_python, tmp_path
     assert r["bridge_export_of_megarefit_load_mismatched"] == []
     assert r["bridge_export_mismatched"] == [f"model.layers.{i}.{n}.weight" for i in (0, 1)
                                              for n in ("mlp.down_proj", "self_attn.o_proj")]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_spec_rows_generated_from_bridge_equal_ours(scenarios, family):
+    """A spec table generated from Bridge (``rows_from_bridge``: its mapping classes, with
+    AutoMapping resolved on the real Megatron-Core model's modules, layer / expert indices
+    turned into placeholders) equals megarefit's own rows -- pattern, role and HF
+    templates -- for every parameter Bridge maps."""
+    layout = scenarios["cases"][family]["layouts"]["tp1-pp1-ep1-local-sequential"]
+    ours = {json.dumps(r) for r in layout["rows_ours"]}
+    bridge = {json.dumps(r) for r in layout["rows_bridge"]}
+    assert len(ours) >= 9 and ours == bridge

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 import types
 from collections.abc import Iterable, Mapping
@@ -265,5 +266,67 @@ def resolve_modules(model: torch.nn.Module, entries: Iterable[NameMapEntry]) -> 
     return out
 
 
-__all__ = ["BRIDGE_VERSION", "BridgePattern", "BridgeUnavailableError", "bridge_name_map", "bridge_patterns",
+@dataclass(frozen=True)
+class GeneratedRow:
+    """A spec-table row generated from Bridge: Megatron pattern, megarefit role, HF templates
+    (placeholders ``{layer}`` / ``{expert}`` as in :class:`~megarefit.specs.table.ParamSpec`;
+    shapes are not Bridge's to know)."""
+
+    megatron: str
+    role: str
+    hf: tuple[str, ...]
+
+
+_GENERALIZE = (  # concrete name -> pattern, in order
+    (re.compile(r"^(decoder|mtp)\.layers\.\d+\."), r"\1.layers.{layer}."),
+    (re.compile(r"\.local_experts\.\d+\."), ".local_experts.{expert}."),
+    (re.compile(r"(\.experts\.linear_fc[12]\.weight)\d+$"), r"\1{expert}"),
+)
+_GENERALIZE_HF = (
+    (re.compile(r"^model\.layers\.\d+\."), "model.layers.{layer}."),
+    (re.compile(r"\.experts\.\d+\."), ".experts.{expert}."),
+)
+
+
+def _pattern(name: str, rules: tuple[tuple[re.Pattern[str], str], ...]) -> str:
+    for regex, repl in rules:
+        name = regex.sub(repl, name)
+    return name
+
+
+def rows_from_bridge(entries: Iterable[NameMapEntry]) -> list[GeneratedRow]:
+    """Spec-table rows generated from a Bridge-resolved name map (:func:`bridge_name_map`
+    with ``modules``, so ``AutoMapping`` carries its column / row / replicated decision):
+    the role follows Bridge's mapping class (``QKVMapping`` -> qkv, ``GatedMLPMapping``
+    -> gated_mlp / expert_gated_mlp, ``AutoMapping:column`` -> column, or vocab for the
+    embedding / output layer, ``:row`` -> row / expert_row, ``:replicated`` ->
+    replicated); layer and expert indices become placeholders. Unmapped and tied-copy
+    entries are skipped. Rows are unique, in first-seen order.
+
+    Raises:
+        MegarefitError: an entry was not resolved against a real module (plain ``AutoMapping``).
+    """
+    out: dict[GeneratedRow, None] = {}
+    for e in entries:
+        if not e.other_kind or e.duplicate or e.other_hf is None:
+            continue
+        kind, _, mode = e.other_kind.partition(":")
+        expert = "{expert}" in _pattern(e.megatron, _GENERALIZE)
+        if kind == "QKVMapping":
+            role = "qkv"
+        elif kind == "GatedMLPMapping":
+            role = "expert_gated_mlp" if expert else "gated_mlp"
+        elif kind == "AutoMapping" and mode:
+            vocab = e.megatron in ("embedding.word_embeddings.weight", "output_layer.weight")
+            role = {"column": "vocab" if vocab else "column", "row": "expert_row" if expert else "row",
+                    "replicated": "replicated"}[mode]
+        else:
+            raise MegarefitError(f"{e.megatron}: Bridge mapping {e.other_kind!r} needs resolving against a module")
+        row = GeneratedRow(_pattern(e.megatron, _GENERALIZE), role,
+                           tuple(_pattern(h, _GENERALIZE_HF) for h in e.other_hf))
+        out[row] = None
+    return list(out)
+
+
+__all__ = ["BRIDGE_VERSION", "GeneratedRow", "rows_from_bridge", "BridgePattern", "BridgeUnavailableError", "bridge_name_map", "bridge_patterns",
            "bridge_registry", "bridge_version", "resolve_modules"]
