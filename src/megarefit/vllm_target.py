@@ -58,16 +58,9 @@ class VllmPiece:
     param_box: Box
 
 
-_STACKED = {  # HF tensor suffix -> (vLLM parameter suffix, shard order)
-    ".self_attn.q_proj.weight": (".self_attn.qkv_proj.weight", 0),
-    ".self_attn.k_proj.weight": (".self_attn.qkv_proj.weight", 1),
-    ".self_attn.v_proj.weight": (".self_attn.qkv_proj.weight", 2),
-    ".self_attn.q_proj.bias": (".self_attn.qkv_proj.bias", 0),
-    ".self_attn.k_proj.bias": (".self_attn.qkv_proj.bias", 1),
-    ".self_attn.v_proj.bias": (".self_attn.qkv_proj.bias", 2),
-    ".mlp.gate_proj.weight": (".mlp.gate_up_proj.weight", 0),
-    ".mlp.up_proj.weight": (".mlp.gate_up_proj.weight", 1),
-}
+# vLLM stacks a multi-tensor role's HF tensors (in the spec row's order: q, k, v / gate,
+# up) into one parameter, named after the first with this part replaced.
+_VLLM_STACKED = {Role.QKV: ("q_proj", "qkv_proj"), Role.GATED_MLP: ("gate_proj", "gate_up_proj")}
 
 
 def _split(n: int, tp: int, what: str) -> int:
@@ -98,19 +91,29 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, tuple[tuple[in
         kv_start = t * kv_local
     layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.vocab_size, num_layers=dims.num_layers)
     rows = [r for r in dims.spec.rows(dims.conditions(1), "local") if not r.duplicate]
-    stacked: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
     out: dict[str, tuple[tuple[int, ...], tuple[VllmPiece, ...]]] = {}
     for row in rows:
         layers = range(dims.num_layers) if row.stage is Stage.LAYER else [None]
         if row.stage is Stage.MTP:
             continue  # vLLM loads MTP layers into a separate draft model
         for layer in layers:
-            for hf_name, shape in zip(row.hf_names(layer), hf_shapes(row, dims, layout)):
-                suffix = next((s for s in _STACKED if hf_name.endswith(s)), None)
-                if suffix is not None:
-                    param, order = _STACKED[suffix]
-                    stacked.setdefault(hf_name[: -len(suffix)] + param, []).append((order, hf_name, shape))
-                elif row.role is Role.ROW:
+            named = list(zip(row.hf_names(layer), hf_shapes(row, dims, layout)))
+            if row.role in _VLLM_STACKED:
+                part, stacked = _VLLM_STACKED[row.role]
+                local_rows, pieces = 0, []
+                for i, (hf_name, shape) in enumerate(named):
+                    if row.role is Role.QKV:  # q heads of rank t, then its k and v heads
+                        n, first = (heads * d, t * heads * d) if i == 0 else (kv_local * d, kv_start * d)
+                    else:  # gate chunk t, then up chunk t
+                        n = _split(shape[0], T, f"{hf_name} rows")
+                        first = t * n
+                    pieces.append(VllmPiece(hf_name, Box.rows(shape, first, n),
+                                            Box((local_rows,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))))
+                    local_rows += n
+                out[named[0][0].replace(part, stacked)] = ((local_rows,) + tuple(named[0][1][1:]), tuple(pieces))
+                continue
+            for hf_name, shape in named:
+                if row.role is Role.ROW:
                     n = _split(shape[1], T, f"{hf_name} columns")
                     out[hf_name] = ((shape[0], n), (VllmPiece(hf_name, Box((0, t * n), (shape[0], n)),
                                                               Box.full((shape[0], n))),))
@@ -126,19 +129,6 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, tuple[tuple[in
                     out[hf_name] = (shape, (VllmPiece(hf_name, Box.full(shape), Box.full(shape)),))
                 else:
                     raise UnsupportedModelError(f"{hf_name}: role {row.role.value} has no vLLM shard rule")
-    for param, parts in stacked.items():
-        parts.sort()
-        local_rows, pieces = 0, []
-        for order, hf_name, shape in parts:
-            if param.endswith("qkv_proj.weight") or param.endswith("qkv_proj.bias"):
-                n, first = (heads * d, t * heads * d) if order == 0 else (kv_local * d, kv_start * d)
-            else:
-                n = _split(shape[0], T, f"{hf_name} rows")
-                first = t * n
-            pieces.append(VllmPiece(hf_name, Box.rows(shape, first, n),
-                                    Box((local_rows,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))))
-            local_rows += n
-        out[param] = ((local_rows,) + tuple(parts[0][2][1:]), tuple(pieces))
     return out
 
 
