@@ -84,9 +84,9 @@ def name_map(dims: ModelDims, layout: SourceLayout) -> list[NameMapEntry]:
     per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
     for rank, tensors in source_tensors(dims, layout).items():
         for local, t in tensors.items():
-            row = t.spec
-            index = t.layer - dims.num_layers if row.stage is Stage.MTP else t.layer  # MTP layers count from 0
-            glob = row.megatron.format(layer=index, expert=t.expert)
+            row = t.spec  # MTP layers keep their own index (0, 1, ...) in a global name
+            layer = dims.spec.layer_index(local, Stage.MTP) if row.stage is Stage.MTP else t.layer
+            glob = row.megatron.format(layer=layer, expert=t.expert)
             if row.role.is_grouped:
                 experts = range(rank.ep * per_ep, (rank.ep + 1) * per_ep)
                 hf = tuple(h.format(layer=t.layer, expert=e) for e in experts for h in row.hf)

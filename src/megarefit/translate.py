@@ -11,8 +11,6 @@ that rank's ``dict(model.named_parameters())`` (local layer indices, optional
 
 from __future__ import annotations
 
-import re
-
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +24,7 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
 from megarefit.receiver import materialize, run_refit_cycle
-from megarefit.specs.table import ExpertLayout, LayerSpec, Role, canonical_name
+from megarefit.specs.table import ExpertLayout, LayerSpec, Role, Stage, canonical_name
 from megarefit.transport.local import LocalTransport
 
 Shards = Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]]
@@ -54,9 +52,6 @@ def normalize_shards(shards: Shards) -> dict[RankCoord, dict[str, torch.Tensor]]
             clean[canon] = tensor
         out[coord] = clean
     return out
-
-
-_MTP = re.compile(r"mtp\.layers\.(\d+)\.")  # Megatron multi-token-prediction layer names
 
 
 def _model_dtype(tensors: Mapping[Any, Mapping[str, torch.Tensor]]) -> str:
@@ -183,7 +178,7 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
             f"unexpected {[tuple(r) for r in outside]} (wrong tp/pp/ep?)" if outside else "no shards given"))
     etp = _infer_etp(dims, tensors, tp) if etp is None else etp
     dims.check_layout(tp, pp, ep, etp)
-    mtp = {int(m.group(1)) for params in tensors.values() for n in params if (m := _MTP.match(n))}
+    mtp = {i for params in tensors.values() for n in params if (i := dims.spec.layer_index(n, Stage.MTP)) is not None}
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
                               etp=etp, mtp_layers=max(mtp) + 1 if mtp else 0, **_stage_split(dims, tensors, pp))

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megarefit.specs.table import ParamSpec, Role
+from megarefit.specs.table import MTP_PREFIX, ParamSpec, Role
 
-_M = "mtp.layers.{layer}."
+_M = MTP_PREFIX + "{layer}."
 _H = "model.layers.{layer}."
 
 MTP_OWN = (

@@ -128,6 +128,9 @@ _ROLE_MODE = {
 _ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2, Role.GROUPED_EXPERT_FC1: 2}
 
 
+MTP_PREFIX = "mtp.layers."  # Megatron-Core's multi-token-prediction block (``GPTModel.mtp``)
+
+
 class Stage(str, Enum):
     """Which pipeline stage(s) hold a parameter."""
 
@@ -256,7 +259,7 @@ class ParamSpec:
 
     @property
     def stage(self) -> Stage:
-        if self.megatron.startswith("mtp."):
+        if self.megatron.startswith(MTP_PREFIX):
             return Stage.MTP
         if self.per_layer:
             return Stage.LAYER
@@ -328,11 +331,12 @@ class FamilySpec:
              expert_layout: ExpertLayout | None = None) -> tuple[ParamSpec, ...]:
         return tuple(r for r in self.entries if r.active(conditions, spelling, expert_layout))
 
-    def layer_index(self, name: str) -> int | None:
-        """The local decoder-layer index in ``name`` per this table's patterns (no role
-        resolution); ``None`` for non-layer (incl. MTP) or unknown names."""
+    def layer_index(self, name: str, stage: Stage = Stage.LAYER) -> int | None:
+        """The local index in ``name`` of a decoder layer (``stage=Stage.LAYER``) or of an
+        MTP layer (``Stage.MTP``), per this table's patterns (no role resolution);
+        ``None`` for other or unknown names."""
         for row in self.entries:
-            if row.stage is Stage.LAYER and (m := row._regex.fullmatch(name)) is not None:
+            if row.stage is stage and (m := row._regex.fullmatch(name)) is not None:
                 return int(m.group("layer"))
         return None
 
