@@ -6,6 +6,8 @@ sharing no code with megarefit's planner, so tests can compare against it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -213,4 +215,38 @@ def moe_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, family: str, *,
                     s[L + "experts.weight1"] = torch.stack([f.T for f in fc1s]).reshape(hidden, -1)
                     s[L + "experts.weight2"] = torch.stack([f.T for f in fc2s]).reshape(-1, hidden)
             out[(t, p, e_rank)] = s
+    return out
+
+
+def vllm_reference(hf: dict, cfg: dict, T: int, t: int) -> dict:
+    """vLLM's documented TP layout from full HF tensors, with cat / chunk (independent of
+    the planner): q heads split, kv heads split or replicated, gate/up chunks stacked,
+    row-parallel column chunks, vocab padded to 64 and split."""
+    out = {}
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    for name, w in hf.items():
+        if any(s in name for s in ("k_proj", "v_proj", "up_proj")):
+            continue
+        if ".q_proj." in name:
+            kind = name.rsplit(".", 1)[1]
+            k, v = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
+            q_t = w.chunk(T)[t]
+            if T >= kv:
+                head = t // (T // kv)
+                k_t, v_t = k[head * d:(head + 1) * d], v[head * d:(head + 1) * d]
+            else:
+                k_t, v_t = k.chunk(T)[t], v.chunk(T)[t]
+            out[name.replace("q_proj." + kind, "qkv_proj." + kind)] = torch.cat([q_t, k_t, v_t])
+        elif ".gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [w.chunk(T)[t], hf[name.replace("gate_proj", "up_proj")].chunk(T)[t]])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = w.chunk(T, dim=1)[t]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded = math.ceil(w.shape[0] / 64) * 64
+            full = torch.cat([w, w.new_zeros(padded - w.shape[0], *w.shape[1:])])
+            out[name] = full.chunk(T)[t]
+        else:
+            out[name] = w
     return out

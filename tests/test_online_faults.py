@@ -23,6 +23,16 @@ from reference import reference_hf_state, reference_shards  # noqa: E402
 _JOBS = iter(range(10**6))
 
 
+def _republish(rdzv, pubs, rank, edit) -> None:
+    """Publish ``rank``'s manifest with each tensor entry passed through ``edit`` (``None``
+    drops it) -- a trainer that lies about its tensors -- then version 1 on every rank."""
+    pub = pubs[rank]
+    entries = tuple(e for t in pub.manifest.tensors if (e := edit(t)) is not None)
+    rdzv.publish_manifest(dataclasses.replace(pub.manifest, tensors=entries), pub.agent.metadata)
+    for p in pubs.values():
+        p.publish(1)
+
+
 @pytest.fixture
 def served(config):
     cfg = config("Llama-3.1-8B")
@@ -73,12 +83,7 @@ def test_version_moving_during_the_pull_is_caught(served):
 
 def test_manifest_missing_a_tensor(served):
     _, _, _, rdzv, pubs, receiver = served
-    pub = pubs[(1, 0, 0)]
-    manifest = dataclasses.replace(pub.manifest, tensors=tuple(
-        t for t in pub.manifest.tensors if t.name != "decoder.layers.2.mlp.linear_fc1.weight"))
-    rdzv.publish_manifest(manifest, pub.agent.metadata)
-    for p in pubs.values():
-        p.publish(1)
+    _republish(rdzv, pubs, (1, 0, 0), lambda t: None if t.name == "decoder.layers.2.mlp.linear_fc1.weight" else t)
     with pytest.raises(MissingParameterError, match=r"rank \(tp=1, pp=0, ep=0\) does not publish "
                                                     r"decoder\.layers\.2\.mlp\.linear_fc1\.weight"):
         next(receiver.run_refit_cycle(1))
@@ -86,13 +91,8 @@ def test_manifest_missing_a_tensor(served):
 
 def test_dtype_mismatch(served):
     _, _, _, rdzv, pubs, receiver = served
-    pub = pubs[(0, 0, 0)]
     name = "decoder.layers.1.self_attention.linear_qkv.weight"
-    manifest = dataclasses.replace(pub.manifest, tensors=tuple(
-        dataclasses.replace(t, dtype="bfloat16") if t.name == name else t for t in pub.manifest.tensors))
-    rdzv.publish_manifest(manifest, pub.agent.metadata)
-    for p in pubs.values():
-        p.publish(1)
+    _republish(rdzv, pubs, (0, 0, 0), lambda t: dataclasses.replace(t, dtype="bfloat16") if t.name == name else t)
     with pytest.raises(ShapeMismatchError, match=rf"rank \(tp=0, pp=0, ep=0\) publishes {name} as bfloat16 .*"
                                                  r"plan expects float32"):
         next(receiver.run_refit_cycle(1))
@@ -209,24 +209,19 @@ def test_expert_layouts_over_nixl(layout, experts):
 def test_vllm_sharded_receivers_over_nixl(served):
     """Two receivers standing for vLLM tp=2 workers pull only their own parameter shards
     (vLLM names: qkv_proj, gate_up_proj, ...) over NIXL from the TP=2 publishers; each
-    equals the offline plan through the local transport (itself checked against vLLM's
-    own weight loaders in test_vllm_target.py), and together they move about the
-    model's bytes once, not twice."""
-    from megarefit.receiver import run_refit_cycle
-    from megarefit.transport import LocalTransport
-    from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+    equals an independent cat/chunk reference of vLLM's TP layout applied to the HF
+    state (tests/reference.py), and together they move about the model's bytes once."""
+    from megarefit.vllm_target import VllmTarget
+    from reference import vllm_reference
 
     cfg, hf, shards, rdzv, pubs, _ = served
     for p in pubs.values():
         p.publish(1)
-    dims = megarefit.ModelDims.from_hf_config(cfg)
-    layout = pubs[(0, 0, 0)].layout
     moved = 0
     for rank in range(2):
         receiver = RefitReceiver(rdzv, name=f"{rdzv.prefix}-vllm-{rank}", timeout=5, target=VllmTarget(2, rank))
         got = {n: t.clone() for n, t in receiver.run_refit_cycle(1)}
-        plan = plan_megatron_to_vllm(dims, layout, "float32", VllmTarget(2, rank))
-        want = dict(run_refit_cycle(plan, LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})))
+        want = vllm_reference(hf, cfg, 2, rank)
         assert got.keys() == want.keys() and "model.layers.0.self_attn.qkv_proj.weight" in got
         assert all(torch.equal(got[k], v) for k, v in want.items())
         moved += receiver.stats.bytes_moved

@@ -25,7 +25,7 @@ from megarefit.integrations.megatron import run_workers  # noqa: E402
 from megarefit.receiver import run_refit_cycle  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
 from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm  # noqa: E402
-from reference import reference_hf_state, reference_shards  # noqa: E402
+from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
 from vllm_loader_jobs import vllm_shards_job  # noqa: E402
 
 CASES = {  # name: (config, family, overrides, trainer tp, trainer pp)
@@ -125,42 +125,6 @@ def test_sharded_install_checks_everything_before_writing():
         _receiver("127.0.0.1", 1, "job", 1.0, 0, None, sharded=True)
 
 
-def _vllm_reference(hf: dict, cfg: dict, T: int, t: int) -> dict:
-    """vLLM's documented TP layout from full HF tensors, with cat / chunk (independent of
-    the planner): q heads split, kv heads split or replicated, gate/up chunks stacked,
-    row-parallel column chunks, vocab padded to 64 and split."""
-    import math
-
-    out = {}
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    for name, w in hf.items():
-        if any(s in name for s in ("k_proj", "v_proj", "up_proj")):
-            continue
-        if ".q_proj." in name:
-            kind = name.rsplit(".", 1)[1]
-            k, v = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
-            q_t = w.chunk(T)[t]
-            if T >= kv:
-                head = t // (T // kv)
-                k_t, v_t = k[head * d:(head + 1) * d], v[head * d:(head + 1) * d]
-            else:
-                k_t, v_t = k.chunk(T)[t], v.chunk(T)[t]
-            out[name.replace("q_proj." + kind, "qkv_proj." + kind)] = torch.cat([q_t, k_t, v_t])
-        elif ".gate_proj." in name:
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
-                [w.chunk(T)[t], hf[name.replace("gate_proj", "up_proj")].chunk(T)[t]])
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            out[name] = w.chunk(T, dim=1)[t]
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            padded = math.ceil(w.shape[0] / 64) * 64
-            full = torch.cat([w, w.new_zeros(padded - w.shape[0], *w.shape[1:])])
-            out[name] = full.chunk(T)[t]
-        else:
-            out[name] = w
-    return out
-
-
 @st.composite
 def _vllm_case(draw):
     family = draw(st.sampled_from(["llama", "qwen2", "qwen3"]))
@@ -193,6 +157,6 @@ def test_vllm_shards_match_an_independent_reference(case, seed):
     layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=2)
     plan = plan_megatron_to_vllm(dims, layout, "float32", VllmTarget(T, t))
     got = dict(run_refit_cycle(plan, LocalTransport({megarefit.RankCoord(*r): s for r, s in shards.items()})))
-    want = _vllm_reference(hf, cfg, T, t)
+    want = vllm_reference(hf, cfg, T, t)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], v) for k, v in want.items())
