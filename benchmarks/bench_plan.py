@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import megarefit
-from megarefit.planner import plan_megatron_to_hf
+from megarefit.bench import machine, time_cold_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -34,8 +33,6 @@ CASES = [  # (config, layout kwargs)
 
 
 def main() -> None:
-    from megarefit.bench import machine
-
     print(f"machine: {machine()}")
     print("| model | layout | source tensors | ops | contiguous | scratch | bytes | best s | median s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -44,12 +41,7 @@ def main() -> None:
         dims = megarefit.ModelDims.from_hf_config(cfg)
         layout = megarefit.SourceLayout.build(padded_vocab_size=dims.padded_vocab_size(kw["tp"]),
                                               num_layers=dims.num_layers, **kw)
-        times = []
-        for _ in range(3):
-            plan_megatron_to_hf.cache_clear()
-            t0 = time.perf_counter()
-            plan = plan_megatron_to_hf(dims, layout, "bfloat16")
-            times.append(time.perf_counter() - t0)
+        plan, times = time_cold_plan(dims, layout)
         s = plan.summary()["total"]
         desc = " ".join(f"{k}={v}" for k, v in kw.items() if k not in ("first_stage_layers", "last_stage_layers"))
         print(f"| {name} | {desc} | {len(plan.sources)} | {s['ops']} | {s['contiguous']} | {s['scratch']} | "

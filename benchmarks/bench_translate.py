@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import megarefit
-from megarefit.bench import best_of, machine
+from megarefit.bench import best_of, machine, time_cold_plan
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.receiver import run_refit_cycle
 from megarefit.transport.local import LocalTransport
@@ -172,12 +171,7 @@ def main() -> None:
     d405 = megarefit.ModelDims.from_hf_config(cfg405)
     l405 = megarefit.SourceLayout.build(tp=8, pp=16, padded_vocab_size=d405.padded_vocab_size(8), num_layers=126,
                                         first_stage_layers=7, last_stage_layers=7)
-    times = []
-    for _ in range(3):
-        plan_megatron_to_hf.cache_clear()
-        t0 = time.perf_counter()
-        p405 = plan_megatron_to_hf(d405, l405, "bfloat16")
-        times.append(time.perf_counter() - t0)
+    p405, times = time_cold_plan(d405, l405)
     s = p405.summary()["total"]
     print(f"plan Llama-3.1-405B tp=8 pp=16: best {min(times):.3f} s, median {statistics.median(times):.3f} s "
           f"(cold, incl. validation); {s['ops']} ops ({s['contiguous']} contiguous, {s['scratch']} scratch), "

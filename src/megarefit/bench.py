@@ -68,6 +68,21 @@ def random_shards(plan: Plan, device: str, dtype: torch.dtype, seed: int = 0) ->
     return out
 
 
+def time_cold_plan(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
+                   repeat: int = 3) -> tuple[Plan, list[float]]:
+    """Plan ``repeat`` times with the plan cache cleared (validation included); the plan and
+    the seconds of each."""
+    from megarefit.planner import plan_megatron_to_hf
+
+    times = []
+    for _ in range(repeat):
+        plan_megatron_to_hf.cache_clear()
+        t0 = time.perf_counter()
+        plan = plan_megatron_to_hf(dims, layout, dtype)
+        times.append(time.perf_counter() - t0)
+    return plan, times
+
+
 @dataclass
 class BenchResult:
     bytes: int
