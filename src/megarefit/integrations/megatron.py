@@ -592,6 +592,15 @@ class TrainerCase:
     ep: int = 1
 
 
+def _first_copy(ep: int) -> bool:
+    """Whether this rank holds the first copy of its (tp, pp, ep) shard: data-parallel ranks
+    ``0 .. ep-1`` carry the ep ranks' distinct experts (``expert_tensor_parallel_size == tp``);
+    later ones repeat them."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() // max(1, ep) == 0
+
+
 def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
     """Worker body for :func:`run_workers`: build each case's GPTModel, perturb it, run the
     classifier against the spec table, run the forward pass.
@@ -615,7 +624,7 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
         t1 = time.perf_counter()
         logits = forward_logits(model, case.tokens)
         t2 = time.perf_counter()
-        if ps.get_data_parallel_rank() // max(1, case.ep) != 0:  # one copy of each (tp, pp, ep) shard
+        if not _first_copy(case.ep):
             out[case.key] = {}
             continue
         dims = ModelDims.from_hf_config(case.hf_config)
@@ -652,7 +661,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     perturb_parameters_(model, seed=case.seed)
     coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
              ps.get_expert_model_parallel_rank())
-    if ps.get_data_parallel_rank() // max(1, case.ep) != 0:  # one publisher per (tp, pp, ep) shard
+    if not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
         return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     host, port, job = rendezvous
     rdzv = Rendezvous.connect(host, port, job=job)
