@@ -22,7 +22,7 @@ from megarefit.bench import best_of
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.receiver import run_refit_cycle
 from megarefit.transport.local import LocalTransport
-from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 

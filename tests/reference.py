@@ -7,6 +7,8 @@ sharing no code with megarefit's planner, so tests can compare against it.
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -249,4 +251,71 @@ def vllm_reference(hf: dict, cfg: dict, T: int, t: int) -> dict:
             out[name] = full.chunk(T)[t]
         else:
             out[name] = w
+    return out
+
+
+def hf_checkpoint_state(cfg: dict, directory, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under the names and shapes HF transformers' own
+    ``save_pretrained`` writes for ``cfg`` (independent of megarefit's tables)."""
+    import safetensors.torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          dtype=torch.float32)
+    model.save_pretrained(directory)
+    shapes = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        shapes |= {k: v.shape for k, v in safetensors.torch.load_file(f).items()}
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shapes[k], generator=g) for k in sorted(shapes)}
+
+
+def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int = 0, expert_parallel: bool = False,
+                       placement: str = "linear") -> dict:
+    """vLLM's documented layout of an MoE / MLA model on worker (tp rank t of T, dp rank d
+    of D), with cat / chunk and vLLM's own ``determine_expert_map`` (independent of the
+    planner): attention and dense MLPs as :func:`vllm_reference`; MLA down-projections
+    stacked whole into ``fused_qkv_a_proj``; routed experts tensor-parallel over all
+    T*D workers (rank d*T + t), or whole experts under EP (EP rank d*T + t); DeepSeek-V3's
+    shared experts whole under sequence-parallel MoE (EP, T > 1, D > 1)."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    family = cfg["model_type"]
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
+    n, r = T * D, d * T + t
+    ep = expert_parallel and n > 1
+    moe_T, moe_r = (1, 0) if ep else (n, r)
+    if ep:
+        _, emap, _ = determine_expert_map(n, r, experts, placement)
+        emap = emap.tolist()
+        slots = [emap.index(j) for j in range(max(emap) + 1)]
+    else:
+        slots = list(range(experts))
+    dense, routed, out = {}, {}, {}
+    for name, w in hf.items():
+        m = re.match(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(\w+)\.weight$", name)
+        if m:
+            routed.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = w
+        else:
+            dense[name] = w
+    sp_shared = family == "deepseek_v3" and ep and T > 1 and D > 1
+    for name in list(dense):
+        if name not in dense:
+            continue  # popped with its gate_proj
+        if ".shared_experts." in name and sp_shared:
+            out[name.replace("gate_proj", "gate_up_proj")] = (
+                torch.cat([dense.pop(name), dense.pop(name.replace("gate_proj", "up_proj"))])
+                if ".gate_proj." in name else dense.pop(name))
+        elif name.endswith("self_attn.q_a_proj.weight"):
+            kv = name.replace("q_a_proj", "kv_a_proj_with_mqa")
+            out[name.replace("q_a_proj", "fused_qkv_a_proj")] = torch.cat([dense.pop(name), dense.pop(kv)])
+        elif name.endswith(("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")):
+            out[name] = dense.pop(name).chunk(T)[t]
+    out |= vllm_reference(dense, cfg, T, t)
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for prefix, ws in routed.items():
+        out[prefix + "routed_experts.w13_weight"] = torch.stack(
+            [torch.cat([ws[(e, gate)].chunk(moe_T)[moe_r], ws[(e, up)].chunk(moe_T)[moe_r]]) for e in slots])
+        out[prefix + "routed_experts.w2_weight"] = torch.stack([ws[(e, down)].chunk(moe_T, dim=1)[moe_r]
+                                                               for e in slots])
     return out

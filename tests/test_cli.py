@@ -129,12 +129,13 @@ def test_name_map_from_bridge_without_bridge_says_how_to_install(capsys):
 
 def test_plan_for_one_vllm_worker(capsys):
     """`megarefit plan --vllm-tp 8 --vllm-rank 3`: Llama-3.1-70B from trainer tp=8: the
-    worker's own shards, 1/8 of the weights, every op a contiguous pull (same TP)."""
+    worker's own shards, 1/8 of the weights, every op a contiguous pull (same TP; each
+    rank's [gate_r; up_r] lands as one run in gate_up_proj)."""
     rc = main(["plan", "--config", str(CONFIG_DIR / "Llama-3.1-70B.json"), "--tp", "8", "--pp", "4",
                "--vllm-tp", "8", "--vllm-rank", "3"])
     out = capsys.readouterr().out
     assert rc == 0 and "vLLM worker rank 3 of tp=8" in out
-    assert "725 ops (725 contiguous sliced pulls, 0 scratch copies), 17.64 GB" in out
+    assert "485 ops (485 contiguous sliced pulls, 0 scratch copies), 17.64 GB" in out
 
 
 def test_bench_reports_the_ratio(capsys):

@@ -211,7 +211,7 @@ def test_vllm_sharded_receivers_over_nixl(served):
     (vLLM names: qkv_proj, gate_up_proj, ...) over NIXL from the TP=2 publishers; each
     equals an independent cat/chunk reference of vLLM's TP layout applied to the HF
     state (tests/reference.py), and together they move about the model's bytes once."""
-    from megarefit.vllm_target import VllmTarget
+    from megarefit.targets import VllmTarget
     from reference import vllm_reference
 
     cfg, hf, shards, rdzv, pubs, _ = served

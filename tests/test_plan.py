@@ -116,10 +116,13 @@ def test_llama_405b_plan_is_quick():
 
 
 def test_adjacent_row_runs_merge_into_one_pull():
-    from megarefit.plan import TensorRef, make_op
-    from megarefit.planner import merge_ops
+    from megarefit.plan import TensorMeta, TensorRef, make_op
+    from megarefit.plan import merge_ops as merge
 
     src, dst = TensorRef(None, "src"), TensorRef(None, "dst")
+
+    def merge_ops(ops):
+        return merge(ops, {src: TensorMeta((8, 4), "bfloat16")}, {dst: TensorMeta((10, 4), "bfloat16")})
 
     def rows(s0, d0, n):  # src rows [s0, s0+n) of an (8, 4) tensor -> dst rows [d0, d0+n) of a (10, 4) tensor
         return make_op(src, (8, 4), Box.rows((8, 4), s0, n), dst, (10, 4), Box.rows((10, 4), d0, n), 2)

@@ -24,7 +24,7 @@ from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.integrations.megatron import run_workers  # noqa: E402
 from megarefit.receiver import run_refit_cycle  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
-from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm  # noqa: E402
+from megarefit.targets import VllmTarget, plan_megatron_to_vllm  # noqa: E402
 from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
 from vllm_loader_jobs import vllm_shards_job  # noqa: E402
 
@@ -92,16 +92,6 @@ def test_kv_heads_replicated_when_vllm_tp_exceeds_them(cases):
         got = dict(run_refit_cycle(plan, transport))["model.layers.1.self_attn.qkv_proj.weight"]
         head = rank // 2
         assert torch.equal(got[q_local:q_local + d], k[head * d:(head + 1) * d])
-
-
-def test_unsupported_models_say_so():
-    from conftest import real_config
-
-    cfg = real_config("Qwen3-30B-A3B")
-    dims = ModelDims.from_hf_config(cfg)
-    layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=dims.num_layers)
-    with pytest.raises(megarefit.errors.UnsupportedModelError, match="dense models only"):
-        plan_megatron_to_vllm(dims, layout, "bfloat16", VllmTarget(2, 0))
 
 
 def test_sharded_install_checks_everything_before_writing():

@@ -69,3 +69,41 @@ def _shards(cfg: dict, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     n.weight.data.copy_(hf["model.norm.weight"])
     out["model.norm.weight"] = n.weight.detach().clone()
     return out
+
+
+def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple[dict, dict[str, torch.Tensor], bool]],
+                   workdir: str) -> dict[str, Any]:
+    """Whole vLLM models (``initialize_model``, as vLLM's loader builds them) in real
+    tensor-parallel processes on CPU, filled by their own ``load_weights`` from full HF
+    tensors. Per case ``(hf config, hf tensors, enable_expert_parallel)``: this rank's
+    ``named_parameters()`` (checkpoint format: no ``process_weights_after_loading``) and
+    each routed-experts layer's expert map (``None`` without EP)."""
+    import json
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    with set_current_vllm_config(VllmConfig()):  # no model config: vLLM builds the EP group too
+        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=world_size)
+    out: dict[str, Any] = {}
+    for key, (cfg, hf, expert_parallel) in cases.items():
+        path = os.path.join(workdir, f"{key}-{rank}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+        model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+                                   enforce_eager=True)
+        config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(
+            tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel))
+        with set_current_vllm_config(config):
+            model = initialize_model(vllm_config=config)
+            model.load_weights(hf.items())
+        maps = {n: m._expert_map.tolist() for n, m in model.named_modules()
+                if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
+        out[key] = ({n: p.detach().clone() for n, p in model.named_parameters()}, maps)
+    return out

@@ -18,7 +18,7 @@ from megarefit.plan import CopyOp, Plan, validate_plan
 from megarefit.planner import plan_hf_to_megatron, plan_megatron_to_hf
 from megarefit.receiver import RefitStats, run_refit_cycle
 from megarefit.translate import hf_to_megatron, megatron_to_hf
-from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
 __version__ = "0.1.0"
 

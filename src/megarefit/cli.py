@@ -78,7 +78,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     _, dims, layout, padded = _layout(args)
     t0 = time.perf_counter()
     if args.vllm_tp:
-        from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+        from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
         plan = plan_megatron_to_vllm(dims, layout, args.dtype, VllmTarget(args.vllm_tp, args.vllm_rank))
     else:
@@ -115,7 +115,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     dims, layout = layout_for(args.config, tp=args.tp, ep=args.ep, layers=args.layers)
     if args.vllm_tp:
-        from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+        from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
         plan = plan_megatron_to_vllm(dims, layout, args.dtype, VllmTarget(args.vllm_tp, 0))
     else:

@@ -33,7 +33,7 @@ from megarefit.planner import plan_megatron_to_hf
 from megarefit.receiver import torch_dtype
 from megarefit.rendezvous import Rendezvous
 from megarefit.transport.nixl import NixlTransport
-from megarefit.vllm_target import VllmTarget, plan_megatron_to_vllm
+from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
 
 class VersionMismatchError(MegarefitError):
@@ -65,9 +65,10 @@ class RefitReceiver:
         timeout: seconds to wait for manifests, versions and transfers.
         experts: global routed experts this receiver owns (vLLM expert
             parallelism); it pulls only those experts' tensors. ``None``: all.
-        target: a vLLM tensor-parallel worker (:class:`~megarefit.vllm_target.VllmTarget`):
+        target: a vLLM tensor-parallel worker (:class:`~megarefit.targets.VllmTarget`):
             pull only that worker's own parameter shards, under vLLM parameter names
-            (``qkv_proj``, ``gate_up_proj``, ...; dense models). ``None``: full HF tensors.
+            (``qkv_proj``, ``gate_up_proj``, ``w13_weight``, ``fused_qkv_a_proj``, ...) and
+            only its experts. ``None``: full HF tensors.
         device: where the pulled tensors land (``"cuda:0"`` in a GPU worker: NIXL reads
             trainer memory, host or GPU, straight into GPU memory; registered as VRAM).
     """
@@ -76,7 +77,8 @@ class RefitReceiver:
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
                  device: torch.device | str = "cpu"):
         if experts is not None and target is not None:
-            raise LayoutError("a vLLM-sharded target plans dense models: give experts or target, not both")
+            raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
+                              "expert_map): give experts or target, not both")
         self.rendezvous = rendezvous
         self.target = target
         self.device = torch.device(device)

@@ -71,7 +71,7 @@ class TensorMeta:
 
 @dataclass(frozen=True, slots=True)
 class CopyOp:
-    """Copy ``src[src_box]`` into ``dst[dst_box]`` (same box lengths).
+    """Copy ``src[src_box]`` into ``dst[dst_box]`` (same box lengths, up to leading 1-dims).
 
     ``kind == "contiguous"``: both boxes are single runs, so one transport
     descriptor moves it (a contiguous sliced pull). ``kind == "scratch"``: one
@@ -119,9 +119,42 @@ def make_op(src: TensorRef, src_shape: tuple[int, ...], src_box: Box,
                   item, transpose, src_shape if src_view else None, dst_shape if dst_view else None)
 
 
-def _squeeze_leading(lengths: tuple[int, ...]) -> tuple[int, ...]:
+def joined(a: Box, b: Box) -> Box | None:
+    """``a`` and ``b`` as one box when ``b`` continues ``a`` along one dim (every other
+    dim equal), else ``None``."""
+    for d, (ao, an, bo) in enumerate(zip(a.offsets, a.lengths, b.offsets)):
+        if ao + an == bo and a.offsets[:d] + a.offsets[d + 1:] == b.offsets[:d] + b.offsets[d + 1:] \
+                and a.lengths[:d] + a.lengths[d + 1:] == b.lengths[:d] + b.lengths[d + 1:]:
+            return Box(a.offsets, a.lengths[:d] + (an + b.lengths[d],) + a.lengths[d + 1:])
+    return None
+
+
+def merge_ops(ops: list[CopyOp], sources: Mapping[TensorRef, TensorMeta],
+              targets: Mapping[TensorRef, TensorMeta]) -> list[CopyOp]:
+    """Merge consecutive contiguous ops between the same two tensors whose source and
+    target boxes continue each other and stay single runs when joined: one larger
+    contiguous sliced pull (``sources`` / ``targets`` give the shapes)."""
+    out: list[CopyOp] = []
+    for op in ops:
+        prev = out[-1] if out else None
+        if prev is not None and prev.kind == op.kind == "contiguous" and prev.src == op.src and prev.dst == op.dst \
+                and prev.src_offset + prev.numel == op.src_offset and prev.dst_offset + prev.numel == op.dst_offset:
+            src_box, dst_box = joined(prev.src_box, op.src_box), joined(prev.dst_box, op.dst_box)
+            src_shape, dst_shape = sources[op.src].shape, targets[op.dst].shape
+            if src_box is not None and dst_box is not None and src_box.is_contiguous_in(src_shape) \
+                    and dst_box.is_contiguous_in(dst_shape):
+                out[-1] = CopyOp(prev.src, src_box, prev.dst, dst_box, "contiguous", prev.src_offset, prev.dst_offset,
+                                 prev.itemsize)
+                continue
+        out.append(op)
+    return out
+
+
+def _squeeze_leading(lengths: tuple[int, ...], keep: int = 2) -> tuple[int, ...]:
+    """``lengths`` without leading 1s, keeping at least ``keep`` dims (a box may carry
+    leading length-1 dims the other side lacks: a FusedMoE expert slot)."""
     i = 0
-    while i < len(lengths) - 2 and lengths[i] == 1:
+    while i < len(lengths) - keep and lengths[i] == 1:
         i += 1
     return lengths[i:]
 
@@ -256,7 +289,7 @@ def validate_plan(plan: Plan) -> None:
             if len(squeezed) != 2 or squeezed[::-1] != _squeeze_leading(op.dst_box.lengths):
                 raise PlanValidationError(f"op {op.src} -> {op.dst}: transposed box lengths do not match: "
                                           f"{op.src_box.lengths} vs {op.dst_box.lengths}")
-        elif op.src_box.lengths != op.dst_box.lengths:
+        elif _squeeze_leading(op.src_box.lengths, 1) != _squeeze_leading(op.dst_box.lengths, 1):
             raise PlanValidationError(
                 f"op {op.src} -> {op.dst}: box lengths differ: {op.src_box.lengths} vs {op.dst_box.lengths}"
             )

@@ -42,7 +42,7 @@ from functools import lru_cache
 from megarefit.dims import ModelDims
 from megarefit.errors import LayoutError, MissingParameterError, UnexpectedParameterError, UnknownParameterError
 from megarefit.layout import Box, RankCoord, SourceLayout
-from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
+from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, merge_ops, validate_plan
 from megarefit.specs.table import LAYER_SPECS, LayerSpec, ParallelMode, ParamSpec, Role, Stage
 
 
@@ -244,27 +244,6 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     return out
 
 
-def merge_ops(ops: list[CopyOp]) -> list[CopyOp]:
-    """Merge consecutive contiguous ops between the same two tensors whose source and
-    target boxes are adjacent row ranges: one larger contiguous sliced pull."""
-    out: list[CopyOp] = []
-    for op in ops:
-        prev = out[-1] if out else None
-        if (prev is not None and prev.kind == op.kind == "contiguous" and prev.src == op.src and prev.dst == op.dst
-                and _adjacent_rows(prev.src_box, op.src_box) and _adjacent_rows(prev.dst_box, op.dst_box)):
-            grow = lambda a, b: Box(a.offsets, (a.lengths[0] + b.lengths[0],) + a.lengths[1:])  # noqa: E731
-            out[-1] = CopyOp(prev.src, grow(prev.src_box, op.src_box), prev.dst, grow(prev.dst_box, op.dst_box),
-                             "contiguous", prev.src_offset, prev.dst_offset, prev.itemsize)
-        else:
-            out.append(op)
-    return out
-
-
-def _adjacent_rows(a: Box, b: Box) -> bool:
-    return (a.offsets[0] + a.lengths[0] == b.offsets[0] and a.offsets[1:] == b.offsets[1:]
-            and a.lengths[1:] == b.lengths[1:])
-
-
 @lru_cache(maxsize=64)
 def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                         experts: frozenset[int] | None = None) -> Plan:
@@ -338,7 +317,7 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 by_target[dst].append(make_op(TensorRef(reader, name), t.shape, sbox, dst, shape_of[p.hf_name], dbox,
                                               item))
     # targets in first-seen order: embedding, layers in order, final norm, head
-    ops = [op for ref in targets for op in merge_ops(by_target[ref])]
+    ops = [op for ref in targets for op in merge_ops(by_target[ref], sources, targets)]
     plan = Plan("megatron_to_hf", dims, layout, dtype, sources, targets, tuple(ops),
                 digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
                           None if experts is None else sorted(experts)))
@@ -488,4 +467,4 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
 
 
 __all__ = ["LAYER_SPECS", "Piece", "SourceTensor", "global_shape", "hf_shapes", "local_shape", "pieces",
-           "check_ranks", "merge_ops", "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]
+           "check_ranks", "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]

@@ -105,6 +105,8 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         elif (views and len(ops) == 1 and not meta.zero_fill and meta.storage_shape is None
               and ops[0].dst_box == Box.full(meta.shape)):
             tensor = transport.view(ops[0])
+            if tensor is not None:
+                tensor = tensor.view(meta.shape)  # a box may lack the target's leading 1-dims (an expert slot)
             if tensor is not None and stats is not None:
                 stats.views += 1
                 stats.bytes_viewed += ops[0].nbytes

@@ -53,7 +53,7 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.online import RefitReceiver
 from megarefit.rendezvous import Rendezvous
-from megarefit.vllm_target import VllmTarget
+from megarefit.targets import VllmTarget
 
 ENGINE_NAME = "megarefit"
 

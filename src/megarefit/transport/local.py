@@ -160,6 +160,8 @@ def part_views(op: CopyOp, part: torch.Tensor, out: torch.Tensor) -> tuple[torch
     if op.transpose:
         part = _squeeze_leading(part, 2).T
         dst = _squeeze_leading(dst, 2)
+    elif part.dim() != dst.dim():  # a box with leading 1-dims the other side lacks (FusedMoE expert slot)
+        part, dst = _squeeze_leading(part, 1), _squeeze_leading(dst, 1)
     if tuple(part.shape) != tuple(dst.shape):
         raise MegarefitError(f"op {op.src} -> {op.dst}: source box {tuple(part.shape)} does not fit "
                              f"destination box {tuple(dst.shape)}")

@@ -1,0 +1,108 @@
+"""Plan Megatron shards straight into one vLLM worker's own parameter shards.
+
+:func:`plan_megatron_to_vllm` re-targets the Megatron -> HF plan through the
+worker's :class:`~megarefit.targets.vllm_layout.VllmPiece` s: every op's HF box is
+intersected with each piece and moved to the piece's place in the vLLM parameter,
+so bytes still move once, from the trainer shard to their final place (a worker
+pulls 1/T of the dense bytes and only its experts). Under vLLM expert parallelism
+the HF plan is built for the worker's experts only. The result is validated (exact
+cover, zero-filled vocab padding) like any plan.
+
+Legacy ``GroupedMLP`` sources stay transposed copies (``transpose``): a sub-box of the
+HF tensor maps back to the transposed sub-box of the stored expert block::
+
+    source view [E_l, h, 2F_l] box (j, h0.., f0..)  --transpose-->  HF gate rows f0.., cols h0..
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from megarefit.dims import ModelDims
+from megarefit.layout import Box, SourceLayout
+from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, make_op, merge_ops, validate_plan
+from megarefit.planner import plan_megatron_to_hf
+from megarefit.targets.vllm_layout import VllmPiece, VllmTarget, vllm_params
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    offsets, lengths = [], []
+    for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def _source_part(op: CopyOp, part: Box) -> Box:
+    """The sub-box of ``op.src_box`` whose bytes land on ``part`` (a sub-box of ``op.dst_box``)."""
+    if not op.transpose:
+        return Box(tuple(s + p - d for s, p, d in zip(op.src_box.offsets, part.offsets, op.dst_box.offsets)),
+                   part.lengths)
+    # transposed: the source's last two dims are the target's last two, swapped; leading dims are 1
+    (d0, d1), (p0, p1), (n0, n1) = op.dst_box.offsets[-2:], part.offsets[-2:], part.lengths[-2:]
+    lead = op.src_box.offsets[:-2]
+    s0, s1 = op.src_box.offsets[-2:]
+    return Box(lead + (s0 + p1 - d1, s1 + p0 - d0), (1,) * len(lead) + (n1, n0))
+
+
+def _placed(piece: VllmPiece, part: Box) -> Box:
+    """Where ``part`` (a sub-box of ``piece.hf_box``) lands in the parameter."""
+    k = len(piece.param_box.offsets) - len(piece.hf_box.offsets)  # leading expert-slot dims
+    return Box(piece.param_box.offsets[:k] + tuple(p + i - h for p, i, h in zip(
+        piece.param_box.offsets[k:], part.offsets, piece.hf_box.offsets)), (1,) * k + part.lengths)
+
+
+@lru_cache(maxsize=64)
+def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, target: VllmTarget) -> Plan:
+    """Plan Megatron shards (``layout``) into vLLM worker ``target``'s own parameter shards.
+
+    Targets are vLLM parameter names (``model.layers.L.self_attn.qkv_proj.weight``,
+    ``...mlp.experts.routed_experts.w13_weight``, ``...self_attn.fused_qkv_a_proj.weight``,
+    ...) with local shapes (see :mod:`megarefit.targets.vllm_layout`); vocab rows past
+    ``vocab_size`` are ``zero_fill``. Cached per arguments.
+
+    Raises:
+        LayoutError: the model does not split over the worker's groups (names the dim
+            and sizes), or a bad expert placement (see :func:`vllm_params`).
+        PlanValidationError: internal inconsistency (a bug).
+    """
+    params = vllm_params(dims, target)
+    experts = frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
+    hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts)
+    by_hf = hf_plan.ops_by_target
+    targets: dict[TensorRef, TensorMeta] = {}
+    ops: list[CopyOp] = []
+    for name, param in params.items():
+        dst = TensorRef(None, name)
+        shape = param.shape
+        meta = hf_plan.targets[TensorRef(None, param.pieces[0].hf_name)] if param.pieces else None
+        tdtype = meta.dtype if meta is not None else dtype
+        written, mine = 0, []
+        for piece in param.pieces:
+            for op in by_hf[TensorRef(None, piece.hf_name)]:
+                part = _intersect(op.dst_box, piece.hf_box)
+                if part is None:
+                    continue
+                src_shape = hf_plan.sources[op.src].shape
+                mine.append(make_op(op.src, src_shape, _source_part(op, part), dst, shape, _placed(piece, part),
+                                    op.itemsize, transpose=op.transpose, src_view=op.src_view is not None))
+                written += part.numel
+        ops += merge_ops(mine, hf_plan.sources, {dst: TensorMeta(shape, tdtype)})
+        zero = ()
+        total = 1
+        for n in shape:
+            total *= n
+        if written < total:  # vocab padding rows past vocab_size (the only part no HF element lands in)
+            filled = sum(p.param_box.lengths[0] for p in param.pieces)
+            zero = (Box.rows(shape, filled, shape[0] - filled),)
+        targets[dst] = TensorMeta(shape, tdtype, zero)
+    plan = Plan("megatron_to_vllm", dims, layout, dtype, hf_plan.sources, targets, tuple(ops),
+                digest_of("megatron_to_vllm", hf_plan.digest, target))
+    validate_plan(plan)
+    return plan
+
+
+__all__ = ["plan_megatron_to_vllm"]

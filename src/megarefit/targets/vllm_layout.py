@@ -1,0 +1,344 @@
+"""One vLLM worker's parameters: names, local shapes, and where each HF tensor lands.
+
+A vLLM worker is placed by vLLM's parallel config (:class:`VllmTarget`): its
+tensor-parallel rank ``t`` of ``T`` (attention, dense MLPs, vocab), and for the
+routed experts vLLM's own rules (``FusedMoEParallelConfig.make``): without expert
+parallelism the experts are tensor-parallel over all ``T*D`` workers of the DP
+group (rank ``d*T + t``); with ``enable_expert_parallel`` each worker holds whole
+experts, EP size ``T*D``, EP rank ``d*T + t``, placed ``linear`` or ``round_robin``
+(``determine_expert_map``), or as an explicit expert map read from the engine.
+
+Dense parts (vLLM's ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` /
+``ParallelLMHead``, as their ``weight_loader``s fill them from full HF tensors)::
+
+    qkv_proj      [q heads of t; k heads of t; v heads of t] rows   (kv heads replicated
+                  when T > kv heads: rank t holds kv head t // (T / kv_heads))
+    gate_up_proj  [gate.chunk(T)[t]; up.chunk(T)[t]] rows   (dense MLP, shared experts)
+    q_b_proj, kv_b_proj, q_proj (MLA)   rows chunk t (column-parallel)
+    o_proj, down_proj   columns chunk t (row-parallel)
+    embed_tokens, lm_head   rows [t*P, (t+1)*P) of the vocab padded to a multiple of 64
+                  (P = padded / T); rows past vocab_size are zero
+    norms, router gate, e_score_correction_bias   whole (replicated)
+
+MLA down-projections are ``ReplicatedLinear`` in vLLM (Megatron's local spec splits
+them over tp); with ``q_lora_rank`` vLLM stacks them (``DeepSeekV2FusedQkvAProjLinear``)::
+
+    fused_qkv_a_proj  [q_lora + kv_lora + rope, hidden] = [q_a_proj; kv_a_proj_with_mqa]
+
+Routed experts (``FusedMoE``; E_l experts on this worker, slot j holds global expert
+``local_experts[j]``; I_p = moe_intermediate_size / moe_tp, moe_tp = 1 under EP)::
+
+    experts.routed_experts.w13_weight  [E_l, 2*I_p, hidden]
+        slot j = [ gate_proj(e_j) rows chunk r ;      r = this worker's moe rank
+                   up_proj(e_j)   rows chunk r ]
+    experts.routed_experts.w2_weight   [E_l, hidden, I_p]
+        slot j = down_proj(e_j) columns chunk r
+
+Under sequence-parallel MoE (EP with T > 1 and D > 1, vLLM's default all2all backend)
+DeepSeek-V3's shared experts are not split (``disable_tp``): whole on every worker.
+
+Each vLLM parameter is a list of :class:`VllmPiece` -- a box of one HF tensor placed
+at a box of the parameter (with leading expert-slot dims for FusedMoE) -- computed
+from the spec table's roles and HF names; the few facts the roles do not imply
+(MLA's replicated, fused down-projections; shared experts under sequence-parallel
+MoE; FusedMoE names) are the small tables below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from megarefit.dims import ModelDims
+from megarefit.errors import LayoutError, UnsupportedModelError
+from megarefit.layout import Box, SourceLayout
+from megarefit.planner import hf_shapes
+from megarefit.specs.table import ParamSpec, Role, Stage
+
+VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+ExpertPlacement = Literal["linear", "round_robin"]
+EXPERT_PLACEMENTS: tuple[ExpertPlacement, ...] = ("linear", "round_robin")
+
+# FusedMoE keeps its weights in a ``RoutedExperts`` submodule (vLLM >= 0.2x):
+# ``mlp.experts.routed_experts.w13_weight``. Older vLLM spells ``mlp.experts.w13_weight``;
+# the sharded install resolves either against the live model.
+FUSED_MOE_W13, FUSED_MOE_W2 = "routed_experts.w13_weight", "routed_experts.w2_weight"
+
+# vLLM stacks a multi-tensor role's HF tensors (in the spec row's order: q, k, v / gate,
+# up) into one parameter, named after the first with this part replaced.
+_VLLM_STACKED = {Role.QKV: ("q_proj", "qkv_proj"), Role.GATED_MLP: ("gate_proj", "gate_up_proj")}
+
+# MLA (vLLM deepseek_v2.py): the down-projections are ReplicatedLinear whatever Megatron's
+# spec does, and with q_lora_rank the two are one DeepSeekV2FusedQkvAProjLinear.
+_VLLM_REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
+_VLLM_FUSED = ("self_attn.fused_qkv_a_proj.weight", ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"))
+
+# Families whose vLLM shared experts follow sequence-parallel MoE (DeepseekV2MoE passes
+# is_sequence_parallel -> disable_tp); GLM-4.5's Glm4MoeMLP always splits over tp.
+_SHARED_EXPERTS_FOLLOW_SP_MOE = frozenset({"deepseek_v3"})
+
+
+@dataclass(frozen=True)
+class VllmTarget:
+    """One vLLM worker, as vLLM's parallel config places it.
+
+    Attributes:
+        tp, rank: ``tensor_parallel_size`` and this worker's tensor-parallel rank.
+        dp, dp_rank: ``data_parallel_size`` and this worker's data-parallel rank (MoE
+            layers span the whole ``tp * dp`` group; attention is per DP replica).
+        expert_parallel: vLLM's ``enable_expert_parallel``.
+        expert_placement: vLLM's ``expert_placement_strategy`` (``linear``, ``round_robin``).
+        expert_map: vLLM's global -> local expert map of this worker (``-1`` where another
+            worker holds the expert), as read from the engine; overrides the placement rule.
+        vocab_padding: vLLM's vocab padding (``DEFAULT_VOCAB_PADDING_SIZE``).
+
+    Raises:
+        LayoutError: a rank outside its size, an unknown placement, an expert map
+            without expert parallelism.
+    """
+
+    tp: int
+    rank: int
+    dp: int = 1
+    dp_rank: int = 0
+    expert_parallel: bool = False
+    expert_placement: ExpertPlacement = "linear"
+    expert_map: tuple[int, ...] | None = None
+    vocab_padding: int = VLLM_VOCAB_PADDING
+
+    def __post_init__(self) -> None:
+        for size, rank, what in ((self.tp, self.rank, "tp"), (self.dp, self.dp_rank, "dp")):
+            if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
+                raise LayoutError(f"vLLM target {what} rank {rank} of {what}={size} is not a valid rank")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise LayoutError(f"vLLM expert_placement {self.expert_placement!r}: expected one of {EXPERT_PLACEMENTS}")
+        if self.expert_map is not None:
+            object.__setattr__(self, "expert_map", tuple(int(i) for i in self.expert_map))
+            if self.ep_size == 1:
+                raise LayoutError("an expert map needs expert parallelism (expert_parallel=True and tp*dp > 1)")
+
+    @property
+    def ep_size(self) -> int:
+        """vLLM's EP size: ``tp * dp`` with expert parallelism, else 1."""
+        return self.tp * self.dp if self.expert_parallel and self.tp * self.dp > 1 else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank * self.tp + self.rank if self.ep_size > 1 else 0
+
+    @property
+    def moe_tp(self) -> int:
+        """Tensor-parallel size of the routed experts: 1 under EP, else ``tp * dp``."""
+        return 1 if self.ep_size > 1 else self.tp * self.dp
+
+    @property
+    def moe_rank(self) -> int:
+        return 0 if self.ep_size > 1 else self.dp_rank * self.tp + self.rank
+
+    @property
+    def sequence_parallel_moe(self) -> bool:
+        """vLLM's ``ParallelConfig.use_sequence_parallel_moe`` with its default all2all backend."""
+        return self.expert_parallel and self.tp > 1 and self.dp > 1
+
+    def local_experts(self, num_experts: int) -> tuple[int, ...]:
+        """The global routed expert in each of this worker's FusedMoE slots (slot j -> expert).
+
+        Raises:
+            LayoutError: the expert map has the wrong length or its local slots are not
+                ``0..n-1`` once each; a worker would hold no expert.
+        """
+        if self.expert_map is not None:
+            if len(self.expert_map) != num_experts:
+                raise LayoutError(f"vLLM expert map has {len(self.expert_map)} entries, the model "
+                                  f"{num_experts} routed experts")
+            slots = {local: g for g, local in enumerate(self.expert_map) if local >= 0}
+            if sorted(slots) != list(range(len(slots))) or len(slots) != sum(i >= 0 for i in self.expert_map):
+                raise LayoutError(f"vLLM expert map {list(self.expert_map)} does not give local slots 0..n-1 "
+                                  "once each (redundant experts are not supported)")
+            experts = tuple(slots[j] for j in range(len(slots)))
+        elif self.ep_size == 1:
+            experts = tuple(range(num_experts))
+        else:  # vLLM determine_expert_map: the first `remainder` ranks get one more
+            base, remainder = divmod(num_experts, self.ep_size)
+            n = base + (1 if self.ep_rank < remainder else 0)
+            if self.expert_placement == "linear":
+                start = self.ep_rank * base + min(self.ep_rank, remainder)
+                experts = tuple(range(start, start + n))
+            else:
+                experts = tuple(range(self.ep_rank, num_experts, self.ep_size))
+        if not experts:
+            raise LayoutError(f"vLLM EP rank {self.ep_rank} of {self.ep_size} holds none of the {num_experts} "
+                              "routed experts")
+        return experts
+
+
+@dataclass(frozen=True)
+class VllmPiece:
+    """``param[param_box] = hf_tensor[hf_box]``; ``param_box`` may have leading
+    expert-slot dims of length 1 that ``hf_box`` lacks."""
+
+    hf_name: str
+    hf_box: Box
+    param_box: Box
+
+
+@dataclass(frozen=True)
+class VllmParam:
+    """A vLLM parameter on one worker: its local shape (elements) and what fills it."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[VllmPiece, ...]
+
+
+def _split(n: int, parts: int, what: str, group: str = "tp") -> int:
+    if n % parts:
+        raise LayoutError(f"{what}={n} does not split over vLLM {group}={parts}")
+    return n // parts
+
+
+def _stacked(parts: list[tuple[str, tuple[int, ...], int, int]], lead: tuple[int, ...] = ()) -> VllmParam:
+    """Rows ``[first, first+n)`` of each HF tensor ``(name, shape, first, n)``, stacked on the
+    parameter's first non-slot dim; ``lead``: the expert slot's index (FusedMoE)."""
+    rows, pieces = 0, []
+    for name, shape, first, n in parts:
+        rest = tuple(shape[1:])
+        pieces.append(VllmPiece(name, Box.rows(shape, first, n),
+                                Box(lead + (rows,) + (0,) * len(rest), (1,) * len(lead) + (n,) + rest)))
+        rows += n
+    return VllmParam((rows,) + tuple(parts[0][1][1:]), tuple(pieces))
+
+
+def _whole(name: str, shape: tuple[int, ...]) -> VllmParam:
+    return VllmParam(shape, (VllmPiece(name, Box.full(shape), Box.full(shape)),))
+
+
+def _split_group(row: ParamSpec, dims: ModelDims, target: VllmTarget) -> tuple[int, int, str]:
+    """(size, rank, name) of the vLLM group that splits this row's tensors."""
+    if row.role.is_expert:
+        return target.moe_tp, target.moe_rank, "moe tp (tp*dp)"
+    shared = "shared_ffn" in row.shape or "2shared_ffn" in row.shape
+    if shared and target.sequence_parallel_moe and dims.family in _SHARED_EXPERTS_FOLLOW_SP_MOE:
+        return 1, 0, "tp"
+    return target.tp, target.rank, "tp"
+
+
+def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, target: VllmTarget,
+           out: dict[str, VllmParam]) -> None:
+    T, t, group = _split_group(row, dims, target)
+    if any(name.endswith(_VLLM_REPLICATED) for name, _ in named):
+        for name, shape in named:
+            out[name] = _whole(name, shape)
+        return
+    if row.role is Role.QKV:  # q heads of rank t, then its k and v heads
+        d = dims.head_dim
+        heads, kv = _split(dims.num_attention_heads, T, "num_attention_heads"), dims.num_query_groups
+        if T >= kv:
+            if T % kv:
+                raise LayoutError(f"vLLM tp={T} must be a multiple of num_key_value_heads={kv} (or divide it)")
+            kv_local, kv_start = 1, t // (T // kv)
+        else:
+            kv_local = _split(kv, T, "num_key_value_heads")
+            kv_start = t * kv_local
+        (qn, qs), (kn, ks), (vn, vs) = named
+        out[qn.replace(*_VLLM_STACKED[Role.QKV])] = _stacked(
+            [(qn, qs, t * heads * d, heads * d), (kn, ks, kv_start * d, kv_local * d), (vn, vs, kv_start * d, kv_local * d)])
+    elif row.role is Role.GATED_MLP:  # gate chunk t, then up chunk t
+        out[named[0][0].replace(*_VLLM_STACKED[Role.GATED_MLP])] = _stacked(
+            [(n, s, t * _split(s[0], T, f"{n} rows", group), _split(s[0], T, f"{n} rows", group)) for n, s in named])
+    elif row.role is Role.COLUMN:
+        for name, shape in named:
+            n = _split(shape[0], T, f"{name} rows", group)
+            out[name] = _stacked([(name, shape, t * n, n)])
+    elif row.role is Role.ROW:
+        for name, shape in named:
+            n = _split(shape[1], T, f"{name} columns", group)
+            out[name] = VllmParam((shape[0], n), (VllmPiece(name, Box((0, t * n), (shape[0], n)),
+                                                            Box.full((shape[0], n))),))
+    elif row.role is Role.VOCAB:
+        for name, shape in named:
+            padded = -(-shape[0] // target.vocab_padding) * target.vocab_padding
+            per = padded // T
+            start, stop = t * per, min((t + 1) * per, shape[0])
+            local = (per,) + tuple(shape[1:])
+            out[name] = VllmParam(local, (VllmPiece(name, Box.rows(shape, start, stop - start),
+                                                    Box.rows(local, 0, stop - start)),) if stop > start else ())
+    elif row.role is Role.REPLICATED:
+        for name, shape in named:
+            out[name] = _whole(name, shape)
+    else:
+        raise UnsupportedModelError(f"{named[0][0]}: role {row.role.value} has no vLLM shard rule")
+
+
+def _experts(row: ParamSpec, layer: int, dims: ModelDims, target: VllmTarget, slots: tuple[int, ...],
+             out: dict[str, VllmParam]) -> None:
+    """FusedMoE ``w13_weight`` (gated fc1 rows) or ``w2_weight`` (fc2 columns) of one layer."""
+    T, r, group = _split_group(row, dims, target)
+    template = row.hf[0]
+    prefix = template[:template.index("{expert}")].format(layer=layer)
+    ffn = _split(dims.moe_ffn_hidden_size, T, "moe_intermediate_size", group)
+    h = dims.hidden_size
+    if row.role in (Role.EXPERT_GATED_MLP, Role.GROUPED_EXPERT_FC1):
+        param = prefix + FUSED_MOE_W13
+        shape: tuple[int, ...] = (len(slots), 2 * ffn, h)
+        pieces = [p for j, e in enumerate(slots)
+                  for p in _stacked([(n, (dims.moe_ffn_hidden_size, h), r * ffn, ffn) for n in row.hf_names(layer, e)],
+                                    lead=(j,)).pieces]
+    else:
+        param = prefix + FUSED_MOE_W2
+        shape = (len(slots), h, ffn)
+        pieces = [VllmPiece(row.hf_names(layer, e)[0], Box((0, r * ffn), (h, ffn)), Box((j, 0, 0), (1, h, ffn)))
+                  for j, e in enumerate(slots)]
+    out[param] = VllmParam(shape, tuple(pieces))
+
+
+def _fuse(out: dict[str, VllmParam]) -> dict[str, VllmParam]:
+    """Stack MLA's replicated down-projections into ``fused_qkv_a_proj`` where both exist."""
+    fused, (q_a, kv_a) = _VLLM_FUSED
+    result: dict[str, VllmParam] = {}
+    for name, param in out.items():
+        if name.endswith(kv_a) and name[:-len(kv_a)] + q_a in out:
+            continue  # folded into the fused parameter below
+        if name.endswith(q_a) and name[:-len(q_a)] + kv_a in out:
+            prefix = name[:-len(q_a)]
+            parts = [out[prefix + q_a].pieces[0], out[prefix + kv_a].pieces[0]]
+            result[prefix + fused] = _stacked([(p.hf_name, p.hf_box.lengths, 0, p.hf_box.lengths[0]) for p in parts])
+            continue
+        result[name] = param
+    return result
+
+
+@lru_cache(maxsize=64)
+def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
+    """vLLM parameter name -> :class:`VllmParam` of worker ``target``, in HF order.
+
+    Names are vLLM's ``named_parameters()`` names (vLLM 0.2x-0.32 spelling), shapes are
+    the worker's local shapes in vLLM's checkpoint ("model") format, before any
+    ``process_weights_after_loading``. MTP layers are not included (vLLM loads them
+    into a separate draft model).
+
+    Raises:
+        LayoutError: heads / ffn / moe_intermediate_size / hidden do not split over the
+            worker's tensor-parallel group; a bad expert map or placement.
+    """
+    hf_layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.vocab_size, num_layers=dims.num_layers)
+    rows = [r for r in dims.spec.rows(dims.conditions(1), "local", "sequential")
+            if not r.duplicate and r.stage is not Stage.MTP]
+    slots = target.local_experts(dims.num_experts) if dims.num_experts else ()
+    out: dict[str, VllmParam] = {}
+    order = [(row, None) for row in rows if row.stage is Stage.FIRST]  # embedding, then layer by layer, then head
+    order += [(row, layer) for layer in range(dims.num_layers) for row in rows if row.stage is Stage.LAYER
+              and (row.layer_kind is None or row.layer_kind == dims.layer_kind(layer))]
+    order += [(row, None) for row in rows if row.stage is Stage.LAST]
+    for row, layer in order:
+        if row.role.is_expert:
+            _experts(row, layer, dims, target, slots, out)  # type: ignore[arg-type]
+        else:
+            _dense(row, list(zip(row.hf_names(layer), hf_shapes(row, dims, hf_layout))), dims, target, out)
+    return _fuse(out)
+
+
+__all__ = ["EXPERT_PLACEMENTS", "FUSED_MOE_W13", "FUSED_MOE_W2", "VLLM_VOCAB_PADDING", "ExpertPlacement",
+           "VllmParam", "VllmPiece", "VllmTarget", "vllm_params"]
