@@ -134,7 +134,7 @@ def test_plan_for_one_vllm_worker(capsys):
     rc = main(["plan", "--config", str(CONFIG_DIR / "Llama-3.1-70B.json"), "--tp", "8", "--pp", "4",
                "--vllm-tp", "8", "--vllm-rank", "3"])
     out = capsys.readouterr().out
-    assert rc == 0 and "vLLM worker rank 3 of tp=8" in out
+    assert rc == 0 and "vLLM worker tp rank 3 of tp=8" in out and "(12.5%)" in out
     assert "485 ops (485 contiguous sliced pulls, 0 scratch copies), 17.64 GB" in out
 
 
@@ -145,3 +145,40 @@ def test_bench_reports_the_ratio(capsys):
                "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0 and "plain copy (preallocated)" in out and "megarefit warm refit" in out and "x" in out
+
+
+def test_plan_for_one_vllm_moe_worker(capsys, tmp_path):
+    """Qwen3-30B-A3B from trainer tp=2 ep=2 into vLLM tp=2: with --vllm-ep the worker holds
+    64 whole experts (w13 [64, 2*768, 2048]); without, all 128 experts split over tp
+    (w13 [128, 2*768/2, 2048]); shapes as vLLM's FusedMoE holds them, from the config alone."""
+    config = str(CONFIG_DIR / "Qwen3-30B-A3B.json")
+    for extra, experts, rows in ((["--vllm-ep"], 64, 1536), ([], 128, 768)):
+        out = tmp_path / "plan.json"
+        rc = main(["plan", "--config", config, "--tp", "2", "--ep", "2", "--vllm-tp", "2", "--vllm-rank", "1",
+                   "--json", str(out), *extra])
+        text = capsys.readouterr().out
+        assert rc == 0 and "this worker pulls" in text and "of the model's 61.06 GB" in text
+        assert ("EP rank 1 of 2, 64 of 128 experts (linear)" if extra else "split over moe tp=2 (rank 1)") in text
+        targets = {name: tuple(shape) for (_, name), shape, *_ in json.loads(out.read_text())["targets"]}
+        assert targets["model.layers.5.mlp.experts.routed_experts.w13_weight"] == (experts, rows, 2048)
+        assert targets["model.layers.5.mlp.experts.routed_experts.w2_weight"] == (experts, 2048, rows // 2)
+        assert targets["model.layers.5.self_attn.qkv_proj.weight"] == ((32 + 4 + 4) // 2 * 128, 2048)
+
+
+@pytest.mark.parametrize("command", [["plan"], ["name-map"], ["bench"], ["demo"]])
+def test_every_command_answers_a_bad_config_in_one_line(command, capsys, tmp_path):
+    """A config path that does not exist, or a file that is not JSON: one clear line, exit 2."""
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    for path, words in ((tmp_path / "missing.json", "does not exist"), (bad, "is not JSON")):
+        rc = main([*command, "--config", str(path)])
+        out = capsys.readouterr()
+        lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and words in lines[0] and str(path) in lines[0], lines
+
+
+def test_bad_config_from_a_shell_prints_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "plan", "--config", str(tmp_path / "nope.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
+    assert "does not exist" in proc.stdout

@@ -76,11 +76,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from megarefit.planner import plan_megatron_to_hf
 
     _, dims, layout, padded = _layout(args)
+    target = _vllm_target(args)
     t0 = time.perf_counter()
-    if args.vllm_tp:
-        from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+    if target is not None:
+        from megarefit.targets import plan_megatron_to_vllm
 
-        plan = plan_megatron_to_vllm(dims, layout, args.dtype, VllmTarget(args.vllm_tp, args.vllm_rank))
+        plan = plan_megatron_to_vllm(dims, layout, args.dtype, target)
     else:
         plan = plan_megatron_to_hf(dims, layout, args.dtype)
     plan_s = time.perf_counter() - t0
@@ -92,13 +93,17 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                if dims.num_experts else "")
     console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
                   f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}")
-    if args.vllm_tp:
-        console.print(f"target: vLLM worker rank {args.vllm_rank} of tp={args.vllm_tp} (its own parameter shards)")
+    if target is not None:
+        console.print(_target_line(target, dims))
     console.print(plan_table(plan, per_rank=args.per_rank))
     s = plan.summary()
-    console.print(f"{s['sources']} Megatron tensors -> {s['targets']} {'vLLM' if args.vllm_tp else 'HF'} tensors; {s['total']['ops']} ops "
-                  f"({s['total']['contiguous']} contiguous sliced pulls, {s['total']['scratch']} scratch copies), "
-                  f"{_mb(plan.nbytes)}; validated exact cover.")
+    console.print(f"{s['sources']} Megatron tensors -> {s['targets']} {'vLLM' if target else 'HF'} tensors; "
+                  f"{s['total']['ops']} ops ({s['total']['contiguous']} contiguous sliced pulls, "
+                  f"{s['total']['scratch']} scratch copies), {_mb(plan.nbytes)}; validated exact cover.")
+    if target is not None:
+        full = plan_megatron_to_hf(dims, layout, args.dtype).nbytes
+        console.print(f"this worker pulls {_mb(plan.nbytes)} of the model's {_mb(full)} "
+                      f"({100 * plan.nbytes / full:.1f}%)")
     timing = f"planned + validated in {plan_s:.3f} s"
     if meta_s is not None:
         timing += f"; executed on meta tensors in {meta_s:.3f} s"
@@ -110,14 +115,56 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _vllm_target(args: argparse.Namespace) -> Any:
+    """The ``--vllm-*`` options as a :class:`~megarefit.targets.VllmTarget`, or ``None``."""
+    if not args.vllm_tp:
+        for flag in ("vllm_rank", "vllm_dp_rank"):
+            if getattr(args, flag, 0):
+                raise MegarefitError(f"--{flag.replace('_', '-')} needs --vllm-tp")
+        return None
+    from megarefit.targets import VllmTarget
+
+    return VllmTarget(args.vllm_tp, args.vllm_rank, dp=args.vllm_dp, dp_rank=args.vllm_dp_rank,
+                      expert_parallel=args.vllm_ep, expert_placement=args.vllm_expert_placement)
+
+
+def _target_line(target: Any, dims: Any) -> str:
+    line = f"target: vLLM worker tp rank {target.rank} of tp={target.tp}"
+    if target.dp > 1:
+        line += f", dp rank {target.dp_rank} of dp={target.dp}"
+    if dims.num_experts:
+        experts = target.local_experts(dims.num_experts)
+        if target.ep_size > 1:
+            line += (f"; expert parallel: EP rank {target.ep_rank} of {target.ep_size}, {len(experts)} of "
+                     f"{dims.num_experts} experts ({target.expert_placement})")
+        else:
+            line += f"; all {dims.num_experts} experts, split over moe tp={target.moe_tp} (rank {target.moe_rank})"
+    return line + " (its own parameter shards, vLLM names)"
+
+
+def _add_vllm_args(p: argparse.ArgumentParser) -> None:
+    from megarefit.targets.vllm_layout import EXPERT_PLACEMENTS
+
+    p.add_argument("--vllm-tp", type=int, default=0,
+                   help="plan one vLLM worker's own parameter shards (vLLM tensor_parallel_size; default: full HF "
+                        "tensors)")
+    p.add_argument("--vllm-rank", type=int, default=0, help="that worker's tensor-parallel rank")
+    p.add_argument("--vllm-dp", type=int, default=1, help="vLLM data_parallel_size (MoE layers span tp*dp workers)")
+    p.add_argument("--vllm-dp-rank", type=int, default=0, help="that worker's data-parallel rank")
+    p.add_argument("--vllm-ep", action="store_true", help="vLLM enable_expert_parallel (EP size tp*dp)")
+    p.add_argument("--vllm-expert-placement", choices=EXPERT_PLACEMENTS, default="linear",
+                   help="vLLM expert_placement_strategy (default linear)")
+
+
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from megarefit.bench import bench_refit, layout_for, machine
 
     dims, layout = layout_for(args.config, tp=args.tp, ep=args.ep, layers=args.layers)
-    if args.vllm_tp:
-        from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+    target = _vllm_target(args)
+    if target is not None:
+        from megarefit.targets import plan_megatron_to_vllm
 
-        plan = plan_megatron_to_vllm(dims, layout, args.dtype, VllmTarget(args.vllm_tp, 0))
+        plan = plan_megatron_to_vllm(dims, layout, args.dtype, target)
     else:
         from megarefit.planner import plan_megatron_to_hf
 
@@ -125,9 +172,9 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
     result = bench_refit(plan, device=device, repeat=args.repeat)
     console.print(f"machine: {machine()}")
-    target = f"vLLM worker 0 of tp={args.vllm_tp}" if args.vllm_tp else "full HF tensors"
+    what = _target_line(target, dims) if target is not None else "target: full HF tensors"
     console.print(f"{dims.family}, {dims.num_layers} layers, trainer tp={args.tp} ep={args.ep}, {args.dtype} on "
-                  f"{device}; target: {target}; {_mb(result.bytes)}, {result.ops} ops")
+                  f"{device}; {what}; {_mb(result.bytes)}, {result.ops} ops")
     table = Table(title="warm refit vs a plain copy of the same bytes (best / median of "
                   f"{args.repeat})")
     for col in ("path", "best s", "median s", "GB/s", "vs plain copy"):
@@ -250,9 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="skip running the plan against meta tensors")
     plan.add_argument("--json", metavar="FILE", help="write the serialized plan")
-    plan.add_argument("--vllm-tp", type=int, default=0,
-                      help="plan one vLLM tensor-parallel worker's own shards (dense models; default: full HF tensors)")
-    plan.add_argument("--vllm-rank", type=int, default=0, help="that worker's rank (with --vllm-tp)")
+    _add_vllm_args(plan)
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="time a warm refit against a plain copy of the same bytes, on this machine")
@@ -263,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16")
     bench.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     bench.add_argument("--repeat", type=int, default=5)
-    bench.add_argument("--vllm-tp", type=int, default=0, help="bench one vLLM worker's sharded plan (dense models)")
+    _add_vllm_args(bench)
     bench.set_defaults(func=cmd_bench)
 
     names = sub.add_parser("name-map", help="Megatron -> HF name map; with --from-bridge, checked against "
@@ -300,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)  # long lines stay greppable in logs
     try:
         return args.func(args, console)
-    except MegarefitError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+    except (MegarefitError, OSError) as exc:  # bad input: one line, no traceback
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         return 2
 
 

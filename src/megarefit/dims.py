@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megarefit.errors import LayoutError, MegarefitError
+from megarefit.errors import ConfigError, LayoutError, MegarefitError
 from megarefit.specs import FamilySpec, family_for_config, get_family
 from megarefit.specs.table import Condition
 
@@ -17,13 +17,27 @@ DEFAULT_VOCAB_DIVISOR = 128
 
 
 def load_hf_config(config: str | os.PathLike[str] | Mapping[str, Any] | Any) -> Mapping[str, Any] | Any:
-    """Accept a ``config.json`` path, a directory holding one, a dict, or a ``PretrainedConfig``."""
+    """Accept a ``config.json`` path, a directory holding one, a dict, or a ``PretrainedConfig``.
+
+    Raises:
+        ConfigError: the path does not exist or cannot be read, or holds no JSON object.
+    """
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"HF config {path!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"HF config {path!r} cannot be read: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"HF config {path!r} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"HF config {path!r} holds a JSON {type(data).__name__}, not an object")
+        return data
     return config
 
 

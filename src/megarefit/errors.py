@@ -13,6 +13,10 @@ class MegarefitError(ValueError):
     """Base class of every megarefit error."""
 
 
+class ConfigError(MegarefitError):
+    """An HF config cannot be read: the file does not exist or is not a JSON object."""
+
+
 class UnsupportedModelError(MegarefitError):
     """The HF config names an architecture / ``model_type`` with no spec table."""
 
