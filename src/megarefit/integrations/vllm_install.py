@@ -1,0 +1,191 @@
+"""Install a sharded refit into a live vLLM model, the way vLLM's own reload does.
+
+A sharded refit (:func:`~megarefit.targets.plan_megatron_to_vllm`) delivers each of the
+worker's parameters already in vLLM's *checkpoint* ("model") format: what the
+parameter holds after its ``weight_loader``s ran on full HF tensors, before
+``process_weights_after_loading``. Many layers transform weights after loading (MLA
+absorbs ``kv_b_proj`` into ``W_UK`` / ``W_UV``; MoE backends pad, reorder or repack
+``w13`` / ``w2``; CPU linears repack; quantization methods rewrite scales), so a plain
+``param.copy_`` into the live (kernel-format) parameter is wrong in general (prime-rl
+#2341: a backend that reorders w13 to [up; gate] silently corrupts).
+
+:func:`install_shards` therefore runs vLLM's layerwise reload lifecycle
+(``vllm.model_executor.model_loader.reload``), exactly as ``reload_weights`` does for
+full HF tensors, with one change: each parameter's loader is a plain copy of the shard::
+
+    check every name / shape / dtype against the model-format metadata vLLM recorded
+      (nothing touched on a mismatch)
+    initialize_layerwise_reload(model)     layers back in model format (meta tensors)
+    per shard: copy loader, wrapped by vLLM's online loader (buffers until the layer
+      has all its elements, then materializes it, loads, runs the layer's
+      process_weights_after_loading and copies into the live kernel tensors)
+    finalize_layerwise_reload(model, model_config)   attention (MLA) processed last
+
+The copy loaders are taken off again afterwards, so a later full-tensor
+``load_weights`` / ``reload_weights`` works as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+
+# Older vLLM keeps FusedMoE weights on the layer itself (``experts.w13_weight``);
+# vLLM >= 0.2x in a RoutedExperts submodule (``experts.routed_experts.w13_weight``).
+_ALIASES = ((".routed_experts.", "."),)
+
+
+def _shard_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Weight loader for a sharded refit: the shard *is* the parameter's model-format content."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ShapeMismatchError(f"sharded refit: parameter {tuple(param.shape)} vs shard {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _resolve(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str] | None:
+    for candidate in [name] + [name.replace(a, b) for a, b in _ALIASES if a in name]:
+        module_name, _, attr = candidate.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if isinstance(module._parameters.get(attr), torch.Tensor):
+            return module, attr
+    return None
+
+
+def model_format_params(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]]:
+    """Every loadable parameter of ``model`` in vLLM's checkpoint ("model") format:
+    ``name -> (module, attribute, shape, dtype)``, from the metadata vLLM records when it
+    builds the model (``record_metadata_for_reloading``); parameters vLLM never moves to
+    meta (``e_score_correction_bias``, late biases) as they are live. Shared (tied)
+    parameters appear once, under their first name."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    out: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        if module not in LAYERWISE_INFO and any(p is not None for p in module._parameters.values()):
+            raise MegarefitError(f"vLLM recorded no reload metadata for {module_name or type(module).__name__!r}: "
+                                 "the model was not built by vLLM's loader (record_metadata_for_reloading)")
+        recorded = get_layerwise_info(module).restore_metadata[0]
+        for attr, live in module._parameters.items():
+            if live is None or id(live) in seen:
+                continue
+            seen.add(id(live))
+            meta = recorded.get(attr) if attr not in SKIP_TENSORS else None
+            shape, dtype = (meta.shape, meta.dtype) if meta is not None else (live.shape, live.dtype)
+            out[f"{module_name}.{attr}" if module_name else attr] = (module, attr, tuple(shape), dtype)
+    return out
+
+
+def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Match pulled shards to the model's model-format parameters, before anything is written.
+
+    Raises:
+        UnexpectedParameterError: a shard names no parameter of the model.
+        ShapeMismatchError: a shard's shape or dtype differs (names both).
+        MissingParameterError: a parameter no shard fills (vLLM would process its layer
+            with stale or uninitialized elements).
+    """
+    params = model_format_params(model)
+    by_key = {(id(m), a): n for n, (m, a, _, _) in params.items()}
+    out, done = [], set()
+    for name, tensor in weights:
+        found = _resolve(model, name)
+        key = None if found is None else (id(found[0]), found[1])
+        if key not in by_key:
+            raise UnexpectedParameterError(f"sharded refit: vLLM model has no parameter {name!r}")
+        module, attr, shape, dtype = params[by_key[key]]
+        if shape != tuple(tensor.shape) or dtype != tensor.dtype:
+            raise ShapeMismatchError(f"sharded refit: {name} is {dtype} {shape} in vLLM, pulled {tensor.dtype} "
+                                     f"{tuple(tensor.shape)}")
+        out.append((module, attr, tensor))
+        done.add(by_key[key])
+    missing = sorted(set(params) - done)
+    if missing:
+        raise MissingParameterError(f"sharded refit: {len(missing)} vLLM parameter(s) not pulled, e.g. {missing[:3]}")
+    return out
+
+
+@torch.no_grad()
+def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                   model_config: Any = None) -> None:
+    """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
+
+    ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
+    (what a sharded :class:`~megarefit.online.RefitReceiver` yields). ``model_config``:
+    vLLM's ``ModelConfig`` (its dtype is used when attention layers are processed).
+
+    Every name, shape and dtype is checked before the first byte is written: a
+    mismatch raises (see :func:`check_shards`) and the model is untouched. An error
+    inside vLLM's processing propagates; the caller reports the model as possibly
+    partially updated.
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    targets = check_shards(model, weights)
+    initialize_layerwise_reload(model)
+    swapped: list[tuple[torch.Tensor, Any]] = []
+    try:
+        for module, attr, tensor in targets:
+            param = getattr(module, attr)  # model format: a meta tensor until its layer is complete
+            swapped.append((param, param.__dict__.get("weight_loader")))
+            param.weight_loader = _shard_copy_loader
+            if attr in SKIP_LOAD_TENSORS:  # vLLM keeps these live and loads them directly
+                _shard_copy_loader(param, tensor)
+            else:
+                make_online_process_loader(module, attr)(param, tensor)
+        finalize_layerwise_reload(model, model_config)
+    finally:
+        for param, loader in swapped:  # vLLM's own loaders back, for later full-tensor loads
+            if loader is None:
+                param.__dict__.pop("weight_loader", None)
+            else:
+                param.weight_loader = loader
+
+
+def engine_expert_map(model: torch.nn.Module) -> tuple[int, ...] | None:
+    """The global -> local expert map every routed-experts layer of this worker uses
+    (vLLM's ``_expert_map`` buffer), or ``None`` without expert parallelism.
+
+    Raises:
+        MegarefitError: layers place experts differently (EPLB rebalancing) or hold
+            redundant experts: not supported by sharded targets (use full HF tensors).
+    """
+    maps = {tuple(int(i) for i in m._expert_map.tolist()) for m in model.modules()
+            if getattr(m, "use_ep", False) and isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
+    if not maps:
+        return None
+    if len(maps) > 1:
+        raise MegarefitError(f"vLLM places experts differently in different layers ({len(maps)} expert maps, "
+                             "EPLB): sharded refits need one placement; use sharded=False")
+    return maps.pop()
+
+
+def vllm_target_of(model: torch.nn.Module, parallel: Any) -> Any:
+    """This worker's :class:`~megarefit.targets.VllmTarget`, read from the live engine:
+    tensor-parallel rank and size (vLLM's process groups), data-parallel rank and size and
+    ``enable_expert_parallel`` (vLLM's ``ParallelConfig`` ``parallel``), and the expert
+    map the engine actually uses (vLLM may fall back from round-robin to linear)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from megarefit.targets import VllmTarget
+
+    dp, dp_rank = parallel.data_parallel_size, parallel.data_parallel_rank if parallel.data_parallel_size > 1 else 0
+    return VllmTarget(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), dp=dp,
+                      dp_rank=dp_rank, expert_parallel=bool(parallel.enable_expert_parallel),
+                      expert_map=engine_expert_map(model))
+
+
+__all__ = ["check_shards", "engine_expert_map", "install_shards", "model_format_params", "vllm_target_of"]

@@ -1,0 +1,52 @@
+"""Small MoE / MLA cases shared by the vLLM-target tests: shrunk real configs, trainer
+layouts, and Megatron shards of given HF tensors."""
+
+from __future__ import annotations
+
+import megarefit
+from conftest import real_config
+from reference import moe_reference_shards
+
+_SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 300,
+          "max_position_embeddings": 256, "rope_scaling": None, "tie_word_embeddings": False, "num_experts_per_tok": 2,
+          "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def moe_config(name: str, **extra) -> dict:
+    """A real config shrunk to 2 layers (the first dense where the family has dense layers), 4 experts."""
+    cfg = real_config(name) | _SMALL
+    cfg.pop("quantization_config", None)
+    if name == "Qwen3-30B-A3B":
+        cfg |= {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32,
+                "intermediate_size": 96, "mlp_only_layers": [0]}
+    elif name == "Mixtral-8x7B-v0.1":
+        cfg |= {"num_key_value_heads": 2, "num_local_experts": 4, "intermediate_size": 32}
+    else:  # DeepSeek-V3 (MLA) / GLM-4.5
+        cfg |= {"n_routed_experts": 4, "moe_intermediate_size": 32, "intermediate_size": 96, "n_group": 1,
+                "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_nextn_predict_layers": 0}
+        if name == "DeepSeek-V3":
+            cfg |= {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16}
+        else:
+            cfg |= {"num_key_value_heads": 2, "head_dim": 16, "use_qk_norm": True}
+    return cfg | extra
+
+
+CONFIGS = {"qwen3_moe": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B-v0.1", "deepseek_v3": "DeepSeek-V3",
+           "glm4_moe": "GLM-4.5-Air"}
+# trainer layouts per family: (tp, ep, etp, expert layout, layer spec)
+TRAINERS = {
+    "qwen3_moe": [(2, 1, 2, "sequential", "local"), (1, 2, 1, "te_grouped", "local"), (2, 2, 1, "legacy_grouped", "local")],
+    "mixtral": [(2, 1, 2, "sequential", "local"), (1, 2, 1, "legacy_grouped", "local")],
+    "deepseek_v3": [(2, 2, 1, "te_grouped", "local"), (1, 2, 1, "te_grouped", "te")],
+    "glm4_moe": [(2, 2, 1, "sequential", "local"), (2, 1, 2, "te_grouped", "te")],
+}
+
+
+def megatron_shards(hf: dict, cfg: dict, family: str, tp: int, ep: int, etp: int, expert_layout: str,
+                    layer_spec: str) -> dict:
+    """Qwen3-MoE / Mixtral: the independent reference sharder; DeepSeek-V3 / GLM-4.5:
+    megarefit's import (checked against real Megatron-Core logits in test_megatron_mla_glm)."""
+    if family in ("qwen3_moe", "mixtral"):
+        return moe_reference_shards(hf, cfg, family, tp=tp, pp=1, ep=ep, etp=etp, layout=expert_layout)
+    return megarefit.hf_to_megatron(hf, cfg, tp=tp, ep=ep, etp=etp, layer_spec=layer_spec, expert_layout=expert_layout)

@@ -1,0 +1,117 @@
+"""Worker body for test_vllm_install.py (module level so spawn can import it): a sharded
+install into a whole vLLM model in a real tensor-parallel process on CPU, against vLLM's
+own reload of the full HF tensors.
+
+Per case, three copies of the model are built by vLLM's ``initialize_model`` and loaded
+(``load_weights`` + ``process_weights_after_loading``, vLLM's first load) with version A:
+the reference is then reloaded by vLLM from full HF tensors of version B
+(``initialize_layerwise_reload`` / ``load_weights`` / ``finalize_layerwise_reload``, what
+``reload_weights`` does); ours gets version B as this worker's own shards, planned from
+Megatron shards for the target read off the live engine (``vllm_target_of``) and
+installed with ``install_shards``. Every tensor reachable from the modules (parameters,
+buffers, kernel-format attributes such as CPU-packed weights, one object level deep)
+must be equal. A third copy gets a shard of the wrong shape and must stay untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+
+def reachable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and tensor attributes of every module and of the plain objects
+    they hold (quant methods, MoE kernels), two levels deep."""
+    out: dict[str, torch.Tensor] = {}
+
+    def visit(prefix: str, obj: Any, depth: int, seen: set[int]) -> None:
+        if id(obj) in seen or depth > 2:
+            return
+        seen.add(id(obj))
+        for key, value in list(vars(obj).items()):
+            if isinstance(value, torch.Tensor):
+                out[f"{prefix}.{key}"] = value
+            elif key in ("_parameters", "_buffers"):
+                out.update({f"{prefix}.{k}": v for k, v in value.items() if v is not None})
+            elif hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)) and not callable(value):
+                visit(f"{prefix}.{key}", value, depth + 1, seen)
+
+    for name, module in model.named_modules():
+        visit(name or "model", module, 0, set())
+    return out
+
+
+def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str) -> dict[str, Any]:
+    """Per case ``(hf config, hf tensors A, hf tensors B, megatron shards of B, layout, expert_parallel)``:
+    ``{"compared": n, "differ": [...], "changed": n, "untouched_after_error": bool, "error": str, "target": ...}``."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    from megarefit import ModelDims, RankCoord
+    from megarefit.errors import ShapeMismatchError
+    from megarefit.integrations.vllm import _cpu_moe_reload
+    from megarefit.integrations.vllm_install import install_shards, vllm_target_of
+    from megarefit.receiver import run_refit_cycle
+    from megarefit.targets import plan_megatron_to_vllm
+    from megarefit.transport import LocalTransport
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=world_size)
+    results: dict[str, Any] = {}
+    for key, (cfg, hf_a, hf_b, shards, layout, expert_parallel) in cases.items():
+        path = os.path.join(workdir, f"{key}-{rank}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+        model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+                                   enforce_eager=True)
+
+        def build() -> tuple[torch.nn.Module, VllmConfig]:
+            config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(
+                tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel))
+            with set_current_vllm_config(config):
+                model = initialize_model(vllm_config=config)
+                model.load_weights(hf_a.items())
+                process_weights_after_loading(model, model_config, torch.device("cpu"))
+            return model, config
+
+        (ref, ref_config), (ours, config), (bad, bad_config) = build(), build(), build()
+        with set_current_vllm_config(ref_config), _cpu_moe_reload(ref):
+            initialize_layerwise_reload(ref)
+            ref.load_weights(hf_b.items())
+            finalize_layerwise_reload(ref, model_config)
+        target = vllm_target_of(ours, config.parallel_config)
+        plan = plan_megatron_to_vllm(ModelDims.from_hf_config(cfg), layout, "float32", target)
+        transport = LocalTransport({RankCoord(*r): s for r, s in shards.items()})
+        weights = [(n, t.clone()) for n, t in run_refit_cycle(plan, transport)]
+        before = {k: v.clone() for k, v in reachable_tensors(ours).items()}
+        with set_current_vllm_config(config), _cpu_moe_reload(ours):
+            install_shards(ours, weights, model_config)
+        want, got = reachable_tensors(ref), reachable_tensors(ours)
+        differ = sorted(k for k in want.keys() | got.keys()
+                        if k not in want or k not in got or want[k].shape != got[k].shape
+                        or not torch.equal(want[k], got[k]))
+        changed = sum(1 for k, v in got.items() if k in before and v.numel() and not torch.equal(before[k], v))
+        bad_before = {k: v.clone() for k, v in reachable_tensors(bad).items()}
+        broken = [(n, t[:-1] if i == len(weights) // 2 else t) for i, (n, t) in enumerate(weights)]
+        error = ""
+        try:
+            with set_current_vllm_config(bad_config):
+                install_shards(bad, broken, model_config)
+        except ShapeMismatchError as exc:
+            error = str(exc)
+        bad_after = reachable_tensors(bad)
+        untouched = bad_after.keys() == bad_before.keys() and all(torch.equal(bad_after[k], v)
+                                                                   for k, v in bad_before.items())
+        results[key] = {"compared": len(want), "differ": differ, "changed": changed, "error": error,
+                        "untouched_after_error": untouched, "target": repr(target), "params": len(weights)}
+    return results
