@@ -139,8 +139,9 @@ def test_failed_refits_leave_the_previous_weights(run):
     assert out["after_skew"] == out[3] and out["after_dead_peer"] == out[3]
 
 
-@pytest.mark.parametrize("moe_intermediate_size", [48, 64])
-def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size):
+@pytest.mark.parametrize(("moe_intermediate_size", "sharded"), [(48, False), (64, False), (48, True)],
+                         ids=["ffn48", "ffn64", "ffn48-sharded"])
+def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded):
     """Qwen3-MoE, two real Megatron trainer processes at EP=2 -> NIXL -> vLLM (CPU).
     Version 1 through the worker extension, version 2 through the weight-transfer
     API; after each, vLLM's greedy tokens + logprobs equal HF transformers loaded
@@ -150,6 +151,9 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size):
     ``moe_intermediate_size=48`` (padded to 64 by its kernel) that raised a shape
     mismatch, with 64 (no padding) it silently served unpacked weights as packed.
     Both fail without :func:`megarefit.integrations.vllm._cpu_moe_reload`.
+    ``sharded``: both refits pull the worker's own vLLM-format shards (``qkv_proj``,
+    ``experts.routed_experts.w13_weight``, ...) and install them through vLLM's layerwise
+    reload, which re-runs the CPU linear repack and expert pad + prepack.
     (Its own process: one vLLM engine per process.)"""
     import json
     import subprocess
@@ -157,13 +161,19 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size):
     from pathlib import Path
 
     script = Path(__file__).with_name("vllm_moe_scenario.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(moe_intermediate_size)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(moe_intermediate_size)]
+                          + (["sharded"] if sharded else []), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["initial_ok"], "the comparison itself must work on this engine"
     # one worker, no expert parallelism: vLLM's routed-experts layers are found, every expert is pulled
     assert result["experts"] == {"owned": None, "routed_layers": 2, "ep_layers": 0}
+    report = result["report"]
+    assert (report["target"] == "VllmTarget(tp=1, rank=0, dp=1, dp_rank=0, expert_parallel=False, "
+            "expert_placement='linear', expert_map=None, vocab_padding=64)") == sharded, report
+    # 3 + per layer: full HF tensors 2 norms, q k v o, q/k norm, gate, 4 experts x 3 = 21;
+    # sharded 2 norms, qkv_proj, o_proj, q/k norm, gate, w13, w2 = 9
+    assert report["tensors"] == 3 + 2 * (9 if sharded else 21), report
     for version in ("1", "2"):
         assert result["vllm"][version] != result["vllm"]["initial"], "the refit must change the engine's weights"
         assert same_generation(result["vllm"][version], result["hf"][version]), (version, result)

@@ -1,7 +1,9 @@
 """Run by test_vllm_refit.py in its own process (one vLLM engine per process): a Qwen3-MoE
 refit into vLLM (CPU) over NIXL from two real Megatron trainer processes at EP=2.
 
-Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE``. Prints one JSON
+Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded]``: with
+``sharded`` both refits pull vLLM-sharded targets (``w13_weight`` / ``w2_weight``, ...)
+and install them through vLLM's layerwise reload. Prints one JSON
 line: vLLM's and HF's greedy generations (tokens, logprobs) for the initial
 checkpoint and for versions 1 (worker extension) and 2 (weight-transfer API)."""
 
@@ -20,7 +22,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def main(work: Path, moe_intermediate_size: int) -> dict:
+def main(work: Path, moe_intermediate_size: int, sharded: bool = False) -> dict:
     import vllm
     from vllm.config import WeightTransferConfig
 
@@ -56,13 +58,14 @@ def main(work: Path, moe_intermediate_size: int) -> dict:
         out["vllm"]["initial"] = vllm_generate(llm)
         out["initial_ok"] = same_generation(out["vllm"]["initial"], hf_generate(initial.eval()))
 
-        llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0))
+        llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0, sharded))
         out["experts"] = llm.collective_rpc("megarefit_experts")[0]
-        llm.collective_rpc("update_weights_from_megatron", args=(1,))
+        out["report"] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
         out["vllm"]["1"] = vllm_generate(llm)
         rdzv.mark_consumed(1)
 
-        llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job}})
+        llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job,
+                                                       "sharded": sharded}})
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": 2}})
         llm.finish_weight_update(weight_version="2")
@@ -81,4 +84,4 @@ def main(work: Path, moe_intermediate_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]))))
+    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] == ["sharded"])))
