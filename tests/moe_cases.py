@@ -33,13 +33,25 @@ def moe_config(name: str, **extra) -> dict:
 
 
 CONFIGS = {"qwen3_moe": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B-v0.1", "deepseek_v3": "DeepSeek-V3",
-           "glm4_moe": "GLM-4.5-Air"}
+           "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3"}
+_OVERRIDES = {"deepseek_v3_no_q_lora": {"q_lora_rank": None}}  # MLA with one q projection (q_proj)
+
+
+def case_config(key: str) -> dict:
+    return moe_config(CONFIGS[key], **_OVERRIDES.get(key, {}))
+
+
+def family_of(key: str) -> str:
+    return key.removesuffix("_no_q_lora")
+
+
 # trainer layouts per family: (tp, ep, etp, expert layout, layer spec)
 TRAINERS = {
     "qwen3_moe": [(2, 1, 2, "sequential", "local"), (1, 2, 1, "te_grouped", "local"), (2, 2, 1, "legacy_grouped", "local")],
     "mixtral": [(2, 1, 2, "sequential", "local"), (1, 2, 1, "legacy_grouped", "local")],
     "deepseek_v3": [(2, 2, 1, "te_grouped", "local"), (1, 2, 1, "te_grouped", "te")],
     "glm4_moe": [(2, 2, 1, "sequential", "local"), (2, 1, 2, "te_grouped", "te")],
+    "deepseek_v3_no_q_lora": [(2, 1, 2, "te_grouped", "local")],
 }
 
 

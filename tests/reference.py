@@ -309,8 +309,9 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
         elif name.endswith("self_attn.q_a_proj.weight"):
             kv = name.replace("q_a_proj", "kv_a_proj_with_mqa")
             out[name.replace("q_a_proj", "fused_qkv_a_proj")] = torch.cat([dense.pop(name), dense.pop(kv)])
-        elif name.endswith(("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")):
-            out[name] = dense.pop(name).chunk(T)[t]
+        elif name.endswith(("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")) or (
+                name.endswith("self_attn.q_proj.weight") and name.replace("q_proj", "kv_a_proj_with_mqa") in hf):
+            out[name] = dense.pop(name).chunk(T)[t]  # MLA column-parallel (q_proj: no q_lora_rank)
     out |= vllm_reference(dense, cfg, T, t)
     gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     for prefix, ws in routed.items():

@@ -34,9 +34,10 @@ def tiny(name: str, **extra) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("name", ["DeepSeek-V3", "GLM-4.5-Air"])
-def test_hf_names_and_shapes_match_transformers(name, tmp_path):
-    cfg = tiny(name)
+@pytest.mark.parametrize(("name", "extra"), [("DeepSeek-V3", {}), ("DeepSeek-V3", {"q_lora_rank": None}),
+                                           ("GLM-4.5-Air", {})], ids=["deepseek", "deepseek-no-q-lora", "glm"])
+def test_hf_names_and_shapes_match_transformers(name, extra, tmp_path):
+    cfg = tiny(name, **extra)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()}), dtype=torch.float32)
     model.save_pretrained(tmp_path)
@@ -61,9 +62,11 @@ def _hf_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(["DeepSeek-V3", "GLM-4.5-Air"]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 3]),
-       st.sampled_from([1, 2, 8]), st.booleans(), st.sampled_from(["local", "te"]), st.integers(0, 99))
-def test_round_trip_is_exact(name, tp, pp, ep, etp_one, layer_spec, seed):
+       st.sampled_from([1, 2, 8]), st.booleans(), st.sampled_from(["local", "te"]), st.integers(0, 99), st.booleans())
+def test_round_trip_is_exact(name, tp, pp, ep, etp_one, layer_spec, seed, q_lora):
     cfg = tiny(name, num_key_value_heads=4) if name == "GLM-4.5-Air" else tiny(name)
+    if name == "DeepSeek-V3" and not q_lora:
+        cfg["q_lora_rank"] = None  # one column-parallel q projection
     etp = 1 if etp_one else tp
     hf = _hf_state(cfg, seed)
     assert hf["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32  # fp32 in a bf16 model

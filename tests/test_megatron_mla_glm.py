@@ -6,7 +6,8 @@ router and an fp32 score-correction bias, a shared expert. GLM-4.5: q/k/v biases
 partial RoPE (``partial_rotary_factor`` 0.5 = Megatron ``rotary_percent``), a
 dense first layer, shared expert, sigmoid router with bias. Megatron logits must
 equal HF ``DeepseekV3ForCausalLM`` / ``Glm4MoeForCausalLM`` logits after
-``megatron_to_hf`` (loaded with ``from_pretrained``), at TP=2/EP=1 and TP=1/EP=2."""
+``megatron_to_hf`` (loaded with ``from_pretrained``), at TP=2/EP=1 and TP=1/EP=2; and
+DeepSeek without ``q_lora_rank`` (column-parallel ``linear_q_proj`` -> ``q_proj``) at TP=2."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ def _config(family: str) -> dict:
                   moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
                   first_k_dense_replace=1, n_shared_experts=1, rope_scaling=None, num_nextn_predict_layers=0,
                   tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
-    if family == "deepseek":
+    if family.startswith("deepseek"):
         cfg = real_config("DeepSeek-V3")
         cfg.pop("quantization_config", None)
         cfg.update(common, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                    qk_rope_head_dim=8, v_head_dim=16)
+        if family == "deepseek-no-q-lora":  # DeepSeek-V2-Lite style: one q projection (linear_q_proj / q_proj)
+            cfg.update(q_lora_rank=None)
     else:
         cfg = real_config("GLM-4.5-Air")
         cfg.update(common, num_key_value_heads=2, head_dim=16, pad_token_id=0)
@@ -44,6 +47,7 @@ def _config(family: str) -> dict:
 
 
 CASES = {f"{fam}-tp{tp}-ep{ep}": (fam, tp, ep) for fam in ("deepseek", "glm") for tp, ep in ((2, 1), (1, 2))}
+CASES["deepseek-no-q-lora-tp2-ep1"] = ("deepseek-no-q-lora", 2, 1)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """MoE and MLA models planned straight into vLLM workers' own parameter shards.
 
 The oracle is vLLM itself: whole vLLM models (Qwen3-MoE, Mixtral, DeepSeek-V3 with MLA
-and shared experts, GLM-4.5), built by vLLM's ``initialize_model`` in two real
+and shared experts, with and without ``q_lora_rank``, GLM-4.5), built by vLLM's ``initialize_model`` in two real
 tensor-parallel processes on CPU (gloo), with expert parallelism off and on, filled by
 their own ``load_weights`` from full HF tensors (names and shapes from transformers'
 ``save_pretrained``). Megatron shards of the same tensors, for several trainer layouts
@@ -30,14 +30,14 @@ from megarefit.integrations.megatron import run_workers  # noqa: E402
 from megarefit.receiver import run_refit_cycle  # noqa: E402
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm, vllm_params  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
-from moe_cases import CONFIGS, TRAINERS, megatron_shards, moe_config  # noqa: E402
+from moe_cases import CONFIGS, TRAINERS, case_config, family_of, megatron_shards, moe_config  # noqa: E402
 from reference import hf_checkpoint_state, vllm_moe_reference  # noqa: E402
 from vllm_loader_jobs import vllm_model_job  # noqa: E402
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory):
-    return {family: (moe_config(name), hf_checkpoint_state(moe_config(name), tmp_path_factory.mktemp(family)))
-            for family, name in CONFIGS.items()}
+    return {key: (case_config(key), hf_checkpoint_state(case_config(key), tmp_path_factory.mktemp(key)))
+            for key in CONFIGS}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_plan_matches_vllm_models(states, vllm_models, family, expert_parallel):
     dims = ModelDims.from_hf_config(cfg)
     full_bytes = sum(t.numel() * t.element_size() for t in hf.values())
     for tp, ep, etp, expert_layout, layer_spec in TRAINERS[family]:
-        shards = megatron_shards(hf, cfg, family, tp, ep, etp, expert_layout, layer_spec)
+        shards = megatron_shards(hf, cfg, family_of(family), tp, ep, etp, expert_layout, layer_spec)
         layout = SourceLayout.build(tp=tp, pp=1, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
                                     num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
         transport = LocalTransport({RankCoord(*r): s for r, s in shards.items()})
@@ -120,7 +120,7 @@ def _case(draw):
     tp, ep = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
     etp = draw(st.sampled_from([1, tp]))
     expert_layout = draw(st.sampled_from(["sequential", "te_grouped", "legacy_grouped"]))
-    if family in ("deepseek_v3", "glm4_moe") and expert_layout == "legacy_grouped":
+    if family not in ("qwen3_moe", "mixtral") and expert_layout == "legacy_grouped":
         expert_layout = "te_grouped"  # megarefit's import writes these; the reference sharder is Qwen3/Mixtral only
     T, D = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]))
     return (family, tp, ep, etp, expert_layout, draw(st.sampled_from(["local", "te"])), T, draw(st.integers(0, T - 1)),
@@ -135,7 +135,7 @@ def test_vllm_moe_shards_match_an_independent_reference(states, case):
     if family in ("qwen3_moe", "mixtral"):
         layer_spec = "local"
     dims = ModelDims.from_hf_config(cfg)
-    shards = megatron_shards(hf, cfg, family, tp, ep, etp, expert_layout, layer_spec)
+    shards = megatron_shards(hf, cfg, family_of(family), tp, ep, etp, expert_layout, layer_spec)
     layout = SourceLayout.build(tp=tp, pp=1, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
                                 num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
     target = VllmTarget(T, t, dp=D, dp_rank=d, expert_parallel=expert_parallel, expert_placement=placement)

@@ -210,6 +210,8 @@ class ModelDims:
             out.add(Condition.ROUTER_BIAS)
         if self.q_lora_rank:
             out.add(Condition.Q_LORA)
+        elif self.kv_lora_rank:
+            out.add(Condition.Q_PROJ)
         if self.qk_norm:
             out.add(Condition.QK_NORM)
         return frozenset(out)

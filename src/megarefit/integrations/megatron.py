@@ -515,8 +515,6 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
     dims = ModelDims.from_hf_config(cfg)
     if dims.proj_bias or dims.mlp_bias:
         raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
-    if dims.kv_lora_rank and not dims.q_lora_rank:
-        raise MegarefitError("the CPU harness builds MLA with a q_lora_rank only")
     if (get("n_group") or 1) > 1:
         raise MegarefitError("group-limited routing differs between Megatron and HF unless topk/group_topk == 2; "
                              "use n_group=1 for the CPU harness")

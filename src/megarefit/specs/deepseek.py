@@ -9,6 +9,7 @@ MLA (checked against a real Megatron-Core model; a straight copy, no row permuta
     linear_q_down_proj.weight            ->  q_a_proj.weight         [q_lora, hidden]
     q_layernorm.weight                   ->  q_a_layernorm.weight    [q_lora]
     linear_q_up_proj.weight              ->  q_b_proj.weight         [heads*(qk_nope+qk_rope), q_lora]
+    linear_q_proj.weight                 ->  q_proj.weight           [heads*(qk_nope+qk_rope), hidden]  (no q_lora_rank)
     linear_kv_down_proj.weight           ->  kv_a_proj_with_mqa      [kv_lora+qk_rope, hidden]  ([kv_lora; rope])
     kv_layernorm.weight                  ->  kv_a_layernorm.weight   [kv_lora]
     linear_kv_up_proj.weight             ->  kv_b_proj.weight        [heads*(qk_nope+v), kv_lora]  (per head [k_nope; v])
@@ -18,7 +19,8 @@ The local layer spec splits the down-projections over TP (column-parallel); the
 Transformer-Engine spec replicates them and fuses the two norms into
 ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``.
 MTP layers (HF ``model.layers.{num_layers + i}``): see :mod:`megarefit.specs.mtp`.
-Not covered: MLA without ``q_lora_rank`` (DeepSeek-V2-Lite).
+Without ``q_lora_rank`` (DeepSeek-V2-Lite style) Megatron has one column-parallel
+``linear_q_proj`` (HF ``q_proj``) instead of the q down / up pair.
 """
 
 from megarefit.specs import gpt
@@ -43,6 +45,8 @@ MLA = (
     ParamSpec(_L + "linear_q_up_proj.layer_norm_weight", R.REPLICATED, (_H + "q_a_layernorm.weight",), ("q_lora",),
               requires=Q, spelling="te"),
     ParamSpec(_L + "linear_q_up_proj.weight", R.COLUMN, (_H + "q_b_proj.weight",), ("q_up", "q_lora"), requires=Q),
+    ParamSpec(_L + "linear_q_proj.weight", R.COLUMN, (_H + "q_proj.weight",), ("q_up", "hidden"),
+              requires=frozenset({Condition.Q_PROJ})),
     ParamSpec(_L + "linear_kv_down_proj.weight", R.COLUMN, (_H + "kv_a_proj_with_mqa.weight",), ("kv_down", "hidden"),
               spelling="local"),
     ParamSpec(_L + "linear_kv_down_proj.weight", R.REPLICATED, (_H + "kv_a_proj_with_mqa.weight",),

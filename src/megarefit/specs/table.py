@@ -150,6 +150,7 @@ class Condition(str, Enum):
     TIED_COPY = "tied_copy"  # tied embeddings and pp > 1: last stage keeps a synced copy
     SHARED_EXPERTS = "shared_experts"  # MoE layers have shared (always-on) experts
     Q_LORA = "q_lora"  # MLA with a low-rank q projection (q_a_proj / q_b_proj)
+    Q_PROJ = "q_proj"  # MLA without q_lora_rank: one q projection (Megatron linear_q_proj, HF q_proj)
     QK_NORM = "qk_norm"  # per-head q/k RMSNorm (Qwen3; GLM-4.5 when use_qk_norm)
     ROUTER_BIAS = "router_bias"  # router has a score-correction bias (DeepSeek-V3 noaux_tc)
 
