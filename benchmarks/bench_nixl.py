@@ -1,20 +1,27 @@
-"""NIXL refit vs a raw NIXL transfer of the same bytes; cold vs warm cycles.
+"""NIXL refit vs a raw NIXL transfer of the same bytes, trainers and receiver in separate processes.
 
 Run from the repo root (CPU, UCX on loopback; ~1 min):
 
     python benchmarks/bench_nixl.py [--config tests/data/configs/Qwen3-0.6B.json] [--tp 2] [--cycles 5]
 
-``tp`` trainer processes each serve random shards with the planned local shapes
-through a real :class:`~megarefit.publisher.Publisher`, plus one extra registered
-block of the same byte count. The receiver (this process) measures, in one run:
+MoE layouts, vLLM-sharded targets and GPUs (trainers on one GPU, this receiver on another;
+NIXL between processes over CUDA IPC where the machine has it):
+
+    python benchmarks/bench_nixl.py --config tests/data/configs/Qwen3-30B-A3B.json --layers 8 --tp 2 \\
+        --ep 2 --etp 1 --expert-layout te_grouped --vllm-tp 2 --vllm-ep --trainer-device cuda:0 --device cuda:1
+
+One trainer process per Megatron rank serves random shards with the planned local shapes
+through a real :class:`~megarefit.publisher.Publisher`, plus one extra registered block
+holding exactly the bytes the receiver reads from that rank. The receiver (this process)
+measures, in one run:
 
 * ``refit cold``: the first ``RefitReceiver.run_refit_cycle`` (plan, allocate,
   register, prepare descriptors, pull);
 * ``refit warm``: later cycles (plan cached, nothing registered, one prepared READ
-  per trainer re-posted; includes the strided scratch copies of row-parallel slabs);
+  per trainer re-posted; includes the strided scratch copies);
 * ``raw NIXL``: one prepared READ per trainer of its whole block as one descriptor,
   the same bytes, warm;
-* ``plain copy``: ``copy_`` of the same bytes within this process (memory bandwidth).
+* ``plain copy``: ``copy_`` of the same bytes within this process, on its device.
 """
 
 from __future__ import annotations
@@ -32,119 +39,196 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def trainer(rank: int, world_size: int, _port: int, rdzv_port: int, cfg: dict, dtype: str) -> dict:
+def _setup(cfg: dict, args: dict):
+    """(dims, layout, plan) for the benchmark's arguments (trainers and receiver agree)."""
     from megarefit.dims import ModelDims
     from megarefit.layout import SourceLayout
+    from megarefit.planner import plan_megatron_to_hf
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+
+    dims = ModelDims.from_hf_config(cfg)
+    tp = args["tp"]
+    layout = SourceLayout.build(tp=tp, pp=1, ep=args["ep"], etp=args["etp"] or tp,
+                                padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers,
+                                expert_layout=args["expert_layout"])
+    if args["vllm_tp"]:
+        target = VllmTarget(args["vllm_tp"], args["vllm_rank"], expert_parallel=args["vllm_ep"])
+        return dims, layout, plan_megatron_to_vllm(dims, layout, args["dtype"], target)
+    return dims, layout, plan_megatron_to_hf(dims, layout, args["dtype"])
+
+
+def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict, args: dict) -> dict:
     from megarefit.planner import source_tensors
     from megarefit.publisher import Publisher
     from megarefit.rendezvous import Rendezvous
+    from megarefit.transport.nixl import mem_type
 
     torch.set_num_threads(1)
-    dims = ModelDims.from_hf_config(cfg)
-    layout = SourceLayout.build(tp=world_size, pp=1, padded_vocab_size=dims.padded_vocab_size(world_size),
-                                num_layers=dims.num_layers)
-    coord = (rank, 0, 0)
-    g = torch.Generator().manual_seed(rank)
-    params = {n: torch.randn(t.shape, generator=g).to(getattr(torch, dtype))
+    dims, layout, plan = _setup(cfg, args)
+    coord = layout.ranks()[index]
+    device = args["trainer_device"]
+    g = torch.Generator(device=device).manual_seed(index)
+    params = {n: torch.randn(t.shape, generator=g, device=device, dtype=getattr(torch, args["dtype"]))
               for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
-    pub = Publisher(params, cfg, rank=coord, tp=world_size, pp=1, rendezvous=rdzv)
-    raw = torch.empty(sum(p.numel() * p.element_size() for p in params.values()), dtype=torch.uint8)
+    pub = Publisher(params, cfg, rank=coord, tp=layout.tp, pp=1, ep=layout.ep, etp=layout.etp,
+                    expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}")
+    nbytes = plan.summary()["per_rank"].get(coord, {"bytes": 0})["bytes"]
+    raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     pub.agent.register([raw])
-    rdzv.store.set(f"bench/raw/{rank}", f"{raw.data_ptr()},{raw.numel()}")
-    rdzv.store.set(f"bench/meta/{rank}", pub.agent.metadata)  # now includes the raw block
+    rdzv.store.set(f"bench/raw/{index}", json.dumps([raw.data_ptr(), nbytes, *mem_type(raw)]))
+    rdzv.store.set(f"bench/meta/{index}", pub.agent.metadata)  # now includes the raw block
     pub.publish(1)
-    rdzv.wait_consumed(1, timeout=600)
+    rdzv.wait_consumed(1, timeout=1800)
     return {}
 
 
-def main() -> None:
-    from megarefit.bench import machine
+def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, ranks: int, device: str,
+                 cycles: int) -> tuple[list[float], int]:
+    """Seconds of warm raw READs: each trainer's block as one descriptor, all posted at once
+    (its own process: a second NIXL agent beside the receiver's would not measure the same path)."""
+    from megarefit.rendezvous import Rendezvous
+    from megarefit.transport.nixl import NixlAgent, mem_type
 
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
+    raw_agent = NixlAgent("bench-raw-receiver", progress_thread=False)
+    agent = raw_agent.agent
+    blocks = []
+    for r in range(ranks):
+        addr, n, mem, dev = json.loads(rdzv.store.get(f"bench/raw/{r}").decode())
+        name = agent.add_remote_agent(rdzv.store.get(f"bench/meta/{r}"))
+        if n:
+            blocks.append((name.decode() if isinstance(name, bytes) else name, addr, n, mem, dev))
+    total = sum(b[2] for b in blocks)
+    local = torch.empty(total, dtype=torch.uint8, device=device)
+    raw_agent.register([local])
+    lmem, ldev = mem_type(local)
+    handles, at = [], 0
+    for name, addr, n, mem, dev in blocks:
+        rh = agent.prep_xfer_dlist(name, [(addr, n, dev)], mem)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr() + at, n, ldev)], lmem)
+        handles.append(agent.make_prepped_xfer("READ", lh, [0], rh, [0]))
+        at += n
+    times = []
+    for _ in range(cycles + 1):
+        t0 = time.perf_counter()
+        for h in handles:
+            agent.transfer(h)
+        while any(agent.check_xfer_state(h) == "PROC" for h in handles):
+            pass
+        times.append(time.perf_counter() - t0)
+    return times[1:], total
+
+
+def main() -> None:
+    from megarefit.bench import best_of, machine
     from megarefit.integrations.megatron import start_workers
     from megarefit.online import RefitReceiver
     from megarefit.rendezvous import Rendezvous
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=0, help="expert tensor parallel size (0: tp)")
+    ap.add_argument("--expert-layout", default="sequential", choices=["sequential", "te_grouped", "legacy_grouped"])
+    ap.add_argument("--vllm-tp", type=int, default=0, help="receive one vLLM worker's own shards (0: full HF tensors)")
+    ap.add_argument("--vllm-rank", type=int, default=0)
+    ap.add_argument("--vllm-ep", action="store_true", help="vLLM enable_expert_parallel")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--trainer-device", default="cpu", help="where trainers keep their shards (cpu, cuda:0)")
+    ap.add_argument("--device", default="cpu", help="where the receiver lands the pulls (cpu, cuda:1)")
     ap.add_argument("--receiver-threads", type=int, default=0, help="torch threads in the receiver (0: default)")
-    args = ap.parse_args()
-    if args.receiver_threads:
-        torch.set_num_threads(args.receiver_threads)
-    cfg = json.loads(Path(args.config).read_text())
+    ap.add_argument("--json", help="append the result as one JSON line to this file")
+    ns = ap.parse_args()
+    if ns.receiver_threads:
+        torch.set_num_threads(ns.receiver_threads)
+    cfg = json.loads(Path(ns.config).read_text())
+    cfg.pop("quantization_config", None)
+    if ns.layers:
+        cfg["num_hidden_layers"] = ns.layers
+        cfg.pop("mlp_only_layers", None)
+    args = {k: getattr(ns, k) for k in ("tp", "ep", "etp", "expert_layout", "vllm_tp", "vllm_rank", "vllm_ep", "dtype",
+                                        "trainer_device")}
+    dims, layout, plan = _setup(cfg, args)
+    if ns.device.startswith("cuda"):
+        torch.cuda.set_device(ns.device)
 
     rdzv = Rendezvous.serve(job="bench")
-    group = start_workers(trainer, world_size=args.tp, args=(rdzv.port, cfg, args.dtype))
-    receiver = RefitReceiver(rdzv, name="bench-receiver", timeout=600)
+    group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
+    receiver = RefitReceiver(rdzv, name="bench-receiver", timeout=1800, device=ns.device, target=(
+        None if not ns.vllm_tp else plan_target(ns)))
     cycles = []
-    for _ in range(args.cycles):
+    for _ in range(ns.cycles):
         t0 = time.perf_counter()
         for _name, _tensor in receiver.run_refit_cycle(1):
             pass
+        if ns.device.startswith("cuda"):
+            torch.cuda.synchronize()
         cycles.append((time.perf_counter() - t0, receiver.stats))
     stats = cycles[-1][1]
-
-    # raw NIXL: each trainer's whole block, one descriptor each, prepared once, warm (own agent)
-    from megarefit.transport.nixl import NixlAgent
-
-    raw_agent = NixlAgent("bench-raw-receiver")
-    agent = raw_agent.agent
-    blocks = []
-    for r in range(args.tp):
-        addr, n = map(int, rdzv.store.get(f"bench/raw/{r}").decode().split(","))
-        name = agent.add_remote_agent(rdzv.store.get(f"bench/meta/{r}"))
-        blocks.append((name.decode() if isinstance(name, bytes) else name, addr, n))
-    local = torch.empty(sum(n for *_, n in blocks), dtype=torch.uint8)
-    raw_agent.register([local])
-    handles, at = [], 0
-    for name, addr, n in blocks:
-        rh = agent.prep_xfer_dlist(name, [(addr, n, 0)], "DRAM")
-        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr() + at, n, 0)], "DRAM")
-        handles.append(agent.make_prepped_xfer("READ", lh, [0], rh, [0]))
-        at += n
-    raw_times = []
-    for _ in range(args.cycles + 1):
-        t0 = time.perf_counter()
-        for h in handles:
-            agent.transfer(h)
-        while any(agent.check_xfer_state(h) == "PROC" for h in handles):
-            pass
-        raw_times.append(time.perf_counter() - t0)
-    raw_times = raw_times[1:]
-    src, dst = torch.empty_like(local), torch.empty_like(local)
-    src.fill_(1)
-    copy_times = []
-    for _ in range(args.cycles):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copy_times.append(time.perf_counter() - t0)
+    del receiver.transport  # one NIXL agent per process at a time
+    (raw_times, raw_bytes), = start_workers(raw_nixl_job, world_size=1, args=(
+        rdzv.port, len(layout.ranks()), ns.device, ns.cycles)).join(timeout=600)
+    src = torch.ones(raw_bytes, dtype=torch.uint8, device=ns.device)
+    dst = torch.empty_like(src)
+    copy_best, copy_median = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
     rdzv.mark_consumed(1)
-    group.join(timeout=120)
+    group.join(timeout=300)
 
     nbytes = stats.bytes_moved
-    warm = [t for t, s in cycles[1:]]
+    warm = [t for t, _ in cycles[1:]]
     pull = [s.seconds["pull"] for _, s in cycles[1:]]
+    read = [s.seconds["pull.read"] for _, s in cycles[1:]]
     best_raw = min(raw_times)
+    full = sum(m.numel for m in _full_plan(dims, layout, ns.dtype).targets.values()) * torch.empty(
+        (), dtype=getattr(torch, ns.dtype)).element_size()
+    target = (f"vLLM worker {ns.vllm_rank} of tp={ns.vllm_tp}" + (" EP" if ns.vllm_ep else "")
+              if ns.vllm_tp else "full HF tensors")
+    summary = plan.summary()["total"]
     print(f"machine: {machine()}")
-    print(f"receiver torch threads: {torch.get_num_threads()}")
-    print(f"model: {Path(args.config).stem}, tp={args.tp} trainer processes, {args.dtype}; bytes moved "
-          f"{nbytes / 1e9:.3f} GB = model bytes {stats.model_bytes / 1e9:.3f} GB "
-          f"({nbytes / stats.model_bytes:.2f}x); raw block bytes {local.numel() / 1e9:.3f} GB")
+    print(f"model: {Path(ns.config).stem}, {dims.num_layers} layers, trainer tp={layout.tp} ep={layout.ep} "
+          f"etp={layout.etp} {layout.expert_layout}, {len(layout.ranks())} trainer processes on "
+          f"{ns.trainer_device}, receiver on {ns.device}, {ns.dtype}; target: {target}")
+    print(f"bytes moved {nbytes / 1e9:.3f} GB (full model {full / 1e9:.3f} GB: {nbytes / full:.2f}x); "
+          f"{summary['ops']} ops ({summary['contiguous']} contiguous, {summary['scratch']} scratch); "
+          f"raw block bytes {raw_bytes / 1e9:.3f} GB")
     print("| path | best s | median s | GB/s (best) | vs raw NIXL |")
     print("|---|---:|---:|---:|---:|")
     rows = [("refit cold cycle (plan, alloc, register, prepare, pull)", [cycles[0][0]]),
-            ("refit warm cycle (whole cycle)", warm), ("refit warm: pull stage only", pull),
-            ("raw NIXL READ, same bytes, one block per trainer", raw_times),
-            ("plain copy in one process, same bytes", copy_times)]
+            ("refit warm cycle (whole cycle)", warm), ("refit warm: pull stage", pull),
+            ("refit warm: READs only", read), ("raw NIXL READ, same bytes, one block per trainer", raw_times),
+            ("plain copy in the receiver, same bytes", [copy_best, copy_median])]
     for name, ts in rows:
         print(f"| {name} | {min(ts):.4f} | {statistics.median(ts):.4f} | {nbytes / min(ts) / 1e9:.2f} | "
               f"{best_raw / min(ts):.2f}x |")
     print("warm stage seconds:", {k: round(v, 4) for k, v in stats.seconds.items()})
     print("cold stage seconds:", {k: round(v, 4) for k, v in cycles[0][1].seconds.items()})
-    print("counters after last cycle:", dict(receiver.counters))
+    print("counters after last cycle:", dict(stats.counters))
+    if ns.json:
+        with open(ns.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"config": Path(ns.config).stem, "layers": dims.num_layers, "tp": layout.tp,
+                                "ep": layout.ep, "etp": layout.etp, "expert_layout": layout.expert_layout,
+                                "target": target, "bytes": nbytes, "full_bytes": full, "ops": summary,
+                                "warm_best": min(warm), "warm_median": statistics.median(warm),
+                                "read_best": min(read), "raw_best": best_raw, "copy_best": copy_best,
+                                "cold": cycles[0][0], "warm_seconds": stats.seconds}) + "\n")
+
+
+def plan_target(ns: argparse.Namespace):
+    from megarefit.targets import VllmTarget
+
+    return VllmTarget(ns.vllm_tp, ns.vllm_rank, expert_parallel=ns.vllm_ep)
+
+
+def _full_plan(dims, layout, dtype):
+    from megarefit.planner import plan_megatron_to_hf
+
+    return plan_megatron_to_hf(dims, layout, dtype)
 
 
 if __name__ == "__main__":

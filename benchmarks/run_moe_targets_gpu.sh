@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B (8 layers) refits over NIXL on nvidia-h200-x2: trainer processes on GPU 0,
+# the receiver process on GPU 1; full HF tensors vs one vLLM tp=2 worker's own shards.
+# Usage: benchmarks/run_moe_targets_gpu.sh OUT_DIR   (results.jsonl + one log per case)
+set -uo pipefail
+out=${1:-out}; mkdir -p "$out"
+cfg=tests/data/configs/Qwen3-30B-A3B.json
+common=(--config $cfg --layers 8 --tp 2 --cycles 6 --trainer-device cuda:0 --device cuda:1 --json "$out/results.jsonl")
+run() { name=$1; shift; echo "== $name"; python3 benchmarks/bench_nixl.py "${common[@]}" "$@" 2>&1 \
+          | grep -v "NIXL INFO\|UCX  WARN" | tee "$out/$name.log" | grep -v "^|---" ; }
+run seq-full       --expert-layout sequential
+run seq-vllm2      --expert-layout sequential --vllm-tp 2
+run seq-vllm2-ep   --expert-layout sequential --vllm-tp 2 --vllm-ep
+run grouped-full   --ep 2 --etp 1 --expert-layout te_grouped
+run grouped-vllm2  --ep 2 --etp 1 --expert-layout te_grouped --vllm-tp 2
+run grouped-vllm2-ep --ep 2 --etp 1 --expert-layout te_grouped --vllm-tp 2 --vllm-ep
+run legacy-vllm2-ep --ep 2 --etp 1 --expert-layout legacy_grouped --vllm-tp 2 --vllm-ep
