@@ -194,7 +194,8 @@ def main() -> None:
     print(f"model: {Path(ns.config).stem}, {dims.num_layers} layers, trainer tp={layout.tp} ep={layout.ep} "
           f"etp={layout.etp} {layout.expert_layout}, {len(layout.ranks())} trainer processes on "
           f"{ns.trainer_device}, receiver on {ns.device}, {ns.dtype}; target: {target}")
-    print(f"bytes moved {nbytes / 1e9:.3f} GB (full model {full / 1e9:.3f} GB: {nbytes / full:.2f}x); "
+    print(f"bytes moved {nbytes / 1e9:.3f} GB (full model {full / 1e9:.3f} GB: {nbytes / full:.2f}x; "
+          f"on the wire {stats.wire_bytes / 1e9:.3f} GB); "
           f"{summary['ops']} ops ({summary['contiguous']} contiguous, {summary['scratch']} scratch); "
           f"raw block bytes {raw_bytes / 1e9:.3f} GB")
     print("| path | best s | median s | GB/s (best) | vs raw NIXL |")
@@ -213,7 +214,7 @@ def main() -> None:
         with open(ns.json, "a", encoding="utf-8") as f:
             f.write(json.dumps({"config": Path(ns.config).stem, "layers": dims.num_layers, "tp": layout.tp,
                                 "ep": layout.ep, "etp": layout.etp, "expert_layout": layout.expert_layout,
-                                "target": target, "bytes": nbytes, "full_bytes": full, "ops": summary,
+                                "target": target, "bytes": nbytes, "wire_bytes": stats.wire_bytes, "full_bytes": full, "ops": summary,
                                 "warm_best": min(warm), "warm_median": statistics.median(warm),
                                 "read_best": min(read), "raw_best": best_raw, "copy_best": copy_best,
                                 "cold": cycles[0][0], "warm_seconds": stats.seconds}) + "\n")

@@ -51,8 +51,9 @@ class CycleStats:
     version: int
     cold: bool
     seconds: dict[str, float] = field(default_factory=dict)
-    bytes_moved: int = 0
+    bytes_moved: int = 0  # bytes the plan places (its targets' bytes)
     model_bytes: int = 0
+    wire_bytes: int = 0  # bytes the READs move (>= bytes_moved where strided sources are read as whole runs)
     counters: dict[str, int] = field(default_factory=dict)
 
 
@@ -221,6 +222,6 @@ class RefitReceiver:
         cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
         self.stats = CycleStats(got, cold, seconds, plan.nbytes,
                                 sum(m.numel * torch_dtype(m.dtype).itemsize for m in plan.targets.values()),
-                                dict(self.counters))
+                                prepared.wire_bytes, dict(self.counters))
         for ref, tensor in self._buffers.items():
             yield ref.name, tensor

@@ -123,6 +123,7 @@ class _SourcePulls:
     ops: list[CopyOp]
     handle: Any = None
     descriptors: int = 0
+    wire_bytes: int = 0  # bytes the READ moves (scratch runs may hold more than their ops use)
     scratch_runs: list[tuple[TensorRef, int, int]] = field(default_factory=list)  # (source, first, stop) elements
     dlists: tuple[Any, ...] = ()
     # (op, destination view, source view in scratch), built once at prepare time
@@ -182,6 +183,12 @@ class PreparedPlan:
 
     key: tuple[str, ...]
     per_source: list[_SourcePulls]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes every READ of one cycle moves: each contiguous pull, plus each scratch run
+        whole (a strided source box is read as the smallest flat run holding it)."""
+        return sum(p.wire_bytes for p in self.per_source)
 
 
 class NixlTransport:
@@ -290,6 +297,7 @@ class NixlTransport:
                     pulls.scratch_ops.append((op, *widened(*part_views(op, part, buffers[op.dst]), BOX_WORD)))
                 scratch_at += _align(nbytes)  # keep slots aligned
             pulls.descriptors = len(remote)
+            pulls.wire_bytes = sum(n for _, n, _ in remote)
             agent = self.nixl.agent
             rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, rmem)
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
