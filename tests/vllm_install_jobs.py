@@ -15,7 +15,6 @@ must be equal. A third copy gets a shard of the wrong shape and must stay untouc
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -47,10 +46,7 @@ def reachable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str) -> dict[str, Any]:
     """Per case ``(hf config, hf tensors A, hf tensors B, megatron shards of B, layout, expert_parallel)``:
     ``{"compared": n, "differ": [...], "changed": n, "untouched_after_error": bool, "error": str, "target": ...}``."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")
-    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
@@ -61,19 +57,12 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
     from megarefit.receiver import run_refit_cycle
     from megarefit.targets import plan_megatron_to_vllm
     from megarefit.transport import LocalTransport
+    from vllm_loader_jobs import init_vllm_tp, model_config_for
 
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(tensor_model_parallel_size=world_size)
+    init_vllm_tp(rank, world_size, port)
     results: dict[str, Any] = {}
     for key, (cfg, hf_a, hf_b, shards, layout, expert_parallel) in cases.items():
-        path = os.path.join(workdir, f"{key}-{rank}")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg, f)
-        model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-                                   enforce_eager=True)
+        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"))
 
         def build() -> tuple[torch.nn.Module, VllmConfig]:
             config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(

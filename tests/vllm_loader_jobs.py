@@ -12,15 +12,10 @@ import torch
 
 def vllm_shards_job(rank: int, world_size: int, port: int,
                     cases: dict[str, tuple[dict, dict[str, torch.Tensor]]]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")  # names the CPU shared-memory group
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+    init_vllm_tp(rank, world_size, port)
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(tensor_model_parallel_size=world_size)
         return {key: _shards(cfg, hf) for key, (cfg, hf) in cases.items()}
 
 
@@ -71,6 +66,32 @@ def _shards(cfg: dict, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def init_vllm_tp(rank: int, world_size: int, port: int) -> None:
+    """vLLM's distributed state for one tensor-parallel process on CPU (gloo); built with no
+    model config, so vLLM creates the expert-parallel group too."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")  # names the CPU shared-memory group
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=world_size)
+
+
+def model_config_for(cfg: dict, path: str) -> Any:
+    """vLLM's ``ModelConfig`` (fp32, eager, no tokenizer) for an HF config written to ``path``."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True)
+
+
 def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple[dict, dict[str, torch.Tensor], bool]],
                    workdir: str) -> dict[str, Any]:
     """Whole vLLM models (``initialize_model``, as vLLM's loader builds them) in real
@@ -78,26 +99,13 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
     tensors. Per case ``(hf config, hf tensors, enable_expert_parallel)``: this rank's
     ``named_parameters()`` (checkpoint format: no ``process_weights_after_loading``) and
     each routed-experts layer's expert map (``None`` without EP)."""
-    import json
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_DIST_IDENT", f"megarefit-{port}")
-    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    with set_current_vllm_config(VllmConfig()):  # no model config: vLLM builds the EP group too
-        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(tensor_model_parallel_size=world_size)
+    init_vllm_tp(rank, world_size, port)
     out: dict[str, Any] = {}
     for key, (cfg, hf, expert_parallel) in cases.items():
-        path = os.path.join(workdir, f"{key}-{rank}")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg, f)
-        model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-                                   enforce_eager=True)
+        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"))
         config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(
             tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel))
         with set_current_vllm_config(config):
