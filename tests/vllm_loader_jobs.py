@@ -80,8 +80,8 @@ def init_vllm_tp(rank: int, world_size: int, port: int) -> None:
         initialize_model_parallel(tensor_model_parallel_size=world_size)
 
 
-def model_config_for(cfg: dict, path: str) -> Any:
-    """vLLM's ``ModelConfig`` (fp32, eager, no tokenizer) for an HF config written to ``path``."""
+def model_config_for(cfg: dict, path: str, dtype: str = "float32") -> Any:
+    """vLLM's ``ModelConfig`` (eager, no tokenizer) for an HF config written to ``path``."""
     import json
 
     from vllm.config import ModelConfig
@@ -89,7 +89,7 @@ def model_config_for(cfg: dict, path: str) -> Any:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f)
-    return ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True)
+    return ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype, max_model_len=128, enforce_eager=True)
 
 
 def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple[dict, dict[str, torch.Tensor], bool]],
@@ -114,4 +114,23 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
         maps = {n: m._expert_map.tolist() for n, m in model.named_modules()
                 if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
         out[key] = ({n: p.detach().clone() for n, p in model.named_parameters()}, maps)
+    return out
+
+
+def vllm_param_shapes_job(rank: int, world_size: int, port: int, cases: dict[str, dict], workdir: str
+                          ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """Per case (an HF config): ``{name: (shape, dtype)}`` of every parameter of the vLLM
+    model ``initialize_model`` builds for it (quantized layers included), on CPU."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    init_vllm_tp(rank, world_size, port)
+    out = {}
+    for key, cfg in cases.items():
+        dtype = "bfloat16" if cfg.get("quantization_config") else "float32"  # vLLM's FP8 methods need 16-bit
+        config = VllmConfig(model_config=model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"), dtype),
+                            parallel_config=ParallelConfig(tensor_parallel_size=world_size))
+        with set_current_vllm_config(config):
+            model = initialize_model(vllm_config=config)
+        out[key] = {n: (tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()}
     return out

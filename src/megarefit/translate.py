@@ -23,6 +23,7 @@ from megarefit.errors import (LayoutError, MegarefitError, MissingParameterError
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
+from megarefit.quant import Fp8Format, quantize_state, resolve_quantization
 from megarefit.receiver import materialize, run_refit_cycle
 from megarefit.specs.table import ExpertLayout, LayerSpec, Role, Stage, canonical_name
 from megarefit.transport.local import LocalTransport
@@ -138,8 +139,8 @@ def _infer_etp(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch.T
 
 
 def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                   etp: int | None = None,
-                   make_vocab_size_divisible_by: int | None = None) -> dict[str, torch.Tensor]:
+                   etp: int | None = None, make_vocab_size_divisible_by: int | None = None,
+                   quantization: str | Fp8Format | None = "auto") -> dict[str, torch.Tensor]:
     """Translate Megatron-Core shards to full HF checkpoint tensors.
 
     Args:
@@ -151,6 +152,11 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
             the expert shards' shapes.
         make_vocab_size_divisible_by: Megatron's vocab padding divisor; by
             default inferred from the embedding shard's row count.
+        quantization: ``"auto"`` (default): the config's ``quantization_config``;
+            ``"fp8"``: block FP8 (:mod:`megarefit.quant`): every linear weight becomes
+            ``...weight`` float8_e4m3fn plus ``...weight_scale_inv`` float32
+            ``[ceil(N/128), ceil(K/128)]``, bit-identical to vLLM's
+            ``per_block_cast_to_fp8``; ``"none"``: the shards' dtype.
 
     The norm spelling (local / Transformer-Engine spec) and the expert layout
     (SequentialMLP / TE grouped) are detected from the names.
@@ -168,9 +174,11 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
         UnknownParameterError: a name matches no spec-table row (names tensor and rank).
         MissingParameterError / UnexpectedParameterError: names differ from the layout.
         ShapeMismatchError: a shard's shape or dtype disagrees with the config.
+        UnsupportedQuantizationError: a quantization method megarefit does not produce.
     """
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
+    fmt = resolve_quantization(quantization, cfg)
     tensors = normalize_shards(shards)
     outside = sorted(r for r in tensors if not (r.tp < tp and r.pp < pp and r.ep < ep))
     if outside or not tensors:
@@ -188,7 +196,8 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     plan = plan_megatron_to_hf(dims, layout, _model_dtype(tensors))
     check_shapes(plan, tensors)
     device = next(t for params in tensors.values() for t in params.values()).device
-    return dict(run_refit_cycle(plan, LocalTransport(tensors), device=device))
+    out = dict(run_refit_cycle(plan, LocalTransport(tensors), device=device))
+    return quantize_state(out, dims, fmt) if fmt is not None else out
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,

@@ -204,6 +204,11 @@ class ParamSpec:
         expert_layout: the expert storage this spelling belongs to; ``None`` for all.
         dtype: a dtype the tensor always has, whatever the model's (the fp32
             router ``expert_bias`` buffer of a bf16 model); ``None``: the model dtype.
+        linear: the row is the weight of a linear layer of attention, an MLP or an
+            expert, which block-FP8 checkpoints store quantized (``None``: 2-D rows of
+            every role but ``replicated`` and ``vocab``; set where a replicated tensor is
+            such a weight, e.g. MLA down-projections in the TE spec). Embeddings,
+            ``lm_head``, norms, the router gate and biases never are.
     """
 
     megatron: str
@@ -216,6 +221,7 @@ class ParamSpec:
     layer_kind: LayerKind | None = None
     expert_layout: ExpertLayout | None = None
     dtype: str | None = None
+    linear: bool | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -249,6 +255,13 @@ class ParamSpec:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+    @property
+    def is_linear_weight(self) -> bool:
+        """A linear layer's 2-D weight (what block-FP8 checkpoints quantize), see ``linear``."""
+        if self.linear is not None:
+            return self.linear
+        return self.role not in (Role.REPLICATED, Role.VOCAB) and len(self.shape) == 2
 
     def matches(self, name: str) -> bool:
         """Whether ``name`` fits this row's pattern (conditions not considered)."""
