@@ -56,17 +56,33 @@ def test_quantizer_is_bit_identical_to_vllm(rows, cols, dtype, ue8m0, magnitude,
     assert got[0] is out and got[1] is scale and same_fp8(got, ours)
 
 
-@pytest.mark.parametrize(("family", "name", "tp", "pp", "ep", "etp"), [
-    ("qwen3", "Qwen3-0.6B", 2, 2, 1, 2), ("llama", "Llama-3.1-8B", 2, 1, 1, 2),
-    ("qwen3_moe", "Qwen3-30B-A3B", 2, 1, 2, 1), ("mixtral", "Mixtral-8x7B-v0.1", 1, 1, 2, 1)])
-def test_megatron_to_hf_fp8_equals_vllm_quantization_of_the_hf_tensors(family, name, tp, pp, ep, etp):
-    dims = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 384,
-            "vocab_size": 300}
+ALIGNED = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+           "intermediate_size": 512, "vocab_size": 300}  # every per-rank piece spans whole 128-blocks at tp=2
+SMALL = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "intermediate_size": 384, "vocab_size": 300}  # q/k/v rows per group, ffn / tp = 192: blocks straddle
+
+
+@pytest.mark.parametrize(("family", "name", "tp", "pp", "ep", "etp", "dims", "where"), [
+    ("qwen3", "Qwen3-0.6B", 2, 2, 1, 2, ALIGNED, "trainer"),
+    ("qwen3", "Qwen3-0.6B", 2, 1, 1, 2, SMALL, "both"),  # k/v rows per group (64) straddle; o_proj does not
+    ("llama", "Llama-3.1-8B", 2, 1, 1, 2, SMALL | {"head_dim": 128}, "both"),
+    ("qwen3_moe", "Qwen3-30B-A3B", 2, 1, 2, 1, ALIGNED | {"moe_intermediate_size": 256}, "trainer"),
+    ("qwen3_moe", "Qwen3-30B-A3B", 2, 1, 1, 2, ALIGNED | {"moe_intermediate_size": 160}, "both"),
+    ("mixtral", "Mixtral-8x7B-v0.1", 1, 1, 2, 1, ALIGNED | {"intermediate_size": 160}, "both"),  # w2 edge blocks
+    ("mixtral", "Mixtral-8x7B-v0.1", 2, 1, 2, 1, ALIGNED, "trainer"),
+], ids=["qwen3-aligned", "qwen3-straddling", "llama-mixed", "qwen3moe-aligned", "qwen3moe-etp2-mixed",
+        "mixtral-ep2-edge-blocks", "mixtral-tp2-ep2"])
+def test_megatron_to_hf_fp8_equals_vllm_quantization_of_the_hf_tensors(family, name, tp, pp, ep, etp, dims, where):
+    """Each quantized weight equals vLLM's quantization of the full HF tensor, whether the
+    trainer quantized its shard (blocks inside one shard, edge blocks included) or the
+    receiver quantized after assembly (blocks straddling shards); the plan says which."""
+    from megarefit import SourceLayout, plan_megatron_to_hf
+    from megarefit.quant.planning import plan_fp8, where_quantized
+
     if family in ("qwen3_moe", "mixtral"):
         from moe_cases import moe_config
 
-        cfg = moe_config(name, **(dims | ({"moe_intermediate_size": 160, "head_dim": 64} if family == "qwen3_moe"
-                                          else {"intermediate_size": 160})))
+        cfg = moe_config(name, **dims)
         hf = moe_hf_state(cfg, family, seed=3, dtype=torch.bfloat16)
         shards = moe_reference_shards(hf, cfg, family, tp=tp, pp=pp, ep=ep, etp=etp)
     else:
@@ -76,7 +92,8 @@ def test_megatron_to_hf_fp8_equals_vllm_quantization_of_the_hf_tensors(family, n
     got = megarefit.megatron_to_hf(shards, cfg, tp=tp, pp=pp, ep=ep, etp=etp, quantization="fp8")
     quantized = {n for n in hf if n.endswith("proj.weight") or ".experts." in n or n.endswith((".w1.weight",
                                                                                               ".w2.weight", ".w3.weight"))}
-    assert quantized and quantized == set(quantized_weight_names(ModelDims.from_hf_config(cfg)))
+    model = ModelDims.from_hf_config(cfg)
+    assert quantized and quantized == set(quantized_weight_names(model))
     assert got.keys() == set(hf) | {scale_name(n) for n in quantized}
     for n, w in hf.items():
         if n in quantized:
@@ -85,6 +102,32 @@ def test_megatron_to_hf_fp8_equals_vllm_quantization_of_the_hf_tensors(family, n
             assert got[n].dtype == torch.bfloat16 and torch.equal(got[n], w), n
     assert sum(t.numel() * t.element_size() for t in got.values()) < 0.56 * sum(
         t.numel() * t.element_size() for t in hf.values())
+    layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=model.padded_vocab_size(tp),
+                                num_layers=model.num_layers)
+    places = where_quantized(plan_fp8(plan_megatron_to_hf(model, layout, "bfloat16"), Fp8Format()))
+    assert places.keys() == quantized
+    kinds = {"trainer" if p == "trainer" else "receiver" for p in places.values()}
+    assert kinds == ({"trainer", "receiver"} if where == "both" else {where}), places
+    assert all("block grid" in p for p in places.values() if p != "trainer")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["llama", "qwen2", "qwen3"]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+       st.sampled_from([64, 128, 192]), st.sampled_from([1, 2]), st.sampled_from([128, 192, 256, 320]),
+       st.sampled_from([128, 256]), st.integers(0, 99))
+def test_fp8_translation_is_bit_identical_over_dims(family, tp, pp, head_dim, hq, ffn, hidden, seed):
+    """Dims that align with the 128 grid and ones that do not, trainer tp / pp: every
+    quantized weight equals vLLM's quantization of the HF tensor."""
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    cfg = {"architectures": [arch], "model_type": family, "hidden_size": hidden, "num_attention_heads": 2 * hq,
+           "num_key_value_heads": 2, "head_dim": head_dim, "intermediate_size": ffn * tp, "num_hidden_layers": 2,
+           "vocab_size": 130, "tie_word_embeddings": bool(seed % 2)}
+    hf = reference_hf_state(cfg, family, seed, dtype=torch.bfloat16)
+    got = megarefit.megatron_to_hf(reference_shards(hf, cfg, tp=tp, pp=pp), cfg, tp=tp, pp=pp, quantization="fp8")
+    quantized = quantized_weight_names(ModelDims.from_hf_config(cfg))
+    for n, w in hf.items():
+        assert (same_fp8((got[n], got[scale_name(n)]), vllm_quantize(w)) if n in quantized
+                else torch.equal(got[n], w)), n
 
 
 def test_quantization_settings_and_refusals():

@@ -160,11 +160,28 @@ def _squeeze_leading(lengths: tuple[int, ...], keep: int = 2) -> tuple[int, ...]
 
 
 @dataclass(frozen=True)
+class QuantizeStep:
+    """Block-FP8 quantization on the receiver, after the pulls: ``staging`` (a target the
+    ops fill, in the model dtype, never handed over) becomes ``weight`` (float8_e4m3fn,
+    same shape) and ``scale`` (float32 ``[ceil(N/block[0]), ceil(K/block[1])]``), two
+    targets no op writes. ``reason`` says why the trainer could not quantize it."""
+
+    staging: TensorRef
+    weight: TensorRef
+    scale: TensorRef
+    block: tuple[int, int]
+    ue8m0: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class Plan:
     """A validated list of copy ops and the tensors they touch.
 
     ``ops`` are grouped by target, targets in ``targets`` order, so a receiver
-    can finish (and hand over) one target tensor at a time.
+    can finish (and hand over) one target tensor at a time. ``quantize`` lists the
+    receiver-side FP8 steps (their staging targets are filled by ops and not handed
+    over; their weight / scale targets are produced by the step).
     """
 
     direction: Direction
@@ -175,6 +192,17 @@ class Plan:
     targets: Mapping[TensorRef, TensorMeta]
     ops: tuple[CopyOp, ...]
     digest: str = field(default="")
+    quantize: tuple[QuantizeStep, ...] = ()
+
+    @cached_property
+    def staging(self) -> frozenset[TensorRef]:
+        """Targets filled only to be quantized on the receiver (not handed over)."""
+        return frozenset(q.staging for q in self.quantize)
+
+    @cached_property
+    def produced(self) -> dict[TensorRef, QuantizeStep]:
+        """Targets a quantize step writes (no op does), with their step."""
+        return {ref: q for q in self.quantize for ref in (q.weight, q.scale)}
 
     @cached_property
     def ops_by_target(self) -> dict[TensorRef, tuple[CopyOp, ...]]:
@@ -208,7 +236,7 @@ class Plan:
                     None if m.storage_shape is None else list(m.storage_shape)]
 
         return {
-            "format": "megarefit.plan/2",
+            "format": "megarefit.plan/3",  # /3: quantize steps
             "direction": self.direction,
             "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(),
@@ -217,6 +245,8 @@ class Plan:
             "sources": [meta(r, m) for r, m in self.sources.items()],
             "targets": [meta(r, m) for r, m in self.targets.items()],
             "ops": [[ref(o.src), o.src_box.to_list(), ref(o.dst), o.dst_box.to_list(), o.transpose] for o in self.ops],
+            "quantize": [[ref(q.staging), ref(q.weight), ref(q.scale), list(q.block), q.ue8m0, q.reason]
+                         for q in self.quantize],
         }
 
     def to_json(self) -> str:
@@ -224,7 +254,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        if data.get("format") != "megarefit.plan/2":
+        if data.get("format") not in ("megarefit.plan/2", "megarefit.plan/3"):
             raise PlanValidationError(f"not a megarefit plan (format={data.get('format')!r})")
 
         def ref(x: list[Any]) -> TensorRef:
@@ -244,8 +274,10 @@ class Plan:
                                itemsize(sources[sr].dtype), transpose=tr,
                                src_view=sources[sr].storage_shape is not None,
                                dst_view=targets[dr].storage_shape is not None))
+        steps = tuple(QuantizeStep(ref(st), ref(w), ref(sc), tuple(b), ue, why)  # type: ignore[arg-type]
+                      for st, w, sc, b, ue, why in data.get("quantize", []))
         plan = cls(data["direction"], ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]), data["dtype"],
-                   sources, targets, tuple(ops), data["digest"])
+                   sources, targets, tuple(ops), data["digest"], steps)
         validate_plan(plan)
         return plan
 
@@ -302,7 +334,22 @@ def validate_plan(plan: Plan) -> None:
         ):
             raise PlanValidationError(f"op {op.src} -> {op.dst}: kind/offsets inconsistent with its boxes")
         boxes[op.dst].append((op.dst_box, str(op.src)))
+    produced = plan.produced
+    for step in plan.quantize:
+        staging, weight, scale = (plan.targets.get(r) for r in (step.staging, step.weight, step.scale))
+        if staging is None or weight is None or scale is None:
+            raise PlanValidationError(f"quantize step for {step.weight}: staging / weight / scale not declared")
+        want_scale = tuple(-(-n // b) for n, b in zip(staging.shape, step.block))
+        if len(staging.shape) != 2 or weight.shape != staging.shape or weight.dtype != "float8_e4m3fn" or (
+                scale.shape != want_scale or scale.dtype != "float32"):
+            raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
+                                      f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "
+                                      f"(expected {want_scale})")
     for ref, meta in plan.targets.items():
+        if ref in produced:
+            if ref in boxes:
+                raise PlanValidationError(f"target {ref}: written by ops and by its quantize step")
+            continue
         entries = boxes.get(ref, []) + [(b, "zero fill") for b in meta.zero_fill]
         for b, who in entries:
             if not b.within(meta.shape):

@@ -16,7 +16,7 @@ import torch
 
 from megarefit.errors import MegarefitError, ShapeMismatchError
 from megarefit.layout import Box
-from megarefit.plan import Plan, TensorRef
+from megarefit.plan import Plan, QuantizeStep, TensorRef
 from megarefit.transport.base import Transport
 
 
@@ -77,22 +77,30 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
             _VALIDATED.clear()
         _VALIDATED.add(key)  # warm cycles into the same buffers skip the checks
     batched = False
+    produced = plan.produced
     if buffers and hasattr(transport, "pull_batch") and all(ref in buffers for ref in plan.targets):
         # every target has a buffer: one batched pull (no streaming needed), then yield
         t0 = time.perf_counter()
         for ref, meta in plan.targets.items():
             for box in meta.zero_fill:
                 buffers[ref][box.slices()].zero_()
-        transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets], key=key)
+        transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets if ref not in produced], key=key)
+        for step in plan.quantize:
+            run_quantize_step(step, buffers[step.staging], buffers[step.weight], buffers[step.scale])
         batched = True
         if stats is not None:
             stats.pull_s += time.perf_counter() - t0
             stats.bytes_copied += plan.nbytes
+    done: dict[TensorRef, torch.Tensor] = {}  # quantize-step outputs waiting for their turn
+    steps = {q.staging: q for q in plan.quantize}
     for ref, meta in plan.targets.items():
         ops = by_target[ref]
         t0 = time.perf_counter()
         tensor = None
         buf = buffers.get(ref) if buffers else None
+        if ref in produced and not batched:
+            yield ref, done.pop(ref)
+            continue
         if batched:
             tensor = buffers[ref]  # type: ignore[index]
         elif buf is not None:
@@ -119,7 +127,23 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         if stats is not None:
             stats.pull_s += time.perf_counter() - t0
             stats.tensors += 1
+        step = steps.get(ref)
+        if step is not None:  # staging: quantize now, hand over the FP8 weight and its scales in their turn
+            if not batched:
+                out = {r: buffers[r] if buffers and r in buffers else torch.empty(
+                    plan.targets[r].shape, dtype=torch_dtype(plan.targets[r].dtype), device=tensor.device)
+                       for r in (step.weight, step.scale)}
+                run_quantize_step(step, tensor, out[step.weight], out[step.scale])
+                done.update(out)
+            continue
         yield ref, tensor
+
+
+def run_quantize_step(step: QuantizeStep, staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Block-quantize the staging tensor into the step's FP8 weight and scale buffers."""
+    from megarefit.quant.fp8 import Fp8Format, quantize_fp8
+
+    quantize_fp8(staging, Fp8Format(step.block, step.ue8m0), out=weight, scale_out=scale)
 
 
 def run_refit_cycle(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",

@@ -23,7 +23,8 @@ from megarefit.errors import (LayoutError, MegarefitError, MissingParameterError
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
-from megarefit.quant import Fp8Format, quantize_state, resolve_quantization
+from megarefit.quant import Fp8Format, resolve_quantization
+from megarefit.quant.planning import plan_fp8, quantize_shard, scale_ref
 from megarefit.receiver import materialize, run_refit_cycle
 from megarefit.specs.table import ExpertLayout, LayerSpec, Role, Stage, canonical_name
 from megarefit.transport.local import LocalTransport
@@ -156,7 +157,9 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
             ``"fp8"``: block FP8 (:mod:`megarefit.quant`): every linear weight becomes
             ``...weight`` float8_e4m3fn plus ``...weight_scale_inv`` float32
             ``[ceil(N/128), ceil(K/128)]``, bit-identical to vLLM's
-            ``per_block_cast_to_fp8``; ``"none"``: the shards' dtype.
+            ``per_block_cast_to_fp8``; each shard is quantized on its own block grid
+            where the blocks allow (as a trainer would), the rest after assembly
+            (:func:`~megarefit.quant.planning.plan_fp8`); ``"none"``: the shards' dtype.
 
     The norm spelling (local / Transformer-Engine spec) and the expert layout
     (SequentialMLP / TE grouped) are detected from the names.
@@ -196,8 +199,14 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     plan = plan_megatron_to_hf(dims, layout, _model_dtype(tensors))
     check_shapes(plan, tensors)
     device = next(t for params in tensors.values() for t in params.values()).device
-    out = dict(run_refit_cycle(plan, LocalTransport(tensors), device=device))
-    return quantize_state(out, dims, fmt) if fmt is not None else out
+    if fmt is not None:  # as the trainers would: FP8 shards where blocks allow, the rest quantized after the pull
+        plan = plan_fp8(plan, fmt)
+        tensors = {rank: dict(params) for rank, params in tensors.items()}
+        for ref in (r for r, m in plan.sources.items() if m.dtype == "float8_e4m3fn"):
+            weight, scale = quantize_shard(tensors[ref.rank][ref.name], fmt)
+            tensors[ref.rank][ref.name] = weight
+            tensors[ref.rank][scale_ref(ref).name] = scale
+    return dict(run_refit_cycle(plan, LocalTransport(tensors), device=device))
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,

@@ -1,0 +1,172 @@
+"""Block-FP8 plans: where each quantized weight is quantized, and the ops that move it.
+
+:func:`plan_fp8` turns a Megatron -> HF plan into one whose quantized weights arrive as
+``weight`` (float8_e4m3fn) + ``weight_scale_inv`` (float32). A trainer quantizes its
+own shard on the shard's *local* block grid; that equals the HF tensor's *global* grid
+exactly when every piece of the shard starts on a block boundary in both tensors and
+spans whole blocks (or ends where both tensors end)::
+
+    HF q_proj rows      0        128       256       384
+                        |  blk 0  |  blk 1  |  blk 2  |          q rows per rank = 256:
+    rank 0 shard rows   0        128      256                    each piece starts on the
+    rank 1 shard rows                     0        128      256  grid -> trainer-side
+                                                                 q rows per rank = 192:
+    rank 1 shard rows                0 (HF row 192)              HF block 1 straddles
+                                                                 ranks 0 and 1 -> receiver
+
+Then the trainer serves the shard as FP8 under its own name plus ``<name>_scale_inv``
+(float32 ``[ceil(rows/128), ceil(cols/128)]``), and each op moves FP8 bytes (half of
+bf16) while a matching op moves the scale rows / columns (the same boxes divided by the
+block: a column-parallel shard's scale rows are contiguous, a row-parallel shard's
+scale columns strided). Where a block would straddle shards (or the source is a
+transposed legacy GroupedMLP block), the plan pulls the model dtype into a staging
+target and a :class:`~megarefit.plan.QuantizeStep` quantizes it on the receiver; the
+step's ``reason`` names the tensor, rank, dim and offsets. Both paths are bit-identical
+to vLLM's ``per_block_cast_to_fp8`` of the full HF tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarefit.layout import Box, RankCoord
+from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, validate_plan
+from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, quantize_fp8
+from megarefit.quant.scheme import quantized_weight_names
+
+SCALE_SUFFIX = "_scale_inv"
+STAGING_SUFFIX = ":staging"  # receiver-side staging target of a quantized weight (model dtype)
+
+
+def scale_ref(ref: TensorRef) -> TensorRef:
+    """The scale tensor of an FP8 tensor: ``name`` -> ``name_scale_inv`` (trainer shards and HF
+    weights alike: ``...linear_qkv.weight_scale_inv``, ``...q_proj.weight_scale_inv``)."""
+    return TensorRef(ref.rank, ref.name + SCALE_SUFFIX)
+
+
+def _misaligned(op: CopyOp, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], fmt: Fp8Format) -> str | None:
+    """Why ``op``'s bytes cannot be quantized on its source's local block grid, or ``None``."""
+    where = f"{op.src.name} on rank {op.src.rank}"
+    if op.transpose or op.src_view is not None:
+        return f"{where}: legacy GroupedMLP blocks are stored transposed"
+    if len(src_shape) != 2 or len(dst_shape) != 2:
+        return f"{where}: not a 2-D shard"
+    for d, b in enumerate(fmt.block):
+        so, do, n = op.src_box.offsets[d], op.dst_box.offsets[d], op.src_box.lengths[d]
+        ends = so + n == src_shape[d] and do + n == dst_shape[d]
+        if so % b or do % b or (n % b and not ends):
+            what = "rows" if d == 0 else "columns"
+            return (f"{where}: {what} [{so}, {so + n}) land at {op.dst.name} {what} [{do}, {do + n}), off the "
+                    f"{b}-{what[:-1]} block grid")
+    return None
+
+
+def _scale_box(box: Box, fmt: Fp8Format) -> Box:
+    return Box(tuple(o // b for o, b in zip(box.offsets, fmt.block)),
+               tuple(-(-n // b) for n, b in zip(box.lengths, fmt.block)))
+
+
+_CACHE: dict[tuple[str, Fp8Format], Plan] = {}
+
+
+def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
+    """``plan`` (Megatron -> HF or -> vLLM) with every quantized weight (see
+    :func:`~megarefit.quant.quantized_weight_names`) delivered as block FP8.
+
+    Trainer-side where the blocks allow (the sources become float8_e4m3fn shards plus
+    ``<name>_scale_inv`` sources); receiver-side otherwise (a staging target and a
+    :class:`QuantizeStep`). Cached per (plan digest, format).
+
+    Raises:
+        PlanValidationError: internal inconsistency (a bug).
+    """
+    cached = _CACHE.get((plan.digest, fmt))
+    if cached is not None:
+        return cached
+    names = quantized_weight_names(plan.dims)
+    by_target = plan.ops_by_target
+    quantized = [t for t in plan.targets if t.name in names]
+    reasons: dict[TensorRef, str] = {}  # source -> why it cannot be quantized where it lives
+    for t in quantized:
+        for op in by_target[t]:
+            why = _misaligned(op, plan.sources[op.src].shape, plan.targets[t].shape, fmt)
+            if why is not None:
+                reasons.setdefault(op.src, why)
+    trainer = {t for t in quantized if not any(op.src in reasons for op in by_target[t])}
+    while True:  # a source some receiver-side target reads must stay in the model dtype
+        bf16 = {op.src for t in quantized if t not in trainer for op in by_target[t]}
+        moved = {t for t in trainer if any(op.src in bf16 for op in by_target[t])}
+        if not moved:
+            break
+        for t in moved:
+            src = next(op.src for op in by_target[t] if op.src in bf16)
+            reasons.setdefault(src, f"{src.name} on rank {src.rank} also feeds a receiver-quantized tensor")
+        trainer -= moved
+    fp8_sources = {op.src for t in trainer for op in by_target[t]}
+    sources: dict[TensorRef, TensorMeta] = {}
+    for ref, meta in plan.sources.items():
+        if ref in fp8_sources:
+            sources[ref] = TensorMeta(meta.shape, "float8_e4m3fn")
+            sources[scale_ref(ref)] = TensorMeta(fmt.scale_shape(meta.shape), "float32")
+        else:
+            sources[ref] = meta
+    targets: dict[TensorRef, TensorMeta] = {}
+    ops: list[CopyOp] = []
+    steps: list[QuantizeStep] = []
+    for ref, meta in plan.targets.items():
+        if ref in trainer:
+            sref, sshape = scale_ref(ref), fmt.scale_shape(meta.shape)
+            targets[ref] = TensorMeta(meta.shape, "float8_e4m3fn")
+            targets[sref] = TensorMeta(sshape, "float32")
+            for op in by_target[ref]:
+                ops.append(make_op(op.src, sources[op.src].shape, op.src_box, ref, meta.shape, op.dst_box, 1))
+            for op in by_target[ref]:
+                src_scale = scale_ref(op.src)
+                ops.append(make_op(src_scale, sources[src_scale].shape, _scale_box(op.src_box, fmt), sref, sshape,
+                                   _scale_box(op.dst_box, fmt), 4))
+        elif ref in quantized:
+            staging = TensorRef(None, ref.name + STAGING_SUFFIX)
+            targets[staging] = meta
+            targets[ref] = TensorMeta(meta.shape, "float8_e4m3fn")
+            targets[scale_ref(ref)] = TensorMeta(fmt.scale_shape(meta.shape), "float32")
+            for op in by_target[ref]:
+                ops.append(make_op(op.src, sources[op.src].shape, op.src_box, staging, meta.shape, op.dst_box,
+                                   op.itemsize, transpose=op.transpose, src_view=op.src_view is not None))
+            why = next(reasons[op.src] for op in by_target[ref] if op.src in reasons)
+            steps.append(QuantizeStep(staging, ref, scale_ref(ref), fmt.block, fmt.ue8m0, why))
+        else:
+            targets[ref] = meta
+            ops.extend(by_target[ref])
+    out = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, tuple(ops),
+               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps))
+    validate_plan(out)
+    if len(_CACHE) >= 64:
+        _CACHE.clear()
+    _CACHE[(plan.digest, fmt)] = out
+    return out
+
+
+def fp8_sources(plan: Plan, rank: RankCoord) -> list[TensorRef]:
+    """The sources ``rank`` serves as FP8 under ``plan`` (each with a ``_scale_inv`` source)."""
+    return [ref for ref, meta in plan.sources.items()
+            if ref.rank == rank and meta.dtype == "float8_e4m3fn"]
+
+
+@torch.no_grad()
+def quantize_shard(tensor: torch.Tensor, fmt: Fp8Format, out: torch.Tensor | None = None,
+                   scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's shard on its local block grid (what a Publisher serves for an FP8 source)."""
+    return quantize_fp8(tensor, fmt, out=out, scale_out=scale_out)
+
+
+def where_quantized(plan: Plan) -> dict[str, str]:
+    """HF weight name -> ``"trainer"`` or ``"receiver: <reason>"`` for every FP8 target."""
+    out = {q.weight.name: f"receiver: {q.reason}" for q in plan.quantize}
+    for ref, meta in plan.targets.items():
+        if meta.dtype == "float8_e4m3fn" and ref.name not in out:
+            out[ref.name] = "trainer"
+    return out
+
+
+__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "plan_fp8", "quantize_shard", "scale_ref",
+           "where_quantized"]
