@@ -65,3 +65,59 @@ def test_two_sharded_receivers_over_nixl(family, expert_parallel, tmp_path):
         assert stats.wire_bytes == stats.bytes_moved if expert_parallel else stats.wire_bytes > stats.bytes_moved
         moved += receiver.stats.bytes_moved
     assert full <= moved < 1.2 * full  # about the model once over both workers (replicated parts twice)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["aligned", "straddling"])
+def test_fp8_refit_over_nixl(head_dim, tmp_path):
+    """Trainers publish block FP8 (quantization="fp8"): shards whose blocks lie inside the
+    rank are quantized by the Publisher into buffers registered once and re-filled on every
+    publish; the receiver pulls FP8 + scales, and quantizes after the pull what straddles
+    ranks. Every quantized weight equals vLLM's per_block_cast_to_fp8 of the HF tensor;
+    with aligned dims the wire carries about half the bf16 bytes."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from megarefit.quant import quantized_weight_names, scale_name
+
+    cfg = moe_config("Qwen3-30B-A3B", hidden_size=256, head_dim=head_dim, moe_intermediate_size=256,
+                     intermediate_size=512)
+    hf = {k: v.to(torch.bfloat16) for k, v in hf_checkpoint_state(cfg, tmp_path, seed=7).items()}
+    tp, ep = 2, 2
+    shards = megatron_shards(hf, cfg, "qwen3_moe", tp, ep, 1, "te_grouped", "local")
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=tp, pp=1, ep=ep, etp=1, padded_vocab_size=dims.padded_vocab_size(tp),
+                                num_layers=dims.num_layers, expert_layout="te_grouped")
+    job = f"fp8-{head_dim}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r), tp=tp, pp=1, ep=ep,
+                      etp=1, expert_layout="te_grouped", rendezvous=rdzv, agent_name=f"{job}-trainer-{r.tp}-{r.ep}",
+                      quantization="fp8") for r in layout.ranks()]
+    registrations = [p.counters["registrations"] for p in pubs]
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=10)
+    got = {n: t.clone() for n, t in receiver.run_refit_cycle(1)}
+    quantized = quantized_weight_names(dims)
+    assert got.keys() == set(hf) | {scale_name(n) for n in quantized}
+    for name, w in hf.items():
+        if name in quantized:
+            q, s = per_block_cast_to_fp8(w, [128, 128])
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+                got[scale_name(name)], s), name
+        else:
+            assert torch.equal(got[name], w), name
+    full_bf16 = sum(t.numel() * t.element_size() for t in hf.values())
+    stats = receiver.stats
+    if head_dim == 128:  # every block inside one shard: FP8 on the wire
+        assert "pull.quantize" not in stats.seconds and stats.wire_bytes < 0.55 * full_bf16
+    else:  # q/k/v rows per group straddle blocks: those are pulled in bf16 and quantized here
+        assert stats.seconds["pull.quantize"] > 0 and 0.55 * full_bf16 < stats.wire_bytes < full_bf16
+    # a second version: publishers re-fill the same registered buffers, the receiver re-posts its READs
+    for p in pubs:
+        for t in p.params.values():
+            t.mul_(2)  # powers of two scale exactly: FP8 bytes stay, scales double
+        p.publish(2)
+    again = dict(receiver.run_refit_cycle(2))
+    assert [p.counters["registrations"] for p in pubs] == registrations and not receiver.stats.cold
+    some = next(iter(sorted(quantized)))
+    assert torch.equal(again[some].view(torch.uint8), got[some].view(torch.uint8))
+    assert torch.equal(again[scale_name(some)], 2 * got[scale_name(some)])

@@ -18,7 +18,7 @@ from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import digest_of
 
-FORMAT = "megarefit.manifest/2"  # /2: per-tensor NIXL memory type and device
+FORMAT = "megarefit.manifest/3"  # /2: per-tensor NIXL memory type and device; /3: quantization
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,24 @@ class Manifest:
     agent: str  # NIXL agent name serving this rank's bytes
     tensors: tuple[TensorEntry, ...]
     format: str = FORMAT
+    dtype: str = ""  # the model dtype (what the trainer trains in); quantized tensors are served as float8
+    quantization: tuple[tuple[int, int], bool] | None = None  # block FP8: (block, ue8m0); None: unquantized
+
+    @property
+    def model_dtype(self) -> str:
+        """The model dtype: ``dtype`` when given, else the dtype most tensors have."""
+        if self.dtype:
+            return self.dtype
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        return max(counts, key=counts.__getitem__)
 
     @property
     def layout_digest(self) -> str:
         """Digest of what decides the plan: dims, layout, dtypes (not addresses, not version)."""
-        return digest_of(self.dims.to_dict(), self.layout.to_dict(), sorted({t.dtype for t in self.tensors}))
+        return digest_of(self.dims.to_dict(), self.layout.to_dict(), sorted({t.dtype for t in self.tensors}),
+                         self.dtype, self.quantization)
 
     @property
     def memory_digest(self) -> str:
@@ -64,7 +77,8 @@ class Manifest:
     def to_json(self) -> str:
         data: dict[str, Any] = {
             "format": self.format, "rank": list(self.rank), "dims": self.dims.to_dict(),
-            "layout": self.layout.to_dict(), "agent": self.agent,
+            "layout": self.layout.to_dict(), "agent": self.agent, "dtype": self.dtype,
+            "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
             "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes, t.mem,
                          t.dev] for t in self.tensors],
         }
@@ -79,8 +93,10 @@ class Manifest:
                                  "trainer and receiver megarefit?)")
         tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b, m, v)
                         for n, r, d, s, g, a, b, m, v in data["tensors"])
+        quant = data.get("quantization")
         return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
-                   data["agent"], tensors)
+                   data["agent"], tensors, dtype=data.get("dtype", ""),
+                   quantization=None if quant is None else (tuple(quant[0]), bool(quant[1])))
 
     def summary(self) -> dict[str, Any]:
         return {"rank": tuple(self.rank), "agent": self.agent, "tensors": len(self.tensors),

@@ -30,7 +30,9 @@ from megarefit.layout import RankCoord
 from megarefit.manifest import Manifest
 from megarefit.plan import Plan, TensorRef
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.receiver import torch_dtype
+from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
+from megarefit.quant.planning import plan_fp8
+from megarefit.receiver import run_quantize_step, torch_dtype
 from megarefit.rendezvous import Rendezvous
 from megarefit.transport.nixl import NixlTransport
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
@@ -91,6 +93,7 @@ class RefitReceiver:
         self._raw: dict[RankCoord, bytes] = {}
         self._checked: tuple[str, ...] = ()
         self._plan: Plan | None = None
+        self._fmt: Fp8Format | None = None
         self._buffers: dict[TensorRef, torch.Tensor] = {}
         self.plans_built = 0
 
@@ -129,18 +132,25 @@ class RefitReceiver:
             if m.dims != first.dims or m.layout != first.layout:
                 raise LayoutError(f"rank {rank} publishes dims/layout {m.layout.to_dict()} that differ from rank "
                                   f"{first.rank}'s {first.layout.to_dict()}")
-        counts: dict[str, int] = {}
-        for m in manifests.values():
-            for t in m.tensors:
-                counts[t.dtype] = counts.get(t.dtype, 0) + 1
-        dtype = max(counts, key=counts.__getitem__)  # the model dtype; per-tensor dtypes checked below
+            if m.quantization != first.quantization:
+                raise LayoutError(f"rank {rank} publishes quantization {m.quantization}, rank {first.rank} "
+                                  f"{first.quantization}")
+        dtype = first.model_dtype  # per-tensor dtypes (fp32 router bias, float8 shards) checked below
+        fmt = None if first.quantization is None else Fp8Format(*first.quantization)
         plan = self._plan
-        if plan is not None and plan.dims == first.dims and plan.layout == first.layout and plan.dtype == dtype:
+        if plan is not None and (plan.dims, plan.layout, plan.dtype, self._fmt) == (first.dims, first.layout, dtype,
+                                                                                   fmt):
             return plan, False
         if self.target is not None:
+            if fmt is not None:
+                raise UnsupportedQuantizationError("the trainers publish block FP8; vLLM-sharded FP8 targets are not "
+                                                   "planned yet: use full HF tensors (target=None)")
             plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target)
         else:
             plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
+            if fmt is not None:
+                plan = plan_fp8(plan, fmt)
+        self._fmt = fmt
         self.plans_built += 1
         self._plan = plan
         self._checked = ()
@@ -161,7 +171,10 @@ class RefitReceiver:
         if key == self._checked:
             return
         entries = {r: m.by_name() for r, m in manifests.items()}
+        read = {op.src for op in plan.ops}
         for ref, meta in plan.sources.items():
+            if ref not in read:
+                continue  # e.g. experts another receiver owns
             entry = entries[ref.rank].get(ref.name)
             if entry is None:
                 raise MissingParameterError(f"trainer rank {ref.rank} does not publish {ref.name} "
@@ -211,8 +224,16 @@ class RefitReceiver:
         prepared = self.transport.prepare(plan, manifests, self._buffers)
         lap("prepare")
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
+        t_quant = time.perf_counter()
+        for step in plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull
+            run_quantize_step(step, self._buffers[step.staging], self._buffers[step.weight], self._buffers[step.scale])
+        if plan.quantize and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        quant_s = time.perf_counter() - t_quant
         lap("pull")
         seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
+        if plan.quantize:
+            seconds["pull.quantize"] = quant_s
         after = self.rendezvous.versions(ranks)
         moved = {r: v for r, v in after.items() if v != got}
         if moved:
@@ -221,7 +242,10 @@ class RefitReceiver:
         lap("fence")
         cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
         self.stats = CycleStats(got, cold, seconds, plan.nbytes,
-                                sum(m.numel * torch_dtype(m.dtype).itemsize for m in plan.targets.values()),
+                                sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
+                                    if r not in plan.staging),
                                 prepared.wire_bytes, dict(self.counters))
+        staging = plan.staging
         for ref, tensor in self._buffers.items():
-            yield ref.name, tensor
+            if ref not in staging:
+                yield ref.name, tensor

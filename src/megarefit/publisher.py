@@ -17,6 +17,7 @@ optimizer step has finished.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,9 @@ from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
 from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stage
 from megarefit.manifest import Manifest, TensorEntry
-from megarefit.planner import global_shape, source_tensors
+from megarefit.planner import global_shape, plan_megatron_to_hf, source_tensors
+from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
+from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8, quantize_shard
 from megarefit.rendezvous import Rendezvous
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.nixl import NixlAgent, mem_type
@@ -34,6 +37,11 @@ from megarefit.transport.nixl import NixlAgent, mem_type
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _entry(name: str, role: str, t: torch.Tensor, gshape: tuple[int, ...]) -> TensorEntry:
+    return TensorEntry(name, role, _dtype_name(t.dtype), tuple(t.shape), gshape, t.data_ptr(),
+                       t.numel() * t.element_size(), *mem_type(t))
 
 
 class Publisher:
@@ -55,12 +63,15 @@ class Publisher:
                  make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
-                 vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None):
+                 vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
+                 quantization: str | Fp8Format | None = "auto"):
         if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
             rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
             pp *= vpp
         self.rank = RankCoord(*rank)
-        self.dims = ModelDims.from_hf_config(load_hf_config(hf_config))
+        cfg = load_hf_config(hf_config)
+        self.dims = ModelDims.from_hf_config(cfg)
+        self.quantization = resolve_quantization(quantization, cfg)
         self.dims.check_layout(tp, pp, ep, etp)
         self.layout = SourceLayout.build(
             tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, make_vocab_size_divisible_by),
@@ -80,19 +91,43 @@ class Publisher:
         if extra:
             raise UnexpectedParameterError(f"rank {self.rank} has {len(extra)} parameter(s) the layout does not "
                                            f"place there, e.g. {extra[:3]}")
-        entries = []
         for name, t in expected.items():
             p = self.params[name]
             if tuple(p.shape) != t.shape or not p.is_contiguous():
                 raise ShapeMismatchError(f"parameter {name} on rank {self.rank}: expected contiguous {t.shape}, "
                                          f"got {tuple(p.shape)} contiguous={p.is_contiguous()}")
-            entries.append(TensorEntry(name, t.spec.role.value, _dtype_name(p.dtype), t.shape,
-                                       global_shape(t.spec, self.dims, self.layout), p.data_ptr(),
-                                       p.numel() * p.element_size(), *mem_type(p)))
+        counts: dict[torch.dtype, int] = {}
+        for p in self.params.values():
+            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+        self.dtype = _dtype_name(max(counts, key=counts.__getitem__))
+        # FP8: the shards whose blocks lie inside this rank are served quantized, from buffers
+        # allocated and registered once and re-filled by every publish() (quant/planning.py)
+        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.quantization is not None:
+            plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
+            for ref in fp8_sources(plan, self.rank):
+                p = self.params[ref.name]
+                self.fp8[ref.name] = (torch.empty(p.shape, dtype=FP8_DTYPE, device=p.device),
+                                      torch.empty(self.quantization.scale_shape(tuple(p.shape)), dtype=torch.float32,
+                                                  device=p.device))
+        entries, served = [], []
+        for name, t in expected.items():
+            gshape = global_shape(t.spec, self.dims, self.layout)
+            if name in self.fp8:
+                weight, scale = self.fp8[name]
+                entries.append(_entry(name, t.spec.role.value, weight, gshape))
+                entries.append(_entry(name + SCALE_SUFFIX, "fp8_scale", scale, self.quantization.scale_shape(gshape)))
+                served += [weight, scale]
+            else:
+                entries.append(_entry(name, t.spec.role.value, self.params[name], gshape))
+                served.append(self.params[name])
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
-        self.agent.register([self.params[e.name] for e in entries])
-        self.manifest = Manifest(self.rank, self.dims, self.layout, name, tuple(entries))
+        self.agent.register(served)
+        quant = None if self.quantization is None else (self.quantization.block, self.quantization.ue8m0)
+        self.manifest = Manifest(self.rank, self.dims, self.layout, name, tuple(entries), dtype=self.dtype,
+                                 quantization=quant)
+        self.last_quantize_s = 0.0
         self.rendezvous = rendezvous
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
@@ -108,7 +143,15 @@ class Publisher:
                 (e.g. re-allocated by a resharding step); create a new Publisher.
         """
         for entry in self.manifest.tensors:
-            if self.params[entry.name].data_ptr() != entry.addr:
+            if entry.name in self.params and entry.name not in self.fp8 and (
+                    self.params[entry.name].data_ptr() != entry.addr):
                 raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
                                          "re-create the Publisher")
+        if self.fp8:  # quantize the new weights into the registered FP8 buffers (nothing allocated)
+            t0 = time.perf_counter()
+            for name, (weight, scale) in self.fp8.items():
+                quantize_shard(self.params[name].detach(), self.quantization, out=weight, scale_out=scale)
+            if weight.is_cuda:
+                torch.cuda.synchronize(weight.device)
+            self.last_quantize_s = time.perf_counter() - t0
         self.rendezvous.publish_version(self.rank, version)
