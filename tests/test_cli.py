@@ -55,6 +55,20 @@ def test_demo_passes():
 
 
 @pytest.mark.megatron
+def test_demo_fp8_passes():
+    """`megarefit demo --quantization fp8`: real Megatron-Core (tp=2) -> block FP8 (k/v rows per
+    group straddle the 128 grid: quantized on the receiver; the rest on the trainers) -> HF
+    logits within the stated FP8 tolerance of the fp32 Megatron forward."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--quantization", "fp8"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "16 quantized on the trainers, 12 on the receiver" in proc.stdout
+    assert "FP8 HF logits vs fp32 Megatron logits" in proc.stdout and "PASS" in proc.stdout
+
+
+@pytest.mark.megatron
 def test_live_demo_over_nixl_passes():
     pytest.importorskip("nixl")
     pytest.importorskip("megatron.core")
@@ -182,3 +196,22 @@ def test_bad_config_from_a_shell_prints_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     assert "does not exist" in proc.stdout
+
+
+def test_plan_fp8_bytes_on_the_wire(capsys):
+    """`megarefit plan --quantization fp8`: every Qwen3-8B linear weight quantized on the
+    trainers at tp=2 (all pieces span whole 128-blocks); FP8 weights + scales plus the bf16
+    embeddings / lm_head / norms come to 0.58x of the bf16 refit. DeepSeek-V3's config asks
+    for FP8 itself (quantization_config): 0.50x."""
+    rc = main(["plan", "--config", str(CONFIG_DIR / "Qwen3-8B.json"), "--tp", "2", "--quantization", "fp8",
+               "--no-execute-meta"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "252 weights, 252 quantized on the trainers, 0 on the receiver" in out
+    assert "9.44 GB on the wire vs 16.38 GB in bfloat16 (0.58x)" in out
+    rc = main(["plan", "--config", str(CONFIG_DIR / "DeepSeek-V3.json"), "--tp", "8", "--ep", "8", "--etp", "1",
+               "--no-execute-meta"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "on the wire vs 1,342.05 GB in bfloat16 (0.50x)" in out
+    rc = main(["plan", "--config", str(CONFIG_DIR / "DeepSeek-V3.json"), "--tp", "8", "--ep", "8", "--etp", "1",
+               "--vllm-tp", "8", "--no-execute-meta"])
+    assert rc == 2 and "vLLM-sharded FP8 targets are not planned yet" in capsys.readouterr().out

@@ -75,15 +75,26 @@ def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from megarefit.planner import plan_megatron_to_hf
 
-    _, dims, layout, padded = _layout(args)
+    from megarefit.quant import resolve_quantization
+
+    cfg, dims, layout, padded = _layout(args)
     target = _vllm_target(args)
+    fmt = resolve_quantization(args.quantization, cfg)
     t0 = time.perf_counter()
     if target is not None:
         from megarefit.targets import plan_megatron_to_vllm
 
+        if fmt is not None:
+            raise MegarefitError("vLLM-sharded FP8 targets are not planned yet; use --quantization none with "
+                                 "--vllm-tp, or full HF tensors")
         plan = plan_megatron_to_vllm(dims, layout, args.dtype, target)
     else:
         plan = plan_megatron_to_hf(dims, layout, args.dtype)
+    unquantized_bytes = plan.nbytes
+    if fmt is not None:
+        from megarefit.quant.planning import plan_fp8
+
+        plan = plan_fp8(plan, fmt)
     plan_s = time.perf_counter() - t0
     meta_s = None
     if args.execute_meta:
@@ -100,6 +111,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{s['sources']} Megatron tensors -> {s['targets']} {'vLLM' if target else 'HF'} tensors; "
                   f"{s['total']['ops']} ops ({s['total']['contiguous']} contiguous sliced pulls, "
                   f"{s['total']['scratch']} scratch copies), {_mb(plan.nbytes)}; validated exact cover.")
+    if fmt is not None:
+        from megarefit.quant.planning import where_quantized
+
+        console.print(_fp8_line(where_quantized(plan), fmt, plan.nbytes, unquantized_bytes, args.dtype))
     if target is not None:
         full = plan_megatron_to_hf(dims, layout, args.dtype).nbytes
         console.print(f"this worker pulls {_mb(plan.nbytes)} of the model's {_mb(full)} "
@@ -245,7 +260,7 @@ def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from megarefit.demo import TOLERANCE, run_demo
+    from megarefit.demo import FP8_COSINE, FP8_TOLERANCE, TOLERANCE, run_demo
 
     if args.transport == "nixl":
         return cmd_live_demo(args, console)
@@ -253,7 +268,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         raise MegarefitError("--engine vllm needs --transport nixl (the local transport refits HF models)")
 
     with console.status("starting") as status:
-        result = run_demo(args.config, tp=args.tp, pp=args.pp, seq=args.seq,
+        result = run_demo(args.config, tp=args.tp, pp=args.pp, seq=args.seq, quantization=args.quantization,
                           status=lambda msg: status.update(msg))
     plan, stats = result.plan, result.stats
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
@@ -269,9 +284,25 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(f"refit: {stats.tensors} HF tensors installed ({result.loaded} names checked), "
                   f"{_mb(stats.bytes_copied)} copied, {stats.views} zero-copy views ({_mb(stats.bytes_viewed)})")
     verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+    if result.quantization is not None:
+        console.print(_fp8_line(result.where, result.quantization, plan.nbytes, result.unquantized_bytes, "float32"))
+        console.print(f"FP8 HF logits vs fp32 Megatron logits: max |diff| = {result.max_logit_diff:.3e} = "
+                      f"{result.relative_error:.4f} of the logit scale {result.logit_scale:.2f} (tolerance "
+                      f"{FP8_TOLERANCE:g}), cosine {result.cosine:.6f} (at least {FP8_COSINE:g}): {verdict}")
+        return 0 if result.passed else 1
     console.print(f"max |HF logits - Megatron logits| = {result.max_logit_diff:.3e} "
                   f"(logit scale {result.logit_scale:.2f}, tolerance {TOLERANCE:g}): {verdict}")
     return 0 if result.passed else 1
+
+
+def _fp8_line(where: dict[str, str], fmt: Any, nbytes: int, unquantized: int, dtype: str) -> str:
+    trainer = sum(1 for w in where.values() if w == "trainer")
+    receiver = [w for w in where.values() if w != "trainer"]
+    line = (f"block FP8 {fmt.block[0]}x{fmt.block[1]}{' (UE8M0 scales)' if fmt.ue8m0 else ''}: {len(where)} weights, "
+            f"{trainer} quantized on the trainers, {len(receiver)} on the receiver")
+    if receiver:
+        line += f" (e.g. {receiver[0].removeprefix('receiver: ')})"
+    return line + f"; {_mb(nbytes)} on the wire vs {_mb(unquantized)} in {dtype} ({nbytes / unquantized:.2f}x)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,11 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                       help="refit target: HF transformers (default) or a real vLLM engine (needs --transport nixl)")
     demo.add_argument("--versions", type=int, default=2, help="weight versions to refit with --transport nixl")
+    demo.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                      help="fp8: block-FP8 refit (trainer-side where blocks allow), logits compared within FP8 "
+                           "tolerance")
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser("plan", help="build and validate a refit plan from shapes alone")
     _add_layout_args(plan)
     plan.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    plan.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto",
+                      help="refit target format: auto (default) follows the config's quantization_config "
+                           "(an FP8 serving config means block-FP8 targets), fp8, or none")
     plan.add_argument("--per-rank", action="store_true", help="one table row per source rank")
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="skip running the plan against meta tensors")

@@ -24,7 +24,7 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.plan import Plan
 from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
 from megarefit.quant import Fp8Format, resolve_quantization
-from megarefit.quant.planning import plan_fp8, quantize_shard, scale_ref
+from megarefit.quant.planning import plan_fp8, quantize_sources
 from megarefit.receiver import materialize, run_refit_cycle
 from megarefit.specs.table import ExpertLayout, LayerSpec, Role, Stage, canonical_name
 from megarefit.transport.local import LocalTransport
@@ -201,11 +201,7 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     device = next(t for params in tensors.values() for t in params.values()).device
     if fmt is not None:  # as the trainers would: FP8 shards where blocks allow, the rest quantized after the pull
         plan = plan_fp8(plan, fmt)
-        tensors = {rank: dict(params) for rank, params in tensors.items()}
-        for ref in (r for r, m in plan.sources.items() if m.dtype == "float8_e4m3fn"):
-            weight, scale = quantize_shard(tensors[ref.rank][ref.name], fmt)
-            tensors[ref.rank][ref.name] = weight
-            tensors[ref.rank][scale_ref(ref).name] = scale
+        tensors = quantize_sources(plan, tensors, fmt)  # type: ignore[assignment]
     return dict(run_refit_cycle(plan, LocalTransport(tensors), device=device))
 
 

@@ -27,6 +27,8 @@ to vLLM's ``per_block_cast_to_fp8`` of the full HF tensor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from megarefit.layout import Box, RankCoord
@@ -159,6 +161,18 @@ def quantize_shard(tensor: torch.Tensor, fmt: Fp8Format, out: torch.Tensor | Non
     return quantize_fp8(tensor, fmt, out=out, scale_out=scale_out)
 
 
+def quantize_sources(plan: Plan, tensors: Mapping[RankCoord | None, Mapping[str, torch.Tensor]], fmt: Fp8Format
+                     ) -> dict[RankCoord | None, dict[str, torch.Tensor]]:
+    """What the trainers serve under an FP8 ``plan``: ``tensors`` with every FP8 source
+    replaced by its block-FP8 shard and its ``_scale_inv`` added (new dicts; the inputs
+    are not modified). In-process equivalent of the Publisher's quantization."""
+    out = {rank: dict(params) for rank, params in tensors.items()}
+    for ref, meta in plan.sources.items():
+        if meta.dtype == "float8_e4m3fn" and not ref.name.endswith(SCALE_SUFFIX):
+            out[ref.rank][ref.name], out[ref.rank][scale_ref(ref).name] = quantize_shard(out[ref.rank][ref.name], fmt)
+    return out
+
+
 def where_quantized(plan: Plan) -> dict[str, str]:
     """HF weight name -> ``"trainer"`` or ``"receiver: <reason>"`` for every FP8 target."""
     out = {q.weight.name: f"receiver: {q.reason}" for q in plan.quantize}
@@ -168,5 +182,5 @@ def where_quantized(plan: Plan) -> dict[str, str]:
     return out
 
 
-__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "plan_fp8", "quantize_shard", "scale_ref",
-           "where_quantized"]
+__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "plan_fp8", "quantize_shard",
+           "quantize_sources", "scale_ref", "where_quantized"]
