@@ -54,7 +54,13 @@ def _setup(cfg: dict, args: dict):
     if args["vllm_tp"]:
         target = VllmTarget(args["vllm_tp"], args["vllm_rank"], expert_parallel=args["vllm_ep"])
         return dims, layout, plan_megatron_to_vllm(dims, layout, args["dtype"], target)
-    return dims, layout, plan_megatron_to_hf(dims, layout, args["dtype"])
+    plan = plan_megatron_to_hf(dims, layout, args["dtype"])
+    if args["quantization"] == "fp8":
+        from megarefit.quant import Fp8Format
+        from megarefit.quant.planning import plan_fp8
+
+        plan = plan_fp8(plan, Fp8Format())
+    return dims, layout, plan
 
 
 def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict, args: dict) -> dict:
@@ -72,13 +78,20 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
               for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
     pub = Publisher(params, cfg, rank=coord, tp=layout.tp, pp=1, ep=layout.ep, etp=layout.etp,
-                    expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}")
+                    expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}",
+                    quantization=args["quantization"])
     nbytes = plan.summary()["per_rank"].get(coord, {"bytes": 0})["bytes"]
     raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     pub.agent.register([raw])
     rdzv.store.set(f"bench/raw/{index}", json.dumps([raw.data_ptr(), nbytes, *mem_type(raw)]))
     rdzv.store.set(f"bench/meta/{index}", pub.agent.metadata)  # now includes the raw block
     pub.publish(1)
+    quantize = []
+    for _ in range(5 if pub.fp8 else 0):  # trainer-side FP8: re-quantize into the same buffers, as publish() does
+        pub.publish(1)
+        quantize.append(pub.last_quantize_s)
+    rdzv.store.set(f"bench/quantize/{index}", json.dumps(
+        [min(quantize) if quantize else 0.0, sum(params[n].numel() * params[n].element_size() for n in pub.fp8)]))
     rdzv.wait_consumed(1, timeout=1800)
     return {}
 
@@ -139,6 +152,8 @@ def main() -> None:
     ap.add_argument("--vllm-rank", type=int, default=0)
     ap.add_argument("--vllm-ep", action="store_true", help="vLLM enable_expert_parallel")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                    help="fp8: trainers publish block FP8 where blocks allow (full HF targets)")
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--trainer-device", default="cpu", help="where trainers keep their shards (cpu, cuda:0)")
     ap.add_argument("--device", default="cpu", help="where the receiver lands the pulls (cpu, cuda:1)")
@@ -153,7 +168,7 @@ def main() -> None:
         cfg["num_hidden_layers"] = ns.layers
         cfg.pop("mlp_only_layers", None)
     args = {k: getattr(ns, k) for k in ("tp", "ep", "etp", "expert_layout", "vllm_tp", "vllm_rank", "vllm_ep", "dtype",
-                                        "trainer_device")}
+                                        "trainer_device", "quantization")}
     dims, layout, plan = _setup(cfg, args)
     if ns.device.startswith("cuda"):
         torch.cuda.set_device(ns.device)
@@ -177,6 +192,7 @@ def main() -> None:
     src = torch.ones(raw_bytes, dtype=torch.uint8, device=ns.device)
     dst = torch.empty_like(src)
     copy_best, copy_median = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
+    quant = [json.loads(rdzv.store.get(f"bench/quantize/{r}").decode()) for r in range(len(layout.ranks()))]
     rdzv.mark_consumed(1)
     group.join(timeout=300)
 
@@ -188,7 +204,7 @@ def main() -> None:
     full = sum(m.numel for m in _full_plan(dims, layout, ns.dtype).targets.values()) * torch.empty(
         (), dtype=getattr(torch, ns.dtype)).element_size()
     target = (f"vLLM worker {ns.vllm_rank} of tp={ns.vllm_tp}" + (" EP" if ns.vllm_ep else "")
-              if ns.vllm_tp else "full HF tensors")
+              if ns.vllm_tp else "full HF tensors") + (", block FP8" if ns.quantization == "fp8" else "")
     summary = plan.summary()["total"]
     print(f"machine: {machine()}")
     print(f"model: {Path(ns.config).stem}, {dims.num_layers} layers, trainer tp={layout.tp} ep={layout.ep} "
@@ -207,6 +223,9 @@ def main() -> None:
     for name, ts in rows:
         print(f"| {name} | {min(ts):.4f} | {statistics.median(ts):.4f} | {nbytes / min(ts) / 1e9:.2f} | "
               f"{best_raw / min(ts):.2f}x |")
+    if ns.quantization == "fp8":
+        print(f"trainer-side FP8 quantization per publish (slowest rank): {max(q[0] for q in quant) * 1e3:.2f} ms for "
+              f"{max(q[1] for q in quant) / 1e9:.3f} GB of bf16 shards")
     print("warm stage seconds:", {k: round(v, 4) for k, v in stats.seconds.items()})
     print("cold stage seconds:", {k: round(v, 4) for k, v in cycles[0][1].seconds.items()})
     print("counters after last cycle:", dict(stats.counters))
@@ -217,7 +236,8 @@ def main() -> None:
                                 "target": target, "bytes": nbytes, "wire_bytes": stats.wire_bytes, "full_bytes": full, "ops": summary,
                                 "warm_best": min(warm), "warm_median": statistics.median(warm),
                                 "read_best": min(read), "raw_best": best_raw, "copy_best": copy_best,
-                                "cold": cycles[0][0], "warm_seconds": stats.seconds}) + "\n")
+                                "cold": cycles[0][0], "warm_seconds": stats.seconds, "quantization": ns.quantization,
+                                "trainer_quantize_s": max(q[0] for q in quant)}) + "\n")
 
 
 def plan_target(ns: argparse.Namespace):

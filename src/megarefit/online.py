@@ -32,7 +32,8 @@ from megarefit.plan import Plan, TensorRef
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
 from megarefit.quant.planning import plan_fp8
-from megarefit.receiver import run_quantize_step, torch_dtype
+from megarefit.quant.kernel import Fp8Quantizer
+from megarefit.receiver import torch_dtype
 from megarefit.rendezvous import Rendezvous
 from megarefit.transport.nixl import NixlTransport
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
@@ -94,6 +95,7 @@ class RefitReceiver:
         self._checked: tuple[str, ...] = ()
         self._plan: Plan | None = None
         self._fmt: Fp8Format | None = None
+        self._quantizer: Fp8Quantizer | None = None  # receiver-side FP8 steps, compiled per plan and buffers
         self._buffers: dict[TensorRef, torch.Tensor] = {}
         self.plans_built = 0
 
@@ -153,6 +155,7 @@ class RefitReceiver:
         self._fmt = fmt
         self.plans_built += 1
         self._plan = plan
+        self._quantizer = None
         self._checked = ()
         totals: dict[str, int] = {}
         for meta in plan.targets.values():
@@ -225,8 +228,13 @@ class RefitReceiver:
         lap("prepare")
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
         t_quant = time.perf_counter()
-        for step in plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull
-            run_quantize_step(step, self._buffers[step.staging], self._buffers[step.weight], self._buffers[step.scale])
+        if plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull (one launch on a GPU)
+            if self._quantizer is None:
+                step = plan.quantize[0]
+                self._quantizer = Fp8Quantizer([(self._buffers[q.staging], self._buffers[q.weight],
+                                                 self._buffers[q.scale]) for q in plan.quantize],
+                                               Fp8Format(step.block, step.ue8m0))
+            self._quantizer()
         if plan.quantize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         quant_s = time.perf_counter() - t_quant

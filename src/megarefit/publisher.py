@@ -29,7 +29,8 @@ from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stag
 from megarefit.manifest import Manifest, TensorEntry
 from megarefit.planner import global_shape, plan_megatron_to_hf, source_tensors
 from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
-from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8, quantize_shard
+from megarefit.quant.kernel import Fp8Quantizer
+from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.rendezvous import Rendezvous
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.nixl import NixlAgent, mem_type
@@ -128,6 +129,8 @@ class Publisher:
         self.manifest = Manifest(self.rank, self.dims, self.layout, name, tuple(entries), dtype=self.dtype,
                                  quantization=quant)
         self.last_quantize_s = 0.0
+        self._quantize = (Fp8Quantizer([(self.params[n].detach(), w, sc) for n, (w, sc) in self.fp8.items()],
+                                       self.quantization) if self.fp8 else None)
         self.rendezvous = rendezvous
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
@@ -147,10 +150,10 @@ class Publisher:
                     self.params[entry.name].data_ptr() != entry.addr):
                 raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
                                          "re-create the Publisher")
-        if self.fp8:  # quantize the new weights into the registered FP8 buffers (nothing allocated)
+        if self._quantize is not None:  # the new weights into the registered FP8 buffers (one launch on a GPU)
             t0 = time.perf_counter()
-            for name, (weight, scale) in self.fp8.items():
-                quantize_shard(self.params[name].detach(), self.quantization, out=weight, scale_out=scale)
+            self._quantize()
+            weight = next(iter(self.fp8.values()))[0]
             if weight.is_cuda:
                 torch.cuda.synchronize(weight.device)
             self.last_quantize_s = time.perf_counter() - t0

@@ -1,0 +1,122 @@
+"""Block-FP8 quantization of many tensors in one pass: one Triton launch on a GPU.
+
+A trainer (Publisher) re-quantizes the same shards into the same registered buffers on
+every ``publish``; a receiver re-quantizes the same staging tensors every cycle. So the
+work is compiled once into a :class:`Fp8Quantizer`: a table with one entry per 128x128
+block of every tensor (which tensor, which block row and column) and per-tensor
+addresses, shapes and strides. Each call is then one kernel launch per source dtype,
+each program quantizing one block::
+
+    program p:  t, i, j = table[p]             tensor t, block (i, j)
+                x   = src_t[128i:128i+128, 128j:128j+128]     (masked at the edges)
+                s   = max(amax(|x|), 1e-4) / 448             (IEEE division, as torch)
+                q_t[block] = fp8(x * (1 / s))                 (round to nearest even)
+                scale_t[i, j] = s
+
+Bit-identical to :func:`~megarefit.quant.fp8.quantize_fp8` (vLLM's formula): divisions
+are correctly rounded (``div_rn``), the product is one fp32 multiply, and the cast
+rounds to nearest. Power-of-two (UE8M0) scales, CPU tensors and machines without
+Triton take the torch path, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megarefit.quant.fp8 import FP8_MAX, SCALE_FLOOR, Fp8Format, quantize_fp8
+
+try:  # Triton ships with CUDA builds of torch; CPU builds run the torch path
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_blocks(table, src_ptrs, q_ptrs, s_ptrs, rows_a, cols_a, src_strides, q_strides, s_strides,
+                    BM: tl.constexpr, BN: tl.constexpr, SRC_DTYPE: tl.constexpr):
+        p = tl.program_id(0)
+        t = tl.load(table + 3 * p)
+        bi = tl.load(table + 3 * p + 1)
+        bj = tl.load(table + 3 * p + 2)
+        src = tl.load(src_ptrs + t).to(tl.pointer_type(SRC_DTYPE))
+        q = tl.load(q_ptrs + t).to(tl.pointer_type(tl.float8e4nv))
+        s = tl.load(s_ptrs + t).to(tl.pointer_type(tl.float32))
+        n = tl.load(rows_a + t)
+        k = tl.load(cols_a + t)
+        rows = bi * BM + tl.arange(0, BM)
+        cols = bj * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < n) & (cols[None, :] < k)
+        x = tl.load(src + rows[:, None] * tl.load(src_strides + t) + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), SCALE_FLOOR)
+        scale = tl.math.div_rn(amax, FP8_MAX)
+        inv = tl.math.div_rn(1.0, scale)
+        tl.store(q + rows[:, None] * tl.load(q_strides + t) + cols[None, :], (x * inv).to(tl.float8e4nv), mask=mask)
+        tl.store(s + bi * tl.load(s_strides + t) + bj, scale)
+
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+class Fp8Quantizer:
+    """Quantize ``items`` -- ``(source [N, K], fp8 out [N, K], float32 scale out)`` triples
+    whose memory stays put -- on every call, into the given outputs.
+
+    On a GPU with Triton (and ``fmt.ue8m0`` off) one launch per source dtype covers every
+    block of every tensor; otherwise each tensor goes through
+    :func:`~megarefit.quant.fp8.quantize_fp8`. ``items`` must be contiguous in their last
+    dim; shapes are checked once, here.
+    """
+
+    def __init__(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fmt: Fp8Format):
+        self.items = list(items)
+        self.fmt = fmt
+        for src, out, scale in self.items:
+            if out.shape != src.shape or tuple(scale.shape) != fmt.scale_shape(tuple(src.shape)):
+                raise ValueError(f"FP8 buffers {tuple(out.shape)} / {tuple(scale.shape)} do not fit a source of "
+                                 f"shape {tuple(src.shape)}")
+        self._launches: list[tuple] = []
+        fused = (triton is not None and not fmt.ue8m0 and self.items
+                 and all(t.is_cuda and t.stride(-1) == 1 for item in self.items for t in item)
+                 and all(src.dtype in _TL_DTYPES for src, _, _ in self.items))
+        if fused:
+            by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+            for item in self.items:
+                by_dtype.setdefault(item[0].dtype, []).append(item)
+            for dtype, group in by_dtype.items():
+                self._launches.append(self._build(dtype, group))
+
+    @property
+    def fused(self) -> bool:
+        return bool(self._launches)
+
+    def _build(self, dtype: torch.dtype, group: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple:
+        device = group[0][0].device
+        bm, bn = self.fmt.block
+        table = []
+        for t, (src, _, _) in enumerate(group):
+            sm, sk = self.fmt.scale_shape(tuple(src.shape))
+            table += [(t, i, j) for i in range(sm) for j in range(sk)]
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        meta = (longs([s.data_ptr() for s, _, _ in group]), longs([q.data_ptr() for _, q, _ in group]),
+                longs([c.data_ptr() for _, _, c in group]), longs([s.shape[0] for s, _, _ in group]),
+                longs([s.shape[1] for s, _, _ in group]), longs([s.stride(0) for s, _, _ in group]),
+                longs([q.stride(0) for _, q, _ in group]), longs([c.stride(0) for _, _, c in group]))
+        return (longs([v for row in table for v in row]), meta, len(table), bm, bn, _TL_DTYPES[dtype])
+
+    def __call__(self) -> None:
+        if not self._launches:
+            for src, out, scale in self.items:
+                quantize_fp8(src, self.fmt, out=out, scale_out=scale)
+            return
+        for table, meta, programs, bm, bn, dtype in self._launches:
+            _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype)
+
+
+__all__ = ["Fp8Quantizer"]
