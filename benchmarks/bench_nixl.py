@@ -175,7 +175,7 @@ def main() -> None:
 
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
-    receiver = RefitReceiver(rdzv, name="bench-receiver", timeout=1800, device=ns.device, target=(
+    receiver = RefitReceiver(rdzv, name="bench-receiver", timeout=180, device=ns.device, target=(
         None if not ns.vllm_tp else plan_target(ns)))
     cycles = []
     for _ in range(ns.cycles):

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Block-FP8 refits on nvidia-h200-x2: the GPU tests, the trainer-side kernel vs a device copy,
 # and bf16 vs FP8 refits over NIXL (trainer processes on GPU 0, the receiver on GPU 1).
-# Usage: benchmarks/run_fp8_gpu.sh OUT_DIR
+# Usage: [QUANT="none fp8"] benchmarks/run_fp8_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-out}; mkdir -p "$out"
 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py tests/test_nixl_gpu.py 2>&1 | tail -5
-python3 benchmarks/bench_fp8.py --json "$out/kernel.jsonl" 2>&1 | tee "$out/kernel.log"
+timeout 120 python3 benchmarks/bench_fp8.py --json "$out/kernel.jsonl" 2>&1 | tee "$out/kernel.log"
 moe=(--config tests/data/configs/Qwen3-30B-A3B.json --layers 8 --tp 2)
 dense=(--config tests/data/configs/Qwen3-8B.json --tp 2)
 gpu=(--cycles 6 --trainer-device cuda:0 --device cuda:1 --json "$out/refit.jsonl")
-run() { name=$1; shift; echo "== $name"; python3 benchmarks/bench_nixl.py "$@" "${gpu[@]}" 2>&1 \
+run() { name=$1; shift; echo "== $name"; timeout 240 python3 benchmarks/bench_nixl.py "$@" "${gpu[@]}" 2>&1 \
           | grep -v "NIXL INFO\|UCX  WARN" | tee "$out/$name.log" | grep -v "^|---" ; }
-for q in none fp8; do
+for q in ${QUANT:-none fp8}; do
   run "moe-grouped-$q" "${moe[@]}" --ep 2 --etp 1 --expert-layout te_grouped --quantization $q
   run "moe-seq-$q" "${moe[@]}" --expert-layout sequential --quantization $q
   run "dense-$q" "${dense[@]}" --quantization $q

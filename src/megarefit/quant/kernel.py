@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 if triton is not None:
     @triton.jit
     def _fp8_blocks(table, src_ptrs, q_ptrs, s_ptrs, rows_a, cols_a, src_strides, q_strides, s_strides,
-                    BM: tl.constexpr, BN: tl.constexpr, SRC_DTYPE: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, SRC_DTYPE: tl.constexpr, FLOOR: tl.constexpr,
+                    FMAX: tl.constexpr):
         p = tl.program_id(0)
         t = tl.load(table + 3 * p)
         bi = tl.load(table + 3 * p + 1)
@@ -52,8 +53,8 @@ if triton is not None:
         mask = (rows[:, None] < n) & (cols[None, :] < k)
         x = tl.load(src + rows[:, None] * tl.load(src_strides + t) + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), SCALE_FLOOR)
-        scale = tl.math.div_rn(amax, FP8_MAX)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FLOOR)
+        scale = tl.math.div_rn(amax, FMAX)
         inv = tl.math.div_rn(1.0, scale)
         tl.store(q + rows[:, None] * tl.load(q_strides + t) + cols[None, :], (x * inv).to(tl.float8e4nv), mask=mask)
         tl.store(s + bi * tl.load(s_strides + t) + bj, scale)
@@ -116,7 +117,7 @@ class Fp8Quantizer:
                 quantize_fp8(src, self.fmt, out=out, scale_out=scale)
             return
         for table, meta, programs, bm, bn, dtype in self._launches:
-            _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype)
+            _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype, FLOOR=SCALE_FLOOR, FMAX=FP8_MAX)
 
 
 __all__ = ["Fp8Quantizer"]
