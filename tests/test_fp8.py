@@ -209,3 +209,44 @@ def test_vllm_fp8_models_quantize_exactly_these_weights(tmp_path):
         got = {n.removesuffix("_scale_inv") for n in shapes[name] if n.endswith("weight_scale_inv")}
         assert got == want, (name, sorted(got ^ want)[:6])
         assert all(shapes[name][p][1] == "torch.float8_e4m3fn" for p in want)
+
+
+KERNEL_CHECK = """
+import torch
+from megarefit.quant import Fp8Format, quantize_fp8
+from megarefit.quant.kernel import Fp8Quantizer
+g = torch.Generator().manual_seed(0)
+items, want = [], []
+every_bf16 = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+every_bf16 = every_bf16[torch.isfinite(every_bf16.float())]
+tensors = [every_bf16[: every_bf16.numel() // 128 * 128].reshape(-1, 128)]  # every finite bf16 value
+for shape in [(128, 128), (200, 130), (1, 5)]:
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for magnitude in (1e-6, 1.0, 300.0):
+            w = (torch.randn(shape, generator=g) * magnitude).to(dtype)
+            w[: shape[0] // 4] = 0
+            tensors.append(w)
+for w in tensors:
+    want.append(quantize_fp8(w))
+    items.append((w, torch.empty(w.shape, dtype=torch.float8_e4m3fn),
+                  torch.empty(Fp8Format().scale_shape(tuple(w.shape)))))
+Fp8Quantizer(items, Fp8Format(), fused=True)()
+bad = [i for i, ((_, q, s), (wq, ws)) in enumerate(zip(items, want))
+       if not (torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws))]
+print("MISMATCHES", bad)
+"""
+
+
+def test_fused_kernel_is_bit_identical_in_the_triton_interpreter():
+    """The GPU kernel's arithmetic (block amax, correctly rounded scale, fp32 -> e4m3
+    round-half-even done in integer steps, -0.0 kept) run by Triton's interpreter on the
+    CPU gives the torch formula's bytes for every finite bf16 value, fp16 / fp32
+    sources, edge blocks and all-zero blocks. (On a GPU: tests/test_fp8_gpu.py.)"""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert "MISMATCHES []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

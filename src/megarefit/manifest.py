@@ -35,6 +35,8 @@ class TensorEntry:
     nbytes: int
     mem: str = "DRAM"  # NIXL memory type of the bytes: "DRAM" (host) or "VRAM" (GPU)
     dev: int = 0  # device id for VRAM (the CUDA device index)
+    region: int = -1  # start address of the publisher's registered region holding the bytes (-1: unknown);
+    # equal regions let a receiver pull neighbouring tensors as one descriptor
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class Manifest:
             "layout": self.layout.to_dict(), "agent": self.agent, "dtype": self.dtype,
             "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
             "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes, t.mem,
-                         t.dev] for t in self.tensors],
+                         t.dev, t.region] for t in self.tensors],
         }
         return json.dumps(data, separators=(",", ":"))
 
@@ -91,8 +93,8 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise MegarefitError(f"manifest format {data.get('format')!r} is not {FORMAT!r} (version skew between "
                                  "trainer and receiver megarefit?)")
-        tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b, m, v)
-                        for n, r, d, s, g, a, b, m, v in data["tensors"])
+        tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b, m, v, *rest)
+                        for n, r, d, s, g, a, b, m, v, *rest in data["tensors"])
         quant = data.get("quantization")
         return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
                    data["agent"], tensors, dtype=data.get("dtype", ""),

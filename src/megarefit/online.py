@@ -161,10 +161,25 @@ class RefitReceiver:
         for meta in plan.targets.values():
             totals[meta.dtype] = totals.get(meta.dtype, 0) + meta.numel
         arenas = {d: torch.empty(n, dtype=torch_dtype(d), device=self.device) for d, n in totals.items()}  # per dtype
-        self._buffers, at = {}, dict.fromkeys(totals, 0)
-        for ref, meta in plan.targets.items():
-            self._buffers[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
+        entries = {r: m.by_name() for r, m in manifests.items()}
+        by_target = plan.ops_by_target
+
+        def trainer_order(ref: TensorRef) -> tuple:
+            """Where the target's first bytes live on the trainer: laying the arena out in that
+            order lets neighbouring pulls travel as one descriptor (NixlTransport coalesces)."""
+            ops = by_target.get(ref, ())
+            if not ops or ops[0].src.name not in entries[ops[0].src.rank]:
+                return (1,)
+            e = entries[ops[0].src.rank][ops[0].src.name]
+            return (0, tuple(ops[0].src.rank), e.region, e.addr + ops[0].src_byte_offset)
+
+        slots, at = {}, dict.fromkeys(totals, 0)
+        for ref in sorted(plan.targets, key=trainer_order):
+            meta = plan.targets[ref]
+            slots[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
             at[meta.dtype] += meta.numel
+        self._buffers = {ref: slots[ref] for ref in plan.targets}  # handed over in plan order
+        for ref, meta in plan.targets.items():
             for box in meta.zero_fill:  # never pulled (vLLM vocab padding rows): zero once
                 self._buffers[ref][box.slices()].zero_()
         return plan, True

@@ -17,6 +17,8 @@ optimizer step has finished.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -106,11 +108,7 @@ class Publisher:
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.quantization is not None:
             plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
-            for ref in fp8_sources(plan, self.rank):
-                p = self.params[ref.name]
-                self.fp8[ref.name] = (torch.empty(p.shape, dtype=FP8_DTYPE, device=p.device),
-                                      torch.empty(self.quantization.scale_shape(tuple(p.shape)), dtype=torch.float32,
-                                                  device=p.device))
+            self.fp8 = self._fp8_buffers([ref.name for ref in fp8_sources(plan, self.rank)])
         entries, served = [], []
         for name, t in expected.items():
             gshape = global_shape(t.spec, self.dims, self.layout)
@@ -125,6 +123,8 @@ class Publisher:
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
         self.agent.register(served)
+        entries = [dataclasses.replace(e, region=-1 if (r := self.agent.region(e.addr, e.nbytes)) is None else r)
+                   for e in entries]
         quant = None if self.quantization is None else (self.quantization.block, self.quantization.ue8m0)
         self.manifest = Manifest(self.rank, self.dims, self.layout, name, tuple(entries), dtype=self.dtype,
                                  quantization=quant)
@@ -133,6 +133,25 @@ class Publisher:
                                        self.quantization) if self.fp8 else None)
         self.rendezvous = rendezvous
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
+
+    def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """FP8 weights and float32 scales of ``names`` as views of one arena each (per device),
+        back to back in layout order: registered once, and consecutive pulls of a receiver
+        coalesce into few large descriptors."""
+        assert self.quantization is not None
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for device in {self.params[n].device for n in names}:
+            mine = [n for n in names if self.params[n].device == device]
+            shapes = {n: (tuple(self.params[n].shape), self.quantization.scale_shape(tuple(self.params[n].shape)))
+                      for n in mine}
+            weights = torch.empty(sum(math.prod(w) for w, _ in shapes.values()), dtype=FP8_DTYPE, device=device)
+            scales = torch.empty(sum(math.prod(s) for _, s in shapes.values()), dtype=torch.float32, device=device)
+            at_w = at_s = 0
+            for n in mine:
+                w, s = shapes[n]
+                out[n] = (weights[at_w:at_w + math.prod(w)].view(w), scales[at_s:at_s + math.prod(s)].view(s))
+                at_w, at_s = at_w + math.prod(w), at_s + math.prod(s)
+        return {n: out[n] for n in names}
 
     @property
     def counters(self):

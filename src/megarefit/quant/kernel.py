@@ -14,9 +14,10 @@ each program quantizing one block::
                 scale_t[i, j] = s
 
 Bit-identical to :func:`~megarefit.quant.fp8.quantize_fp8` (vLLM's formula): divisions
-are correctly rounded (``div_rn``), the product is one fp32 multiply, and the cast
-rounds to nearest. Power-of-two (UE8M0) scales, CPU tensors and machines without
-Triton take the torch path, tensor by tensor.
+are correctly rounded (``div_rn``), the product is one fp32 multiply, and the fp32 ->
+e4m3 rounding (to nearest even) is done in integer steps rather than by a conversion
+instruction that may round twice. Power-of-two (UE8M0) scales, CPU tensors and
+machines without Triton take the torch path, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if triton is not None:
         bi = tl.load(table + 3 * p + 1)
         bj = tl.load(table + 3 * p + 2)
         src = tl.load(src_ptrs + t).to(tl.pointer_type(SRC_DTYPE))
-        q = tl.load(q_ptrs + t).to(tl.pointer_type(tl.float8e4nv))
+        q = tl.load(q_ptrs + t).to(tl.pointer_type(tl.uint8))
         s = tl.load(s_ptrs + t).to(tl.pointer_type(tl.float32))
         n = tl.load(rows_a + t)
         k = tl.load(cols_a + t)
@@ -56,8 +57,29 @@ if triton is not None:
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FLOOR)
         scale = tl.math.div_rn(amax, FMAX)
         inv = tl.math.div_rn(1.0, scale)
-        tl.store(q + rows[:, None] * tl.load(q_strides + t) + cols[None, :], (x * inv).to(tl.float8e4nv), mask=mask)
+        tl.store(q + rows[:, None] * tl.load(q_strides + t) + cols[None, :], _e4m3_rne(x * inv), mask=mask)
         tl.store(s + bi * tl.load(s_strides + t) + bj, scale)
+
+    @triton.jit
+    def _e4m3_rne(y):
+        """fp32 (|y| <= 448) -> float8_e4m3fn bits, round to nearest even, in integer steps
+        (a conversion instruction may round through fp16 first: two roundings)."""
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127  # a = 1.m * 2^e
+        normal = e >= -6
+        # scale a so that one e4m3 step is 1.0: 2^(3-e) for normals, 2^9 for subnormals (exact powers of two)
+        shift = tl.where(normal, 3 - e, 9)
+        step = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        v = a * step  # < 17: adding 2^23 leaves no fraction bits, so the fp32 add rounds half to even
+        m = ((v + 8388608.0) - 8388608.0).to(tl.int32)
+        # normals: m in [8, 16]; 16 carries into the next binade
+        carry = normal & (m == 16)
+        e = tl.where(carry, e + 1, e)
+        m = tl.where(carry, 8, m)
+        code = tl.where(normal, ((e + 7) << 3) | (m - 8), m)  # subnormal m == 8 is the smallest normal: same bits
+        code = tl.where(y.to(tl.int32, bitcast=True) < 0, code | 0x80, code)  # the sign bit: -0.0 stays -0.0
+        return code.to(tl.uint8)
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -69,20 +91,23 @@ class Fp8Quantizer:
     On a GPU with Triton (and ``fmt.ue8m0`` off) one launch per source dtype covers every
     block of every tensor; otherwise each tensor goes through
     :func:`~megarefit.quant.fp8.quantize_fp8`. ``items`` must be contiguous in their last
-    dim; shapes are checked once, here.
+    dim; shapes are checked once, here. ``num_warps``: Triton warps per 128x128 block.
     """
 
-    def __init__(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fmt: Fp8Format):
+    def __init__(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fmt: Fp8Format,
+                 num_warps: int = 8, fused: bool | None = None):
         self.items = list(items)
         self.fmt = fmt
+        self.num_warps = num_warps
         for src, out, scale in self.items:
             if out.shape != src.shape or tuple(scale.shape) != fmt.scale_shape(tuple(src.shape)):
                 raise ValueError(f"FP8 buffers {tuple(out.shape)} / {tuple(scale.shape)} do not fit a source of "
                                  f"shape {tuple(src.shape)}")
         self._launches: list[tuple] = []
-        fused = (triton is not None and not fmt.ue8m0 and self.items
-                 and all(t.is_cuda and t.stride(-1) == 1 for item in self.items for t in item)
-                 and all(src.dtype in _TL_DTYPES for src, _, _ in self.items))
+        if fused is None:  # ``fused=True`` forces the kernel (CPU tensors under TRITON_INTERPRET=1, for tests)
+            fused = bool(triton is not None and not fmt.ue8m0 and self.items
+                         and all(t.is_cuda and t.stride(-1) == 1 for item in self.items for t in item)
+                         and all(src.dtype in _TL_DTYPES for src, _, _ in self.items))
         if fused:
             by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
             for item in self.items:
@@ -117,7 +142,8 @@ class Fp8Quantizer:
                 quantize_fp8(src, self.fmt, out=out, scale_out=scale)
             return
         for table, meta, programs, bm, bn, dtype in self._launches:
-            _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype, FLOOR=SCALE_FLOOR, FMAX=FP8_MAX)
+            _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype, FLOOR=SCALE_FLOOR, FMAX=FP8_MAX,
+                                     num_warps=self.num_warps)
 
 
 __all__ = ["Fp8Quantizer"]

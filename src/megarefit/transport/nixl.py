@@ -25,6 +25,7 @@ gate and up are both cut from the same scratch bytes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections import Counter
@@ -89,20 +90,45 @@ class NixlAgent:
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends)))
         self.counters: Counter[str] = Counter()
         self._registered: dict[tuple[int, int], Any] = {}
+        self._starts: list[tuple[int, int]] = []  # sorted (start, length) of the registrations
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Register tensors' memory once (already-registered regions are skipped)."""
-        new = [t for t in tensors if (t.data_ptr(), t.numel() * t.element_size()) not in self._registered]
-        if not new:
-            return
-        for t in new:
+        """Register tensors' memory once (already-registered regions are skipped).
+
+        A view of a larger contiguous tensor (an arena slice, a parameter inside Megatron's
+        contiguous parameter buffer) registers that whole tensor once, so runs of
+        neighbouring views can travel as one descriptor (:meth:`region`)."""
+        roots: dict[tuple[int, int], torch.Tensor] = {}
+        for t in tensors:
             if not t.is_contiguous():
                 raise MegarefitError(f"cannot register a non-contiguous tensor of shape {tuple(t.shape)}")
+            base = t._base if t._base is not None and t._base.is_contiguous() else t
+            key = (base.data_ptr(), base.numel() * base.element_size())
+            if self.region(t.data_ptr(), t.numel() * t.element_size()) is None:
+                roots.setdefault(key, base)
+        new = [t for key, t in roots.items() if key not in self._registered]
+        if not new:
+            return
         handle = self.agent.register_memory(list(new))
         for t in new:
             self._registered[(t.data_ptr(), t.numel() * t.element_size())] = handle
         self.counters["registrations"] += 1
         self.counters["registered_bytes"] += sum(t.numel() * t.element_size() for t in new)
+
+    def region(self, addr: int, nbytes: int) -> int | None:
+        """Start address of the registered region holding bytes ``[addr, addr + nbytes)``
+        (an id: equal ids mean one region), or ``None``."""
+        if len(self._starts) != len(self._registered):
+            self._starts = sorted(self._registered)
+        i = bisect.bisect_right(self._starts, (addr, float("inf"))) - 1
+        while i >= 0:  # regions do not nest in practice; step back past shorter ones just in case
+            start, length = self._starts[i]
+            if addr + nbytes <= start + length:
+                return start
+            i -= 1
+            if i >= 0 and self._starts[i][0] + self._starts[i][1] <= addr:
+                break
+        return None
 
     @property
     def metadata(self) -> bytes:
@@ -175,6 +201,28 @@ def _align(nbytes: int) -> int:
 
 def _seg_bytes(seg: _Segment, itemsize: Mapping[TensorRef, int]) -> int:
     return (seg.stop - seg.start) * itemsize[seg.src]
+
+
+def _coalesce(remote: list[tuple[int, int, int]], local: list[tuple[int, int, int]], remote_regions: list[int],
+              local_regions: list[int | None]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Join consecutive descriptors whose remote and local runs both continue each other
+    inside one registered region on each side (e.g. an expert's gate, up and down pulls
+    when the trainer's tensors and the receiver's targets are laid out back to back):
+    fewer, larger descriptors, the same bytes. Region ``-1`` / ``None`` (unknown) never joins."""
+    out_r: list[tuple[int, int, int]] = []
+    out_l: list[tuple[int, int, int]] = []
+    last = (-1, None)
+    order = sorted(range(len(remote)), key=lambda i: (remote_regions[i], remote[i][0]))  # trainer memory order
+    for r, l, rr, lr in ((remote[i], local[i], remote_regions[i], local_regions[i]) for i in order):
+        if (out_r and rr >= 0 and lr is not None and (rr, lr) == last and out_r[-1][0] + out_r[-1][1] == r[0]
+                and out_l[-1][0] + out_l[-1][1] == l[0]):
+            out_r[-1] = (out_r[-1][0], out_r[-1][1] + r[1], r[2])
+            out_l[-1] = (out_l[-1][0], out_l[-1][1] + l[1], l[2])
+        else:
+            out_r.append(r)
+            out_l.append(l)
+        last = (rr, lr)
+    return out_r, out_l
 
 
 @dataclass
@@ -279,11 +327,12 @@ class NixlTransport:
                 raise TransferError(f"trainer rank {rank} serves tensors from several memories {sorted(remote_mem)}; "
                                     "a rank must keep its published tensors on one device")
             (rmem, rdev), = remote_mem
-            remote, local = [], []
+            remote, local, rregions = [], [], []
             for op in pulls.ops:
                 if op.kind == "contiguous":
                     remote.append((entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev))
                     local.append((buffers[op.dst].data_ptr() + op.dst_byte_offset, op.nbytes, ldev))
+                    rregions.append(entries[op.src.name].region)
             for seg in segments[rank]:
                 assert self._scratch is not None
                 item, nbytes = itemsize[seg.src], _seg_bytes(seg, itemsize)
@@ -291,11 +340,13 @@ class NixlTransport:
                 slot = self._scratch[scratch_at: scratch_at + nbytes].view(dtype)
                 remote.append((entries[seg.src.name].addr + seg.start * item, nbytes, rdev))
                 local.append((slot.data_ptr(), nbytes, ldev))
+                rregions.append(-1)  # scratch slots stay one descriptor each
                 pulls.scratch_runs.append((seg.src, seg.start, seg.stop))
                 for op, strides in seg.ops:
                     part = slot[op.src_offset - seg.start:].as_strided(op.src_box.lengths, strides)
                     pulls.scratch_ops.append((op, *widened(*part_views(op, part, buffers[op.dst]), BOX_WORD)))
                 scratch_at += _align(nbytes)  # keep slots aligned
+            remote, local = _coalesce(remote, local, rregions, [self.nixl.region(a, n) for a, n, _ in local])
             pulls.descriptors = len(remote)
             pulls.wire_bytes = sum(n for _, n, _ in remote)
             agent = self.nixl.agent
