@@ -70,7 +70,12 @@ def main() -> None:
     flat_src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
     flat_dst = torch.empty_like(flat_src)
     rows = {"fused quantizer (one launch)" if fused.fused else "quantizer (torch path)": best_of(fused, args.repeat,
-                                                                                                   args.device),
+                                                                                                   args.device)}
+    if fused.fused:
+        for warps in (4, 16):
+            other = Fp8Quantizer(items, fmt, num_warps=warps)
+            rows[f"fused quantizer, num_warps={warps}"] = best_of(other, args.repeat, args.device)
+    rows |= {
             "torch path, tensor by tensor": best_of(lambda: [quantize_fp8(s, fmt, out=o, scale_out=c)
                                                              for s, o, c in items], max(2, args.repeat // 3),
                                                     args.device),
