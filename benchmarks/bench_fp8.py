@@ -72,9 +72,9 @@ def main() -> None:
     rows = {"fused quantizer (one launch)" if fused.fused else "quantizer (torch path)": best_of(fused, args.repeat,
                                                                                                    args.device)}
     if fused.fused:
-        for warps in (4, 16):
-            other = Fp8Quantizer(items, fmt, num_warps=warps)
-            rows[f"fused quantizer, num_warps={warps}"] = best_of(other, args.repeat, args.device)
+        for warps, chunk in ((4, 32), (4, 128)):
+            other = Fp8Quantizer(items, fmt, num_warps=warps, chunk=chunk)
+            rows[f"fused quantizer, {warps} warps, {chunk}-row steps"] = best_of(other, args.repeat, args.device)
     rows |= {
             "torch path, tensor by tensor": best_of(lambda: [quantize_fp8(s, fmt, out=o, scale_out=c)
                                                              for s, o, c in items], max(2, args.repeat // 3),

@@ -160,10 +160,12 @@ def quantize_fp8(w: torch.Tensor, fmt: Fp8Format = Fp8Format(), *, out: torch.Te
         padded = w
     blocks = padded.reshape(sm, bm, sk, bn)
     amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(SCALE_FLOOR)
-    scale = amax / FP8_MAX
+    # correctly rounded divisions on every device (CUDA turns a division by a Python scalar
+    # into a multiplication by its reciprocal, which is not always the same float)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if fmt.ue8m0:
         scale = _ceil_pow2(scale)
-    q = (blocks * (1.0 / scale)).to(FP8_DTYPE).view(sm * bm, sk * bn)
+    q = (blocks * torch.reciprocal(scale)).to(FP8_DTYPE).view(sm * bm, sk * bn)
     out.copy_(q[:n, :k])
     scale_out.copy_(scale.view(sm, sk))
     return out, scale_out

@@ -8,16 +8,19 @@ addresses, shapes and strides. Each call is then one kernel launch per source dt
 each program quantizing one block::
 
     program p:  t, i, j = table[p]             tensor t, block (i, j)
-                x   = src_t[128i:128i+128, 128j:128j+128]     (masked at the edges)
+                x   = src_t[128i:128i+128, 128j:128j+128]     (masked at the edges; read 16 rows
+                                                              at a time, twice: amax, then quantize)
                 s   = max(amax(|x|), 1e-4) / 448             (IEEE division, as torch)
                 q_t[block] = fp8(x * (1 / s))                 (round to nearest even)
                 scale_t[i, j] = s
 
-Bit-identical to :func:`~megarefit.quant.fp8.quantize_fp8` (vLLM's formula): divisions
-are correctly rounded (``div_rn``), the product is one fp32 multiply, and the fp32 ->
-e4m3 rounding (to nearest even) is done in integer steps rather than by a conversion
-instruction that may round twice. Power-of-two (UE8M0) scales, CPU tensors and
-machines without Triton take the torch path, tensor by tensor.
+Bit-identical to :func:`~megarefit.quant.fp8.quantize_fp8` (vLLM's formula in IEEE
+arithmetic): divisions are correctly rounded (``div_rn``), the product is one fp32
+multiply, and the fp32 -> e4m3 rounding is to nearest even -- the hardware conversion on
+a GPU (checked bit-exact on an H200 for every finite bf16 value), integer steps under
+Triton's CPU interpreter (whose fp8 cast emulation rounds some values wrongly; that path
+is what the CPU test checks). Power-of-two (UE8M0) scales, CPU tensors and machines
+without Triton take the torch path, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ if triton is not None:
     @triton.jit
     def _fp8_blocks(table, src_ptrs, q_ptrs, s_ptrs, rows_a, cols_a, src_strides, q_strides, s_strides,
                     BM: tl.constexpr, BN: tl.constexpr, SRC_DTYPE: tl.constexpr, FLOOR: tl.constexpr,
-                    FMAX: tl.constexpr):
+                    FMAX: tl.constexpr, HW_CAST: tl.constexpr, CHUNK: tl.constexpr):
         p = tl.program_id(0)
         t = tl.load(table + 3 * p)
         bi = tl.load(table + 3 * p + 1)
@@ -49,15 +52,29 @@ if triton is not None:
         s = tl.load(s_ptrs + t).to(tl.pointer_type(tl.float32))
         n = tl.load(rows_a + t)
         k = tl.load(cols_a + t)
-        rows = bi * BM + tl.arange(0, BM)
+        src_stride = tl.load(src_strides + t)
+        q_stride = tl.load(q_strides + t)
         cols = bj * BN + tl.arange(0, BN)
-        mask = (rows[:, None] < n) & (cols[None, :] < k)
-        x = tl.load(src + rows[:, None] * tl.load(src_strides + t) + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FLOOR)
+        # pass 1: the block's amax, CHUNK rows at a time (few registers: many blocks in flight)
+        amax = tl.zeros([CHUNK, BN], dtype=tl.float32)
+        for r0 in range(0, BM, CHUNK):
+            rows = bi * BM + r0 + tl.arange(0, CHUNK)
+            mask = (rows[:, None] < n) & (cols[None, :] < k)
+            x = tl.load(src + rows[:, None] * src_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(tl.max(tl.max(amax, axis=1), axis=0), FLOOR)
         scale = tl.math.div_rn(amax, FMAX)
         inv = tl.math.div_rn(1.0, scale)
-        tl.store(q + rows[:, None] * tl.load(q_strides + t) + cols[None, :], _e4m3_rne(x * inv), mask=mask)
+        # pass 2: quantize (the second read mostly hits L2)
+        for r0 in range(0, BM, CHUNK):
+            rows = bi * BM + r0 + tl.arange(0, CHUNK)
+            mask = (rows[:, None] < n) & (cols[None, :] < k)
+            x = tl.load(src + rows[:, None] * src_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HW_CAST:  # sm_89+: one conversion instruction, round to nearest even from fp32
+                code = (x * inv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                code = _e4m3_rne(x * inv)
+            tl.store(q + rows[:, None] * q_stride + cols[None, :], code, mask=mask)
         tl.store(s + bi * tl.load(s_strides + t) + bj, scale)
 
     @triton.jit
@@ -91,14 +108,17 @@ class Fp8Quantizer:
     On a GPU with Triton (and ``fmt.ue8m0`` off) one launch per source dtype covers every
     block of every tensor; otherwise each tensor goes through
     :func:`~megarefit.quant.fp8.quantize_fp8`. ``items`` must be contiguous in their last
-    dim; shapes are checked once, here. ``num_warps``: Triton warps per 128x128 block.
+    dim; shapes are checked once, here. ``num_warps`` (Triton warps per 128x128 block) and
+    ``chunk`` (rows per step): measured best on an H200 at 2 and 16 (1.13 TB/s of bf16 read
+    on one 8192x8192 tensor; 4 warps / 32 rows: 0.79, 128 rows: 0.71).
     """
 
     def __init__(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fmt: Fp8Format,
-                 num_warps: int = 8, fused: bool | None = None):
+                 num_warps: int = 2, fused: bool | None = None, chunk: int = 16):
         self.items = list(items)
         self.fmt = fmt
         self.num_warps = num_warps
+        self.chunk = chunk
         for src, out, scale in self.items:
             if out.shape != src.shape or tuple(scale.shape) != fmt.scale_shape(tuple(src.shape)):
                 raise ValueError(f"FP8 buffers {tuple(out.shape)} / {tuple(scale.shape)} do not fit a source of "
@@ -142,8 +162,9 @@ class Fp8Quantizer:
                 quantize_fp8(src, self.fmt, out=out, scale_out=scale)
             return
         for table, meta, programs, bm, bn, dtype in self._launches:
+            hw_cast = bool(self.items[0][0].is_cuda)  # Triton's CPU interpreter rounds fp8 casts wrongly
             _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype, FLOOR=SCALE_FLOOR, FMAX=FP8_MAX,
-                                     num_warps=self.num_warps)
+                                     HW_CAST=hw_cast, CHUNK=min(self.chunk, bm), num_warps=self.num_warps)
 
 
 __all__ = ["Fp8Quantizer"]
