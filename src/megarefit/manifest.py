@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 from megarefit.dims import ModelDims
@@ -62,13 +63,13 @@ class Manifest:
             counts[t.dtype] = counts.get(t.dtype, 0) + 1
         return max(counts, key=counts.__getitem__)
 
-    @property
+    @cached_property
     def layout_digest(self) -> str:
         """Digest of what decides the plan: dims, layout, dtypes (not addresses, not version)."""
         return digest_of(self.dims.to_dict(), self.layout.to_dict(), sorted({t.dtype for t in self.tensors}),
                          self.dtype, self.quantization)
 
-    @property
+    @cached_property
     def memory_digest(self) -> str:
         """Digest of the served memory (agent and addresses): changes when a trainer re-registers."""
         return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors])

@@ -4,6 +4,8 @@ Keys, under a job prefix (``megarefit/<job>/``)::
 
     manifest/<tp>.<pp>.<ep>   Manifest JSON            (set once per registration)
     nixl/<tp>.<pp>.<ep>       NIXL agent metadata      (bytes; NIXL's own metadata exchange)
+    generation/<tp>.<pp>.<ep> digest of both, set last (receivers re-read a rank's manifest only
+                              when it changes: a warm cycle reads one short key per rank)
     version/<tp>.<pp>.<ep>    weight version, decimal  (bumped after each optimizer step)
     consumed/<version>        set by a receiver when it no longer reads that version
 
@@ -14,6 +16,7 @@ else running.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -39,6 +42,7 @@ class Rendezvous:
     def __init__(self, store: dist.TCPStore, job: str = "default"):
         self.store = store
         self.prefix = f"megarefit/{job}/"
+        self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
 
     @classmethod
     def serve(cls, host: str = "127.0.0.1", port: int = 0, *, job: str = "default",
@@ -60,8 +64,11 @@ class Rendezvous:
     # ---- trainer side ----------------------------------------------------
     def publish_manifest(self, manifest: Manifest, nixl_metadata: bytes = b"") -> None:
         key = _rank_key(manifest.rank)
+        text = manifest.to_json()
         self.store.set(self.prefix + "nixl/" + key, nixl_metadata)
-        self.store.set(self.prefix + "manifest/" + key, manifest.to_json())
+        self.store.set(self.prefix + "manifest/" + key, text)
+        digest = hashlib.sha256(text.encode() + b"\0" + bytes(nixl_metadata)).hexdigest()[:16]
+        self.store.set(self.prefix + "generation/" + key, f"{time.time_ns()}-{digest}")
 
     def publish_version(self, rank: RankCoord, version: int) -> None:
         self.store.set(self.prefix + "version/" + _rank_key(rank), str(int(version)))
@@ -74,12 +81,15 @@ class Rendezvous:
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise RendezvousTimeout(f"no {what} after {timeout:.1f} s from: {missing[:8]}")
+                ranks = [k.rsplit("/", 1)[1] for k in missing[:8]]
+                raise RendezvousTimeout(f"no {what} after {timeout:.1f} s from: {missing[:8]} (trainer ranks "
+                                        f"{ranks}, as tp.pp.ep)")
             time.sleep(0.01)
 
     def manifests(self, ranks: Iterable[RankCoord] | None = None, *,
                   timeout: float = 60.0) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]]:
-        """Wait for and read every rank's manifest and NIXL metadata.
+        """Wait for and read every rank's manifest and NIXL metadata (re-read and parsed only
+        when the rank's generation key changed since this object last read it).
 
         Without ``ranks``, rank (0, 0, 0)'s manifest tells the layout and hence the ranks.
 
@@ -87,13 +97,21 @@ class Rendezvous:
             RendezvousTimeout: naming the ranks that did not publish.
         """
         if ranks is None:
-            self._wait(["manifest/0.0.0"], timeout, "manifest")
+            self._wait(["generation/0.0.0"], timeout, "manifest")
             first = Manifest.from_json(self.store.get(self.prefix + "manifest/0.0.0"))
             ranks = first.layout.ranks()
         ranks = list(ranks)
-        self._wait([f"manifest/{_rank_key(r)}" for r in ranks], timeout, "manifest")
-        manifests = {r: Manifest.from_json(self.store.get(self.prefix + "manifest/" + _rank_key(r))) for r in ranks}
-        metadata = {r: self.store.get(self.prefix + "nixl/" + _rank_key(r)) for r in ranks}
+        self._wait([f"generation/{_rank_key(r)}" for r in ranks], timeout, "manifest")  # names the missing ranks
+        manifests, metadata = {}, {}
+        for r in ranks:
+            key = _rank_key(r)
+            gen = self.store.get(self.prefix + "generation/" + key)
+            cached = self._seen.get(r)
+            if cached is None or cached[0] != gen:  # new or re-registered: read and parse once
+                cached = (gen, Manifest.from_json(self.store.get(self.prefix + "manifest/" + key)),
+                          self.store.get(self.prefix + "nixl/" + key))
+                self._seen[r] = cached
+            manifests[r], metadata[r] = cached[1], cached[2]
         return manifests, metadata
 
     def versions(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int | None]:
