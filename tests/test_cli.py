@@ -213,5 +213,6 @@ def test_plan_fp8_bytes_on_the_wire(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "on the wire vs 1,342.05 GB in bfloat16 (0.50x)" in out
     rc = main(["plan", "--config", str(CONFIG_DIR / "DeepSeek-V3.json"), "--tp", "8", "--ep", "8", "--etp", "1",
-               "--vllm-tp", "8", "--no-execute-meta"])
-    assert rc == 2 and "vLLM-sharded FP8 targets are not planned yet" in capsys.readouterr().out
+               "--vllm-tp", "8", "--vllm-ep", "--no-execute-meta"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "quantized on the trainers, 0 on the receiver" in out and "this worker pulls" in out

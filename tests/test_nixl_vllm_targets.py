@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.publisher import Publisher  # noqa: E402
 from megarefit.rendezvous import Rendezvous  # noqa: E402
@@ -125,3 +126,22 @@ def test_fp8_refit_over_nixl(head_dim, tmp_path):
     some = next(iter(sorted(quantized)))
     assert torch.equal(again[some].view(torch.uint8), got[some].view(torch.uint8))
     assert torch.equal(again[scale_name(some)], 2 * got[scale_name(some)])
+    # a vLLM tp=2 worker (EP) pulls its own FP8 parameters: each equals vLLM's quantizer applied to
+    # the independent bf16 reference of that parameter, expert slot by slot (head_dim 64: k rows per
+    # vLLM rank 64, which vLLM's FP8 layers refuse too -- megarefit says so before any byte moves)
+    sharded = RefitReceiver(rdzv, name=f"{job}-vllm", timeout=10, target=VllmTarget(2, 1, expert_parallel=True))
+    if head_dim == 64:
+        with pytest.raises(LayoutError, match=r"k_proj.weight: rows \[64, 128\) are off the 128-element FP8 block"):
+            next(sharded.run_refit_cycle(2))
+        return
+    mine = {n: t.clone() for n, t in sharded.run_refit_cycle(2)}
+    ref = vllm_moe_reference({k: 2 * v for k, v in hf.items()}, cfg, 2, 1, expert_parallel=True)  # version 2
+    assert mine.keys() == set(ref) | {n + "_scale_inv" for n in ref if n + "_scale_inv" in mine}
+    for name, w in ref.items():
+        if name + "_scale_inv" not in mine:
+            assert torch.equal(mine[name], w), name
+            continue
+        for q, s, slot in zip(mine[name].reshape(-1, *w.shape[-2:]), mine[name + "_scale_inv"].reshape(
+                -1, *mine[name + "_scale_inv"].shape[-2:]), w.reshape(-1, *w.shape[-2:])):
+            wq, ws = per_block_cast_to_fp8(slot, [128, 128])
+            assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws), name

@@ -19,6 +19,7 @@ loaders in test_vllm_moe_target.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -34,21 +35,54 @@ CASES = {  # name: (family, vLLM expert parallel, trainer (tp, ep, etp, expert l
     "qwen3_moe-ep1": ("qwen3_moe", True, (1, 2, 1, "legacy_grouped", "local")),
     "mixtral-ep0": ("mixtral", False, (1, 2, 1, "te_grouped", "local")),
     "glm4_moe-ep1": ("glm4_moe", True, (2, 2, 1, "te_grouped", "te")),
+    # block FP8: vLLM's FP8 linear and FusedMoE layers re-run their post-load processing
+    "qwen3_moe-fp8-ep0": ("qwen3_moe", False, (2, 2, 1, "te_grouped", "local")),
+    "qwen3_moe-fp8-ep1": ("qwen3_moe", True, (4, 1, 4, "sequential", "local")),  # experts quantized on the receiver
 }
+FP8_DIMS = {"hidden_size": 256, "head_dim": 128, "num_key_value_heads": 4, "moe_intermediate_size": 768,
+            "intermediate_size": 512}
+
+
+def _config(key: str, family: str) -> dict:
+    from megarefit.quant import Fp8Format, quantization_config
+
+    if "fp8" not in key:
+        return moe_config(CONFIGS[family])
+    cfg = moe_config(CONFIGS[family], **FP8_DIMS)
+    return cfg | {"quantization_config": quantization_config(ModelDims.from_hf_config(cfg), Fp8Format())}
+
+
+def _fp8_checkpoint(hf: dict, cfg: dict) -> dict:
+    """vLLM's own quantizer on the quantized weights (no-op for bf16 models)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from megarefit.quant import quantized_weight_names, scale_name
+
+    if not cfg.get("quantization_config"):
+        return hf
+    names, out = quantized_weight_names(ModelDims.from_hf_config(cfg)), {}
+    for name, w in hf.items():
+        if name in names:
+            out[name], out[scale_name(name)] = per_block_cast_to_fp8(w, [128, 128])
+        else:
+            out[name] = w
+    return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cases = {}
     for key, (family, expert_parallel, (tp, ep, etp, expert_layout, layer_spec)) in CASES.items():
-        cfg = moe_config(CONFIGS[family])
-        hf_a = hf_checkpoint_state(cfg, tmp_path_factory.mktemp(f"{key}-a"), seed=1)
-        hf_b = hf_checkpoint_state(cfg, tmp_path_factory.mktemp(f"{key}-b"), seed=2)
+        cfg = _config(key, family)
+        dtype = torch.bfloat16 if cfg.get("quantization_config") else torch.float32
+        hf_a, hf_b = ({k: v.to(dtype) for k, v in hf_checkpoint_state(
+            {k: v for k, v in cfg.items() if k != "quantization_config"}, tmp_path_factory.mktemp(f"{key}-{s}"),
+            seed=s).items()} for s in (1, 2))
         dims = ModelDims.from_hf_config(cfg)
         layout = SourceLayout.build(tp=tp, pp=1, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
                                     num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
         shards = megatron_shards(hf_b, cfg, family, tp, ep, etp, expert_layout, layer_spec)
-        cases[key] = (cfg, hf_a, hf_b, shards, layout, expert_parallel)
+        cases[key] = (cfg, _fp8_checkpoint(hf_a, cfg), _fp8_checkpoint(hf_b, cfg), shards, layout, expert_parallel)
     per_rank = run_workers(install_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))), timeout=600)
     return {key: [per_rank[rank][key] for rank in range(2)] for key in cases}
 

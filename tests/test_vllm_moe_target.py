@@ -32,7 +32,7 @@ from megarefit.targets import VllmTarget, plan_megatron_to_vllm, vllm_params  # 
 from megarefit.transport import LocalTransport  # noqa: E402
 from moe_cases import CONFIGS, TRAINERS, case_config, family_of, megatron_shards, moe_config  # noqa: E402
 from reference import hf_checkpoint_state, vllm_moe_reference  # noqa: E402
-from vllm_loader_jobs import vllm_model_job  # noqa: E402
+from vllm_loader_jobs import unportable, vllm_model_job  # noqa: E402
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory):
@@ -46,7 +46,8 @@ def vllm_models(states, tmp_path_factory):
     cases = {f"{family}-ep{int(ep)}": (cfg, hf, ep) for family, (cfg, hf) in states.items() for ep in (False, True)}
     per_rank = run_workers(vllm_model_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
-    return {key: [per_rank[rank][key] for rank in range(2)] for key in cases}
+    return {key: [({n: unportable(t) for n, t in per_rank[rank][key][0].items()}, per_rank[rank][key][1])
+                  for rank in range(2)] for key in cases}
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -54,6 +54,8 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
     from megarefit.errors import ShapeMismatchError
     from megarefit.integrations.vllm import _cpu_moe_reload
     from megarefit.integrations.vllm_install import install_shards, vllm_target_of
+    from megarefit.quant import Fp8Format
+    from megarefit.quant.planning import quantize_sources
     from megarefit.receiver import run_refit_cycle
     from megarefit.targets import plan_megatron_to_vllm
     from megarefit.transport import LocalTransport
@@ -62,7 +64,9 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
     init_vllm_tp(rank, world_size, port)
     results: dict[str, Any] = {}
     for key, (cfg, hf_a, hf_b, shards, layout, expert_parallel) in cases.items():
-        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"))
+        fmt = Fp8Format.from_hf_config(cfg)  # an FP8 model: checkpoints A / B are FP8, shards bf16
+        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"),
+                                        "bfloat16" if fmt is not None else "float32")
 
         def build() -> tuple[torch.nn.Module, VllmConfig]:
             config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(
@@ -79,8 +83,10 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
             ref.load_weights(hf_b.items())
             finalize_layerwise_reload(ref, model_config)
         target = vllm_target_of(ours, config.parallel_config)
-        plan = plan_megatron_to_vllm(ModelDims.from_hf_config(cfg), layout, "float32", target)
-        transport = LocalTransport({RankCoord(*r): s for r, s in shards.items()})
+        dtype = str(next(iter(next(iter(shards.values())).values())).dtype).removeprefix("torch.")
+        plan = plan_megatron_to_vllm(ModelDims.from_hf_config(cfg), layout, dtype, target, fmt)
+        served = {RankCoord(*r): s for r, s in shards.items()}
+        transport = LocalTransport(quantize_sources(plan, served, fmt) if fmt is not None else served)
         weights = [(n, t.clone()) for n, t in run_refit_cycle(plan, transport)]
         before = {k: v.clone() for k, v in reachable_tensors(ours).items()}
         with set_current_vllm_config(config), _cpu_moe_reload(ours):

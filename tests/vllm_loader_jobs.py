@@ -105,7 +105,8 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
     init_vllm_tp(rank, world_size, port)
     out: dict[str, Any] = {}
     for key, (cfg, hf, expert_parallel) in cases.items():
-        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"))
+        dtype = "bfloat16" if cfg.get("quantization_config") else "float32"  # vLLM's FP8 methods need 16-bit
+        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"), dtype)
         config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(
             tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel))
         with set_current_vllm_config(config):
@@ -113,8 +114,18 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
             model.load_weights(hf.items())
         maps = {n: m._expert_map.tolist() for n, m in model.named_modules()
                 if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
-        out[key] = ({n: p.detach().clone() for n, p in model.named_parameters()}, maps)
+        out[key] = ({n: portable(p.detach().clone()) for n, p in model.named_parameters()}, maps)
     return out
+
+
+def portable(t: torch.Tensor) -> Any:
+    """Tensors cross process boundaries pickled; float8 tensors do not survive that, so
+    they travel as ``("float8_e4m3fn", uint8 view)`` (see :func:`unportable`)."""
+    return ("float8_e4m3fn", t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn else t
+
+
+def unportable(x: Any) -> torch.Tensor:
+    return x[1].view(torch.float8_e4m3fn) if isinstance(x, tuple) else x
 
 
 def vllm_param_shapes_job(rank: int, world_size: int, port: int, cases: dict[str, dict], workdir: str

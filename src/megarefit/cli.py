@@ -84,17 +84,17 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if target is not None:
         from megarefit.targets import plan_megatron_to_vllm
 
-        if fmt is not None:
-            raise MegarefitError("vLLM-sharded FP8 targets are not planned yet; use --quantization none with "
-                                 "--vllm-tp, or full HF tensors")
         plan = plan_megatron_to_vllm(dims, layout, args.dtype, target)
+        unquantized_bytes = plan.nbytes
+        if fmt is not None:
+            plan = plan_megatron_to_vllm(dims, layout, args.dtype, target, fmt)
     else:
         plan = plan_megatron_to_hf(dims, layout, args.dtype)
-    unquantized_bytes = plan.nbytes
-    if fmt is not None:
-        from megarefit.quant.planning import plan_fp8
+        unquantized_bytes = plan.nbytes
+        if fmt is not None:
+            from megarefit.quant.planning import plan_fp8
 
-        plan = plan_fp8(plan, fmt)
+            plan = plan_fp8(plan, fmt)
     plan_s = time.perf_counter() - t0
     meta_s = None
     if args.execute_meta:

@@ -30,10 +30,10 @@ from megarefit.layout import RankCoord
 from megarefit.manifest import Manifest
 from megarefit.plan import Plan, TensorRef
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
+from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.planning import plan_fp8
 from megarefit.quant.kernel import Fp8Quantizer
-from megarefit.receiver import torch_dtype
+from megarefit.receiver import slots, torch_dtype
 from megarefit.rendezvous import Rendezvous
 from megarefit.transport.nixl import NixlTransport
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
@@ -144,10 +144,7 @@ class RefitReceiver:
                                                                                    fmt):
             return plan, False
         if self.target is not None:
-            if fmt is not None:
-                raise UnsupportedQuantizationError("the trainers publish block FP8; vLLM-sharded FP8 targets are not "
-                                                   "planned yet: use full HF tensors (target=None)")
-            plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target)
+            plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
         else:
             plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
             if fmt is not None:
@@ -246,8 +243,8 @@ class RefitReceiver:
         if plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull (one launch on a GPU)
             if self._quantizer is None:
                 step = plan.quantize[0]
-                self._quantizer = Fp8Quantizer([(self._buffers[q.staging], self._buffers[q.weight],
-                                                 self._buffers[q.scale]) for q in plan.quantize],
+                self._quantizer = Fp8Quantizer([item for q in plan.quantize for item in slots(
+                    self._buffers[q.staging], self._buffers[q.weight], self._buffers[q.scale])],
                                                Fp8Format(step.block, step.ue8m0))
             self._quantizer()
         if plan.quantize and self.device.type == "cuda":

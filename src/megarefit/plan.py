@@ -163,8 +163,9 @@ def _squeeze_leading(lengths: tuple[int, ...], keep: int = 2) -> tuple[int, ...]
 class QuantizeStep:
     """Block-FP8 quantization on the receiver, after the pulls: ``staging`` (a target the
     ops fill, in the model dtype, never handed over) becomes ``weight`` (float8_e4m3fn,
-    same shape) and ``scale`` (float32 ``[ceil(N/block[0]), ceil(K/block[1])]``), two
-    targets no op writes. ``reason`` says why the trainer could not quantize it."""
+    same shape) and ``scale`` (float32 ``[..., ceil(N/block[0]), ceil(K/block[1])]``: blocks
+    over the last two dims, each leading index -- a FusedMoE expert slot -- on its own),
+    two targets no op writes. ``reason`` says why the trainer could not quantize it."""
 
     staging: TensorRef
     weight: TensorRef
@@ -339,8 +340,8 @@ def validate_plan(plan: Plan) -> None:
         staging, weight, scale = (plan.targets.get(r) for r in (step.staging, step.weight, step.scale))
         if staging is None or weight is None or scale is None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging / weight / scale not declared")
-        want_scale = tuple(-(-n // b) for n, b in zip(staging.shape, step.block))
-        if len(staging.shape) != 2 or weight.shape != staging.shape or weight.dtype != "float8_e4m3fn" or (
+        want_scale = tuple(staging.shape[:-2]) + tuple(-(-n // b) for n, b in zip(staging.shape[-2:], step.block))
+        if len(staging.shape) < 2 or weight.shape != staging.shape or weight.dtype != "float8_e4m3fn" or (
                 scale.shape != want_scale or scale.dtype != "float32"):
             raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
                                       f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "

@@ -143,7 +143,18 @@ def run_quantize_step(step: QuantizeStep, staging: torch.Tensor, weight: torch.T
     """Block-quantize the staging tensor into the step's FP8 weight and scale buffers."""
     from megarefit.quant.fp8 import Fp8Format, quantize_fp8
 
-    quantize_fp8(staging, Fp8Format(step.block, step.ue8m0), out=weight, scale_out=scale)
+    for s, w, c in slots(staging, weight, scale):
+        quantize_fp8(s, Fp8Format(step.block, step.ue8m0), out=w, scale_out=c)
+
+
+def slots(staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+          ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """2-D ``(staging, weight, scale)`` triples of a quantize step: one per leading index
+    (FusedMoE expert slot) of an N-D target, itself for a 2-D one."""
+    if staging.dim() == 2:
+        return [(staging, weight, scale)]
+    s, w, c = (t.reshape(-1, *t.shape[-2:]) for t in (staging, weight, scale))
+    return [(s[i], w[i], c[i]) for i in range(s.shape[0])]
 
 
 def run_refit_cycle(plan: Plan, transport: Transport, *, views: bool = True, device: torch.device | str = "cpu",

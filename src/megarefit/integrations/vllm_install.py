@@ -37,6 +37,9 @@ from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatc
 # Older vLLM keeps FusedMoE weights on the layer itself (``experts.w13_weight``);
 # vLLM >= 0.2x in a RoutedExperts submodule (``experts.routed_experts.w13_weight``).
 _ALIASES = ((".routed_experts.", "."),)
+# attention KV-cache / activation scales of FP8 models: block-FP8 weight checkpoints do not
+# carry them (vLLM keeps their defaults), so a refit does not either
+_NOT_IN_CHECKPOINTS = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale")
 
 
 def _shard_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -92,7 +95,9 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
 
     Raises:
         UnexpectedParameterError: a shard names no parameter of the model.
-        ShapeMismatchError: a shard's shape or dtype differs (names both).
+        ShapeMismatchError: a shard's shape differs, or its dtype where that matters (FP8
+            bytes into a non-FP8 parameter or back); other floating-point shards are cast
+            on copy, as vLLM's own loaders cast checkpoint tensors (names both).
         MissingParameterError: a parameter no shard fills (vLLM would process its layer
             with stale or uninitialized elements).
     """
@@ -105,12 +110,13 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
         if key not in by_key:
             raise UnexpectedParameterError(f"sharded refit: vLLM model has no parameter {name!r}")
         module, attr, shape, dtype = params[by_key[key]]
-        if shape != tuple(tensor.shape) or dtype != tensor.dtype:
+        fp8 = torch.float8_e4m3fn in (dtype, tensor.dtype)  # FP8 bytes only go into FP8 parameters
+        if shape != tuple(tensor.shape) or (dtype != tensor.dtype and (fp8 or not dtype.is_floating_point)):
             raise ShapeMismatchError(f"sharded refit: {name} is {dtype} {shape} in vLLM, pulled {tensor.dtype} "
                                      f"{tuple(tensor.shape)}")
         out.append((module, attr, tensor))
         done.add(by_key[key])
-    missing = sorted(set(params) - done)
+    missing = sorted(n for n in set(params) - done if not n.endswith(_NOT_IN_CHECKPOINTS))
     if missing:
         raise MissingParameterError(f"sharded refit: {len(missing)} vLLM parameter(s) not pulled, e.g. {missing[:3]}")
     return out

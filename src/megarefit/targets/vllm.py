@@ -16,13 +16,18 @@ HF tensor maps back to the transposed sub-box of the stored expert block::
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 from megarefit.dims import ModelDims
+from megarefit.errors import LayoutError
 from megarefit.layout import Box, SourceLayout
-from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, make_op, merge_ops, validate_plan
+from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, merge_ops, validate_plan
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.targets.vllm_layout import VllmPiece, VllmTarget, vllm_params
+from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
+from megarefit.quant.planning import SCALE_SUFFIX, STAGING_SUFFIX, plan_fp8
+from megarefit.quant.scheme import quantized_weight_names
+from megarefit.targets.vllm_layout import VllmParam, VllmPiece, VllmTarget, vllm_params
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -55,31 +60,107 @@ def _placed(piece: VllmPiece, part: Box) -> Box:
         piece.param_box.offsets[k:], part.offsets, piece.hf_box.offsets)), (1,) * k + part.lengths)
 
 
+def _scale_box(box: Box, shape: tuple[int, ...], fmt: Fp8Format, what: str) -> Box:
+    """``box`` (last two dims on the 128-block grid of ``shape``) in block units; leading
+    dims (expert slots) unchanged.
+
+    Raises:
+        LayoutError: the box is off the grid (vLLM's block-FP8 layers need every rank's and
+            every stacked part's rows / columns to be multiples of the block).
+    """
+    lead = len(box.offsets) - 2
+    offsets, lengths = list(box.offsets[:lead]), list(box.lengths[:lead])
+    for d, b in zip(range(lead, lead + 2), fmt.block):
+        o, n, size = box.offsets[d], box.lengths[d], shape[d]
+        if o % b or (n % b and o + n != size):
+            raise LayoutError(f"{what}: {'rows' if d == lead else 'columns'} [{o}, {o + n}) are off the {b}-element "
+                              "FP8 block grid (vLLM's block-FP8 layers need per-rank sizes divisible by the block)")
+        offsets.append(o // b)
+        lengths.append(-(-n // b))
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def _scale_shape(shape: tuple[int, ...], fmt: Fp8Format) -> tuple[int, ...]:
+    return tuple(shape[:-2]) + fmt.scale_shape(tuple(shape[-2:]))
+
+
+def _fp8_params(params: dict[str, VllmParam], hf_plan: Plan, fmt: Fp8Format
+                ) -> tuple[dict[str, tuple[VllmParam, str | None]], list[QuantizeStep]]:
+    """The worker's parameters under block FP8: each quantized weight with its
+    ``weight_scale_inv`` (pieces: the weight's boxes in block units, from the HF scales),
+    filled by the trainers' FP8 shards; or, where the HF plan quantizes on the receiver, a
+    staging parameter in the model dtype plus a :class:`QuantizeStep` on the worker's own
+    block grid (equal to the HF grid: vLLM keeps every part block-aligned)."""
+    quantized = quantized_weight_names(hf_plan.dims)
+    receiver = {q.weight.name for q in hf_plan.quantize}
+    out: dict[str, tuple[VllmParam, str | None]] = {}
+    steps: list[QuantizeStep] = []
+    for name, param in params.items():
+        hf_names = {p.hf_name for p in param.pieces}
+        if not hf_names & quantized:
+            out[name] = (param, None)
+            continue
+        if not hf_names <= quantized or (hf_names & receiver and not hf_names <= receiver):
+            raise UnsupportedQuantizationError(f"vLLM parameter {name}: its parts are quantized in different places")
+        scale_pieces = tuple(VllmPiece(p.hf_name + SCALE_SUFFIX, _scale_box(p.hf_box, hf_plan.targets[
+            TensorRef(None, p.hf_name)].shape, fmt, f"{p.hf_name}"), _scale_box(p.param_box, param.shape, fmt, name))
+            for p in param.pieces)
+        scale = name + SCALE_SUFFIX
+        if hf_names & receiver:  # pull the model dtype into staging, quantize the worker's shard here
+            staging = name + STAGING_SUFFIX
+            out[staging] = (VllmParam(param.shape, tuple(dataclasses.replace(p, hf_name=p.hf_name + STAGING_SUFFIX)
+                                                         for p in param.pieces)), None)
+            out[name] = (VllmParam(param.shape, ()), "float8_e4m3fn")
+            out[scale] = (VllmParam(_scale_shape(param.shape, fmt), ()), "float32")
+            why = next(q.reason for q in hf_plan.quantize if q.weight.name in hf_names)
+            steps.append(QuantizeStep(TensorRef(None, staging), TensorRef(None, name), TensorRef(None, scale),
+                                      fmt.block, fmt.ue8m0, why))
+        else:
+            out[name] = (param, "float8_e4m3fn")
+            out[scale] = (VllmParam(_scale_shape(param.shape, fmt), scale_pieces), "float32")
+    return out, steps
+
+
 @lru_cache(maxsize=64)
-def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, target: VllmTarget) -> Plan:
+def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, target: VllmTarget,
+                          quantization: Fp8Format | None = None) -> Plan:
     """Plan Megatron shards (``layout``) into vLLM worker ``target``'s own parameter shards.
 
     Targets are vLLM parameter names (``model.layers.L.self_attn.qkv_proj.weight``,
     ``...mlp.experts.routed_experts.w13_weight``, ``...self_attn.fused_qkv_a_proj.weight``,
     ...) with local shapes (see :mod:`megarefit.targets.vllm_layout`); vocab rows past
-    ``vocab_size`` are ``zero_fill``. Cached per arguments.
+    ``vocab_size`` are ``zero_fill``. With ``quantization`` (block FP8) every quantized
+    weight is float8_e4m3fn with its ``..._scale_inv`` (``qkv_proj.weight_scale_inv``,
+    ``w13_weight_scale_inv`` ``[E_l, 2*I_p/128, hidden/128]``, ...), as vLLM's FP8 layers
+    hold them before post-load processing. Cached per arguments.
 
     Raises:
         LayoutError: the model does not split over the worker's groups (names the dim
-            and sizes), or a bad expert placement (see :func:`vllm_params`).
+            and sizes), a bad expert placement (see :func:`vllm_params`), or an FP8 part
+            off the 128-block grid.
         PlanValidationError: internal inconsistency (a bug).
     """
     params = vllm_params(dims, target)
     experts = frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
     hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts)
+    steps: list[QuantizeStep] = []
+    if quantization is not None:
+        hf_plan = plan_fp8(hf_plan, quantization)
+        typed, steps = _fp8_params(params, hf_plan, quantization)
+    else:
+        typed = {name: (param, None) for name, param in params.items()}
     by_hf = hf_plan.ops_by_target
+    produced = {r.name for q in steps for r in (q.weight, q.scale)}
     targets: dict[TensorRef, TensorMeta] = {}
     ops: list[CopyOp] = []
-    for name, param in params.items():
+    for name, (param, pdtype) in typed.items():
         dst = TensorRef(None, name)
         shape = param.shape
         meta = hf_plan.targets[TensorRef(None, param.pieces[0].hf_name)] if param.pieces else None
-        tdtype = meta.dtype if meta is not None else dtype
+        tdtype = pdtype or (meta.dtype if meta is not None else dtype)
+        if name in produced:
+            targets[dst] = TensorMeta(shape, tdtype)
+            continue
         written, mine = 0, []
         for piece in param.pieces:
             for op in by_hf[TensorRef(None, piece.hf_name)]:
@@ -100,7 +181,7 @@ def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, tar
             zero = (Box.rows(shape, filled, shape[0] - filled),)
         targets[dst] = TensorMeta(shape, tdtype, zero)
     plan = Plan("megatron_to_vllm", dims, layout, dtype, hf_plan.sources, targets, tuple(ops),
-                digest_of("megatron_to_vllm", hf_plan.digest, target))
+                digest_of("megatron_to_vllm", hf_plan.digest, target), tuple(steps))
     validate_plan(plan)
     return plan
 
