@@ -434,8 +434,10 @@ class WorkerGroup:
             p.start()
 
     def kill(self, rank: int) -> None:
-        """Kill one worker (fault-injection in tests)."""
+        """Kill one worker (fault-injection in tests) and wait until it is gone (its memory
+        unmapped), so that what happens next really meets a dead peer."""
         self._procs[rank].kill()
+        self._procs[rank].join(timeout=30)
 
     def join(self, timeout: float = 600.0) -> list:
         """Wait for every worker's result, ordered by rank.
