@@ -333,19 +333,32 @@ class NixlTransport:
                     remote.append((entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev))
                     local.append((buffers[op.dst].data_ptr() + op.dst_byte_offset, op.nbytes, ldev))
                     rregions.append(entries[op.src.name].region)
-            for seg in segments[rank]:
+            # scratch runs in the trainer's memory order; a run that continues the previous one
+            # there gets the next bytes here too, so the two travel as one descriptor (_coalesce)
+            ordered = sorted(segments[rank], key=lambda g: (entries[g.src.name].region,
+                                                            entries[g.src.name].addr + g.start * itemsize[g.src]))
+            prev: tuple[int, int] | None = None  # (region, end address) of the previous run
+            end = scratch_at  # first byte after the previous slot
+            for seg in ordered:
                 assert self._scratch is not None
                 item, nbytes = itemsize[seg.src], _seg_bytes(seg, itemsize)
                 dtype = buffers[seg.ops[0][0].dst].dtype
+                entry = entries[seg.src.name]
+                addr = entry.addr + seg.start * item
+                follows = (entry.region >= 0 and prev == (entry.region, addr)
+                           and end % torch.empty((), dtype=dtype).element_size() == 0)
+                if follows:
+                    scratch_at = end
                 slot = self._scratch[scratch_at: scratch_at + nbytes].view(dtype)
-                remote.append((entries[seg.src.name].addr + seg.start * item, nbytes, rdev))
+                remote.append((addr, nbytes, rdev))
                 local.append((slot.data_ptr(), nbytes, ldev))
-                rregions.append(-1)  # scratch slots stay one descriptor each
+                rregions.append(entry.region)
                 pulls.scratch_runs.append((seg.src, seg.start, seg.stop))
                 for op, strides in seg.ops:
                     part = slot[op.src_offset - seg.start:].as_strided(op.src_box.lengths, strides)
                     pulls.scratch_ops.append((op, *widened(*part_views(op, part, buffers[op.dst]), BOX_WORD)))
-                scratch_at += _align(nbytes)  # keep slots aligned
+                prev, end = (entry.region, addr + nbytes), scratch_at + nbytes
+                scratch_at += _align(nbytes)  # the next slot starts aligned unless it continues this one
             remote, local = _coalesce(remote, local, rregions, [self.nixl.region(a, n) for a, n, _ in local])
             pulls.descriptors = len(remote)
             pulls.wire_bytes = sum(n for _, n, _ in remote)
