@@ -320,3 +320,17 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
         out[prefix + "routed_experts.w2_weight"] = torch.stack([ws[(e, down)].chunk(moe_T, dim=1)[moe_r]
                                                                for e in slots])
     return out
+
+
+def vllm_fp8_checkpoint(hf: dict[str, torch.Tensor], names: set[str] | frozenset[str]) -> dict[str, torch.Tensor]:
+    """A block-FP8 checkpoint made by vLLM's own quantizer (``per_block_cast_to_fp8``): each
+    weight in ``names`` becomes ``weight`` + ``weight_scale_inv``; the rest pass through."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    out = {}
+    for name, w in hf.items():
+        if name in names:
+            out[name], out[name + "_scale_inv"] = per_block_cast_to_fp8(w, [128, 128])
+        else:
+            out[name] = w
+    return out

@@ -22,13 +22,13 @@ pytest.importorskip("transformers")
 import megarefit  # noqa: E402
 from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
 from megarefit.integrations.megatron import run_workers  # noqa: E402
-from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names, scale_name  # noqa: E402
+from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names  # noqa: E402
 from megarefit.quant.planning import quantize_sources, where_quantized  # noqa: E402
 from megarefit.receiver import run_refit_cycle  # noqa: E402
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
-from reference import hf_checkpoint_state  # noqa: E402
+from reference import hf_checkpoint_state, vllm_fp8_checkpoint  # noqa: E402
 from vllm_loader_jobs import unportable, vllm_model_job  # noqa: E402
 
 from conftest import tiny_config  # noqa: E402
@@ -50,19 +50,6 @@ CASES = {  # name: (config, trainer layouts (tp, ep, etp, expert layout, layer s
 }
 
 
-def _vllm_fp8_checkpoint(hf: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
-    """The FP8 checkpoint by vLLM's own quantizer (independent of megarefit's)."""
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-    out = {}
-    for name, w in hf.items():
-        if name in quantized_weight_names(dims):
-            out[name], out[scale_name(name)] = per_block_cast_to_fp8(w, [128, 128])
-        else:
-            out[name] = w
-    return out
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     cases, states = {}, {}
@@ -76,7 +63,7 @@ def models(tmp_path_factory):
         for ep in (False, True):
             if ep and not dims.num_experts:
                 continue
-            cases[f"{key}-ep{int(ep)}"] = (fp8_cfg, _vllm_fp8_checkpoint(hf, dims), ep)
+            cases[f"{key}-ep{int(ep)}"] = (fp8_cfg, vllm_fp8_checkpoint(hf, quantized_weight_names(dims)), ep)
     per_rank = run_workers(vllm_model_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
     got = {k: [({n: unportable(t) for n, t in per_rank[r][k][0].items()}, per_rank[r][k][1]) for r in range(2)]

@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.integrations.megatron import run_workers  # noqa: E402
 from moe_cases import CONFIGS, megatron_shards, moe_config  # noqa: E402
-from reference import hf_checkpoint_state  # noqa: E402
+from reference import hf_checkpoint_state, vllm_fp8_checkpoint  # noqa: E402
 from vllm_install_jobs import install_job  # noqa: E402
 
 CASES = {  # name: (family, vLLM expert parallel, trainer (tp, ep, etp, expert layout, layer spec))
@@ -54,19 +54,11 @@ def _config(key: str, family: str) -> dict:
 
 def _fp8_checkpoint(hf: dict, cfg: dict) -> dict:
     """vLLM's own quantizer on the quantized weights (no-op for bf16 models)."""
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-    from megarefit.quant import quantized_weight_names, scale_name
+    from megarefit.quant import quantized_weight_names
 
     if not cfg.get("quantization_config"):
         return hf
-    names, out = quantized_weight_names(ModelDims.from_hf_config(cfg)), {}
-    for name, w in hf.items():
-        if name in names:
-            out[name], out[scale_name(name)] = per_block_cast_to_fp8(w, [128, 128])
-        else:
-            out[name] = w
-    return out
+    return vllm_fp8_checkpoint(hf, quantized_weight_names(ModelDims.from_hf_config(cfg)))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-import megarefit  # noqa: E402
 from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.integrations.megatron import run_workers  # noqa: E402
