@@ -92,6 +92,13 @@ class Fp8Format:
             out["scale_fmt"] = "ue8m0"
         return out
 
+    def on_grid(self, dim: int, offset: int, length: int, size: int) -> bool:
+        """Whether elements ``[offset, offset+length)`` of a tensor dim of ``size`` (``dim`` 0:
+        rows, 1: columns) cover whole blocks of its grid -- an edge block counts when the run
+        reaches the end of the dim. Only such runs quantize the same on their own."""
+        b = self.block[dim]
+        return offset % b == 0 and (length % b == 0 or offset + length == size)
+
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """``[ceil(N/block_rows), ceil(K/block_cols)]`` for a weight of ``shape`` ``[N, K]``."""
         if len(shape) != 2:

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megarefit.quant.fp8 import FP8_MAX, SCALE_FLOOR, Fp8Format, quantize_fp8
+from megarefit.errors import ShapeMismatchError
+from megarefit.quant.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, Fp8Format, quantize_fp8
 
 try:  # Triton ships with CUDA builds of torch; CPU builds run the torch path
     import triton
@@ -119,10 +120,12 @@ class Fp8Quantizer:
         self.fmt = fmt
         self.num_warps = num_warps
         self.chunk = chunk
-        for src, out, scale in self.items:
-            if out.shape != src.shape or tuple(scale.shape) != fmt.scale_shape(tuple(src.shape)):
-                raise ValueError(f"FP8 buffers {tuple(out.shape)} / {tuple(scale.shape)} do not fit a source of "
-                                 f"shape {tuple(src.shape)}")
+        for i, (src, out, scale) in enumerate(self.items):
+            want = (tuple(src.shape), fmt.scale_shape(tuple(src.shape)))
+            if (tuple(out.shape), tuple(scale.shape)) != want or out.dtype != FP8_DTYPE or scale.dtype != torch.float32:
+                raise ShapeMismatchError(f"FP8 buffers of item {i}: expected float8_e4m3fn {want[0]} and float32 "
+                                         f"{want[1]} for a source of shape {tuple(src.shape)}, got {out.dtype} "
+                                         f"{tuple(out.shape)} and {scale.dtype} {tuple(scale.shape)}")
         self._launches: list[tuple] = []
         if fused is None:  # ``fused=True`` forces the kernel (CPU tensors under TRITON_INTERPRET=1, for tests)
             fused = bool(triton is not None and not fmt.ue8m0 and self.items

@@ -33,10 +33,9 @@ import torch
 
 from megarefit.layout import Box, RankCoord
 from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, validate_plan
-from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, quantize_fp8
+from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format, quantize_fp8
 from megarefit.quant.scheme import quantized_weight_names
 
-SCALE_SUFFIX = "_scale_inv"
 STAGING_SUFFIX = ":staging"  # receiver-side staging target of a quantized weight (model dtype)
 
 
@@ -55,8 +54,8 @@ def _misaligned(op: CopyOp, src_shape: tuple[int, ...], dst_shape: tuple[int, ..
         return f"{where}: not a 2-D shard"
     for d, b in enumerate(fmt.block):
         so, do, n = op.src_box.offsets[d], op.dst_box.offsets[d], op.src_box.lengths[d]
-        ends = so + n == src_shape[d] and do + n == dst_shape[d]
-        if so % b or do % b or (n % b and not ends):
+        ends = so + n == src_shape[d] and do + n == dst_shape[d]  # an edge block must be one in both
+        if not (fmt.on_grid(d, so, n, src_shape[d]) and fmt.on_grid(d, do, n, dst_shape[d])) or (n % b and not ends):
             what = "rows" if d == 0 else "columns"
             return (f"{where}: {what} [{so}, {so + n}) land at {op.dst.name} {what} [{do}, {do + n}), off the "
                     f"{b}-{what[:-1]} block grid")

@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 
 from megarefit.dims import ModelDims
-from megarefit.quant.fp8 import Fp8Format, dequantize_fp8, quantize_fp8, scale_name
+from megarefit.quant.fp8 import SCALE_SUFFIX, Fp8Format, dequantize_fp8, quantize_fp8, scale_name
 from megarefit.specs.table import Stage
 
 
@@ -86,7 +86,7 @@ def dequantize_state(state: Mapping[str, torch.Tensor], fmt: Fp8Format,
     beside it, dequantized to ``dtype``; other tensors unchanged."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(SCALE_SUFFIX):
             continue
         scale = state.get(scale_name(name))
         out[name] = tensor if scale is None else dequantize_fp8(tensor, scale, fmt, dtype)

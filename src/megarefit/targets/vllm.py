@@ -72,7 +72,7 @@ def _scale_box(box: Box, shape: tuple[int, ...], fmt: Fp8Format, what: str) -> B
     offsets, lengths = list(box.offsets[:lead]), list(box.lengths[:lead])
     for d, b in zip(range(lead, lead + 2), fmt.block):
         o, n, size = box.offsets[d], box.lengths[d], shape[d]
-        if o % b or (n % b and o + n != size):
+        if not fmt.on_grid(d - lead, o, n, size):
             raise LayoutError(f"{what}: {'rows' if d == lead else 'columns'} [{o}, {o + n}) are off the {b}-element "
                               "FP8 block grid (vLLM's block-FP8 layers need per-rank sizes divisible by the block)")
         offsets.append(o // b)
