@@ -167,15 +167,8 @@ def test_restarted_trainer_with_the_same_agent_name(served):
     assert receiver.counters["remote_agents"] == 3 and receiver.counters["plans_built"] == 1
 
 
-@pytest.mark.parametrize("layout", ["sequential", "te_grouped", "legacy_grouped"])
-@pytest.mark.parametrize("experts", [None, frozenset({0, 3})])
-def test_expert_layouts_over_nixl(layout, experts):
-    """Every expert layout pulls over NIXL from TP=2 x EP=2 publishers (expert-TP 2), and
-    a receiver for vLLM expert parallelism (experts {0, 3} of 4) pulls only those
-    experts plus every dense tensor. Compared with the HF state the reference sharder
-    started from. Legacy GroupedMLP ``weight1`` / ``weight2`` hold per-expert
-    transposed blocks: each block crosses the wire once (one scratch run per tensor,
-    gate and up both cut from it)."""
+def _moe_served(layout: str):
+    """Mixtral-like HF state and four Publishers of it (tp=2 ep=2 etp=2, ``layout`` experts)."""
     from reference import moe_hf_state, moe_reference_shards
 
     cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,
@@ -188,6 +181,19 @@ def test_expert_layouts_over_nixl(layout, experts):
     pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=2, pp=1, ep=2, rendezvous=rdzv,
                       expert_layout=layout,
                       agent_name=f"{job}-trainer-{r[0]}-{r[2]}") for r, s in shards.items()]
+    return hf, rdzv, pubs, job
+
+
+@pytest.mark.parametrize("layout", ["sequential", "te_grouped", "legacy_grouped"])
+@pytest.mark.parametrize("experts", [None, frozenset({0, 3})])
+def test_expert_layouts_over_nixl(layout, experts):
+    """Every expert layout pulls over NIXL from TP=2 x EP=2 publishers (expert-TP 2), and
+    a receiver for vLLM expert parallelism (experts {0, 3} of 4) pulls only those
+    experts plus every dense tensor. Compared with the HF state the reference sharder
+    started from. Legacy GroupedMLP ``weight1`` / ``weight2`` hold per-expert
+    transposed blocks: each block crosses the wire once (gate and up both cut from the
+    same scratch bytes)."""
+    hf, rdzv, pubs, job = _moe_served(layout)
     for p in pubs:
         p.publish(1)
     receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5, experts=experts)
@@ -196,14 +202,48 @@ def test_expert_layouts_over_nixl(layout, experts):
     want = {k: v for k, v in hf.items() if ".experts." not in k or k.split(".experts.")[1].split(".")[0] in owned}
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
     assert receiver.stats.bytes_moved == sum(v.numel() * v.element_size() for v in want.values())
-    if layout == "legacy_grouped":  # each weight1 / weight2 is read in one run: its owned experts' blocks
-        prepared = next(iter(receiver.transport._prepared.values()))
-        runs = [(ref, stop - start) for pulls in prepared.per_source for ref, start, stop in pulls.scratch_runs
-                if ".experts.weight" in ref.name]
-        assert len(runs) == len({ref for ref, _ in runs}) == 4 * 2 * 2  # ranks x layers x (weight1, weight2)
-        block = {"weight1": 8 * 2 * 2, "weight2": 2 * 8}  # per expert: hidden x 2*ffn/etp, ffn/etp x hidden
-        owned_here = 2 if experts is None else 1  # of the 2 local experts per ep rank
-        assert all(n == block[ref.name.rsplit(".", 1)[1]] * owned_here for ref, n in runs)
+    # each trainer byte crosses the wire at most once: a rank's READ descriptors never overlap
+    # (legacy weight1 / weight2 blocks serve gate and up from the same bytes) and stay inside
+    # what the rank publishes
+    prepared = next(iter(receiver.transport._prepared.values()))
+    for pulls, pub in zip(sorted(prepared.per_source, key=lambda p: p.rank),
+                          sorted(pubs, key=lambda p: p.rank)):
+        spans = sorted(pulls.remote)
+        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:])), pulls.rank
+        assert pulls.wire_bytes <= sum(e.nbytes for e in pub.manifest.tensors)
+
+
+@pytest.mark.parametrize("layout", ["sequential", "legacy_grouped"])
+@pytest.mark.parametrize(("budget", "direct_min"), [(None, 0), (None, None), (1024, None), (1024, 64)])
+def test_gathered_waves_over_nixl(layout, budget, direct_min):
+    """Small and strided pulls gathered into runs of trainer memory and placed by batched
+    copies, in one wave or in many through two reused scratch halves (a 1 KiB budget), next
+    to direct pulls (``direct_min_bytes``: 0 reads every contiguous piece straight into its
+    target, 64 a mix): every layout lands bit-identical to the HF state, two cycles in a
+    row, and the scratch stays within the budget (or the largest single run)."""
+    hf, rdzv, pubs, job = _moe_served(layout)
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5, scratch_budget=budget)
+    if direct_min is not None:
+        receiver.transport.direct_min_bytes = direct_min
+    for version in (1, 2):
+        for p in pubs:
+            for t in p.params.values():
+                t.mul_(-1)  # new weights each version (the same bytes negated)
+            p.publish(version)
+        got = dict(receiver.run_refit_cycle(version))
+        sign = -1 if version == 1 else 1
+        assert got.keys() == hf.keys() and all(torch.equal(got[k], sign * v) for k, v in hf.items())
+    prepared = next(iter(receiver.transport._prepared.values()))
+    waves = max(len(p.waves) for p in prepared.per_source)
+    assert (waves > 2) == (budget is not None)
+    if direct_min == 0:
+        assert any(p.handle is not None for p in prepared.per_source)
+    if budget is not None:
+        biggest = max(n for p in prepared.per_source for w in p.waves for n in [w.nbytes])
+        assert receiver.stats.scratch_bytes <= 4 * max(budget // 4, biggest) + 256 * 8
+    assert receiver.stats.descriptors == sum(len(p.remote) for p in prepared.per_source)
 
 
 def test_vllm_sharded_receivers_over_nixl(served):

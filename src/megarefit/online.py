@@ -56,8 +56,11 @@ class CycleStats:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_moved: int = 0  # bytes the plan places (its targets' bytes)
     model_bytes: int = 0
-    wire_bytes: int = 0  # bytes the READs move (>= bytes_moved where strided sources are read as whole runs)
+    wire_bytes: int = 0  # bytes the READs move (>= bytes_moved: gathered runs include the gaps between pieces)
     counters: dict[str, int] = field(default_factory=dict)
+    arena_bytes: int = 0  # receiver memory holding the targets (bytes)
+    scratch_bytes: int = 0  # receiver scratch for gathered pulls (bytes; bounded by ``scratch_budget``, reused)
+    descriptors: int = 0  # NIXL READ descriptors per cycle (direct pulls + gathered runs)
 
 
 class RefitReceiver:
@@ -75,11 +78,15 @@ class RefitReceiver:
             only its experts. ``None``: full HF tensors.
         device: where the pulled tensors land (``"cuda:0"`` in a GPU worker: NIXL reads
             trainer memory, host or GPU, straight into GPU memory; registered as VRAM).
+        scratch_budget: bytes of scratch for gathered pulls (small and strided pieces read as
+            large runs, then placed by one batched copy; :mod:`~megarefit.transport.gather`).
+            ``None``: 5% of the target bytes, at least 64 MiB. Smaller budgets read in more
+            waves through two reused halves per trainer rank.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", scratch_budget: int | None = None):
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
                               "expert_map): give experts or target, not both")
@@ -87,7 +94,7 @@ class RefitReceiver:
         self.target = target
         self.device = torch.device(device)
         self.experts = None if experts is None else frozenset(experts)
-        self.transport = NixlTransport(name)
+        self.transport = NixlTransport(name, scratch_budget=scratch_budget)
         self.timeout = timeout
         self.stats: CycleStats | None = None
         self._manifests: dict[RankCoord, Manifest] = {}
@@ -264,7 +271,9 @@ class RefitReceiver:
         self.stats = CycleStats(got, cold, seconds, plan.nbytes,
                                 sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
                                     if r not in plan.staging),
-                                prepared.wire_bytes, dict(self.counters))
+                                prepared.wire_bytes, dict(self.counters),
+                                sum(b.numel() * b.element_size() for b in self._buffers.values()),
+                                prepared.scratch_bytes, prepared.descriptors)
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:

@@ -39,8 +39,9 @@ from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
 from megarefit.manifest import Manifest
 from megarefit.plan import CopyOp, Plan, TensorRef
-from megarefit.transport.local import BOX_WORD, part_views, widened
-
+from megarefit.transport.boxcopy import BoxCopies
+from megarefit.transport.gather import Piece, plan_waves
+from megarefit.transport.local import part_views
 
 SCRATCH_THREADS = 4
 """Intra-op threads for the strided scratch copies. Many small strided copies with
@@ -142,18 +143,39 @@ def mem_type(t: torch.Tensor) -> tuple[str, int]:
     return "DRAM", 0
 
 
+DIRECT_MIN_BYTES = 1 << 20
+"""A pull (after coalescing) smaller than this is gathered through scratch instead of
+READ into its target directly: one descriptor costs about as much NVLink time as
+~1.2 MB (docs/benchmarks.md), while placing gathered bytes is a device copy."""
+GAP_BYTES = 256 << 10
+"""Gathered pieces of one registered region at most this far apart are read as one run."""
+SCRATCH_FRACTION = 0.05
+SCRATCH_MIN_BYTES = 64 << 20
+"""Default scratch budget: ``max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * target bytes)``,
+split over the source ranks; a rank whose gathered runs do not fit its share reads them
+in waves through two halves (ping-pong)."""
+
+
+@dataclass
+class _Wave:
+    handle: Any
+    place: BoxCopies
+    nbytes: int
+    descriptors: int
+
+
 @dataclass
 class _SourcePulls:
     rank: RankCoord
     agent: str
     ops: list[CopyOp]
-    handle: Any = None
+    handle: Any = None  # the direct READs (None: everything is gathered)
+    waves: list[_Wave] = field(default_factory=list)
     descriptors: int = 0
-    wire_bytes: int = 0  # bytes the READ moves (scratch runs may hold more than their ops use)
-    scratch_runs: list[tuple[TensorRef, int, int]] = field(default_factory=list)  # (source, first, stop) elements
+    wire_bytes: int = 0  # bytes the READs move (gathered runs include their gaps)
+    scratch_bytes: int = 0  # this rank's scratch (one or two halves)
+    remote: list[tuple[int, int]] = field(default_factory=list)  # every descriptor's remote (address, bytes)
     dlists: tuple[Any, ...] = ()
-    # (op, destination view, source view in scratch), built once at prepare time
-    scratch_ops: list[tuple[CopyOp, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -164,65 +186,33 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@dataclass
-class _Segment:
-    """One scratch pull: elements ``[start, stop)`` of a source tensor's flat storage,
-    serving every scratch op whose source box lies inside it."""
-
-    src: TensorRef
-    start: int
-    stop: int
-    ops: list[tuple[CopyOp, tuple[int, ...]]]  # (op, element strides of its source shape)
+def _source_run(plan: Plan, op: CopyOp) -> tuple[int, int]:
+    """Flat elements ``[first, stop)`` of the op's source that hold its source box."""
+    if op.kind == "contiguous":
+        return op.src_offset, op.src_offset + op.numel
+    strides = _contiguous_strides(op.src_view or plan.sources[op.src].shape)
+    last = op.src_offset + sum((n - 1) * st for n, st in zip(op.src_box.lengths, strides))
+    return op.src_offset, last + 1
 
 
-def _scratch_segments(plan: Plan, ops: Sequence[CopyOp]) -> list[_Segment]:
-    """Merge the flat source runs of ``ops`` (scratch ops of one source rank) per tensor."""
-    runs: dict[TensorRef, list[tuple[int, int, CopyOp, tuple[int, ...]]]] = {}
-    for op in ops:
-        strides = _contiguous_strides(op.src_view or plan.sources[op.src].shape)
-        last = op.src_offset + sum((n - 1) * st for n, st in zip(op.src_box.lengths, strides))
-        runs.setdefault(op.src, []).append((op.src_offset, last + 1, op, strides))
-    segments: list[_Segment] = []
-    for ref, items in runs.items():
-        items.sort(key=lambda r: r[0])
-        current: _Segment | None = None
-        for start, stop, op, strides in items:
-            if current is None or start > current.stop:
-                current = _Segment(ref, start, stop, [])
-                segments.append(current)
-            current.stop = max(current.stop, stop)
-            current.ops.append((op, strides))
-    return segments
-
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // 16) * 16
-
-
-def _seg_bytes(seg: _Segment, itemsize: Mapping[TensorRef, int]) -> int:
-    return (seg.stop - seg.start) * itemsize[seg.src]
-
-
-def _coalesce(remote: list[tuple[int, int, int]], local: list[tuple[int, int, int]], remote_regions: list[int],
-              local_regions: list[int | None]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """Join consecutive descriptors whose remote and local runs both continue each other
-    inside one registered region on each side (e.g. an expert's gate, up and down pulls
-    when the trainer's tensors and the receiver's targets are laid out back to back):
-    fewer, larger descriptors, the same bytes. Region ``-1`` / ``None`` (unknown) never joins."""
-    out_r: list[tuple[int, int, int]] = []
-    out_l: list[tuple[int, int, int]] = []
+def _coalesce(items: list[tuple[tuple[int, int, int], tuple[int, int, int], int, int | None, CopyOp]]
+              ) -> list[tuple[tuple[int, int, int], tuple[int, int, int], list[CopyOp]]]:
+    """Join consecutive ``(remote, local, remote region, local region, op)`` pulls whose
+    remote and local runs both continue each other inside one registered region on each
+    side (e.g. an expert's gate, up and down pulls when the trainer's tensors and the
+    receiver's targets are laid out back to back): fewer, larger descriptors, the same
+    bytes. Region ``-1`` / ``None`` (unknown) never joins. Returns (remote, local, ops)."""
+    out: list[tuple[tuple[int, int, int], tuple[int, int, int], list[CopyOp]]] = []
     last = (-1, None)
-    order = sorted(range(len(remote)), key=lambda i: (remote_regions[i], remote[i][0]))  # trainer memory order
-    for r, l, rr, lr in ((remote[i], local[i], remote_regions[i], local_regions[i]) for i in order):
-        if (out_r and rr >= 0 and lr is not None and (rr, lr) == last and out_r[-1][0] + out_r[-1][1] == r[0]
-                and out_l[-1][0] + out_l[-1][1] == l[0]):
-            out_r[-1] = (out_r[-1][0], out_r[-1][1] + r[1], r[2])
-            out_l[-1] = (out_l[-1][0], out_l[-1][1] + l[1], l[2])
+    for r, l, rr, lr, op in sorted(items, key=lambda i: (i[2], i[0][0])):  # trainer memory order
+        if (out and rr >= 0 and lr is not None and (rr, lr) == last and out[-1][0][0] + out[-1][0][1] == r[0]
+                and out[-1][1][0] + out[-1][1][1] == l[0]):
+            pr, pl, ops = out[-1]
+            out[-1] = ((pr[0], pr[1] + r[1], r[2]), (pl[0], pl[1] + l[1], l[2]), ops + [op])
         else:
-            out_r.append(r)
-            out_l.append(l)
+            out.append((r, l, [op]))
         last = (rr, lr)
-    return out_r, out_l
+    return out
 
 
 @dataclass
@@ -234,19 +224,35 @@ class PreparedPlan:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes every READ of one cycle moves: each contiguous pull, plus each scratch run
-        whole (a strided source box is read as the smallest flat run holding it)."""
+        """Bytes every READ of one cycle moves: each direct pull, plus each gathered run
+        whole (gaps between its pieces included)."""
         return sum(p.wire_bytes for p in self.per_source)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Receiver scratch memory the plan uses (bytes), reused every cycle."""
+        return sum(p.scratch_bytes for p in self.per_source)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(p.descriptors for p in self.per_source)
 
 
 class NixlTransport:
-    """Executes whole plans over NIXL into preallocated target buffers."""
+    """Executes whole plans over NIXL into preallocated target buffers.
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False):
+    ``direct_min_bytes`` / ``gap_bytes`` / ``scratch_budget``: see :data:`DIRECT_MIN_BYTES`,
+    :data:`GAP_BYTES`, :data:`SCRATCH_FRACTION` (``scratch_budget=None``: the default budget).
+    """
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False,
+                 direct_min_bytes: int = DIRECT_MIN_BYTES, gap_bytes: int = GAP_BYTES,
+                 scratch_budget: int | None = None):
         # The receiver drives progress itself while it polls for completion; a
         # progress thread would only busy-poll a core (inside a vLLM worker, one
         # taken from inference). Publishers keep theirs: peers need it to connect.
         self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread)
+        self.direct_min_bytes, self.gap_bytes, self.scratch_budget = direct_min_bytes, gap_bytes, scratch_budget
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata loaded
         self._prepared: dict[tuple[str, ...], PreparedPlan] = {}
         self._scratch: torch.Tensor | None = None
@@ -280,23 +286,34 @@ class NixlTransport:
     def _release_prepared(self) -> None:
         for prepared in self._prepared.values():
             for pulls in prepared.per_source:
-                for handle in (pulls.handle, *pulls.dlists):
-                    with contextlib.suppress(Exception):
-                        handle.release()
+                for handle in (pulls.handle, *(w.handle for w in pulls.waves), *pulls.dlists):
+                    if handle is not None:
+                        with contextlib.suppress(Exception):
+                            handle.release()
         self._prepared = {}
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                 buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
-        """Prepare (or fetch from cache) one READ request per source rank for ``plan``.
+        """Prepare (or fetch from cache) the READ requests of ``plan``: per source rank one
+        request of direct pulls (large runs straight into their targets) and one per wave of
+        gathered runs (small and strided pulls, see :mod:`~megarefit.transport.gather`).
 
         ``buffers`` are the targets (contiguous, registered here once). Cached by
         the plan digest and every source's memory digest.
+
+        Raises:
+            TransferError: buffers on several devices, or a rank serving from several.
         """
         key = (plan.digest,) + tuple(manifests[r].memory_digest for r in sorted(manifests))
         cached = self._prepared.get(key)
         if cached is not None:
             return cached
         self.nixl.register(list(buffers.values()))
+        local_mem = {mem_type(t) for t in buffers.values()}
+        if len(local_mem) > 1:
+            raise TransferError(f"receiver buffers span memory types {sorted(local_mem)}; keep them on one device")
+        (lmem, ldev), = local_mem or {("DRAM", 0)}
+        device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
         by_rank: dict[RankCoord, _SourcePulls] = {}
         for op in plan.ops:
             rank = op.src.rank
@@ -305,85 +322,112 @@ class NixlTransport:
             if pulls is None:
                 pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
             pulls.ops.append(op)
-        segments = {rank: _scratch_segments(plan, [op for op in pulls.ops if op.kind == "scratch"])
-                    for rank, pulls in by_rank.items()}
-        itemsize = {op.src: op.itemsize for op in plan.ops}
-        scratch_bytes = sum(_align(_seg_bytes(seg, itemsize)) for segs in segments.values() for seg in segs)
-        device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
-        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes
-                              or self._scratch.device != device):
-            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)  # beside the buffers
-            self.nixl.register([self._scratch])
-        prepared = PreparedPlan(key, [])
-        scratch_at = 0
-        local_mem = {mem_type(t) for t in buffers.values()} | ({mem_type(self._scratch)} if scratch_bytes else set())
-        if len(local_mem) > 1:
-            raise TransferError(f"receiver buffers span memory types {sorted(local_mem)}; keep them on one device")
-        (lmem, ldev), = local_mem or {("DRAM", 0)}
+        # pass 1: per rank, the direct descriptors and the gathered waves (addresses only)
+        layouts = {}
         for rank, pulls in sorted(by_rank.items()):
             entries = manifests[rank].by_name()
             remote_mem = {(entries[op.src.name].mem, entries[op.src.name].dev) for op in pulls.ops}
             if len(remote_mem) > 1:
                 raise TransferError(f"trainer rank {rank} serves tensors from several memories {sorted(remote_mem)}; "
                                     "a rank must keep its published tensors on one device")
-            (rmem, rdev), = remote_mem
-            remote, local, rregions = [], [], []
+            rdev = next(iter(remote_mem))[1]
+            items = []
             for op in pulls.ops:
                 if op.kind == "contiguous":
-                    remote.append((entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev))
-                    local.append((buffers[op.dst].data_ptr() + op.dst_byte_offset, op.nbytes, ldev))
-                    rregions.append(entries[op.src.name].region)
-            # scratch runs in the trainer's memory order; a run that continues the previous one
-            # there gets the next bytes here too, so the two travel as one descriptor (_coalesce)
-            ordered = sorted(segments[rank], key=lambda g: (entries[g.src.name].region,
-                                                            entries[g.src.name].addr + g.start * itemsize[g.src]))
-            prev: tuple[int, int] | None = None  # (region, end address) of the previous run
-            end = scratch_at  # first byte after the previous slot
-            for seg in ordered:
-                assert self._scratch is not None
-                item, nbytes = itemsize[seg.src], _seg_bytes(seg, itemsize)
-                dtype = buffers[seg.ops[0][0].dst].dtype
-                entry = entries[seg.src.name]
-                addr = entry.addr + seg.start * item
-                follows = (entry.region >= 0 and prev == (entry.region, addr)
-                           and end % torch.empty((), dtype=dtype).element_size() == 0)
-                if follows:
-                    scratch_at = end
-                slot = self._scratch[scratch_at: scratch_at + nbytes].view(dtype)
-                remote.append((addr, nbytes, rdev))
-                local.append((slot.data_ptr(), nbytes, ldev))
-                rregions.append(entry.region)
-                pulls.scratch_runs.append((seg.src, seg.start, seg.stop))
-                for op, strides in seg.ops:
-                    part = slot[op.src_offset - seg.start:].as_strided(op.src_box.lengths, strides)
-                    pulls.scratch_ops.append((op, *widened(*part_views(op, part, buffers[op.dst]), BOX_WORD)))
-                prev, end = (entry.region, addr + nbytes), scratch_at + nbytes
-                scratch_at += _align(nbytes)  # the next slot starts aligned unless it continues this one
-            remote, local = _coalesce(remote, local, rregions, [self.nixl.region(a, n) for a, n, _ in local])
-            pulls.descriptors = len(remote)
-            pulls.wire_bytes = sum(n for _, n, _ in remote)
+                    r = (entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev)
+                    l_addr = buffers[op.dst].data_ptr() + op.dst_byte_offset
+                    items.append((r, (l_addr, op.nbytes, ldev), entries[op.src.name].region,
+                                  self.nixl.region(l_addr, op.nbytes), op))
+            direct = [g for g in _coalesce(items) if g[0][1] >= self.direct_min_bytes]
+            small = {id(op) for g in _coalesce(items) if g[0][1] < self.direct_min_bytes for op in g[2]}
+            gathered = [op for op in pulls.ops if op.kind != "contiguous" or id(op) in small]
+            pieces = []
+            for i, op in enumerate(gathered):
+                first, stop = _source_run(plan, op)
+                e = entries[op.src.name]
+                pieces.append(Piece(e.region, e.addr + first * op.itemsize, (stop - first) * op.itemsize, i))
+            layouts[rank] = (direct, gathered, pieces, rdev)
+        budget = self.scratch_budget
+        if budget is None:
+            total = sum(b.numel() * b.element_size() for b in buffers.values())
+            budget = max(SCRATCH_MIN_BYTES, int(SCRATCH_FRACTION * total))
+        share = budget // max(1, sum(1 for v in layouts.values() if v[2]))
+        waves_of: dict[RankCoord, tuple[list, int]] = {}  # rank -> (waves, half size)
+        scratch_bytes = 0
+        for rank, (_, _, pieces, _) in layouts.items():
+            waves = plan_waves(pieces, cap=share, gap=self.gap_bytes) if pieces else []
+            if len(waves) > 1:  # does not fit in one go: two halves, reused
+                waves = plan_waves(pieces, cap=max(1, share // 2), gap=self.gap_bytes)
+            half = -(-max((w.nbytes for w in waves), default=0) // 256) * 256
+            waves_of[rank] = (waves, half)
+            scratch_bytes += half * min(2, len(waves))
+        if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes
+                              or self._scratch.device != device):
+            self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)  # beside the buffers
+            self.nixl.register([self._scratch])
+        if scratch_bytes and mem_type(self._scratch) != (lmem, ldev) and buffers:
+            raise TransferError(f"scratch memory {mem_type(self._scratch)} differs from the buffers' {(lmem, ldev)}")
+        # pass 2: descriptor lists, requests and the placement of each wave
+        prepared = PreparedPlan(key, [])
+        base = 0
+        for rank, pulls in sorted(by_rank.items()):
+            direct, gathered, pieces, rdev = layouts[rank]
+            waves, half = waves_of[rank]
+            rmem = manifests[rank].by_name()[pulls.ops[0].src.name].mem
+            remote = [g[0] for g in direct]
+            local = [g[1] for g in direct]
+            spans = [(0, len(remote))] if remote else []
+            places = []
+            for w, wave in enumerate(waves):
+                at = base + (w % 2) * half
+                first = len(remote)
+                pairs = []
+                for run in wave.runs:
+                    remote.append((run.addr, run.nbytes, rdev))
+                    local.append((self._scratch.data_ptr() + at + run.slot, run.nbytes, ldev))  # type: ignore[union-attr]
+                    for i, off in run.pieces:
+                        pairs.append(self._placement(plan, gathered[i], pieces[i].nbytes, at + run.slot + off, buffers))
+                spans.append((first, len(remote)))
+                places.append((BoxCopies(pairs), wave.nbytes, len(remote) - first))
+            base += half * min(2, len(waves))
+            pulls.descriptors, pulls.wire_bytes = len(remote), sum(n for _, n, _ in remote)
+            pulls.scratch_bytes = half * min(2, len(waves))
+            pulls.remote = [(a, n) for a, n, _ in remote]
             agent = self.nixl.agent
             rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, rmem)
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
-            idx = list(range(len(remote)))
-            pulls.handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
             pulls.dlists = (lh, rh)
             self.nixl.counters["dlists"] += 2
-            self.nixl.counters["xfers"] += 1
+            handles = []
+            for lo, hi in spans:
+                idx = list(range(lo, hi))
+                handles.append(agent.make_prepped_xfer("READ", lh, idx, rh, idx))
+                self.nixl.counters["xfers"] += 1
+            if direct:
+                pulls.handle = handles.pop(0)
+            pulls.waves = [_Wave(h, place, nbytes, n) for h, (place, nbytes, n) in zip(handles, places)]
             prepared.per_source.append(pulls)
         self._release_prepared()  # keep only the current layout's requests
         self._prepared = {key: prepared}
         return prepared
 
-    def _remote_name(self, manifest: Manifest) -> str:
-        if manifest.agent not in self._remotes:
-            raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
-        return manifest.agent
+    def _placement(self, plan: Plan, op: CopyOp, nbytes: int, at: int, buffers: Mapping[TensorRef, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination view, scratch view) of a gathered op whose source run starts at
+        scratch byte ``at``."""
+        assert self._scratch is not None
+        out = buffers[op.dst]
+        flat = self._scratch[at: at + nbytes].view(out.dtype)
+        if op.kind == "contiguous":
+            return out.view(-1)[op.dst_offset: op.dst_offset + op.numel], flat
+        part = flat.as_strided(op.src_box.lengths, _contiguous_strides(op.src_view or plan.sources[op.src].shape))
+        return part_views(op, part, out)
 
     def execute(self, prepared: PreparedPlan, buffers: Mapping[TensorRef, torch.Tensor], *,
                 timeout: float = 60.0) -> None:
-        """Post every source's READ and wait; each source's scratch copies run as soon as
-        its READ completes (overlapping the other sources' transfers).
+        """Post every source's direct READ and first two waves, and wait. Each wave is
+        placed (one batched copy) as soon as it lands, and the wave after next reuses its
+        scratch half once that placement has finished, overlapping the other READs.
 
         Raises:
             TransferError: a peer disconnected, a transfer failed, or ``timeout``
@@ -392,41 +436,76 @@ class NixlTransport:
         """
         agent = self.nixl.agent
         t_post = time.perf_counter()
-        for pulls in prepared.per_source:
+
+        def post(pulls: _SourcePulls, handle: Any) -> None:
             try:
-                agent.transfer(pulls.handle)
+                agent.transfer(handle)
             except Exception as exc:  # nixl raises its own error types per failure
                 raise TransferError(self._describe(pulls, f"could not post READ: {exc!r}")) from exc
             self.nixl.counters["posts"] += 1
+
+        pending: list[tuple[_SourcePulls, int]] = []  # (source, wave index or -1: its direct READ)
+        for pulls in prepared.per_source:
+            if pulls.handle is not None:
+                post(pulls, pulls.handle)
+                pending.append((pulls, -1))
+            for w in range(min(2, len(pulls.waves))):
+                post(pulls, pulls.waves[w].handle)
+                pending.append((pulls, w))
+        queued: list[tuple[_SourcePulls, int, Any]] = []  # wave to post once the event (placement) is done
         deadline = time.monotonic() + timeout
-        pending = list(prepared.per_source)
         scratch_s = 0.0
-        while pending:
+        gpu = False
+        while pending or queued:
             still = []
-            for pulls in pending:
+            for pulls, w in pending:
+                handle = pulls.handle if w < 0 else pulls.waves[w].handle
                 try:
-                    state = agent.check_xfer_state(pulls.handle)
+                    state = agent.check_xfer_state(handle)
                 except Exception as exc:
                     raise TransferError(self._describe(pulls, f"transfer failed: {exc!r}")) from exc
                 if state == "ERR":
                     raise TransferError(self._describe(pulls, "transfer reported ERR"))
                 if state != "DONE":
-                    still.append(pulls)
+                    still.append((pulls, w))
                     continue
-                # this source is done: its strided copies overlap the other sources' READs
+                if w < 0:
+                    continue
                 t0 = time.perf_counter()
-                if pulls.scratch_ops and pulls.scratch_ops[0][1].is_cuda:  # one fused call on a GPU
-                    torch._foreach_copy_([d for _, d, _ in pulls.scratch_ops], [s for _, _, s in pulls.scratch_ops])
-                else:
-                    with _bounded_threads(SCRATCH_THREADS):
-                        for _, dst, src in pulls.scratch_ops:
-                            dst.copy_(src)
+                place = pulls.waves[w].place
+                with _bounded_threads(SCRATCH_THREADS):
+                    place()
+                event = None
+                if place.fused:
+                    gpu = True
+                    event = torch.cuda.Event()
+                    event.record()
                 scratch_s += time.perf_counter() - t0
+                if w + 2 < len(pulls.waves):
+                    queued.append((pulls, w + 2, event))
             pending = still
-            if pending and time.monotonic() > deadline:
-                raise TransferError(self._describe(pending[0], f"no completion after {timeout:.1f} s"))
+            waiting = []
+            for pulls, w, event in queued:
+                if event is None or event.query():
+                    post(pulls, pulls.waves[w].handle)
+                    pending.append((pulls, w))
+                else:
+                    waiting.append((pulls, w, event))
+            queued = waiting
+            if (pending or queued) and time.monotonic() > deadline:
+                who = pending[0][0] if pending else queued[0][0]
+                raise TransferError(self._describe(who, f"no completion after {timeout:.1f} s"))
+        if gpu:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream().synchronize()
+            scratch_s += time.perf_counter() - t0
         total = time.perf_counter() - t_post
         self.last_seconds = {"read": total - scratch_s, "scratch": scratch_s}
+
+    def _remote_name(self, manifest: Manifest) -> str:
+        if manifest.agent not in self._remotes:
+            raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
+        return manifest.agent
 
     @staticmethod
     def _describe(pulls: _SourcePulls, what: str) -> str:
