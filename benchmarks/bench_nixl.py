@@ -97,9 +97,11 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
 
 
 def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, ranks: int, device: str,
-                 cycles: int) -> tuple[list[float], int]:
+                 cycles: int) -> tuple[list[float], int, dict[int, float]]:
     """Seconds of warm raw READs: each trainer's block as one descriptor, all posted at once
-    (its own process: a second NIXL agent beside the receiver's would not measure the same path)."""
+    (its own process: a second NIXL agent beside the receiver's would not measure the same path);
+    and the best time of the same bytes cut into k equal descriptors per trainer (NIXL's
+    per-descriptor cost)."""
     from megarefit.rendezvous import Rendezvous
     from megarefit.transport.nixl import NixlAgent, mem_type
 
@@ -118,21 +120,54 @@ def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, rank
     local = torch.empty(total, dtype=torch.uint8, device=device)
     raw_agent.register([local])
     lmem, ldev = mem_type(local)
-    handles, at = [], 0
-    for name, addr, n, mem, dev in blocks:
-        rh = agent.prep_xfer_dlist(name, [(addr, n, dev)], mem)
-        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr() + at, n, ldev)], lmem)
-        handles.append(agent.make_prepped_xfer("READ", lh, [0], rh, [0]))
-        at += n
+
+    def requests(k: int) -> list:
+        handles, at = [], 0
+        for name, addr, n, mem, dev in blocks:
+            cuts = [(i * n // k, (i + 1) * n // k) for i in range(k)]
+            rh = agent.prep_xfer_dlist(name, [(addr + a, b - a, dev) for a, b in cuts], mem)
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr() + at + a, b - a, ldev) for a, b in cuts],
+                                       lmem)
+            handles.append(agent.make_prepped_xfer("READ", lh, list(range(k)), rh, list(range(k))))
+            at += n
+        return handles
+
+    def timed(handles: list) -> list[float]:
+        times = []
+        for _ in range(cycles + 1):
+            t0 = time.perf_counter()
+            for h in handles:
+                agent.transfer(h)
+            while any(agent.check_xfer_state(h) == "PROC" for h in handles):
+                pass
+            times.append(time.perf_counter() - t0)
+        return times[1:]
+
+    split = {k: min(timed(requests(k))) for k in (256, 1024, 4096)} if device.startswith("cuda") else {}
+    return timed(requests(1)), total, split
+
+
+def nccl_broadcast_job(index: int, _world_size: int, port: int, nbytes: int, bucket: int,
+                       cycles: int) -> list[float]:
+    """Seconds per warm broadcast of ``nbytes`` from cuda:0 (rank 0) to cuda:1 (rank 1), in
+    buckets of ``bucket`` bytes (vLLM's NCCL weight-transfer engine sends packed buckets;
+    packing and unpacking are left out, so this is NCCL's best case for the same bytes)."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(index)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=2)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
     times = []
     for _ in range(cycles + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for h in handles:
-            agent.transfer(h)
-        while any(agent.check_xfer_state(h) == "PROC" for h in handles):
-            pass
+        for at in range(0, nbytes, bucket):
+            dist.broadcast(buf[at:at + bucket], src=0)
+        torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times[1:], total
+    dist.destroy_process_group()
+    return times[1:]
 
 
 def main() -> None:
@@ -158,6 +193,13 @@ def main() -> None:
     ap.add_argument("--trainer-device", default="cpu", help="where trainers keep their shards (cpu, cuda:0)")
     ap.add_argument("--device", default="cpu", help="where the receiver lands the pulls (cpu, cuda:1)")
     ap.add_argument("--receiver-threads", type=int, default=0, help="torch threads in the receiver (0: default)")
+    ap.add_argument("--scratch-budget", type=float, default=0,
+                    help="receiver scratch budget for gathered pulls, MB (0: the default, 5%% of the targets)")
+    ap.add_argument("--direct-min", type=int, default=0,
+                    help="smallest pull READ straight into its target, bytes (0: the transport's default)")
+    ap.add_argument("--nccl-bucket", type=float, default=1024,
+                    help="NCCL broadcast baseline bucket, MB (GPU receivers only; 0: skip)")
+    ap.add_argument("--label", default="", help="a name for this case in the JSON line")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     ns = ap.parse_args()
     if ns.receiver_threads:
@@ -176,7 +218,9 @@ def main() -> None:
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
     receiver = RefitReceiver(rdzv, name="bench-receiver", timeout=180, device=ns.device, target=(
-        None if not ns.vllm_tp else plan_target(ns)))
+        None if not ns.vllm_tp else plan_target(ns)), scratch_budget=int(ns.scratch_budget * 1e6) or None)
+    if ns.direct_min:
+        receiver.transport.direct_min_bytes = ns.direct_min
     cycles = []
     for _ in range(ns.cycles):
         t0 = time.perf_counter()
@@ -187,11 +231,15 @@ def main() -> None:
         cycles.append((time.perf_counter() - t0, receiver.stats))
     stats = cycles[-1][1]
     del receiver.transport  # one NIXL agent per process at a time
-    (raw_times, raw_bytes), = start_workers(raw_nixl_job, world_size=1, args=(
+    (raw_times, raw_bytes, split), = start_workers(raw_nixl_job, world_size=1, args=(
         rdzv.port, len(layout.ranks()), ns.device, ns.cycles)).join(timeout=600)
     src = torch.ones(raw_bytes, dtype=torch.uint8, device=ns.device)
     dst = torch.empty_like(src)
     copy_best, copy_median = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
+    nccl = []
+    if ns.device.startswith("cuda") and ns.nccl_bucket and torch.cuda.device_count() >= 2:
+        nccl, = start_workers(nccl_broadcast_job, world_size=2, args=(
+            stats.bytes_moved, int(ns.nccl_bucket * 2**20), ns.cycles)).join(timeout=600)[1:]
     quant = [json.loads(rdzv.store.get(f"bench/quantize/{r}").decode()) for r in range(len(layout.ranks()))]
     rdzv.mark_consumed(1)
     group.join(timeout=300)
@@ -214,11 +262,16 @@ def main() -> None:
           f"on the wire {stats.wire_bytes / 1e9:.3f} GB); "
           f"{summary['ops']} ops ({summary['contiguous']} contiguous, {summary['scratch']} scratch); "
           f"raw block bytes {raw_bytes / 1e9:.3f} GB")
+    print(f"receiver: {stats.descriptors} READ descriptors per cycle; arena {stats.arena_bytes / 1e9:.3f} GB, "
+          f"scratch {stats.scratch_bytes / 1e6:.1f} MB ({stats.scratch_bytes / max(1, stats.arena_bytes):.1%} "
+          f"of the arena)")
     print("| path | best s | median s | GB/s (best) | vs raw NIXL |")
     print("|---|---:|---:|---:|---:|")
     rows = [("refit cold cycle (plan, alloc, register, prepare, pull)", [cycles[0][0]]),
             ("refit warm cycle (whole cycle)", warm), ("refit warm: pull stage", pull),
             ("refit warm: READs only", read), ("raw NIXL READ, same bytes, one block per trainer", raw_times),
+            *[(f"raw NIXL READ, same bytes, {k} descriptors per trainer", [t]) for k, t in split.items()],
+            *([(f"NCCL broadcast GPU0 -> GPU1, same bytes, {ns.nccl_bucket:g} MB buckets", nccl)] if nccl else []),
             ("plain copy in the receiver, same bytes", [copy_best, copy_median])]
     for name, ts in rows:
         print(f"| {name} | {min(ts):.4f} | {statistics.median(ts):.4f} | {nbytes / min(ts) / 1e9:.2f} | "
@@ -236,6 +289,8 @@ def main() -> None:
                                 "target": target, "bytes": nbytes, "wire_bytes": stats.wire_bytes, "full_bytes": full, "ops": summary,
                                 "warm_best": min(warm), "warm_median": statistics.median(warm),
                                 "read_best": min(read), "raw_best": best_raw, "copy_best": copy_best,
+                                "nccl_best": min(nccl) if nccl else None, "raw_split": split, "label": ns.label, "descriptors": stats.descriptors,
+                                "arena_bytes": stats.arena_bytes, "scratch_bytes": stats.scratch_bytes,
                                 "cold": cycles[0][0], "warm_seconds": stats.seconds, "quantization": ns.quantization,
                                 "trainer_quantize_s": max(q[0] for q in quant)}) + "\n")
 
