@@ -11,7 +11,8 @@ moe=(--config tests/data/configs/Qwen3-30B-A3B.json --layers 8 --tp 2)
 dense=(--config tests/data/configs/Qwen3-8B.json)
 gpu=(--cycles 6 --trainer-device cuda:0 --device cuda:1 --json "$out/refit.jsonl")
 run() { name=$1; shift; echo "== $name"; timeout 240 python3 benchmarks/bench_nixl.py --label "$name" "$@" "${gpu[@]}" \
-          2>&1 | grep -v "NIXL INFO\|UCX  WARN" | tee "$out/$name.log" | grep -v "^|---" ; }
+          2>&1 | grep -v "NIXL INFO\|UCX  WARN\|UserWarning\|return func\|ProcessGroupNCCL" | tee -a "$out/all.log" \
+          | grep -v "^|---" ; }
 want() { [[ " ${CASES:-all} " == *" all "* || " ${CASES:-all} " == *" $1 "* ]]; }
 for q in ${QUANT:-none fp8}; do
   sfx=$([[ $q == fp8 ]] && echo "-fp8" || echo "")

@@ -104,6 +104,7 @@ class RefitReceiver:
         self._fmt: Fp8Format | None = None
         self._quantizer: Fp8Quantizer | None = None  # receiver-side FP8 steps, compiled per plan and buffers
         self._buffers: dict[TensorRef, torch.Tensor] = {}
+        self._sizes = (0, 0)  # (model bytes handed over, arena bytes) of the current plan
         self.plans_built = 0
 
     @property
@@ -183,6 +184,10 @@ class RefitReceiver:
             slots[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
             at[meta.dtype] += meta.numel
         self._buffers = {ref: slots[ref] for ref in plan.targets}  # handed over in plan order
+        staging = plan.staging
+        self._sizes = (sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
+                           if r not in staging),
+                       sum(a.numel() * a.element_size() for a in arenas.values()))
         for ref, meta in plan.targets.items():
             for box in meta.zero_fill:  # never pulled (vLLM vocab padding rows): zero once
                 self._buffers[ref][box.slices()].zero_()
@@ -268,12 +273,9 @@ class RefitReceiver:
                                     + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())))
         lap("fence")
         cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
-        self.stats = CycleStats(got, cold, seconds, plan.nbytes,
-                                sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
-                                    if r not in plan.staging),
-                                prepared.wire_bytes, dict(self.counters),
-                                sum(b.numel() * b.element_size() for b in self._buffers.values()),
-                                prepared.scratch_bytes, prepared.descriptors)
+        model_bytes, arena_bytes = self._sizes
+        self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
+                                arena_bytes, prepared.scratch_bytes, prepared.descriptors)
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:

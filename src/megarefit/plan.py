@@ -212,7 +212,7 @@ class Plan:
             out[op.dst].append(op)
         return {t: tuple(v) for t, v in out.items()}
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(op.nbytes for op in self.ops)
 
