@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -74,8 +75,16 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     coord = layout.ranks()[index]
     device = args["trainer_device"]
     g = torch.Generator(device=device).manual_seed(index)
-    params = {n: torch.randn(t.shape, generator=g, device=device, dtype=getattr(torch, args["dtype"]))
-              for n, t in source_tensors(dims, layout)[coord].items()}
+    shapes = {n: t.shape for n, t in source_tensors(dims, layout)[coord].items()}
+    dtype = getattr(torch, args["dtype"])
+    if args["param_buffer"]:  # as Megatron's DDP: every parameter a view of one contiguous buffer
+        flat = torch.randn(sum(math.prod(s) for s in shapes.values()), generator=g, device=device, dtype=dtype)
+        params, at = {}, 0
+        for n, s in shapes.items():
+            params[n] = flat[at:at + math.prod(s)].view(s)
+            at += math.prod(s)
+    else:
+        params = {n: torch.randn(s, generator=g, device=device, dtype=dtype) for n, s in shapes.items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
     pub = Publisher(params, cfg, rank=coord, tp=layout.tp, pp=1, ep=layout.ep, etp=layout.etp,
                     expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}",
@@ -199,6 +208,8 @@ def main() -> None:
                     help="smallest pull READ straight into its target, bytes (0: the transport's default)")
     ap.add_argument("--nccl-bucket", type=float, default=1024,
                     help="NCCL broadcast baseline bucket, MB (GPU receivers only; 0: skip)")
+    ap.add_argument("--separate-params", action="store_true",
+                    help="allocate every trainer parameter on its own (default: views of one buffer, as Megatron DDP)")
     ap.add_argument("--label", default="", help="a name for this case in the JSON line")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     ns = ap.parse_args()
@@ -211,6 +222,7 @@ def main() -> None:
         cfg.pop("mlp_only_layers", None)
     args = {k: getattr(ns, k) for k in ("tp", "ep", "etp", "expert_layout", "vllm_tp", "vllm_rank", "vllm_ep", "dtype",
                                         "trainer_device", "quantization")}
+    args["param_buffer"] = not ns.separate_params
     dims, layout, plan = _setup(cfg, args)
     if ns.device.startswith("cuda"):
         torch.cuda.set_device(ns.device)

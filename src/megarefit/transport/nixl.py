@@ -147,6 +147,10 @@ DIRECT_MIN_BYTES = 1 << 20
 """A pull (after coalescing) smaller than this is gathered through scratch instead of
 READ into its target directly: one descriptor costs about as much NVLink time as
 ~1.2 MB (docs/benchmarks.md), while placing gathered bytes is a device copy."""
+MAX_DIRECT = 512
+"""At most this many direct descriptors per source rank (the largest pulls); the rest are
+gathered. Measured on an H200 pair: 1024 descriptors per trainer READ at raw speed,
+4096 at 0.5-0.7x (docs/benchmarks.md)."""
 GAP_BYTES = 256 << 10
 """Gathered pieces of one registered region at most this far apart are read as one run."""
 SCRATCH_FRACTION = 0.05
@@ -241,18 +245,20 @@ class PreparedPlan:
 class NixlTransport:
     """Executes whole plans over NIXL into preallocated target buffers.
 
-    ``direct_min_bytes`` / ``gap_bytes`` / ``scratch_budget``: see :data:`DIRECT_MIN_BYTES`,
-    :data:`GAP_BYTES`, :data:`SCRATCH_FRACTION` (``scratch_budget=None``: the default budget).
+    ``direct_min_bytes`` / ``max_direct`` / ``gap_bytes`` / ``scratch_budget``: see
+    :data:`DIRECT_MIN_BYTES`, :data:`MAX_DIRECT`, :data:`GAP_BYTES`, :data:`SCRATCH_FRACTION`
+    (``scratch_budget=None``: the default budget).
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False,
                  direct_min_bytes: int = DIRECT_MIN_BYTES, gap_bytes: int = GAP_BYTES,
-                 scratch_budget: int | None = None):
+                 scratch_budget: int | None = None, max_direct: int = MAX_DIRECT):
         # The receiver drives progress itself while it polls for completion; a
         # progress thread would only busy-poll a core (inside a vLLM worker, one
         # taken from inference). Publishers keep theirs: peers need it to connect.
         self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread)
         self.direct_min_bytes, self.gap_bytes, self.scratch_budget = direct_min_bytes, gap_bytes, scratch_budget
+        self.max_direct = max_direct
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata loaded
         self._prepared: dict[tuple[str, ...], PreparedPlan] = {}
         self._scratch: torch.Tensor | None = None
@@ -338,8 +344,10 @@ class NixlTransport:
                     l_addr = buffers[op.dst].data_ptr() + op.dst_byte_offset
                     items.append((r, (l_addr, op.nbytes, ldev), entries[op.src.name].region,
                                   self.nixl.region(l_addr, op.nbytes), op))
-            direct = [g for g in _coalesce(items) if g[0][1] >= self.direct_min_bytes]
-            small = {id(op) for g in _coalesce(items) if g[0][1] < self.direct_min_bytes for op in g[2]}
+            groups = sorted(_coalesce(items), key=lambda g: -g[0][1])
+            cut = sum(1 for g in groups[:self.max_direct] if g[0][1] >= self.direct_min_bytes)
+            direct = sorted(groups[:cut], key=lambda g: g[0][0])  # the largest, in trainer order
+            small = {id(op) for g in groups[cut:] for op in g[2]}
             gathered = [op for op in pulls.ops if op.kind != "contiguous" or id(op) in small]
             pieces = []
             for i, op in enumerate(gathered):
