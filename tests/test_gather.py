@@ -135,6 +135,8 @@ def test_box_copy_kernel_in_the_triton_interpreter():
     columns, 3-D boxes with gaps, odd offsets and single elements. (On a GPU:
     tests/test_nixl_gpu.py and the benchmarks.)"""
     pytest.importorskip("triton")
+    if torch.cuda.is_available():  # there the compiled kernel is checked instead (Triton 3.6's interpreter,
+        pytest.skip("GPU machine: test_box_copy_kernel_on_a_gpu")  # shipped with CUDA torch 2.11, rejects it)
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert "MISMATCHES []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
