@@ -10,8 +10,7 @@ once into a table of 2-D boxes::
     entry e:  dst_addr, src_addr           bytes (device pointers)
               rows, cols                   cols in words of W bytes (W = 8, 4, 2 or 1:
               dst_stride, src_stride       the widest word dividing every address,
-              (dst_col, src_col)           length and row stride of the entry; strided
-                                           columns: W = the element size)
+                                           length and row stride of the entry)
 
     program p -> (e, first row):   for c in 0, BC, 2*BC, ...:
                                       dst[r, c:c+BC] = src[r, c:c+BC]   for BR rows r
@@ -20,9 +19,8 @@ A pair's dims are first collapsed where both sides are contiguous across them (a
 contiguous run becomes rows of ``ROW_BYTES``); a box that keeps more than two dims after
 that (e.g. ``[experts, rows, cols]`` with a gap between experts) becomes one entry per
 leading index. Entries are grouped by (word, column block) so short rows (a scale row
-of three floats) do not pay for wide ones. A box whose columns are strided on one side
-(the transposed legacy GroupedMLP copies) moves one element per step with both column
-strides from the table. CPU tensors take ``copy_`` one by one.
+of three floats) do not pay for wide ones. Pairs whose last dim is not contiguous (the
+transposed legacy GroupedMLP copies) and CPU tensors take ``copy_`` one by one.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ TILE_WORDS = 4096  # words per program and column step (BR * BC)
 
 if triton is not None:
     @triton.jit
-    def _copy_boxes(progs, dst_addr, src_addr, rows_a, cols_a, dst_strides, src_strides, dst_cols, src_cols,
-                    WORD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, CONTIG: tl.constexpr):
+    def _copy_boxes(progs, dst_addr, src_addr, rows_a, cols_a, dst_strides, src_strides,
+                    WORD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         p = tl.program_id(0)
         e = tl.load(progs + 2 * p)
         r0 = tl.load(progs + 2 * p + 1)
@@ -57,20 +55,11 @@ if triton is not None:
         ds = tl.load(dst_strides + e)
         ss = tl.load(src_strides + e)
         r = r0 + tl.arange(0, BR)
-        if CONTIG:  # rows of contiguous words on both sides
-            for c0 in range(0, n_cols, BC):
-                c = c0 + tl.arange(0, BC)
-                mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
-                x = tl.load(src + r[:, None] * ss + c[None, :], mask=mask)
-                tl.store(dst + r[:, None] * ds + c[None, :], x, mask=mask)
-        else:  # strided columns (a transposed box): elements one by one
-            dc = tl.load(dst_cols + e)
-            sc = tl.load(src_cols + e)
-            for c0 in range(0, n_cols, BC):
-                c = c0 + tl.arange(0, BC)
-                mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
-                x = tl.load(src + r[:, None] * ss + c[None, :] * sc, mask=mask)
-                tl.store(dst + r[:, None] * ds + c[None, :] * dc, x, mask=mask)
+        for c0 in range(0, n_cols, BC):
+            c = c0 + tl.arange(0, BC)
+            mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
+            x = tl.load(src + r[:, None] * ss + c[None, :], mask=mask)
+            tl.store(dst + r[:, None] * ds + c[None, :], x, mask=mask)
 
     _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
@@ -88,16 +77,10 @@ def _collapse(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> tuple
     return [d[0] for d in out], [d[1] for d in out], [d[2] for d in out]
 
 
-Entry = tuple[int, int, int, int, int, int, int, int, int]
-
-
-def box_entries(dst: torch.Tensor, src: torch.Tensor) -> list[Entry]:
-    """2-D boxes that copy ``src`` into ``dst`` (same shape and dtype):
-    ``(dst_addr, src_addr, rows, cols, dst_row_stride, src_row_stride, dst_col_stride,
-    src_col_stride, unit)``, addresses and strides in bytes. Rows of contiguous bytes on
-    both sides have ``unit == 0``, ``cols`` in bytes and column strides 1; otherwise (a
-    transposed box) ``unit`` is the element size and ``cols`` counts elements. Rows of one entry never
-    overlap each other on the destination."""
+def box_entries(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int, int, int, int]] | None:
+    """``(dst_addr, src_addr, rows, row_bytes, dst_stride_bytes, src_stride_bytes)`` boxes
+    that copy ``src`` into ``dst`` (same shape and dtype), or ``None`` if a last dim is
+    not contiguous. Rows of one entry never overlap each other on the destination."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"box copy of {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
     if dst.numel() == 0:
@@ -106,34 +89,29 @@ def box_entries(dst: torch.Tensor, src: torch.Tensor) -> list[Entry]:
     shape, ds, ss = _collapse(dst.shape, [s * item for s in dst.stride()], [s * item for s in src.stride()])
     if not shape:  # a single element
         shape, ds, ss = [1], [item], [item]
-    if ds[-1] != item or ss[-1] != item:  # strided columns: element units, or a column of single elements
-        shape, ds, ss = (shape, ds, ss) if len(shape) > 1 else ([1, *shape], [0, *ds], [0, *ss])
-        if shape[-1] > 1:
-            d0, s0 = dst.data_ptr(), src.data_ptr()
-            return [(d0 + od, s0 + os_, shape[-2], shape[-1], ds[-2], ss[-2], ds[-1], ss[-1], item)
-                    for od, os_ in _leading(shape[:-2], ds, ss)]
+    if (ds[-1] != item or ss[-1] != item) and dst.shape[-1] == 1:  # a column: rows of one element
         shape, ds, ss = shape + [1], ds + [item], ss + [item]
+    if ds[-1] != item or ss[-1] != item:
+        return None
     cols = shape[-1] * item
     d0, s0 = dst.data_ptr(), src.data_ptr()
     if len(shape) == 1:  # one contiguous run: rows of ROW_BYTES plus a tail
         full, tail = divmod(cols, ROW_BYTES)
-        out = [(d0, s0, full, ROW_BYTES, ROW_BYTES, ROW_BYTES, 1, 1, 0)] if full else []
+        out = [(d0, s0, full, ROW_BYTES, ROW_BYTES, ROW_BYTES)] if full else []
         if tail:
-            out.append((d0 + full * ROW_BYTES, s0 + full * ROW_BYTES, 1, tail, tail, tail, 1, 1, 0))
+            out.append((d0 + full * ROW_BYTES, s0 + full * ROW_BYTES, 1, tail, tail, tail))
         return out
-    return [(d0 + od, s0 + os_, shape[-2], cols, ds[-2], ss[-2], 1, 1, 0) for od, os_ in _leading(shape[:-2], ds, ss)]
+    rows, dr, sr = shape[-2], ds[-2], ss[-2]
+    out = []
+    for index in itertools.product(*(range(n) for n in shape[:-2])):
+        off_d = sum(i * st for i, st in zip(index, ds))
+        off_s = sum(i * st for i, st in zip(index, ss))
+        out.append((d0 + off_d, s0 + off_s, rows, cols, dr, sr))
+    return out
 
 
-def _leading(lead: Sequence[int], ds: Sequence[int], ss: Sequence[int]) -> list[tuple[int, int]]:
-    """Byte offsets (dst, src) of every index of the leading dims."""
-    return [(sum(i * st for i, st in zip(index, ds)), sum(i * st for i, st in zip(index, ss)))
-            for index in itertools.product(*(range(n) for n in lead))]
-
-
-def _word(entry: Entry) -> int:
-    d, s, _, cols, dr, sr, dc, sc, unit = entry
-    if unit:  # strided columns: one element per step
-        return unit
+def _word(entry: tuple[int, ...]) -> int:
+    d, s, _, cols, dr, sr = entry
     for w in (8, 4, 2):
         if not (d % w or s % w or cols % w or dr % w or sr % w):
             return w
@@ -159,35 +137,36 @@ class BoxCopies:
         if not fused:  # CPU: copy_ one by one, as wide words where both sides allow
             self._rest = [widened(d, s, BOX_WORD) for d, s in self.pairs]
             return
-        groups: dict[tuple[int, int, bool], list[Entry]] = {}
+        groups: dict[tuple[int, int], list[tuple[int, ...]]] = {}
         for dst, src in self.pairs:
-            for e in box_entries(dst, src):
-                w, contig = _word(e), e[8] == 0
-                bc = min(256 if contig else 64, triton.next_power_of_2(max(1, e[3] // w if contig else e[3])))
-                groups.setdefault((w, bc, contig), []).append(e)
+            entries = box_entries(dst, src)
+            if entries is None:
+                self._rest.append((dst, src))
+                continue
+            for e in entries:
+                w = _word(e)
+                bc = min(256, triton.next_power_of_2(max(1, e[3] // w)))
+                groups.setdefault((w, bc), []).append(e)
         device = self.pairs[0][0].device
-        for (w, bc, contig), entries in sorted(groups.items()):
+        for (w, bc), entries in sorted(groups.items()):
             br = max(1, TILE_WORDS // bc)
-            t = torch.tensor(entries, dtype=torch.int64)[:, :8]  # [entries, 8]
-            if contig:
-                t[:, 3:6] //= w  # columns and row strides in words (column strides: 1 word)
-            else:
-                t[:, 4:8] //= w  # row and column strides in elements
+            t = torch.tensor(entries, dtype=torch.int64)  # [entries, 6]
+            t[:, 3:] //= w  # columns and row strides in words
             blocks = (t[:, 2] + br - 1) // br  # programs per entry
             entry = torch.repeat_interleave(torch.arange(len(t)), blocks)
             first = torch.cumsum(blocks, 0) - blocks
             r0 = (torch.arange(len(entry)) - first[entry]) * br
             table = torch.stack([entry, r0], 1).reshape(-1).to(device)
-            meta = [t[:, k].contiguous().to(device) for k in range(8)]
-            self._launches.append((len(entry), table, meta, _WORDS[w], br, bc, contig))
+            meta = [t[:, k].contiguous().to(device) for k in range(6)]
+            self._launches.append((len(entry), table, meta, _WORDS[w], br, bc))
 
     @property
     def fused(self) -> bool:
         return bool(self._launches)
 
     def __call__(self) -> None:
-        for programs, table, meta, word, br, bc, contig in self._launches:
-            _copy_boxes[(programs,)](table, *meta, WORD=word, BR=br, BC=bc, CONTIG=contig, num_warps=4)
+        for programs, table, meta, word, br, bc in self._launches:
+            _copy_boxes[(programs,)](table, *meta, WORD=word, BR=br, BC=bc, num_warps=4)
         for dst, src in self._rest:
             dst.copy_(src)
 
