@@ -20,7 +20,9 @@ contiguous run becomes rows of ``ROW_BYTES``); a box that keeps more than two di
 that (e.g. ``[experts, rows, cols]`` with a gap between experts) becomes one entry per
 leading index. Entries are grouped by (word, column block) so short rows (a scale row
 of three floats) do not pay for wide ones. Pairs whose last dim is not contiguous (the
-transposed legacy GroupedMLP copies) and CPU tensors take ``copy_`` one by one.
+transposed legacy GroupedMLP copies) and CPU tensors take ``copy_`` one by one (torch's
+tiled transpose: a one-element-per-step Triton path for transposed boxes was tried and
+measured slower on an H200, Qwen3-30B-A3B legacy GroupedMLP 80 ms vs 48 ms per cycle).
 """
 
 from __future__ import annotations
