@@ -85,6 +85,55 @@ def test_validation_rejects_a_lying_kind():
         validate_plan(dataclasses.replace(plan, ops=plan.ops[:i] + (lie,) + plan.ops[i + 1:]))
 
 
+def _moe_plan():
+    """DeepSeek-V3 (MLA, shared experts), tp=2 ep=2, legacy GroupedMLP experts (transposed ops)."""
+    from moe_cases import case_config
+
+    dims = ModelDims.from_hf_config(case_config("deepseek_v3"))
+    return plan_megatron_to_hf(dims, SourceLayout.build(tp=2, pp=1, ep=2, etp=1,
+                                                        padded_vocab_size=dims.padded_vocab_size(2),
+                                                        num_layers=dims.num_layers, expert_layout="legacy_grouped"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_every_single_op_corruption_is_caught(data):
+    """One random corruption of one op of a valid plan (a box offset or length moved on
+    either side, the kind flipped, a recorded offset moved, the op dropped or doubled):
+    ``validate_plan`` raises, and its vectorized pass (plan_columns.py) flags the op or
+    its target itself -- the column checks never wave a broken plan through."""
+    from megarefit.plan_columns import PlanColumns, vectorized_checks
+
+    plan = data.draw(st.sampled_from([_plan(), _moe_plan()]))
+    assert vectorized_checks(PlanColumns.from_plan(plan))[0].numel() == sum(
+        op.transpose or op.src_view is not None or op.dst_view is not None for op in plan.ops)
+    i = data.draw(st.integers(0, len(plan.ops) - 1))
+    op = plan.ops[i]
+    how = data.draw(st.sampled_from(["src_off", "src_len", "dst_off", "dst_len", "kind", "flat", "drop", "double"]))
+    if how in ("drop", "double"):
+        ops = plan.ops[:i] + plan.ops[i + 1:] if how == "drop" else plan.ops + (op,)
+    else:
+        if how == "kind":
+            bad = dataclasses.replace(op, kind="scratch" if op.kind == "contiguous" else "contiguous")
+        elif how == "flat":
+            bad = dataclasses.replace(op, dst_offset=op.dst_offset + data.draw(st.sampled_from([-1, 1])))
+        else:
+            box = op.src_box if how.startswith("src") else op.dst_box
+            d = data.draw(st.integers(0, len(box.offsets) - 1))
+            delta = data.draw(st.sampled_from([-1, 1]))
+            if how.endswith("off"):
+                box = Box(box.offsets[:d] + (box.offsets[d] + delta,) + box.offsets[d + 1:], box.lengths)
+            else:
+                box = Box(box.offsets, box.lengths[:d] + (box.lengths[d] + delta,) + box.lengths[d + 1:])
+            bad = dataclasses.replace(op, **{how[:3] + "_box": box})
+        ops = plan.ops[:i] + (bad,) + plan.ops[i + 1:]
+    broken = dataclasses.replace(plan, ops=ops)
+    with pytest.raises(PlanValidationError):
+        validate_plan(broken)
+    bad_ops, odd = vectorized_checks(PlanColumns.from_plan(broken))
+    assert bad_ops.numel() + odd.numel() > 0
+
+
 def test_json_round_trip():
     plan = _plan()
     again = Plan.from_json(plan.to_json())

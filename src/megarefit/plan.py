@@ -302,39 +302,27 @@ def validate_plan(plan: Plan) -> None:
     declared ``zero_fill`` boxes are pairwise disjoint and their volume equals
     the target's element count, i.e. every element is written exactly once.
 
-    Runs in O(ops log ops) for the layouts planned here (boxes are sorted and
-    swept along dim 0).
+    The checks run on the plan's columns first (:mod:`megarefit.plan_columns`: whole
+    arrays at once); ops and targets those cannot prove (transposed or viewed ops, boxes
+    partial in two dims, zero-fill, quantize steps, anything wrong) are checked one by
+    one, which is also what names a failure.
 
     Raises:
         PlanValidationError: naming the op / target and what is wrong.
     """
-    boxes: dict[TensorRef, list[tuple[Box, str]]] = defaultdict(list)
-    for op in plan.ops:
-        src, dst = plan.sources.get(op.src), plan.targets.get(op.dst)
-        if src is None or dst is None:
-            raise PlanValidationError(f"op {op.src} -> {op.dst}: tensor not declared in plan")
-        if not op.src_box.within(src.shape):
-            raise PlanValidationError(f"op {op.src} -> {op.dst}: source box {op.src_box} outside shape {src.shape}")
-        if not op.dst_box.within(dst.shape):
-            raise PlanValidationError(f"op {op.src} -> {op.dst}: target box {op.dst_box} outside shape {dst.shape}")
-        if op.transpose:
-            squeezed = _squeeze_leading(op.src_box.lengths)
-            if len(squeezed) != 2 or squeezed[::-1] != _squeeze_leading(op.dst_box.lengths):
-                raise PlanValidationError(f"op {op.src} -> {op.dst}: transposed box lengths do not match: "
-                                          f"{op.src_box.lengths} vs {op.dst_box.lengths}")
-        elif _squeeze_leading(op.src_box.lengths, 1) != _squeeze_leading(op.dst_box.lengths, 1):
-            raise PlanValidationError(
-                f"op {op.src} -> {op.dst}: box lengths differ: {op.src_box.lengths} vs {op.dst_box.lengths}"
-            )
-        src_run, dst_run = op.src_box.is_contiguous_in(src.shape), op.dst_box.is_contiguous_in(dst.shape)
-        if not (src_run or dst_run):
-            raise PlanValidationError(f"op {op.src} -> {op.dst}: both boxes are strided ({op.src_box}, {op.dst_box})")
-        want = "contiguous" if src_run and dst_run and not op.transpose else "scratch"
-        if op.kind != want or op.src_offset != op.src_box.flat_offset(src.shape) or (
-            op.dst_offset != op.dst_box.flat_offset(dst.shape)
-        ):
-            raise PlanValidationError(f"op {op.src} -> {op.dst}: kind/offsets inconsistent with its boxes")
-        boxes[op.dst].append((op.dst_box, str(op.src)))
+    from megarefit.plan_columns import PlanColumns, vectorized_checks
+
+    try:
+        cols = PlanColumns.from_plan(plan)
+    except KeyError:
+        ops, targets = list(plan.ops), list(plan.targets)  # an undeclared tensor: the per-op checks name it
+    else:
+        bad_ops, odd = vectorized_checks(cols)
+        ops = [plan.ops[i] for i in bad_ops.tolist()]
+        names = list(plan.targets)
+        targets = [names[i] for i in odd.tolist()]
+    for op in ops:
+        _check_op(plan, op)
     produced = plan.produced
     for step in plan.quantize:
         staging, weight, scale = (plan.targets.get(r) for r in (step.staging, step.weight, step.scale))
@@ -346,12 +334,15 @@ def validate_plan(plan: Plan) -> None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
                                       f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "
                                       f"(expected {want_scale})")
-    for ref, meta in plan.targets.items():
+    by_target = plan.ops_by_target
+    for ref in targets:
+        meta = plan.targets[ref]
+        writers = by_target.get(ref, ())
         if ref in produced:
-            if ref in boxes:
+            if writers:
                 raise PlanValidationError(f"target {ref}: written by ops and by its quantize step")
             continue
-        entries = boxes.get(ref, []) + [(b, "zero fill") for b in meta.zero_fill]
+        entries = [(op.dst_box, str(op.src)) for op in writers] + [(b, "zero fill") for b in meta.zero_fill]
         for b, who in entries:
             if not b.within(meta.shape):
                 raise PlanValidationError(f"target {ref}: box {b} from {who} outside shape {meta.shape}")
@@ -361,6 +352,33 @@ def validate_plan(plan: Plan) -> None:
             raise PlanValidationError(
                 f"target {ref}: ops cover {covered} of {meta.numel} elements (shape {meta.shape})"
             )
+
+
+def _check_op(plan: Plan, op: CopyOp) -> None:
+    src, dst = plan.sources.get(op.src), plan.targets.get(op.dst)
+    if src is None or dst is None:
+        raise PlanValidationError(f"op {op.src} -> {op.dst}: tensor not declared in plan")
+    if not op.src_box.within(src.shape):
+        raise PlanValidationError(f"op {op.src} -> {op.dst}: source box {op.src_box} outside shape {src.shape}")
+    if not op.dst_box.within(dst.shape):
+        raise PlanValidationError(f"op {op.src} -> {op.dst}: target box {op.dst_box} outside shape {dst.shape}")
+    if op.transpose:
+        squeezed = _squeeze_leading(op.src_box.lengths)
+        if len(squeezed) != 2 or squeezed[::-1] != _squeeze_leading(op.dst_box.lengths):
+            raise PlanValidationError(f"op {op.src} -> {op.dst}: transposed box lengths do not match: "
+                                      f"{op.src_box.lengths} vs {op.dst_box.lengths}")
+    elif _squeeze_leading(op.src_box.lengths, 1) != _squeeze_leading(op.dst_box.lengths, 1):
+        raise PlanValidationError(
+            f"op {op.src} -> {op.dst}: box lengths differ: {op.src_box.lengths} vs {op.dst_box.lengths}"
+        )
+    src_run, dst_run = op.src_box.is_contiguous_in(src.shape), op.dst_box.is_contiguous_in(dst.shape)
+    if not (src_run or dst_run):
+        raise PlanValidationError(f"op {op.src} -> {op.dst}: both boxes are strided ({op.src_box}, {op.dst_box})")
+    want = "contiguous" if src_run and dst_run and not op.transpose else "scratch"
+    if op.kind != want or op.src_offset != op.src_box.flat_offset(src.shape) or (
+        op.dst_offset != op.dst_box.flat_offset(dst.shape)
+    ):
+        raise PlanValidationError(f"op {op.src} -> {op.dst}: kind/offsets inconsistent with its boxes")
 
 
 def _check_disjoint(ref: TensorRef, entries: list[tuple[Box, str]]) -> None:
