@@ -1,6 +1,7 @@
 """Plan time and op counts for full-size models at realistic trainer layouts (shapes only).
 
-    python benchmarks/bench_plan.py
+    python benchmarks/bench_plan.py            # the table
+    python benchmarks/bench_plan.py --growth   # ops vs seconds, DeepSeek-V3 up to ~1M ops
 
 Each plan is built cold (cache cleared) three times, validated (exact cover)
 inside the timing; best and median are reported.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import megarefit
@@ -32,7 +34,44 @@ CASES = [  # (config, layout kwargs)
 ]
 
 
+GROWTH = [  # DeepSeek-V3, etp = tp: ops grow with tp * experts
+    dict(tp=1, pp=1, ep=8), dict(tp=2, pp=1, ep=16), dict(tp=4, pp=1, ep=32), dict(tp=8, pp=1, ep=64),
+    dict(tp=8, pp=1, ep=64, fp8=True),
+]
+
+
+def growth() -> None:
+    """Planned + validated seconds (one cold run each) against ops: where planning stops scaling."""
+    from megarefit.plan_columns import PlanColumns, vectorized_checks
+    from megarefit.quant import Fp8Format
+    from megarefit.quant.planning import plan_fp8
+
+    cfg = json.loads((ROOT / "tests/data/configs/DeepSeek-V3.json").read_text())
+    dims = megarefit.ModelDims.from_hf_config(cfg)
+    print(f"machine: {machine()}")
+    print("| DeepSeek-V3 layout | source tensors | ops | planned + validated s | of which columns + checks s |")
+    print("|---|---:|---:|---:|---:|")
+    for kw in GROWTH:
+        kw = dict(kw)
+        fp8 = kw.pop("fp8", False)
+        layout = megarefit.SourceLayout.build(padded_vocab_size=dims.padded_vocab_size(kw["tp"]),
+                                              num_layers=dims.num_layers, **kw)
+        plan, (seconds,) = time_cold_plan(dims, layout, repeat=1)
+        if fp8:
+            t0 = time.perf_counter()
+            plan = plan_fp8(plan, Fp8Format())
+            seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        vectorized_checks(PlanColumns.from_plan(plan))
+        check = time.perf_counter() - t0
+        desc = " ".join(f"{k}={v}" for k, v in kw.items()) + (" FP8" if fp8 else "")
+        print(f"| {desc} | {len(plan.sources)} | {len(plan.ops)} | {seconds:.2f} | {check:.2f} |", flush=True)
+
+
 def main() -> None:
+    if "--growth" in sys.argv:
+        growth()
+        return
     print(f"machine: {machine()}")
     print("| model | layout | source tensors | ops | contiguous | scratch | bytes | best s | median s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
