@@ -210,6 +210,7 @@ def main() -> None:
                     help="NCCL broadcast baseline bucket, MB (GPU receivers only; 0: skip)")
     ap.add_argument("--separate-params", action="store_true",
                     help="allocate every trainer parameter on its own (default: views of one buffer, as Megatron DDP)")
+    ap.add_argument("--profile-cold", type=int, default=0, help="print the N costliest calls of the cold cycle")
     ap.add_argument("--label", default="", help="a name for this case in the JSON line")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     ns = ap.parse_args()
@@ -234,10 +235,21 @@ def main() -> None:
     if ns.direct_min:
         receiver.transport.direct_min_bytes = ns.direct_min
     cycles = []
-    for _ in range(ns.cycles):
+    for i in range(ns.cycles):
+        prof = None
+        if i == 0 and ns.profile_cold:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         for _name, _tensor in receiver.run_refit_cycle(1):
             pass
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(ns.profile_cold)
         if ns.device.startswith("cuda"):
             torch.cuda.synchronize()
         cycles.append((time.perf_counter() - t0, receiver.stats))
