@@ -35,6 +35,7 @@ from megarefit.quant.planning import plan_fp8
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.receiver import slots, torch_dtype
 from megarefit.rendezvous import Rendezvous
+from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.nixl import NixlTransport
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
@@ -94,7 +95,8 @@ class RefitReceiver:
         self.target = target
         self.device = torch.device(device)
         self.experts = None if experts is None else frozenset(experts)
-        self.transport = NixlTransport(name, scratch_budget=scratch_budget)
+        self.transport = NixlTransport(name, scratch_budget=scratch_budget)  # the NIXL agent: created here, once
+        BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
         self.stats: CycleStats | None = None
         self._manifests: dict[RankCoord, Manifest] = {}

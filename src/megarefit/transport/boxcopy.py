@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 ROW_BYTES = 4096  # a contiguous run is copied as rows of this many bytes
 TILE_WORDS = 4096  # words per program and column step (BR * BC)
+COLUMN_BLOCKS = (4, 32, 256)  # words per column step: few kernel variants (each compiled once per process)
 
 if triton is not None:
     @triton.jit
@@ -147,16 +148,18 @@ class BoxCopies:
                 continue
             for e in entries:
                 w = _word(e)
-                bc = min(256, triton.next_power_of_2(max(1, e[3] // w)))
+                bc = next(b for b in COLUMN_BLOCKS if b >= e[3] // w or b == COLUMN_BLOCKS[-1])
                 groups.setdefault((w, bc), []).append(e)
         device = self.pairs[0][0].device
         for (w, bc), entries in sorted(groups.items()):
             br = max(1, TILE_WORDS // bc)
             t = torch.tensor(entries, dtype=torch.int64)  # [entries, 6]
             t[:, 3:] //= w  # columns and row strides in words
-            blocks = (t[:, 2] + br - 1) // br  # programs per entry
-            entry = torch.repeat_interleave(torch.arange(len(t)), blocks)
+            blocks = (t[:, 2] + br - 1) // br  # programs per entry (>= 1)
             first = torch.cumsum(blocks, 0) - blocks
+            marks = torch.zeros(int(blocks.sum()), dtype=torch.int64)
+            marks.index_add_(0, first[1:], torch.ones(len(first) - 1, dtype=torch.int64))
+            entry = torch.cumsum(marks, 0)  # each program's entry
             r0 = (torch.arange(len(entry)) - first[entry]) * br
             table = torch.stack([entry, r0], 1).reshape(-1).to(device)
             meta = [t[:, k].contiguous().to(device) for k in range(6)]
@@ -165,6 +168,24 @@ class BoxCopies:
     @property
     def fused(self) -> bool:
         return bool(self._launches)
+
+    @classmethod
+    def warm_up(cls, device: torch.device | str) -> None:
+        """Compile (or load from Triton's cache) every kernel variant on ``device`` now, so a
+        receiver's first refit does not pay Triton's start-up (~2 s in a fresh process on an
+        H200 host: driver, cache key, launcher build). No-op without Triton or off a GPU."""
+        device = torch.device(device)
+        if triton is None or device.type != "cuda":
+            return
+        buf = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+        pairs = []
+        for w in (1, 2, 4, 8):  # rows of b words of w bytes, starting at an address w-aligned only
+            for b in COLUMN_BLOCKS:
+                n = b * w
+                pairs.append((buf[32768 + w: 32768 + w + 4 * n].view(2, 2 * n)[:, :n],
+                              buf[w: w + 4 * n].view(2, 2 * n)[:, :n]))
+        cls(pairs, fused=True)()
+        torch.cuda.synchronize(device)
 
     def __call__(self) -> None:
         for programs, table, meta, word, br, bc in self._launches:
