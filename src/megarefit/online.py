@@ -31,13 +31,13 @@ from megarefit.manifest import Manifest
 from megarefit.plan import Plan, TensorRef
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format
-from megarefit.quant.planning import plan_fp8
 from megarefit.quant.kernel import Fp8Quantizer
+from megarefit.quant.planning import plan_fp8
 from megarefit.receiver import slots, torch_dtype
 from megarefit.rendezvous import Rendezvous
+from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.nixl import NixlTransport
-from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
 
 class VersionMismatchError(MegarefitError):
