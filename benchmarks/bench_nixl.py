@@ -230,8 +230,10 @@ def main() -> None:
 
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
+    t_ctor = time.perf_counter()
     receiver = RefitReceiver(rdzv, name="bench-receiver", timeout=180, device=ns.device, target=(
         None if not ns.vllm_tp else plan_target(ns)), scratch_budget=int(ns.scratch_budget * 1e6) or None)
+    t_ctor = time.perf_counter() - t_ctor
     if ns.direct_min:
         receiver.transport.direct_min_bytes = ns.direct_min
     cycles = []
@@ -304,6 +306,7 @@ def main() -> None:
         print(f"trainer-side FP8 quantization per publish (slowest rank): {max(q[0] for q in quant) * 1e3:.2f} ms for "
               f"{max(q[1] for q in quant) / 1e9:.3f} GB of bf16 shards")
     print("warm stage seconds:", {k: round(v, 4) for k, v in stats.seconds.items()})
+    print(f"receiver constructor (NIXL agent, kernel warm-up): {t_ctor:.3f} s")
     print("cold stage seconds:", {k: round(v, 4) for k, v in cycles[0][1].seconds.items()})
     print("counters after last cycle:", dict(stats.counters))
     if ns.json:
