@@ -125,6 +125,19 @@ for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.float8_e4m3fn, t
     torch.cuda.synchronize() if dst.is_cuda else None
     if not torch.equal(dst.view(torch.uint8), ref.view(torch.uint8)):
         bad.append(str(dtype))
+from megarefit.transport.boxcopy import warm_up_pairs
+buf = torch.randint(0, 255, (1 << 16,), dtype=torch.uint8, generator=g).to(src.device)
+ref = buf.clone()
+pairs = warm_up_pairs(buf)
+for d, x in warm_up_pairs(ref):
+    d.copy_(x)
+copies = BoxCopies(pairs, fused=True)
+if len(copies._launches) != 12:
+    bad.append(f"warm-up variants: {len(copies._launches)}")
+copies()
+torch.cuda.synchronize() if buf.is_cuda else None
+if not torch.equal(buf, ref):
+    bad.append("warm-up pairs")
 print("MISMATCHES", bad)
 """
 
@@ -132,7 +145,8 @@ print("MISMATCHES", bad)
 def test_box_copy_kernel_in_the_triton_interpreter():
     """The GPU kernel (one launch per word size and column block) run by Triton's CPU
     interpreter writes exactly what ``copy_`` writes, for 1- to 8-byte dtypes, strided
-    columns, 3-D boxes with gaps, odd offsets and single elements. (On a GPU:
+    columns, 3-D boxes with gaps, odd offsets and single elements, and for the pairs a
+    GPU receiver compiles every kernel variant with at construction (``warm_up``). (On a GPU:
     tests/test_nixl_gpu.py and the benchmarks.)"""
     pytest.importorskip("triton")
     if torch.cuda.is_available():  # there the compiled kernel is checked instead (Triton 3.6's interpreter,

@@ -121,6 +121,17 @@ def _word(entry: tuple[int, ...]) -> int:
     return 1
 
 
+def warm_up_pairs(buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) views of a 64 KiB uint8 ``buf`` that use every kernel variant once: rows
+    of b words of w bytes (b in :data:`COLUMN_BLOCKS`, w = 1, 2, 4, 8) starting w-aligned only."""
+    pairs = []
+    for w in (1, 2, 4, 8):
+        for b in COLUMN_BLOCKS:
+            n = b * w
+            pairs.append((buf[32768 + w: 32768 + w + 4 * n].view(2, 2 * n)[:, :n], buf[w: w + 4 * n].view(2, 2 * n)[:, :n]))
+    return pairs
+
+
 class BoxCopies:
     """``dst.copy_(src)`` for every pair, compiled once and run many times.
 
@@ -177,13 +188,7 @@ class BoxCopies:
         device = torch.device(device)
         if triton is None or device.type != "cuda":
             return
-        buf = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
-        pairs = []
-        for w in (1, 2, 4, 8):  # rows of b words of w bytes, starting at an address w-aligned only
-            for b in COLUMN_BLOCKS:
-                n = b * w
-                pairs.append((buf[32768 + w: 32768 + w + 4 * n].view(2, 2 * n)[:, :n],
-                              buf[w: w + 4 * n].view(2, 2 * n)[:, :n]))
+        pairs = warm_up_pairs(torch.zeros(1 << 16, dtype=torch.uint8, device=device))
         cls(pairs, fused=True)()
         torch.cuda.synchronize(device)
 
@@ -194,4 +199,4 @@ class BoxCopies:
             dst.copy_(src)
 
 
-__all__ = ["BoxCopies", "box_entries"]
+__all__ = ["COLUMN_BLOCKS", "BoxCopies", "box_entries", "warm_up_pairs"]
