@@ -291,3 +291,48 @@ def test_interleaved_pipeline_chunks_publish_as_virtual_stages(config):
         p.publish(1)
     got = dict(RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5).run_refit_cycle(1))
     assert got.keys() == hf.keys() and all(torch.equal(got[k], v) for k, v in hf.items())
+
+
+def test_update_that_raised_keeps_receivers_out_until_published(served):
+    """``updating`` marks the rank writing before the block; a block that raises leaves it
+    so (its bytes may be half-written): a receiver refuses to pull, naming the rank, and
+    the model it feeds stays untouched; the next ``publish`` (or ``updating``) ends it."""
+    _, hf, _, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    assert dict(receiver.run_refit_cycle(1)).keys() == hf.keys()
+    receiver.timeout = 0.3
+    with pytest.raises(RuntimeError, match="optimizer blew up"):
+        with pubs[(1, 0, 0)].updating(2):
+            raise RuntimeError("optimizer blew up")
+    with pytest.raises(StaleVersionError, match=r"still writing .*\(1, 0, 0\)"):
+        next(receiver.run_refit_cycle())
+    for p in pubs.values():
+        p.publish(2)
+    got = dict(receiver.run_refit_cycle(2))
+    assert receiver.stats.version == 2 and got.keys() == hf.keys()
+
+
+def test_overlapping_write_is_retried_then_accepted(served):
+    """A rank that writes during the pull (its update sequence moves) is caught at the
+    fence; the cycle pulls again and succeeds (``stats.retries`` counts it); with
+    ``retries=0`` the same overlap raises StaleVersionError naming the rank."""
+    _, hf, _, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    execute = receiver.transport.execute
+    overlaps = iter([True])
+
+    def execute_during_a_step(*args, **kwargs):
+        execute(*args, **kwargs)
+        if next(overlaps, False):
+            with pubs[(0, 0, 0)].updating(1):  # same version, but the bytes were rewritten meanwhile
+                pass
+
+    receiver.transport.execute = execute_during_a_step
+    got = dict(receiver.run_refit_cycle(1))
+    assert got.keys() == hf.keys() and receiver.stats.retries == 1
+    receiver.retries = 0
+    overlaps = iter([True])
+    with pytest.raises(StaleVersionError, match=r"wrote their weights during the pull .*\(0, 0, 0\)"):
+        next(receiver.run_refit_cycle(1))

@@ -10,8 +10,10 @@
                READ per source rank, re-posted on warm cycles
     pull       post all READs, wait (``pull.read``), scratch copies for strided
                targets (``pull.scratch``)
-    fence      versions re-read: if any rank moved on during the pull, raise
-               StaleVersionError before a single tensor is handed over
+    fence      versions and update sequences re-read: if any rank moved on or began an
+               update during the pull (``Publisher.updating``: a seqlock), the pull is
+               rejected before a single tensor is handed over and pulled again, up to
+               ``retries`` times, then StaleVersionError names the ranks
 
 Then it yields ``(hf_name, tensor)`` views of the arena, valid until the next
 cycle (vLLM's ``load_weights`` copies them).
@@ -45,7 +47,13 @@ class VersionMismatchError(MegarefitError):
 
 
 class StaleVersionError(VersionMismatchError):
-    """A trainer rank published a new version while its bytes were being read."""
+    """A trainer rank wrote its weights (published a new version, or was inside
+    ``Publisher.updating``) while its bytes were being read; ``retryable``: a new pull can
+    succeed (no specific version was asked for, or the asked version is still served)."""
+
+    def __init__(self, message: str, *, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass
@@ -62,6 +70,7 @@ class CycleStats:
     arena_bytes: int = 0  # receiver memory holding the targets (bytes)
     scratch_bytes: int = 0  # receiver scratch for gathered pulls (bytes; bounded by ``scratch_budget``, reused)
     descriptors: int = 0  # NIXL READ descriptors per cycle (direct pulls + gathered runs)
+    retries: int = 0  # pulls rejected because a rank wrote during them (seqlock), then pulled again
 
 
 class RefitReceiver:
@@ -83,11 +92,13 @@ class RefitReceiver:
             large runs, then placed by one batched copy; :mod:`~megarefit.transport.gather`).
             ``None``: 5% of the target bytes, at least 64 MiB. Smaller budgets read in more
             waves through two reused halves per trainer rank.
+        retries: pulls to repeat when a trainer rank wrote during one (seen through its
+            update sequence or version), before StaleVersionError; counted in ``stats.retries``.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
-                 device: torch.device | str = "cpu", scratch_budget: int | None = None):
+                 device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2):
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
                               "expert_map): give experts or target, not both")
@@ -98,6 +109,7 @@ class RefitReceiver:
         self.transport = NixlTransport(name, scratch_budget=scratch_budget)  # the NIXL agent: created here, once
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
+        self.retries = retries
         self.stats: CycleStats | None = None
         self._manifests: dict[RankCoord, Manifest] = {}
         self._raw: dict[RankCoord, bytes] = {}
@@ -121,6 +133,20 @@ class RefitReceiver:
             manifests, metadata = self.rendezvous.manifests(first.layout.ranks(), timeout=self.timeout)
         self._manifests = manifests
         return manifests, metadata
+
+    def _wait_stable(self, ranks: list[RankCoord]) -> dict[RankCoord, int]:
+        """Every rank's update sequence once none is odd (no rank inside ``updating``)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            seq = self.rendezvous.sequences(ranks)
+            writing = sorted(r for r, n in seq.items() if n % 2)
+            if not writing:
+                return seq
+            if time.monotonic() > deadline:
+                raise StaleVersionError(f"trainer ranks still writing their weights after {self.timeout:.1f} s "
+                                        f"(inside Publisher.updating, or an update that raised): "
+                                        + ", ".join(str(tuple(r)) for r in writing))
+            time.sleep(0.001)
 
     def _wait_version(self, ranks: list[RankCoord], version: int | None) -> int:
         deadline = time.monotonic() + self.timeout
@@ -216,21 +242,9 @@ class RefitReceiver:
                                          f"expected {meta.numel * torch_dtype(meta.dtype).itemsize}")
         self._checked = key
 
-    # ---- the cycle -----------------------------------------------------------
-    def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pull ``version`` (default: the version every rank publishes) and yield HF tensors.
-
-        Everything is pulled and fenced before the first tensor is yielded, so a
-        failure leaves the consumer's model untouched.
-
-        Raises:
-            RendezvousTimeout: a rank never published a manifest.
-            VersionMismatchError / StaleVersionError: see the module docstring.
-            MissingParameterError / ShapeMismatchError: a manifest lacks a tensor
-                or disagrees on its shape / dtype (names tensor and rank).
-            TransferError: a peer died, a READ failed or timed out (names peer,
-                tensor, byte range).
-        """
+    def _pull(self, version: int | None) -> tuple[Plan, object, int, dict[str, float], bool]:
+        """One attempt: discover, fence, plan, pull into the arena, re-check (raises
+        StaleVersionError, ``retryable`` where a new attempt can succeed)."""
         t = time.perf_counter()
         seconds: dict[str, float] = {}
         before = (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
@@ -244,6 +258,7 @@ class RefitReceiver:
         manifests, metadata = self._discover()
         lap("discover")
         ranks = sorted(manifests)
+        seq = self._wait_stable(ranks)  # seqlock: read before the bytes
         got = self._wait_version(ranks, version)
         lap("version")
         plan, _ = self._plan_for(manifests)
@@ -268,16 +283,49 @@ class RefitReceiver:
         seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
         if plan.quantize:
             seconds["pull.quantize"] = quant_s
+        seq_after = self.rendezvous.sequences(ranks)  # seqlock: read after the bytes landed
         after = self.rendezvous.versions(ranks)
         moved = {r: v for r, v in after.items() if v != got}
         if moved:
             raise StaleVersionError(f"ranks moved past version {got} during the pull: "
-                                    + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())))
+                                    + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())),
+                                    retryable=version is None)
+        rewritten = sorted(r for r in ranks if seq_after[r] != seq[r])
+        if rewritten:
+            raise StaleVersionError(f"ranks wrote their weights during the pull of version {got} (update sequence "
+                                    "moved): " + ", ".join(f"{tuple(r)} {seq[r]} -> {seq_after[r]}" for r in rewritten),
+                                    retryable=True)
         lap("fence")
         cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+        return plan, prepared, got, seconds, cold
+
+    # ---- the cycle -----------------------------------------------------------
+    def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pull ``version`` (default: the version every rank publishes) and yield HF tensors.
+
+        Everything is pulled and fenced before the first tensor is yielded, so a
+        failure leaves the consumer's model untouched.
+
+        Raises:
+            RendezvousTimeout: a rank never published a manifest.
+            VersionMismatchError / StaleVersionError: see the module docstring.
+            MissingParameterError / ShapeMismatchError: a manifest lacks a tensor
+                or disagrees on its shape / dtype (names tensor and rank).
+            TransferError: a peer died, a READ failed or timed out (names peer,
+                tensor, byte range).
+        """
+        retries = 0
+        while True:
+            try:
+                plan, prepared, got, seconds, cold = self._pull(version)
+                break
+            except StaleVersionError as exc:
+                if not exc.retryable or retries >= self.retries:
+                    raise
+                retries += 1
         model_bytes, arena_bytes = self._sizes
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
-                                arena_bytes, prepared.scratch_bytes, prepared.descriptors)
+                                arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries)
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:

@@ -8,6 +8,11 @@ Each Megatron rank wraps its parameters once::
     optimizer.step()
     pub.publish(version=step)          # after every optimizer step; registers nothing new
 
+or, so that no receiver ever accepts bytes read while the step rewrites them::
+
+    with pub.updating(version=step + 1):   # marks the rank writing first (a seqlock)
+        optimizer.step()
+
 The parameter tensors themselves are registered with a NIXL agent (their memory
 must stay put: Megatron updates parameters in place) and described in a
 :class:`~megarefit.manifest.Manifest`. Receivers read the bytes one-sided while
@@ -17,10 +22,11 @@ optimizer step has finished.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -132,6 +138,7 @@ class Publisher:
         self._quantize = (Fp8Quantizer([(self.params[n].detach(), w, sc) for n, (w, sc) in self.fp8.items()],
                                        self.quantization) if self.fp8 else None)
         self.rendezvous = rendezvous
+        self.writing = False  # inside updating(), or an update that raised (receivers wait)
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
     def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -160,15 +167,53 @@ class Publisher:
     def publish(self, version: int) -> None:
         """Announce that the weights now hold ``version`` (call after the optimizer step).
 
+        Receivers cannot tell a pull that overlapped the step from one that did not: use
+        :meth:`updating` unless the training loop itself guarantees no refit runs during
+        the step. After an update that raised, ``publish`` ends it (the rank is stable again).
+
         Raises:
             ShapeMismatchError: a parameter moved in memory since registration
                 (e.g. re-allocated by a resharding step); create a new Publisher.
         """
+        self._settle()
+        if self.writing:
+            self.rendezvous.end_update(self.rank, version)
+            self.writing = False
+        else:
+            self.rendezvous.publish_version(self.rank, version)
+
+    @contextlib.contextmanager
+    def updating(self, version: int) -> Iterator[None]:
+        """``with pub.updating(v + 1): optimizer.step()`` -- a seqlock around the step.
+
+        Before the block the rank is marked writing (its update sequence turns odd), so a
+        receiver whose pull overlaps the block sees the sequence change and rejects the
+        pull (then retries); after the block the device is synchronized, FP8 buffers are
+        re-quantized, ``version`` is published and the rank is marked stable. If the block
+        raises, the rank stays marked writing: no receiver accepts its bytes until a later
+        ``updating`` or ``publish`` completes.
+
+        Raises:
+            ShapeMismatchError: as :meth:`publish`.
+        """
+        if not self.writing:  # after a failed update the sequence is still odd
+            self.rendezvous.begin_update(self.rank)
+            self.writing = True
+        yield
+        self._settle()
+        self.rendezvous.end_update(self.rank, version)
+        self.writing = False
+
+    def _settle(self) -> None:
+        """Check the registered memory, wait for the device, re-quantize FP8 buffers."""
         for entry in self.manifest.tensors:
             if entry.name in self.params and entry.name not in self.fp8 and (
                     self.params[entry.name].data_ptr() != entry.addr):
                 raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
                                          "re-create the Publisher")
+        devices = {p.device for p in self.params.values() if p.is_cuda}
+        for device in devices:  # the step's kernels must have landed before the rank is declared stable
+            torch.cuda.synchronize(device)
         if self._quantize is not None:  # the new weights into the registered FP8 buffers (one launch on a GPU)
             t0 = time.perf_counter()
             self._quantize()
@@ -176,4 +221,3 @@ class Publisher:
             if weight.is_cuda:
                 torch.cuda.synchronize(weight.device)
             self.last_quantize_s = time.perf_counter() - t0
-        self.rendezvous.publish_version(self.rank, version)

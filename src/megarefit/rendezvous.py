@@ -7,6 +7,9 @@ Keys, under a job prefix (``megarefit/<job>/``)::
     generation/<tp>.<pp>.<ep> digest of both, set last (receivers re-read a rank's manifest only
                               when it changes: a warm cycle reads one short key per rank)
     version/<tp>.<pp>.<ep>    weight version, decimal  (bumped after each optimizer step)
+    seq/<tp>.<pp>.<ep>        update sequence (a seqlock): odd while the rank rewrites its weights,
+                              even when they are stable; receivers accept a pull only if every
+                              rank's sequence was even before it and unchanged after it
     consumed/<version>        set by a receiver when it no longer reads that version
 
 One side serves the store (``Rendezvous.serve``), the others connect
@@ -73,6 +76,16 @@ class Rendezvous:
     def publish_version(self, rank: RankCoord, version: int) -> None:
         self.store.set(self.prefix + "version/" + _rank_key(rank), str(int(version)))
 
+    def begin_update(self, rank: RankCoord) -> int:
+        """Mark ``rank`` writing (its sequence becomes odd) before the first byte changes; the
+        new sequence (one atomic store increment)."""
+        return self.store.add(self.prefix + "seq/" + _rank_key(rank), 1)
+
+    def end_update(self, rank: RankCoord, version: int) -> int:
+        """Publish ``version`` for ``rank``, then mark it stable (its sequence becomes even)."""
+        self.publish_version(rank, version)
+        return self.store.add(self.prefix + "seq/" + _rank_key(rank), 1)
+
     # ---- receiver side ---------------------------------------------------
     def _wait(self, keys: list[str], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -121,6 +134,11 @@ class Rendezvous:
             key = self.prefix + "version/" + _rank_key(r)
             out[r] = int(self.store.get(key)) if self.store.check([key]) else None
         return out
+
+    def sequences(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int]:
+        """Current update sequence per rank (0 where the rank never began an update; odd:
+        writing now)."""
+        return {r: self.store.add(self.prefix + "seq/" + _rank_key(r), 0) for r in ranks}
 
     # ---- hand-shake (optional): trainers may wait until a version was read ----
     def mark_consumed(self, version: int) -> None:

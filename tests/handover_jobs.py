@@ -1,0 +1,63 @@
+"""Trainer processes for the handover stress test (tests/test_handover.py): two TP ranks
+that rewrite every parameter in lockstep, continuously, until told to stop."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+
+def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, job: str, cfg: dict, mode: str,
+               write_s: float, idle_s: float) -> dict:
+    """TP rank ``index`` of 2: every parameter holds the value ``v`` (float32, exact) of
+    version ``v``. A step rewrites the parameters one by one over ~``write_s`` seconds
+    (``mode="seqlock"``: inside ``Publisher.updating(v)``; ``"plain"``: then
+    ``publish(v)``), both ranks starting each step together (a gloo barrier), then idles
+    up to ``idle_s``. Returns the last version written."""
+    import torch.distributed as dist
+
+    from megarefit.dims import ModelDims
+    from megarefit.layout import SourceLayout
+    from megarefit.planner import source_tensors
+    from megarefit.publisher import Publisher
+    from megarefit.rendezvous import Rendezvous
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=index, world_size=world_size)
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
+    coord = layout.ranks()[index]
+    params = {n: torch.ones(t.shape, dtype=torch.float32) for n, t in source_tensors(dims, layout)[coord].items()}
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+    pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{index}")
+    pub.publish(1)
+    rng = random.Random(index)
+    pause = write_s / max(1, len(params))
+    v = 1
+    stop = rdzv.prefix + "stop"
+    while True:
+        dist.barrier()
+        flag = torch.tensor([int(rdzv.store.check([stop]))])
+        dist.all_reduce(flag)  # both ranks stop after the same step
+        if flag.item():
+            break
+        v += 1
+
+        def write() -> None:
+            for t in params.values():
+                t.fill_(float(v))
+                time.sleep(pause)
+
+        if mode == "seqlock":
+            with pub.updating(v):
+                write()
+        else:
+            write()
+            pub.publish(v)
+        time.sleep(rng.uniform(0, idle_s))
+    dist.barrier()
+    rdzv.store.wait([rdzv.prefix + "done"])  # keep serving until the receiver is finished
+    dist.destroy_process_group()
+    return {"last": v}
