@@ -45,16 +45,16 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
             break
         v += 1
 
-        def write() -> None:
+        def write(value: float) -> None:
             for t in params.values():
-                t.fill_(float(v))
+                t.fill_(value)
                 time.sleep(pause)
 
         if mode == "seqlock":
             with pub.updating(v):
-                write()
+                write(float(v))
         else:
-            write()
+            write(float(v))
             pub.publish(v)
         time.sleep(rng.uniform(0, idle_s))
     dist.barrier()
