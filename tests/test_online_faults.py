@@ -7,6 +7,7 @@ pulls them. Each bad input must raise a clear error before any tensor is yielded
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -44,7 +45,8 @@ def served(config):
     pubs = {r: Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}")
             for r, s in shards.items()}
     receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=2)
-    return cfg, hf, shards, rdzv, pubs, receiver
+    yield cfg, hf, shards, rdzv, pubs, receiver
+    receiver.close()
 
 
 def test_in_process_refit_matches(served):
@@ -336,3 +338,35 @@ def test_overlapping_write_is_retried_then_accepted(served):
     overlaps = iter([True])
     with pytest.raises(StaleVersionError, match=r"wrote their weights during the pull .*\(0, 0, 0\)"):
         next(receiver.run_refit_cycle(1))
+
+
+def test_wait_receivers_waits_for_every_live_receiver(served):
+    """Every registered receiver must acknowledge: with two, ``wait_receivers`` names the
+    one that has not; once both installed and acknowledged it returns. A receiver whose
+    heartbeat stops (a killed process) is dropped after its lease; a restarted one
+    (same name) is listed once."""
+    from megarefit.rendezvous import RendezvousTimeout
+
+    _, hf, _, rdzv, pubs, first = served
+    second = RefitReceiver(rdzv, name=first.name + "-b", timeout=2, heartbeat_s=0.05)
+    pub = pubs[(0, 0, 0)]
+    for p in pubs.values():
+        p.publish(1)
+    assert dict(first.run_refit_cycle(1)).keys() == hf.keys()
+    first.acknowledge()
+    with pytest.raises(RendezvousTimeout, match=rf"version 1 .*{second.name} \(last acknowledged None\)"):
+        pub.wait_receivers(1, timeout=0.3)
+    dict(second.run_refit_cycle(1))
+    second.acknowledge()
+    assert pub.wait_receivers(1, timeout=5) == {first.name: "acked", second.name: "acked"}
+    for p in pubs.values():
+        p.publish(2)
+    dict(first.run_refit_cycle(2))
+    first.acknowledge()
+    second.close()  # dies before pulling version 2: dropped once its lease expires
+    t0 = time.monotonic()
+    assert pub.wait_receivers(2, timeout=10, lease=0.5) == {first.name: "acked", second.name: "dropped"}
+    assert time.monotonic() - t0 >= 0.5
+    again = RefitReceiver(rdzv, name=second.name, timeout=2)  # restarted under its old name
+    assert rdzv.receivers() == [first.name, second.name]
+    again.close()

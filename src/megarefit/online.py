@@ -36,7 +36,7 @@ from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import plan_fp8
 from megarefit.receiver import slots, torch_dtype
-from megarefit.rendezvous import Rendezvous
+from megarefit.rendezvous import Heartbeat, Rendezvous
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.nixl import NixlTransport
@@ -94,11 +94,15 @@ class RefitReceiver:
             waves through two reused halves per trainer rank.
         retries: pulls to repeat when a trainer rank wrote during one (seen through its
             update sequence or version), before StaleVersionError; counted in ``stats.retries``.
+        heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
+            seconds on a daemon thread, so trainers waiting in ``Publisher.wait_receivers``
+            know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
-                 device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2):
+                 device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
+                 heartbeat_s: float = 1.0):
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
                               "expert_map): give experts or target, not both")
@@ -110,6 +114,9 @@ class RefitReceiver:
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
         self.retries = retries
+        self.name = name
+        rendezvous.register_receiver(name)
+        self._heartbeat = Heartbeat(rendezvous, name, heartbeat_s)
         self.stats: CycleStats | None = None
         self._manifests: dict[RankCoord, Manifest] = {}
         self._raw: dict[RankCoord, bytes] = {}
@@ -124,6 +131,29 @@ class RefitReceiver:
     @property
     def counters(self) -> dict[str, int]:
         return {**self.transport.counters, "plans_built": self.plans_built}
+
+    def acknowledge(self, version: int | None = None) -> None:
+        """Tell the trainers this receiver installed ``version`` (default: the last cycle's)
+        and reads nothing older; ``Publisher.wait_receivers`` returns once every live
+        receiver did. The vLLM extension and engine call it after installing.
+
+        Raises:
+            MegarefitError: no cycle ran yet and no ``version`` was given.
+        """
+        if version is None:
+            if self.stats is None:
+                raise MegarefitError(f"receiver {self.name!r}: nothing to acknowledge before the first refit cycle")
+            version = self.stats.version
+        self.rendezvous.acknowledge(self.name, version)
+
+    def close(self) -> None:
+        """Stop the heartbeat (trainers drop this receiver once its lease expires)."""
+        self._heartbeat.stop()
+
+    def __del__(self) -> None:
+        heartbeat = getattr(self, "_heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.stop()
 
     # ---- stages ------------------------------------------------------------
     def _discover(self) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]]:

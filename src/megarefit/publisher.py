@@ -204,6 +204,16 @@ class Publisher:
         self.rendezvous.end_update(self.rank, version)
         self.writing = False
 
+    def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
+        """Block until every live registered receiver acknowledged ``version`` (receivers
+        whose heartbeat stopped for ``lease`` seconds are dropped); then the trainer may
+        write again. Returns ``{receiver id: "acked" | "dropped"}``.
+
+        Raises:
+            RendezvousTimeout: naming each live receiver that did not acknowledge in time.
+        """
+        return self.rendezvous.wait_receivers(version, timeout=timeout, lease=lease)
+
     def _settle(self) -> None:
         """Check the registered memory, wait for the device, re-quantize FP8 buffers."""
         for entry in self.manifest.tensors:

@@ -11,6 +11,10 @@ Keys, under a job prefix (``megarefit/<job>/``)::
                               even when they are stable; receivers accept a pull only if every
                               rank's sequence was even before it and unchanged after it
     consumed/<version>        set by a receiver when it no longer reads that version
+    receivers/n, receivers/<i> registered receiver ids (a receiver registers once per process)
+    beat/<id>                 the receiver's heartbeat counter (its lease: trainers drop a receiver
+                              whose counter stopped moving for ``lease`` seconds of their own clock)
+    acked/<id>                the last version the receiver installed
 
 One side serves the store (``Rendezvous.serve``), the others connect
 (``Rendezvous.connect``); on one machine the embedded default needs nothing
@@ -20,6 +24,7 @@ else running.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -44,6 +49,7 @@ class Rendezvous:
 
     def __init__(self, store: dist.TCPStore, job: str = "default"):
         self.store = store
+        self.job = job
         self.prefix = f"megarefit/{job}/"
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
 
@@ -147,3 +153,92 @@ class Rendezvous:
     def wait_consumed(self, version: int, timeout: float = 300.0) -> None:
         """Block until a receiver marked ``version`` consumed (raises RendezvousTimeout)."""
         self._wait([f"consumed/{int(version)}"], timeout, f"receiver consumed version {version}")
+
+    # ---- receivers: registration, leases, acknowledgements -------------------
+    def register_receiver(self, rid: str) -> None:
+        """Add receiver ``rid`` to the registry (again after a restart: listed once) and beat."""
+        if rid not in self.receivers():
+            i = self.store.add(self.prefix + "receivers/n", 1)
+            self.store.set(self.prefix + f"receivers/{i}", rid)
+        self.heartbeat(rid)
+
+    def heartbeat(self, rid: str) -> None:
+        self.store.add(self.prefix + f"beat/{rid}", 1)
+
+    def acknowledge(self, rid: str, version: int) -> None:
+        """Receiver ``rid`` installed ``version`` (and no longer reads older bytes)."""
+        self.store.set(self.prefix + f"acked/{rid}", str(int(version)))
+
+    def receivers(self) -> list[str]:
+        """Registered receiver ids, in registration order."""
+        n = self.store.add(self.prefix + "receivers/n", 0)
+        out: list[str] = []
+        for i in range(1, n + 1):
+            rid = self.store.get(self.prefix + f"receivers/{i}").decode()
+            if rid not in out:
+                out.append(rid)
+        return out
+
+    def acked(self, rid: str) -> int | None:
+        key = self.prefix + f"acked/{rid}"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
+        """Block until every live registered receiver acknowledged ``version`` (or later).
+
+        A receiver whose heartbeat counter does not move for ``lease`` seconds (this
+        process's clock: no clock skew between hosts matters) is dropped as dead. Returns
+        ``{receiver id: "acked" | "dropped"}``.
+
+        Raises:
+            RendezvousTimeout: after ``timeout`` seconds, naming each live receiver that has
+                not acknowledged and the version it last acknowledged.
+        """
+        start = time.monotonic()
+        seen: dict[str, tuple[int, float]] = {}  # rid -> (beat counter, when it last moved)
+        while True:
+            now = time.monotonic()
+            state: dict[str, str] = {}
+            pending: list[str] = []
+            for rid in self.receivers():
+                beat = self.store.add(self.prefix + f"beat/{rid}", 0)
+                if rid not in seen or seen[rid][0] != beat:
+                    seen[rid] = (beat, now)
+                acked = self.acked(rid)
+                if acked is not None and acked >= version:
+                    state[rid] = "acked"
+                elif now - seen[rid][1] > lease:
+                    state[rid] = "dropped"
+                else:
+                    pending.append(f"{rid} (last acknowledged {acked})")
+            if not pending:
+                return state
+            if now - start > timeout:
+                raise RendezvousTimeout(f"receivers did not acknowledge version {version} after {timeout:.1f} s: "
+                                        + ", ".join(pending))
+            time.sleep(0.01)
+
+
+class Heartbeat:
+    """Beats for receiver ``rid`` every ``interval`` seconds on a daemon thread (its own store
+    connection), until :meth:`stop`."""
+
+    def __init__(self, rendezvous: Rendezvous, rid: str, interval: float = 1.0):
+        host, port = rendezvous.store.host, rendezvous.store.port
+        self._rdzv = Rendezvous(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)),
+                                rendezvous.prefix.split("/")[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(rid, interval), daemon=True,
+                                        name=f"megarefit-heartbeat-{rid}")
+        self._thread.start()
+
+    def _run(self, rid: str, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._rdzv.heartbeat(rid)
+            except (RuntimeError, OSError):  # the store went away: the trainers will drop this receiver
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -215,6 +215,7 @@ class MegarefitWorkerExtension:
                 runner.get_model().load_weights(weights)
         if _is_cpu():
             _cpu_fixups(runner.get_model())
+        receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
         return _cycle_report(receiver, time.perf_counter() - t0)
 
     def megarefit_experts(self) -> dict[str, Any]:
@@ -294,6 +295,7 @@ def _make_engine_class():
                     finalize_layerwise_reload(self.model, self.model_config)
             if _is_cpu():
                 _cpu_fixups(self.model)
+            self.receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
             self.last_report = _cycle_report(self.receiver, time.perf_counter() - t0)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
