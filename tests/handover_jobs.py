@@ -14,7 +14,7 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     """TP rank ``index`` of 2: every parameter holds the value ``v`` (float32, exact) of
     version ``v``. A step rewrites the parameters one by one over ~``write_s`` seconds
     (``mode="seqlock"``: inside ``Publisher.updating(v)``; ``"plain"``: then
-    ``publish(v)``), both ranks starting each step together (a gloo barrier), then idles
+    ``publish(v)``; ``"snapshot"``: the same with ``Publisher(snapshot=True)``), both ranks starting each step together (a gloo barrier), then idles
     up to ``idle_s``. Returns the last version written."""
     import torch.distributed as dist
 
@@ -31,7 +31,8 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     coord = layout.ranks()[index]
     params = {n: torch.ones(t.shape, dtype=torch.float32) for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
-    pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{index}")
+    pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{index}",
+                    snapshot=mode == "snapshot")
     pub.publish(1)
     rng = random.Random(index)
     pause = write_s / max(1, len(params))

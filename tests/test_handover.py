@@ -61,3 +61,13 @@ def test_plain_publish_lets_torn_pulls_through():
     counts = _stress("plain", 100, "handover-plain")
     print("plain:", counts)
     assert counts["torn"] > 0, counts
+
+
+def test_snapshot_publisher_serves_whole_versions_while_training_writes():
+    """``Publisher(snapshot=True)``: receivers read the registered copy that ``publish``
+    refreshes (inside the seqlock), so the trainers rewrite their live parameters with no
+    protocol around the step and still no pull is torn."""
+    counts = _stress("snapshot", 100, "handover-snapshot")
+    print("snapshot:", counts)
+    assert counts["torn"] == 0, counts
+    assert counts["intact"] >= 75, counts

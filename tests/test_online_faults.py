@@ -370,3 +370,30 @@ def test_wait_receivers_waits_for_every_live_receiver(served):
     again = RefitReceiver(rdzv, name=second.name, timeout=2)  # restarted under its old name
     assert rdzv.receivers() == [first.name, second.name]
     again.close()
+
+
+def test_snapshot_publisher_serves_the_published_copy(config):
+    """``Publisher(snapshot=True)`` serves a registered copy, not the live parameters:
+    training may rewrite them after ``publish(v)`` and a refit still gets version v's
+    bytes; the next ``publish`` refreshes the copy (the live tensors are never registered)."""
+    cfg = config("Llama-3.1-8B")
+    hf = reference_hf_state(cfg, "llama")
+    shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
+    job = f"faults-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = {r: Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}",
+                         snapshot=True) for r, s in shards.items()}
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=2)
+    for p in pubs.values():
+        assert not {e.addr for e in p.manifest.tensors} & {t.data_ptr() for t in p.params.values()}
+        p.publish(1)
+    for s in shards.values():
+        for t in s.values():
+            t.mul_(-1)  # training goes on: version 2 in the live parameters, not yet published
+    got = dict(receiver.run_refit_cycle(1))
+    assert all(torch.equal(got[k], v) for k, v in hf.items())
+    for p in pubs.values():
+        p.publish(2)
+    got = dict(receiver.run_refit_cycle(2))
+    assert all(torch.equal(got[k], -v) for k, v in hf.items())
+    receiver.close()

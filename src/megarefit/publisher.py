@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -60,6 +62,15 @@ class Publisher:
     own Publisher: ``rank=(tp_rank, pp_rank, ep_rank)``, ``vp_stage=c``; it serves stage
     ``virtual_stage(pp_rank, c, pp)`` of a ``pp * vpp``-stage pipeline.
 
+    ``snapshot=True`` (asynchronous RL): receivers read a registered copy of the rank's
+    shards that every ``publish`` refreshes from the live parameters at device-copy speed
+    (inside the seqlock), so training may go on writing its parameters during a pull. It
+    costs one extra copy of the rank's unquantized shards (FP8 shards are already served
+    from their own buffers). Allocate trainer memory that NIXL reads over a network
+    (RDMA) outside PyTorch's ``expandable_segments`` (registration of VMM-mapped memory
+    succeeds, but the NIC faults at transfer time): a Publisher serving CUDA tensors
+    while ``PYTORCH_CUDA_ALLOC_CONF`` enables expandable segments warns.
+
     Raises (at construction):
         MissingParameterError / UnexpectedParameterError: the parameters are not
             exactly what the spec table and layout place on this rank.
@@ -73,7 +84,7 @@ class Publisher:
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
                  vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
-                 quantization: str | Fp8Format | None = "auto"):
+                 quantization: str | Fp8Format | None = "auto", snapshot: bool = False):
         if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
             rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
             pp *= vpp
@@ -115,6 +126,11 @@ class Publisher:
         if self.quantization is not None:
             plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
             self.fp8 = self._fp8_buffers([ref.name for ref in fp8_sources(plan, self.rank)])
+        # snapshot: receivers read a registered copy that publish() refreshes, never the live
+        # parameters (training goes on during the pull: one-step off-policy RL)
+        self.snapshot: dict[str, torch.Tensor] = {}
+        if snapshot:
+            self.snapshot = self._snapshot_buffers([n for n in expected if n not in self.fp8])
         entries, served = [], []
         for name, t in expected.items():
             gshape = global_shape(t.spec, self.dims, self.layout)
@@ -124,8 +140,14 @@ class Publisher:
                 entries.append(_entry(name + SCALE_SUFFIX, "fp8_scale", scale, self.quantization.scale_shape(gshape)))
                 served += [weight, scale]
             else:
-                entries.append(_entry(name, t.spec.role.value, self.params[name], gshape))
-                served.append(self.params[name])
+                tensor = self.snapshot.get(name, self.params[name])
+                entries.append(_entry(name, t.spec.role.value, tensor, gshape))
+                served.append(tensor)
+        if any(t.is_cuda for t in served) and "expandable_segments:true" in (
+                os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower():
+            warnings.warn(f"rank {self.rank}: serving CUDA memory allocated with expandable_segments; NIXL "
+                          "registration of VMM-mapped memory succeeds but RDMA NICs fault at transfer time. "
+                          "Unset expandable_segments for the trainer, or serve through CUDA IPC only.", stacklevel=2)
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
         self.agent.register(served)
@@ -160,6 +182,22 @@ class Publisher:
                 at_w, at_s = at_w + math.prod(w), at_s + math.prod(s)
         return {n: out[n] for n in names}
 
+    def _snapshot_buffers(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """One contiguous buffer per (device, dtype) holding a copy of each of ``names``,
+        filled now; registered once like the FP8 arenas."""
+        out: dict[str, torch.Tensor] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+        for n in names:
+            groups.setdefault((self.params[n].device, self.params[n].dtype), []).append(n)
+        for (device, dtype), group in groups.items():
+            flat = torch.empty(sum(self.params[n].numel() for n in group), dtype=dtype, device=device)
+            at = 0
+            for n in group:
+                out[n] = flat[at:at + self.params[n].numel()].view(self.params[n].shape)
+                out[n].copy_(self.params[n].detach())
+                at += self.params[n].numel()
+        return out
+
     @property
     def counters(self):
         return self.agent.counters
@@ -175,6 +213,10 @@ class Publisher:
             ShapeMismatchError: a parameter moved in memory since registration
                 (e.g. re-allocated by a resharding step); create a new Publisher.
         """
+        self._check_moved()
+        if (self.snapshot or self._quantize is not None) and not self.writing:
+            self.rendezvous.begin_update(self.rank)  # the served buffers are rewritten below: a seqlock
+            self.writing = True
         self._settle()
         if self.writing:
             self.rendezvous.end_update(self.rank, version)
@@ -200,6 +242,7 @@ class Publisher:
             self.rendezvous.begin_update(self.rank)
             self.writing = True
         yield
+        self._check_moved()
         self._settle()
         self.rendezvous.end_update(self.rank, version)
         self.writing = False
@@ -214,16 +257,27 @@ class Publisher:
         """
         return self.rendezvous.wait_receivers(version, timeout=timeout, lease=lease)
 
-    def _settle(self) -> None:
-        """Check the registered memory, wait for the device, re-quantize FP8 buffers."""
+    def _check_moved(self) -> None:
         for entry in self.manifest.tensors:
-            if entry.name in self.params and entry.name not in self.fp8 and (
+            if entry.name in self.params and entry.name not in self.fp8 and entry.name not in self.snapshot and (
                     self.params[entry.name].data_ptr() != entry.addr):
                 raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
                                          "re-create the Publisher")
+
+    def _settle(self) -> None:
+        """Wait for the device, refresh the snapshot, re-quantize FP8 buffers."""
         devices = {p.device for p in self.params.values() if p.is_cuda}
         for device in devices:  # the step's kernels must have landed before the rank is declared stable
             torch.cuda.synchronize(device)
+        if self.snapshot:  # live -> the registered copy receivers read (device-copy speed)
+            names = list(self.snapshot)
+            dst, src = [self.snapshot[n] for n in names], [self.params[n].detach() for n in names]
+            if dst[0].is_cuda:
+                torch._foreach_copy_(dst, src)
+                torch.cuda.synchronize(dst[0].device)
+            else:
+                for d, x in zip(dst, src):
+                    d.copy_(x)
         if self._quantize is not None:  # the new weights into the registered FP8 buffers (one launch on a GPU)
             t0 = time.perf_counter()
             self._quantize()
