@@ -62,3 +62,18 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     rdzv.store.wait([rdzv.prefix + "done"])  # keep serving until the receiver is finished
     dist.destroy_process_group()
     return {"last": v}
+
+
+def receiver_job(index: int, world_size: int, master_port: int, rdzv_port: int, job: str) -> dict:
+    """A receiver process: registers, pulls and acknowledges version 1, says so, then idles
+    (heartbeat running) until killed."""
+    from megarefit.online import RefitReceiver
+    from megarefit.rendezvous import Rendezvous
+
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver-proc", timeout=30, heartbeat_s=0.05)
+    dict(receiver.run_refit_cycle(1))
+    receiver.acknowledge()
+    rdzv.store.set(rdzv.prefix + "receiver-ready", "1")
+    time.sleep(600)
+    return {}

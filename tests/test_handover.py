@@ -5,6 +5,8 @@ two versions under one version number -- is visible in the received tensors."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -40,6 +42,7 @@ def _stress(mode: str, cycles: int, job: str) -> dict[str, int]:
     finally:
         rdzv.store.set(rdzv.prefix + "stop", "1")
         rdzv.store.set(rdzv.prefix + "done", "1")
+        receiver.close()
         group.join(timeout=120)
     return counts
 
@@ -71,3 +74,35 @@ def test_snapshot_publisher_serves_whole_versions_while_training_writes():
     print("snapshot:", counts)
     assert counts["torn"] == 0, counts
     assert counts["intact"] >= 75, counts
+
+
+def test_killed_receiver_is_named_then_dropped_after_its_lease():
+    """A receiver process that acknowledged version 1 is killed (SIGKILL): a trainer waiting
+    for version 2 gets a RendezvousTimeout naming it while its lease runs, and once the
+    lease expired ``wait_receivers`` returns with the dead receiver dropped."""
+    import time
+
+    from handover_jobs import receiver_job
+    from megarefit.publisher import Publisher
+    from megarefit.rendezvous import RendezvousTimeout
+    from reference import reference_hf_state, reference_shards
+
+    job = "handover-kill"
+    rdzv = Rendezvous.serve(job=job)
+    hf = reference_hf_state(CFG, "qwen3")
+    shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, CFG, tp=2, pp=1).items()}
+    pubs = [Publisher(s, CFG, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}")
+            for r, s in shards.items()]
+    for p in pubs:
+        p.publish(1)
+    group = start_workers(receiver_job, world_size=1, args=(rdzv.port, job))
+    rdzv.store.wait([rdzv.prefix + "receiver-ready"], timedelta(seconds=120))
+    assert pubs[0].wait_receivers(1, timeout=5) == {f"{job}-receiver-proc": "acked"}
+    for p in pubs:
+        p.publish(2)
+    group.kill(0)
+    with pytest.raises(RendezvousTimeout, match=f"version 2 .*{job}-receiver-proc \\(last acknowledged 1\\)"):
+        pubs[0].wait_receivers(2, timeout=0.2, lease=30)
+    t0 = time.monotonic()
+    assert pubs[0].wait_receivers(2, timeout=10, lease=0.5) == {f"{job}-receiver-proc": "dropped"}
+    assert time.monotonic() - t0 >= 0.5
