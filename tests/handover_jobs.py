@@ -77,3 +77,17 @@ def receiver_job(index: int, world_size: int, master_port: int, rdzv_port: int, 
     rdzv.store.set(rdzv.prefix + "receiver-ready", "1")
     time.sleep(600)
     return {}
+
+
+def replica_parent_job(index: int, world_size: int, master_port: int, rdzv_port: int, job: str, group: str) -> dict:
+    """A first-tier receiver process serving replica group ``group``: pulls version 1 from
+    the trainers, says so, then idles (serving its arena) until killed."""
+    from megarefit.online import RefitReceiver
+    from megarefit.rendezvous import Rendezvous
+
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+    receiver = RefitReceiver(rdzv, name=f"{job}-tier1", timeout=30, replica_group=group)
+    dict(receiver.run_refit_cycle(1))
+    rdzv.store.set(rdzv.prefix + "tier1-ready", "1")
+    time.sleep(600)
+    return {}

@@ -97,12 +97,14 @@ class RefitReceiver:
         heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
             seconds on a daemon thread, so trainers waiting in ``Publisher.wait_receivers``
             know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
+        replica_group: serve each pulled version to :class:`~megarefit.replica.ReplicaReceiver`
+            s of this group (same target) from the arena, guarded by a seqlock of its own.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
                  device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
-                 heartbeat_s: float = 1.0):
+                 heartbeat_s: float = 1.0, replica_group: str | None = None):
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
                               "expert_map): give experts or target, not both")
@@ -110,7 +112,10 @@ class RefitReceiver:
         self.target = target
         self.device = torch.device(device)
         self.experts = None if experts is None else frozenset(experts)
-        self.transport = NixlTransport(name, scratch_budget=scratch_budget)  # the NIXL agent: created here, once
+        self.replica_group = replica_group
+        self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
+        self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
+                                       progress_thread=replica_group is not None)  # replicas READ from it
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
         self.retries = retries
@@ -126,6 +131,8 @@ class RefitReceiver:
         self._quantizer: Fp8Quantizer | None = None  # receiver-side FP8 steps, compiled per plan and buffers
         self._buffers: dict[TensorRef, torch.Tensor] = {}
         self._sizes = (0, 0)  # (model bytes handed over, arena bytes) of the current plan
+        self._arenas: dict[str, torch.Tensor] = {}
+        self._layout: list[tuple[str, str, int, tuple[int, ...]]] = []
         self.plans_built = 0
 
     @property
@@ -236,11 +243,15 @@ class RefitReceiver:
             e = entries[ops[0].src.rank][ops[0].src.name]
             return (0, tuple(ops[0].src.rank), e.region, e.addr + ops[0].src_byte_offset)
 
-        slots, at = {}, dict.fromkeys(totals, 0)
+        slots, at, offsets = {}, dict.fromkeys(totals, 0), {}
         for ref in sorted(plan.targets, key=trainer_order):
             meta = plan.targets[ref]
             slots[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
+            offsets[ref] = at[meta.dtype]
             at[meta.dtype] += meta.numel
+        self._arenas = arenas
+        self._layout = [(ref.name, plan.targets[ref].dtype, offsets[ref], plan.targets[ref].shape)
+                        for ref in plan.targets if ref not in plan.staging]  # what replicas mirror
         self._buffers = {ref: slots[ref] for ref in plan.targets}  # handed over in plan order
         staging = plan.staging
         self._sizes = (sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
@@ -297,6 +308,9 @@ class RefitReceiver:
         self.transport.connect(manifests, metadata)
         prepared = self.transport.prepare(plan, manifests, self._buffers)
         lap("prepare")
+        if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
+            self.rendezvous.store.add(self.rendezvous.prefix + f"replica_seq/{self.replica_group}/{self.name}", 1)
+            self._serving = True
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
         t_quant = time.perf_counter()
         if plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull (one launch on a GPU)
@@ -353,6 +367,13 @@ class RefitReceiver:
                 if not exc.retryable or retries >= self.retries:
                     raise
                 retries += 1
+        if self.replica_group is not None:  # the arena holds version `got` whole: serve it
+            from megarefit.replica import publish_arena
+
+            publish_arena(self.rendezvous, self.replica_group, self.name, self._arenas, self._layout, got,
+                          self.transport.nixl.metadata)
+            self.rendezvous.store.add(self.rendezvous.prefix + f"replica_seq/{self.replica_group}/{self.name}", 1)
+            self._serving = False
         model_bytes, arena_bytes = self._sizes
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
                                 arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries)
