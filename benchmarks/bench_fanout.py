@@ -1,0 +1,139 @@
+"""Fan-out: one receiver reads the trainers, replicas mirror receivers (every party its own process).
+
+    python benchmarks/bench_fanout.py [--config tests/data/configs/Qwen3-0.6B.json] [--replicas 1 2 4] [--fanout 1]
+
+On nvidia-h200-x2 (issue 13's layout: trainer on GPU 0 -> replica A on GPU 1 -> replica B
+on GPU 0)::
+
+    python benchmarks/bench_fanout.py --config tests/data/configs/Qwen3-8B.json --trainer-device cuda:0 \\
+        --devices cuda:1 cuda:0 --replicas 1 2 --fanout 1
+
+Trainer processes serve random shards through real Publishers (as in bench_nixl.py). A
+first-tier ``RefitReceiver(replica_group=...)`` process reads them; ``n`` replica
+processes (``ReplicaReceiver``, arranged by ``tree_parent`` with fan-out ``k``) mirror
+their parents, tier by tier (the replicas of one tier at once). Per cycle and warm: seconds of the first tier, of the whole
+fan-out, aggregate GB/s (every receiver's bytes / the whole), and the bytes read from the
+trainers (the first tier's wire bytes: 1x the model whatever ``n``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: list[str], parents: list[str | None],
+                 devices: list[str], cycles: int) -> list[dict]:
+    """Receiver ``names[index]``: the first tier (no parent) or a replica of ``parents[index]``;
+    runs ``cycles`` cycles when told (``go/<name>/<c>``), reports seconds and bytes."""
+    from megarefit.online import RefitReceiver
+    from megarefit.rendezvous import Rendezvous
+    from megarefit.replica import ReplicaReceiver
+
+    device = devices[index % len(devices)]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
+    name, parent = names[index], parents[index]
+    if parent is None:
+        rx = RefitReceiver(rdzv, name=name, timeout=180, device=device, replica_group="bench")
+    else:
+        rx = ReplicaReceiver(rdzv, group="bench", parent=parent, name=name, timeout=180, device=device,
+                             serve=True)
+    out = []
+    for c in range(cycles):
+        rdzv.store.wait([rdzv.prefix + f"go/{name}/{c}"])
+        t0 = time.perf_counter()
+        for _ in (rx.run_refit_cycle(1) if parent is None else rx.run_refit_cycle()):
+            pass
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        nbytes = rx.stats.bytes_moved if parent is None else rx.bytes_read
+        wire = rx.stats.wire_bytes if parent is None else 0
+        out.append({"seconds": seconds, "bytes": nbytes, "trainer_bytes": wire})
+        rdzv.store.set(rdzv.prefix + f"done/{name}/{c}", "1")
+    rdzv.store.wait([rdzv.prefix + "finish"])  # keep serving until every replica is through
+    rx.close()
+    return out
+
+
+def main() -> None:
+    from bench_nixl import _setup, trainer
+
+    from megarefit.bench import machine
+    from megarefit.integrations.megatron import start_workers
+    from megarefit.rendezvous import Rendezvous
+    from megarefit.replica import tree_parent
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--fanout", type=int, default=2)
+    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--trainer-device", default="cpu")
+    ap.add_argument("--devices", nargs="+", default=["cpu"], help="receiver devices, round robin by tier order")
+    ap.add_argument("--json", help="append one JSON line per replica count")
+    ns = ap.parse_args()
+    cfg = json.loads(Path(ns.config).read_text())
+    cfg.pop("quantization_config", None)
+    if ns.layers:
+        cfg["num_hidden_layers"] = ns.layers
+    args = {"tp": ns.tp, "ep": 1, "etp": 0, "expert_layout": "sequential", "vllm_tp": 0, "vllm_rank": 0,
+            "vllm_ep": False, "dtype": "bfloat16", "trainer_device": ns.trainer_device, "quantization": "none",
+            "param_buffer": True}
+    _, layout, _ = _setup(cfg, args)
+    print(f"machine: {machine()}")
+    print(f"model: {Path(ns.config).stem}, trainer tp={ns.tp} on {ns.trainer_device}; receivers on {ns.devices}; "
+          f"fan-out {ns.fanout}")
+    print("| replicas | first tier s | whole fan-out s | receivers | aggregate GB/s | bytes from trainers |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in ns.replicas:
+        rdzv = Rendezvous.serve(job="bench")
+        trainers = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
+        names = ["tier1"] + [f"replica{i}" for i in range(n)]
+        parents = [tree_parent(rdzv, "bench", name, ns.fanout) for name in names]
+        group = start_workers(receiver_job, world_size=len(names), args=(rdzv.port, names, parents, ns.devices,
+                                                                         ns.cycles))
+        depth = {"tier1": 0}
+        for name, parent in zip(names[1:], parents[1:]):
+            depth[name] = depth[parent] + 1
+        tiers = [[m for m in names if depth[m] == d] for d in range(max(depth.values()) + 1)]
+        totals, firsts = [], []
+        for c in range(ns.cycles):
+            t0 = time.perf_counter()
+            for tier in tiers:  # tier by tier; the replicas of one tier pull at once
+                for name in tier:
+                    rdzv.store.set(rdzv.prefix + f"go/{name}/{c}", "1")
+                rdzv.store.wait([rdzv.prefix + f"done/{name}/{c}" for name in tier])
+                if tier == tiers[0]:
+                    firsts.append(time.perf_counter() - t0)
+            totals.append(time.perf_counter() - t0)
+        rdzv.store.set(rdzv.prefix + "finish", "1")
+        results = group.join(timeout=600)
+        rdzv.mark_consumed(1)
+        trainers.join(timeout=300)
+        nbytes = sum(r[-1]["bytes"] for r in results)
+        best = min(totals[1:] or totals)
+        print(f"| {n} | {min(firsts[1:] or firsts):.4f} | {best:.4f} | {len(names)} | {nbytes / best / 1e9:.2f} | "
+              f"{results[0][-1]['trainer_bytes'] / 1e9:.3f} GB |", flush=True)
+        if ns.json:
+            with open(ns.json, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"replicas": n, "fanout": ns.fanout, "first_tier_s": min(firsts[1:] or firsts),
+                                    "total_s": best, "bytes": nbytes, "trainer_bytes": results[0][-1]["trainer_bytes"],
+                                    "median_total_s": statistics.median(totals[1:] or totals)}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
