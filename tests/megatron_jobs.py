@@ -90,3 +90,58 @@ def vpp_layout_job(rank: int, world_size: int, port: int, cfg: dict, pp: int, vp
             params[n] = (tuple(t.shape), owner)
         out[chunk] = {"pp": ps.get_pipeline_model_parallel_rank(), "params": params}
     return out
+
+
+def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: int, job: str,
+                              cfg: dict) -> dict[str, Any]:
+    """Data-parallel rank ``rank`` of 2 (tp=1) under real Megatron-Core DDP with the
+    distributed optimizer's buffer layout and ``overlap_param_gather``: a real backward and
+    gradient sync, then the distributed optimizer's step as Megatron does it (each rank
+    writes only its own shard of the parameter buffer: rank r adds r + 1). Rank 0's
+    Publisher (``ddp=``) must refuse to publish until ``finish_param_sync`` ran on both
+    ranks, and then serve the whole new parameters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    from megarefit.integrations.megatron import refit_tensors
+    from megarefit.param_sync import ParamSyncPendingError, finish_param_sync
+    from megarefit.publisher import Publisher
+    from megarefit.rendezvous import Rendezvous
+
+    init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
+    model = build_gpt_model(gpt_arch_from_hf(cfg, tp=1), seed=0)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True), model)
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1)[None, None]
+    ddp(tokens, torch.arange(8)[None], attention_mask=mask).float().sum().backward()
+    ddp.finish_grad_sync()  # what Megatron's schedule does before the optimizer step
+    buffers = [b.param_data for g in ddp.bucket_groups for b in g.buckets]
+    expected = []
+    for data in buffers:  # the step: each rank updates its own shard; the others' stay stale here
+        want = data.clone()
+        for r, shard in enumerate(shard_buffer(want, world_size)):
+            shard.add_(float(r + 1))
+        expected.append(want)
+        shard_buffer(data, world_size)[rank].add_(float(rank + 1))
+    out: dict[str, Any] = {"rank": rank}
+    pub = None
+    if rank == 0:
+        rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+        pub = Publisher(refit_tensors(ddp), cfg, rank=(0, 0, 0), tp=1, pp=1, rendezvous=rdzv, ddp=ddp,
+                        agent_name=f"{job}-trainer")
+        out["stale_before"] = any(not torch.equal(d, e) for d, e in zip(buffers, expected))
+        try:
+            pub.publish(2)
+            out["refused"] = None
+        except ParamSyncPendingError as exc:
+            out["refused"] = str(exc)
+    torch.distributed.barrier()
+    finish_param_sync([ddp])  # every data-parallel rank
+    out["whole_after"] = all(torch.equal(d, e) for d, e in zip(buffers, expected))
+    if pub is not None:
+        pub.publish(2)
+        out["served_is_buffer"] = all(any(t.data_ptr() >= d.data_ptr() and t.data_ptr() < d.data_ptr()
+                                          + d.numel() * d.element_size() for d in buffers)
+                                      for t in pub.params.values() if t.requires_grad)
+    return out

@@ -106,3 +106,24 @@ def test_killed_receiver_is_named_then_dropped_after_its_lease():
     t0 = time.monotonic()
     assert pubs[0].wait_receivers(2, timeout=10, lease=0.5) == {f"{job}-receiver-proc": "dropped"}
     assert time.monotonic() - t0 >= 0.5
+
+
+@pytest.mark.megatron
+def test_deferred_param_gather_is_finished_before_publishing():
+    """Megatron-Core DDP with the distributed optimizer's sharded buffer and
+    ``overlap_param_gather`` (2 data-parallel processes, gloo): after the step each rank's
+    parameters are whole only after the next all-gather. A Publisher given ``ddp=``
+    refuses to publish then, naming the pending buckets; after ``finish_param_sync`` on
+    both ranks it publishes, and the bytes it serves are the new ones on every shard."""
+    pytest.importorskip("megatron.core")
+    from megatron_jobs import deferred_param_gather_job
+
+    job = "handover-ddp"
+    rdzv = Rendezvous.serve(job=job)
+    cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=2)
+    results = start_workers(deferred_param_gather_job, world_size=2, args=(rdzv.port, job, cfg)).join(timeout=300)
+    first = next(r for r in results if r["rank"] == 0)
+    assert first["stale_before"], "the other rank's shard must be stale right after the step"
+    assert first["refused"] and "has not all-gathered" in first["refused"] and "rank (tp=0" in first["refused"]
+    assert all(r["whole_after"] for r in results)
+    assert first["served_is_buffer"]

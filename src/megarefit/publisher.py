@@ -37,6 +37,7 @@ from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
 from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stage
 from megarefit.manifest import Manifest, TensorEntry
+from megarefit.param_sync import check_param_sync
 from megarefit.planner import global_shape, plan_megatron_to_hf, source_tensors
 from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
@@ -71,6 +72,12 @@ class Publisher:
     succeeds, but the NIC faults at transfer time): a Publisher serving CUDA tensors
     while ``PYTORCH_CUDA_ALLOC_CONF`` enables expandable segments warns.
 
+    ``ddp``: the rank's Megatron-Core ``DistributedDataParallel`` model chunk(s). With the
+    distributed optimizer and ``overlap_param_gather``, parameters are whole again only
+    after the next forward's all-gather; ``publish`` / ``updating`` then wait for gathers
+    in flight and refuse (``ParamSyncPendingError``) if one was not dispatched: call
+    :func:`megarefit.param_sync.finish_param_sync` on every data-parallel rank after the step.
+
     Raises (at construction):
         MissingParameterError / UnexpectedParameterError: the parameters are not
             exactly what the spec table and layout place on this rank.
@@ -84,7 +91,8 @@ class Publisher:
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
                  vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
-                 quantization: str | Fp8Format | None = "auto", snapshot: bool = False):
+                 quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
+                 ddp: Any = None):
         if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
             rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
             pp *= vpp
@@ -161,6 +169,7 @@ class Publisher:
                                        self.quantization) if self.fp8 else None)
         self.rendezvous = rendezvous
         self.writing = False  # inside updating(), or an update that raised (receivers wait)
+        self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
     def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -265,7 +274,9 @@ class Publisher:
                                          "re-create the Publisher")
 
     def _settle(self) -> None:
-        """Wait for the device, refresh the snapshot, re-quantize FP8 buffers."""
+        """Finish Megatron's deferred param sync, wait for the device, refresh the snapshot,
+        re-quantize FP8 buffers."""
+        check_param_sync(self.ddp, self.rank)
         devices = {p.device for p in self.params.values() if p.is_cuda}
         for device in devices:  # the step's kernels must have landed before the rank is declared stable
             torch.cuda.synchronize(device)
