@@ -91,3 +91,25 @@ def replica_parent_job(index: int, world_size: int, master_port: int, rdzv_port:
     rdzv.store.set(rdzv.prefix + "tier1-ready", "1")
     time.sleep(600)
     return {}
+
+
+def static_trainer_job(index: int, world_size: int, master_port: int, rdzv_port: int, job: str, cfg: dict,
+                       tp_rank: int | None, value: float, version: int) -> dict:
+    """TP rank ``tp_rank`` (default: the worker index) of 2 serving parameters that all hold
+    ``value`` as ``version``, until ``stop`` is set."""
+    from megarefit.dims import ModelDims
+    from megarefit.layout import SourceLayout
+    from megarefit.planner import source_tensors
+    from megarefit.publisher import Publisher
+    from megarefit.rendezvous import Rendezvous
+
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
+    tp_rank = index if tp_rank is None else tp_rank
+    coord = layout.ranks()[tp_rank]
+    params = {n: torch.full(t.shape, value) for n, t in source_tensors(dims, layout)[coord].items()}
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+    pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{tp_rank}")
+    pub.publish(version)
+    rdzv.store.wait([rdzv.prefix + "stop"])
+    return {}

@@ -127,3 +127,36 @@ def test_deferred_param_gather_is_finished_before_publishing():
     assert first["refused"] and "has not all-gathered" in first["refused"] and "rank (tp=0" in first["refused"]
     assert all(r["whole_after"] for r in results)
     assert first["served_is_buffer"]
+
+
+def test_trainer_killed_mid_pull_then_restarted():
+    """A trainer process is SIGKILLed: the next pull raises TransferError naming that
+    trainer and hands nothing over (what the consumer installed before is untouched). The
+    trainer restarts (a new process: new memory, new NIXL metadata, same agent name) with
+    new weights, and the next cycle pulls them whole."""
+    from handover_jobs import static_trainer_job
+    from megarefit.transport.nixl import TransferError
+
+    job = "handover-restart"
+    rdzv = Rendezvous.serve(job=job)
+    trainers = start_workers(static_trainer_job, world_size=2, args=(rdzv.port, job, CFG, None, 1.0, 1))
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5)
+    installed = {k: t.clone() for k, t in receiver.run_refit_cycle(1)}  # what a consumer keeps
+    assert {v for t in installed.values() for v in torch.unique(t).tolist()} == {1.0}
+    trainers.kill(1)
+    receiver.timeout = 3
+    cycle = receiver.run_refit_cycle(1)
+    with pytest.raises(TransferError, match=f"peer '{job}-trainer-1'"):
+        next(cycle)
+    assert {v for t in installed.values() for v in torch.unique(t).tolist()} == {1.0}
+    restarted = start_workers(static_trainer_job, world_size=1, args=(rdzv.port, job, CFG, 1, 2.0, 2))
+    trainers.kill(0)  # rank 0 moves to version 2 as well (a restarted job)
+    rank0 = start_workers(static_trainer_job, world_size=1, args=(rdzv.port, job, CFG, 0, 2.0, 2))
+    receiver.timeout = 60
+    got = dict(receiver.run_refit_cycle(2))
+    assert got.keys() == installed.keys()
+    assert {v for t in got.values() for v in torch.unique(t).tolist()} == {2.0}
+    rdzv.store.set(rdzv.prefix + "stop", "1")
+    receiver.close()
+    restarted.join(timeout=60)
+    rank0.join(timeout=60)

@@ -185,15 +185,18 @@ class RefitReceiver:
                                         + ", ".join(str(tuple(r)) for r in writing))
             time.sleep(0.001)
 
-    def _wait_version(self, ranks: list[RankCoord], version: int | None) -> int:
+    def _wait_version(self, ranks: list[RankCoord], version: int | None) -> tuple[int, bool]:
+        """The common version (``version`` if given) and whether it had to be waited for."""
         deadline = time.monotonic() + self.timeout
+        waited = False
         while True:
             seen = self.rendezvous.versions(ranks)
             values = set(seen.values())
             if version is None and len(values) == 1 and None not in values:
-                return values.pop()  # type: ignore[return-value]
+                return values.pop(), waited  # type: ignore[return-value]
             if version is not None and values == {version}:
-                return version
+                return version, waited
+            waited = True
             if time.monotonic() > deadline:
                 detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
                 want = f"version {version}" if version is not None else "one common version"
@@ -300,7 +303,11 @@ class RefitReceiver:
         lap("discover")
         ranks = sorted(manifests)
         seq = self._wait_stable(ranks)  # seqlock: read before the bytes
-        got = self._wait_version(ranks, version)
+        got, waited = self._wait_version(ranks, version)
+        if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
+            manifests, metadata = self._discover()
+            if sorted(manifests) != ranks:
+                raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
         lap("version")
         plan, _ = self._plan_for(manifests)
         self._check_manifests(plan, manifests)
