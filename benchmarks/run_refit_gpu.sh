@@ -2,7 +2,7 @@
 # Warm refits per layout on nvidia-h200-x2 (trainer processes on GPU 0, the receiver process on
 # GPU 1), each beside raw NIXL READs of the same bytes (one descriptor per trainer, and cut into
 # 256 / 1024 / 4096), an NCCL broadcast GPU0 -> GPU1 of the same bytes and a device copy.
-# Usage: [CASES="dense-tp2 moe-seq ..."] [QUANT="none fp8"] benchmarks/run_refit_gpu.sh OUT_DIR
+# Usage: [CASES="dense-tp2 moe-seq ... vllm fanout"] [QUANT="none fp8"] benchmarks/run_refit_gpu.sh OUT_DIR
 # Then, anywhere with matplotlib: python benchmarks/plot_refit.py OUT_DIR/refit.jsonl docs/refit_gpu.png
 set -uo pipefail
 out=${1:-out}; mkdir -p "$out"
@@ -25,3 +25,8 @@ for q in ${QUANT:-none fp8}; do
 done
 want vllm && run "dense-tp2-vllm-tp2" "${dense[@]}" --tp 2 --vllm-tp 2
 want vllm && run "moe-ep2-te_grouped-vllm-tp2-ep" "${moe[@]}" --ep 2 --etp 1 --expert-layout te_grouped --vllm-tp 2 --vllm-ep
+# issue 13's fan-out: trainer GPU 0 -> first tier GPU 1 -> replicas alternating GPU 0 / GPU 1
+want fanout && { echo "== fanout"; timeout 400 python3 benchmarks/bench_fanout.py --config tests/data/configs/Qwen3-8B.json \
+  --trainer-device cuda:0 --devices cuda:1 cuda:0 --replicas 1 2 4 --fanout 1 --json "$out/fanout.jsonl" 2>&1 \
+  | grep -v "NIXL INFO\|UCX  WARN" | tee -a "$out/all.log" | grep "^|\|^model"; }
+
