@@ -164,3 +164,52 @@ def test_box_copy_kernel_on_a_gpu():
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "DEV": "cuda"})
     assert "MISMATCHES []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_stacked_pairs_copy_what_each_pair_copies(data):
+    """Runs of like pairs merged into one strided pair (``stacked``: legacy GroupedMLP's
+    per-expert transposed copies) write exactly what the pairs write one by one: evenly
+    spaced runs, gaps, a broken stride, transposed sources, sources running backwards,
+    reordered input."""
+    from megarefit.transport.boxcopy import stacked
+
+    rows, cols = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
+    n = data.draw(st.integers(1, 7))
+    gap = data.draw(st.integers(0, 3))
+    src = torch.arange(4000, dtype=torch.float32)
+    dst_want, dst_got = torch.zeros(4000), torch.zeros(4000)
+    pairs_want, pairs_got, at_d, at_s = [], [], 0, 0
+    transposed = data.draw(st.booleans())
+    backwards = data.draw(st.booleans())  # sources in the opposite order of the destinations
+    if backwards:
+        at_s = 3000
+    for i in range(n):
+        step = rows * cols + gap + (data.draw(st.integers(0, 2)) if data.draw(st.booleans()) else 0)
+        s = src[at_s:at_s + rows * cols].view(cols, rows).T if transposed else src[at_s:at_s + rows * cols].view(rows, cols)
+        pairs_want.append((dst_want[at_d:at_d + rows * cols].view(rows, cols), s))
+        pairs_got.append((dst_got[at_d:at_d + rows * cols].view(rows, cols), s))
+        at_d += step
+        at_s += (-1 if backwards else 1) * (rows * cols + data.draw(st.integers(0, 2)))
+    for d, s in pairs_want:
+        d.copy_(s)
+    order = data.draw(st.permutations(range(n)))
+    merged = stacked([pairs_got[i] for i in order])
+    assert len(merged) <= n
+    for d, s in merged:
+        d.copy_(s)
+    assert torch.equal(dst_got, dst_want)
+
+
+def test_stacked_merges_evenly_spaced_experts():
+    """128 evenly spaced transposed expert copies become one copy."""
+    from megarefit.transport.boxcopy import stacked
+
+    block = torch.arange(128 * 6 * 8, dtype=torch.float32).view(128, 6, 8)  # [experts, h, 2F]
+    out = torch.zeros(128, 2, 4, 6)  # per expert: gate, up [F, h]
+    pairs = [(out[e, 0], block[e, :, :4].T) for e in range(128)]
+    merged = stacked(pairs)
+    assert len(merged) == 1
+    merged[0][0].copy_(merged[0][1])
+    assert torch.equal(out[:, 0], block[:, :, :4].transpose(1, 2))

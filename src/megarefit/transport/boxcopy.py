@@ -121,6 +121,51 @@ def _word(entry: tuple[int, ...]) -> int:
     return 1
 
 
+def stacked(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pairs`` with every run of like pairs (same dtype, shape and strides on each side,
+    each in one storage) whose destinations and sources advance by constant steps merged
+    into one pair with a leading dim: the same elements, one ``copy_`` instead of many::
+
+        expert j:  dst = arena[a + j*D : ...] (F, h)      src = scratch[b + j*S : ...].T (F, h)
+        ->         dst = arena.as_strided((E, F, h), (D, h, 1), a)
+                   src = scratch.as_strided((E, F, h), (S, 1, 2F), b)
+
+    Legacy GroupedMLP experts (transposed boxes, one per expert) are the case this is for."""
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for d, s in pairs:
+        key = (d.dtype, tuple(d.shape), d.stride(), s.stride(), d.untyped_storage().data_ptr(),
+               s.untyped_storage().data_ptr())
+        groups.setdefault(key, []).append((d, s))
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for group in groups.values():
+        group.sort(key=lambda p: p[0].data_ptr())
+        i = 0
+        while i < len(group):
+            j = i + 1
+            if j < len(group):
+                dd = group[j][0].storage_offset() - group[i][0].storage_offset()
+                ds = group[j][1].storage_offset() - group[i][1].storage_offset()
+                while (j + 1 < len(group) and group[j + 1][0].storage_offset() - group[j][0].storage_offset() == dd
+                       and group[j + 1][1].storage_offset() - group[j][1].storage_offset() == ds):
+                    j += 1
+                j += 1
+                d0, s0 = group[i]
+                if j - i > 1 and dd > 0 and ds >= 0 and _disjoint_runs(d0, dd):
+                    out.append((d0.as_strided((j - i, *d0.shape), (dd, *d0.stride()), d0.storage_offset()),
+                                s0.as_strided((j - i, *s0.shape), (ds, *s0.stride()), s0.storage_offset())))
+                    i = j
+                    continue
+            out.append(group[i])
+            i += 1
+    return out
+
+
+def _disjoint_runs(d: torch.Tensor, step: int) -> bool:
+    """Copies of ``d`` shifted by ``step`` elements never overlap: ``step`` exceeds its extent."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(d.shape, d.stride()))
+    return step >= extent
+
+
 def warm_up_pairs(buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(dst, src) views of a 64 KiB uint8 ``buf`` that use every kernel variant once: rows
     of b words of w bytes (b in :data:`COLUMN_BLOCKS`, w = 1, 2, 4, 8) starting w-aligned only."""
@@ -148,8 +193,8 @@ class BoxCopies:
             fused = triton is not None and bool(self.pairs) and self.pairs[0][0].is_cuda
         self._rest: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._launches: list[tuple] = []
-        if not fused:  # CPU: copy_ one by one, as wide words where both sides allow
-            self._rest = [widened(d, s, BOX_WORD) for d, s in self.pairs]
+        if not fused:  # CPU: copy_ (regular runs of pairs as one), as wide words where both sides allow
+            self._rest = [widened(d, s, BOX_WORD) for d, s in stacked(self.pairs)]
             return
         groups: dict[tuple[int, int], list[tuple[int, ...]]] = {}
         for dst, src in self.pairs:
@@ -161,6 +206,7 @@ class BoxCopies:
                 w = _word(e)
                 bc = next(b for b in COLUMN_BLOCKS if b >= e[3] // w or b == COLUMN_BLOCKS[-1])
                 groups.setdefault((w, bc), []).append(e)
+        self._rest = stacked(self._rest)  # e.g. one transposed copy per run of evenly spaced experts
         device = self.pairs[0][0].device
         for (w, bc), entries in sorted(groups.items()):
             br = max(1, TILE_WORDS // bc)
@@ -199,4 +245,4 @@ class BoxCopies:
             dst.copy_(src)
 
 
-__all__ = ["COLUMN_BLOCKS", "BoxCopies", "box_entries", "warm_up_pairs"]
+__all__ = ["COLUMN_BLOCKS", "BoxCopies", "box_entries", "stacked", "warm_up_pairs"]
