@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 from typing import NamedTuple
 
@@ -212,10 +213,7 @@ class SourceLayout:
         so a tensor is read from a rank that exists (see :meth:`dense_ep` and
         :meth:`expert_tps`); ranks repeating a pair hold copies (data parallel).
         """
-        if self.ep == 1 or self.etp == self.tp:
-            return tuple(product(range(self.tp), range(self.ep)))
-        n = math.lcm(self.tp, self.etp * self.ep)
-        return tuple(sorted({(r % self.tp, (r // self.etp) % self.ep) for r in range(n)}))
+        return _tp_ep_pairs(self.tp, self.ep, self.etp)
 
     def ranks(self) -> list[RankCoord]:
         """Every distinct ``(tp, pp, ep)`` coordinate of Megatron's process grid."""
@@ -228,7 +226,7 @@ class SourceLayout:
 
     def expert_tps(self, ep_rank: int) -> tuple[int, ...]:
         """TP ranks that exist alongside ``ep_rank`` (with ``etp == 1`` each holds whole experts)."""
-        return tuple(t for t, e in self.tp_ep_pairs() if e == ep_rank)
+        return _expert_tps(self.tp, self.ep, self.etp, ep_rank)
 
     def with_layer_spec(self, layer_spec: LayerSpec) -> SourceLayout:
         return dataclasses.replace(self, layer_spec=layer_spec)
@@ -264,4 +262,17 @@ def virtual_stage(pp_rank: int, vp_stage: int, pp: int) -> int:
     if not 0 <= pp_rank < pp or vp_stage < 0:
         raise LayoutError(f"pipeline rank {pp_rank} of pp={pp}, virtual stage {vp_stage}: out of range")
     return vp_stage * pp + pp_rank
+
+
+@lru_cache(maxsize=256)
+def _tp_ep_pairs(tp: int, ep: int, etp: int) -> tuple[tuple[int, int], ...]:
+    if ep == 1 or etp == tp:
+        return tuple(product(range(tp), range(ep)))
+    n = math.lcm(tp, etp * ep)
+    return tuple(sorted({(r % tp, (r // etp) % ep) for r in range(n)}))
+
+
+@lru_cache(maxsize=4096)
+def _expert_tps(tp: int, ep: int, etp: int, ep_rank: int) -> tuple[int, ...]:
+    return tuple(t for t, e in _tp_ep_pairs(tp, ep, etp) if e == ep_rank)
 
