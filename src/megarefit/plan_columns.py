@@ -21,6 +21,7 @@ failure is reported by those, with names). Measured: DeepSeek-V3 tp8 ep64, 360k 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,16 +64,27 @@ class PlanColumns:
         width = max([len(m.shape) for m in plan.sources.values()] + [len(m.shape) for m in plan.targets.values()]
                     + [1])
         s_meta, t_meta = list(plan.sources.values()), list(plan.targets.values())
-        rows, boxes = [], []
+        s_ndim, t_ndim = [len(m.shape) for m in s_meta], [len(m.shape) for m in t_meta]
+        rows, boxes = array("q"), array("q")  # flat int64 buffers: no Python tuple per element
+        kinds = _KIND
         for op in plan.ops:
             s, t = sid[op.src], tid[op.dst]
-            viewed = op.src_view is not None or op.dst_view is not None
-            ok = (len(op.src_box.offsets) == len(s_meta[s].shape) and len(op.dst_box.offsets) == len(t_meta[t].shape))
-            rows.append((s, t, _KIND[op.kind], op.transpose or viewed, ok, op.src_offset, op.dst_offset))
-            boxes.append(_pad(op.src_box.offsets, width, 0) + _pad(op.src_box.lengths, width, 1)
-                         + _pad(op.dst_box.offsets, width, 0) + _pad(op.dst_box.lengths, width, 1))
-        r = torch.tensor(rows, dtype=torch.int64).reshape(-1, 7)
-        b = torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4 * width)
+            so, sl, do, dl = op.src_box.offsets, op.src_box.lengths, op.dst_box.offsets, op.dst_box.lengths
+            ok = len(so) == s_ndim[s] and len(do) == t_ndim[t]
+            if len(so) != width:
+                so, sl = _pad(so, width, 0), _pad(sl, width, 1)
+            if len(do) != width:
+                do, dl = _pad(do, width, 0), _pad(dl, width, 1)
+            special = op.transpose or op.src_view is not None or op.dst_view is not None
+            rows.extend((s, t, kinds[op.kind], special, ok, op.src_offset, op.dst_offset))
+            boxes.extend(so)
+            boxes.extend(sl)
+            boxes.extend(do)
+            boxes.extend(dl)
+        r = torch.frombuffer(rows, dtype=torch.int64).clone().reshape(-1, 7) if rows else torch.zeros(0, 7,
+                                                                                                       dtype=torch.int64)
+        b = (torch.frombuffer(boxes, dtype=torch.int64).clone().reshape(-1, 4 * width) if boxes
+             else torch.zeros(0, 4 * width, dtype=torch.int64))
         box = [b[:, k * width:(k + 1) * width] for k in range(4)]
         return cls(src_id=r[:, 0], dst_id=r[:, 1], kind=r[:, 2], special=r[:, 3].bool(), src_off=box[0],
                    src_len=box[1], dst_off=box[2], dst_len=box[3], ndim_ok=r[:, 4].bool(), src_flat=r[:, 5],

@@ -63,6 +63,9 @@ def _misaligned(op: CopyOp, src_shape: tuple[int, ...], dst_shape: tuple[int, ..
 
 
 def _scale_box(box: Box, fmt: Fp8Format) -> Box:
+    if len(box.offsets) == 2:  # the common case, spelled out (called once per op of a 671B plan)
+        (o0, o1), (n0, n1), (b0, b1) = box.offsets, box.lengths, fmt.block
+        return Box((o0 // b0, o1 // b1), (-(-n0 // b0), -(-n1 // b1)))
     return Box(tuple(o // b for o, b in zip(box.offsets, fmt.block)),
                tuple(-(-n // b) for n, b in zip(box.lengths, fmt.block)))
 
@@ -119,8 +122,9 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
             sref, sshape = scale_ref(ref), fmt.scale_shape(meta.shape)
             targets[ref] = TensorMeta(meta.shape, "float8_e4m3fn")
             targets[sref] = TensorMeta(sshape, "float32")
-            for op in by_target[ref]:
-                ops.append(make_op(op.src, sources[op.src].shape, op.src_box, ref, meta.shape, op.dst_box, 1))
+            for op in by_target[ref]:  # same boxes, shapes and kind: one byte per element now
+                ops.append(CopyOp(op.src, op.src_box, ref, op.dst_box, op.kind, op.src_offset, op.dst_offset, 1,
+                                  op.transpose, op.src_view, op.dst_view))
             for op in by_target[ref]:
                 src_scale = scale_ref(op.src)
                 ops.append(make_op(src_scale, sources[src_scale].shape, _scale_box(op.src_box, fmt), sref, sshape,
