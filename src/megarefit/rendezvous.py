@@ -157,9 +157,7 @@ class Rendezvous:
     # ---- receivers: registration, leases, acknowledgements -------------------
     def register_receiver(self, rid: str) -> None:
         """Add receiver ``rid`` to the registry (again after a restart: listed once) and beat."""
-        if rid not in self.receivers():
-            i = self.store.add(self.prefix + "receivers/n", 1)
-            self.store.set(self.prefix + f"receivers/{i}", rid)
+        self.join("receivers", rid)
         self.heartbeat(rid)
 
     def heartbeat(self, rid: str) -> None:
@@ -171,12 +169,26 @@ class Rendezvous:
 
     def receivers(self) -> list[str]:
         """Registered receiver ids, in registration order."""
-        n = self.store.add(self.prefix + "receivers/n", 0)
+        return self.members("receivers")
+
+    def join(self, registry: str, member: str) -> list[str]:
+        """Add ``member`` to the append-only list ``registry`` (once, however often it joins:
+        a restarted process keeps its place); the members in joining order."""
+        members = self.members(registry)
+        if member not in members:
+            i = self.store.add(self.prefix + f"{registry}/n", 1)
+            self.store.set(self.prefix + f"{registry}/{i}", member)
+            members = self.members(registry)
+        return members
+
+    def members(self, registry: str) -> list[str]:
+        """The members of ``registry`` in joining order (see :meth:`join`)."""
+        n = self.store.add(self.prefix + f"{registry}/n", 0)
         out: list[str] = []
         for i in range(1, n + 1):
-            rid = self.store.get(self.prefix + f"receivers/{i}").decode()
-            if rid not in out:
-                out.append(rid)
+            member = self.store.get(self.prefix + f"{registry}/{i}").decode()
+            if member not in out:
+                out.append(member)
         return out
 
     def acked(self, rid: str) -> int | None:

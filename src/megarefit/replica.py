@@ -61,23 +61,9 @@ def tree_parent(rdzv: Rendezvous, group: str, rid: str, fanout: int) -> str | No
     in a tree of fan-out ``fanout`` (``None``: ``rid`` is the root, it reads the trainers)."""
     if fanout < 1:
         raise MegarefitError(f"fan-out must be >= 1, got {fanout}")
-    members = _members(rdzv, group)
-    if rid not in members:
-        i = rdzv.store.add(rdzv.prefix + f"replica_members/{group}/n", 1)
-        rdzv.store.set(rdzv.prefix + f"replica_members/{group}/{i}", rid)
-        members = _members(rdzv, group)
+    members = rdzv.join(f"replica_members/{group}", rid)
     i = members.index(rid)
     return None if i == 0 else members[(i - 1) // fanout]
-
-
-def _members(rdzv: Rendezvous, group: str) -> list[str]:
-    n = rdzv.store.add(rdzv.prefix + f"replica_members/{group}/n", 0)
-    out: list[str] = []
-    for i in range(1, n + 1):
-        rid = rdzv.store.get(rdzv.prefix + f"replica_members/{group}/{i}").decode()
-        if rid not in out:
-            out.append(rid)
-    return out
 
 
 class ReplicaReceiver:
