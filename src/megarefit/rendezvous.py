@@ -23,9 +23,11 @@ else running.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -231,9 +233,18 @@ class Rendezvous:
             time.sleep(0.01)
 
 
+_LIVE: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_heartbeats() -> None:  # before the stores go away: no failed beats at interpreter exit
+    for beat in list(_LIVE):
+        beat.stop()
+
+
 class Heartbeat:
     """Beats for receiver ``rid`` every ``interval`` seconds on a daemon thread (its own store
-    connection), until :meth:`stop`."""
+    connection), until :meth:`stop` (or interpreter exit)."""
 
     def __init__(self, rendezvous: Rendezvous, rid: str, interval: float = 1.0):
         host, port = rendezvous.store.host, rendezvous.store.port
@@ -243,6 +254,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, args=(rid, interval), daemon=True,
                                         name=f"megarefit-heartbeat-{rid}")
         self._thread.start()
+        _LIVE.add(self)
 
     def _run(self, rid: str, interval: float) -> None:
         while not self._stop.wait(interval):
