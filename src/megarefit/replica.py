@@ -25,6 +25,7 @@ receiver (a :class:`RefitReceiver` for the same target), or raises ``TransferErr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -124,6 +125,9 @@ class ReplicaReceiver:
             if d not in self.arenas or self.arenas[d].numel() != numel:
                 self.arenas[d] = torch.empty(numel, dtype=torch_dtype(d), device=self.device)
         self.nixl.register(list(self.arenas.values()))
+        for handle, _ in self._xfers:  # prepared against the parent's previous memory
+            with contextlib.suppress(Exception):
+                handle.release()
         self._xfers = []
         for d, (addr, numel, rmem, rdev) in info["arenas"].items():
             local = self.arenas[d]
