@@ -70,7 +70,7 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
 def main() -> None:
     from bench_nixl import _setup, trainer
 
-    from megarefit.bench import machine
+    from megarefit.bench import bench_config, machine
     from megarefit.integrations.megatron import start_workers
     from megarefit.rendezvous import Rendezvous
     from megarefit.replica import tree_parent
@@ -86,10 +86,7 @@ def main() -> None:
     ap.add_argument("--devices", nargs="+", default=["cpu"], help="receiver devices, round robin by tier order")
     ap.add_argument("--json", help="append one JSON line per replica count")
     ns = ap.parse_args()
-    cfg = json.loads(Path(ns.config).read_text())
-    cfg.pop("quantization_config", None)
-    if ns.layers:
-        cfg["num_hidden_layers"] = ns.layers
+    cfg = bench_config(ns.config, ns.layers)
     args = {"tp": ns.tp, "ep": 1, "etp": 0, "expert_layout": "sequential", "vllm_tp": 0, "vllm_rank": 0,
             "vllm_ep": False, "dtype": "bfloat16", "trainer_device": ns.trainer_device, "quantization": "none",
             "param_buffer": True}

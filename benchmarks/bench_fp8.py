@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from megarefit.bench import best_of, machine
+    from megarefit.bench import bench_config, best_of, machine
     from megarefit.dims import ModelDims
     from megarefit.layout import SourceLayout
     from megarefit.planner import plan_megatron_to_hf, source_tensors
@@ -43,10 +43,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     args = ap.parse_args()
-    cfg = json.loads(Path(args.config).read_text())
-    cfg.pop("quantization_config", None)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
+    cfg = bench_config(args.config, args.layers)
     dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=args.tp, pp=1, ep=args.ep, etp=args.etp, padded_vocab_size=dims.padded_vocab_size(
         args.tp), num_layers=dims.num_layers, expert_layout=args.expert_layout)

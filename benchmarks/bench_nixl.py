@@ -180,7 +180,7 @@ def nccl_broadcast_job(index: int, _world_size: int, port: int, nbytes: int, buc
 
 
 def main() -> None:
-    from megarefit.bench import best_of, machine
+    from megarefit.bench import bench_config, best_of, machine
     from megarefit.integrations.megatron import start_workers
     from megarefit.online import RefitReceiver
     from megarefit.rendezvous import Rendezvous
@@ -216,11 +216,7 @@ def main() -> None:
     ns = ap.parse_args()
     if ns.receiver_threads:
         torch.set_num_threads(ns.receiver_threads)
-    cfg = json.loads(Path(ns.config).read_text())
-    cfg.pop("quantization_config", None)
-    if ns.layers:
-        cfg["num_hidden_layers"] = ns.layers
-        cfg.pop("mlp_only_layers", None)
+    cfg = bench_config(ns.config, ns.layers)
     args = {k: getattr(ns, k) for k in ("tp", "ep", "etp", "expert_layout", "vllm_tp", "vllm_rank", "vllm_ep", "dtype",
                                         "trainer_device", "quantization")}
     args["param_buffer"] = not ns.separate_params

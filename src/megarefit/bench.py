@@ -44,6 +44,20 @@ def best_of(fn: Callable[[], Any], repeat: int, device: str | torch.device = "cu
     return min(times), statistics.median(times)
 
 
+def bench_config(path: str | Path, layers: int = 0) -> dict:
+    """A benchmark's HF config: ``path`` as JSON, its ``quantization_config`` dropped (the
+    benchmark chooses), shrunk to ``layers`` decoder layers when given (every layer then a
+    MoE layer where the family has MoE: ``mlp_only_layers`` dropped)."""
+    import json
+
+    cfg = json.loads(Path(path).read_text())
+    cfg.pop("quantization_config", None)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+        cfg.pop("mlp_only_layers", None)
+    return cfg
+
+
 def machine() -> str:
     """CPU model, cores, torch version and threads, Python version (and the GPU, if any)."""
     cpu = platform.processor() or platform.machine()
