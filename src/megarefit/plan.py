@@ -17,11 +17,14 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from megarefit.dims import ModelDims
 from megarefit.errors import PlanValidationError
 from megarefit.layout import Box, RankCoord, SourceLayout
+
+if TYPE_CHECKING:
+    from megarefit.plan_columns import PlanColumns
 
 Direction = Literal["megatron_to_hf", "hf_to_megatron", "megatron_to_vllm"]
 OpKind = Literal["contiguous", "scratch"]
@@ -213,13 +216,49 @@ class Plan:
         return {t: tuple(v) for t, v in out.items()}
 
     @cached_property
+    def columns(self) -> PlanColumns:
+        """The ops as int64 columns (:mod:`megarefit.plan_columns`): kept as such by the
+        columnar planner, built op by op otherwise.
+
+        Raises:
+            KeyError: an op names a tensor the plan does not declare."""
+        from megarefit.plan_columns import PlanColumns
+        from megarefit.plan_table import OpTable
+
+        return self.ops.columns if isinstance(self.ops, OpTable) else PlanColumns.from_plan(self)
+
+    @cached_property
     def nbytes(self) -> int:
+        from megarefit.plan_table import OpTable
+
+        if isinstance(self.ops, OpTable):
+            return int(self.ops.nbytes().sum())
         return sum(op.nbytes for op in self.ops)
 
     def summary(self) -> dict[str, Any]:
         """Counts per source rank (``None`` for HF sources): ops, contiguous pulls, scratch copies, bytes."""
+        from megarefit.plan_table import OpTable
+
         per: dict[Any, dict[str, int]] = defaultdict(lambda: {"ops": 0, "contiguous": 0, "scratch": 0, "bytes": 0})
-        for op in self.ops:
+        if isinstance(self.ops, OpTable):  # whole columns: no op objects
+            import torch
+
+            table, cols = self.ops.sources, self.ops.columns
+            ranks = [g.rank for g in table.groups]
+            rank_id = {r: i for i, r in enumerate(dict.fromkeys(ranks))}
+            of_op = torch.tensor([rank_id[r] for r in ranks], dtype=torch.int64)[table.group[cols.src_id]]
+            n = len(rank_id)
+            count = torch.bincount(of_op, minlength=n).tolist()
+            scratch = torch.bincount(of_op, weights=cols.kind.double(), minlength=n).long().tolist()
+            nbytes = torch.zeros(n, dtype=torch.int64).index_add_(0, of_op, self.ops.nbytes()).tolist()
+            for r, i in rank_id.items():
+                if count[i]:
+                    per[r] = {"ops": count[i], "contiguous": count[i] - scratch[i], "scratch": scratch[i],
+                              "bytes": nbytes[i]}
+            ops: tuple[CopyOp, ...] = ()
+        else:
+            ops = self.ops
+        for op in ops:
             row = per[op.src.rank]
             row["ops"] += 1
             row[op.kind] += 1
@@ -310,10 +349,10 @@ def validate_plan(plan: Plan) -> None:
     Raises:
         PlanValidationError: naming the op / target and what is wrong.
     """
-    from megarefit.plan_columns import PlanColumns, vectorized_checks
+    from megarefit.plan_columns import vectorized_checks
 
     try:
-        cols = PlanColumns.from_plan(plan)
+        cols = plan.columns
     except KeyError:
         ops, targets = list(plan.ops), list(plan.targets)  # an undeclared tensor: the per-op checks name it
     else:
@@ -334,7 +373,7 @@ def validate_plan(plan: Plan) -> None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
                                       f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "
                                       f"(expected {want_scale})")
-    by_target = plan.ops_by_target
+    by_target = plan.ops_by_target if targets else {}
     for ref in targets:
         meta = plan.targets[ref]
         writers = by_target.get(ref, ())
