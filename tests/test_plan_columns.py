@@ -130,3 +130,56 @@ def test_first_layer_targets_come_before_later_layers():
     for proj in ("gate_proj", "up_proj", "down_proj"):  # expert ep rank 1's experts right after ep rank 0's
         experts = [int(n.split(".")[5]) for n in names if n.startswith("model.layers.1.mlp.experts.") and proj in n]
         assert experts == list(range(dims.num_experts))
+
+
+def assert_same_fp8_plan(dims: ModelDims, layout: SourceLayout, fmt, experts: frozenset[int] | None = None) -> None:
+    from megarefit.quant.planning import _plan_fp8_ops, plan_fp8
+
+    ref = _plan_fp8_ops(reference_megatron_to_hf(dims, layout, "bfloat16", experts), fmt)
+    new = plan_fp8(plan_export(dims, layout, "bfloat16", experts), fmt)
+    assert isinstance(new.ops, OpTable)
+    assert list(new.sources.items()) == list(ref.sources.items()) or dict(new.sources) == dict(ref.sources)
+    assert dict(new.targets) == dict(ref.targets)
+    assert Counter(new.ops) == Counter(ref.ops)
+    assert {q.weight: q for q in new.quantize} == {q.weight: q for q in ref.quantize}  # reasons included
+    assert new.nbytes == ref.nbytes and new.summary() == ref.summary()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.one_of(dense_case(), moe_case()), st.sampled_from([(128, 128), (4, 4), (8, 16), (3, 5)]), st.booleans())
+def test_fp8_plans_match_the_reference(case, block, ue8m0):
+    """Blocks from the real 128x128 (nothing fits a tiny model: all receiver-side) to ones
+    that split shards every way (some trainer-, some receiver-quantized, the fix point)."""
+    from megarefit.quant import Fp8Format
+
+    if case is None:
+        return
+    assert_same_fp8_plan(case[0], case[1], Fp8Format(block, ue8m0), case[2])
+
+
+def test_real_deepseek_v3_fp8_matches_the_reference():
+    from megarefit.quant import Fp8Format
+
+    dims = ModelDims.from_hf_config(real_config("DeepSeek-V3"))
+    layout = SourceLayout.build(tp=2, pp=1, ep=8, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=dims.num_layers, mtp_layers=1)
+    assert_same_fp8_plan(dims, layout, Fp8Format((128, 128)), experts=frozenset(range(0, 256, 7)))
+
+
+def test_fp8_mixed_plan_matches_the_reference():
+    """q rows (4 per group) on the 4-row grid, k / v rows (2 per group) off it: every
+    linear_qkv shard is misaligned somewhere, so q/k/v are quantized on the receiver,
+    while gate/up/down (4-row, 4-column shards) are quantized on the trainers."""
+    from megarefit.quant import Fp8Format
+    from megarefit.quant.planning import plan_fp8, where_quantized
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 2, "intermediate_size": 8, "num_hidden_layers": 2,
+           "vocab_size": 64, "tie_word_embeddings": False}
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=2)
+    fmt = Fp8Format((4, 4))
+    assert_same_fp8_plan(dims, layout, fmt)
+    where = where_quantized(plan_fp8(plan_export(dims, layout), fmt))
+    assert "off the 4-row block grid" in where["model.layers.0.self_attn.q_proj.weight"]
+    assert where["model.layers.1.mlp.gate_proj.weight"] == where["model.layers.1.mlp.down_proj.weight"] == "trainer"

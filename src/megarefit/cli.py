@@ -80,6 +80,11 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     cfg, dims, layout, padded = _layout(args)
     target = _vllm_target(args)
     fmt = resolve_quantization(args.quantization, cfg)
+    # planning runs whole-column ops of ~10^5-10^6 int64s: one thread is as fast, and a cold
+    # process spends 0.2-0.5 s starting torch's intra-op pool on the first parallel sort
+    import torch
+
+    torch.set_num_threads(1)
     t0 = time.perf_counter()
     if target is not None:
         from megarefit.targets import plan_megatron_to_vllm

@@ -52,13 +52,14 @@ class TensorGroup:
     spec: ParamSpec
     hf_index: int | None  # None: Megatron names; k: the row's k-th HF name template
     meta: TensorMeta
+    suffix: str = ""  # appended to every name (FP8 ``_scale_inv``, receiver ``:staging``)
 
     def name(self, layer: int, expert: int) -> str:
         """The instance's name (``-1``: no layer / expert index in the name)."""
         lay, exp = (None if layer < 0 else layer), (None if expert < 0 else expert)
         if self.hf_index is None:
-            return self.spec.megatron_name(lay, exp)
-        return self.spec.hf[self.hf_index].format(layer=lay, expert=exp)
+            return self.spec.megatron_name(lay, exp) + self.suffix
+        return self.spec.hf[self.hf_index].format(layer=lay, expert=exp) + self.suffix
 
 
 class TensorTable(Mapping["TensorRef", "TensorMeta"]):

@@ -87,6 +87,22 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
     cached = _CACHE.get((plan.digest, fmt))
     if cached is not None:
         return cached
+    from megarefit.plan_table import OpTable
+
+    if isinstance(plan.ops, OpTable):  # a columnar plan (plan_megatron_to_hf): the same rules on columns
+        from megarefit.quant.fp8_columns import plan_fp8_columns
+
+        out = plan_fp8_columns(plan, fmt, STAGING_SUFFIX)
+    else:
+        out = _plan_fp8_ops(plan, fmt)
+    if len(_CACHE) >= 64:
+        _CACHE.clear()
+    _CACHE[(plan.digest, fmt)] = out
+    return out
+
+
+def _plan_fp8_ops(plan: Plan, fmt: Fp8Format) -> Plan:
+    """:func:`plan_fp8` op by op (plans built as objects: vLLM targets, JSON)."""
     names = quantized_weight_names(plan.dims)
     by_target = plan.ops_by_target
     quantized = [t for t in plan.targets if t.name in names]
@@ -145,9 +161,6 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
     out = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, tuple(ops),
                digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps))
     validate_plan(out)
-    if len(_CACHE) >= 64:
-        _CACHE.clear()
-    _CACHE[(plan.digest, fmt)] = out
     return out
 
 
