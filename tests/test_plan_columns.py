@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from collections import Counter
 
+from conftest import real_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from moe_cases import moe_config
+from reference_planner import reference_megatron_to_hf
 
-from conftest import real_config
 from megarefit import ModelDims, SourceLayout
 from megarefit.errors import LayoutError
 from megarefit.plan_export import plan_export
 from megarefit.plan_table import OpTable, TensorTable
-from moe_cases import moe_config
-from reference_planner import reference_megatron_to_hf
 
 
 def assert_same_plan(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",

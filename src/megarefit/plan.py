@@ -350,18 +350,29 @@ def validate_plan(plan: Plan) -> None:
         PlanValidationError: naming the op / target and what is wrong.
     """
     from megarefit.plan_columns import vectorized_checks
+    from megarefit.plan_table import OpTable
 
+    table = plan.ops if isinstance(plan.ops, OpTable) else None
     try:
         cols = plan.columns
-    except KeyError:
-        ops, targets = list(plan.ops), list(plan.targets)  # an undeclared tensor: the per-op checks name it
+    except KeyError:  # an undeclared tensor: the per-op checks name it
+        checks = [(op, plan.sources.get(op.src), plan.targets.get(op.dst)) for op in plan.ops]
+        target_rows: list[tuple[TensorRef, TensorMeta, tuple[CopyOp, ...]]] | None = None
+        targets: list[TensorRef] = list(plan.targets)
     else:
         bad_ops, odd = vectorized_checks(cols)
-        ops = [plan.ops[i] for i in bad_ops.tolist()]
-        names = list(plan.targets)
-        targets = [names[i] for i in odd.tolist()]
-    for op in ops:
-        _check_op(plan, op)
+        if table is not None:  # single rows of the tables: no names formatted for the rest
+            checks = [(table[i], table.sources.meta(int(cols.src_id[i])), table.targets.meta(int(cols.dst_id[i])))
+                      for i in bad_ops.tolist()]
+            target_rows = _odd_targets(table, odd)
+            targets = []
+        else:
+            checks = [(op, plan.sources.get(op.src), plan.targets.get(op.dst))
+                      for op in (plan.ops[i] for i in bad_ops.tolist())]
+            names = list(plan.targets)
+            targets, target_rows = [names[i] for i in odd.tolist()], None
+    for op, src, dst in checks:
+        _check_op(op, src, dst)
     produced = plan.produced
     for step in plan.quantize:
         staging, weight, scale = (plan.targets.get(r) for r in (step.staging, step.weight, step.scale))
@@ -373,10 +384,10 @@ def validate_plan(plan: Plan) -> None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
                                       f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "
                                       f"(expected {want_scale})")
-    by_target = plan.ops_by_target if targets else {}
-    for ref in targets:
-        meta = plan.targets[ref]
-        writers = by_target.get(ref, ())
+    if target_rows is None:
+        by_target = plan.ops_by_target if targets else {}
+        target_rows = [(ref, plan.targets[ref], by_target.get(ref, ())) for ref in targets]
+    for ref, meta, writers in target_rows:
         if ref in produced:
             if writers:
                 raise PlanValidationError(f"target {ref}: written by ops and by its quantize step")
@@ -393,8 +404,26 @@ def validate_plan(plan: Plan) -> None:
             )
 
 
-def _check_op(plan: Plan, op: CopyOp) -> None:
-    src, dst = plan.sources.get(op.src), plan.targets.get(op.dst)
+def _odd_targets(table: Any, odd: Any) -> list[tuple[TensorRef, TensorMeta, tuple[CopyOp, ...]]]:
+    """``(ref, meta, ops writing it)`` for target rows ``odd`` of a columnar plan: single rows
+    when they are few, the whole materialized plan when they are many (cheaper per op)."""
+    import torch
+
+    rows = odd.tolist()
+    if not rows:
+        return []
+    dst = table.columns.dst_id
+    mask = torch.zeros(len(table.targets), dtype=torch.bool)
+    mask[odd] = True
+    ops = torch.nonzero(mask[dst]).flatten()
+    every = table._all if len(ops) > len(table) // 10 else table  # all at once, or one row at a time
+    by: dict[int, list[CopyOp]] = {t: [] for t in rows}
+    for i, t in zip(ops.tolist(), dst[ops].tolist()):
+        by[t].append(every[i])
+    return [(table.targets.ref(t), table.targets.meta(t), tuple(by[t])) for t in rows]
+
+
+def _check_op(op: CopyOp, src: TensorMeta | None, dst: TensorMeta | None) -> None:
     if src is None or dst is None:
         raise PlanValidationError(f"op {op.src} -> {op.dst}: tensor not declared in plan")
     if not op.src_box.within(src.shape):

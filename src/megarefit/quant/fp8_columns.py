@@ -27,7 +27,7 @@ from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, digest_of,
 from megarefit.plan_columns import PlanColumns, _contiguous, _flat
 from megarefit.plan_table import OpTable, TensorGroup, TensorTable
 from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format
-from megarefit.quant.scheme import quantized_weight_names
+from megarefit.quant.scheme import quantized_weight_templates
 
 _F8 = "float8_e4m3fn"
 _I64 = torch.int64
@@ -71,14 +71,10 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     """
     ops: OpTable = plan.ops  # type: ignore[assignment]
     c, S, T = ops.columns, ops.sources, ops.targets
-    n_ops, n_src, n_tgt = len(ops), len(S), len(T)
+    n_src, n_tgt = len(S), len(T)
     width = c.src_off.shape[1]
-    names = quantized_weight_names(plan.dims)
-    q_flags = []
-    for k, g in enumerate(T.groups):  # one name per group: a row's instances are all quantized or none
-        i = _first(T, k)
-        q_flags.append(i >= 0 and g.name(int(T.layer[i]), int(T.expert[i])) in names)
-    q_group = torch.tensor(q_flags or [False], dtype=torch.bool)
+    templates = quantized_weight_templates(plan.dims)
+    q_group = torch.tensor([g.spec.hf[g.hf_index] in templates for g in T.groups] or [False], dtype=torch.bool)
     q_t = q_group[T.group] if n_tgt else torch.zeros(0, dtype=torch.bool)
     q_op = q_t[c.dst_id]
 
@@ -195,12 +191,6 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
                digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps))
     validate_plan(out)
     return out
-
-
-def _first(table: TensorTable, group: int) -> int:
-    """The first row of ``group`` in ``table`` (``-1``: none)."""
-    hits = torch.nonzero(table.group == group)
-    return int(hits[0]) if len(hits) else -1
 
 
 def _first_per(keys: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:

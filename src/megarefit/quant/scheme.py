@@ -21,6 +21,14 @@ from megarefit.specs.table import Stage
 
 
 @lru_cache(maxsize=32)
+def quantized_weight_templates(dims: ModelDims) -> frozenset[str]:
+    """The HF name templates (``model.layers.{layer}.self_attn.q_proj.weight``) of the rows
+    :func:`quantized_weight_names` expands: a row's instances are all quantized or none."""
+    return frozenset(t for row in dims.spec.rows(dims.conditions(1)) if row.is_linear_weight and not row.duplicate
+                     for t in row.hf)
+
+
+@lru_cache(maxsize=32)
 def quantized_weight_names(dims: ModelDims) -> frozenset[str]:
     """HF names (on-disk checkpoint names) of every weight a block-FP8 checkpoint quantizes."""
     rows = dims.spec.rows(dims.conditions(1))
