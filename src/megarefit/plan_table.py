@@ -117,6 +117,10 @@ class TensorTable(Mapping["TensorRef", "TensorMeta"]):
                              or [[1] * width], dtype=torch.int64).reshape(-1, width)
         return table[self.group]
 
+    def ndims(self) -> torch.Tensor:
+        """``[tensors]`` int64: every row's number of dims."""
+        return torch.tensor([len(g.meta.shape) for g in self.groups] or [0], dtype=torch.int64)[self.group]
+
     def numels(self) -> torch.Tensor:
         table = torch.tensor([g.meta.numel for g in self.groups] or [0], dtype=torch.int64)
         return table[self.group]
@@ -160,15 +164,23 @@ class OpTable(Sequence["CopyOp"]):
 
     @cached_property
     def _all(self) -> tuple[CopyOp, ...]:
+        from megarefit.plan import CopyOp
+
         c = self.columns
         src_refs, dst_refs = list(self.sources._dict), list(self.targets._dict)
         s_metas, d_metas = list(self.sources._dict.values()), list(self.targets._dict.values())
-        op = self._op
-        return tuple(op(src_refs[s], s_metas[s], dst_refs[t], d_metas[t], so, sl, do, dl, k, sf, df, it, tr)
-                     for s, t, so, sl, do, dl, k, sf, df, it, tr in zip(
-                         c.src_id.tolist(), c.dst_id.tolist(), c.src_off.tolist(), c.src_len.tolist(),
-                         c.dst_off.tolist(), c.dst_len.tolist(), c.kind.tolist(), c.src_flat.tolist(),
-                         c.dst_flat.tolist(), self.itemsize.tolist(), self.transpose.tolist()))
+        s_box = _boxes(c.src_off, c.src_len, self.sources.ndims()[c.src_id])
+        d_box = _boxes(c.dst_off, c.dst_len, self.targets.ndims()[c.dst_id])
+        kinds = ("contiguous", "scratch")
+        out = []
+        for s, t, sb, db, k, sf, df, it, tr in zip(c.src_id.tolist(), c.dst_id.tolist(), s_box, d_box, c.kind.tolist(),
+                                                   c.src_flat.tolist(), c.dst_flat.tolist(), self.itemsize.tolist(),
+                                                   self.transpose.tolist()):
+            sm, dm = s_metas[s], d_metas[t]
+            out.append(CopyOp(src_refs[s], sb, dst_refs[t], db, kinds[k], sf, df, it, tr,
+                              sm.shape if sm.storage_shape is not None else None,
+                              dm.shape if dm.storage_shape is not None else None))
+        return tuple(out)
 
     def __iter__(self) -> Iterator[CopyOp]:
         return iter(self._all)
@@ -188,6 +200,17 @@ class OpTable(Sequence["CopyOp"]):
     def nbytes(self) -> torch.Tensor:
         """``[ops]`` int64: bytes each op moves."""
         return self.columns.src_len.prod(1) * self.itemsize
+
+
+def _boxes(off: torch.Tensor, length: torch.Tensor, ndim: torch.Tensor) -> list[Box]:
+    """One :class:`Box` per row of padded ``[ops, D]`` columns, cut to ``ndim`` dims; equal
+    rows share one object (a plan repeats a few template boxes over layers and experts)."""
+    if not len(off):
+        return []
+    width = off.shape[1]
+    rows, inverse = torch.unique(torch.cat([off, length, ndim[:, None]], 1), dim=0, return_inverse=True)
+    made = [Box(tuple(r[width - r[-1]:width]), tuple(r[2 * width - r[-1]:2 * width])) for r in rows.tolist()]
+    return [made[i] for i in inverse.tolist()]
 
 
 __all__ = ["OpTable", "TensorGroup", "TensorTable"]
