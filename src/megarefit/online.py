@@ -33,6 +33,7 @@ from megarefit.errors import LayoutError, MegarefitError, MissingParameterError,
 from megarefit.layout import RankCoord
 from megarefit.manifest import Manifest
 from megarefit.plan import Plan, TensorRef
+from megarefit.plan_columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.kernel import Fp8Quantizer
@@ -325,7 +326,7 @@ class RefitReceiver:
             if sorted(manifests) != ranks:
                 raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
         lap("version")
-        with _gc_paused():  # a cold plan + prepare makes ~10^5 objects: no full collections midway
+        with _gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
             plan, _ = self._plan_for(manifests)
             self._check_manifests(plan, manifests)
             lap("plan")

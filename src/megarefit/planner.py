@@ -276,9 +276,11 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
         LayoutError: tp/pp/ep do not fit the model.
         PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
     """
+    from megarefit.plan_columns import plan_threads
     from megarefit.plan_export import plan_export
 
-    return plan_export(dims, layout, dtype, experts)
+    with plan_threads():
+        return plan_export(dims, layout, dtype, experts)
 
 
 @lru_cache(maxsize=64)

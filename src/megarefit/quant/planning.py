@@ -90,9 +90,11 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
     from megarefit.plan_table import OpTable
 
     if isinstance(plan.ops, OpTable):  # a columnar plan (plan_megatron_to_hf): the same rules on columns
+        from megarefit.plan_columns import plan_threads
         from megarefit.quant.fp8_columns import plan_fp8_columns
 
-        out = plan_fp8_columns(plan, fmt, STAGING_SUFFIX)
+        with plan_threads():
+            out = plan_fp8_columns(plan, fmt, STAGING_SUFFIX)
     else:
         out = _plan_fp8_ops(plan, fmt)
     if len(_CACHE) >= 64:
