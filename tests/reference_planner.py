@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megarefit.dims import ModelDims
-from megarefit.layout import RankCoord, SourceLayout
+from megarefit.layout import Box, RankCoord, SourceLayout
 from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, merge_ops, validate_plan
 from megarefit.planner import _boxes, grouped_pieces, hf_shapes, pieces, source_tensors, view_shape
 from megarefit.specs.table import Role
+from megarefit.targets.vllm_layout import VllmPiece
 
 
 def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
@@ -93,3 +94,73 @@ def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str =
     return plan
 
 
+
+
+# ---- vLLM targets: the per-object re-targeting of an HF plan (before targets/vllm_columns.py)
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    offsets, lengths = [], []
+    for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def _source_part(op: CopyOp, part: Box) -> Box:
+    """The sub-box of ``op.src_box`` whose bytes land on ``part`` (a sub-box of ``op.dst_box``)."""
+    if not op.transpose:
+        return Box(tuple(s + p - d for s, p, d in zip(op.src_box.offsets, part.offsets, op.dst_box.offsets)),
+                   part.lengths)
+    # transposed: the source's last two dims are the target's last two, swapped; leading dims are 1
+    (d0, d1), (p0, p1), (n0, n1) = op.dst_box.offsets[-2:], part.offsets[-2:], part.lengths[-2:]
+    lead = op.src_box.offsets[:-2]
+    s0, s1 = op.src_box.offsets[-2:]
+    return Box(lead + (s0 + p1 - d1, s1 + p0 - d0), (1,) * len(lead) + (n1, n0))
+
+
+def _placed(piece: VllmPiece, part: Box) -> Box:
+    """Where ``part`` (a sub-box of ``piece.hf_box``) lands in the parameter."""
+    k = len(piece.param_box.offsets) - len(piece.hf_box.offsets)  # leading expert-slot dims
+    return Box(piece.param_box.offsets[:k] + tuple(p + i - h for p, i, h in zip(
+        piece.param_box.offsets[k:], part.offsets, piece.hf_box.offsets)), (1,) * k + part.lengths)
+
+
+def reference_retarget(hf_plan: Plan, typed: dict, produced: set, dtype: str, steps: list, digest: str) -> Plan:
+    """plan_megatron_to_vllm's loop as it was: every HF op of every piece, one object each."""
+    by_hf = hf_plan.ops_by_target
+    targets: dict[TensorRef, TensorMeta] = {}
+    ops: list[CopyOp] = []
+    for name, (param, pdtype) in typed.items():
+        dst = TensorRef(None, name)
+        shape = param.shape
+        meta = hf_plan.targets[TensorRef(None, param.pieces[0].hf_name)] if param.pieces else None
+        tdtype = pdtype or (meta.dtype if meta is not None else dtype)
+        if name in produced:
+            targets[dst] = TensorMeta(shape, tdtype)
+            continue
+        written, mine = 0, []
+        for piece in param.pieces:
+            for op in by_hf[TensorRef(None, piece.hf_name)]:
+                part = _intersect(op.dst_box, piece.hf_box)
+                if part is None:
+                    continue
+                src_shape = hf_plan.sources[op.src].shape
+                mine.append(make_op(op.src, src_shape, _source_part(op, part), dst, shape, _placed(piece, part),
+                                    op.itemsize, transpose=op.transpose, src_view=op.src_view is not None))
+                written += part.numel
+        ops += merge_ops(mine, hf_plan.sources, {dst: TensorMeta(shape, tdtype)})
+        zero = ()
+        total = 1
+        for n in shape:
+            total *= n
+        if written < total:  # vocab padding rows past vocab_size (the only part no HF element lands in)
+            filled = sum(p.param_box.lengths[0] for p in param.pieces)
+            zero = (Box.rows(shape, filled, shape[0] - filled),)
+        targets[dst] = TensorMeta(shape, tdtype, zero)
+    plan = Plan("megatron_to_vllm", hf_plan.dims, hf_plan.layout, dtype, hf_plan.sources, targets, tuple(ops),
+                digest, tuple(steps))
+    validate_plan(plan)
+    return plan

@@ -183,3 +183,79 @@ def test_fp8_mixed_plan_matches_the_reference():
     where = where_quantized(plan_fp8(plan_export(dims, layout), fmt))
     assert "off the 4-row block grid" in where["model.layers.0.self_attn.q_proj.weight"]
     assert where["model.layers.1.mlp.gate_proj.weight"] == where["model.layers.1.mlp.down_proj.weight"] == "trainer"
+
+
+def _reference_vllm_plan(dims, layout, target, fmt=None):
+    """plan_megatron_to_vllm's steps on the per-object planners (tests/reference_planner.py)."""
+    from megarefit.plan import digest_of
+    from megarefit.quant.planning import _plan_fp8_ops
+    from megarefit.targets.vllm import _fp8_params
+    from megarefit.targets.vllm_layout import vllm_params
+    from reference_planner import reference_retarget
+
+    params = vllm_params(dims, target)
+    experts = frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
+    hf_plan = reference_megatron_to_hf(dims, layout, "bfloat16", experts)
+    steps = []
+    if fmt is not None:
+        hf_plan = _plan_fp8_ops(hf_plan, fmt)
+        typed, steps = _fp8_params(params, hf_plan, fmt)
+    else:
+        typed = {name: (param, None) for name, param in params.items()}
+    produced = {r.name for q in steps for r in (q.weight, q.scale)}
+    return reference_retarget(hf_plan, typed, produced, "bfloat16", steps,
+                              digest_of("megatron_to_vllm", hf_plan.digest, target))
+
+
+@st.composite
+def vllm_case(draw):
+    from megarefit.targets import VllmTarget
+
+    if draw(st.booleans()):
+        case = draw(dense_case())
+    else:
+        case = draw(moe_case())
+        if case is None:
+            return None
+    dims, layout, _ = case
+    tp = draw(st.sampled_from([1, 2, 4]))
+    rank = draw(st.integers(0, tp - 1))
+    ep = bool(dims.num_experts) and draw(st.booleans())
+    return dims, layout, VllmTarget(tp, rank, expert_parallel=ep)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(vllm_case(), st.sampled_from([None, (4, 4), (8, 8)]))
+def test_vllm_plans_match_the_reference(case, block):
+    """One vLLM worker's plan (fused qkv / gate_up, FusedMoE slots, EP expert sets, vocab
+    padding, FP8 scales and receiver staging) against the per-object re-targeting."""
+    from megarefit.errors import MegarefitError
+    from megarefit.quant import Fp8Format
+    from megarefit.targets import plan_megatron_to_vllm
+
+    if case is None:
+        return
+    dims, layout, target = case
+    fmt = None if block is None else Fp8Format(block)
+    try:
+        ref = _reference_vllm_plan(dims, layout, target, fmt)
+    except MegarefitError:  # the worker's groups do not split this model (or FP8 off vLLM's grid)
+        return
+    new = plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
+    assert isinstance(new.ops, OpTable)
+    assert dict(new.sources) == dict(ref.sources)
+    assert list(new.targets.items()) == list(ref.targets.items())
+    assert list(new.ops) == list(ref.ops)  # same ops in the same order (merges included)
+    assert new.quantize == ref.quantize and new.nbytes == ref.nbytes and new.summary() == ref.summary()
+
+
+def test_real_qwen3_moe_vllm_worker_matches_the_reference():
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+
+    dims = ModelDims.from_hf_config(real_config("Qwen3-30B-A3B") | {"num_hidden_layers": 4})
+    layout = SourceLayout.build(tp=2, pp=1, ep=2, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=4, expert_layout="te_grouped")
+    for target in (VllmTarget(4, 1), VllmTarget(2, 1, expert_parallel=True)):
+        ref = _reference_vllm_plan(dims, layout, target)
+        new = plan_megatron_to_vllm(dims, layout, "bfloat16", target)
+        assert list(new.targets.items()) == list(ref.targets.items()) and list(new.ops) == list(ref.ops)
