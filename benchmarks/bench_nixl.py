@@ -74,7 +74,10 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     torch.set_num_threads(1)
     dims, layout, plan = _setup(cfg, args)
     coord = layout.ranks()[index]
-    device = args["trainer_device"]
+    devices = args.get("trainer_devices") or [args["trainer_device"]]  # bench_multi.py: rank i on devices[i % n]
+    device = devices[index % len(devices)]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     g = torch.Generator(device=device).manual_seed(index)
     shapes = {n: t.shape for n, t in source_tensors(dims, layout)[coord].items()}
     dtype = getattr(torch, args["dtype"])
@@ -90,7 +93,8 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     pub = Publisher(params, cfg, rank=coord, tp=layout.tp, pp=1, ep=layout.ep, etp=layout.etp,
                     expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}",
                     quantization=args["quantization"])
-    nbytes = plan.summary()["per_rank"].get(coord, {"bytes": 0})["bytes"]
+    nbytes = (args["raw_bytes"][index] if args.get("raw_bytes")  # bench_multi.py: the most any receiver reads here
+              else plan.summary()["per_rank"].get(coord, {"bytes": 0})["bytes"])
     raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     pub.agent.register([raw])
     rdzv.store.set(f"bench/raw/{index}", json.dumps([raw.data_ptr(), nbytes, *mem_type(raw)]))
