@@ -143,10 +143,13 @@ def mem_type(t: torch.Tensor) -> tuple[str, int]:
     return "DRAM", 0
 
 
-DIRECT_MIN_BYTES = 1 << 20
+DIRECT_MIN_BYTES = 16 << 20
 """A pull (after coalescing) smaller than this is gathered through scratch instead of
-READ into its target directly: one descriptor costs about as much NVLink time as
-~1.2 MB (docs/benchmarks.md), while placing gathered bytes is a device copy."""
+READ into its target directly. Measured on an H200 pair (docs/benchmarks.md): a refit's
+direct READs of uneven 1-50 MB pieces ran at 0.67-0.89x of a one-descriptor READ's rate
+with a 1 MiB threshold and 0.98-0.99x with 16 MiB, and the warm cycle went from
+0.83-0.87x to 0.91-0.96x of raw NIXL on every layout tried; placing the gathered bytes is a
+device copy at ~2 TB/s."""
 MAX_DIRECT = 512
 """At most this many direct descriptors per source rank (the largest pulls); the rest are
 gathered. Measured on an H200 pair: 1024 descriptors per trainer READ at raw speed,
