@@ -122,30 +122,8 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
     return out
 
 
-def nccl_job(index: int, world: int, port: int, devices: list[str], nbytes: int, bucket: int,
-             cycles: int) -> list[float]:
-    """Rank 0 (a trainer GPU) broadcasts ``nbytes`` to every receiver GPU in ``bucket``-byte
-    buckets; seconds per warm broadcast."""
-    import torch.distributed as dist
-
-    torch.cuda.set_device(devices[index])
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
-    buf = torch.ones(nbytes, dtype=torch.uint8, device=devices[index])
-    times = []
-    for _ in range(cycles + 1):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for at in range(0, nbytes, bucket):
-            dist.broadcast(buf[at:at + bucket], src=0)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
-    return times[1:]
-
-
 def main() -> None:
-    from bench_nixl import trainer
+    from bench_nixl import nccl_broadcast_job, trainer
 
     from megarefit.bench import bench_config, machine
     from megarefit.integrations.megatron import start_workers
@@ -199,15 +177,23 @@ def main() -> None:
     results = receivers.join(timeout=900)
     rdzv.mark_consumed(1)
     trainers.join(timeout=300)
-    full = plan_megatron_to_hf(dims, layout, ns.dtype).nbytes
+    hf_plan = plan_megatron_to_hf(dims, layout, ns.dtype)
+    full = hf_plan.nbytes
+    if ns.quantization == "fp8":  # what an NCCL engine would send: the whole model as trainers serve it
+        from megarefit.quant import Fp8Format
+        from megarefit.quant.planning import plan_fp8
+
+        full_sent = plan_fp8(hf_plan, Fp8Format()).nbytes
+    else:
+        full_sent = full
     nccl = []
     if ns.nccl_bucket and ns.receiver_devices[0].startswith("cuda"):
         devices = [ns.trainer_devices[0]] + [ns.receiver_devices[r % len(ns.receiver_devices)]
                                              for r in range(ns.vllm_tp)]
         if len(set(devices)) == len(devices):  # NCCL needs one GPU per rank
-            nccl = start_workers(nccl_job, world_size=len(devices), args=(
-                devices, plans[0].nbytes if ns.quantization == "fp8" else full, int(ns.nccl_bucket * 2**20),
-                ns.cycles)).join(timeout=600)[0]
+            nccl = start_workers(nccl_broadcast_job, world_size=len(devices), args=(
+                full_sent, int(ns.nccl_bucket * 2**20), ns.cycles,
+                devices)).join(timeout=600)[0]
 
     per_cycle = [max(r["cycles"][c] for r in results) for c in range(ns.cycles)]
     raw_cycle = [max(r["raw"][c] for r in results) for c in range(ns.cycles)]
@@ -226,8 +212,8 @@ def main() -> None:
     rows = [("refit cold cycle (slowest worker)", per_cycle[:1]), ("refit warm cycle (slowest worker)", warm),
             ("raw NIXL READ, same bytes, one descriptor per (worker, trainer)", raw_cycle)]
     if nccl:
-        rows.append((f"NCCL broadcast of the {'FP8 ' if ns.quantization == 'fp8' else ''}model to every worker, "
-                     f"{ns.nccl_bucket:g} MB buckets", nccl))
+        what = "FP8 model" if ns.quantization == "fp8" else "model"
+        rows.append((f"NCCL broadcast of the {what} to every worker, {ns.nccl_bucket:g} MB buckets", nccl))
     for name, ts in rows:
         print(f"| {name} | {min(ts):.4f} | {statistics.median(ts):.4f} | {total / min(ts) / 1e9:.2f} | "
               f"{best_raw / min(ts):.2f}x |")

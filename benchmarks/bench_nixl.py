@@ -161,16 +161,18 @@ def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, rank
     return timed(requests(1)), total, split
 
 
-def nccl_broadcast_job(index: int, _world_size: int, port: int, nbytes: int, bucket: int,
-                       cycles: int) -> list[float]:
-    """Seconds per warm broadcast of ``nbytes`` from cuda:0 (rank 0) to cuda:1 (rank 1), in
-    buckets of ``bucket`` bytes (vLLM's NCCL weight-transfer engine sends packed buckets;
-    packing and unpacking are left out, so this is NCCL's best case for the same bytes)."""
+def nccl_broadcast_job(index: int, world_size: int, port: int, nbytes: int, bucket: int, cycles: int,
+                       devices: list[str] | None = None) -> list[float]:
+    """Seconds per warm broadcast of ``nbytes`` from rank 0 to every other rank, in buckets of
+    ``bucket`` bytes; rank i on ``devices[i]`` (default ``cuda:i``). vLLM's NCCL
+    weight-transfer engine sends packed buckets; packing and unpacking are left out, so
+    this is NCCL's best case for the same bytes."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(index)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=2)
-    buf = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+    device = devices[index] if devices else f"cuda:{index}"
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world_size)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
     times = []
     for _ in range(cycles + 1):
         dist.barrier()

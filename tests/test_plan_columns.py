@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moe_cases import moe_config
 from reference_planner import reference_megatron_to_hf
+from test_plan import dims_and_layout
 
 from megarefit import ModelDims, SourceLayout
 from megarefit.errors import LayoutError
@@ -36,21 +37,10 @@ def assert_same_plan(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat
     assert new.nbytes == ref.nbytes
 
 
-@st.composite
-def dense_case(draw):
-    tp = draw(st.sampled_from([1, 2, 4]))
-    pp = draw(st.sampled_from([1, 2, 3]))
-    groups = tp * draw(st.integers(1, 2))
-    cfg = {"architectures": [draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]))],
-           "hidden_size": draw(st.integers(1, 32)), "num_attention_heads": groups * draw(st.integers(1, 3)),
-           "num_key_value_heads": groups, "head_dim": draw(st.integers(1, 8)),
-           "intermediate_size": tp * draw(st.integers(1, 9)), "num_hidden_layers": pp * draw(st.integers(1, 3)),
-           "vocab_size": draw(st.integers(1, 500)), "tie_word_embeddings": draw(st.booleans()),
-           "attention_bias": draw(st.booleans()), "mlp_bias": draw(st.booleans())}
-    dims = ModelDims.from_hf_config(cfg)
-    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp, draw(st.sampled_from([1, 8]))),
-                                num_layers=dims.num_layers, layer_spec=draw(st.sampled_from(["local", "te"])))
-    return dims, layout, None
+def dense_case():
+    """test_plan.py's dense models and layouts (Llama / Qwen2 / Qwen3, tp, pp, vocab padding,
+    biases, tied embeddings, both layer specs), with no expert set."""
+    return dims_and_layout().map(lambda case: (*case, None))
 
 
 @st.composite
@@ -187,11 +177,12 @@ def test_fp8_mixed_plan_matches_the_reference():
 
 def _reference_vllm_plan(dims, layout, target, fmt=None):
     """plan_megatron_to_vllm's steps on the per-object planners (tests/reference_planner.py)."""
+    from reference_planner import reference_retarget
+
     from megarefit.plan import digest_of
     from megarefit.quant.planning import _plan_fp8_ops
     from megarefit.targets.vllm import _fp8_params
     from megarefit.targets.vllm_layout import vllm_params
-    from reference_planner import reference_retarget
 
     params = vllm_params(dims, target)
     experts = frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None

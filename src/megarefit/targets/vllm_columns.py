@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from megarefit.layout import Box
-from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, merge_ops, validate_plan
+from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, validate_plan
 from megarefit.plan_columns import PlanColumns, _contiguous, _flat
 from megarefit.plan_table import OpTable
 from megarefit.targets.vllm_layout import VllmParam
@@ -212,10 +212,10 @@ def _run_box(start: int, n: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...
 def _merge(columns: list[torch.Tensor], cand: torch.Tensor, ops: OpTable, targets: ListTable,
            width: int) -> list[torch.Tensor]:
     """Merge each run of candidate pairs (contiguous, same tensors, continuing each other in
-    both) as :func:`~megarefit.plan.merge_ops` does: the merged op grows while the joined
+    both) as ``megarefit.plan.merge_ops`` does: the merged op grows while the joined
     flat runs stay boxes in both tensors (for two contiguous boxes that continue each other,
     ``joined`` exists and is contiguous exactly then)."""
-    src_id, dst_id, _, src_off, src_len, dst_off, dst_len, src_flat, dst_flat, item, _ = columns
+    src_id, dst_id, _, src_off, src_len, dst_off, dst_len, src_flat, dst_flat, _, _ = columns
     n = len(src_id)
     in_run = torch.zeros(n, dtype=torch.bool)
     in_run[:-1] |= cand
