@@ -114,15 +114,20 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
     g_count, g_nexp, g_pool = [], [], []
     pool: list[int] = []
     pool_at: dict[tuple[int, ...], int] = {}
-    base: dict[tuple[RankCoord, ParamSpec], int] = {}
+    base: dict[tuple[RankCoord, int], int] = {}  # (rank, id(row)) -> first source row
     where: list[tuple[RankCoord, ParamSpec, tuple[int, ...]]] = []
     total = 0
+    metas: dict[tuple[int, bool], TensorMeta] = {}  # (id(row), addressed through its view) -> meta
     for rank in layout.ranks():
         for row, locs, globs in stages[rank.pp]:
-            shape, tdtype = local_shape(row, dims, layout), row.dtype or dtype
-            meta = TensorMeta(shape, tdtype)
-            if row.role.is_grouped and not row.duplicate and (layout.etp > 1 or rank.tp == layout.expert_tps(rank.ep)[0]):
-                meta = TensorMeta(view_shape(row, dims, layout), tdtype, storage_shape=shape)  # type: ignore[arg-type]
+            viewed = row.role.is_grouped and not row.duplicate and (layout.etp > 1
+                                                                    or rank.tp == layout.expert_tps(rank.ep)[0])
+            meta = metas.get((id(row), viewed))
+            if meta is None:
+                shape, tdtype = local_shape(row, dims, layout), row.dtype or dtype
+                meta = (TensorMeta(view_shape(row, dims, layout), tdtype, storage_shape=shape)  # type: ignore[arg-type]
+                        if viewed else TensorMeta(shape, tdtype))
+                metas[(id(row), viewed)] = meta
             nexp = per_ep if row.per_expert else 1
             if locs not in pool_at:
                 pool_at[locs] = len(pool)
@@ -131,7 +136,7 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
             g_count.append(len(locs) * nexp)
             g_nexp.append(nexp)
             g_pool.append(pool_at[locs])
-            base[(rank, row)] = total
+            base[(rank, id(row))] = total
             where.append((rank, row, globs))
             total += len(locs) * nexp
     counts = torch.tensor(g_count, dtype=_I64)
@@ -230,7 +235,7 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
         i = torch.arange(n)
         lay = torch.tensor(globs, dtype=_I64).repeat_interleave(nexp)
         exp = (rank.ep * per_ep + i % nexp) if row.per_expert else torch.full((n,), -1, dtype=_I64)
-        src = base[(rank, row)] + i
+        src = base[(rank, id(row))] + i
         tp_rank = rank.tp
         if row.role.is_grouped:
             if layout.etp == 1 and rank.tp != layout.expert_tps(rank.ep)[0]:
@@ -240,13 +245,14 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
             if rank.tp != 0:
                 continue
             reader = torch.tensor(turns[rank.pp][row], dtype=_I64) % layout.tp
-            bases = torch.tensor([base[(RankCoord(t, rank.pp, layout.dense_ep(t)), row)] for t in range(layout.tp)])
+            bases = torch.tensor([base[(RankCoord(t, rank.pp, layout.dense_ep(t)), id(row))]
+                                  for t in range(layout.tp)])
             src = bases[reader] + i
         elif row.role.is_expert and layout.etp == 1 and layout.tp > 1:
             tps = layout.expert_tps(rank.ep)
             if rank.tp != tps[0]:
                 continue
-            bases = torch.tensor([base[(RankCoord(t, rank.pp, rank.ep), row)] for t in tps])
+            bases = torch.tensor([base[(RankCoord(t, rank.pp, rank.ep), id(row))] for t in tps])
             src = bases[exp % len(tps)] + i
             tp_rank = tps[0]  # whole experts (etp = 1): every TP rank's template is the same
         start, count = template(row, tp_rank, groups[gi].meta)

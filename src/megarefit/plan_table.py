@@ -28,7 +28,7 @@ walks every op by name (the JSON form, the in-process translator) materializes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -111,19 +111,25 @@ class TensorTable(Mapping["TensorRef", "TensorMeta"]):
     def __contains__(self, ref: object) -> bool:
         return ref in self._dict
 
+    def _per_group(self, value: Callable[[TensorMeta | None], object]) -> torch.Tensor:
+        """``[groups, ...]`` int64 of ``value(meta)``, computed once per distinct meta (a plan
+        has ~10^4 groups over a few dozen shapes)."""
+        seen: dict[TensorMeta, int] = {}
+        index = [seen.setdefault(g.meta, len(seen)) for g in self.groups]
+        rows = [value(m) for m in seen] or [value(None)]
+        return torch.tensor(rows, dtype=torch.int64)[torch.tensor(index or [0], dtype=torch.int64)]
+
     def shapes(self, width: int) -> torch.Tensor:
         """``[tensors, width]`` int64: every row's shape, left-padded with 1."""
-        table = torch.tensor([(1,) * (width - len(g.meta.shape)) + tuple(g.meta.shape) for g in self.groups]
-                             or [[1] * width], dtype=torch.int64).reshape(-1, width)
-        return table[self.group]
+        table = self._per_group(lambda m: [1] * width if m is None else [1] * (width - len(m.shape)) + list(m.shape))
+        return table.reshape(-1, width)[self.group]
 
     def ndims(self) -> torch.Tensor:
         """``[tensors]`` int64: every row's number of dims."""
-        return torch.tensor([len(g.meta.shape) for g in self.groups] or [0], dtype=torch.int64)[self.group]
+        return self._per_group(lambda m: 0 if m is None else len(m.shape))[self.group]
 
     def numels(self) -> torch.Tensor:
-        table = torch.tensor([g.meta.numel for g in self.groups] or [0], dtype=torch.int64)
-        return table[self.group]
+        return self._per_group(lambda m: 0 if m is None else m.numel)[self.group]
 
 
 class OpTable(Sequence["CopyOp"]):
