@@ -181,19 +181,12 @@ def _reference_vllm_plan(dims, layout, target, fmt=None):
 
     from megarefit.plan import digest_of
     from megarefit.quant.planning import _plan_fp8_ops
-    from megarefit.targets.vllm import _fp8_params
-    from megarefit.targets.vllm_layout import vllm_params
+    from megarefit.targets.vllm import worker_experts, worker_params
 
-    params = vllm_params(dims, target)
-    experts = frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
-    hf_plan = reference_megatron_to_hf(dims, layout, "bfloat16", experts)
-    steps = []
+    hf_plan = reference_megatron_to_hf(dims, layout, "bfloat16", worker_experts(dims, target))
     if fmt is not None:
         hf_plan = _plan_fp8_ops(hf_plan, fmt)
-        typed, steps = _fp8_params(params, hf_plan, fmt)
-    else:
-        typed = {name: (param, None) for name, param in params.items()}
-    produced = {r.name for q in steps for r in (q.weight, q.scale)}
+    typed, steps, produced = worker_params(dims, target, hf_plan, fmt)
     return reference_retarget(hf_plan, typed, produced, "bfloat16", steps,
                               digest_of("megatron_to_vllm", hf_plan.digest, target))
 
@@ -250,3 +243,23 @@ def test_real_qwen3_moe_vllm_worker_matches_the_reference():
         ref = _reference_vllm_plan(dims, layout, target)
         new = plan_megatron_to_vllm(dims, layout, "bfloat16", target)
         assert list(new.targets.items()) == list(ref.targets.items()) and list(new.ops) == list(ref.ops)
+
+
+def test_a_piece_of_an_unplanned_hf_tensor_is_named():
+    """A vLLM parameter whose piece names an HF tensor the HF plan lacks (a spec-table /
+    vLLM-layout mismatch) is refused naming the parameter and the HF tensor."""
+    import pytest
+
+    from megarefit.errors import PlanValidationError
+    from megarefit.layout import Box
+    from megarefit.plan_export import plan_export
+    from megarefit.targets.vllm_columns import retarget
+    from megarefit.targets.vllm_layout import VllmParam, VllmPiece
+
+    dims = ModelDims.from_hf_config(real_config("Qwen3-0.6B") | {"num_hidden_layers": 2})
+    layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=2)
+    hf_plan = plan_export(dims, layout)
+    bogus = {"model.norm.weight": (VllmParam((4,), (VllmPiece("model.bogus.weight", Box((0,), (4,)), Box((0,), (4,))),)),
+                                   None)}
+    with pytest.raises(PlanValidationError, match=r"model.norm.weight.*'model.bogus.weight'"):
+        retarget(hf_plan, bogus, set(), "bfloat16", [], "x")

@@ -93,6 +93,25 @@ def _fp8_params(params: dict[str, VllmParam], hf_plan: Plan, fmt: Fp8Format
     return out, steps
 
 
+def worker_experts(dims: ModelDims, target: VllmTarget) -> frozenset[int] | None:
+    """The routed experts worker ``target`` holds under vLLM expert parallelism (``None``:
+    every expert's slice, no EP) -- the expert set its HF plan is built for."""
+    return frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
+
+
+def worker_params(dims: ModelDims, target: VllmTarget, hf_plan: Plan, quantization: Fp8Format | None
+                  ) -> tuple[dict[str, tuple[VllmParam, str | None]], list[QuantizeStep], set[str]]:
+    """Worker ``target``'s parameters against ``hf_plan`` (already FP8 where ``quantization``
+    is set): ``(name -> (parameter, dtype override), quantize steps, names a step writes)``."""
+    params = vllm_params(dims, target)
+    steps: list[QuantizeStep] = []
+    if quantization is not None:
+        typed, steps = _fp8_params(params, hf_plan, quantization)
+    else:
+        typed = {name: (param, None) for name, param in params.items()}
+    return typed, steps, {r.name for q in steps for r in (q.weight, q.scale)}
+
+
 @lru_cache(maxsize=64)
 def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, target: VllmTarget,
                           quantization: Fp8Format | None = None) -> Plan:
@@ -112,16 +131,11 @@ def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, tar
             off the 128-block grid.
         PlanValidationError: internal inconsistency (a bug).
     """
-    params = vllm_params(dims, target)
-    experts = frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
+    experts = worker_experts(dims, target)
     hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts)
-    steps: list[QuantizeStep] = []
     if quantization is not None:
         hf_plan = plan_fp8(hf_plan, quantization)
-        typed, steps = _fp8_params(params, hf_plan, quantization)
-    else:
-        typed = {name: (param, None) for name, param in params.items()}
-    produced = {r.name for q in steps for r in (q.weight, q.scale)}
+    typed, steps, produced = worker_params(dims, target, hf_plan, quantization)
     with plan_threads():
         return retarget(hf_plan, typed, produced, dtype, steps, digest_of("megatron_to_vllm", hf_plan.digest, target))
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from megarefit.errors import PlanValidationError
 from megarefit.layout import Box
 from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, validate_plan
 from megarefit.plan_columns import PlanColumns, _contiguous, _flat
@@ -86,15 +87,21 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
     p_param, p_row, p_hfo, p_hfl, p_po, p_pl = [], [], [], [], [], []
     width = max([c.src_off.shape[1]] + [len(p.shape) for p, _ in typed.values()])
     for j, (name, (param, pdtype)) in enumerate(typed.items()):
-        meta = hf_targets[TensorRef(None, param.pieces[0].hf_name)] if param.pieces else None
+        first = row_of.get(TensorRef(None, param.pieces[0].hf_name)) if param.pieces else None
+        meta = hf_targets.meta(first) if first is not None else None
         refs.append(TensorRef(None, name))
         metas.append(TensorMeta(param.shape, pdtype or (meta.dtype if meta is not None else dtype)))
         fills.append(sum(p.param_box.lengths[0] for p in param.pieces))
         if name in produced:
             continue
         for piece in param.pieces:
+            row = row_of.get(TensorRef(None, piece.hf_name))
+            if row is None:
+                raise PlanValidationError(f"vLLM parameter {name}: its piece {piece.hf_box} of HF tensor "
+                                          f"{piece.hf_name!r} is not a target of the HF plan "
+                                          f"({len(hf_targets)} targets, e.g. {hf_targets.ref(0)})")
             p_param.append(j)
-            p_row.append(row_of[TensorRef(None, piece.hf_name)])
+            p_row.append(row)
             lead = width - len(piece.hf_box.offsets)
             p_hfo.append((0,) * lead + piece.hf_box.offsets)
             p_hfl.append((1,) * lead + piece.hf_box.lengths)
