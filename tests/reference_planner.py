@@ -17,20 +17,9 @@ from megarefit.targets.vllm_layout import VllmPiece
 
 def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                              experts: frozenset[int] | None = None) -> Plan:
-    """The export plan, one object per op (the pre-columns planner; targets in first-seen order).
-
-    ``experts``: the global routed experts this receiver owns (vLLM expert
-    parallelism); expert tensors of other experts get no target and no op.
-    ``None``: all experts.
-
-    Each HF element is read from exactly one rank. Replicated tensors are read
-    from TP ranks in turn (``k % tp`` for the k-th replicated tensor of a stage)
-    to spread the load; tied-embedding copies on the last stage are not read.
-
-    Raises:
-        LayoutError: tp/pp/ep do not fit the model.
-        PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
-    """
+    """``plan_megatron_to_hf`` as it was before columns: one object per source tensor and per
+    op, straight from ``source_tensors`` and ``pieces``; targets in first-seen order (the
+    same rules, so the same sources, targets and ops as a set)."""
     tensors = source_tensors(dims, layout)
     sources = {TensorRef(r, n): TensorMeta(t.shape, t.spec.dtype or dtype)
                for r, ts in tensors.items() for n, t in ts.items()}
