@@ -36,8 +36,8 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
     """Receiver ``names[index]``: the first tier (no parent) or a replica of ``parents[index]``;
     runs ``cycles`` cycles when told (``go/<name>/<c>``), reports seconds and bytes."""
     from megarefit.online import RefitReceiver
-    from megarefit.rendezvous import Rendezvous
-    from megarefit.replica import ReplicaReceiver
+    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.replica import ReplicaReceiver
 
     device = devices[index % len(devices)]
     if device.startswith("cuda"):
@@ -70,10 +70,10 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
 def main() -> None:
     from bench_nixl import _setup, trainer
 
-    from megarefit.bench import bench_config, machine
-    from megarefit.integrations.megatron import start_workers
-    from megarefit.rendezvous import Rendezvous
-    from megarefit.replica import tree_parent
+    from megarefit.demo.bench import bench_config, machine
+    from megarefit.demo.megatron_cpu import start_workers
+    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.replica import tree_parent
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))

@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from megarefit.bench import bench_config, best_of, machine
-    from megarefit.dims import ModelDims
+    from megarefit.demo.bench import bench_config, best_of, machine
+    from megarefit.layout.dims import ModelDims
     from megarefit.layout import SourceLayout
-    from megarefit.planner import plan_megatron_to_hf, source_tensors
+    from megarefit.planner import plan_megatron_to_hf
+    from megarefit.layout.geometry import source_tensors
     from megarefit.quant import Fp8Format, quantize_fp8
     from megarefit.quant.kernel import Fp8Quantizer
     from megarefit.quant.planning import fp8_sources, plan_fp8

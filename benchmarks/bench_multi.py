@@ -62,7 +62,7 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
     """vLLM worker ``index``: timed refit cycles when told (``multi/go/<c>``), then timed raw
     READs of its share (``multi/raw/<c>``)."""
     from megarefit.online import RefitReceiver
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous
     from megarefit.transport.nixl import NixlAgent, mem_type
 
     devices = args["receiver_devices"]
@@ -125,10 +125,10 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
 def main() -> None:
     from bench_nixl import nccl_broadcast_job, trainer
 
-    from megarefit.bench import bench_config, machine
-    from megarefit.integrations.megatron import start_workers
+    from megarefit.demo.bench import bench_config, machine
+    from megarefit.demo.megatron_cpu import start_workers
     from megarefit.planner import plan_megatron_to_hf
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))

@@ -11,7 +11,7 @@ NIXL between processes over CUDA IPC where the machine has it):
         --ep 2 --etp 1 --expert-layout te_grouped --vllm-tp 2 --vllm-ep --trainer-device cuda:0 --device cuda:1
 
 One trainer process per Megatron rank serves random shards with the planned local shapes
-through a real :class:`~megarefit.publisher.Publisher`, plus one extra registered block
+through a real :class:`~megarefit.online.publisher.Publisher`, plus one extra registered block
 holding exactly the bytes the receiver reads from that rank. The receiver (this process)
 measures, in one run:
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def _setup(cfg: dict, args: dict):
     """(dims, layout, plan) for the benchmark's arguments (trainers and receiver agree)."""
-    from megarefit.dims import ModelDims
+    from megarefit.layout.dims import ModelDims
     from megarefit.layout import SourceLayout
     from megarefit.planner import plan_megatron_to_hf
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
@@ -66,9 +66,9 @@ def _setup(cfg: dict, args: dict):
 
 
 def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict, args: dict) -> dict:
-    from megarefit.planner import source_tensors
-    from megarefit.publisher import Publisher
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.layout.geometry import source_tensors
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
     from megarefit.transport.nixl import mem_type
 
     torch.set_num_threads(1)
@@ -116,7 +116,7 @@ def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, rank
     (its own process: a second NIXL agent beside the receiver's would not measure the same path);
     and the best time of the same bytes cut into k equal descriptors per trainer (NIXL's
     per-descriptor cost)."""
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous
     from megarefit.transport.nixl import NixlAgent, mem_type
 
     if device.startswith("cuda"):
@@ -187,10 +187,10 @@ def nccl_broadcast_job(index: int, world_size: int, port: int, nbytes: int, buck
 
 
 def main() -> None:
-    from megarefit.bench import bench_config, best_of, machine
-    from megarefit.integrations.megatron import start_workers
+    from megarefit.demo.bench import bench_config, best_of, machine
+    from megarefit.demo.megatron_cpu import start_workers
     from megarefit.online import RefitReceiver
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))

@@ -23,8 +23,8 @@ import torch
 import megarefit
 from megarefit.online import RefitReceiver
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.publisher import Publisher
-from megarefit.rendezvous import Rendezvous
+from megarefit.online.publisher import Publisher
+from megarefit.online.rendezvous import Rendezvous
 
 ROOT = Path(__file__).resolve().parents[1]
 

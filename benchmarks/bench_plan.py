@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import megarefit
-from megarefit.bench import machine, time_cold_plan
+from megarefit.demo.bench import machine, time_cold_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 import megarefit
-from megarefit.bench import best_of, machine, time_cold_plan
+from megarefit.demo.bench import best_of, machine, time_cold_plan
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.receiver import run_refit_cycle
+from megarefit.transport.execute import run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import megarefit
-from megarefit.bench import best_of
+from megarefit.demo.bench import best_of
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.receiver import run_refit_cycle
+from megarefit.transport.execute import run_refit_cycle
 from megarefit.transport.local import LocalTransport
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 

@@ -33,8 +33,8 @@ def job(rank: int, world_size: int, master_port: int, ckpt: str) -> dict:
 
     from megarefit import hf_to_megatron
     from megarefit.integrations.bridge import _import_bridge
-    from megarefit.integrations.megatron import (apply_cpu_patches, build_gpt_model, forward_logits,
-                                                 gpt_arch_from_hf, init_parallel, refit_tensors)
+    from megarefit.integrations.megatron import refit_tensors
+    from megarefit.demo.megatron_cpu import apply_cpu_patches, build_gpt_model, forward_logits, gpt_arch_from_hf, init_parallel
 
     apply_cpu_patches()
     cfg = config()
@@ -66,7 +66,7 @@ def main(work: Path) -> dict:
     import safetensors.torch
     import transformers
 
-    from megarefit.integrations.megatron import run_workers
+    from megarefit.demo.megatron_cpu import run_workers
 
     cfg = config()
     torch.manual_seed(0)

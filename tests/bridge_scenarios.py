@@ -1,6 +1,6 @@
 """Run by tests/test_bridge.py inside the Megatron-Bridge environment (transformers<5, see
 requirements/bridge.txt). Prints one JSON line: per case, megarefit's name map looked up
-in Bridge's registry, and the disagreements :func:`megarefit.namemap.compare` finds.
+in Bridge's registry, and the disagreements :func:`megarefit.planner.namemap.compare` finds.
 
 Cases are tiny configs built from the real ones in tests/data/configs. "model" cases
 also build a real Megatron-Core model on CPU (one process, gloo) and resolve Bridge's
@@ -54,7 +54,7 @@ def config(name: str, extra: dict) -> dict:
 def _model_modules(cfg: dict, entries: list) -> dict:
     """A real Megatron-Core model (tp = pp = ep = 1) and each parameter's owning module."""
     from megarefit.integrations.bridge import resolve_modules
-    from megarefit.integrations.megatron import _free_port, build_gpt_model, gpt_arch_from_hf, init_parallel
+    from megarefit.demo.megatron_cpu import _free_port, build_gpt_model, gpt_arch_from_hf, init_parallel
 
     init_parallel(rank=0, world_size=1, master_port=_free_port(), tp=1, pp=1)
     model = build_gpt_model(gpt_arch_from_hf(cfg, tp=1), seed=0)
@@ -65,7 +65,7 @@ def run() -> dict:
     from megarefit import ModelDims, SourceLayout
     from megarefit.errors import UnsupportedModelError
     from megarefit.integrations.bridge import bridge_name_map, bridge_patterns, bridge_version, rows_from_bridge
-    from megarefit.namemap import compare, name_map
+    from megarefit.planner.namemap import compare, name_map
 
     out: dict = {"bridge_version": bridge_version(), "cases": {}}
     for key, (name, extra, layouts, build) in CASES.items():

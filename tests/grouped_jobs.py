@@ -8,7 +8,7 @@ import torch
 
 
 def inspect_grouped(rank: int, world_size: int, port: int, cfg: dict, hf: dict, tp: int) -> dict:
-    from megarefit.integrations.megatron import build_gpt_model, fake_grouped_gemm, gpt_arch_from_hf, init_parallel
+    from megarefit.demo.megatron_cpu import build_gpt_model, fake_grouped_gemm, gpt_arch_from_hf, init_parallel
     from megarefit.translate import hf_to_megatron
 
     fake_grouped_gemm()

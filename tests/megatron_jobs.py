@@ -6,9 +6,7 @@ from typing import Any
 
 import torch
 
-from megarefit.integrations.megatron import (
-    TrainerCase, build_gpt_model, gpt_arch_from_hf, init_parallel, trainer_job,
-)
+from megarefit.demo.megatron_cpu import TrainerCase, build_gpt_model, gpt_arch_from_hf, init_parallel, trainer_job
 
 
 class Wrapper(torch.nn.Module):
@@ -20,8 +18,8 @@ class Wrapper(torch.nn.Module):
 
 
 def job(rank: int, world_size: int, port: int, cases: list[TrainerCase], classifier_config: dict) -> dict[str, Any]:
-    from megarefit.classify import check_model, classify_model
-    from megarefit.dims import ModelDims
+    from megarefit.layout.classify import check_model, classify_model
+    from megarefit.layout.dims import ModelDims
     from megarefit.errors import ClassificationError
 
     out = trainer_job(rank, world_size, port, cases)
@@ -50,8 +48,8 @@ def mtp_layout_job(rank: int, world_size: int, port: int, configs: dict[str, dic
     so no logits)."""
     from megatron.core import parallel_state as ps
 
-    from megarefit.classify import classify_model
-    from megarefit.dims import ModelDims
+    from megarefit.layout.classify import classify_model
+    from megarefit.layout.dims import ModelDims
     from megarefit.integrations.megatron import local_named_parameters
 
     out: dict[str, Any] = {}
@@ -104,9 +102,9 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
     from megarefit.integrations.megatron import refit_tensors
-    from megarefit.param_sync import ParamSyncPendingError, finish_param_sync
-    from megarefit.publisher import Publisher
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.param_sync import ParamSyncPendingError, finish_param_sync
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
 
     init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
     model = build_gpt_model(gpt_arch_from_hf(cfg, tp=1), seed=0)

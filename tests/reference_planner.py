@@ -1,16 +1,16 @@
 """The export planner as it was before it moved to columns: one Python object per
 source tensor and per op, straight from ``source_tensors`` and ``pieces``. Kept as an
 independent implementation for tests/test_plan_columns.py to compare the columnar
-planner (:mod:`megarefit.plan_export`) against, op for op."""
+planner (:mod:`megarefit.planner.megatron_to_hf`) against, op for op."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from megarefit.dims import ModelDims
+from megarefit.layout.dims import ModelDims
 from megarefit.layout import Box, RankCoord, SourceLayout
 from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, merge_ops, validate_plan
-from megarefit.planner import _boxes, grouped_pieces, hf_shapes, pieces, source_tensors, view_shape
+from megarefit.layout.geometry import piece_boxes, grouped_pieces, hf_shapes, pieces, source_tensors, view_shape
 from megarefit.specs.table import Role
 from megarefit.targets.vllm_layout import VllmPiece
 

@@ -57,9 +57,9 @@ def test_fp8_refit_with_gpu_trainers_and_receiver(config):
     pytest.importorskip("nixl")
     import megarefit
     from megarefit.online import RefitReceiver
-    from megarefit.publisher import Publisher
+    from megarefit.online.publisher import Publisher
     from megarefit.quant import quantized_weight_names, scale_name
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
 
     cfg = config("Qwen3-0.6B", hidden_size=256, head_dim=64, num_attention_heads=4, intermediate_size=512)

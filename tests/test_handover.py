@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
-from megarefit.integrations.megatron import start_workers  # noqa: E402
+from megarefit.demo.megatron_cpu import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError  # noqa: E402
-from megarefit.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 
 CFG = tiny_config("Qwen3-0.6B", tie_word_embeddings=False)
 
@@ -83,8 +83,8 @@ def test_killed_receiver_is_named_then_dropped_after_its_lease():
     import time
 
     from handover_jobs import receiver_job
-    from megarefit.publisher import Publisher
-    from megarefit.rendezvous import RendezvousTimeout
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import RendezvousTimeout
     from reference import reference_hf_state, reference_shards
 
     job = "handover-kill"

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import megarefit  # noqa: E402
 from conftest import hf_model_from, real_config  # noqa: E402
 from megarefit.integrations.hf import hf_logits  # noqa: E402
-from megarefit.integrations.megatron import TrainerCase, run_workers, trainer_job  # noqa: E402
+from megarefit.demo.megatron_cpu import TrainerCase, run_workers, trainer_job  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -56,7 +56,7 @@ def test_receiver_owning_some_experts_gets_only_their_ops():
     """vLLM expert parallelism: a receiver owning experts {1, 2, 5} plans ops for those
     experts only (plus every dense tensor), for all three Megatron expert layouts."""
     from megarefit import ModelDims, SourceLayout, plan_megatron_to_hf
-    from megarefit.receiver import run_refit_cycle
+    from megarefit.transport.execute import run_refit_cycle
     from megarefit.transport import LocalTransport
 
     cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 8,

@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.publisher import Publisher  # noqa: E402
-from megarefit.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
 

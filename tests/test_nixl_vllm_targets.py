@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.publisher import Publisher  # noqa: E402
-from megarefit.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
 from moe_cases import megatron_shards, moe_config  # noqa: E402
 from reference import hf_checkpoint_state, vllm_moe_reference  # noqa: E402

@@ -17,8 +17,8 @@ pytest.importorskip("nixl")
 import megarefit  # noqa: E402
 from megarefit.errors import MissingParameterError, ShapeMismatchError  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
-from megarefit.publisher import Publisher  # noqa: E402
-from megarefit.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
+from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
 _JOBS = iter(range(10**6))
@@ -345,7 +345,7 @@ def test_wait_receivers_waits_for_every_live_receiver(served):
     one that has not; once both installed and acknowledged it returns. A receiver whose
     heartbeat stops (a killed process) is dropped after its lease; a restarted one
     (same name) is listed once."""
-    from megarefit.rendezvous import RendezvousTimeout
+    from megarefit.online.rendezvous import RendezvousTimeout
 
     _, hf, _, rdzv, pubs, first = served
     second = RefitReceiver(rdzv, name=first.name + "-b", timeout=2, heartbeat_s=0.05)

@@ -102,7 +102,7 @@ def test_every_single_op_corruption_is_caught(data):
     either side, the kind flipped, a recorded offset moved, the op dropped or doubled):
     ``validate_plan`` raises, and its vectorized pass (plan_columns.py) flags the op or
     its target itself -- the column checks never wave a broken plan through."""
-    from megarefit.plan_columns import PlanColumns, vectorized_checks
+    from megarefit.plan.columns import PlanColumns, vectorized_checks
 
     plan = data.draw(st.sampled_from([_plan(), _moe_plan()]))
     assert vectorized_checks(PlanColumns.from_plan(plan))[0].numel() == sum(

@@ -16,8 +16,8 @@ from test_plan import dims_and_layout
 
 from megarefit import ModelDims, SourceLayout
 from megarefit.errors import LayoutError
-from megarefit.plan_export import plan_export
-from megarefit.plan_table import OpTable, TensorTable
+from megarefit.planner.megatron_to_hf import plan_export
+from megarefit.plan.table import OpTable, TensorTable
 
 
 def assert_same_plan(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
@@ -252,7 +252,7 @@ def test_a_piece_of_an_unplanned_hf_tensor_is_named():
 
     from megarefit.errors import PlanValidationError
     from megarefit.layout import Box
-    from megarefit.plan_export import plan_export
+    from megarefit.planner.megatron_to_hf import plan_export
     from megarefit.targets.vllm_columns import retarget
     from megarefit.targets.vllm_layout import VllmParam, VllmPiece
 

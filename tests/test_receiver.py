@@ -7,7 +7,7 @@ import torch
 
 import megarefit
 from megarefit.errors import MegarefitError, ShapeMismatchError
-from megarefit.receiver import RefitStats, run_refit_cycle
+from megarefit.transport.execute import RefitStats, run_refit_cycle
 from megarefit.transport import LocalTransport, Transport
 from reference import reference_hf_state, reference_shards
 

@@ -25,9 +25,9 @@ pytest.importorskip("megatron.core")
 import megarefit  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
-from megarefit.integrations.megatron import TrainerCase, serving_trainer_job, start_workers  # noqa: E402
+from megarefit.demo.megatron_cpu import TrainerCase, serving_trainer_job, start_workers  # noqa: E402
 from megarefit.online import VersionMismatchError  # noqa: E402
-from megarefit.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl import TransferError  # noqa: E402
 from vllm_helpers import EXT, PROMPTS, hf_generate as _hf_generate, same_generation  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402

@@ -56,7 +56,7 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
     from megarefit.integrations.vllm_install import install_shards, vllm_target_of
     from megarefit.quant import Fp8Format
     from megarefit.quant.planning import quantize_sources
-    from megarefit.receiver import run_refit_cycle
+    from megarefit.transport.execute import run_refit_cycle
     from megarefit.targets import plan_megatron_to_vllm
     from megarefit.transport import LocalTransport
     from vllm_loader_jobs import init_vllm_tp, model_config_for

@@ -10,15 +10,15 @@ Public API::
     megarefit.name_map(dims, layout) -> [NameMapEntry]   (Megatron -> HF names; compare with Bridge)
 """
 
-from megarefit.dims import ModelDims
 from megarefit.errors import MegarefitError
 from megarefit.layout import Box, RankCoord, SourceLayout
-from megarefit.namemap import NameMapEntry, name_map
+from megarefit.layout.dims import ModelDims
 from megarefit.plan import CopyOp, Plan, validate_plan
 from megarefit.planner import plan_hf_to_megatron, plan_megatron_to_hf
-from megarefit.receiver import RefitStats, run_refit_cycle
-from megarefit.translate import hf_to_megatron, megatron_to_hf
+from megarefit.planner.namemap import NameMapEntry, name_map
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+from megarefit.translate import hf_to_megatron, megatron_to_hf
+from megarefit.transport.execute import RefitStats, run_refit_cycle
 
 __version__ = "0.1.0"
 

@@ -17,16 +17,22 @@ from typing import Any
 
 import torch
 
-from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
-from megarefit.errors import (LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError,
-                              UnexpectedParameterError)
+from megarefit.errors import (
+    LayoutError,
+    MegarefitError,
+    MissingParameterError,
+    ShapeMismatchError,
+    UnexpectedParameterError,
+)
 from megarefit.layout import RankCoord, SourceLayout
+from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
+from megarefit.layout.shards import check_ranks, resolve_layer_spec
 from megarefit.plan import Plan
-from megarefit.planner import check_ranks, plan_hf_to_megatron, plan_megatron_to_hf, resolve_layer_spec
+from megarefit.planner import plan_hf_to_megatron, plan_megatron_to_hf
 from megarefit.quant import Fp8Format, resolve_quantization
 from megarefit.quant.planning import plan_fp8, quantize_sources
-from megarefit.receiver import materialize, run_refit_cycle
 from megarefit.specs.table import ExpertLayout, LayerSpec, Role, Stage, canonical_name
+from megarefit.transport.execute import materialize, run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
 Shards = Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]]

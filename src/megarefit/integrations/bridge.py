@@ -11,7 +11,7 @@ Two levels, neither loads weights:
   module becomes ``AutoMapping:column`` / ``:row`` / ``:replicated`` as Bridge
   would decide at conversion time.
 
-:func:`megarefit.namemap.compare` then lists every disagreement.
+:func:`megarefit.planner.namemap.compare` then lists every disagreement.
 
 Installing Bridge
 -----------------
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError, UnsupportedModelError
-from megarefit.namemap import NameMapEntry, with_other
+from megarefit.planner.namemap import NameMapEntry, with_other
 
 BRIDGE_VERSION = "0.3.1"
 INSTALL_HINT = ("install Megatron-Bridge in its own environment (it pins transformers<5): "

@@ -55,9 +55,9 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.online import RefitReceiver
-from megarefit.rendezvous import Rendezvous
 from megarefit.integrations.vllm_install import install_shards, vllm_target_of
+from megarefit.online.receiver import RefitReceiver
+from megarefit.online.rendezvous import Rendezvous
 
 ENGINE_NAME = "megarefit"
 

@@ -67,10 +67,8 @@ def model_format_params(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Modu
     builds the model (``record_metadata_for_reloading``); parameters vLLM never moves to
     meta (``e_score_correction_bias``, late biases) as they are live. Shared (tied)
     parameters appear once, under their first name."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     out: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
     seen: set[int] = set()

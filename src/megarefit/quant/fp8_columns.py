@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, validate_plan
-from megarefit.plan_columns import PlanColumns, _contiguous, _flat
-from megarefit.plan_table import OpTable, TensorGroup, TensorTable
+from megarefit.plan.columns import PlanColumns, contiguous_runs, flat_offsets
+from megarefit.plan.table import OpTable, TensorGroup, TensorTable
 from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format
+from megarefit.quant.grid import misaligned
 from megarefit.quant.scheme import quantized_weight_templates
 
 _F8 = "float8_e4m3fn"
@@ -64,7 +65,7 @@ def _table(old: TensorTable, rows: torch.Tensor, variant: torch.Tensor, fmt: Fp8
 
 def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     """:func:`~megarefit.quant.planning.plan_fp8` for a plan whose ops are an
-    :class:`~megarefit.plan_table.OpTable`. Validated before returning.
+    :class:`~megarefit.plan.table.OpTable`. Validated before returning.
 
     Raises:
         PlanValidationError: internal inconsistency (a bug).
@@ -146,8 +147,8 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     sc_src = s_new[c.src_id[sc]] + 1
     sc_dst = slot_id[c.dst_id[sc], 2]
     src_shape, dst_shape = sources.shapes(width), targets.shapes(width)
-    sc_kind = (~(_contiguous(sc_src_off, sc_src_len, src_shape[sc_src])
-                 & _contiguous(sc_dst_off, sc_dst_len, dst_shape[sc_dst]))).long()
+    sc_kind = (~(contiguous_runs(sc_src_off, sc_src_len, src_shape[sc_src])
+                 & contiguous_runs(sc_dst_off, sc_dst_len, dst_shape[sc_dst]))).long()
     order = torch.argsort(torch.cat([v_dst, sc_dst]), stable=True)
 
     def both(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -158,8 +159,8 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
         src_id=both(s_new[c.src_id], sc_src), dst_id=both(v_dst, sc_dst), kind=both(c.kind, sc_kind), special=special,
         src_off=both(c.src_off, sc_src_off), src_len=both(c.src_len, sc_src_len), dst_off=both(c.dst_off, sc_dst_off),
         dst_len=both(c.dst_len, sc_dst_len), ndim_ok=both(c.ndim_ok, torch.ones(len(sc), dtype=torch.bool)),
-        src_flat=both(c.src_flat, _flat(sc_src_off, src_shape[sc_src])),
-        dst_flat=both(c.dst_flat, _flat(sc_dst_off, dst_shape[sc_dst])),
+        src_flat=both(c.src_flat, flat_offsets(sc_src_off, src_shape[sc_src])),
+        dst_flat=both(c.dst_flat, flat_offsets(sc_dst_off, dst_shape[sc_dst])),
         src_shape=src_shape, dst_shape=dst_shape, dst_numel=targets.numels())
     out_ops = OpTable(columns, sources, targets, both(v_item, torch.full((len(sc),), 4, dtype=_I64)),
                       both(ops.transpose, torch.zeros(len(sc), dtype=torch.bool)))
@@ -168,8 +169,6 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     steps = []
     recv = torch.nonzero(receiver).flatten().tolist()
     if recv:
-        from megarefit.quant.planning import _misaligned
-
         has = src_bad | feeds
         first_mis = _first_per(c.src_id[mis], torch.nonzero(mis).flatten(), n_src)
         first_op = _first_per(c.dst_id[has[c.src_id]], torch.nonzero(has[c.src_id]).flatten(), n_tgt)
@@ -180,7 +179,7 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
                 if bool(src_bad[s]):
                     i = int(first_mis[s])
                     op = ops[i]
-                    why[s] = _misaligned(op, S.meta(s).shape, T.meta(int(c.dst_id[i])).shape, fmt) or ""
+                    why[s] = misaligned(op, S.meta(s).shape, T.meta(int(c.dst_id[i])).shape, fmt) or ""
                 else:
                     ref = S.ref(s)
                     why[s] = f"{ref.name} on rank {ref.rank} also feeds a receiver-quantized tensor"

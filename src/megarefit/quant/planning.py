@@ -31,9 +31,13 @@ from collections.abc import Mapping
 
 import torch
 
-from megarefit.layout import Box, RankCoord
+from megarefit.layout import RankCoord
 from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, validate_plan
+from megarefit.plan.columns import plan_threads
+from megarefit.plan.table import OpTable
 from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format, quantize_fp8
+from megarefit.quant.fp8_columns import plan_fp8_columns
+from megarefit.quant.grid import misaligned, scale_box
 from megarefit.quant.scheme import quantized_weight_names
 
 STAGING_SUFFIX = ":staging"  # receiver-side staging target of a quantized weight (model dtype)
@@ -43,31 +47,6 @@ def scale_ref(ref: TensorRef) -> TensorRef:
     """The scale tensor of an FP8 tensor: ``name`` -> ``name_scale_inv`` (trainer shards and HF
     weights alike: ``...linear_qkv.weight_scale_inv``, ``...q_proj.weight_scale_inv``)."""
     return TensorRef(ref.rank, ref.name + SCALE_SUFFIX)
-
-
-def _misaligned(op: CopyOp, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], fmt: Fp8Format) -> str | None:
-    """Why ``op``'s bytes cannot be quantized on its source's local block grid, or ``None``."""
-    where = f"{op.src.name} on rank {op.src.rank}"
-    if op.transpose or op.src_view is not None:
-        return f"{where}: legacy GroupedMLP blocks are stored transposed"
-    if len(src_shape) != 2 or len(dst_shape) != 2:
-        return f"{where}: not a 2-D shard"
-    for d, b in enumerate(fmt.block):
-        so, do, n = op.src_box.offsets[d], op.dst_box.offsets[d], op.src_box.lengths[d]
-        ends = so + n == src_shape[d] and do + n == dst_shape[d]  # an edge block must be one in both
-        if not (fmt.on_grid(d, so, n, src_shape[d]) and fmt.on_grid(d, do, n, dst_shape[d])) or (n % b and not ends):
-            what = "rows" if d == 0 else "columns"
-            return (f"{where}: {what} [{so}, {so + n}) land at {op.dst.name} {what} [{do}, {do + n}), off the "
-                    f"{b}-{what[:-1]} block grid")
-    return None
-
-
-def _scale_box(box: Box, fmt: Fp8Format) -> Box:
-    if len(box.offsets) == 2:  # the common case, spelled out (called once per op of a 671B plan)
-        (o0, o1), (n0, n1), (b0, b1) = box.offsets, box.lengths, fmt.block
-        return Box((o0 // b0, o1 // b1), (-(-n0 // b0), -(-n1 // b1)))
-    return Box(tuple(o // b for o, b in zip(box.offsets, fmt.block)),
-               tuple(-(-n // b) for n, b in zip(box.lengths, fmt.block)))
 
 
 _CACHE: dict[tuple[str, Fp8Format], Plan] = {}
@@ -87,12 +66,7 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
     cached = _CACHE.get((plan.digest, fmt))
     if cached is not None:
         return cached
-    from megarefit.plan_table import OpTable
-
     if isinstance(plan.ops, OpTable):  # a columnar plan (plan_megatron_to_hf): the same rules on columns
-        from megarefit.plan_columns import plan_threads
-        from megarefit.quant.fp8_columns import plan_fp8_columns
-
         with plan_threads():
             out = plan_fp8_columns(plan, fmt, STAGING_SUFFIX)
     else:
@@ -111,7 +85,7 @@ def _plan_fp8_ops(plan: Plan, fmt: Fp8Format) -> Plan:
     reasons: dict[TensorRef, str] = {}  # source -> why it cannot be quantized where it lives
     for t in quantized:
         for op in by_target[t]:
-            why = _misaligned(op, plan.sources[op.src].shape, plan.targets[t].shape, fmt)
+            why = misaligned(op, plan.sources[op.src].shape, plan.targets[t].shape, fmt)
             if why is not None:
                 reasons.setdefault(op.src, why)
     trainer = {t for t in quantized if not any(op.src in reasons for op in by_target[t])}
@@ -145,8 +119,8 @@ def _plan_fp8_ops(plan: Plan, fmt: Fp8Format) -> Plan:
                                   op.transpose, op.src_view, op.dst_view))
             for op in by_target[ref]:
                 src_scale = scale_ref(op.src)
-                ops.append(make_op(src_scale, sources[src_scale].shape, _scale_box(op.src_box, fmt), sref, sshape,
-                                   _scale_box(op.dst_box, fmt), 4))
+                ops.append(make_op(src_scale, sources[src_scale].shape, scale_box(op.src_box, fmt), sref, sshape,
+                                   scale_box(op.dst_box, fmt), 4))
         elif ref in quantized:
             staging = TensorRef(None, ref.name + STAGING_SUFFIX)
             targets[staging] = meta

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-from megarefit.dims import ModelDims
+from megarefit.layout.dims import ModelDims
 from megarefit.quant.fp8 import SCALE_SUFFIX, Fp8Format, dequantize_fp8, quantize_fp8, scale_name
 from megarefit.specs.table import Stage
 

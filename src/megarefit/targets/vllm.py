@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from megarefit.dims import ModelDims
 from megarefit.errors import LayoutError
 from megarefit.layout import Box, SourceLayout
+from megarefit.layout.dims import ModelDims
 from megarefit.plan import Plan, QuantizeStep, TensorRef, digest_of
-from megarefit.plan_columns import plan_threads
+from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
 from megarefit.quant.planning import SCALE_SUFFIX, STAGING_SUFFIX, plan_fp8

@@ -25,8 +25,8 @@ import torch
 from megarefit.errors import PlanValidationError
 from megarefit.layout import Box
 from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, validate_plan
-from megarefit.plan_columns import PlanColumns, _contiguous, _flat
-from megarefit.plan_table import OpTable
+from megarefit.plan.columns import PlanColumns, contiguous_runs, flat_offsets
+from megarefit.plan.table import OpTable
 from megarefit.targets.vllm_layout import VllmParam
 
 _I64 = torch.int64
@@ -34,7 +34,7 @@ _I64 = torch.int64
 
 class ListTable(Mapping[TensorRef, TensorMeta]):
     """A small tensor table held as lists (vLLM parameters: ~10^3 per worker), with the
-    row interface :class:`~megarefit.plan_table.OpTable` reads."""
+    row interface :class:`~megarefit.plan.table.OpTable` reads."""
 
     def __init__(self, refs: Sequence[TensorRef], metas: Sequence[TensorMeta]):
         self.refs, self.metas = list(refs), list(metas)
@@ -153,11 +153,11 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
 
     targets_table = ListTable(refs, metas)
     src_shape, dst_shape = ops.sources.shapes(width), targets_table.shapes(width)
-    s_run = _contiguous(src_off, src_len, src_shape[src_id])
-    d_run = _contiguous(dst_off, dst_len, dst_shape[dst_id])
+    s_run = contiguous_runs(src_off, src_len, src_shape[src_id])
+    d_run = contiguous_runs(dst_off, dst_len, dst_shape[dst_id])
     kind = (~(s_run & d_run & ~transpose)).long()
     item = ops.itemsize[op]
-    src_flat, dst_flat = _flat(src_off, src_shape[src_id]), _flat(dst_off, dst_shape[dst_id])
+    src_flat, dst_flat = flat_offsets(src_off, src_shape[src_id]), flat_offsets(dst_off, dst_shape[dst_id])
 
     # ---- zero fill (vocab padding past vocab_size) where the parts do not cover a parameter
     written = torch.zeros(len(refs), dtype=_I64).index_add_(0, dst_id, dst_len.prod(1))

@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from megarefit.dims import ModelDims
 from megarefit.errors import LayoutError, UnsupportedModelError
 from megarefit.layout import Box, SourceLayout
-from megarefit.planner import hf_shapes
+from megarefit.layout.dims import ModelDims
+from megarefit.layout.geometry import hf_shapes
 from megarefit.specs.table import ParamSpec, Role, Stage
 
 VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE

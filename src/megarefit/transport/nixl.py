@@ -37,11 +37,11 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
-from megarefit.manifest import Manifest
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.gather import Piece, plan_waves
 from megarefit.transport.local import part_views
+from megarefit.transport.manifest import Manifest
 
 SCRATCH_THREADS = 4
 """Intra-op threads for the strided scratch copies. Many small strided copies with

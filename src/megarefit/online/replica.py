@@ -34,37 +34,13 @@ from typing import Any
 
 import torch
 
-from megarefit.errors import MegarefitError
-from megarefit.online import RefitReceiver, StaleVersionError, torch_dtype
-from megarefit.rendezvous import Heartbeat, Rendezvous, RendezvousTimeout
+from megarefit.online.arena import arena_key, publish_arena, tree_parent
+from megarefit.online.receiver import RefitReceiver, StaleVersionError
+from megarefit.online.rendezvous import Heartbeat, Rendezvous, RendezvousTimeout
+from megarefit.transport.execute import torch_dtype
 from megarefit.transport.nixl import NixlAgent, TransferError, mem_type
 
 log = logging.getLogger(__name__)
-
-
-def _key(kind: str, group: str, rid: str) -> str:
-    return f"replica_{kind}/{group}/{rid}"
-
-
-def publish_arena(rdzv: Rendezvous, group: str, rid: str, arenas: dict[str, torch.Tensor],
-                  targets: list[tuple[str, str, int, tuple[int, ...]]], version: int, metadata: bytes) -> None:
-    """Describe ``rid``'s arena for its replicas: per dtype ``(address, elements, memory,
-    device)``, and per target ``(name, dtype, element offset, shape)`` in hand-over order."""
-    info = {"agent": rid, "version": version,
-            "arenas": {d: [a.data_ptr(), a.numel(), *mem_type(a)] for d, a in arenas.items()},
-            "targets": [[n, d, o, list(s)] for n, d, o, s in targets]}
-    rdzv.store.set(rdzv.prefix + _key("meta", group, rid), metadata)
-    rdzv.store.set(rdzv.prefix + _key("info", group, rid), json.dumps(info))
-
-
-def tree_parent(rdzv: Rendezvous, group: str, rid: str, fanout: int) -> str | None:
-    """Join ``group`` (registration order) and return the replica ``rid`` should read from
-    in a tree of fan-out ``fanout`` (``None``: ``rid`` is the root, it reads the trainers)."""
-    if fanout < 1:
-        raise MegarefitError(f"fan-out must be >= 1, got {fanout}")
-    members = rdzv.join(f"replica_members/{group}", rid)
-    i = members.index(rid)
-    return None if i == 0 else members[(i - 1) // fanout]
 
 
 class ReplicaReceiver:
@@ -102,7 +78,7 @@ class ReplicaReceiver:
 
     def _read_parent(self) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout
-        key = self.rendezvous.prefix + _key("info", self.group, self.parent)
+        key = self.rendezvous.prefix + arena_key("info", self.group, self.parent)
         while not self.rendezvous.store.check([key]):
             if time.monotonic() > deadline:
                 raise RendezvousTimeout(f"replica parent {self.parent!r} of group {self.group!r} serves no arena "
@@ -111,7 +87,7 @@ class ReplicaReceiver:
         return json.loads(self.rendezvous.store.get(key))
 
     def _prepare(self, info: dict[str, Any]) -> None:
-        meta = self.rendezvous.store.get(self.rendezvous.prefix + _key("meta", self.group, self.parent))
+        meta = self.rendezvous.store.get(self.rendezvous.prefix + arena_key("meta", self.group, self.parent))
         agent = self.nixl.agent
         if meta != self._loaded:
             if self._loaded is not None:
@@ -140,7 +116,7 @@ class ReplicaReceiver:
         self._info = info
 
     def _seq(self) -> int:
-        return self.rendezvous.store.add(self.rendezvous.prefix + _key("seq", self.group, self.parent), 0)
+        return self.rendezvous.store.add(self.rendezvous.prefix + arena_key("seq", self.group, self.parent), 0)
 
     def _pull_once(self) -> int:
         deadline = time.monotonic() + self.timeout
@@ -187,7 +163,7 @@ class ReplicaReceiver:
             StaleVersionError: the parent kept rewriting its arena past ``retries``.
         """
         self.fell_back = False
-        seq_key = self.rendezvous.prefix + _key("seq", self.group, self.name)
+        seq_key = self.rendezvous.prefix + arena_key("seq", self.group, self.name)
         try:
             for attempt in range(self.retries + 1):
                 if self.serve and not self._writing:  # this arena is about to change: odd

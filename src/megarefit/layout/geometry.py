@@ -1,8 +1,9 @@
-"""Slice planner: spec table + dims + Megatron layout -> validated :class:`Plan`.
+"""Shard geometry: where each row of a sharded Megatron tensor lands in the HF tensors.
 
-This module is the one place that knows where each row of a sharded Megatron
-tensor lands in the HF tensors. Everything else (translator, receiver,
-transports) executes plans.
+Pure functions of a spec row, :class:`ModelDims` and a :class:`SourceLayout`: local and
+global shapes, :class:`Piece` s (row runs of a local tensor in its HF tensors), the
+legacy ``GroupedMLP`` boxes, and every tensor each rank holds (:func:`source_tensors`).
+This is the one place that knows these layout facts; the planners build plans from them.
 
 QKV (``linear_qkv``, role ``qkv``); H heads, G query groups, d = head_dim,
 hq = H/G. Rows are grouped per query group; TP rank r holds G/tp whole groups::
@@ -30,19 +31,17 @@ import. Row-parallel (``linear_proj``, ``linear_fc2``): rank r holds columns
 in the HF tensor, i.e. a scratch copy.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
-
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from megarefit.dims import ModelDims
-from megarefit.errors import LayoutError, MissingParameterError, UnexpectedParameterError, UnknownParameterError
-from megarefit.layout import Box, RankCoord, SourceLayout
-from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
-from megarefit.specs.table import LAYER_SPECS, LayerSpec, ParallelMode, ParamSpec, Role, Stage
+from megarefit.errors import LayoutError
+from megarefit.layout.dims import ModelDims
+from megarefit.layout.parallel import Box, RankCoord, SourceLayout
+from megarefit.specs.table import ParallelMode, ParamSpec, Role, Stage
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,9 @@ def grouped_pieces(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_ra
             for j, k, sbox, dbox in grouped_boxes(spec, dims, layout, tp_rank)]
 
 
-def _boxes(p: Piece, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[Box, Box]:
+def piece_boxes(p: Piece, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[Box, Box]:
+    """``(box in the local tensor, box in the HF tensor)`` of piece ``p`` (for the export direction;
+    the import swaps them)."""
     if p.column:
         return Box.full(src_shape), Box((0, p.dst_start), (dst_shape[0], p.length))
     return Box.rows(src_shape, p.src_start, p.length), Box.rows(dst_shape, p.dst_start, p.length)
@@ -250,179 +251,5 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     return out
 
 
-@lru_cache(maxsize=64)
-def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                        experts: frozenset[int] | None = None) -> Plan:
-    """Plan the export of every HF tensor from Megatron shards (full HF tensors as targets).
-
-    ``experts``: the global routed experts this receiver owns (vLLM expert
-    parallelism); expert tensors of other experts get no target and no op.
-    ``None``: all experts.
-
-    Each HF element is read from exactly one rank. Replicated tensors are read
-    from TP ranks in turn (``k % tp`` for the k-th replicated tensor of a stage)
-    to spread the load; non-expert tensors from the ``dense_ep`` copy; with
-    ``etp == 1`` whole experts are spread over the TP ranks holding them;
-    tied-embedding copies on the last stage are not read. Targets come embedding
-    first, then layer by layer, final norm and head, then MTP layers; ops are grouped
-    by target in that order.
-
-    Built on columns (:mod:`megarefit.plan_export`): sources, targets and ops are
-    tables whose names are formatted on demand (DeepSeek-V3 tp8 ep64, 642k source
-    tensors and 360k ops: ~0.5 s planned and validated on 2 cores). Cached per
-    ``(dims, layout, dtype, experts)``.
-
-    Raises:
-        LayoutError: tp/pp/ep do not fit the model.
-        PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
-    """
-    from megarefit.plan_columns import plan_threads
-    from megarefit.plan_export import plan_export
-
-    with plan_threads():
-        return plan_export(dims, layout, dtype, experts)
-
-
-@lru_cache(maxsize=64)
-def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16") -> Plan:
-    """Plan the import of full HF tensors into every rank's Megatron shards.
-
-    The exact inverse of :func:`plan_megatron_to_hf`'s geometry: every replica
-    (each TP rank, the tied copy on the last stage) is written, and vocab
-    padding rows are declared ``zero_fill``. Cached per ``(dims, layout, dtype)``.
-    """
-    tensors = source_tensors(dims, layout)
-    sources: dict[TensorRef, TensorMeta] = {}
-    targets: dict[TensorRef, TensorMeta] = {}
-    ops: list[CopyOp] = []
-    for rank, ts in tensors.items():
-        for name, t in ts.items():
-            if t.spec.role.is_grouped:
-                view, tdtype = view_shape(t.spec, dims, layout), t.spec.dtype or dtype
-                hf_shape = hf_shapes(t.spec, dims, layout)[0]
-                dst = TensorRef(rank, name)
-                for hf_name, vbox, hbox in grouped_pieces(t.spec, dims, layout, rank.tp, rank.ep, t.layer):
-                    src = TensorRef(None, hf_name)
-                    sources.setdefault(src, TensorMeta(hf_shape, tdtype))
-                    ops.append(make_op(src, hf_shape, hbox, dst, view, vbox, itemsize(tdtype), transpose=True,
-                                       dst_view=True))
-                targets[dst] = TensorMeta(view, tdtype, storage_shape=t.shape)  # type: ignore[arg-type]
-                continue
-            names, shapes = t.spec.hf_names(t.layer, t.expert), hf_shapes(t.spec, dims, layout)
-            shape_of = dict(zip(names, shapes))
-            tdtype = t.spec.dtype or dtype
-            item = itemsize(tdtype)
-            for hf_name, shape in shape_of.items():
-                sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, tdtype))
-            dst = TensorRef(rank, name)
-            written = 0
-            for p in pieces(t.spec, names, dims, layout, rank.tp):
-                dbox, sbox = _boxes(p, t.shape, shape_of[p.hf_name])
-                ops.append(make_op(TensorRef(None, p.hf_name), shape_of[p.hf_name], sbox, dst, t.shape, dbox, item))
-                written += p.length
-            zero = ()
-            if t.spec.role is Role.VOCAB and written < t.shape[0]:
-                zero = (Box.rows(t.shape, written, t.shape[0] - written),)
-            targets[dst] = TensorMeta(t.shape, tdtype, zero)
-    plan = Plan("hf_to_megatron", dims, layout, dtype, sources, targets, tuple(ops),
-                digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype))
-    validate_plan(plan)
-    return plan
-
-
-def check_ranks(layout: SourceLayout, ranks: Iterable[tuple[int, int, int]]) -> None:
-    """Raise :class:`LayoutError` unless ``ranks`` holds every coordinate of ``layout``'s
-    process grid (:meth:`SourceLayout.ranks`). Coordinates of the full ``tp x pp x ep``
-    grid that Megatron does not form (``etp == 1 < tp``) are tolerated: callers drop them."""
-    expected = set(layout.ranks())
-    grid = {RankCoord(t, p, e) for t in range(layout.tp) for p in range(layout.pp) for e in range(layout.ep)}
-    given = {RankCoord(*r) for r in ranks}
-    missing, extra = sorted(expected - given), sorted(given - grid)
-    if missing or extra:
-        raise LayoutError(
-            f"shards for tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.etp} must hold ranks "
-            f"{[tuple(r) for r in sorted(expected)]}; "
-            + (f"missing {[tuple(r) for r in missing]}" if missing else "")
-            + ("; " if missing and extra else "")
-            + (f"unexpected {[tuple(r) for r in extra]} (wrong tp/pp/ep?)" if extra else "")
-        )
-
-
-def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
-                       names: Mapping[RankCoord, Iterable[str]]) -> SourceLayout:
-    """Check provided Megatron names against the layout; return it with the detected layer
-    spec (norm spelling) and expert layout.
-
-    ``names`` must hold every rank of ``layout`` and, on each, exactly the
-    parameters the spec table implies (either fused-norm spelling, not both).
-
-    Raises:
-        LayoutError: a rank is missing or not part of the layout.
-        UnknownParameterError / AmbiguousParameterError: a name matches no / two rows.
-        MissingParameterError / UnexpectedParameterError: names differ from the layout's,
-            naming the tensor and rank.
-    """
-    check_ranks(layout, names)
-    expected_ranks = set(layout.ranks())
-    given = {RankCoord(*r): list(v) for r, v in names.items() if RankCoord(*r) in expected_ranks}
-    spec, conds = dims.spec, dims.conditions(layout.pp)
-    names_all = [(rank, n) for rank, ns in given.items() for n in ns]
-
-    def fits(spelling: LayerSpec) -> bool:
-        try:
-            for rank, n in names_all:
-                spec.match(n, conds, spelling, rank=rank)
-        except UnknownParameterError:
-            return False
-        return True
-
-    # The same name can mean different roles in the two layer specs (MLA down-projections:
-    # column-parallel in the local spec, replicated in the TE spec): decide the spelling first.
-    candidates = [s for s in LAYER_SPECS if fits(s)]
-    if not candidates:
-        for rank, n in names_all:
-            spec.match(n, conds, rank=rank)  # raises UnknownParameterError for a truly unknown name
-        examples = []
-        for s in LAYER_SPECS:  # a name that only the *other* spelling explains
-            for rank, n in names_all:
-                try:
-                    spec.match(n, conds, s, rank=rank)
-                except UnknownParameterError:
-                    other = "te" if s == "local" else "local"
-                    examples.append(f"{n!r} on rank {rank} is {other}-spec")
-                    break
-        raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec names: "
-                                       + "; ".join(examples))
-    chosen: LayerSpec = layout.layer_spec if layout.layer_spec in candidates else candidates[0]
-    expert_layouts: dict[str, str] = {}
-    for rank, n in names_all:
-        row = spec.match(n, conds, chosen, rank=rank).spec
-        if row.expert_layout is not None:
-            expert_layouts.setdefault(row.expert_layout, f"{n!r} on rank {rank}")
-    if len(expert_layouts) > 1:
-        raise UnexpectedParameterError("shards mix expert layouts: "
-                                       + "; ".join(f"{where} is {lay}" for lay, where in sorted(expert_layouts.items())))
-    resolved = layout.with_layer_spec(chosen)
-    if expert_layouts:
-        resolved = resolved.with_expert_layout(next(iter(expert_layouts)))
-    expected = source_tensors(dims, resolved)
-    for rank in sorted(expected_ranks):
-        want, have = set(expected[rank]), set(given[rank])
-        if want - have:
-            first = sorted(want - have)
-            raise MissingParameterError(
-                f"rank {rank} lacks {len(first)} expected parameter(s), e.g. {first[:3]} "
-                f"(layout tp={layout.tp} pp={layout.pp}: stage {rank.pp} holds layers "
-                f"{layout.layer_offset(rank.pp)}..{layout.layer_offset(rank.pp) + layout.stage_layers[rank.pp] - 1})"
-            )
-        if have - want:
-            first = sorted(have - want)
-            raise UnexpectedParameterError(
-                f"rank {rank} holds {len(first)} parameter(s) the layout does not place there, e.g. {first[:3]} "
-                f"(stage {rank.pp} of pp={layout.pp} has {layout.stage_layers[rank.pp]} local layers)"
-            )
-    return resolved
-
-
-__all__ = ["LAYER_SPECS", "Piece", "SourceTensor", "global_shape", "grouped_boxes", "hf_shapes", "local_shape", "pieces",
-           "check_ranks", "plan_hf_to_megatron", "plan_megatron_to_hf", "resolve_layer_spec", "source_tensors"]
+__all__ = ["Piece", "SourceTensor", "global_shape", "grouped_boxes", "grouped_pieces", "hf_shapes", "local_shape",
+           "piece_boxes", "pieces", "source_tensors", "view_shape"]

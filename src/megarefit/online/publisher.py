@@ -15,7 +15,7 @@ or, so that no receiver ever accepts bytes read while the step rewrites them::
 
 The parameter tensors themselves are registered with a NIXL agent (their memory
 must stay put: Megatron updates parameters in place) and described in a
-:class:`~megarefit.manifest.Manifest`. Receivers read the bytes one-sided while
+:class:`~megarefit.transport.manifest.Manifest`. Receivers read the bytes one-sided while
 the trainer does not touch the weights; bump the version only after the
 optimizer step has finished.
 """
@@ -33,17 +33,18 @@ from typing import Any
 
 import torch
 
-from megarefit.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
 from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stage
-from megarefit.manifest import Manifest, TensorEntry
-from megarefit.param_sync import check_param_sync
-from megarefit.planner import global_shape, plan_megatron_to_hf, source_tensors
+from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
+from megarefit.layout.geometry import global_shape, source_tensors
+from megarefit.online.param_sync import check_param_sync
+from megarefit.online.rendezvous import Rendezvous
+from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
-from megarefit.rendezvous import Rendezvous
 from megarefit.specs.table import LayerSpec, canonical_name
+from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl import NixlAgent, mem_type
 
 
@@ -76,7 +77,7 @@ class Publisher:
     distributed optimizer and ``overlap_param_gather``, parameters are whole again only
     after the next forward's all-gather; ``publish`` / ``updating`` then wait for gathers
     in flight and refuse (``ParamSyncPendingError``) if one was not dispatched: call
-    :func:`megarefit.param_sync.finish_param_sync` on every data-parallel rank after the step.
+    :func:`megarefit.online.param_sync.finish_param_sync` on every data-parallel rank after the step.
 
     Raises (at construction):
         MissingParameterError / UnexpectedParameterError: the parameters are not

@@ -25,9 +25,9 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 
-from megarefit.dims import ModelDims
 from megarefit.layout import RankCoord, SourceLayout
-from megarefit.planner import source_tensors
+from megarefit.layout.dims import ModelDims
+from megarefit.layout.geometry import source_tensors
 from megarefit.specs.table import ParallelMode, Role, Stage
 
 

@@ -31,17 +31,18 @@ import torch
 
 from megarefit.errors import LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
 from megarefit.layout import RankCoord
-from megarefit.manifest import Manifest
+from megarefit.online.arena import arena_key, publish_arena
+from megarefit.online.rendezvous import Heartbeat, Rendezvous
 from megarefit.plan import Plan, TensorRef
-from megarefit.plan_columns import plan_threads
+from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import plan_fp8
-from megarefit.receiver import slots, torch_dtype
-from megarefit.rendezvous import Heartbeat, Rendezvous
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
+from megarefit.transport.execute import slots, torch_dtype
+from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import NixlTransport
 
 
@@ -114,7 +115,7 @@ class RefitReceiver:
         heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
             seconds on a daemon thread, so trainers waiting in ``Publisher.wait_receivers``
             know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
-        replica_group: serve each pulled version to :class:`~megarefit.replica.ReplicaReceiver`
+        replica_group: serve each pulled version to :class:`~megarefit.online.replica.ReplicaReceiver`
             s of this group (same target) from the arena, guarded by a seqlock of its own.
     """
 
@@ -334,7 +335,7 @@ class RefitReceiver:
             prepared = self.transport.prepare(plan, manifests, self._buffers)
             lap("prepare")
         if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
-            self.rendezvous.store.add(self.rendezvous.prefix + f"replica_seq/{self.replica_group}/{self.name}", 1)
+            self.rendezvous.store.add(self.rendezvous.prefix + arena_key("seq", self.replica_group, self.name), 1)
             self._serving = True
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
         t_quant = time.perf_counter()
@@ -393,11 +394,9 @@ class RefitReceiver:
                     raise
                 retries += 1
         if self.replica_group is not None:  # the arena holds version `got` whole: serve it
-            from megarefit.replica import publish_arena
-
             publish_arena(self.rendezvous, self.replica_group, self.name, self._arenas, self._layout, got,
                           self.transport.nixl.metadata)
-            self.rendezvous.store.add(self.rendezvous.prefix + f"replica_seq/{self.replica_group}/{self.name}", 1)
+            self.rendezvous.store.add(self.rendezvous.prefix + arena_key("seq", self.replica_group, self.name), 1)
             self._serving = False
         model_bytes, arena_bytes = self._sizes
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from megarefit.layout import RankCoord
-from megarefit.namemap import NameMapEntry, NameMapReport, compare, name_map
+from megarefit.planner.namemap import NameMapEntry, NameMapReport, compare, name_map
 
 
 def _span(values: set[int]) -> str:

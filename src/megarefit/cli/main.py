@@ -58,8 +58,8 @@ def plan_table(plan: Any, *, per_rank: bool = False) -> Table:
 
 def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
     """(HF config, dims, layout, padded vocab) from ``--config`` and the layout options."""
-    from megarefit.dims import ModelDims, load_hf_config
     from megarefit.layout import SourceLayout
+    from megarefit.layout.dims import ModelDims, load_hf_config
 
     cfg = load_hf_config(args.config)
     dims = ModelDims.from_hf_config(cfg)
@@ -74,7 +74,6 @@ def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from megarefit.planner import plan_megatron_to_hf
-
     from megarefit.quant import resolve_quantization
 
     cfg, dims, layout, padded = _layout(args)
@@ -177,7 +176,7 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from megarefit.bench import bench_refit, layout_for, machine
+    from megarefit.demo.bench import bench_refit, layout_for, machine
 
     dims, layout = layout_for(args.config, tp=args.tp, ep=args.ep, layers=args.layers)
     target = _vllm_target(args)
@@ -208,7 +207,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_name_map(args: argparse.Namespace, console: Console) -> int:
-    from megarefit.cli_namemap import cmd_name_map as run
+    from megarefit.cli.namemap import cmd_name_map as run
 
     cfg, dims, layout, _ = _layout(args)
     return run(args, console, cfg, dims, layout)
@@ -219,7 +218,7 @@ def _execute_on_meta(plan: Any) -> float:
     import torch
 
     from megarefit.plan import TensorRef
-    from megarefit.receiver import run_refit_cycle, torch_dtype
+    from megarefit.transport.execute import run_refit_cycle, torch_dtype
     from megarefit.transport.local import LocalTransport
 
     dtype = torch_dtype(plan.dtype)
@@ -234,7 +233,7 @@ def _execute_on_meta(plan: Any) -> float:
 
 
 def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
-    from megarefit.live_demo import run_live_demo
+    from megarefit.demo.live import run_live_demo
 
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
@@ -265,7 +264,7 @@ def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from megarefit.demo import FP8_COSINE, FP8_TOLERANCE, TOLERANCE, run_demo
+    from megarefit.demo.offline import FP8_COSINE, FP8_TOLERANCE, TOLERANCE, run_demo
 
     if args.transport == "nixl":
         return cmd_live_demo(args, console)

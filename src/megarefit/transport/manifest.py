@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
 
-from megarefit.dims import ModelDims
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord, SourceLayout
+from megarefit.layout.dims import ModelDims
 from megarefit.plan import digest_of
 
-FORMAT = "megarefit.manifest/3"  # /2: per-tensor NIXL memory type and device; /3: quantization
+FORMAT = "megarefit.transport.manifest/3"  # /2: per-tensor NIXL memory type and device; /3: quantization
 
 
 @dataclass(frozen=True)

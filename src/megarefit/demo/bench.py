@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from megarefit.dims import ModelDims, load_hf_config
 from megarefit.layout import SourceLayout
+from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.plan import Plan
-from megarefit.receiver import run_refit_cycle
+from megarefit.transport.execute import run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megarefit.dims import ModelDims
 from megarefit.errors import ClassificationError, MegarefitError
+from megarefit.layout.dims import ModelDims
 from megarefit.specs.table import FamilySpec, LayerSpec, ParallelMode, Role, canonical_name
 
 P = ParallelMode

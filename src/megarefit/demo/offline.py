@@ -18,14 +18,15 @@ from typing import Any, Callable
 
 import torch
 
-from megarefit.dims import ModelDims, load_hf_config
 from megarefit.errors import MegarefitError
 from megarefit.layout import SourceLayout
+from megarefit.layout.dims import ModelDims, load_hf_config
+from megarefit.layout.shards import resolve_layer_spec
 from megarefit.plan import Plan
-from megarefit.planner import plan_megatron_to_hf, resolve_layer_spec
+from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant import dequantize_state, resolve_quantization
 from megarefit.quant.planning import plan_fp8, quantize_sources, where_quantized
-from megarefit.receiver import RefitStats, run_refit_cycle
+from megarefit.transport.execute import RefitStats, run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
 TOLERANCE = 1e-4  # max |logit difference| in fp32
@@ -65,7 +66,7 @@ class DemoResult:
         return self.max_logit_diff < TOLERANCE and self.logit_scale > 0
 
 
-def _check_memory(dims: ModelDims, tp: int, pp: int) -> None:
+def check_memory(dims: ModelDims, tp: int, pp: int) -> None:
     """Refuse configs whose fp32 copies (Megatron shards, results, HF model) would not fit in RAM."""
     import os
 
@@ -95,15 +96,15 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
         MegarefitError: the config or layout is unsupported.
         RuntimeError: a trainer worker failed (its traceback is included).
     """
+    from megarefit.demo.megatron_cpu import TrainerCase, gpt_arch_from_hf, run_workers, trainer_job
     from megarefit.integrations.hf import build_hf_model, hf_logits, install_weights
-    from megarefit.integrations.megatron import TrainerCase, gpt_arch_from_hf, run_workers, trainer_job
     from megarefit.translate import check_shapes
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
     dims = ModelDims.from_hf_config(cfg)
     dims.check_layout(tp, pp)
     gpt_arch_from_hf(cfg, tp=tp)  # fail early on what the CPU harness cannot build
-    _check_memory(dims, tp, pp)
+    check_memory(dims, tp, pp)
     vocab = dims.vocab_size
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     stages: dict[str, float] = {}

@@ -18,7 +18,7 @@ data the planner can emit with a few whole-array operations:
 
   Source tables hold Megatron's local layer and expert indices (as
   ``named_parameters()`` spells them on that rank), target tables HF's global ones.
-* :class:`OpTable`: the ops as :class:`~megarefit.plan_columns.PlanColumns` (ids into
+* :class:`OpTable`: the ops as :class:`~megarefit.plan.columns.PlanColumns` (ids into
   the two tables, boxes padded to ``D`` dims), a :class:`~collections.abc.Sequence`
   of :class:`~megarefit.plan.CopyOp` whose items are built one at a time on demand.
 
@@ -31,16 +31,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
-from megarefit.layout import Box, RankCoord
-from megarefit.plan_columns import PlanColumns
-
-if TYPE_CHECKING:
-    from megarefit.plan import CopyOp, TensorMeta, TensorRef
-    from megarefit.specs.table import ParamSpec
+from megarefit.layout.parallel import Box, RankCoord
+from megarefit.plan.columns import PlanColumns
+from megarefit.plan.ops import CopyOp, TensorMeta, TensorRef
+from megarefit.specs.table import ParamSpec
 
 
 @dataclass(frozen=True)
@@ -76,8 +73,6 @@ class TensorTable(Mapping["TensorRef", "TensorMeta"]):
         return int(self.group.shape[0])
 
     def ref(self, i: int) -> TensorRef:
-        from megarefit.plan import TensorRef
-
         g = self.groups[int(self.group[i])]
         return TensorRef(g.rank, g.name(int(self.layer[i]), int(self.expert[i])))
 
@@ -86,8 +81,6 @@ class TensorTable(Mapping["TensorRef", "TensorMeta"]):
 
     @cached_property
     def _dict(self) -> dict[TensorRef, TensorMeta]:
-        from megarefit.plan import TensorRef
-
         out: dict[TensorRef, TensorMeta] = {}
         groups = self.groups
         for g, lay, exp in zip(self.group.tolist(), self.layer.tolist(), self.expert.tolist()):
@@ -149,8 +142,6 @@ class OpTable(Sequence["CopyOp"]):
     def _op(src: TensorRef, s_meta: TensorMeta, dst: TensorRef, d_meta: TensorMeta, so: list[int], sl: list[int],
             do: list[int], dl: list[int], kind: int, src_flat: int, dst_flat: int, item: int,
             transpose: bool) -> CopyOp:
-        from megarefit.plan import CopyOp
-
         ns, nd = len(s_meta.shape), len(d_meta.shape)
         return CopyOp(src, Box(tuple(so[len(so) - ns:]), tuple(sl[len(sl) - ns:])), dst,
                       Box(tuple(do[len(do) - nd:]), tuple(dl[len(dl) - nd:])),
@@ -159,8 +150,8 @@ class OpTable(Sequence["CopyOp"]):
                       d_meta.shape if d_meta.storage_shape is not None else None)
 
     def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice) or "_all" in self.__dict__:
-            return self._all[i]
+        if isinstance(i, slice) or "materialized" in self.__dict__:
+            return self.materialized[i]
         c = self.columns
         s, t = int(c.src_id[i]), int(c.dst_id[i])
         return self._op(self.sources.ref(s), self.sources.meta(s), self.targets.ref(t), self.targets.meta(t),
@@ -169,9 +160,7 @@ class OpTable(Sequence["CopyOp"]):
                         bool(self.transpose[i]))
 
     @cached_property
-    def _all(self) -> tuple[CopyOp, ...]:
-        from megarefit.plan import CopyOp
-
+    def materialized(self) -> tuple[CopyOp, ...]:
         c = self.columns
         src_refs, dst_refs = list(self.sources._dict), list(self.targets._dict)
         s_metas, d_metas = list(self.sources._dict.values()), list(self.targets._dict.values())
@@ -189,17 +178,17 @@ class OpTable(Sequence["CopyOp"]):
         return tuple(out)
 
     def __iter__(self) -> Iterator[CopyOp]:
-        return iter(self._all)
+        return iter(self.materialized)
 
     # tuple-like: ``plan.ops + (op,)``, ``plan.ops == other_plan.ops``
     def __add__(self, other: Sequence[CopyOp]) -> tuple[CopyOp, ...]:
-        return self._all + tuple(other)
+        return self.materialized + tuple(other)
 
     def __radd__(self, other: Sequence[CopyOp]) -> tuple[CopyOp, ...]:
-        return tuple(other) + self._all
+        return tuple(other) + self.materialized
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and tuple(other) == self._all
+        return isinstance(other, Sequence) and len(other) == len(self) and tuple(other) == self.materialized
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from megarefit.plan import Plan
+    from megarefit.plan.ops import CopyOp, TensorMeta, TensorRef
 
 _KIND = {"contiguous": 0, "scratch": 1}
 PLAN_THREADS = 4  # intra-op threads for column work; more only cost (measured below)
@@ -77,17 +77,18 @@ class PlanColumns:
     dst_numel: torch.Tensor  # [targets]
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> PlanColumns:
-        """Columns of ``plan``. Raises ``KeyError`` for an op naming an undeclared tensor."""
-        sid = {ref: i for i, ref in enumerate(plan.sources)}
-        tid = {ref: i for i, ref in enumerate(plan.targets)}
-        width = max([len(m.shape) for m in plan.sources.values()] + [len(m.shape) for m in plan.targets.values()]
-                    + [1])
-        s_meta, t_meta = list(plan.sources.values()), list(plan.targets.values())
+    def from_ops(cls, sources: Mapping[TensorRef, TensorMeta], targets: Mapping[TensorRef, TensorMeta],
+                 ops: Sequence[CopyOp]) -> PlanColumns:
+        """Columns of a plan's ``ops`` over its ``sources`` / ``targets`` (ids in their order).
+        Raises ``KeyError`` for an op naming an undeclared tensor."""
+        sid = {ref: i for i, ref in enumerate(sources)}
+        tid = {ref: i for i, ref in enumerate(targets)}
+        width = max([len(m.shape) for m in sources.values()] + [len(m.shape) for m in targets.values()] + [1])
+        s_meta, t_meta = list(sources.values()), list(targets.values())
         s_ndim, t_ndim = [len(m.shape) for m in s_meta], [len(m.shape) for m in t_meta]
         rows, boxes = array("q"), array("q")  # flat int64 buffers: no Python tuple per element
         kinds = _KIND
-        for op in plan.ops:
+        for op in ops:
             s, t = sid[op.src], tid[op.dst]
             so, sl, do, dl = op.src_box.offsets, op.src_box.lengths, op.dst_box.offsets, op.dst_box.lengths
             ok = len(so) == s_ndim[s] and len(do) == t_ndim[t]
@@ -114,7 +115,7 @@ class PlanColumns:
                    dst_numel=torch.tensor([m.numel for m in t_meta], dtype=torch.int64))
 
 
-def _contiguous(off: torch.Tensor, length: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+def contiguous_runs(off: torch.Tensor, length: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     """Per row: the box is one run of the row-major tensor (after the first dim with
     length > 1, every dim is full) -- :meth:`Box.is_contiguous_in` on whole columns."""
     started = torch.cumsum((length > 1).long(), 1) - (length > 1).long() > 0  # a longer dim came before
@@ -122,7 +123,7 @@ def _contiguous(off: torch.Tensor, length: torch.Tensor, shape: torch.Tensor) ->
     return (~started | full).all(1)
 
 
-def _flat(off: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+def flat_offsets(off: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     strides = torch.flip(torch.cumprod(torch.flip(shape, [1]), 1), [1])
     strides = torch.cat([strides[:, 1:], torch.ones_like(strides[:, :1])], 1)
     return (off * strides).sum(1)
@@ -136,9 +137,9 @@ def vectorized_checks(cols: PlanColumns) -> tuple[torch.Tensor, torch.Tensor]:
     s_shape, d_shape = cols.src_shape[cols.src_id], cols.dst_shape[cols.dst_id]
     inside = ((cols.src_off >= 0) & (cols.src_len > 0) & (cols.src_off + cols.src_len <= s_shape)).all(1) \
         & ((cols.dst_off >= 0) & (cols.dst_len > 0) & (cols.dst_off + cols.dst_len <= d_shape)).all(1)
-    s_run, d_run = _contiguous(cols.src_off, cols.src_len, s_shape), _contiguous(cols.dst_off, cols.dst_len, d_shape)
+    s_run, d_run = contiguous_runs(cols.src_off, cols.src_len, s_shape), contiguous_runs(cols.dst_off, cols.dst_len, d_shape)
     kind_ok = torch.where(s_run & d_run, cols.kind == 0, cols.kind == 1) & (s_run | d_run)
-    flat_ok = (cols.src_flat == _flat(cols.src_off, s_shape)) & (cols.dst_flat == _flat(cols.dst_off, d_shape))
+    flat_ok = (cols.src_flat == flat_offsets(cols.src_off, s_shape)) & (cols.dst_flat == flat_offsets(cols.dst_off, d_shape))
     lengths_ok = (cols.src_len == cols.dst_len).all(1)
     good = cols.ndim_ok & inside & kind_ok & flat_ok & lengths_ok & ~cols.special
     bad_ops = torch.nonzero(~good).flatten()

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
-from megarefit.manifest import Manifest
+from megarefit.transport.manifest import Manifest
 
 
 class RendezvousTimeout(MegarefitError, TimeoutError):

@@ -276,3 +276,6 @@ def _tp_ep_pairs(tp: int, ep: int, etp: int) -> tuple[tuple[int, int], ...]:
 def _expert_tps(tp: int, ep: int, etp: int, ep_rank: int) -> tuple[int, ...]:
     return tuple(t for t, e in _tp_ep_pairs(tp, ep, etp) if e == ep_rank)
 
+
+
+__all__ = ["Box", "ExpertLayout", "LayerSpec", "RankCoord", "SourceLayout", "virtual_stage"]

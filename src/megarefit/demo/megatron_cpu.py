@@ -1,0 +1,663 @@
+"""Harness that builds REAL Megatron-Core ``GPTModel`` instances on CPU.
+
+Used by the test-suite, the benchmarks and ``megarefit demo`` (what a user calls with their
+own Megatron model is :mod:`megarefit.integrations.megatron`): every rank is a separate
+process (see :func:`run_workers`) talking over a gloo process group, so
+tensor (TP) and pipeline (PP) parallelism can be exercised without GPUs.
+
+CPU recipe (verified with megatron-core 0.16.1):
+
+* gloo default process group; ``parallel_state.initialize_model_parallel(tp, pp)``;
+* ``use_cpu_initialization=True`` and fp32 params: Megatron initialises the
+  full ("master") weight from the default torch RNG on every rank and keeps its
+  own shard, so the same seed on every rank gives a deterministic model;
+* all fusions off and dropout 0 (the fused kernels are CUDA/TE only);
+* local (non-TransformerEngine) layer spec with RMSNorm;
+* an inference RNG tracker instead of ``model_parallel_cuda_manual_seed``
+  (which would touch CUDA generators);
+* an explicit causal attention mask on every forward, because Megatron's
+  default mask is allocated with ``device="cuda"``;
+* the remaining CUDA assumptions are patched in :func:`apply_cpu_patches`
+  (process-wide) and :func:`_no_tensor_cuda` (only while building a model).
+
+``GPTModel(..., parallel_output=False)`` all-gathers the vocab-parallel logits,
+so the last pipeline stage returns full-vocabulary logits on every TP rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megarefit.integrations.megatron import local_named_parameters, refit_tensors
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron.core.models.gpt import GPTModel
+
+__all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm", "forward_logits", "gpt_arch_from_hf",
+           "init_parallel", "perturb_parameters_", "run_workers", "start_workers",
+           "trainer_job"]
+
+
+@dataclass(frozen=True)
+class GPTArch:
+    """Architecture of a decoder-only GPT (Llama/Qwen style) as plain numbers."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int  # head_dim; may differ from hidden_size // num_attention_heads (Qwen3)
+    ffn_hidden_size: int
+    padded_vocab_size: int  # already padded by the caller (divisible by tp)
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_word_embeddings: bool = False
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # HF partial_rotary_factor (GLM-4.5: 0.5): RoPE on the first part of each head
+    norm_epsilon: float = 1e-5
+    max_sequence_length: int = 256
+    # MoE (SequentialMLP experts, allgather dispatcher); num_experts=0 for dense models
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (HF norm_topk_prob=False)
+    dense_layers: tuple[int, ...] = ()  # global indices of dense layers in an MoE model
+    moe_grouped_gemm: bool = False  # legacy GroupedMLP experts (layout inspection; see fake_grouped_gemm)
+    shared_expert_ffn: int = 0
+    router_score_function: str = "softmax"  # "sigmoid" for DeepSeek-V3
+    router_expert_bias: bool = False  # DeepSeek-V3 noaux_tc score-correction bias (an fp32 buffer)
+    router_topk_scaling_factor: float | None = None  # HF routed_scaling_factor
+    # MLA (DeepSeek-V3 style); kv_lora_rank=0 for standard attention
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0  # HF qk_nope_head_dim
+    qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
+    v_head_dim: int = 0
+    mtp_layers: int = 0  # Megatron mtp_num_layers (multi-token prediction on the last stage)
+
+
+# --------------------------------------------------------------------------- CPU patches
+_PATCHED = False
+
+
+def apply_cpu_patches() -> None:
+    """Apply every process-wide workaround needed to run Megatron-Core on CPU.
+
+    Idempotent. All CPU hacks live here (plus the build-time-only
+    :func:`_no_tensor_cuda`), so they are easy to audit:
+
+    1. ``torch.cuda.current_device()`` is used by Megatron as a *device* argument
+       in many places (buffers, RNG tracker, p2p helpers); returning ``"cpu"``
+       makes those allocations land on the CPU instead of raising.
+    2. Silence warnings that are pure noise for this harness (message-specific
+       filters only): missing Apex/TransformerEngine (we use the local spec on
+       purpose), the ``CUDA_DEVICE_MAX_CONNECTIONS`` hint of the TP linear layers,
+       the default ``cuda_graph_scope`` deprecation, and torch's deprecation of
+       ``all_gather_into_tensor`` (used by Megatron's logits gather).
+    Call it before importing megatron so import-time warnings are filtered too.
+    """
+    global _PATCHED
+    if _PATCHED:
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # 3. megatron.core.transformer.moe.moe_utils references Transformer-Engine names
+    #    (te_general_gemm, fused_*) unconditionally; without TE they are undefined
+    #    (NameError in the router). None is what they are when TE is absent.
+    #    Applied after the import, in _patch_moe_utils().
+    for msg in (
+        r"(Transformer Engine and )?Apex (is|are) not installed",
+        r".*CUDA_DEVICE_MAX_CONNECTIONS",
+        r"full scope is deprecated",
+        r".*all_gather_into_tensor.*is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=msg)
+    _PATCHED = True
+
+
+_MLA_ATTENTION: type | None = None
+
+
+def _patch_mla() -> type:
+    """MLA without Transformer Engine (megatron-core 0.16.1); parameter names unchanged.
+
+    (a) ``multi_latent_attention`` believes TE is present but ``TELinear`` /
+        ``TEColumnParallelLinear`` are mock placeholders, so an ``isinstance`` check
+        raises: replace them with classes nothing is an instance of.
+    (b) MLA passes ``k_channels`` / ``v_channels`` to its core attention, which the
+        local ``DotProductAttention`` rejects (and sizes its output from
+        ``kv_channels``): returns a subclass that takes them, for the layer specs.
+    """
+    global _MLA_ATTENTION
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for name in ("TELinear", "TEColumnParallelLinear"):
+        if not isinstance(getattr(mla, name, None), type):
+            setattr(mla, name, type(f"_No{name}", (), {}))
+    if _MLA_ATTENTION is None:
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                         **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                if v_channels is not None:
+                    self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+                    self.hidden_size_per_attention_head = v_channels
+
+        _MLA_ATTENTION = MLADotProductAttention
+    return _MLA_ATTENTION
+
+
+def fake_grouped_gemm() -> None:
+    """Let legacy ``GroupedMLP`` build on CPU for layout inspection: install a looped
+    stand-in for the ``grouped_gemm`` package (``gmm(a, b, batch_sizes, trans_b)``)."""
+    import types
+
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+        outs, start = [], 0
+        for i, n in enumerate(batch_sizes.tolist()):
+            outs.append(a[start:start + n] @ (b[i].t() if trans_b else b[i]))
+            start += n
+        return torch.cat(outs, 0)
+
+    gg.grouped_gemm = types.SimpleNamespace(ops=types.SimpleNamespace(gmm=gmm))
+    gg.ops = gg.grouped_gemm.ops
+
+
+def _patch_moe_utils() -> None:
+    """See point 3 of :func:`apply_cpu_patches`."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+@contextlib.contextmanager
+def _no_tensor_cuda() -> Iterator[None]:
+    """Make ``Tensor.cuda()`` a no-op while building a model (restored afterwards).
+
+    With tied embeddings and PP>1, ``LanguageModule.setup_embeddings_and_output_layer``
+    does ``weight.data = weight.data.cuda()`` before all-reducing the embedding
+    copy between the first and last stages.
+    """
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- parallel state
+def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: int, ep: int = 1,
+                  etp: int | None = None, vpp: int = 1) -> None:
+    """Initialise (or re-initialise) gloo + Megatron model parallelism for this rank.
+
+    The default gloo process group is created once per process (on
+    ``127.0.0.1:master_port``); later calls may change ``tp``/``pp`` (any data
+    parallelism fills the rest of ``world_size``). Models built under a previous
+    layout must not be used afterwards.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{master_port}",
+            rank=rank,
+            world_size=world_size,
+        )
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise RuntimeError(
+            f"process group already initialised as rank {dist.get_rank()}/"
+            f"{dist.get_world_size()}, asked for {rank}/{world_size}"
+        )
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size={world_size} not divisible by tp*pp={tp * pp}")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    _patch_moe_utils()
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+# --------------------------------------------------------------------------- model
+def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None) -> GPTModel:
+    """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
+
+    Uses the current parallel state (see :func:`init_parallel`);
+    ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
+    RMSNorm, RoPE, no linear biases except optional QKV bias. The default torch
+    RNG is seeded from ``seed`` and the pipeline rank (same on every TP rank), so
+    the result is deterministic. ``vp_stage``: with a virtual pipeline
+    (``init_parallel(vpp=...)``), build that model chunk of this rank.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # fused kernels are CUDA-only
+        **dict.fromkeys(("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+                         "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion"),
+                        False),
+    )
+    if arch.num_experts:
+        kwargs.update(
+            num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
+            moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=arch.moe_grouped_gemm,
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            moe_layer_freq=[0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
+            moe_router_score_function=arch.router_score_function,
+            moe_router_enable_expert_bias=arch.router_expert_bias,
+            moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
+        )
+        if arch.router_expert_bias:
+            kwargs["moe_router_dtype"] = "fp32"
+        if arch.shared_expert_ffn:
+            kwargs["moe_shared_expert_intermediate_size"] = arch.shared_expert_ffn
+    config_cls = TransformerConfig
+    mla_attention = None
+    if arch.kv_lora_rank:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        mla_attention = _patch_mla()
+        config_cls = MLATransformerConfig
+        kwargs.update(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None,
+                      kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
+                      qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
+                      num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+    if arch.mtp_layers:
+        kwargs["mtp_num_layers"] = arch.mtp_layers
+    if vp_stage is not None:
+        kwargs["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
+    config = config_cls(**kwargs)
+    if arch.num_experts or mla_attention is not None:
+        # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if mla_attention is not None:
+            for layer_spec in spec.layer_specs:
+                layer_spec.submodules.self_attention.submodules.core_attention = mla_attention
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    mtp_spec = None
+    if arch.mtp_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    # Seed per pipeline stage: the same seed on every stage would give local layer i
+    # identical values on every stage (hiding layer-renumbering bugs).
+    torch.manual_seed(seed + 7919 * ps.get_pipeline_model_parallel_rank())
+    with _no_tensor_cuda():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=arch.padded_vocab_size,
+            max_sequence_length=arch.max_sequence_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            parallel_output=False,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rotary_base,
+            rotary_percent=arch.rotary_percent,
+            mtp_block_spec=mtp_spec,
+        )
+    return model.eval()
+
+
+@torch.no_grad()
+def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Run a full forward pass across all pipeline stages.
+
+    ``tokens``: ``[batch, seq]`` int64, identical on every rank. Stages are run
+    in order; activations ``[seq, batch, hidden]`` go to the next stage by gloo
+    send/recv and enter via ``model.set_input_tensor``. Returns fp32 logits
+    ``[batch, seq, padded_vocab]`` on every TP rank of the last pipeline stage,
+    ``None`` on other stages.
+    """
+    from megatron.core import parallel_state as ps
+
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(seq, batch, model.config.hidden_size, dtype=torch.float32)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    out = model(tokens, position_ids, attention_mask=mask)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out.float()
+
+
+# --------------------------------------------------------------------------- multi-process
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        payload = ("err", traceback.format_exc())
+    q.put((rank, *payload))
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Worker processes started by :func:`start_workers`; :meth:`join` collects their results."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
+        self.world_size = world_size
+        self.port = master_port if master_port is not None else _free_port()
+        ctx = mp.get_context("spawn")
+        self._q = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker (fault-injection in tests) and wait until it is gone (its memory
+        unmapped), so that what happens next really meets a dead peer."""
+        self._procs[rank].kill()
+        self._procs[rank].join(timeout=30)
+
+    def join(self, timeout: float = 600.0) -> list:
+        """Wait for every worker's result, ordered by rank.
+
+        Raises ``RuntimeError`` carrying the worker's traceback if any worker fails
+        or dies, and ``TimeoutError`` after ``timeout`` seconds; remaining workers
+        are killed.
+        """
+        procs, q, world_size = self._procs, self._q, self.world_size
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        dead_since: dict[int, float] = {}
+        try:
+            while len(results) < world_size:
+                try:
+                    rank, status, payload = q.get(timeout=0.2)
+                except queue.Empty:
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise TimeoutError(f"workers did not finish within {timeout}s") from None
+                    for r, p in enumerate(procs):
+                        # a dead worker may still have its result in the pipe: short grace period
+                        if r not in results and p.exitcode is not None:
+                            if now - dead_since.setdefault(r, now) > 5.0:
+                                raise RuntimeError(f"worker {r} died with exit code {p.exitcode} without a result")
+                    continue
+                if status == "err":
+                    dead = [f"worker {r} exited with code {p.exitcode}"
+                            for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                    note = f" ({'; '.join(dead)})" if dead else ""
+                    raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
+                results[rank] = pickle.loads(payload)
+        finally:
+            for p in procs:
+                if p.is_alive() and len(results) < world_size:
+                    p.kill()
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            q.close()
+        return [results[r] for r in range(world_size)]
+
+
+def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
+                  master_port: int | None = None) -> WorkerGroup:
+    """Start ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
+
+    ``fn`` must be picklable (module level) and return a picklable result
+    (tensors are sent by value). Returns at once; call ``.join()`` for results.
+    """
+    return WorkerGroup(fn, world_size, args, master_port)
+
+
+def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), master_port: int | None = None,
+                timeout: float = 600.0) -> list:
+    """:func:`start_workers` then ``join(timeout)``: results ordered by rank."""
+    return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
+
+
+# --------------------------------------------------------------------------- HF configs and jobs
+def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
+                     max_sequence_length: int = 256, mtp_layers: int = 0) -> GPTArch:
+    """GPTArch for an HF config (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral,
+    DeepSeek-V3-style MLA, GLM-4.5), vocab padded as Megatron pads it.
+
+    Raises:
+        MegarefitError: the config needs something this harness does not build
+            (linear biases beyond QKV, RoPE scaling).
+    """
+    from megarefit.errors import MegarefitError
+    from megarefit.layout.dims import ModelDims, load_hf_config
+
+    cfg = load_hf_config(hf_config)
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    dims = ModelDims.from_hf_config(cfg)
+    if dims.proj_bias or dims.mlp_bias:
+        raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
+    if (get("n_group") or 1) > 1:
+        raise MegarefitError("group-limited routing differs between Megatron and HF unless topk/group_topk == 2; "
+                             "use n_group=1 for the CPU harness")
+    rope = get("rope_parameters") or {}
+    scaling = get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or (
+            rope.get("rope_type", "default") != "default"):
+        raise MegarefitError("the CPU harness builds plain RoPE only; drop rope_scaling from the config")
+    theta = get("rope_theta") or rope.get("rope_theta") or 10000.0
+    return GPTArch(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
+        padded_vocab_size=dims.padded_vocab_size(tp, make_vocab_size_divisible_by), qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm or bool(dims.kv_lora_rank), tie_word_embeddings=dims.tie_word_embeddings,
+        rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
+        rotary_percent=float(get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        max_sequence_length=max_sequence_length,
+        num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+        moe_router_topk=int(get("num_experts_per_tok") or 2),
+        # HF renormalises the top-k probabilities unless norm_topk_prob is False (Mixtral always does)
+        moe_router_pre_softmax=get("norm_topk_prob", True) is False,
+        dense_layers=dims.dense_layers,
+        shared_expert_ffn=dims.shared_expert_ffn,
+        # HF Glm4Moe has no scoring_func key: its noaux_tc router (with e_score_correction_bias) is sigmoid
+        router_score_function=get("scoring_func") or ("sigmoid" if dims.router_bias else "softmax"),
+        router_expert_bias=dims.router_bias,
+        router_topk_scaling_factor=float(get("routed_scaling_factor")) if get("routed_scaling_factor") else None,
+        q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_head_dim=dims.qk_nope_head_dim,
+        qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim, mtp_layers=mtp_layers,
+    )
+
+
+@torch.no_grad()
+def perturb_parameters_(model: torch.nn.Module, *, seed: int, scale: float = 0.05) -> None:
+    """Add deterministic noise to every parameter, in place.
+
+    Megatron initialises norms to 1 and biases to 0, which would hide a swapped
+    norm or bias in a layout test. Noise is keyed by (name, pipeline rank, and
+    TP rank for TP-sharded tensors), so replicated tensors stay identical across
+    TP ranks. A tied output-layer copy gets the embedding's noise, so the two
+    copies stay equal.
+    """
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    etp_rank, etp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    for name, p in refit_tensors(model).items():
+        key, stage = name, pp_rank
+        if tied and name == "output_layer.weight":
+            key, stage = "embedding.word_embeddings.weight", 0
+        if ".mlp.experts." in name:  # routed experts: identity = (ep rank, local expert, expert-TP rank)
+            shard = f"ep{ep_rank}/etp{etp_rank if etp > 1 else -1}"
+        else:  # replicated over ep; TP-sharded tensors differ per TP rank
+            shard = f"tp{tp_rank if getattr(p, 'tensor_model_parallel', False) else -1}"
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{stage}/{shard}".encode()))
+        p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+@dataclass(frozen=True)
+class TrainerCase:
+    """One model to build in :func:`trainer_job`: HF config, layout, tokens for the forward pass."""
+
+    key: str
+    hf_config: dict
+    tp: int
+    pp: int
+    tokens: torch.Tensor  # [batch, seq] int64
+    seed: int = 1234
+    ep: int = 1
+
+
+def _first_copy(ep: int) -> bool:
+    """Whether this rank holds the first copy of its (tp, pp, ep) shard: data-parallel ranks
+    ``0 .. ep-1`` carry the ep ranks' distinct experts (``expert_tensor_parallel_size == tp``);
+    later ones repeat them."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() // max(1, ep) == 0
+
+
+def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
+    """Worker body for :func:`run_workers`: build each case's GPTModel, perturb it, run the
+    classifier against the spec table, run the forward pass.
+
+    Returns ``{case.key: {"coord": (tp, pp, ep), "params": {...}, "logits": tensor | None,
+    "problems": [classifier disagreements], "build_s": s, "forward_s": s}}`` for ranks of
+    the first data-parallel replica; other ranks return ``{}`` entries.
+    """
+    apply_cpu_patches()  # before the first megatron import, so its import-time warnings are filtered
+    from megatron.core import parallel_state as ps
+
+    from megarefit.layout.classify import classify_model
+    from megarefit.layout.dims import ModelDims
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
+        t0 = time.perf_counter()
+        model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+        perturb_parameters_(model, seed=case.seed)
+        t1 = time.perf_counter()
+        logits = forward_logits(model, case.tokens)
+        t2 = time.perf_counter()
+        if not _first_copy(case.ep):
+            out[case.key] = {}
+            continue
+        dims = ModelDims.from_hf_config(case.hf_config)
+        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local")
+                    if not c.ok]
+        coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                 ps.get_expert_model_parallel_rank())
+        out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
+                         "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
+    return out
+
+
+def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
+                        rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01,
+                        snapshot_dir: str | None = None) -> dict[str, Any]:
+    """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
+
+    Builds the case's GPTModel, wraps its parameters in a :class:`~megarefit.online.publisher.Publisher`
+    (registered once), then for v = 1..versions: (v > 1) changes every weight in
+    place as an optimizer step would, runs the forward pass, snapshots the
+    shards, publishes version v, and waits until a receiver marks v consumed.
+    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``;
+    with ``snapshot_dir`` each version's shards are also saved there as
+    ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
+    model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+    perturb_parameters_(model, seed=case.seed)
+    coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+             ps.get_expert_model_parallel_rank())
+    if not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
+        return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
+    host, port, job = rendezvous
+    rdzv = Rendezvous.connect(host, port, job=job)
+    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp, ep=case.ep,
+                    rendezvous=rdzv)
+    out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
+    for v in range(1, versions + 1):
+        if v > 1:
+            perturb_parameters_(model, seed=case.seed + v, scale=step_scale)  # stands in for optimizer.step()
+        out["logits"][v] = forward_logits(model, case.tokens)
+        out["snapshots"][v] = local_named_parameters(model)
+        if snapshot_dir is not None:
+            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord)))
+        pub.publish(v)
+        rdzv.wait_consumed(v)
+        out["counters"].append(dict(pub.counters))
+    return out

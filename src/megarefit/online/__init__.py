@@ -1,0 +1,17 @@
+"""Online refit: trainer ranks publish, receivers pull live shards between RL steps.
+
+* :mod:`~megarefit.online.rendezvous`: the store where ranks publish manifests and versions;
+* :mod:`~megarefit.online.publisher`: :class:`Publisher`, the trainer side (one per Megatron rank);
+* :mod:`~megarefit.online.param_sync`: checks that a rank's published tensors are its live parameters;
+* :mod:`~megarefit.online.receiver`: :class:`RefitReceiver`, discover / version fence / pull / hand over;
+* :mod:`~megarefit.online.arena`: a receiver's arena described for its replicas;
+* :mod:`~megarefit.online.replica`: :class:`ReplicaReceiver`, fan-out from a receiver that has a version.
+"""
+
+from megarefit.online.publisher import Publisher
+from megarefit.online.receiver import CycleStats, RefitReceiver, StaleVersionError, VersionMismatchError
+from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.replica import ReplicaReceiver
+
+__all__ = ["CycleStats", "Publisher", "RefitReceiver", "Rendezvous", "ReplicaReceiver", "StaleVersionError",
+           "VersionMismatchError"]

@@ -1,0 +1,50 @@
+"""Fan-out records: a receiver's arena described in the rendezvous, for its replicas.
+
+A :class:`~megarefit.online.receiver.RefitReceiver` with a ``replica_group`` publishes
+its arena here after every pull (:func:`publish_arena`); a
+:class:`~megarefit.online.replica.ReplicaReceiver` reads it and picks its parent with
+:func:`tree_parent`. Keys, under the rendezvous prefix::
+
+    replica_meta/<group>/<id>   NIXL agent metadata of <id>
+    replica_info/<group>/<id>   JSON: version, per-dtype arenas, per-target offsets
+    replica_seq/<group>/<id>    seqlock counter: odd while <id> rewrites its arena
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from megarefit.errors import MegarefitError
+from megarefit.online.rendezvous import Rendezvous
+from megarefit.transport.nixl import mem_type
+
+
+def arena_key(kind: str, group: str, rid: str) -> str:
+    """Rendezvous key of replica record ``kind`` (``meta``, ``info``, ``seq``) of ``rid`` in ``group``."""
+    return f"replica_{kind}/{group}/{rid}"
+
+
+def publish_arena(rdzv: Rendezvous, group: str, rid: str, arenas: dict[str, torch.Tensor],
+                  targets: list[tuple[str, str, int, tuple[int, ...]]], version: int, metadata: bytes) -> None:
+    """Describe ``rid``'s arena for its replicas: per dtype ``(address, elements, memory,
+    device)``, and per target ``(name, dtype, element offset, shape)`` in hand-over order."""
+    info = {"agent": rid, "version": version,
+            "arenas": {d: [a.data_ptr(), a.numel(), *mem_type(a)] for d, a in arenas.items()},
+            "targets": [[n, d, o, list(s)] for n, d, o, s in targets]}
+    rdzv.store.set(rdzv.prefix + arena_key("meta", group, rid), metadata)
+    rdzv.store.set(rdzv.prefix + arena_key("info", group, rid), json.dumps(info))
+
+
+def tree_parent(rdzv: Rendezvous, group: str, rid: str, fanout: int) -> str | None:
+    """Join ``group`` (registration order) and return the replica ``rid`` should read from
+    in a tree of fan-out ``fanout`` (``None``: ``rid`` is the root, it reads the trainers)."""
+    if fanout < 1:
+        raise MegarefitError(f"fan-out must be >= 1, got {fanout}")
+    members = rdzv.join(f"replica_members/{group}", rid)
+    i = members.index(rid)
+    return None if i == 0 else members[(i - 1) // fanout]
+
+
+__all__ = ["arena_key", "publish_arena", "tree_parent"]

@@ -1,0 +1,66 @@
+"""Import planning: full HF tensors -> every rank's Megatron shards.
+
+The exact inverse of the export's geometry (:mod:`megarefit.layout.geometry`): every
+replica (each TP rank, the tied copy on the last stage) is written, and vocab padding
+rows are declared ``zero_fill``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from megarefit.layout.dims import ModelDims
+from megarefit.layout.geometry import grouped_pieces, hf_shapes, piece_boxes, pieces, source_tensors, view_shape
+from megarefit.layout.parallel import Box, SourceLayout
+from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
+from megarefit.specs.table import Role
+
+
+@lru_cache(maxsize=64)
+def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16") -> Plan:
+    """Plan the import of full HF tensors into every rank's Megatron shards.
+
+    The exact inverse of :func:`plan_megatron_to_hf`'s geometry: every replica
+    (each TP rank, the tied copy on the last stage) is written, and vocab
+    padding rows are declared ``zero_fill``. Cached per ``(dims, layout, dtype)``.
+    """
+    tensors = source_tensors(dims, layout)
+    sources: dict[TensorRef, TensorMeta] = {}
+    targets: dict[TensorRef, TensorMeta] = {}
+    ops: list[CopyOp] = []
+    for rank, ts in tensors.items():
+        for name, t in ts.items():
+            if t.spec.role.is_grouped:
+                view, tdtype = view_shape(t.spec, dims, layout), t.spec.dtype or dtype
+                hf_shape = hf_shapes(t.spec, dims, layout)[0]
+                dst = TensorRef(rank, name)
+                for hf_name, vbox, hbox in grouped_pieces(t.spec, dims, layout, rank.tp, rank.ep, t.layer):
+                    src = TensorRef(None, hf_name)
+                    sources.setdefault(src, TensorMeta(hf_shape, tdtype))
+                    ops.append(make_op(src, hf_shape, hbox, dst, view, vbox, itemsize(tdtype), transpose=True,
+                                       dst_view=True))
+                targets[dst] = TensorMeta(view, tdtype, storage_shape=t.shape)  # type: ignore[arg-type]
+                continue
+            names, shapes = t.spec.hf_names(t.layer, t.expert), hf_shapes(t.spec, dims, layout)
+            shape_of = dict(zip(names, shapes))
+            tdtype = t.spec.dtype or dtype
+            item = itemsize(tdtype)
+            for hf_name, shape in shape_of.items():
+                sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, tdtype))
+            dst = TensorRef(rank, name)
+            written = 0
+            for p in pieces(t.spec, names, dims, layout, rank.tp):
+                dbox, sbox = piece_boxes(p, t.shape, shape_of[p.hf_name])
+                ops.append(make_op(TensorRef(None, p.hf_name), shape_of[p.hf_name], sbox, dst, t.shape, dbox, item))
+                written += p.length
+            zero = ()
+            if t.spec.role is Role.VOCAB and written < t.shape[0]:
+                zero = (Box.rows(t.shape, written, t.shape[0] - written),)
+            targets[dst] = TensorMeta(t.shape, tdtype, zero)
+    plan = Plan("hf_to_megatron", dims, layout, dtype, sources, targets, tuple(ops),
+                digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype))
+    validate_plan(plan)
+    return plan
+
+
+__all__ = ["plan_hf_to_megatron"]
