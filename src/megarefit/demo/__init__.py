@@ -8,3 +8,18 @@
 
 Nothing here is imported by the library below it.
 """
+
+# megarefit 0.1's ``megarefit.demo`` module is ``megarefit.demo.offline`` now: its names stay
+# importable from here for one release, with a DeprecationWarning (CHANGELOG.md).
+_OFFLINE = ("FP8_COSINE", "FP8_TOLERANCE", "TOLERANCE", "check_memory", "default_config", "run_demo")
+
+
+def __getattr__(name: str) -> object:
+    if name not in _OFFLINE:
+        raise AttributeError(f"module 'megarefit.demo' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(f"megarefit.demo.{name} moved to megarefit.demo.offline.{name}; the old path is removed in "
+                  "megarefit 0.3", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("megarefit.demo.offline"), name)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megarefit.cuda import kernel_device
 from megarefit.errors import ShapeMismatchError
 from megarefit.quant.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, Fp8Format, quantize_fp8
 
@@ -164,10 +165,12 @@ class Fp8Quantizer:
             for src, out, scale in self.items:
                 quantize_fp8(src, self.fmt, out=out, scale_out=scale)
             return
-        for table, meta, programs, bm, bn, dtype in self._launches:
-            hw_cast = bool(self.items[0][0].is_cuda)  # Triton's CPU interpreter rounds fp8 casts wrongly
-            _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype, FLOOR=SCALE_FLOOR, FMAX=FP8_MAX,
-                                     HW_CAST=hw_cast, CHUNK=min(self.chunk, bm), num_warps=self.num_warps)
+        hw_cast = bool(self.items[0][0].is_cuda)  # Triton's CPU interpreter rounds fp8 casts wrongly
+        with kernel_device(self.items[0][0].device):  # launches go to the current device: make it the items'
+            for table, meta, programs, bm, bn, dtype in self._launches:
+                _fp8_blocks[(programs,)](table, *meta, BM=bm, BN=bn, SRC_DTYPE=dtype, FLOOR=SCALE_FLOOR,
+                                         FMAX=FP8_MAX, HW_CAST=hw_cast, CHUNK=min(self.chunk, bm),
+                                         num_warps=self.num_warps)
 
 
 __all__ = ["Fp8Quantizer"]

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megarefit.cuda import kernel_device
 from megarefit.transport.local import BOX_WORD, widened
 
 try:  # Triton ships with CUDA builds of torch
@@ -193,6 +194,7 @@ class BoxCopies:
             fused = triton is not None and bool(self.pairs) and self.pairs[0][0].is_cuda
         self._rest: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._launches: list[tuple] = []
+        self.device = self.pairs[0][0].device if self.pairs else torch.device("cpu")
         if not fused:  # CPU: copy_ (regular runs of pairs as one), as wide words where both sides allow
             self._rest = [widened(d, s, BOX_WORD) for d, s in stacked(self.pairs)]
             return
@@ -239,8 +241,11 @@ class BoxCopies:
         torch.cuda.synchronize(device)
 
     def __call__(self) -> None:
-        for programs, table, meta, word, br, bc in self._launches:
-            _copy_boxes[(programs,)](table, *meta, WORD=word, BR=br, BC=bc, num_warps=4)
+        """Launch the copies on the current stream of the pairs' device (made the current device
+        for the launches: Triton addresses the current device's memory, whatever the caller's is)."""
+        with kernel_device(self.device):
+            for programs, table, meta, word, br, bc in self._launches:
+                _copy_boxes[(programs,)](table, *meta, WORD=word, BR=br, BC=bc, num_warps=4)
         for dst, src in self._rest:
             dst.copy_(src)
 

@@ -1,0 +1,86 @@
+"""Kernels and a receiver on a CUDA device that is not the process's current one.
+
+Triton launches on the *current* device: without a guard, a ``RefitReceiver(device="cuda:1")``
+in a process whose current device is ``cuda:0`` fails on its first cycle ("Pointer argument
+(at 0) cannot be accessed from Triton (cpu tensor?)"). Every launch runs under
+``torch.cuda.device(tensor.device)`` (:func:`megarefit.cuda.kernel_device`). Needs two GPUs
+(skipped with fewer); nothing here calls ``set_device`` to the receiver's device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs two CUDA GPUs", allow_module_level=True)
+pytest.importorskip("triton")
+
+from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, quantize_fp8  # noqa: E402
+from megarefit.quant.kernel import Fp8Quantizer  # noqa: E402
+from megarefit.transport.boxcopy import BoxCopies  # noqa: E402
+
+OTHER = torch.device("cuda:1")
+
+
+@pytest.fixture(autouse=True)
+def current_is_cuda0():
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(0)  # the process's current device is NOT the tensors' device
+    yield
+    torch.cuda.set_device(before)
+
+
+def test_box_copies_launch_on_the_tensors_device():
+    src = torch.randn(64, 512, dtype=torch.bfloat16, device=OTHER)
+    dst = torch.zeros(64, 512, dtype=torch.bfloat16, device=OTHER)
+    pairs = [(dst[:, :128], src[:, 256:384]), (dst[:, 128:384], src[:, :256])]  # strided boxes
+    copies = BoxCopies(pairs)
+    assert copies.fused
+    copies()
+    torch.cuda.synchronize(OTHER)
+    assert torch.cuda.current_device() == 0
+    assert torch.equal(dst[:, :128], src[:, 256:384]) and torch.equal(dst[:, 128:384], src[:, :256])
+    assert not dst[:, 384:].any()
+
+
+def test_fp8_quantizer_launches_on_the_tensors_device():
+    fmt = Fp8Format()
+    src = torch.randn(384, 256, dtype=torch.bfloat16, device=OTHER)
+    out = torch.empty(src.shape, dtype=FP8_DTYPE, device=OTHER)
+    scale = torch.empty(fmt.scale_shape(tuple(src.shape)), dtype=torch.float32, device=OTHER)
+    quantizer = Fp8Quantizer([(src, out, scale)], fmt)
+    assert quantizer.fused
+    quantizer()
+    want, want_scale = quantize_fp8(src.cpu(), fmt)
+    assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale.cpu(), want_scale)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_receiver_on_a_non_current_device(config, quantization):
+    pytest.importorskip("nixl")
+    from megarefit.online import RefitReceiver
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.translate import megatron_to_hf
+    from reference import reference_hf_state, reference_shards
+
+    cfg = config("Qwen3-0.6B")
+    hf = reference_hf_state(cfg, "qwen3")
+    shards = {r: {n: t.to("cuda:0").contiguous() for n, t in s.items()}
+              for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
+    want = megatron_to_hf({r: {n: t.cpu() for n, t in s.items()} for r, s in shards.items()}, cfg, tp=2,
+                          quantization=quantization)
+    job = f"guard-{quantization}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
+                      quantization=quantization) for r, s in shards.items()]
+    receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1")
+    for version in (1, 2):  # cold, then warm (prepared READs and kernels reused)
+        for p in pubs:
+            p.publish(version)
+        got = dict(receiver.run_refit_cycle(version))
+        assert torch.cuda.current_device() == 0
+        assert got.keys() == want.keys()
+        for k, t in got.items():
+            assert t.device == OTHER and torch.equal(t.cpu().view(torch.uint8), want[k].view(torch.uint8)), k
