@@ -39,9 +39,7 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
     from megarefit.online.rendezvous import Rendezvous
     from megarefit.online.replica import ReplicaReceiver
 
-    device = devices[index % len(devices)]
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+    device = devices[index % len(devices)]  # not made current: megarefit guards its own launches
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
     name, parent = names[index], parents[index]
     if parent is None:
@@ -56,7 +54,7 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
         for _ in (rx.run_refit_cycle(1) if parent is None else rx.run_refit_cycle()):
             pass
         if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         nbytes = rx.stats.bytes_moved if parent is None else rx.bytes_read
         wire = rx.stats.wire_bytes if parent is None else 0

@@ -66,9 +66,7 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
     from megarefit.transport.nixl import NixlAgent, mem_type
 
     devices = args["receiver_devices"]
-    device = devices[index % len(devices)]
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+    device = devices[index % len(devices)]  # not made current: megarefit guards its own launches
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
     store = rdzv.store
     t0 = time.perf_counter()
@@ -83,7 +81,7 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
         for _ in rx.run_refit_cycle(1):
             pass
         if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         out["cycles"].append(time.perf_counter() - t0)
         store.set(f"multi/done/{index}/{c}", "1")
     stats, plan = rx.stats, rx._plan

@@ -75,9 +75,7 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     dims, layout, plan = _setup(cfg, args)
     coord = layout.ranks()[index]
     devices = args.get("trainer_devices") or [args["trainer_device"]]  # bench_multi.py: rank i on devices[i % n]
-    device = devices[index % len(devices)]
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+    device = devices[index % len(devices)]  # not made current: megarefit guards its own launches
     g = torch.Generator(device=device).manual_seed(index)
     shapes = {n: t.shape for n, t in source_tensors(dims, layout)[coord].items()}
     dtype = getattr(torch, args["dtype"])
@@ -228,9 +226,6 @@ def main() -> None:
                                         "trainer_device", "quantization")}
     args["param_buffer"] = not ns.separate_params
     dims, layout, plan = _setup(cfg, args)
-    if ns.device.startswith("cuda"):
-        torch.cuda.set_device(ns.device)
-
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
     t_ctor = time.perf_counter()
@@ -259,7 +254,7 @@ def main() -> None:
             prof.disable()
             pstats.Stats(prof).sort_stats("cumulative").print_stats(ns.profile_cold)
         if ns.device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(ns.device)
         cycles.append((time.perf_counter() - t0, receiver.stats))
     stats = cycles[-1][1]
     # the refit's direct READs alone (its prepared requests, no scratch waves): their rate against

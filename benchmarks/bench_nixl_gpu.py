@@ -63,7 +63,7 @@ def main() -> None:
             t0 = time.perf_counter()
             got = dict(receiver.run_refit_cycle(v))
             if dst_dev != "cpu":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(dst_dev)
             times.append(time.perf_counter() - t0)
         exact = got.keys() == want.keys() and all(torch.equal(got[k].cpu(), w) for k, w in want.items())
         best = min(times[1:]) if len(times) > 1 else times[0]

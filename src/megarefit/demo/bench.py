@@ -28,8 +28,9 @@ from megarefit.transport.local import LocalTransport
 
 
 def sync(device: str | torch.device = "cuda") -> None:
-    if str(device) != "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    """Wait for ``device``'s work (``"cuda"``: the current device's); no-op off a GPU."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
 
 
 def best_of(fn: Callable[[], Any], repeat: int, device: str | torch.device = "cuda") -> tuple[float, float]:
