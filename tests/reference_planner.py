@@ -70,7 +70,7 @@ def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str =
                 reader = RankCoord(tps[t.expert % len(tps)], rank.pp, rank.ep)  # same name on every TP rank
             shape_of = dict(zip(names, shapes))
             for p in pieces(t.spec, names, dims, layout, reader.tp):
-                sbox, dbox = _boxes(p, t.shape, shape_of[p.hf_name])
+                sbox, dbox = piece_boxes(p, t.shape, shape_of[p.hf_name])
                 dst = TensorRef(None, p.hf_name)
                 by_target[dst].append(make_op(TensorRef(reader, name), t.shape, sbox, dst, shape_of[p.hf_name], dbox,
                                               item))

@@ -243,33 +243,17 @@ def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: 
 
 
 # --------------------------------------------------------------------------- model
-def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None) -> GPTModel:
-    """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
-
-    Uses the current parallel state (see :func:`init_parallel`);
-    ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
-    RMSNorm, RoPE, no linear biases except optional QKV bias. The default torch
-    RNG is seeded from ``seed`` and the pipeline rank (same on every TP rank), so
-    the result is deterministic. ``vp_stage``: with a virtual pipeline
-    (``init_parallel(vpp=...)``), build that model chunk of this rank.
-    """
-    apply_cpu_patches()
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    kwargs: dict[str, Any] = dict(
+def _base_config_kwargs(arch: GPTArch, ps: Any) -> dict[str, Any]:
+    """``TransformerConfig`` kwargs of a dense CPU model: fp32, RMSNorm, SwiGLU, no dropout, no fusions."""
+    return dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
         kv_channels=arch.kv_channels,
         ffn_hidden_size=arch.ffn_hidden_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -287,23 +271,46 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = N
                          "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion"),
                         False),
     )
+
+
+def _moe_config_kwargs(arch: GPTArch, ps: Any) -> dict[str, Any]:
+    """The MoE options of ``arch`` (``arch.num_experts`` set): router, experts, expert parallelism."""
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=arch.moe_grouped_gemm,
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        moe_layer_freq=[0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
+        moe_router_score_function=arch.router_score_function,
+        moe_router_enable_expert_bias=arch.router_expert_bias,
+        moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
+    )
+    if arch.router_expert_bias:
+        kwargs["moe_router_dtype"] = "fp32"
+    if arch.shared_expert_ffn:
+        kwargs["moe_shared_expert_intermediate_size"] = arch.shared_expert_ffn
+    return kwargs
+
+
+def _mla_config_kwargs(arch: GPTArch) -> dict[str, Any]:
+    """The multi-latent-attention options of ``arch`` (``arch.kv_lora_rank`` set)."""
+    return dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None,
+                kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
+                qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
+                num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+
+
+def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
+    """(``TransformerConfig`` or ``MLATransformerConfig``, MLA core-attention class or ``None``) of ``arch``
+    under the current parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = _base_config_kwargs(arch, ps)
     if arch.num_experts:
-        kwargs.update(
-            num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
-            moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=arch.moe_grouped_gemm,
-            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-            moe_layer_freq=[0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
-            moe_router_score_function=arch.router_score_function,
-            moe_router_enable_expert_bias=arch.router_expert_bias,
-            moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
-        )
-        if arch.router_expert_bias:
-            kwargs["moe_router_dtype"] = "fp32"
-        if arch.shared_expert_ffn:
-            kwargs["moe_shared_expert_intermediate_size"] = arch.shared_expert_ffn
+        kwargs.update(_moe_config_kwargs(arch, ps))
     config_cls = TransformerConfig
     mla_attention = None
     if arch.kv_lora_rank:
@@ -311,15 +318,19 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = N
 
         mla_attention = _patch_mla()
         config_cls = MLATransformerConfig
-        kwargs.update(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None,
-                      kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
-                      qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
-                      num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+        kwargs.update(_mla_config_kwargs(arch))
     if arch.mtp_layers:
         kwargs["mtp_num_layers"] = arch.mtp_layers
     if vp_stage is not None:
         kwargs["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
-    config = config_cls(**kwargs)
+    return config_cls(**kwargs), mla_attention
+
+
+def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, Any]:
+    """(decoder layer spec, MTP block spec or ``None``): the local (non-TE) spec, or the decoder
+    block spec for MoE / MLA models (with ``mla_attention`` as every layer's core attention)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     if arch.num_experts or mla_attention is not None:
         # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -335,6 +346,25 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = N
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    return spec, mtp_spec
+
+
+def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None) -> GPTModel:
+    """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
+
+    Uses the current parallel state (see :func:`init_parallel`);
+    ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
+    RMSNorm, RoPE, no linear biases except optional QKV bias. The default torch
+    RNG is seeded from ``seed`` and the pipeline rank (same on every TP rank), so
+    the result is deterministic. ``vp_stage``: with a virtual pipeline
+    (``init_parallel(vpp=...)``), build that model chunk of this rank.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config, mla_attention = _transformer_config(arch, vp_stage)
+    spec, mtp_spec = _layer_specs(arch, config, mla_attention)
     # Seed per pipeline stage: the same seed on every stage would give local layer i
     # identical values on every stage (hiding layer-renumbering bugs).
     torch.manual_seed(seed + 7919 * ps.get_pipeline_model_parallel_rank())

@@ -19,6 +19,7 @@ the few runs that qualify). Pairs keep the per-object order: parameter, piece, H
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -26,7 +27,7 @@ from megarefit.errors import PlanValidationError
 from megarefit.layout import Box
 from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, validate_plan
 from megarefit.plan.columns import PlanColumns, contiguous_runs, flat_offsets
-from megarefit.plan.table import OpTable
+from megarefit.plan.table import OpTable, TensorTable
 from megarefit.targets.vllm_layout import VllmParam
 
 _I64 = torch.int64
@@ -71,21 +72,27 @@ def _pad(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
         else t
 
 
-def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], produced: set[str], dtype: str,
-             steps: Sequence[QuantizeStep], digest: str) -> Plan:
-    """The vLLM worker's plan from a columnar ``hf_plan`` (see the module docstring);
-    ``typed``: parameter name -> (parameter, dtype override); ``produced``: names a quantize
-    step writes (declared, no ops). Validated before returning.
+class _Pieces(NamedTuple):
+    """Every vLLM parameter piece as columns (one row per piece, boxes right-aligned in ``width`` dims)."""
+
+    param: torch.Tensor  # parameter index j
+    row: torch.Tensor  # the HF plan's target row t of its HF tensor
+    hf_off: torch.Tensor  # hf_box offsets
+    hf_len: torch.Tensor  # hf_box lengths
+    param_off: torch.Tensor  # param_box offsets
+
+
+def _parameters(typed: Mapping[str, tuple[VllmParam, str | None]], produced: set[str], dtype: str,
+                hf_targets: TensorTable, width: int) -> tuple[list[TensorRef], list[TensorMeta], list[int], _Pieces]:
+    """Per parameter its ref, meta and filled rows (pieces' first param-box lengths), and every
+    piece of a parameter not in ``produced``, in parameter then piece order.
 
     Raises:
-        PlanValidationError: internal inconsistency (a bug).
+        PlanValidationError: a piece's HF tensor is not a target of the HF plan.
     """
-    ops: OpTable = hf_plan.ops  # type: ignore[assignment]
-    c, hf_targets = ops.columns, ops.targets
     row_of = hf_targets.index if hasattr(hf_targets, "index") else {r: i for i, r in enumerate(hf_targets)}
     refs, metas, fills = [], [], []  # per parameter
-    p_param, p_row, p_hfo, p_hfl, p_po, p_pl = [], [], [], [], [], []
-    width = max([c.src_off.shape[1]] + [len(p.shape) for p, _ in typed.values()])
+    p_param, p_row, p_hfo, p_hfl, p_po = [], [], [], [], []
     for j, (name, (param, pdtype)) in enumerate(typed.items()):
         first = row_of.get(TensorRef(None, param.pieces[0].hf_name)) if param.pieces else None
         meta = hf_targets.meta(first) if first is not None else None
@@ -107,34 +114,39 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
             p_hfl.append((1,) * lead + piece.hf_box.lengths)
             lead = width - len(piece.param_box.offsets)
             p_po.append((0,) * lead + piece.param_box.offsets)
-            p_pl.append((1,) * lead + piece.param_box.lengths)
-    n_pieces = len(p_param)
 
     def tens(rows: list, cols: int) -> torch.Tensor:
         return torch.tensor(rows, dtype=_I64).reshape(-1, cols)
 
-    hfo, hfl, po = tens(p_hfo, width), tens(p_hfl, width), tens(p_po, width)
-    piece_row = torch.tensor(p_row, dtype=_I64)
-    piece_param = torch.tensor(p_param, dtype=_I64)
+    pieces = _Pieces(torch.tensor(p_param, dtype=_I64), torch.tensor(p_row, dtype=_I64), tens(p_hfo, width),
+                     tens(p_hfl, width), tens(p_po, width))
+    return refs, metas, fills, pieces
 
-    # ---- pairs (piece, HF op of its HF tensor), in piece order then op order
-    n_t = len(hf_targets)
+
+def _pairs(c: PlanColumns, n_t: int, pieces: _Pieces, width: int) -> tuple[torch.Tensor, ...]:
+    """Every (piece, HF op of its HF tensor) pair whose part (``op.dst_box`` n ``piece.hf_box``)
+    is not empty, in piece then op order: ``(pair_piece, op, lo, hi, d_off, s_off)``, ``[lo, hi)``
+    the part in HF coordinates, ``d_off`` / ``s_off`` the op's padded dst / src offsets."""
+    n_pieces = len(pieces.param)
+    hfo, hfl = pieces.hf_off, pieces.hf_len
     count = torch.bincount(c.dst_id, minlength=n_t)
     start = torch.cumsum(count, 0) - count
-    per = count[piece_row] if n_pieces else torch.zeros(0, dtype=_I64)
+    per = count[pieces.row] if n_pieces else torch.zeros(0, dtype=_I64)
     pair_piece = torch.repeat_interleave(torch.arange(n_pieces), per)
     first = torch.cumsum(per, 0) - per
-    op = start[piece_row][pair_piece] + torch.arange(len(pair_piece)) - first[pair_piece]
+    op = start[pieces.row][pair_piece] + torch.arange(len(pair_piece)) - first[pair_piece]
     d_off, d_len = _pad(c.dst_off[op], width, 0), _pad(c.dst_len[op], width, 1)
-    s_off, s_len = _pad(c.src_off[op], width, 0), _pad(c.src_len[op], width, 1)
+    s_off = _pad(c.src_off[op], width, 0)
     lo = torch.maximum(d_off, hfo[pair_piece])
     hi = torch.minimum(d_off + d_len, hfo[pair_piece] + hfl[pair_piece])
     keep = (hi > lo).all(1)
-    pair_piece, op, lo, hi = pair_piece[keep], op[keep], lo[keep], hi[keep]
-    d_off, s_off, s_len = d_off[keep], s_off[keep], s_len[keep]
-    part_len = hi - lo
-    transpose = ops.transpose[op]
-    shift = lo - d_off
+    return pair_piece[keep], op[keep], lo[keep], hi[keep], d_off[keep], s_off[keep]
+
+
+def _source_boxes(s_off: torch.Tensor, shift: torch.Tensor, part_len: torch.Tensor,
+                  transpose: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, lengths) of each part in its source: the op's source box shifted by ``shift``
+    (the part's offset inside the op's dst box); for transposed ops the last two dims swapped."""
     src_off = s_off + shift
     src_len = part_len.clone()
     if bool(transpose.any()):  # last two dims swapped; the source's leading dims stay length 1
@@ -146,13 +158,65 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
         lead[:, :-2] = 1
         src_len[t] = torch.where(lead.bool(), 1, src_len[t])
         src_off[t, :-2] = s_off[t, :-2]
-    dst_off = po[pair_piece] + (lo - hfo[pair_piece])
+    return src_off, src_len
+
+
+def _fill_metas(refs: list[TensorRef], metas: list[TensorMeta], fills: list[int], produced: set[str],
+                dst_id: torch.Tensor, dst_len: torch.Tensor) -> ListTable:
+    """The target table, each parameter the parts do not cover (vocab padding past
+    ``vocab_size``) declaring its rows past ``fills`` as zero fill (``metas`` updated in place)."""
+    written = torch.zeros(len(refs), dtype=_I64).index_add_(0, dst_id, dst_len.prod(1))
+    for j, (m, w) in enumerate(zip(metas, written.tolist())):
+        if refs[j].name not in produced and w < m.numel:
+            metas[j] = TensorMeta(m.shape, m.dtype, (Box.rows(m.shape, fills[j], m.shape[0] - fills[j]),))
+    return ListTable(refs, metas)
+
+
+def _merged_columns(columns: list[torch.Tensor], ops: OpTable, targets: ListTable, src_shape: torch.Tensor,
+                    width: int) -> tuple[PlanColumns, torch.Tensor, torch.Tensor]:
+    """(plan columns, itemsize, transpose) of the pairs' ``columns`` (src_id, dst_id, kind, src_off,
+    src_len, dst_off, dst_len, src_flat, dst_flat, item, transpose) after merging runs of contiguous
+    ops that continue each other (few; ``merge_ops`` decides)."""
+    src_id, dst_id, kind, src_off, src_len, dst_off, dst_len, src_flat, dst_flat, item, transpose = columns
+    cand = (kind[:-1] == 0) & (kind[1:] == 0) & (src_id[:-1] == src_id[1:]) & (dst_id[:-1] == dst_id[1:]) \
+        & (src_flat[:-1] + src_len[:-1].prod(1) == src_flat[1:]) \
+        & (dst_flat[:-1] + dst_len[:-1].prod(1) == dst_flat[1:])
+    if bool(cand.any()):
+        columns = _merge(columns, cand, ops, targets, width)
+    src_id, dst_id, kind, src_off, src_len, dst_off, dst_len, src_flat, dst_flat, item, transpose = columns
+    cols = PlanColumns(src_id=src_id, dst_id=dst_id, kind=kind, special=transpose.clone(), src_off=src_off,
+                       src_len=src_len, dst_off=dst_off, dst_len=dst_len, ndim_ok=_ndim_ok(ops, targets, src_id,
+                                                                                           dst_id, src_len, dst_len),
+                       src_flat=src_flat, dst_flat=dst_flat, src_shape=src_shape, dst_shape=targets.shapes(width),
+                       dst_numel=targets.numels())
+    return cols, item, transpose
+
+
+def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], produced: set[str], dtype: str,
+             steps: Sequence[QuantizeStep], digest: str) -> Plan:
+    """The vLLM worker's plan from a columnar ``hf_plan`` (see the module docstring);
+    ``typed``: parameter name -> (parameter, dtype override); ``produced``: names a quantize
+    step writes (declared, no ops). Validated before returning.
+
+    Raises:
+        PlanValidationError: internal inconsistency (a bug).
+    """
+    ops: OpTable = hf_plan.ops  # type: ignore[assignment]
+    c, hf_targets = ops.columns, ops.targets
+    width = max([c.src_off.shape[1]] + [len(p.shape) for p, _ in typed.values()])
+    refs, metas, fills, pieces = _parameters(typed, produced, dtype, hf_targets, width)
+
+    # ---- pairs (piece, HF op of its HF tensor), in piece order then op order
+    pair_piece, op, lo, hi, d_off, s_off = _pairs(c, len(hf_targets), pieces, width)
+    part_len = hi - lo
+    transpose = ops.transpose[op]
+    src_off, src_len = _source_boxes(s_off, lo - d_off, part_len, transpose)
+    dst_off = pieces.param_off[pair_piece] + (lo - pieces.hf_off[pair_piece])
     dst_len = part_len
-    dst_id = piece_param[pair_piece]
+    dst_id = pieces.param[pair_piece]
     src_id = c.src_id[op]
 
-    targets_table = ListTable(refs, metas)
-    src_shape, dst_shape = ops.sources.shapes(width), targets_table.shapes(width)
+    src_shape, dst_shape = ops.sources.shapes(width), ListTable(refs, metas).shapes(width)
     s_run = contiguous_runs(src_off, src_len, src_shape[src_id])
     d_run = contiguous_runs(dst_off, dst_len, dst_shape[dst_id])
     kind = (~(s_run & d_run & ~transpose)).long()
@@ -160,24 +224,11 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
     src_flat, dst_flat = flat_offsets(src_off, src_shape[src_id]), flat_offsets(dst_off, dst_shape[dst_id])
 
     # ---- zero fill (vocab padding past vocab_size) where the parts do not cover a parameter
-    written = torch.zeros(len(refs), dtype=_I64).index_add_(0, dst_id, dst_len.prod(1))
-    for j, (m, w) in enumerate(zip(metas, written.tolist())):
-        if refs[j].name not in produced and w < m.numel:
-            metas[j] = TensorMeta(m.shape, m.dtype, (Box.rows(m.shape, fills[j], m.shape[0] - fills[j]),))
-    targets_table = ListTable(refs, metas)
+    targets_table = _fill_metas(refs, metas, fills, produced, dst_id, dst_len)
 
     # ---- merge runs of contiguous ops that continue each other (few; merge_ops decides)
-    cand = (kind[:-1] == 0) & (kind[1:] == 0) & (src_id[:-1] == src_id[1:]) & (dst_id[:-1] == dst_id[1:]) \
-        & (src_flat[:-1] + src_len[:-1].prod(1) == src_flat[1:]) & (dst_flat[:-1] + dst_len[:-1].prod(1) == dst_flat[1:])
     columns = [src_id, dst_id, kind, src_off, src_len, dst_off, dst_len, src_flat, dst_flat, item, transpose]
-    if bool(cand.any()):
-        columns = _merge(columns, cand, ops, targets_table, width)
-    src_id, dst_id, kind, src_off, src_len, dst_off, dst_len, src_flat, dst_flat, item, transpose = columns
-    cols = PlanColumns(src_id=src_id, dst_id=dst_id, kind=kind, special=transpose.clone(), src_off=src_off,
-                       src_len=src_len, dst_off=dst_off, dst_len=dst_len, ndim_ok=_ndim_ok(ops, targets_table, src_id,
-                                                                                               dst_id, src_len, dst_len),
-                       src_flat=src_flat, dst_flat=dst_flat, src_shape=src_shape, dst_shape=targets_table.shapes(width),
-                       dst_numel=targets_table.numels())
+    cols, item, transpose = _merged_columns(columns, ops, targets_table, src_shape, width)
     out = OpTable(cols, ops.sources, targets_table, item, transpose)  # type: ignore[arg-type]
     plan = Plan("megatron_to_vllm", hf_plan.dims, hf_plan.layout, dtype, ops.sources, targets_table,
                 out, digest, tuple(steps))  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -222,6 +222,41 @@ def _coalesce(items: list[tuple[tuple[int, int, int], tuple[int, int, int], int,
     return out
 
 
+class _RankLayout(NamedTuple):
+    """One source rank's pulls: direct ``(remote, local, ops)`` groups, gathered ops, their source runs."""
+
+    direct: list[tuple[tuple[int, int, int], tuple[int, int, int], list[CopyOp]]]
+    gathered: list[CopyOp]
+    pieces: list[Piece]
+    rdev: int
+
+
+def _local_memory(buffers: Mapping[TensorRef, torch.Tensor]) -> tuple[str, int]:
+    """The NIXL memory type and device id of the receiver's buffers (``("DRAM", 0)`` for none).
+
+    Raises:
+        TransferError: the buffers span several memories.
+    """
+    local_mem = {mem_type(t) for t in buffers.values()}
+    if len(local_mem) > 1:
+        raise TransferError(f"receiver buffers span memory types {sorted(local_mem)}; keep them on one device")
+    (lmem, ldev), = local_mem or {("DRAM", 0)}
+    return lmem, ldev
+
+
+def _ops_by_rank(plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> dict[RankCoord, _SourcePulls]:
+    """The plan's ops grouped per source rank (plan order kept), one :class:`_SourcePulls` each."""
+    by_rank: dict[RankCoord, _SourcePulls] = {}
+    for op in plan.ops:
+        rank = op.src.rank
+        assert rank is not None
+        pulls = by_rank.get(rank)
+        if pulls is None:
+            pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
+        pulls.ops.append(op)
+    return by_rank
+
+
 @dataclass
 class PreparedPlan:
     """Prepared transfer requests for one plan against one set of source memories."""
@@ -318,109 +353,147 @@ class NixlTransport:
         if cached is not None:
             return cached
         self.nixl.register(list(buffers.values()))
-        local_mem = {mem_type(t) for t in buffers.values()}
-        if len(local_mem) > 1:
-            raise TransferError(f"receiver buffers span memory types {sorted(local_mem)}; keep them on one device")
-        (lmem, ldev), = local_mem or {("DRAM", 0)}
+        lmem, ldev = _local_memory(buffers)
         device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
-        by_rank: dict[RankCoord, _SourcePulls] = {}
-        for op in plan.ops:
-            rank = op.src.rank
-            assert rank is not None
-            pulls = by_rank.get(rank)
-            if pulls is None:
-                pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
-            pulls.ops.append(op)
+        by_rank = _ops_by_rank(plan, manifests)
         # pass 1: per rank, the direct descriptors and the gathered waves (addresses only)
-        layouts = {}
+        layouts = {rank: self._rank_layout(plan, pulls, manifests[rank], buffers, ldev)
+                   for rank, pulls in sorted(by_rank.items())}
+        waves_of, scratch_bytes = self._plan_waves(layouts, buffers)
+        self._ensure_scratch(scratch_bytes, device, (lmem, ldev), bool(buffers))
+        # pass 2: descriptor lists, requests and the placement of each wave
+        prepared = PreparedPlan(key, [])
+        base = 0
         for rank, pulls in sorted(by_rank.items()):
-            entries = manifests[rank].by_name()
-            remote_mem = {(entries[op.src.name].mem, entries[op.src.name].dev) for op in pulls.ops}
-            if len(remote_mem) > 1:
-                raise TransferError(f"trainer rank {rank} serves tensors from several memories {sorted(remote_mem)}; "
-                                    "a rank must keep its published tensors on one device")
-            rdev = next(iter(remote_mem))[1]
-            items = []
-            for op in pulls.ops:
-                if op.kind == "contiguous":
-                    r = (entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev)
-                    l_addr = buffers[op.dst].data_ptr() + op.dst_byte_offset
-                    items.append((r, (l_addr, op.nbytes, ldev), entries[op.src.name].region,
-                                  self.nixl.region(l_addr, op.nbytes), op))
-            groups = sorted(_coalesce(items), key=lambda g: -g[0][1])
-            cut = sum(1 for g in groups[:self.max_direct] if g[0][1] >= self.direct_min_bytes)
-            direct = sorted(groups[:cut], key=lambda g: g[0][0])  # the largest, in trainer order
-            small = {id(op) for g in groups[cut:] for op in g[2]}
-            gathered = [op for op in pulls.ops if op.kind != "contiguous" or id(op) in small]
-            pieces = []
-            for i, op in enumerate(gathered):
-                first, stop = _source_run(plan, op)
-                e = entries[op.src.name]
-                pieces.append(Piece(e.region, e.addr + first * op.itemsize, (stop - first) * op.itemsize, i))
-            layouts[rank] = (direct, gathered, pieces, rdev)
+            waves, half = waves_of[rank]
+            remote, local, spans, places = self._descriptors(plan, layouts[rank], waves, half, base, buffers, ldev)
+            base += half * min(2, len(waves))
+            pulls.scratch_bytes = half * min(2, len(waves))
+            rmem = manifests[rank].by_name()[pulls.ops[0].src.name].mem
+            self._make_requests(pulls, manifests[rank], remote, local, spans, places, (rmem, lmem),
+                                bool(layouts[rank].direct))
+            prepared.per_source.append(pulls)
+        self._release_prepared()  # keep only the current layout's requests
+        self._prepared = {key: prepared}
+        return prepared
+
+    def _rank_layout(self, plan: Plan, pulls: _SourcePulls, manifest: Manifest,
+                     buffers: Mapping[TensorRef, torch.Tensor], ldev: int) -> _RankLayout:
+        """One source rank's pulls split into direct descriptors (the largest coalesced contiguous
+        runs, at most ``max_direct`` of at least ``direct_min_bytes``, in trainer order) and gathered
+        ops with their source runs as :class:`Piece` s (addresses only).
+
+        Raises:
+            TransferError: the rank serves its tensors from several memories.
+        """
+        rank = pulls.rank
+        entries = manifest.by_name()
+        remote_mem = {(entries[op.src.name].mem, entries[op.src.name].dev) for op in pulls.ops}
+        if len(remote_mem) > 1:
+            raise TransferError(f"trainer rank {rank} serves tensors from several memories {sorted(remote_mem)}; "
+                                "a rank must keep its published tensors on one device")
+        rdev = next(iter(remote_mem))[1]
+        items = []
+        for op in pulls.ops:
+            if op.kind == "contiguous":
+                r = (entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev)
+                l_addr = buffers[op.dst].data_ptr() + op.dst_byte_offset
+                items.append((r, (l_addr, op.nbytes, ldev), entries[op.src.name].region,
+                              self.nixl.region(l_addr, op.nbytes), op))
+        groups = sorted(_coalesce(items), key=lambda g: -g[0][1])
+        cut = sum(1 for g in groups[:self.max_direct] if g[0][1] >= self.direct_min_bytes)
+        direct = sorted(groups[:cut], key=lambda g: g[0][0])  # the largest, in trainer order
+        small = {id(op) for g in groups[cut:] for op in g[2]}
+        gathered = [op for op in pulls.ops if op.kind != "contiguous" or id(op) in small]
+        pieces = []
+        for i, op in enumerate(gathered):
+            first, stop = _source_run(plan, op)
+            e = entries[op.src.name]
+            pieces.append(Piece(e.region, e.addr + first * op.itemsize, (stop - first) * op.itemsize, i))
+        return _RankLayout(direct, gathered, pieces, rdev)
+
+    def _plan_waves(self, layouts: Mapping[RankCoord, _RankLayout], buffers: Mapping[TensorRef, torch.Tensor]
+                    ) -> tuple[dict[RankCoord, tuple[list, int]], int]:
+        """(rank -> (gathered waves, scratch half size), total scratch bytes): the scratch budget is
+        shared by the ranks that gather; a rank whose runs do not fit its share reads them in
+        waves through two halves."""
         budget = self.scratch_budget
         if budget is None:
             total = sum(b.numel() * b.element_size() for b in buffers.values())
             budget = max(SCRATCH_MIN_BYTES, int(SCRATCH_FRACTION * total))
-        share = budget // max(1, sum(1 for v in layouts.values() if v[2]))
+        share = budget // max(1, sum(1 for v in layouts.values() if v.pieces))
         waves_of: dict[RankCoord, tuple[list, int]] = {}  # rank -> (waves, half size)
         scratch_bytes = 0
-        for rank, (_, _, pieces, _) in layouts.items():
+        for rank, layout in layouts.items():
+            pieces = layout.pieces
             waves = plan_waves(pieces, cap=share, gap=self.gap_bytes) if pieces else []
             if len(waves) > 1:  # does not fit in one go: two halves, reused
                 waves = plan_waves(pieces, cap=max(1, share // 2), gap=self.gap_bytes)
             half = -(-max((w.nbytes for w in waves), default=0) // 256) * 256
             waves_of[rank] = (waves, half)
             scratch_bytes += half * min(2, len(waves))
+        return waves_of, scratch_bytes
+
+    def _ensure_scratch(self, scratch_bytes: int, device: torch.device, local: tuple[str, int],
+                        check: bool) -> None:
+        """(Re)allocate and register the scratch beside the buffers when it is too small or on
+        another device; with ``check``, it must be in the buffers' memory ``local``.
+
+        Raises:
+            TransferError: the scratch's memory differs from the buffers'.
+        """
         if scratch_bytes and (self._scratch is None or self._scratch.numel() < scratch_bytes
                               or self._scratch.device != device):
             self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)  # beside the buffers
             self.nixl.register([self._scratch])
-        if scratch_bytes and mem_type(self._scratch) != (lmem, ldev) and buffers:
-            raise TransferError(f"scratch memory {mem_type(self._scratch)} differs from the buffers' {(lmem, ldev)}")
-        # pass 2: descriptor lists, requests and the placement of each wave
-        prepared = PreparedPlan(key, [])
-        base = 0
-        for rank, pulls in sorted(by_rank.items()):
-            direct, gathered, pieces, rdev = layouts[rank]
-            waves, half = waves_of[rank]
-            rmem = manifests[rank].by_name()[pulls.ops[0].src.name].mem
-            remote = [g[0] for g in direct]
-            local = [g[1] for g in direct]
-            spans = [(0, len(remote))] if remote else []
-            places = []
-            for w, wave in enumerate(waves):
-                at = base + (w % 2) * half
-                first = len(remote)
-                pairs = []
-                for run in wave.runs:
-                    remote.append((run.addr, run.nbytes, rdev))
-                    local.append((self._scratch.data_ptr() + at + run.slot, run.nbytes, ldev))  # type: ignore[union-attr]
-                    for i, off in run.pieces:
-                        pairs.append(self._placement(plan, gathered[i], pieces[i].nbytes, at + run.slot + off, buffers))
-                spans.append((first, len(remote)))
-                places.append((BoxCopies(pairs), wave.nbytes, len(remote) - first))
-            base += half * min(2, len(waves))
-            pulls.descriptors, pulls.wire_bytes = len(remote), sum(n for _, n, _ in remote)
-            pulls.scratch_bytes = half * min(2, len(waves))
-            pulls.remote = [(a, n) for a, n, _ in remote]
-            agent = self.nixl.agent
-            rh = agent.prep_xfer_dlist(self._remote_name(manifests[rank]), remote, rmem)
-            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
-            pulls.dlists = (lh, rh)
-            self.nixl.counters["dlists"] += 2
-            handles = []
-            for lo, hi in spans:
-                idx = list(range(lo, hi))
-                handles.append(agent.make_prepped_xfer("READ", lh, idx, rh, idx))
-                self.nixl.counters["xfers"] += 1
-            if direct:
-                pulls.handle = handles.pop(0)
-            pulls.waves = [_Wave(h, place, nbytes, n) for h, (place, nbytes, n) in zip(handles, places)]
-            prepared.per_source.append(pulls)
-        self._release_prepared()  # keep only the current layout's requests
-        self._prepared = {key: prepared}
-        return prepared
+        if scratch_bytes and mem_type(self._scratch) != local and check:
+            raise TransferError(f"scratch memory {mem_type(self._scratch)} differs from the buffers' {local}")
+
+    def _descriptors(self, plan: Plan, layout: _RankLayout, waves: list, half: int, base: int,
+                     buffers: Mapping[TensorRef, torch.Tensor], ldev: int
+                     ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], list[tuple[int, int]], list]:
+        """(remote descriptors, local descriptors, request spans, wave placements) of one rank:
+        its direct pulls first (one span), then each wave's runs into its scratch half (starting
+        at scratch byte ``base``), each with (copies placing the wave, bytes, descriptors)."""
+        direct, gathered, pieces, rdev = layout
+        remote = [g[0] for g in direct]
+        local = [g[1] for g in direct]
+        spans = [(0, len(remote))] if remote else []
+        places = []
+        for w, wave in enumerate(waves):
+            at = base + (w % 2) * half
+            first = len(remote)
+            pairs = []
+            for run in wave.runs:
+                remote.append((run.addr, run.nbytes, rdev))
+                local.append((self._scratch.data_ptr() + at + run.slot, run.nbytes, ldev))  # type: ignore[union-attr]
+                for i, off in run.pieces:
+                    pairs.append(self._placement(plan, gathered[i], pieces[i].nbytes, at + run.slot + off, buffers))
+            spans.append((first, len(remote)))
+            places.append((BoxCopies(pairs), wave.nbytes, len(remote) - first))
+        return remote, local, spans, places
+
+    def _make_requests(self, pulls: _SourcePulls, manifest: Manifest, remote: list[tuple[int, int, int]],
+                       local: list[tuple[int, int, int]], spans: list[tuple[int, int]], places: list,
+                       mems: tuple[str, str], direct: bool) -> None:
+        """Prepare the rank's remote and local descriptor lists (memory types ``mems``) and one READ
+        request per span into ``pulls``: the direct one (if ``direct``) and one per wave."""
+        rmem, lmem = mems
+        pulls.descriptors, pulls.wire_bytes = len(remote), sum(n for _, n, _ in remote)
+        pulls.remote = [(a, n) for a, n, _ in remote]
+        agent = self.nixl.agent
+        rh = agent.prep_xfer_dlist(self._remote_name(manifest), remote, rmem)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
+        pulls.dlists = (lh, rh)
+        self.nixl.counters["dlists"] += 2
+        handles = []
+        for lo, hi in spans:
+            idx = list(range(lo, hi))
+            handles.append(agent.make_prepped_xfer("READ", lh, idx, rh, idx))
+            self.nixl.counters["xfers"] += 1
+        if direct:
+            pulls.handle = handles.pop(0)
+        pulls.waves = [_Wave(h, place, nbytes, n) for h, (place, nbytes, n) in zip(handles, places)]
 
     def _placement(self, plan: Plan, op: CopyOp, nbytes: int, at: int, buffers: Mapping[TensorRef, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
