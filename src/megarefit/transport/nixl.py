@@ -539,7 +539,7 @@ class NixlTransport:
         queued: list[tuple[_SourcePulls, int, Any]] = []  # wave to post once the event (placement) is done
         deadline = time.monotonic() + timeout
         scratch_s = 0.0
-        gpu = False
+        gpu: torch.device | None = None  # the device of the fused placements, if any
         while pending or queued:
             still = []
             for pulls, w in pending:
@@ -560,10 +560,10 @@ class NixlTransport:
                 with _bounded_threads(SCRATCH_THREADS):
                     place()
                 event = None
-                if place.fused:
-                    gpu = True
+                if place.fused:  # recorded on the stream of the device the copies ran on
+                    gpu = place.device
                     event = torch.cuda.Event()
-                    event.record()
+                    event.record(torch.cuda.current_stream(gpu))
                 scratch_s += time.perf_counter() - t0
                 if w + 2 < len(pulls.waves):
                     queued.append((pulls, w + 2, event))
@@ -579,9 +579,9 @@ class NixlTransport:
             if (pending or queued) and time.monotonic() > deadline:
                 who = pending[0][0] if pending else queued[0][0]
                 raise TransferError(self._describe(who, f"no completion after {timeout:.1f} s"))
-        if gpu:
+        if gpu is not None:
             t0 = time.perf_counter()
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(gpu).synchronize()
             scratch_s += time.perf_counter() - t0
         total = time.perf_counter() - t_post
         self.last_seconds = {"read": total - scratch_s, "scratch": scratch_s}
