@@ -69,7 +69,7 @@ def main() -> None:
     from bench_nixl import _setup, trainer
 
     from megarefit.demo.bench import bench_config, machine
-    from megarefit.demo.megatron_cpu import start_workers
+    from megarefit.demo.workers import start_workers
     from megarefit.online.rendezvous import Rendezvous
     from megarefit.online.replica import tree_parent
 

@@ -124,7 +124,7 @@ def main() -> None:
     from bench_nixl import nccl_broadcast_job, trainer
 
     from megarefit.demo.bench import bench_config, machine
-    from megarefit.demo.megatron_cpu import start_workers
+    from megarefit.demo.workers import start_workers
     from megarefit.planner import plan_megatron_to_hf
     from megarefit.online.rendezvous import Rendezvous
 

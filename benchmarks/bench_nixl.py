@@ -186,7 +186,7 @@ def nccl_broadcast_job(index: int, world_size: int, port: int, nbytes: int, buck
 
 def main() -> None:
     from megarefit.demo.bench import bench_config, best_of, machine
-    from megarefit.demo.megatron_cpu import start_workers
+    from megarefit.demo.workers import start_workers
     from megarefit.online import RefitReceiver
     from megarefit.online.rendezvous import Rendezvous
 

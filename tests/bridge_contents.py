@@ -66,7 +66,7 @@ def main(work: Path) -> dict:
     import safetensors.torch
     import transformers
 
-    from megarefit.demo.megatron_cpu import run_workers
+    from megarefit.demo.workers import run_workers
 
     cfg = config()
     torch.manual_seed(0)

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from megarefit.demo.megatron_cpu import TrainerCase, build_gpt_model, gpt_arch_from_hf, init_parallel, trainer_job
+from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
+from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
 
 
 class Wrapper(torch.nn.Module):

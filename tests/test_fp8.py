@@ -189,7 +189,7 @@ def test_vllm_fp8_models_quantize_exactly_these_weights(tmp_path):
     """vLLM's own FP8 models, built on CPU from the config megarefit writes (its
     ``quantization_config`` with ``modules_to_not_convert``), hold ``weight_scale_inv``
     exactly for the parameters that megarefit's quantized HF weights feed."""
-    from megarefit.demo.megatron_cpu import run_workers
+    from megarefit.demo.workers import run_workers
     from megarefit.targets import VllmTarget, vllm_params
     from moe_cases import moe_config
     from vllm_loader_jobs import vllm_param_shapes_job

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
-from megarefit.demo.megatron_cpu import start_workers  # noqa: E402
+from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 

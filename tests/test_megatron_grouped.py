@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
 from conftest import real_config  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from reference import moe_hf_state  # noqa: E402
 
 pytestmark = pytest.mark.megatron

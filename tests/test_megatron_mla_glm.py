@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 import megarefit  # noqa: E402
 from conftest import hf_model_from, real_config  # noqa: E402
 from megarefit.integrations.hf import hf_logits  # noqa: E402
-from megarefit.demo.megatron_cpu import TrainerCase, run_workers, trainer_job  # noqa: E402
+from megarefit.demo.trainer_jobs import TrainerCase, trainer_job  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
 from megarefit import ModelDims, SourceLayout  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megatron_jobs import mtp_layout_job  # noqa: E402
 from test_megatron_mla_glm import _config  # noqa: E402

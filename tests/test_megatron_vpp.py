@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 
 from conftest import tiny_config  # noqa: E402
 from megarefit import ModelDims, SourceLayout  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.layout import virtual_stage  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megatron_jobs import vpp_layout_job  # noqa: E402

@@ -17,7 +17,8 @@ pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
 from conftest import tiny_config  # noqa: E402
-from megarefit.demo.megatron_cpu import TrainerCase, serving_trainer_job, start_workers  # noqa: E402
+from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
+from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl import TransferError  # noqa: E402

@@ -70,7 +70,7 @@ def test_replica_falls_back_to_the_trainers_when_its_parent_dies(trainers, caplo
     from datetime import timedelta
 
     from handover_jobs import replica_parent_job
-    from megarefit.demo.megatron_cpu import start_workers
+    from megarefit.demo.workers import start_workers
     from megarefit.online.replica import ReplicaReceiver
 
     hf, _, rdzv, pubs = trainers

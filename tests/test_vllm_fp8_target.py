@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import megarefit  # noqa: E402
 from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names  # noqa: E402
 from megarefit.quant.planning import quantize_sources, where_quantized  # noqa: E402
 from megarefit.transport.execute import run_refit_cycle  # noqa: E402

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from megarefit import ModelDims, SourceLayout  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from moe_cases import CONFIGS, megatron_shards, moe_config  # noqa: E402
 from reference import hf_checkpoint_state, vllm_fp8_checkpoint  # noqa: E402
 from vllm_install_jobs import install_job  # noqa: E402

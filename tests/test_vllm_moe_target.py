@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.transport.execute import run_refit_cycle  # noqa: E402
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm, vllm_params  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 import megarefit  # noqa: E402
 from megarefit import ModelDims, SourceLayout  # noqa: E402
-from megarefit.demo.megatron_cpu import run_workers  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.transport.execute import run_refit_cycle  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm  # noqa: E402

@@ -29,7 +29,8 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False) -> dict:
     import megarefit
     from conftest import hf_model_from, real_config
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
-    from megarefit.demo.megatron_cpu import TrainerCase, serving_trainer_job, start_workers
+    from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
+    from megarefit.demo.workers import start_workers
     from megarefit.integrations.vllm import register
     from megarefit.online.rendezvous import Rendezvous
     from vllm_helpers import EXT, PROMPTS, hf_generate, same_generation, vllm_generate

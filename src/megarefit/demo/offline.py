@@ -96,7 +96,9 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
         MegarefitError: the config or layout is unsupported.
         RuntimeError: a trainer worker failed (its traceback is included).
     """
-    from megarefit.demo.megatron_cpu import TrainerCase, gpt_arch_from_hf, run_workers, trainer_job
+    from megarefit.demo.megatron_cpu import gpt_arch_from_hf
+    from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
+    from megarefit.demo.workers import run_workers
     from megarefit.integrations.hf import build_hf_model, hf_logits, install_weights
     from megarefit.translate import check_shapes
 

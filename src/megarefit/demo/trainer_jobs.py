@@ -1,0 +1,128 @@
+"""Trainer jobs run in :mod:`~megarefit.demo.workers` processes: build a real Megatron-Core
+model per :class:`TrainerCase`, then return its shards and logits (:func:`trainer_job`) or
+serve them through a :class:`~megarefit.online.publisher.Publisher` (:func:`serving_trainer_job`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarefit.demo.megatron_cpu import (
+    apply_cpu_patches,
+    build_gpt_model,
+    forward_logits,
+    gpt_arch_from_hf,
+    init_parallel,
+    perturb_parameters_,
+)
+from megarefit.integrations.megatron import local_named_parameters, refit_tensors
+
+
+@dataclass(frozen=True)
+class TrainerCase:
+    """One model to build in :func:`trainer_job`: HF config, layout, tokens for the forward pass."""
+
+    key: str
+    hf_config: dict
+    tp: int
+    pp: int
+    tokens: torch.Tensor  # [batch, seq] int64
+    seed: int = 1234
+    ep: int = 1
+
+
+def _first_copy(ep: int) -> bool:
+    """Whether this rank holds the first copy of its (tp, pp, ep) shard: data-parallel ranks
+    ``0 .. ep-1`` carry the ep ranks' distinct experts (``expert_tensor_parallel_size == tp``);
+    later ones repeat them."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() // max(1, ep) == 0
+
+
+def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
+    """Worker body for :func:`run_workers`: build each case's GPTModel, perturb it, run the
+    classifier against the spec table, run the forward pass.
+
+    Returns ``{case.key: {"coord": (tp, pp, ep), "params": {...}, "logits": tensor | None,
+    "problems": [classifier disagreements], "build_s": s, "forward_s": s}}`` for ranks of
+    the first data-parallel replica; other ranks return ``{}`` entries.
+    """
+    apply_cpu_patches()  # before the first megatron import, so its import-time warnings are filtered
+    from megatron.core import parallel_state as ps
+
+    from megarefit.layout.classify import classify_model
+    from megarefit.layout.dims import ModelDims
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
+        t0 = time.perf_counter()
+        model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+        perturb_parameters_(model, seed=case.seed)
+        t1 = time.perf_counter()
+        logits = forward_logits(model, case.tokens)
+        t2 = time.perf_counter()
+        if not _first_copy(case.ep):
+            out[case.key] = {}
+            continue
+        dims = ModelDims.from_hf_config(case.hf_config)
+        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local")
+                    if not c.ok]
+        coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                 ps.get_expert_model_parallel_rank())
+        out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
+                         "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
+    return out
+
+
+def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
+                        rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01,
+                        snapshot_dir: str | None = None) -> dict[str, Any]:
+    """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
+
+    Builds the case's GPTModel, wraps its parameters in a :class:`~megarefit.online.publisher.Publisher`
+    (registered once), then for v = 1..versions: (v > 1) changes every weight in
+    place as an optimizer step would, runs the forward pass, snapshots the
+    shards, publishes version v, and waits until a receiver marks v consumed.
+    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``;
+    with ``snapshot_dir`` each version's shards are also saved there as
+    ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
+    model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+    perturb_parameters_(model, seed=case.seed)
+    coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+             ps.get_expert_model_parallel_rank())
+    if not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
+        return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
+    host, port, job = rendezvous
+    rdzv = Rendezvous.connect(host, port, job=job)
+    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp, ep=case.ep,
+                    rendezvous=rdzv)
+    out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
+    for v in range(1, versions + 1):
+        if v > 1:
+            perturb_parameters_(model, seed=case.seed + v, scale=step_scale)  # stands in for optimizer.step()
+        out["logits"][v] = forward_logits(model, case.tokens)
+        out["snapshots"][v] = local_named_parameters(model)
+        if snapshot_dir is not None:
+            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord)))
+        pub.publish(v)
+        rdzv.wait_consumed(v)
+        out["counters"].append(dict(pub.counters))
+    return out
+
+
+__all__ = ["TrainerCase", "serving_trainer_job", "trainer_job"]

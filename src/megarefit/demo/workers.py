@@ -1,0 +1,125 @@
+"""Worker processes for real Megatron-Core on CPU: one process per rank over gloo.
+
+:func:`run_workers` starts ``world_size`` processes (torch.multiprocessing, spawn), each
+calling ``fn(rank, world_size, master_port, *args)`` and sending back its result (pickled) or
+its traceback; :func:`start_workers` does the same without waiting (:class:`WorkerGroup`).
+The master port is picked by the OS unless given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        payload = ("err", traceback.format_exc())
+    q.put((rank, *payload))
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Worker processes started by :func:`start_workers`; :meth:`join` collects their results."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
+        self.world_size = world_size
+        self.port = master_port if master_port is not None else _free_port()
+        ctx = mp.get_context("spawn")
+        self._q = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker (fault-injection in tests) and wait until it is gone (its memory
+        unmapped), so that what happens next really meets a dead peer."""
+        self._procs[rank].kill()
+        self._procs[rank].join(timeout=30)
+
+    def join(self, timeout: float = 600.0) -> list:
+        """Wait for every worker's result, ordered by rank.
+
+        Raises ``RuntimeError`` carrying the worker's traceback if any worker fails
+        or dies, and ``TimeoutError`` after ``timeout`` seconds; remaining workers
+        are killed.
+        """
+        procs, q, world_size = self._procs, self._q, self.world_size
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        dead_since: dict[int, float] = {}
+        try:
+            while len(results) < world_size:
+                try:
+                    rank, status, payload = q.get(timeout=0.2)
+                except queue.Empty:
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise TimeoutError(f"workers did not finish within {timeout}s") from None
+                    for r, p in enumerate(procs):
+                        # a dead worker may still have its result in the pipe: short grace period
+                        if r not in results and p.exitcode is not None:
+                            if now - dead_since.setdefault(r, now) > 5.0:
+                                raise RuntimeError(f"worker {r} died with exit code {p.exitcode} without a result")
+                    continue
+                if status == "err":
+                    dead = [f"worker {r} exited with code {p.exitcode}"
+                            for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                    note = f" ({'; '.join(dead)})" if dead else ""
+                    raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
+                results[rank] = pickle.loads(payload)
+        finally:
+            for p in procs:
+                if p.is_alive() and len(results) < world_size:
+                    p.kill()
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            q.close()
+        return [results[r] for r in range(world_size)]
+
+
+def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
+                  master_port: int | None = None) -> WorkerGroup:
+    """Start ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
+
+    ``fn`` must be picklable (module level) and return a picklable result
+    (tensors are sent by value). Returns at once; call ``.join()`` for results.
+    """
+    return WorkerGroup(fn, world_size, args, master_port)
+
+
+def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), master_port: int | None = None,
+                timeout: float = 600.0) -> list:
+    """:func:`start_workers` then ``join(timeout)``: results ordered by rank."""
+    return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
+
+
+# --------------------------------------------------------------------------- HF configs and jobs
+
+
+__all__ = ["WorkerGroup", "run_workers", "start_workers"]
