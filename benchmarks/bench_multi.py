@@ -63,7 +63,7 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
     READs of its share (``multi/raw/<c>``)."""
     from megarefit.online import RefitReceiver
     from megarefit.online.rendezvous import Rendezvous
-    from megarefit.transport.nixl import NixlAgent, mem_type
+    from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
     devices = args["receiver_devices"]
     device = devices[index % len(devices)]  # not made current: megarefit guards its own launches

@@ -69,7 +69,7 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     from megarefit.layout.geometry import source_tensors
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
-    from megarefit.transport.nixl import mem_type
+    from megarefit.transport.nixl_agent import mem_type
 
     torch.set_num_threads(1)
     dims, layout, plan = _setup(cfg, args)
@@ -115,7 +115,7 @@ def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, rank
     and the best time of the same bytes cut into k equal descriptors per trainer (NIXL's
     per-descriptor cost)."""
     from megarefit.online.rendezvous import Rendezvous
-    from megarefit.transport.nixl import NixlAgent, mem_type
+    from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
     if device.startswith("cuda"):
         torch.cuda.set_device(device)

@@ -135,7 +135,7 @@ def test_trainer_killed_mid_pull_then_restarted():
     trainer restarts (a new process: new memory, new NIXL metadata, same agent name) with
     new weights, and the next cycle pulls them whole."""
     from handover_jobs import static_trainer_job
-    from megarefit.transport.nixl import TransferError
+    from megarefit.transport.nixl_agent import TransferError
 
     job = "handover-restart"
     rdzv = Rendezvous.serve(job=job)

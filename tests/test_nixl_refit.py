@@ -21,7 +21,7 @@ from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.transport.nixl import TransferError  # noqa: E402
+from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

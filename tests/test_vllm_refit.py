@@ -29,7 +29,7 @@ from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import VersionMismatchError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.transport.nixl import TransferError  # noqa: E402
+from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 from vllm_helpers import EXT, PROMPTS, hf_generate as _hf_generate, same_generation  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402
 

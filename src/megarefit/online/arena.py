@@ -18,7 +18,7 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.online.rendezvous import Rendezvous
-from megarefit.transport.nixl import mem_type
+from megarefit.transport.nixl_agent import mem_type
 
 
 def arena_key(kind: str, group: str, rid: str) -> str:

@@ -45,7 +45,7 @@ from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.manifest import Manifest, TensorEntry
-from megarefit.transport.nixl import NixlAgent, mem_type
+from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -38,7 +38,7 @@ from megarefit.online.arena import arena_key, publish_arena, tree_parent
 from megarefit.online.receiver import RefitReceiver, StaleVersionError
 from megarefit.online.rendezvous import Heartbeat, Rendezvous, RendezvousTimeout
 from megarefit.transport.execute import torch_dtype
-from megarefit.transport.nixl import NixlAgent, TransferError, mem_type
+from megarefit.transport.nixl_agent import NixlAgent, TransferError, mem_type
 
 log = logging.getLogger(__name__)
 
