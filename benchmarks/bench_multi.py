@@ -84,7 +84,7 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
             torch.cuda.synchronize(device)
         out["cycles"].append(time.perf_counter() - t0)
         store.set(f"multi/done/{index}/{c}", "1")
-    stats, plan = rx.stats, rx._plan
+    stats, plan = rx.stats, rx.plan
     out.update(bytes=stats.bytes_moved, wire=stats.wire_bytes, descriptors=stats.descriptors,
                warm_stages=stats.seconds)
     per_rank = {tuple(r): v["bytes"] for r, v in plan.summary()["per_rank"].items() if r is not None}

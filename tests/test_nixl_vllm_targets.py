@@ -113,7 +113,7 @@ def test_fp8_refit_over_nixl(head_dim, tmp_path):
         assert "pull.quantize" not in stats.seconds and stats.wire_bytes < 0.55 * full_bf16
         # the Publisher lays FP8 shards and scales out back to back and the receiver's arena follows
         # the trainer's order: neighbouring pulls (an expert's gate and up, their scales) coalesce
-        assert descriptors < 0.8 * len(receiver._plan.ops)
+        assert descriptors < 0.8 * len(receiver.plan.ops)
     else:  # q/k/v rows per group straddle blocks: those are pulled in bf16 and quantized here
         assert stats.seconds["pull.quantize"] > 0 and 0.55 * full_bf16 < stats.wire_bytes < full_bf16
     # a second version: publishers re-fill the same registered buffers, the receiver re-posts its READs

@@ -113,7 +113,7 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
     stats = receiver.stats
     assert stats is not None
-    plan = receiver._plan
+    plan = receiver.plan
     return {"version": stats.version, "cold": stats.cold, "seconds": {**stats.seconds, "load": load_s},
             "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes, "counters": stats.counters,
             "target": None if receiver.target is None else repr(receiver.target),

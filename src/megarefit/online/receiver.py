@@ -154,6 +154,11 @@ class RefitReceiver:
         self.plans_built = 0
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan of the last cycle (cached per layout digest), or ``None`` before the first."""
+        return self._plan
+
+    @property
     def counters(self) -> dict[str, int]:
         return {**self.transport.counters, "plans_built": self.plans_built}
 
