@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -45,11 +46,13 @@ _PARTS = (Stage.FIRST, Stage.LAYER, Stage.LAST, Stage.MTP)
 _I64 = torch.int64
 
 
-def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``xs`` concatenated (an empty int64 column where there are none)."""
     return torch.cat(xs) if xs else torch.zeros(0, dtype=_I64)
 
 
 def _rep(values: list[int], counts: torch.Tensor) -> torch.Tensor:
+    """``values[i]`` repeated ``counts[i]`` times, as one int64 column ``[counts.sum()]``."""
     return torch.repeat_interleave(torch.tensor(values, dtype=_I64), counts)
 
 
@@ -92,27 +95,69 @@ def _replicated_turns(stage: list[tuple[ParamSpec, tuple[int, ...], tuple[int, .
     return out
 
 
-def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                experts: frozenset[int] | None = None) -> Plan:
-    """:func:`~megarefit.planner.plan_megatron_to_hf` built on columns (same ops, same
-    rules; see the module docstring for the target order). Validated before returning.
+_StageRows = list[tuple[ParamSpec, tuple[int, ...], tuple[int, ...]]]  # (row, local layers, global layers)
+_Entry = tuple  # (k, j, src off, src len, dst off, dst len, scratch, src flat, dst flat, transpose, itemsize, ndim ok)
+
+
+class _Sources(NamedTuple):
+    """The source table and, per source group ``(rank, row)`` in table group order, what the ops need."""
+
+    table: TensorTable
+    where: list[tuple[RankCoord, ParamSpec, tuple[int, ...]]]  # (rank, row, global layers)
+    count: list[int]  # instances: layers x local experts
+    nexp: list[int]  # local experts per layer (1: not per expert)
+    base: dict[tuple[RankCoord, int], int]  # (rank, id(row)) -> first source row
+
+
+class _Targets(NamedTuple):
+    """The target table and what finds a target id from ``(row, k, layer, expert)``."""
+
+    table: TensorTable
+    first: dict[tuple[ParamSpec, int], int]  # (row, k) -> first unpermuted target row
+    lpos: dict[ParamSpec, torch.Tensor]  # per row, [layers + 2]: global layer + 1 -> position (-1: none)
+    epos: dict[ParamSpec, torch.Tensor]  # per row, [experts + 2]: global expert + 1 -> position (-1: not owned)
+    t_id: torch.Tensor  # [n_targets]: unpermuted target row -> target id (its row in ``table``)
+    n_owned: int  # experts this receiver owns
+
+
+class _Reads(NamedTuple):
+    """How a rank reads one source group's ``n`` instances (all ``[n]``)."""
+
+    lay: torch.Tensor  # global layer
+    exp: torch.Tensor  # global expert (-1: none; grouped rows: the rank's first expert, + the entry's j)
+    src: torch.Tensor  # source id read
+    tp_rank: int  # the TP rank whose template applies
+
+
+def _layout_stages(dims: ModelDims, layout: SourceLayout) -> tuple[tuple[ParamSpec, ...], list[_StageRows]]:
+    """The spec-table rows for ``layout`` and each pipeline stage's rows (:func:`_stage_rows`),
+    once the layout is checked against the model.
 
     Raises:
         LayoutError: tp/pp/ep do not fit the model.
-        PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
     """
     dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
     if layout.mtp_layers > dims.mtp_layers:
         raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
                           f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")
     rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
-    per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
-    stages = [_stage_rows(dims, layout, rows, p) for p in range(layout.pp)]
+    return rows, [_stage_rows(dims, layout, rows, p) for p in range(layout.pp)]
 
-    # ---- sources: one group per (rank, row); instances layer-major, then local expert
+
+def _source_meta(row: ParamSpec, viewed: bool, dims: ModelDims, layout: SourceLayout, dtype: str) -> TensorMeta:
+    """A source tensor's meta: its local shard shape, addressed through the row's view where ``viewed``."""
+    shape, tdtype = local_shape(row, dims, layout), row.dtype or dtype
+    return (TensorMeta(view_shape(row, dims, layout), tdtype, storage_shape=shape)  # type: ignore[arg-type]
+            if viewed else TensorMeta(shape, tdtype))
+
+
+def _build_sources(dims: ModelDims, layout: SourceLayout, dtype: str, stages: list[_StageRows], per_ep: int,
+                   ) -> _Sources:
+    """Source tensors: one group per (rank, row), ranks in ``layout.ranks()`` order, instances
+    layer-major, then local expert; columns group / layer / expert ``[n_sources]``."""
     groups: list[TensorGroup] = []
     g_count, g_nexp, g_pool = [], [], []
-    pool: list[int] = []
+    pool: list[int] = []  # every distinct tuple of local layers, concatenated
     pool_at: dict[tuple[int, ...], int] = {}
     base: dict[tuple[RankCoord, int], int] = {}  # (rank, id(row)) -> first source row
     where: list[tuple[RankCoord, ParamSpec, tuple[int, ...]]] = []
@@ -124,10 +169,7 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                                                                     or rank.tp == layout.expert_tps(rank.ep)[0])
             meta = metas.get((id(row), viewed))
             if meta is None:
-                shape, tdtype = local_shape(row, dims, layout), row.dtype or dtype
-                meta = (TensorMeta(view_shape(row, dims, layout), tdtype, storage_shape=shape)  # type: ignore[arg-type]
-                        if viewed else TensorMeta(shape, tdtype))
-                metas[(id(row), viewed)] = meta
+                meta = metas[(id(row), viewed)] = _source_meta(row, viewed, dims, layout, dtype)
             nexp = per_ep if row.per_expert else 1
             if locs not in pool_at:
                 pool_at[locs] = len(pool)
@@ -146,20 +188,22 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
     s_layer = torch.tensor(pool or [0], dtype=_I64)[_rep(g_pool, counts) + inst // s_nexp]
     is_exp = _rep([int(g.spec.per_expert) for g in groups], counts).bool()
     s_expert = torch.where(is_exp, inst % s_nexp, -1)
-    sources = TensorTable(groups, s_group, s_layer, s_expert)
+    return _Sources(TensorTable(groups, s_group, s_layer, s_expert), where, g_count, g_nexp, base)
 
-    # ---- targets: one group per (row, HF name k); instances = layers x owned experts
-    owned = list(range(dims.num_experts)) if experts is None else sorted(e for e in experts
-                                                                         if 0 <= e < dims.num_experts)
+
+def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tuple[ParamSpec, ...],
+                   stages: list[_StageRows], owned: list[int]) -> _Targets:
+    """Target tensors: one group per (row, HF name k), instances the row's global layers x
+    ``owned`` experts, permuted into the module docstring's target order."""
     row_layers: dict[ParamSpec, set[int]] = defaultdict(set)
     for stage in stages:
         for row, _, globs in stage:
             if not row.duplicate:
                 row_layers[row].update(globs)
     t_groups: list[TensorGroup] = []
-    t_first: dict[tuple[ParamSpec, int], int] = {}  # (row, k) -> first unpermuted target row
-    lpos_of: dict[ParamSpec, torch.Tensor] = {}  # global layer + 1 -> position, per row
-    epos_of: dict[ParamSpec, torch.Tensor] = {}  # global expert + 1 -> position (-1: not owned), per row
+    t_first: dict[tuple[ParamSpec, int], int] = {}
+    lpos_of: dict[ParamSpec, torch.Tensor] = {}
+    epos_of: dict[ParamSpec, torch.Tensor] = {}
     t_rows, t_keys = [], []
     n_layers_all = dims.num_layers + dims.mtp_layers + 1
     nt = 0
@@ -179,8 +223,19 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
             t_rows.append((len(t_groups) - 1, layers, exps))
             t_keys.append((part, pos, k))
             nt += len(layers) * len(exps)
+    group, layer, expert, t_id = _target_order(t_rows, t_keys, n_layers_all, len(rows) + 1, dims.num_experts + 2)
+    return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned))
+
+
+def _target_order(t_rows: list[tuple[int, list[int], list[int]]], t_keys: list[tuple[int, int, int]],
+                  n_layers_all: int, n_rows: int, n_exp: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target columns group / layer / expert ``[n_targets]`` sorted by (part, layer, row, expert, k),
+    and ``t_id`` ``[n_targets]``: unpermuted row (groups in creation order, layer-major) -> sorted row.
+
+    ``t_rows``: per group ``(group, layers, experts)``; ``t_keys``: per group ``(part, row position, k)``.
+    """
     t_group, t_layer, t_expert, t_key = [], [], [], []
-    n_rows, n_exp = len(rows) + 1, dims.num_experts + 2
     for (g, layers, exps), (part, pos, k) in zip(t_rows, t_keys):
         lay = torch.tensor(layers, dtype=_I64).repeat_interleave(len(exps))
         exp = torch.tensor(exps, dtype=_I64).repeat(len(layers))
@@ -188,90 +243,128 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
         t_layer.append(lay)
         t_expert.append(exp)
         t_key.append((((part * (n_layers_all + 1) + lay + 1) * n_rows + pos) * n_exp + exp + 1) * 8 + k)
-    order = torch.argsort(cat(t_key), stable=True)
+    order = torch.argsort(_cat(t_key), stable=True)
     t_id = torch.empty_like(order)
     t_id[order] = torch.arange(len(order))
-    targets = TensorTable(t_groups, cat(t_group)[order], cat(t_layer)[order], cat(t_expert)[order])
+    return _cat(t_group)[order], _cat(t_layer)[order], _cat(t_expert)[order], t_id
 
-    # ---- op templates, per (row, reading tp rank); width = widest tensor rank
-    width = max([len(g.meta.shape) for g in groups] + [len(g.meta.shape) for g in t_groups] + [1])
-    entries: list[tuple] = []  # (k, j, so, sl, do, dl, kind, sflat, dflat, transpose, item, ndim_ok)
-    templates: dict[tuple[ParamSpec, int], tuple[int, int]] = {}
 
-    def pad(t: tuple[int, ...], fill: int) -> list[int]:
-        return [fill] * (width - len(t)) + list(t)
+def _pad(t: tuple[int, ...], fill: int, width: int) -> list[int]:
+    """``t`` left-padded with ``fill`` to ``width`` entries."""
+    return [fill] * (width - len(t)) + list(t)
 
-    def template(row: ParamSpec, tp_rank: int, src_meta: TensorMeta) -> tuple[int, int]:
-        key = (row, tp_rank)
-        if key not in templates:
-            start, item = len(entries), itemsize(row.dtype or dtype)
-            shapes = hf_shapes(row, dims, layout)
-            if row.role.is_grouped:
-                view = src_meta.shape
-                boxes = [(k, j, sb, shapes[0], db, True) for j, k, sb, db in grouped_boxes(row, dims, layout, tp_rank)]
-            else:
-                names = tuple(str(k) for k in range(len(row.hf)))  # placeholders: k is all a template needs
-                boxes = []
-                for p in pieces(row, names, dims, layout, tp_rank):
-                    k = int(p.hf_name)
-                    sb, db = piece_boxes(p, src_meta.shape, shapes[k])
-                    boxes.append((k, 0, sb, shapes[k], db, False))
-                view = src_meta.shape
-            for k, j, sb, dshape, db, tr in boxes:
-                op = make_op(None, view, sb, None, dshape, db, item, transpose=tr)  # type: ignore[arg-type]
-                entries.append((k, j, pad(sb.offsets, 0), pad(sb.lengths, 1), pad(db.offsets, 0), pad(db.lengths, 1),
-                                int(op.kind == "scratch"), op.src_offset, op.dst_offset, tr, item,
-                                len(sb.offsets) == len(view) and len(db.offsets) == len(dshape)))
-            templates[key] = (start, len(entries) - start)
-        return templates[key]
 
-    # ---- op groups: which rank reads each source group's instances, and with which template
+def _template_entries(row: ParamSpec, tp_rank: int, src_meta: TensorMeta, dims: ModelDims, layout: SourceLayout,
+                      dtype: str, width: int) -> list[_Entry]:
+    """The template of ``(row, tp_rank)``: one entry (see ``_Entry``) per op that an instance of ``row``
+    read on TP rank ``tp_rank`` makes; ``k``: its HF name, ``j``: its local expert (grouped rows, else 0),
+    boxes left-padded to ``width`` dims, flat offsets and kind from :func:`~megarefit.plan.make_op`."""
+    item = itemsize(row.dtype or dtype)
+    shapes = hf_shapes(row, dims, layout)
+    view = src_meta.shape
+    if row.role.is_grouped:
+        boxes = [(k, j, sb, shapes[0], db, True) for j, k, sb, db in grouped_boxes(row, dims, layout, tp_rank)]
+    else:
+        names = tuple(str(k) for k in range(len(row.hf)))  # placeholders: k is all a template needs
+        boxes = []
+        for p in pieces(row, names, dims, layout, tp_rank):
+            k = int(p.hf_name)
+            sb, db = piece_boxes(p, view, shapes[k])
+            boxes.append((k, 0, sb, shapes[k], db, False))
+    out: list[_Entry] = []
+    for k, j, sb, dshape, db, tr in boxes:
+        op = make_op(None, view, sb, None, dshape, db, item, transpose=tr)  # type: ignore[arg-type]
+        out.append((k, j, _pad(sb.offsets, 0, width), _pad(sb.lengths, 1, width), _pad(db.offsets, 0, width),
+                    _pad(db.lengths, 1, width), int(op.kind == "scratch"), op.src_offset, op.dst_offset, tr, item,
+                    len(sb.offsets) == len(view) and len(db.offsets) == len(dshape)))
+    return out
+
+
+def _group_reads(layout: SourceLayout, src: _Sources, gi: int, turns: list[dict[ParamSpec, list[int]]],
+                 per_ep: int) -> _Reads | None:
+    """Which instances of source group ``gi`` its rank reads for the plan (``None``: another rank's
+    copy is read instead), and from which source ids."""
+    rank, row, globs = src.where[gi]
+    if row.duplicate or (not row.role.is_expert and rank.ep != layout.dense_ep(rank.tp)):
+        return None
+    n, nexp = src.count[gi], src.nexp[gi]
+    i = torch.arange(n)
+    lay = torch.tensor(globs, dtype=_I64).repeat_interleave(nexp)
+    exp = (rank.ep * per_ep + i % nexp) if row.per_expert else torch.full((n,), -1, dtype=_I64)
+    ids = src.base[(rank, id(row))] + i
+    tp_rank = rank.tp
+    if row.role.is_grouped:
+        if layout.etp == 1 and rank.tp != layout.expert_tps(rank.ep)[0]:
+            return None
+        exp = torch.full((n,), rank.ep * per_ep, dtype=_I64)  # + the entry's local expert j
+    elif row.role is Role.REPLICATED:
+        if rank.tp != 0:
+            return None
+        reader = torch.tensor(turns[rank.pp][row], dtype=_I64) % layout.tp
+        bases = torch.tensor([src.base[(RankCoord(t, rank.pp, layout.dense_ep(t)), id(row))]
+                              for t in range(layout.tp)])
+        ids = bases[reader] + i
+    elif row.role.is_expert and layout.etp == 1 and layout.tp > 1:
+        tps = layout.expert_tps(rank.ep)
+        if rank.tp != tps[0]:
+            return None
+        bases = torch.tensor([src.base[(RankCoord(t, rank.pp, rank.ep), id(row))] for t in tps])
+        ids = bases[exp % len(tps)] + i
+        tp_rank = tps[0]  # whole experts (etp = 1): every TP rank's template is the same
+    return _Reads(lay, exp, ids, tp_rank)
+
+
+def _broadcast(template: list[_Entry], start: int, row: ParamSpec, reads: _Reads, tgt: _Targets,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One source group's ops: its ``n`` read instances x the ``count`` template entries (``[n, count]``),
+    flattened, keeping those whose target exists here; columns entry index (``start`` + e), source id, target id."""
+    n, count = len(reads.lay), len(template)
+    ks = torch.tensor([e[0] for e in template], dtype=_I64)
+    js = torch.tensor([e[1] for e in template], dtype=_I64)
+    e_exp = reads.exp[:, None] + js[None, :]  # [n, count]
+    firsts = torch.tensor([tgt.first[(row, int(k))] for k in ks], dtype=_I64)
+    lp = tgt.lpos[row][reads.lay + 1][:, None]  # [n, 1]
+    ep_ = tgt.epos[row][e_exp + 1]  # [n, count]
+    nexp_t = tgt.n_owned if (row.per_expert or row.role.is_grouped) else 1
+    keep = (ep_ >= 0) & (lp >= 0)
+    dst = firsts[None, :] + lp * nexp_t + ep_
+    return ((start + torch.arange(count))[None, :].expand(n, count)[keep], reads.src[:, None].expand(n, count)[keep],
+            tgt.t_id[dst[keep]])
+
+
+def _op_rows(dims: ModelDims, layout: SourceLayout, dtype: str, stages: list[_StageRows], src: _Sources,
+             tgt: _Targets, per_ep: int, width: int,
+             ) -> tuple[list[_Entry], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every template entry (each ``(row, tp rank)`` template built once), and the unsorted ops as
+    ``[n_ops]`` columns template entry, source id, target id, source group by source group."""
+    entries: list[_Entry] = []
+    templates: dict[tuple[ParamSpec, int], tuple[int, int]] = {}  # (row, tp rank) -> (first entry, count)
     o_entry, o_src, o_dst = [], [], []
     turns = [_replicated_turns(stage) for stage in stages]
-    for gi, (rank, row, globs) in enumerate(where):
-        if row.duplicate or (not row.role.is_expert and rank.ep != layout.dense_ep(rank.tp)):
+    for gi, (_, row, _) in enumerate(src.where):
+        reads = _group_reads(layout, src, gi, turns, per_ep)
+        if reads is None:
             continue
-        n, nexp = g_count[gi], g_nexp[gi]
-        i = torch.arange(n)
-        lay = torch.tensor(globs, dtype=_I64).repeat_interleave(nexp)
-        exp = (rank.ep * per_ep + i % nexp) if row.per_expert else torch.full((n,), -1, dtype=_I64)
-        src = base[(rank, id(row))] + i
-        tp_rank = rank.tp
-        if row.role.is_grouped:
-            if layout.etp == 1 and rank.tp != layout.expert_tps(rank.ep)[0]:
-                continue
-            exp = torch.full((n,), rank.ep * per_ep, dtype=_I64)  # + the entry's local expert j
-        elif row.role is Role.REPLICATED:
-            if rank.tp != 0:
-                continue
-            reader = torch.tensor(turns[rank.pp][row], dtype=_I64) % layout.tp
-            bases = torch.tensor([base[(RankCoord(t, rank.pp, layout.dense_ep(t)), id(row))]
-                                  for t in range(layout.tp)])
-            src = bases[reader] + i
-        elif row.role.is_expert and layout.etp == 1 and layout.tp > 1:
-            tps = layout.expert_tps(rank.ep)
-            if rank.tp != tps[0]:
-                continue
-            bases = torch.tensor([base[(RankCoord(t, rank.pp, rank.ep), id(row))] for t in tps])
-            src = bases[exp % len(tps)] + i
-            tp_rank = tps[0]  # whole experts (etp = 1): every TP rank's template is the same
-        start, count = template(row, tp_rank, groups[gi].meta)
+        key = (row, reads.tp_rank)
+        if key not in templates:
+            new = _template_entries(row, reads.tp_rank, src.table.groups[gi].meta, dims, layout, dtype, width)
+            templates[key] = (len(entries), len(new))
+            entries.extend(new)
+        start, count = templates[key]
         if not count:
             continue
-        ks = torch.tensor([entries[start + e][0] for e in range(count)], dtype=_I64)
-        js = torch.tensor([entries[start + e][1] for e in range(count)], dtype=_I64)
-        e_exp = exp[:, None] + js[None, :]  # [n, count]
-        firsts = torch.tensor([t_first[(row, int(k))] for k in ks], dtype=_I64)
-        lp = lpos_of[row][lay + 1][:, None]
-        ep_ = epos_of[row][e_exp + 1]
-        nexp_t = len(owned) if (row.per_expert or row.role.is_grouped) else 1
-        keep = (ep_ >= 0) & (lp >= 0)
-        dst = firsts[None, :] + lp * nexp_t + ep_
-        o_entry.append((start + torch.arange(count))[None, :].expand(n, count)[keep])
-        o_src.append(src[:, None].expand(n, count)[keep])
-        o_dst.append(t_id[dst[keep]])
-    entry = cat(o_entry)
-    src_id, dst_id = cat(o_src), cat(o_dst)
+        e, s, d = _broadcast(entries[start:start + count], start, row, reads, tgt)
+        o_entry.append(e)
+        o_src.append(s)
+        o_dst.append(d)
+    return entries, _cat(o_entry), _cat(o_src), _cat(o_dst)
+
+
+def _op_columns(entries: list[_Entry], width: int, entry: torch.Tensor, src_id: torch.Tensor, dst_id: torch.Tensor,
+                sources: TensorTable, targets: TensorTable) -> tuple[PlanColumns, torch.Tensor, torch.Tensor]:
+    """The ops sorted by (target id, target flat offset) as :class:`PlanColumns` (``[n_ops]`` /
+    ``[n_ops, width]``, boxes and offsets copied from each op's template entry), with their
+    itemsize and transpose columns ``[n_ops]``."""
     cols_e = list(zip(*entries)) if entries else [()] * 12
     e_t = {name: torch.tensor(cols_e[c], dtype=_I64).reshape(len(entries), -1)
            for c, name in ((2, "so"), (3, "sl"), (4, "do"), (5, "dl"))}
@@ -293,8 +386,29 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                           ndim_ok=col("ok").bool(), src_flat=col("sflat"), dst_flat=col("dflat"),
                           src_shape=sources.shapes(width), dst_shape=targets.shapes(width),
                           dst_numel=targets.numels())
-    ops = OpTable(columns, sources, targets, col("item"), transpose)
-    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, targets, ops,  # type: ignore[arg-type]
+    return columns, col("item"), transpose
+
+
+def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
+                experts: frozenset[int] | None = None) -> Plan:
+    """:func:`~megarefit.planner.plan_megatron_to_hf` built on columns (same ops, same
+    rules; see the module docstring for the target order). Validated before returning.
+
+    Raises:
+        LayoutError: tp/pp/ep do not fit the model.
+        PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
+    """
+    rows, stages = _layout_stages(dims, layout)
+    per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
+    src = _build_sources(dims, layout, dtype, stages, per_ep)
+    owned = list(range(dims.num_experts)) if experts is None else sorted(e for e in experts
+                                                                         if 0 <= e < dims.num_experts)
+    tgt = _build_targets(dims, layout, dtype, rows, stages, owned)
+    width = max([len(g.meta.shape) for g in src.table.groups] + [len(g.meta.shape) for g in tgt.table.groups] + [1])
+    entries, entry, src_id, dst_id = _op_rows(dims, layout, dtype, stages, src, tgt, per_ep, width)
+    columns, item, transpose = _op_columns(entries, width, entry, src_id, dst_id, src.table, tgt.table)
+    ops = OpTable(columns, src.table, tgt.table, item, transpose)
+    plan = Plan("megatron_to_hf", dims, layout, dtype, src.table, tgt.table, ops,  # type: ignore[arg-type]
                 digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
                           None if experts is None else sorted(experts)))
     validate_plan(plan)

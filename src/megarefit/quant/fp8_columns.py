@@ -21,6 +21,8 @@ Only the receiver-quantized targets' reasons are built one op at a time.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, validate_plan
@@ -35,6 +37,8 @@ _I64 = torch.int64
 
 
 def _grid(off: torch.Tensor, n: torch.Tensor, size: torch.Tensor, b: int) -> torch.Tensor:
+    """Per run, whether ``[off, off + n)`` of a ``size``-long dim starts on the ``b`` grid and ends on it
+    or at the dim's end."""
     return (off % b == 0) & ((n % b == 0) | (off + n == size))
 
 
@@ -63,23 +67,29 @@ def _table(old: TensorTable, rows: torch.Tensor, variant: torch.Tensor, fmt: Fp8
     return TensorTable(groups, remap[new_group], old.layer[rows], old.expert[rows])
 
 
-def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
-    """:func:`~megarefit.quant.planning.plan_fp8` for a plan whose ops are an
-    :class:`~megarefit.plan.table.OpTable`. Validated before returning.
+class _Split(NamedTuple):
+    """Where each quantized target is quantized, and why (boolean columns)."""
 
-    Raises:
-        PlanValidationError: internal inconsistency (a bug).
-    """
-    ops: OpTable = plan.ops  # type: ignore[assignment]
-    c, S, T = ops.columns, ops.sources, ops.targets
-    n_src, n_tgt = len(S), len(T)
-    width = c.src_off.shape[1]
+    mis: torch.Tensor  # [n_ops]: a misaligned op into a quantized target
+    src_bad: torch.Tensor  # [n_sources]: feeds a misaligned op
+    feeds: torch.Tensor  # [n_sources]: moved a target to the receiver in the fix point (feeds both kinds)
+    trainer: torch.Tensor  # [n_targets]: trainer-quantized
+    receiver: torch.Tensor  # [n_targets]: receiver-quantized
+    fp8_src: torch.Tensor  # [n_sources]: served as FP8 (feeds a trainer-quantized target)
+
+
+def _quantized_targets(plan: Plan) -> torch.Tensor:
+    """``[n_targets]`` bool: the target is a quantized weight (of the model's FP8 templates)."""
+    T = plan.ops.targets  # type: ignore[attr-defined]
     templates = quantized_weight_templates(plan.dims)
     q_group = torch.tensor([g.spec.hf[g.hf_index] in templates for g in T.groups] or [False], dtype=torch.bool)
-    q_t = q_group[T.group] if n_tgt else torch.zeros(0, dtype=torch.bool)
-    q_op = q_t[c.dst_id]
+    return q_group[T.group] if len(T) else torch.zeros(0, dtype=torch.bool)
 
-    # ---- misaligned ops, sources with a reason, trainer-quantized targets (fix point)
+
+def _bad_ops(c: PlanColumns, S: TensorTable, T: TensorTable, fmt: Fp8Format) -> torch.Tensor:
+    """``[n_ops]`` bool: the op cannot move whole FP8 blocks (transposed / viewed, not 2-D, or a row /
+    column run off the block grid in source or target), whatever its target."""
+    width = c.src_off.shape[1]
     s_ndim = torch.tensor([len(g.meta.shape) for g in S.groups] or [0])[S.group]
     t_ndim = torch.tensor([len(g.meta.shape) for g in T.groups] or [0])[T.group]
     flat2 = (s_ndim[c.src_id] == 2) & (t_ndim[c.dst_id] == 2)
@@ -90,7 +100,12 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
         so, do, n = c.src_off[:, col], c.dst_off[:, col], c.src_len[:, col]
         ends = (so + n == s_size[:, col]) & (do + n == d_size[:, col])
         bad |= ~(_grid(so, n, s_size[:, col], b) & _grid(do, n, d_size[:, col], b)) | ((n % b != 0) & ~ends)
-    mis = q_op & bad
+    return bad
+
+
+def _split_targets(c: PlanColumns, q_t: torch.Tensor, mis: torch.Tensor, n_src: int, n_tgt: int) -> _Split:
+    """Trainer- or receiver-quantized, per quantized target ``q_t``: receiver where a source has a
+    reason (feeds a misaligned op ``mis``), then, to a fix point, where a source also feeds a receiver one."""
     src_bad = torch.zeros(n_src, dtype=torch.bool)
     src_bad[c.src_id[mis]] = True
     t_bad = torch.zeros(n_tgt, dtype=torch.bool)
@@ -112,8 +127,14 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     receiver = q_t & ~trainer
     fp8_src = torch.zeros(n_src, dtype=torch.bool)
     fp8_src[c.src_id[trainer[c.dst_id]]] = True
+    return _Split(mis, src_bad, feeds, trainer, receiver, fp8_src)
 
-    # ---- new sources: s, then s_scale_inv right after it where s is served as FP8
+
+def _new_sources(S: TensorTable, fp8_src: torch.Tensor, fmt: Fp8Format, staging_suffix: str,
+                 ) -> tuple[TensorTable, torch.Tensor]:
+    """The new sources: s, then s_scale_inv right after it where s is served as FP8 (``fp8_src``);
+    and ``[n_sources]`` old source -> its new (value) row."""
+    n_src = len(S)
     s_rows = torch.cat([torch.arange(n_src), torch.nonzero(fp8_src).flatten()])
     s_var = torch.cat([fp8_src.long(), torch.full((int(fp8_src.sum()),), 2, dtype=_I64)])
     s_order = torch.argsort(s_rows * 2 + (s_var == 2), stable=True)
@@ -122,8 +143,15 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     s_new = torch.empty(n_src, dtype=_I64)
     value_row = s_var != 2
     s_new[s_rows[value_row]] = torch.nonzero(value_row).flatten()
+    return sources, s_new
 
-    # ---- new targets: [t] / [t fp8, t scales] / [t:staging, t fp8, t scales]
+
+def _new_targets(T: TensorTable, q_t: torch.Tensor, split: _Split, fmt: Fp8Format, staging_suffix: str,
+                 ) -> tuple[TensorTable, torch.Tensor]:
+    """The new targets: [t] / [t fp8, t scales] / [t:staging, t fp8, t scales] per old target (not
+    quantized / trainer / receiver); and ``slot_id`` ``[n_targets, 4]``: (old target, variant) -> new row."""
+    n_tgt = len(T)
+    trainer, receiver = split.trainer, split.receiver
     t_all = torch.arange(n_tgt)
     parts = [(t_all[~q_t], 1, 0), (t_all[trainer], 1, 1), (t_all[trainer], 2, 2), (t_all[receiver], 0, 3),
              (t_all[receiver], 1, 1), (t_all[receiver], 2, 2)]  # (rows, slot, variant)
@@ -134,10 +162,17 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     targets = _table(T, t_rows, t_var, fmt, staging_suffix)
     slot_id = torch.full((n_tgt, 4), -1, dtype=_I64)  # old target, variant -> new row
     slot_id[t_rows, t_var] = torch.arange(len(t_rows))
+    return targets, slot_id
 
-    # ---- ops: value ops retargeted, plus one scale op per trainer-quantized value op
-    tr_op = trainer[c.dst_id]
-    dst_variant = torch.where(tr_op, 1, torch.where(receiver[c.dst_id], 3, 0))
+
+def _new_ops(ops: OpTable, split: _Split, s_new: torch.Tensor, slot_id: torch.Tensor, sources: TensorTable,
+             targets: TensorTable, fmt: Fp8Format) -> OpTable:
+    """The ops: value ops retargeted (1 byte per element into trainer-quantized targets), plus one
+    scale op per trainer-quantized value op (boxes divided by the block, 4 bytes), grouped by new target."""
+    c = ops.columns
+    width = c.src_off.shape[1]
+    tr_op = split.trainer[c.dst_id]
+    dst_variant = torch.where(tr_op, 1, torch.where(split.receiver[c.dst_id], 3, 0))
     v_dst = slot_id[c.dst_id, dst_variant]
     v_item = torch.where(tr_op, 1, ops.itemsize)
     sc = torch.nonzero(tr_op).flatten()
@@ -162,14 +197,20 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
         src_flat=both(c.src_flat, flat_offsets(sc_src_off, src_shape[sc_src])),
         dst_flat=both(c.dst_flat, flat_offsets(sc_dst_off, dst_shape[sc_dst])),
         src_shape=src_shape, dst_shape=dst_shape, dst_numel=targets.numels())
-    out_ops = OpTable(columns, sources, targets, both(v_item, torch.full((len(sc),), 4, dtype=_I64)),
-                      both(ops.transpose, torch.zeros(len(sc), dtype=torch.bool)))
+    return OpTable(columns, sources, targets, both(v_item, torch.full((len(sc),), 4, dtype=_I64)),
+                   both(ops.transpose, torch.zeros(len(sc), dtype=torch.bool)))
 
-    # ---- quantize steps: the reason is the first op (in plan order) whose source has one
+
+def _quantize_steps(ops: OpTable, split: _Split, fmt: Fp8Format, staging_suffix: str) -> tuple[QuantizeStep, ...]:
+    """One step per receiver-quantized target; the reason is the first op (in plan order) whose
+    source has one (the plan's only per-target Python loop, over receiver-quantized targets only)."""
+    c, S, T = ops.columns, ops.sources, ops.targets
+    n_src, n_tgt = len(S), len(T)
     steps = []
-    recv = torch.nonzero(receiver).flatten().tolist()
+    recv = torch.nonzero(split.receiver).flatten().tolist()
     if recv:
-        has = src_bad | feeds
+        src_bad, mis = split.src_bad, split.mis
+        has = src_bad | split.feeds
         first_mis = _first_per(c.src_id[mis], torch.nonzero(mis).flatten(), n_src)
         first_op = _first_per(c.dst_id[has[c.src_id]], torch.nonzero(has[c.src_id]).flatten(), n_tgt)
         why: dict[int, str] = {}
@@ -186,8 +227,27 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
             ref = T.ref(t)
             steps.append(QuantizeStep(TensorRef(None, ref.name + staging_suffix), ref,
                                       TensorRef(None, ref.name + SCALE_SUFFIX), fmt.block, fmt.ue8m0, why[s]))
+    return tuple(steps)
+
+
+def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
+    """:func:`~megarefit.quant.planning.plan_fp8` for a plan whose ops are an
+    :class:`~megarefit.plan.table.OpTable`. Validated before returning.
+
+    Raises:
+        PlanValidationError: internal inconsistency (a bug).
+    """
+    ops: OpTable = plan.ops  # type: ignore[assignment]
+    c, S, T = ops.columns, ops.sources, ops.targets
+    q_t = _quantized_targets(plan)
+    mis = q_t[c.dst_id] & _bad_ops(c, S, T, fmt)
+    split = _split_targets(c, q_t, mis, len(S), len(T))
+    sources, s_new = _new_sources(S, split.fp8_src, fmt, staging_suffix)
+    targets, slot_id = _new_targets(T, q_t, split, fmt, staging_suffix)
+    out_ops = _new_ops(ops, split, s_new, slot_id, sources, targets, fmt)
+    steps = _quantize_steps(ops, split, fmt, staging_suffix)
     out = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, out_ops,  # type: ignore[arg-type]
-               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps))
+               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), steps)
     validate_plan(out)
     return out
 
