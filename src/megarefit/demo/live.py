@@ -111,39 +111,10 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
         save_checkpoint(work / "initial", cfg, state)
         status(f"engine: starting {engine}")
         if engine == "vllm":
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            import vllm
-
-            llm = vllm.LLM(model=str(work / "initial"), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                           max_model_len=128, worker_extension_cls="megarefit.integrations.vllm.MegarefitWorkerExtension")
-            params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
-
-            def generate() -> list[list[int]]:
-                outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-                return [list(o.outputs[0].token_ids) for o in outs]
-
-            llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0))
-
-            def refit(v: int) -> dict[str, Any]:
-                return llm.collective_rpc("update_weights_from_megatron", args=(v,))[0]
+            generate, refit = _vllm_engine(work / "initial", rdzv.port, job, max_tokens)
         else:
-            model = initial
             receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=120)
-
-            def generate() -> list[list[int]]:
-                return greedy(model, max_tokens)
-
-            def refit(v: int) -> dict[str, Any]:
-                weights = list(receiver.run_refit_cycle(v))
-                t = time.perf_counter()
-                install_weights(model, weights)
-                stats = receiver.stats
-                assert stats is not None
-                return {"version": v, "cold": stats.cold, "seconds": {**stats.seconds, "load": time.perf_counter() - t},
-                        "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes,
-                        "counters": stats.counters}
+            generate, refit = _hf_engine(initial, receiver, install_weights, max_tokens)
         result.startup_s["trainers + engine start"] = time.perf_counter() - t0
         result.initial_tokens = generate()
         for v in range(1, versions + 1):
@@ -151,10 +122,7 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
             report = refit(v)
             tokens = generate()
             rdzv.mark_consumed(v)
-            shards = {}
-            for f in (work / "snapshots").glob(f"v{v}-*.pt"):
-                t, p, e = (int(x[2:]) for x in f.stem.split("-")[1:])
-                shards[(t, p, e)] = torch.load(f)
+            shards = _load_snapshots(work / "snapshots", v)
             reference = build_hf_model(cfg)
             install_weights(reference, megatron_to_hf(shards, cfg, tp=tp, pp=pp).items())
             result.cycles.append(LiveCycle(v, report, tokens, greedy(reference, max_tokens)))
@@ -163,3 +131,62 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
         for v in range(1, versions + 1):
             rdzv.mark_consumed(v)
     return result
+
+
+def _vllm_engine(model_dir: Path, port: int, job: str, max_tokens: int
+                 ) -> tuple[Callable[[], list[list[int]]], Callable[[int], dict[str, Any]]]:
+    """Start a vLLM engine on the checkpoint in ``model_dir`` with megarefit's worker extension,
+    connected to the rendezvous at ``127.0.0.1:port``; return ``generate()`` (greedy tokens per
+    prompt) and ``refit(version)`` (the refit's report)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm
+
+    llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                   max_model_len=128, worker_extension_cls="megarefit.integrations.vllm.MegarefitWorkerExtension")
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+
+    def generate() -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", port, job, 120.0))
+
+    def refit(v: int) -> dict[str, Any]:
+        return llm.collective_rpc("update_weights_from_megatron", args=(v,))[0]
+
+    return generate, refit
+
+
+def _hf_engine(model: torch.nn.Module, receiver: Any, install_weights: Callable[..., Any], max_tokens: int
+               ) -> tuple[Callable[[], list[list[int]]], Callable[[int], dict[str, Any]]]:
+    """The HF engine: ``generate()`` (greedy tokens per prompt from ``model``) and ``refit(version)``
+    (pull the version with ``receiver``, a ``RefitReceiver``, install it into ``model`` with
+    ``install_weights`` (of ``megarefit.integrations.hf``); return a report like vLLM's: seconds
+    per stage, bytes, counters)."""
+
+    def generate() -> list[list[int]]:
+        return greedy(model, max_tokens)
+
+    def refit(v: int) -> dict[str, Any]:
+        weights = list(receiver.run_refit_cycle(v))
+        t = time.perf_counter()
+        install_weights(model, weights)
+        stats = receiver.stats
+        assert stats is not None
+        return {"version": v, "cold": stats.cold, "seconds": {**stats.seconds, "load": time.perf_counter() - t},
+                "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes,
+                "counters": stats.counters}
+
+    return generate, refit
+
+
+def _load_snapshots(folder: Path, version: int) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+    """The trainers' own snapshot of ``version``: ``{(tp, pp, ep) rank: state dict}`` from the
+    ``v{version}-tp{tp}-pp{pp}-ep{ep}.pt`` files in ``folder``."""
+    shards = {}
+    for f in folder.glob(f"v{version}-*.pt"):
+        t, p, e = (int(x[2:]) for x in f.stem.split("-")[1:])
+        shards[(t, p, e)] = torch.load(f)
+    return shards

@@ -28,7 +28,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ import torch
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
 from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stage
 from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
-from megarefit.layout.geometry import global_shape, source_tensors
+from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
 from megarefit.online.param_sync import check_param_sync
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.planner import plan_megatron_to_hf
@@ -55,6 +55,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _entry(name: str, role: str, t: torch.Tensor, gshape: tuple[int, ...]) -> TensorEntry:
     return TensorEntry(name, role, _dtype_name(t.dtype), tuple(t.shape), gshape, t.data_ptr(),
                        t.numel() * t.element_size(), *mem_type(t))
+
+
+def _most_common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype most of ``tensors`` have (the first seen among equals)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in tensors:
+        counts[p.dtype] = counts.get(p.dtype, 0) + 1
+    return max(counts, key=counts.__getitem__)
 
 
 class Publisher:
@@ -101,17 +109,65 @@ class Publisher:
         cfg = load_hf_config(hf_config)
         self.dims = ModelDims.from_hf_config(cfg)
         self.quantization = resolve_quantization(quantization, cfg)
+        self.layout = self._build_layout(tp, pp, ep, etp, vocab_divisor=make_vocab_size_divisible_by,
+                                         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                                         layer_spec=layer_spec, expert_layout=expert_layout, mtp_layers=mtp_layers)
+        self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
+        expected = self._check_params()
+        self.dtype = _dtype_name(_most_common_dtype(self.params.values()))
+        # FP8: the shards whose blocks lie inside this rank are served quantized, from buffers
+        # allocated and registered once and re-filled by every publish() (quant/planning.py)
+        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.quantization is not None:
+            plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
+            self.fp8 = self._fp8_buffers([ref.name for ref in fp8_sources(plan, self.rank)])
+        # snapshot: receivers read a registered copy that publish() refreshes, never the live
+        # parameters (training goes on during the pull: one-step off-policy RL)
+        self.snapshot: dict[str, torch.Tensor] = {}
+        if snapshot:
+            self.snapshot = self._snapshot_buffers([n for n in expected if n not in self.fp8])
+        entries, served = self._served_entries(expected)
+        self._warn_expandable_segments(served)
+        name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
+        self.agent = NixlAgent(name)
+        self.agent.register(served)
+        self.manifest = self._build_manifest(name, entries)
+        self.last_quantize_s = 0.0
+        self._quantize = (Fp8Quantizer([(self.params[n].detach(), w, sc) for n, (w, sc) in self.fp8.items()],
+                                       self.quantization) if self.fp8 else None)
+        self.rendezvous = rendezvous
+        self.writing = False  # inside updating(), or an update that raised (receivers wait)
+        self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
+        rendezvous.publish_manifest(self.manifest, self.agent.metadata)
+
+    def _build_layout(self, tp: int, pp: int, ep: int, etp: int | None, *, vocab_divisor: int,
+                      first_stage_layers: int | None, last_stage_layers: int | None, layer_spec: LayerSpec,
+                      expert_layout: ExpertLayout, mtp_layers: int) -> SourceLayout:
+        """The trainer's source layout (``pp`` counts virtual stages), checked against the model's
+        dims; ``self.rank`` must be one of its coordinates.
+
+        Raises:
+            LayoutError: the layout does not fit the model, or ``self.rank`` is not in its grid.
+        """
         self.dims.check_layout(tp, pp, ep, etp)
-        self.layout = SourceLayout.build(
-            tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, make_vocab_size_divisible_by),
+        layout = SourceLayout.build(
+            tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, vocab_divisor),
             num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
             mtp_layers=mtp_layers)
-        if self.rank not in set(self.layout.ranks()):
+        if self.rank not in set(layout.ranks()):
             raise LayoutError(f"rank {self.rank} is not a coordinate of Megatron's process grid for tp={tp} "
-                              f"ep={ep} etp={self.layout.etp} (with etp=1 < tp, tp and ep ranks are tied; "
-                              f"publish from the ranks {[tuple(r) for r in self.layout.ranks()]} only)")
-        self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
+                              f"ep={ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks are tied; "
+                              f"publish from the ranks {[tuple(r) for r in layout.ranks()]} only)")
+        return layout
+
+    def _check_params(self) -> dict[str, SourceTensor]:
+        """The shards the layout places on this rank (canonical name -> source tensor), checked
+        against ``self.params``: the same names, the same (local) shapes, contiguous.
+
+        Raises:
+            MissingParameterError / UnexpectedParameterError / ShapeMismatchError: as the class says.
+        """
         expected = source_tensors(self.dims, self.layout)[self.rank]
         missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())
         if missing:
@@ -125,21 +181,12 @@ class Publisher:
             if tuple(p.shape) != t.shape or not p.is_contiguous():
                 raise ShapeMismatchError(f"parameter {name} on rank {self.rank}: expected contiguous {t.shape}, "
                                          f"got {tuple(p.shape)} contiguous={p.is_contiguous()}")
-        counts: dict[torch.dtype, int] = {}
-        for p in self.params.values():
-            counts[p.dtype] = counts.get(p.dtype, 0) + 1
-        self.dtype = _dtype_name(max(counts, key=counts.__getitem__))
-        # FP8: the shards whose blocks lie inside this rank are served quantized, from buffers
-        # allocated and registered once and re-filled by every publish() (quant/planning.py)
-        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.quantization is not None:
-            plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
-            self.fp8 = self._fp8_buffers([ref.name for ref in fp8_sources(plan, self.rank)])
-        # snapshot: receivers read a registered copy that publish() refreshes, never the live
-        # parameters (training goes on during the pull: one-step off-policy RL)
-        self.snapshot: dict[str, torch.Tensor] = {}
-        if snapshot:
-            self.snapshot = self._snapshot_buffers([n for n in expected if n not in self.fp8])
+        return expected
+
+    def _served_entries(self, expected: Mapping[str, SourceTensor]) -> tuple[list[TensorEntry], list[torch.Tensor]]:
+        """Manifest entries (global shapes, addresses; region not yet known) of the tensors this
+        rank serves, in layout order, and those tensors: an FP8 shard's weight and float32 scales,
+        else the snapshot copy, else the live parameter."""
         entries, served = [], []
         for name, t in expected.items():
             gshape = global_shape(t.spec, self.dims, self.layout)
@@ -152,26 +199,24 @@ class Publisher:
                 tensor = self.snapshot.get(name, self.params[name])
                 entries.append(_entry(name, t.spec.role.value, tensor, gshape))
                 served.append(tensor)
+        return entries, served
+
+    def _warn_expandable_segments(self, served: list[torch.Tensor]) -> None:
+        """Warn (at the caller of ``Publisher(...)``) when CUDA tensors are served while PyTorch's
+        allocator uses expandable segments (VMM memory: RDMA NICs fault on it at transfer time)."""
         if any(t.is_cuda for t in served) and "expandable_segments:true" in (
                 os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower():
             warnings.warn(f"rank {self.rank}: serving CUDA memory allocated with expandable_segments; NIXL "
                           "registration of VMM-mapped memory succeeds but RDMA NICs fault at transfer time. "
-                          "Unset expandable_segments for the trainer, or serve through CUDA IPC only.", stacklevel=2)
-        name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
-        self.agent = NixlAgent(name)
-        self.agent.register(served)
+                          "Unset expandable_segments for the trainer, or serve through CUDA IPC only.", stacklevel=3)
+
+    def _build_manifest(self, agent_name: str, entries: list[TensorEntry]) -> Manifest:
+        """The rank's manifest: ``entries`` with the agent's registered region of each (-1 if none)."""
         entries = [dataclasses.replace(e, region=-1 if (r := self.agent.region(e.addr, e.nbytes)) is None else r)
                    for e in entries]
         quant = None if self.quantization is None else (self.quantization.block, self.quantization.ue8m0)
-        self.manifest = Manifest(self.rank, self.dims, self.layout, name, tuple(entries), dtype=self.dtype,
-                                 quantization=quant)
-        self.last_quantize_s = 0.0
-        self._quantize = (Fp8Quantizer([(self.params[n].detach(), w, sc) for n, (w, sc) in self.fp8.items()],
-                                       self.quantization) if self.fp8 else None)
-        self.rendezvous = rendezvous
-        self.writing = False  # inside updating(), or an update that raised (receivers wait)
-        self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
-        rendezvous.publish_manifest(self.manifest, self.agent.metadata)
+        return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
+                        quantization=quant)
 
     def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """FP8 weights and float32 scales of ``names`` as views of one arena each (per device),

@@ -16,7 +16,7 @@ import torch
 
 from megarefit.errors import MegarefitError, ShapeMismatchError
 from megarefit.layout import Box
-from megarefit.plan import Plan, QuantizeStep, TensorRef
+from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef
 from megarefit.transport.base import Transport
 
 
@@ -61,10 +61,49 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         ShapeMismatchError: a buffer's shape, dtype or layout does not fit its target.
     """
     by_target = plan.ops_by_target
-    key = None
-    if buffers:
-        key = (plan.digest, tuple((id(b), b.data_ptr(), b.dtype, b.shape) for b in buffers.values()))
-    if buffers and key not in _VALIDATED:
+    key = _checked_buffers_key(plan, buffers)
+    batched = False
+    produced = plan.produced
+    if buffers and hasattr(transport, "pull_batch") and all(ref in buffers for ref in plan.targets):
+        # every target has a buffer: one batched pull (no streaming needed), then yield
+        _pull_batch(plan, transport, buffers, key, stats)
+        batched = True
+    done: dict[TensorRef, torch.Tensor] = {}  # quantize-step outputs waiting for their turn
+    steps = {q.staging: q for q in plan.quantize}
+    for ref, meta in plan.targets.items():
+        ops = by_target[ref]
+        t0 = time.perf_counter()
+        buf = buffers.get(ref) if buffers else None
+        if ref in produced and not batched:
+            yield ref, done.pop(ref)
+            continue
+        if batched:
+            tensor = buffers[ref]  # type: ignore[index]
+        else:
+            tensor = _pull_target(meta, ops, transport, buf, views=views, device=device, stats=stats)
+        if stats is not None:
+            stats.pull_s += time.perf_counter() - t0
+            stats.tensors += 1
+        step = steps.get(ref)
+        if step is not None:  # staging: quantize now, hand over the FP8 weight and its scales in their turn
+            if not batched:
+                done.update(_quantize_staging(plan, step, tensor, buffers))
+            continue
+        yield ref, tensor
+
+
+def _checked_buffers_key(plan: Plan, buffers: Mapping[TensorRef, torch.Tensor] | None) -> object:
+    """Identity of ``(plan, buffers)`` (``None`` without buffers), after checking each buffer
+    fits its target: contiguous, the target's (storage) shape, the plan's dtype. A key
+    already checked (warm cycles into the same buffers) skips the checks.
+
+    Raises:
+        ShapeMismatchError: a buffer's shape, dtype or layout does not fit its target.
+    """
+    if not buffers:
+        return None
+    key = (plan.digest, tuple((id(b), b.data_ptr(), b.dtype, b.shape) for b in buffers.values()))
+    if key not in _VALIDATED:
         for ref, buf in buffers.items():
             meta = plan.targets.get(ref)
             if meta is not None and (tuple(buf.shape) != (meta.storage_shape or meta.shape)
@@ -76,67 +115,66 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         if len(_VALIDATED) > 8:
             _VALIDATED.clear()
         _VALIDATED.add(key)  # warm cycles into the same buffers skip the checks
-    batched = False
-    produced = plan.produced
-    if buffers and hasattr(transport, "pull_batch") and all(ref in buffers for ref in plan.targets):
-        # every target has a buffer: one batched pull (no streaming needed), then yield
-        t0 = time.perf_counter()
-        for ref, meta in plan.targets.items():
-            for box in meta.zero_fill:
-                buffers[ref][box.slices()].zero_()
-        transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets if ref not in produced], key=key)
-        for step in plan.quantize:
-            run_quantize_step(step, buffers[step.staging], buffers[step.weight], buffers[step.scale])
-        batched = True
-        if stats is not None:
-            stats.pull_s += time.perf_counter() - t0
-            stats.bytes_copied += plan.nbytes
-    done: dict[TensorRef, torch.Tensor] = {}  # quantize-step outputs waiting for their turn
-    steps = {q.staging: q for q in plan.quantize}
+    return key
+
+
+def _pull_batch(plan: Plan, transport: Transport, buffers: Mapping[TensorRef, torch.Tensor], key: object,
+                stats: RefitStats | None) -> None:
+    """Fill every target's buffer at once: zero the ``zero_fill`` boxes, one ``transport.pull_batch``
+    of all op-written targets, then run the plan's quantize steps (staging -> FP8 weight + scales)."""
+    t0 = time.perf_counter()
+    by_target, produced = plan.ops_by_target, plan.produced
     for ref, meta in plan.targets.items():
-        ops = by_target[ref]
-        t0 = time.perf_counter()
-        tensor = None
-        buf = buffers.get(ref) if buffers else None
-        if ref in produced and not batched:
-            yield ref, done.pop(ref)
-            continue
-        if batched:
-            tensor = buffers[ref]  # type: ignore[index]
-        elif buf is not None:
-            for box in meta.zero_fill:
-                buf[box.slices()].zero_()
-            transport.pull(ops, buf)
-            tensor = buf
-            if stats is not None:
-                stats.bytes_copied += sum(op.nbytes for op in ops)
-        elif (views and len(ops) == 1 and not meta.zero_fill and meta.storage_shape is None
-              and ops[0].dst_box == Box.full(meta.shape)):
-            tensor = transport.view(ops[0])
-            if tensor is not None:
-                tensor = tensor.view(meta.shape)  # a box may lack the target's leading 1-dims (an expert slot)
-            if tensor is not None and stats is not None:
-                stats.views += 1
-                stats.bytes_viewed += ops[0].nbytes
-        if tensor is None:
-            alloc = torch.zeros if meta.zero_fill else torch.empty
-            tensor = alloc(meta.storage_shape or meta.shape, dtype=torch_dtype(meta.dtype), device=device)
-            transport.pull(ops, tensor)
-            if stats is not None:
-                stats.bytes_copied += sum(op.nbytes for op in ops)
+        for box in meta.zero_fill:
+            buffers[ref][box.slices()].zero_()
+    transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets if ref not in produced], key=key)
+    for step in plan.quantize:
+        run_quantize_step(step, buffers[step.staging], buffers[step.weight], buffers[step.scale])
+    if stats is not None:
+        stats.pull_s += time.perf_counter() - t0
+        stats.bytes_copied += plan.nbytes
+
+
+def _pull_target(meta: TensorMeta, ops: tuple[CopyOp, ...], transport: Transport, buf: torch.Tensor | None, *,
+                 views: bool, device: torch.device | str, stats: RefitStats | None) -> torch.Tensor:
+    """One target (``meta``, written by ``ops``) as a tensor: pulled into ``buf`` when given, else a
+    zero-copy view of the source (one op covering the whole target, ``views`` on, the transport
+    can address the source), else freshly allocated on ``device`` and pulled into. Counts bytes
+    copied / viewed in ``stats``; the caller times it."""
+    tensor = None
+    if buf is not None:
+        for box in meta.zero_fill:
+            buf[box.slices()].zero_()
+        transport.pull(ops, buf)
+        tensor = buf
         if stats is not None:
-            stats.pull_s += time.perf_counter() - t0
-            stats.tensors += 1
-        step = steps.get(ref)
-        if step is not None:  # staging: quantize now, hand over the FP8 weight and its scales in their turn
-            if not batched:
-                out = {r: buffers[r] if buffers and r in buffers else torch.empty(
-                    plan.targets[r].shape, dtype=torch_dtype(plan.targets[r].dtype), device=tensor.device)
-                       for r in (step.weight, step.scale)}
-                run_quantize_step(step, tensor, out[step.weight], out[step.scale])
-                done.update(out)
-            continue
-        yield ref, tensor
+            stats.bytes_copied += sum(op.nbytes for op in ops)
+    elif (views and len(ops) == 1 and not meta.zero_fill and meta.storage_shape is None
+          and ops[0].dst_box == Box.full(meta.shape)):
+        tensor = transport.view(ops[0])
+        if tensor is not None:
+            tensor = tensor.view(meta.shape)  # a box may lack the target's leading 1-dims (an expert slot)
+        if tensor is not None and stats is not None:
+            stats.views += 1
+            stats.bytes_viewed += ops[0].nbytes
+    if tensor is None:
+        alloc = torch.zeros if meta.zero_fill else torch.empty
+        tensor = alloc(meta.storage_shape or meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+        transport.pull(ops, tensor)
+        if stats is not None:
+            stats.bytes_copied += sum(op.nbytes for op in ops)
+    return tensor
+
+
+def _quantize_staging(plan: Plan, step: QuantizeStep, staging: torch.Tensor,
+                      buffers: Mapping[TensorRef, torch.Tensor] | None) -> dict[TensorRef, torch.Tensor]:
+    """Quantize a pulled ``staging`` tensor; return its FP8 weight and scales by target (their
+    buffers when given, else allocated on the staging tensor's device), to be yielded in their turn."""
+    out = {r: buffers[r] if buffers and r in buffers
+           else torch.empty(plan.targets[r].shape, dtype=torch_dtype(plan.targets[r].dtype), device=staging.device)
+           for r in (step.weight, step.scale)}
+    run_quantize_step(step, staging, out[step.weight], out[step.scale])
+    return out
 
 
 def run_quantize_step(step: QuantizeStep, staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
