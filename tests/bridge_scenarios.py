@@ -54,9 +54,10 @@ def config(name: str, extra: dict) -> dict:
 def _model_modules(cfg: dict, entries: list) -> dict:
     """A real Megatron-Core model (tp = pp = ep = 1) and each parameter's owning module."""
     from megarefit.integrations.bridge import resolve_modules
-    from megarefit.demo.megatron_cpu import _free_port, build_gpt_model, gpt_arch_from_hf, init_parallel
+    from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
+    from megarefit.demo.workers import free_port
 
-    init_parallel(rank=0, world_size=1, master_port=_free_port(), tp=1, pp=1)
+    init_parallel(rank=0, world_size=1, master_port=free_port(), tp=1, pp=1)
     model = build_gpt_model(gpt_arch_from_hf(cfg, tp=1), seed=0)
     return resolve_modules(model, entries)
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reports free now (for a gloo master)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +46,7 @@ class WorkerGroup:
 
     def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
         self.world_size = world_size
-        self.port = master_port if master_port is not None else _free_port()
+        self.port = master_port if master_port is not None else free_port()
         ctx = mp.get_context("spawn")
         self._q = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
@@ -122,4 +123,4 @@ def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), ma
 # --------------------------------------------------------------------------- HF configs and jobs
 
 
-__all__ = ["WorkerGroup", "run_workers", "start_workers"]
+__all__ = ["WorkerGroup", "free_port", "run_workers", "start_workers"]
