@@ -259,7 +259,7 @@ def main() -> None:
     stats = cycles[-1][1]
     # the refit's direct READs alone (its prepared requests, no scratch waves): their rate against
     # the raw one-descriptor READ's tells descriptor shapes from the rest of the cycle
-    prepared = next(iter(receiver.transport._prepared.values()))
+    prepared = receiver.transport.prepared[0]
     direct = [p for p in prepared.per_source if p.handle is not None]
     direct_bytes = sum(p.wire_bytes - sum(w.nbytes for w in p.waves) for p in direct)
     direct_desc = sum(p.descriptors - sum(w.descriptors for w in p.waves) for p in direct)

@@ -108,7 +108,7 @@ def test_fp8_refit_over_nixl(head_dim, tmp_path):
             assert torch.equal(got[name], w), name
     full_bf16 = sum(t.numel() * t.element_size() for t in hf.values())
     stats = receiver.stats
-    descriptors = sum(p.descriptors for p in next(iter(receiver.transport._prepared.values())).per_source)
+    descriptors = sum(p.descriptors for p in receiver.transport.prepared[0].per_source)
     if head_dim == 128:  # every block inside one shard: FP8 on the wire
         assert "pull.quantize" not in stats.seconds and stats.wire_bytes < 0.55 * full_bf16
         # the Publisher lays FP8 shards and scales out back to back and the receiver's arena follows

@@ -207,7 +207,7 @@ def test_expert_layouts_over_nixl(layout, experts):
     # each trainer byte crosses the wire at most once: a rank's READ descriptors never overlap
     # (legacy weight1 / weight2 blocks serve gate and up from the same bytes) and stay inside
     # what the rank publishes
-    prepared = next(iter(receiver.transport._prepared.values()))
+    prepared = receiver.transport.prepared[0]
     for pulls, pub in zip(sorted(prepared.per_source, key=lambda p: p.rank),
                           sorted(pubs, key=lambda p: p.rank)):
         spans = sorted(pulls.remote)
@@ -237,7 +237,7 @@ def test_gathered_waves_over_nixl(layout, budget, direct_min):
         got = dict(receiver.run_refit_cycle(version))
         sign = -1 if version == 1 else 1
         assert got.keys() == hf.keys() and all(torch.equal(got[k], sign * v) for k, v in hf.items())
-    prepared = next(iter(receiver.transport._prepared.values()))
+    prepared = receiver.transport.prepared[0]
     waves = max(len(p.waves) for p in prepared.per_source)
     assert (waves > 2) == (budget is not None)
     if direct_min == 0:

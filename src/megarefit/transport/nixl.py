@@ -149,7 +149,7 @@ class _RankLayout(NamedTuple):
     rdev: int
 
 
-def _local_memory(buffers: Mapping[TensorRef, torch.Tensor]) -> tuple[str, int]:
+def _local_memory(buffers: Mapping[Any, torch.Tensor]) -> tuple[str, int]:
     """The NIXL memory type and device id of the receiver's buffers (``("DRAM", 0)`` for none).
 
     Raises:
@@ -216,13 +216,18 @@ class NixlTransport:
         self.direct_min_bytes, self.gap_bytes, self.scratch_budget = direct_min_bytes, gap_bytes, scratch_budget
         self.max_direct = max_direct
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata loaded
-        self._prepared: dict[tuple[str, ...], PreparedPlan] = {}
+        self._prepared: dict[tuple[str, ...], list[PreparedPlan]] = {}  # one prepared set at a time
         self._scratch: torch.Tensor | None = None
         self.last_seconds: dict[str, float] = {}
 
     @property
     def counters(self) -> Counter[str]:
         return self.nixl.counters
+
+    @property
+    def prepared(self) -> list[PreparedPlan]:
+        """The prepared plans of the last :meth:`prepare` / :meth:`prepare_groups` (empty before)."""
+        return next(iter(self._prepared.values()), [])
 
     def connect(self, manifests: Mapping[RankCoord, Manifest], metadata: Mapping[RankCoord, bytes]) -> None:
         """Load each source's NIXL metadata (NIXL's own metadata exchange); once per agent.
@@ -246,8 +251,8 @@ class NixlTransport:
             self.nixl.counters["remote_agents"] += 1
 
     def _release_prepared(self) -> None:
-        for prepared in self._prepared.values():
-            for pulls in prepared.per_source:
+        for group in self._prepared.values():
+            for pulls in (p for prepared in group for p in prepared.per_source):
                 for handle in (pulls.handle, *(w.handle for w in pulls.waves), *pulls.dlists):
                     if handle is not None:
                         with contextlib.suppress(Exception):
@@ -266,20 +271,49 @@ class NixlTransport:
         Raises:
             TransferError: buffers on several devices, or a rank serving from several.
         """
-        key = (plan.digest,) + tuple(manifests[r].memory_digest for r in sorted(manifests))
+        return self.prepare_groups([plan], manifests, [buffers])[0]
+
+    def prepare_groups(self, plans: Sequence[Plan], manifests: Mapping[RankCoord, Manifest],
+                       buffers: Sequence[Mapping[TensorRef, torch.Tensor]]) -> list[PreparedPlan]:
+        """:meth:`prepare` for plans executed one after the other (a streamed refit's groups),
+        all kept prepared at once and sharing one scratch sized for the largest.
+
+        ``buffers[i]`` are ``plans[i]``'s targets; buffers of different plans may share memory
+        (ring slots). Cached by every plan digest and every source's memory digest; preparing
+        another set releases the previous one's requests.
+
+        Raises:
+            TransferError: buffers on several devices, or a rank serving from several.
+        """
+        key = tuple(p.digest for p in plans) + tuple(manifests[r].memory_digest for r in sorted(manifests))
         cached = self._prepared.get(key)
         if cached is not None:
             return cached
-        self.nixl.register(list(buffers.values()))
-        lmem, ldev = _local_memory(buffers)
-        device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
-        by_rank = _ops_by_rank(plan, manifests)
-        # pass 1: per rank, the direct descriptors and the gathered waves (addresses only)
-        layouts = {rank: self._rank_layout(plan, pulls, manifests[rank], buffers, ldev)
-                   for rank, pulls in sorted(by_rank.items())}
-        waves_of, scratch_bytes = self._plan_waves(layouts, buffers)
-        self._ensure_scratch(scratch_bytes, device, (lmem, ldev), bool(buffers))
+        every = [t for b in buffers for t in b.values()]
+        self.nixl.register(every)
+        lmem, ldev = _local_memory({i: t for i, t in enumerate(every)})
+        device = every[0].device if every else torch.device("cpu")
+        # pass 1: per plan and rank, the direct descriptors and the gathered waves (addresses only)
+        passes, need = [], 0
+        for plan, bufs in zip(plans, buffers):
+            by_rank = _ops_by_rank(plan, manifests)
+            layouts = {rank: self._rank_layout(plan, pulls, manifests[rank], bufs, ldev)
+                       for rank, pulls in sorted(by_rank.items())}
+            waves_of, scratch_bytes = self._plan_waves(layouts, bufs)
+            passes.append((plan, bufs, by_rank, layouts, waves_of))
+            need = max(need, scratch_bytes)
+        self._ensure_scratch(need, device, (lmem, ldev), bool(every))
         # pass 2: descriptor lists, requests and the placement of each wave
+        out = [self._prepare_pass2(key, *one, manifests, lmem, ldev) for one in passes]
+        self._release_prepared()  # keep only the current layout's requests
+        self._prepared = {key: out}
+        return out
+
+    def _prepare_pass2(self, key: tuple[str, ...], plan: Plan, buffers: Mapping[TensorRef, torch.Tensor],
+                       by_rank: dict[RankCoord, _SourcePulls], layouts: dict[RankCoord, _RankLayout],
+                       waves_of: dict[RankCoord, tuple[list, int]], manifests: Mapping[RankCoord, Manifest],
+                       lmem: str, ldev: int) -> PreparedPlan:
+        """One plan's descriptor lists, requests and wave placements (scratch from offset 0)."""
         prepared = PreparedPlan(key, [])
         base = 0
         for rank, pulls in sorted(by_rank.items()):
@@ -291,8 +325,6 @@ class NixlTransport:
             self._make_requests(pulls, manifests[rank], remote, local, spans, places, (rmem, lmem),
                                 bool(layouts[rank].direct))
             prepared.per_source.append(pulls)
-        self._release_prepared()  # keep only the current layout's requests
-        self._prepared = {key: prepared}
         return prepared
 
     def _rank_layout(self, plan: Plan, pulls: _SourcePulls, manifest: Manifest,
