@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -33,6 +34,15 @@ from megarefit.errors import LayoutError, MegarefitError, MissingParameterError,
 from megarefit.layout import RankCoord
 from megarefit.online.arena import arena_key, publish_arena
 from megarefit.online.rendezvous import Heartbeat, Rendezvous
+from megarefit.online.stream import (
+    ALIGN,
+    SCRATCH_SHARE,
+    MemoryBudgetError,
+    StreamGroup,
+    budget_for,
+    default_memory_budget,
+    stream_groups,
+)
 from megarefit.plan import Plan, TensorRef
 from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
@@ -43,7 +53,7 @@ from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
-from megarefit.transport.nixl import NixlTransport
+from megarefit.transport.nixl import DIRECT_MIN_BYTES, NixlTransport
 
 
 class VersionMismatchError(MegarefitError):
@@ -75,6 +85,30 @@ class CycleStats:
     scratch_bytes: int = 0  # receiver scratch for gathered pulls (bytes; bounded by ``scratch_budget``, reused)
     descriptors: int = 0  # NIXL READ descriptors per cycle (direct pulls + gathered runs)
     retries: int = 0  # pulls rejected because a rank wrote during them (seqlock), then pulled again
+    install: str = "staged"  # "staged": the whole share in an arena; "streamed": groups through a ring
+    peak_extra_bytes: int = 0  # receiver memory held at once for the pull: arena or ring, plus scratch (bytes)
+    groups: int = 1  # groups handed over one after the other (streamed)
+
+
+class TornUpdateError(StaleVersionError):
+    """A streamed cycle handed tensors over, then saw a trainer rank move past the version or
+    write during the pull: the consumer holds a mix of versions and must not serve it until a
+    refit cycle completes."""
+
+
+@dataclass
+class _Stream:
+    """A streamed receiver's groups, ring slots, per-group target views and FP8 quantizers."""
+
+    groups: list[StreamGroup]
+    slots: list[torch.Tensor]  # two uint8 ring slots (one when a single group)
+    buffers: list[dict[TensorRef, torch.Tensor]]  # per group: its targets as views of its slot
+    quantizers: list[Fp8Quantizer | None]  # per group, compiled on first use
+    budget: int  # bytes: ring slots + scratch stay within it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self.slots)
 
 
 @contextlib.contextmanager
@@ -108,8 +142,8 @@ class RefitReceiver:
             trainer memory, host or GPU, straight into GPU memory; registered as VRAM).
         scratch_budget: bytes of scratch for gathered pulls (small and strided pieces read as
             large runs, then placed by one batched copy; :mod:`~megarefit.transport.gather`).
-            ``None``: 5% of the target bytes, at least 64 MiB. Smaller budgets read in more
-            waves through two reused halves per trainer rank.
+            ``None``: 5% of the target bytes, at least 64 MiB (streamed: 1/8 of ``memory_budget``).
+            Smaller budgets read in more waves through two reused halves per trainer rank.
         retries: pulls to repeat when a trainer rank wrote during one (seen through its
             update sequence or version), before StaleVersionError; counted in ``stats.retries``.
         heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
@@ -117,12 +151,26 @@ class RefitReceiver:
             know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
         replica_group: serve each pulled version to :class:`~megarefit.online.replica.ReplicaReceiver`
             s of this group (same target) from the arena, guarded by a seqlock of its own.
+        memory_budget: bytes for a **streamed** refit (:mod:`~megarefit.online.stream`): the
+            plan is cut into groups of whole layers pulled through two ring slots of
+            ``memory_budget // 2`` bytes, and each group is handed over as it lands, so the
+            receiver holds the budget (plus the bounded scratch) instead of the whole share.
+            ``"auto"``: the larger of 1 GiB and two slots of the largest layer. ``None``
+            (default): staged, the whole share pulled and fenced before the first tensor.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
                  device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
-                 heartbeat_s: float = 1.0, replica_group: str | None = None):
+                 heartbeat_s: float = 1.0, replica_group: str | None = None,
+                 memory_budget: int | Literal["auto"] | None = None):
+        if memory_budget is not None and replica_group is not None:
+            raise MegarefitError("a replica group serves the receiver's whole arena; a streamed receiver "
+                                 "(memory_budget) keeps none: give one or the other")
+        if memory_budget is not None and memory_budget != "auto" and (
+                not isinstance(memory_budget, int) or memory_budget <= 0):
+            raise MegarefitError(f"memory_budget must be a positive number of bytes, 'auto' or None, "
+                                 f"got {memory_budget!r}")
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
                               "expert_map): give experts or target, not both")
@@ -131,6 +179,9 @@ class RefitReceiver:
         self.device = torch.device(device)
         self.experts = None if experts is None else frozenset(experts)
         self.replica_group = replica_group
+        self.memory_budget = memory_budget
+        self._scratch_given = scratch_budget
+        self._stream: _Stream | None = None  # streamed: the groups and ring slots of the current plan
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
                                        progress_thread=replica_group is not None)  # replicas READ from it
@@ -253,6 +304,66 @@ class RefitReceiver:
         self._plan = plan
         self._quantizer = None
         self._checked = ()
+        if self.memory_budget is not None:
+            self._stream = self._ring_for(plan)
+        else:
+            self._arena_for(plan, manifests)
+        return plan, True
+
+    def _ring_for(self, plan: Plan, scratch: int | None = None) -> _Stream:
+        """The groups of a streamed refit and its two ring slots, allocated once per plan: the
+        budget less ``scratch`` (default: the scratch budget), halved. Contiguous pulls of at
+        least a quarter of the scratch budget READ straight into the ring (no scratch).
+
+        Raises:
+            MemoryBudgetError: the largest layer does not fit a slot (says which budget would)."""
+        self._arenas, self._buffers = {}, {}
+        budget = default_memory_budget(plan) if self.memory_budget == "auto" else int(self.memory_budget)
+        if self._scratch_given is None:
+            self.transport.scratch_budget = budget // SCRATCH_SHARE
+        self.transport.direct_min_bytes = min(DIRECT_MIN_BYTES, max(ALIGN, self.transport.scratch_budget // 4))
+        scratch = self.transport.scratch_budget if scratch is None else scratch
+        slot_bytes = (budget - scratch) // 2
+        try:
+            groups = stream_groups(plan, slot_bytes)
+        except MemoryBudgetError as exc:
+            need = exc.slot_bytes_needed
+            raise MemoryBudgetError(f"{exc}: memory_budget={budget} (ring slots of {slot_bytes} bytes beside "
+                                    f"{scratch} bytes of scratch) is too small; use memory_budget >= "
+                                    f"{max(budget_for(need), 2 * need + scratch)}, 'auto', or None "
+                                    "for a staged refit", need) from None
+        if self._stream is not None:  # a new plan or a re-cut ring: the old slots go
+            self.transport.release(self._stream.slots)
+            self._stream = None
+        size = max(g.nbytes for g in groups)
+        slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(groups)))]
+        self.transport.nixl.register(slots)  # as two whole regions: READs may span neighbouring targets
+        return _Stream(groups, slots, [g.views(slots[g.slot]) for g in groups], [None] * len(groups), budget)
+
+    def _prepare_stream(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> list:
+        """The groups' prepared READs, with the ring and the scratch together within the budget: a
+        gathered run that cannot be split may need more scratch than its share of the budget; then
+        the ring is cut again into smaller slots (once per plan: prepared requests are cached).
+
+        Raises:
+            MemoryBudgetError: the scratch the pulls need leaves no room for the largest layer."""
+        stream = self._stream
+        assert stream is not None
+        for _ in range(3):
+            prepared = self.transport.prepare_groups([g.plan for g in stream.groups], manifests, stream.buffers)
+            scratch = self.transport.scratch_allocated
+            if stream.nbytes + scratch <= stream.budget:
+                return prepared
+            if scratch >= stream.budget:
+                break
+            self._stream = stream = self._ring_for(plan, scratch)
+        raise MemoryBudgetError(f"memory_budget={stream.budget}: the gathered pulls need {scratch} bytes of scratch "
+                                f"beside ring slots of {stream.nbytes // 2} bytes; use a larger memory_budget, "
+                                "'auto', or None for a staged refit")
+
+    def _arena_for(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
+        """Allocate the arena (per dtype) holding every target, laid out in trainer order."""
+        self._stream = None
         totals: dict[str, int] = {}
         for meta in plan.targets.values():
             totals[meta.dtype] = totals.get(meta.dtype, 0) + meta.numel
@@ -286,7 +397,6 @@ class RefitReceiver:
         for ref, meta in plan.targets.items():
             for box in meta.zero_fill:  # never pulled (vLLM vocab padding rows): zero once
                 self._buffers[ref][box.slices()].zero_()
-        return plan, True
 
     def _check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
         key = tuple(manifests[r].memory_digest for r in sorted(manifests))
@@ -309,6 +419,41 @@ class RefitReceiver:
                                          f"expected {meta.numel * torch_dtype(meta.dtype).itemsize}")
         self._checked = key
 
+    def _fence_start(self, version: int | None, lap: Callable[[str], None]
+                     ) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes], list[RankCoord],
+                                dict[RankCoord, int], int]:
+        """Discover the ranks, read their update sequences once none is writing (the seqlock,
+        before the bytes) and wait for the version: ``(manifests, metadata, ranks, seq, version)``."""
+        manifests, metadata = self._discover()
+        lap("discover")
+        ranks = sorted(manifests)
+        seq = self._wait_stable(ranks)  # seqlock: read before the bytes
+        got, waited = self._wait_version(ranks, version)
+        if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
+            manifests, metadata = self._discover()
+            if sorted(manifests) != ranks:
+                raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
+        lap("version")
+        return manifests, metadata, ranks, seq, got
+
+    def _fence_end(self, ranks: list[RankCoord], seq: dict[RankCoord, int], got: int, version: int | None) -> None:
+        """Re-read versions and update sequences after the bytes landed.
+
+        Raises:
+            StaleVersionError: a rank moved past ``got`` or wrote during the pull."""
+        seq_after = self.rendezvous.sequences(ranks)  # seqlock: read after the bytes landed
+        after = self.rendezvous.versions(ranks)
+        moved = {r: v for r, v in after.items() if v != got}
+        if moved:
+            raise StaleVersionError(f"ranks moved past version {got} during the pull: "
+                                    + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())),
+                                    retryable=version is None)
+        rewritten = sorted(r for r in ranks if seq_after[r] != seq[r])
+        if rewritten:
+            raise StaleVersionError(f"ranks wrote their weights during the pull of version {got} (update sequence "
+                                    "moved): " + ", ".join(f"{tuple(r)} {seq[r]} -> {seq_after[r]}" for r in rewritten),
+                                    retryable=True)
+
     def _pull(self, version: int | None) -> tuple[Plan, object, int, dict[str, float], bool]:
         """One attempt: discover, fence, plan, pull into the arena, re-check (raises
         StaleVersionError, ``retryable`` where a new attempt can succeed)."""
@@ -322,16 +467,7 @@ class RefitReceiver:
             seconds[stage] = now - t
             t = now
 
-        manifests, metadata = self._discover()
-        lap("discover")
-        ranks = sorted(manifests)
-        seq = self._wait_stable(ranks)  # seqlock: read before the bytes
-        got, waited = self._wait_version(ranks, version)
-        if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
-            manifests, metadata = self._discover()
-            if sorted(manifests) != ranks:
-                raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
-        lap("version")
+        manifests, metadata, ranks, seq, got = self._fence_start(version, lap)
         with _gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
             plan, _ = self._plan_for(manifests)
             self._check_manifests(plan, manifests)
@@ -358,18 +494,7 @@ class RefitReceiver:
         seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
         if plan.quantize:
             seconds["pull.quantize"] = quant_s
-        seq_after = self.rendezvous.sequences(ranks)  # seqlock: read after the bytes landed
-        after = self.rendezvous.versions(ranks)
-        moved = {r: v for r, v in after.items() if v != got}
-        if moved:
-            raise StaleVersionError(f"ranks moved past version {got} during the pull: "
-                                    + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())),
-                                    retryable=version is None)
-        rewritten = sorted(r for r in ranks if seq_after[r] != seq[r])
-        if rewritten:
-            raise StaleVersionError(f"ranks wrote their weights during the pull of version {got} (update sequence "
-                                    "moved): " + ", ".join(f"{tuple(r)} {seq[r]} -> {seq_after[r]}" for r in rewritten),
-                                    retryable=True)
+        self._fence_end(ranks, seq, got, version)
         lap("fence")
         cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
         return plan, prepared, got, seconds, cold
@@ -378,8 +503,12 @@ class RefitReceiver:
     def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Pull ``version`` (default: the version every rank publishes) and yield HF tensors.
 
-        Everything is pulled and fenced before the first tensor is yielded, so a
-        failure leaves the consumer's model untouched.
+        Staged (``memory_budget=None``): everything is pulled and fenced before the first
+        tensor is yielded, so a failure leaves the consumer's model untouched; the tensors are
+        views of the arena, valid until the next cycle. Streamed (``memory_budget``): each group
+        of layers is yielded as it lands, as views of a ring slot valid only until the next
+        item is requested (copy or install each before asking for the next); a rank that
+        moves on during the cycle is seen after the last group (:class:`TornUpdateError`).
 
         Raises:
             RendezvousTimeout: a rank never published a manifest.
@@ -388,7 +517,12 @@ class RefitReceiver:
                 or disagrees on its shape / dtype (names tensor and rank).
             TransferError: a peer died, a READ failed or timed out (names peer,
                 tensor, byte range).
+            MemoryBudgetError: streamed, a layer does not fit half the budget.
+            TornUpdateError: streamed, a rank moved on or wrote after tensors were handed over.
         """
+        if self.memory_budget is not None:
+            yield from self._run_streamed(version)
+            return
         retries = 0
         while True:
             try:
@@ -405,8 +539,83 @@ class RefitReceiver:
             self._serving = False
         model_bytes, arena_bytes = self._sizes
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
-                                arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries)
+                                arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries,
+                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes)
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:
                 yield ref.name, tensor
+
+    # ---- streamed cycles -----------------------------------------------------
+    def _finish_group(self, k: int) -> None:
+        """After group ``k`` landed: zero its never-pulled boxes (the slot held another group),
+        run its receiver-side FP8 steps, and wait for them on a GPU."""
+        stream = self._stream
+        assert stream is not None
+        group, bufs = stream.groups[k], stream.buffers[k]
+        for ref, meta in group.plan.targets.items():
+            for box in meta.zero_fill:
+                bufs[ref][box.slices()].zero_()
+        if not group.plan.quantize:
+            return
+        if stream.quantizers[k] is None:
+            step = group.plan.quantize[0]
+            stream.quantizers[k] = Fp8Quantizer([item for q in group.plan.quantize for item in slots(
+                bufs[q.staging], bufs[q.weight], bufs[q.scale])], Fp8Format(step.block, step.ue8m0))
+        stream.quantizers[k]()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run_streamed(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """A streamed cycle (``memory_budget``): each group is pulled into its ring slot and its
+        tensors handed over before the next group is pulled; the versions and update sequences
+        are checked again after the last group.
+
+        Raises:
+            TornUpdateError: a rank moved on or wrote during the cycle, after tensors were handed over.
+            (and what :meth:`run_refit_cycle` raises before the first tensor)"""
+        t = time.perf_counter()
+        seconds: dict[str, float] = {}
+        before = (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+
+        def lap(stage: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            seconds[stage] = now - t
+            t = now
+
+        manifests, metadata, ranks, seq, got = self._fence_start(version, lap)
+        with _gc_paused(), plan_threads():
+            plan, _ = self._plan_for(manifests)
+            self._check_manifests(plan, manifests)
+            lap("plan")
+            self.transport.connect(manifests, metadata)
+            prepared = self._prepare_stream(plan, manifests)
+            stream = self._stream
+            assert stream is not None
+            lap("prepare")
+        cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+        pull_s = 0.0
+        for k, (group, bufs) in enumerate(zip(stream.groups, stream.buffers)):
+            t_pull = time.perf_counter()
+            self.transport.execute(prepared[k], bufs, timeout=self.timeout)
+            self._finish_group(k)
+            pull_s += time.perf_counter() - t_pull
+            for ref, tensor in bufs.items():
+                if ref not in group.plan.staging:
+                    yield ref.name, tensor  # valid until the next item is requested
+        seconds["pull"] = pull_s
+        t = time.perf_counter()
+        try:
+            self._fence_end(ranks, seq, got, version)
+        except StaleVersionError as exc:
+            raise TornUpdateError(f"{exc}; {len(stream.groups)} groups were already handed over, so the consumer "
+                                  "holds a mix of versions: it must not serve until a refit cycle completes") from exc
+        lap("fence")
+        scratch = self.transport.scratch_allocated
+        model_bytes = sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
+                          if r not in plan.staging)
+        self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, sum(p.wire_bytes for p in prepared),
+                                dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
+                                install="streamed", peak_extra_bytes=stream.nbytes + scratch,
+                                groups=len(stream.groups))

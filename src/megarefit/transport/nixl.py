@@ -225,6 +225,11 @@ class NixlTransport:
         return self.nixl.counters
 
     @property
+    def scratch_allocated(self) -> int:
+        """Bytes of scratch allocated (and registered) for gathered pulls; it only grows."""
+        return 0 if self._scratch is None else self._scratch.numel()
+
+    @property
     def prepared(self) -> list[PreparedPlan]:
         """The prepared plans of the last :meth:`prepare` / :meth:`prepare_groups` (empty before)."""
         return next(iter(self._prepared.values()), [])
@@ -249,6 +254,12 @@ class NixlTransport:
                 raise TransferError(f"rank {rank}: NIXL metadata names agent {added!r}, manifest says {name!r}")
             self._remotes[name] = blob
             self.nixl.counters["remote_agents"] += 1
+
+    def release(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Drop every prepared request and deregister ``tensors`` (registered together by
+        :meth:`NixlAgent.register`), before the caller frees them."""
+        self._release_prepared()
+        self.nixl.deregister(tensors)
 
     def _release_prepared(self) -> None:
         for group in self._prepared.values():

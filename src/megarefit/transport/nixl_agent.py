@@ -71,6 +71,23 @@ class NixlAgent:
         self.counters["registrations"] += 1
         self.counters["registered_bytes"] += sum(t.numel() * t.element_size() for t in new)
 
+    def deregister(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Deregister tensors registered together by one :meth:`register` call (all of that
+        call's tensors at once), before their memory is freed.
+
+        Raises:
+            MegarefitError: a tensor is not registered, or its call registered others too."""
+        keys = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+        handles = {id(self._registered.get(k)): self._registered.get(k) for k in keys}
+        together = {k for k, h in self._registered.items() if id(h) in handles}
+        if None in handles.values() or together != keys:
+            raise MegarefitError("deregister takes exactly the tensors one register call registered")
+        for handle in handles.values():
+            self.agent.deregister_memory(handle)
+        for k in keys:
+            del self._registered[k]
+        self.counters["deregistrations"] += 1
+
     def region(self, addr: int, nbytes: int) -> int | None:
         """Start address of the registered region holding bytes ``[addr, addr + nbytes)``
         (an id: equal ids mean one region), or ``None``."""

@@ -1,0 +1,143 @@
+"""Streamed refits (``RefitReceiver(memory_budget=...)``), with real NIXL agents (UCX loopback).
+
+A streamed receiver pulls groups of whole layers through two ring slots and hands each group
+over as it lands. Its tensors must equal, bit for bit, what a staged receiver hands over and
+what the offline translator gives for the same shards (an independent path: no NIXL, no
+ring), with a budget under 10% of the share; the receiver's extra memory (ring + scratch, as
+it counts it and as its slots and scratch tensors measure) stays within the budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.online.receiver import TornUpdateError  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.stream import MemoryBudgetError  # noqa: E402
+from megarefit.targets import VllmTarget  # noqa: E402
+from megarefit.translate import megatron_to_hf  # noqa: E402
+from moe_cases import moe_config  # noqa: E402
+from reference import moe_hf_state, moe_reference_shards, reference_hf_state, reference_shards  # noqa: E402
+
+_JOBS = iter(range(10**6))
+LAYERS = 32  # a layer is ~3% of the share: a budget under 10% holds two slots of one layer each
+
+
+def _serve(cfg, shards, tp, ep=1, quantization=None):
+    job = f"stream-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=tp, pp=1, ep=ep, rendezvous=rdzv,
+                      agent_name=f"{job}-t{'.'.join(map(str, r))}", quantization=quantization)
+            for r, s in shards.items()]
+    return job, rdzv, pubs
+
+
+def _pull(receiver, version):
+    """Every handed-over tensor, copied before the next is asked for (the streamed contract)."""
+    return [(name, t.clone()) for name, t in receiver.run_refit_cycle(version)]
+
+
+def _share(items) -> int:
+    return sum(t.numel() * t.element_size() for _, t in items)
+
+
+def _cases(config):
+    dense = config("Llama-3.1-8B", num_hidden_layers=LAYERS)
+    hf = reference_hf_state(dense, "llama")
+    moe = moe_config("Qwen3-30B-A3B", num_hidden_layers=LAYERS, mlp_only_layers=[])
+    moe_hf = moe_hf_state(moe, "qwen3_moe")
+    return {
+        "dense-hf": (dense, reference_shards(hf, dense, tp=2, pp=1), 2, 1, None, None),
+        "dense-vllm-tp2": (dense, reference_shards(hf, dense, tp=2, pp=1), 2, 1, VllmTarget(2, 1), None),
+        "moe-ep2": (moe, moe_reference_shards(moe_hf, moe, "qwen3_moe", tp=1, pp=1, ep=2, etp=1), 1, 2, None, None),
+        "dense-fp8": (config("Llama-3.1-8B", num_hidden_layers=2 * LAYERS, hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64), None, 2, 1, None, "fp8"),
+    }
+
+
+@pytest.mark.parametrize("case", ["dense-hf", "dense-vllm-tp2", "moe-ep2", "dense-fp8"])
+def test_streamed_equals_staged_and_the_offline_translation(config, case):
+    cfg, shards, tp, ep, target, quantization = _cases(config)[case]
+    if shards is None:  # FP8: 128x128 blocks need larger dims
+        shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=tp, pp=1)
+    job, rdzv, pubs = _serve(cfg, shards, tp, ep, quantization)
+    staged = RefitReceiver(rdzv, name=f"{job}-staged", timeout=60, target=target)
+    for p in pubs:
+        p.publish(1)
+    want = _pull(staged, 1)
+    share = _share(want)
+    budget = int(0.09 * share)
+    streamed = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=60, target=target, memory_budget=budget)
+    for cycle in range(2):  # cold, then warm (groups, ring and READs prepared once)
+        got = _pull(streamed, 1)
+        assert [n for n, _ in got] == [n for n, _ in want]  # same names, same order
+        for (name, a), (_, b) in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        stats = streamed.stats
+        assert stats.install == "streamed" and stats.groups > 4 and stats.cold == (cycle == 0)
+        ring = streamed._stream
+        measured = sum(s.numel() * s.element_size() for s in ring.slots) + streamed.transport._scratch.numel()
+        assert stats.peak_extra_bytes == measured <= budget < 0.1 * share
+    if target is None:  # the offline translator of the same shards: no NIXL, no ring
+        offline = megatron_to_hf(shards, cfg, tp=tp, ep=ep, quantization=quantization)
+        assert {n for n, _ in got} == set(offline)
+        for name, t in got:
+            assert torch.equal(t.view(torch.uint8), offline[name].view(torch.uint8)), name
+    staged.close()
+    streamed.close()
+
+
+def test_a_write_during_a_streamed_cycle_is_reported_as_torn(config):
+    cfg = config("Llama-3.1-8B", num_hidden_layers=LAYERS)
+    shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
+    job, rdzv, pubs = _serve(cfg, shards, 2)
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=10, memory_budget="auto")
+    cycle = receiver.run_refit_cycle(1)
+    next(cycle)  # the consumer installed a first tensor of version 1
+    with pubs[1].updating(2):  # then trainer rank 1 steps, mid-cycle
+        pass
+    with pytest.raises(TornUpdateError, match="mix of versions"):
+        for _ in cycle:
+            pass
+    receiver.close()
+
+
+def test_a_budget_below_one_layer_names_the_layer_and_the_budget_that_fits(config):
+    cfg = config("Llama-3.1-8B", num_hidden_layers=4)
+    shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
+    job, rdzv, pubs = _serve(cfg, shards, 2)
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=10, memory_budget=4096)
+    with pytest.raises(MemoryBudgetError, match=r"layer \d+ \(model\.layers\.\d+\..*\): \d+ bytes, more than one "
+                       r"ring slot .*memory_budget=4096 .* use memory_budget >= \d+") as err:
+        next(receiver.run_refit_cycle(1))
+    for attempt in range(3):  # the advice counts the scratch seen so far: at most one more step
+        fits = int(str(err.value).split("memory_budget >= ")[1].split(",")[0])
+        again = RefitReceiver(rdzv, name=f"{job}-fits{attempt}", timeout=10, memory_budget=fits)
+        try:
+            assert len(list(again.run_refit_cycle(1))) > 0
+            break
+        except MemoryBudgetError as exc:
+            err = pytest.ExceptionInfo.from_exc_info((type(exc), exc, exc.__traceback__))
+        finally:
+            again.close()
+    else:
+        pytest.fail(f"the advised budgets did not fit: {err.value}")
+    assert again.stats.peak_extra_bytes <= fits and attempt <= 1
+    receiver.close()
+
+
+def test_bad_budgets_are_refused():
+    rdzv = Rendezvous.serve(job=f"stream-{next(_JOBS)}")
+    with pytest.raises(Exception, match="positive number of bytes"):
+        RefitReceiver(rdzv, name="bad", memory_budget=0)
+    with pytest.raises(Exception, match="replica group"):
+        RefitReceiver(rdzv, name="bad2", memory_budget=1 << 20, replica_group="g")
