@@ -4,6 +4,7 @@
 * :mod:`~megarefit.online.publisher`: :class:`Publisher`, the trainer side (one per Megatron rank);
 * :mod:`~megarefit.online.param_sync`: checks that a rank's published tensors are its live parameters;
 * :mod:`~megarefit.online.receiver`: :class:`RefitReceiver`, discover / version fence / pull / hand over;
+* :mod:`~megarefit.online.stream`: streamed refits (``memory_budget``): layer groups through a two-slot ring;
 * :mod:`~megarefit.online.arena`: a receiver's arena described for its replicas;
 * :mod:`~megarefit.online.replica`: :class:`ReplicaReceiver`, fan-out from a receiver that has a version.
 """
