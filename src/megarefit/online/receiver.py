@@ -111,6 +111,23 @@ class _Stream:
         return sum(s.numel() for s in self.slots)
 
 
+class _Laps:
+    """Seconds per stage of a cycle: ``lap(stage)`` records the time since the previous lap."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._t
+        self._t = now
+
+    def restart(self) -> None:
+        """Start the next stage now (time in between is not counted)."""
+        self._t = time.perf_counter()
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Python's cyclic GC off for the block (restored after): a cold cycle allocates enough
@@ -419,6 +436,10 @@ class RefitReceiver:
                                          f"expected {meta.numel * torch_dtype(meta.dtype).itemsize}")
         self._checked = key
 
+    def _setup_count(self) -> tuple[int, int, int]:
+        """Plans built, transfer requests and registrations so far: a cycle that changes them is cold."""
+        return self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"]
+
     def _fence_start(self, version: int | None, lap: Callable[[str], None]
                      ) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes], list[RankCoord],
                                 dict[RankCoord, int], int]:
@@ -457,16 +478,9 @@ class RefitReceiver:
     def _pull(self, version: int | None) -> tuple[Plan, object, int, dict[str, float], bool]:
         """One attempt: discover, fence, plan, pull into the arena, re-check (raises
         StaleVersionError, ``retryable`` where a new attempt can succeed)."""
-        t = time.perf_counter()
-        seconds: dict[str, float] = {}
-        before = (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
-
-        def lap(stage: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            seconds[stage] = now - t
-            t = now
-
+        lap = _Laps()
+        seconds = lap.seconds
+        before = self._setup_count()
         manifests, metadata, ranks, seq, got = self._fence_start(version, lap)
         with _gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
             plan, _ = self._plan_for(manifests)
@@ -496,7 +510,7 @@ class RefitReceiver:
             seconds["pull.quantize"] = quant_s
         self._fence_end(ranks, seq, got, version)
         lap("fence")
-        cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+        cold = before != self._setup_count()
         return plan, prepared, got, seconds, cold
 
     # ---- the cycle -----------------------------------------------------------
@@ -574,16 +588,9 @@ class RefitReceiver:
         Raises:
             TornUpdateError: a rank moved on or wrote during the cycle, after tensors were handed over.
             (and what :meth:`run_refit_cycle` raises before the first tensor)"""
-        t = time.perf_counter()
-        seconds: dict[str, float] = {}
-        before = (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
-
-        def lap(stage: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            seconds[stage] = now - t
-            t = now
-
+        lap = _Laps()
+        seconds = lap.seconds
+        before = self._setup_count()
         manifests, metadata, ranks, seq, got = self._fence_start(version, lap)
         with _gc_paused(), plan_threads():
             plan, _ = self._plan_for(manifests)
@@ -594,7 +601,7 @@ class RefitReceiver:
             stream = self._stream
             assert stream is not None
             lap("prepare")
-        cold = before != (self.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"])
+        cold = before != self._setup_count()
         pull_s = 0.0
         for k, (group, bufs) in enumerate(zip(stream.groups, stream.buffers)):
             t_pull = time.perf_counter()
@@ -605,7 +612,7 @@ class RefitReceiver:
                 if ref not in group.plan.staging:
                     yield ref.name, tensor  # valid until the next item is requested
         seconds["pull"] = pull_s
-        t = time.perf_counter()
+        lap.restart()
         try:
             self._fence_end(ranks, seq, got, version)
         except StaleVersionError as exc:
