@@ -140,9 +140,10 @@ def test_failed_refits_leave_the_previous_weights(run):
     assert out["after_skew"] == out[3] and out["after_dead_peer"] == out[3]
 
 
-@pytest.mark.parametrize(("moe_intermediate_size", "sharded"), [(48, False), (64, False), (48, True)],
-                         ids=["ffn48", "ffn64", "ffn48-sharded"])
-def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded):
+@pytest.mark.parametrize(("moe_intermediate_size", "sharded", "streamed"),
+                         [(48, False, False), (64, False, False), (48, True, False), (48, True, True)],
+                         ids=["ffn48", "ffn64", "ffn48-sharded", "ffn48-sharded-streamed"])
+def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded, streamed):
     """Qwen3-MoE, two real Megatron trainer processes at EP=2 -> NIXL -> vLLM (CPU).
     Version 1 through the worker extension, version 2 through the weight-transfer
     API; after each, vLLM's greedy tokens + logprobs equal HF transformers loaded
@@ -154,7 +155,9 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
     Both fail without :func:`megarefit.integrations.vllm._cpu_moe_reload`.
     ``sharded``: both refits pull the worker's own vLLM-format shards (``qkv_proj``,
     ``experts.routed_experts.w13_weight``, ...) and install them through vLLM's layerwise
-    reload, which re-runs the CPU linear repack and expert pad + prepack.
+    reload, which re-runs the CPU linear repack and expert pad + prepack. ``streamed``: the
+    extension's refit streams groups of layers through a bounded ring and installs each
+    group as it lands (``init_megarefit(..., memory_budget=...)``).
     (Its own process: one vLLM engine per process.)"""
     import json
     import subprocess
@@ -163,7 +166,8 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
 
     script = Path(__file__).with_name("vllm_moe_scenario.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(moe_intermediate_size)]
-                          + (["sharded"] if sharded else []), capture_output=True, text=True, timeout=600)
+                          + (["sharded"] if sharded else []) + (["streamed"] if streamed else []),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["initial_ok"], "the comparison itself must work on this engine"
@@ -175,6 +179,9 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
     # 3 + per layer: full HF tensors 2 norms, q k v o, q/k norm, gate, 4 experts x 3 = 21;
     # sharded 2 norms, qkv_proj, o_proj, q/k norm, gate, w13, w2 = 9
     assert report["tensors"] == 3 + 2 * (9 if sharded else 21), report
+    assert report["install"] == ("streamed" if streamed else "staged"), report
+    if streamed:  # several groups, and never more extra memory than the budget
+        assert report["groups"] >= 3 and report["peak_extra_bytes"] <= 640_000, report
     for version in ("1", "2"):
         assert result["vllm"][version] != result["vllm"]["initial"], "the refit must change the engine's weights"
         assert same_generation(result["vllm"][version], result["hf"][version]), (version, result)

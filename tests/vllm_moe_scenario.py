@@ -1,9 +1,10 @@
 """Run by test_vllm_refit.py in its own process (one vLLM engine per process): a Qwen3-MoE
 refit into vLLM (CPU) over NIXL from two real Megatron trainer processes at EP=2.
 
-Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded]``: with
+Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded] [streamed]``: with
 ``sharded`` both refits pull vLLM-sharded targets (``w13_weight`` / ``w2_weight``, ...)
-and install them through vLLM's layerwise reload. Prints one JSON
+and install them through vLLM's layerwise reload; with ``streamed`` the worker extension's
+refit streams groups of layers through a ring of ``STREAM_BUDGET`` bytes. Prints one JSON
 line: vLLM's and HF's greedy generations (tokens, logprobs) for the initial
 checkpoint and for versions 1 (worker extension) and 2 (weight-transfer API)."""
 
@@ -22,7 +23,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def main(work: Path, moe_intermediate_size: int, sharded: bool = False) -> dict:
+STREAM_BUDGET = 640_000  # bytes: slots of one layer (~250 kB) each, so 4 groups pass through 2 slots
+
+
+def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False) -> dict:
     import vllm
     from vllm.config import WeightTransferConfig
 
@@ -59,7 +63,8 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False) -> dict:
         out["vllm"]["initial"] = vllm_generate(llm)
         out["initial_ok"] = same_generation(out["vllm"]["initial"], hf_generate(initial.eval()))
 
-        llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0, sharded))
+        llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0, sharded,
+                                                   STREAM_BUDGET if streamed else None))
         out["experts"] = llm.collective_rpc("megarefit_experts")[0]
         out["report"] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
         out["vllm"]["1"] = vllm_generate(llm)
@@ -85,4 +90,4 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] == ["sharded"])))
+    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), "sharded" in sys.argv[3:], "streamed" in sys.argv[3:])))

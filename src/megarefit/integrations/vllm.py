@@ -56,7 +56,7 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.integrations.vllm_install import install_shards, vllm_target_of
-from megarefit.online.receiver import RefitReceiver
+from megarefit.online.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.rendezvous import Rendezvous
 
 ENGINE_NAME = "megarefit"
@@ -71,6 +71,10 @@ class PartialUpdateError(MegarefitError, RuntimeError):
 def _installing(version: int | None, count: int) -> Iterator[None]:
     try:
         yield
+    except TornUpdateError as exc:
+        raise PartialUpdateError(
+            f"streamed refit of weight version {version}: {exc}. The model holds a mix of versions; refit again "
+            "before serving.") from exc
     except Exception as exc:
         raise PartialUpdateError(
             f"vLLM failed while installing weight version {version} ({count} tensors, all pulled and fenced): "
@@ -97,7 +101,8 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 
 
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
-              model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None) -> RefitReceiver:
+              model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
+              memory_budget: int | str | None = None) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if sharded:
@@ -107,7 +112,7 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
-                         experts=experts, target=target, device=device)
+                         experts=experts, target=target, device=device, memory_budget=memory_budget)
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -117,7 +122,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
     return {"version": stats.version, "cold": stats.cold, "seconds": {**stats.seconds, "load": load_s},
             "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes, "counters": stats.counters,
             "target": None if receiver.target is None else repr(receiver.target),
-            "tensors": 0 if plan is None else len(plan.targets)}
+            "tensors": 0 if plan is None else len(plan.targets), "install": stats.install, "groups": stats.groups,
+            "peak_extra_bytes": stats.peak_extra_bytes}
 
 
 @torch.no_grad()
@@ -172,7 +178,7 @@ class MegarefitWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
-                       sharded: bool = False) -> None:
+                       sharded: bool = False, memory_budget: int | str | None = None) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
@@ -182,11 +188,16 @@ class MegarefitWorkerExtension:
         install them through vLLM's layerwise reload
         (:func:`~megarefit.integrations.vllm_install.install_shards`) instead of calling
         ``load_weights`` with full tensors: 1/TP of the dense bytes per worker.
+        ``memory_budget`` (bytes or ``"auto"``): stream each cycle through a bounded ring
+        (:mod:`megarefit.online.stream`), installing groups of whole layers as they land,
+        instead of holding the whole share (the default, ``None``). Call it while the engine
+        serves no request: a trainer that writes mid-cycle leaves a mix of versions
+        (``PartialUpdateError``).
         """
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
-                                    config.parallel_config)
+                                    config.parallel_config, memory_budget)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -202,6 +213,8 @@ class MegarefitWorkerExtension:
             raise RuntimeError("call init_megarefit(host, port, job) before update_weights_from_megatron")
         if timeout is not None:
             receiver.timeout = timeout
+        if receiver.memory_budget is not None:
+            return self._streamed_update(receiver, version)
         weights = list(receiver.run_refit_cycle(version))  # pulled + fenced; model untouched so far
         t0 = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -216,6 +229,30 @@ class MegarefitWorkerExtension:
         if _is_cpu():
             _cpu_fixups(runner.get_model())
         receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
+        return _cycle_report(receiver, time.perf_counter() - t0)
+
+    def _streamed_update(self, receiver: RefitReceiver, version: int | None) -> dict[str, Any]:
+        """A streamed cycle: every group is installed as it lands (see ``init_megarefit``)."""
+        import itertools
+        import time
+
+        cycle = receiver.run_refit_cycle(version)
+        first = next(cycle)  # discover, fence, plan and the first group: raises before the model is touched
+        plan = receiver.plan
+        assert plan is not None
+        t0 = time.perf_counter()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        weights = itertools.chain([first], cycle)
+        with _installing(version, len(plan.targets)), _cpu_moe_reload(runner.get_model()):
+            if receiver.target is not None:
+                expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
+                            if r not in plan.staging]
+                install_shards(runner.get_model(), weights, runner.model_config, expected=expected)
+            else:
+                runner.reload_weights(weights_iterator=weights)
+        if _is_cpu():
+            _cpu_fixups(runner.get_model())
+        receiver.acknowledge()
         return _cycle_report(receiver, time.perf_counter() - t0)
 
     def megarefit_experts(self) -> dict[str, Any]:

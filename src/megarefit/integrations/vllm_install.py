@@ -27,7 +27,7 @@ The copy loaders are taken off again afterwards, so a later full-tensor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -121,13 +121,38 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
 
 
 @torch.no_grad()
+def _streamed_targets(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                      expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
+                      ) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """``(module, attr, tensor)`` of each streamed shard, every name, shape and dtype checked
+    against ``expected`` (:func:`check_shards` on meta tensors) before the first is read.
+
+    Raises:
+        UnexpectedParameterError: a streamed shard that ``expected`` does not list."""
+    metas = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape, dtype in expected]
+    where = {n: (m, a) for (n, _), (m, a, _) in zip(metas, check_shards(model, metas))}
+
+    def stream() -> Iterator[tuple[torch.nn.Module, str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name not in where:
+                raise UnexpectedParameterError(f"sharded refit: streamed shard {name!r} was not planned")
+            yield (*where[name], tensor)
+
+    return stream()
+
+
 def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                   model_config: Any = None) -> None:
+                   model_config: Any = None,
+                   expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None) -> None:
     """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
 
     ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
     (what a sharded :class:`~megarefit.online.RefitReceiver` yields). ``model_config``:
     vLLM's ``ModelConfig`` (its dtype is used when attention layers are processed).
+    ``expected``: ``(name, shape, dtype)`` of every shard when ``weights`` is a stream (a
+    streamed receiver's): checked up front, then each shard is installed as it arrives,
+    before the next is read (whole layers arrive together, so vLLM's layerwise reload has
+    processed a layer before its ring slot is reused).
 
     Every name, shape and dtype is checked before the first byte is written: a
     mismatch raises (see :func:`check_shards`) and the model is untouched. An error
@@ -138,7 +163,7 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-    targets = check_shards(model, weights)
+    targets = check_shards(model, weights) if expected is None else _streamed_targets(model, weights, expected)
     initialize_layerwise_reload(model)
     swapped: list[tuple[torch.Tensor, Any]] = []
     try:
