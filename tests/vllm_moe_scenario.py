@@ -3,8 +3,8 @@ refit into vLLM (CPU) over NIXL from two real Megatron trainer processes at EP=2
 
 Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded] [streamed]``: with
 ``sharded`` both refits pull vLLM-sharded targets (``w13_weight`` / ``w2_weight``, ...)
-and install them through vLLM's layerwise reload; with ``streamed`` the worker extension's
-refit streams groups of layers through a ring of ``STREAM_BUDGET`` bytes. Prints one JSON
+and install them through vLLM's layerwise reload; with ``streamed`` both refits stream
+groups of layers through a ring of ``STREAM_BUDGET`` bytes. Prints one JSON
 line: vLLM's and HF's greedy generations (tokens, logprobs) for the initial
 checkpoint and for versions 1 (worker extension) and 2 (weight-transfer API)."""
 
@@ -71,7 +71,8 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
         rdzv.mark_consumed(1)
 
         llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job,
-                                                       "sharded": sharded}})
+                                                       "sharded": sharded,
+                                                       "memory_budget": STREAM_BUDGET if streamed else None}})
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": 2}})
         llm.finish_weight_update(weight_version="2")

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +174,37 @@ def _is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _streamed_install(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
+                      load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> float:
+    """One streamed cycle installed group by group (``memory_budget``): sharded targets through
+    :func:`install_shards` (every planned shard checked before the first is read), full HF
+    tensors through ``load_full``; returns the seconds from the first tensor to the last.
+
+    Raises:
+        whatever :meth:`RefitReceiver.run_refit_cycle` raises before the first tensor (model
+        untouched); PartialUpdateError once the model was written (a torn cycle included)."""
+    import itertools
+    import time
+
+    cycle = receiver.run_refit_cycle(version)
+    first = next(cycle)  # discover, fence, plan and the first group: raises before the model is touched
+    plan = receiver.plan
+    assert plan is not None
+    t0 = time.perf_counter()
+    weights = itertools.chain([first], cycle)
+    with _installing(version, len(plan.targets)), _cpu_moe_reload(model):
+        if receiver.target is not None:
+            expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
+                        if r not in plan.staging]
+            install_shards(model, weights, model_config, expected=expected)
+        else:
+            load_full(weights)
+    if _is_cpu():
+        _cpu_fixups(model)
+    receiver.acknowledge()
+    return time.perf_counter() - t0
+
+
 class MegarefitWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
@@ -233,27 +264,10 @@ class MegarefitWorkerExtension:
 
     def _streamed_update(self, receiver: RefitReceiver, version: int | None) -> dict[str, Any]:
         """A streamed cycle: every group is installed as it lands (see ``init_megarefit``)."""
-        import itertools
-        import time
-
-        cycle = receiver.run_refit_cycle(version)
-        first = next(cycle)  # discover, fence, plan and the first group: raises before the model is touched
-        plan = receiver.plan
-        assert plan is not None
-        t0 = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
-        weights = itertools.chain([first], cycle)
-        with _installing(version, len(plan.targets)), _cpu_moe_reload(runner.get_model()):
-            if receiver.target is not None:
-                expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
-                            if r not in plan.staging]
-                install_shards(runner.get_model(), weights, runner.model_config, expected=expected)
-            else:
-                runner.reload_weights(weights_iterator=weights)
-        if _is_cpu():
-            _cpu_fixups(runner.get_model())
-        receiver.acknowledge()
-        return _cycle_report(receiver, time.perf_counter() - t0)
+        load_s = _streamed_install(receiver, version, runner.get_model(), runner.model_config,
+                                   lambda weights: runner.reload_weights(weights_iterator=weights))
+        return _cycle_report(receiver, load_s)
 
     def megarefit_experts(self) -> dict[str, Any]:
         """What this worker's receiver pulls: ``{"owned": sorted ids | None, "routed_layers": n,
@@ -285,6 +299,7 @@ class MegarefitInitInfo:
     job: str = "default"
     timeout: float = 60.0
     sharded: bool = False  # pull only this worker's own shards and experts (unquantized models)
+    memory_budget: int | str | None = None  # stream through a bounded ring (bytes or "auto"); None: staged
 
 
 @dataclass
@@ -307,7 +322,8 @@ def _make_engine_class():
         def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
             rank = getattr(self.parallel_config, "rank", 0)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
-                                      getattr(self, "model", None), init_info.sharded, self.parallel_config)
+                                      getattr(self, "model", None), init_info.sharded, self.parallel_config,
+                                      init_info.memory_budget)
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:
@@ -316,13 +332,23 @@ def _make_engine_class():
         def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
             import time
 
-            weights = list(self.receiver.run_refit_cycle(update_info.version))  # fenced before loading
-            t0 = time.perf_counter()
             from vllm.model_executor.model_loader.reload import (
                 finalize_layerwise_reload,
                 initialize_layerwise_reload,
             )
 
+            if self.receiver.memory_budget is not None:  # streamed: each group installed as it lands
+                def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+                    initialize_layerwise_reload(self.model)
+                    self.model.load_weights(weights)
+                    finalize_layerwise_reload(self.model, self.model_config)
+
+                load_s = _streamed_install(self.receiver, update_info.version, self.model, self.model_config,
+                                           load_full)
+                self.last_report = _cycle_report(self.receiver, load_s)
+                return
+            weights = list(self.receiver.run_refit_cycle(update_info.version))  # fenced before loading
+            t0 = time.perf_counter()
             with _installing(update_info.version, len(weights)), _cpu_moe_reload(self.model):
                 if self.receiver.target is not None:
                     install_shards(self.model, weights, self.model_config)
