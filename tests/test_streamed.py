@@ -1,10 +1,10 @@
 """Streamed refits (``RefitReceiver(memory_budget=...)``), with real NIXL agents (UCX loopback).
 
-A streamed receiver pulls groups of whole layers through two ring slots and hands each group
+A streamed receiver pulls groups of whole layers through one bounded ring and hands each group
 over as it lands. Its tensors must equal, bit for bit, what a staged receiver hands over and
 what the offline translator gives for the same shards (an independent path: no NIXL, no
 ring), with a budget under 10% of the share; the receiver's extra memory (ring + scratch, as
-it counts it and as its slots and scratch tensors measure) stays within the budget.
+it counts it and as its ring and scratch tensors measure) stays within the budget.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from moe_cases import moe_config  # noqa: E402
 from reference import moe_hf_state, moe_reference_shards, reference_hf_state, reference_shards  # noqa: E402
 
 _JOBS = iter(range(10**6))
-LAYERS = 32  # a layer is ~3% of the share: a budget under 10% holds two slots of one layer each
+LAYERS = 32  # a layer is ~3% of the share: a budget under 10% holds a ring of two layers
 
 
 def _serve(cfg, shards, tp, ep=1, quantization=None):
@@ -81,7 +81,7 @@ def test_streamed_equals_staged_and_the_offline_translation(config, case):
         stats = streamed.stats
         assert stats.install == "streamed" and stats.groups > 4 and stats.cold == (cycle == 0)
         ring = streamed._stream
-        measured = sum(s.numel() * s.element_size() for s in ring.slots) + streamed.transport._scratch.numel()
+        measured = ring.ring.numel() + streamed.transport._scratch.numel()
         assert stats.peak_extra_bytes == measured <= budget < 0.1 * share
     if target is None:  # the offline translator of the same shards: no NIXL, no ring
         offline = megatron_to_hf(shards, cfg, tp=tp, ep=ep, quantization=quantization)
@@ -116,8 +116,8 @@ def test_a_budget_below_one_layer_names_the_layer_and_the_budget_that_fits(confi
     for p in pubs:
         p.publish(1)
     receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=10, memory_budget=4096)
-    with pytest.raises(MemoryBudgetError, match=r"layer \d+ \(model\.layers\.\d+\..*\): \d+ bytes, more than one "
-                       r"ring slot .*memory_budget=4096 .* use memory_budget >= \d+") as err:
+    with pytest.raises(MemoryBudgetError, match=r"layer \d+ \(model\.layers\.\d+\..*\): \d+ bytes, more than the "
+                       r"ring .*memory_budget=4096 .* use memory_budget >= \d+") as err:
         next(receiver.run_refit_cycle(1))
     for attempt in range(3):  # the advice counts the scratch seen so far: at most one more step
         fits = int(str(err.value).split("memory_budget >= ")[1].split(",")[0])

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-STREAM_BUDGET = 640_000  # bytes: slots of one layer (~250 kB) each, so 4 groups pass through 2 slots
+STREAM_BUDGET = 640_000  # bytes: a ring of two layers (~250 kB each), so 4 groups of one layer pass through it
 
 
 def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False) -> dict:

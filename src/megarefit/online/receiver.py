@@ -98,17 +98,17 @@ class TornUpdateError(StaleVersionError):
 
 @dataclass
 class _Stream:
-    """A streamed receiver's groups, ring slots, per-group target views and FP8 quantizers."""
+    """A streamed receiver's groups, its ring, per-group target views and FP8 quantizers."""
 
     groups: list[StreamGroup]
-    slots: list[torch.Tensor]  # two uint8 ring slots (one when a single group)
-    buffers: list[dict[TensorRef, torch.Tensor]]  # per group: its targets as views of its slot
+    ring: torch.Tensor  # uint8, registered as one region
+    buffers: list[dict[TensorRef, torch.Tensor]]  # per group: its targets as views of the ring
     quantizers: list[Fp8Quantizer | None]  # per group, compiled on first use
-    budget: int  # bytes: ring slots + scratch stay within it
+    budget: int  # bytes: ring + scratch stay within it
 
     @property
     def nbytes(self) -> int:
-        return sum(s.numel() for s in self.slots)
+        return self.ring.numel()
 
 
 class _Laps:
@@ -169,10 +169,10 @@ class RefitReceiver:
         replica_group: serve each pulled version to :class:`~megarefit.online.replica.ReplicaReceiver`
             s of this group (same target) from the arena, guarded by a seqlock of its own.
         memory_budget: bytes for a **streamed** refit (:mod:`~megarefit.online.stream`): the
-            plan is cut into groups of whole layers pulled through two ring slots of
-            ``memory_budget // 2`` bytes, and each group is handed over as it lands, so the
-            receiver holds the budget (plus the bounded scratch) instead of the whole share.
-            ``"auto"``: the larger of 1 GiB and two slots of the largest layer. ``None``
+            plan is cut into groups of whole layers pulled through one ring buffer (the budget
+            less the scratch), and each group is handed over as it lands, so the receiver
+            holds at most the budget (ring + scratch) instead of the whole share. ``"auto"``:
+            the larger of 1 GiB and a ring holding the two largest layers. ``None``
             (default): staged, the whole share pulled and fenced before the first tensor.
     """
 
@@ -198,7 +198,7 @@ class RefitReceiver:
         self.replica_group = replica_group
         self.memory_budget = memory_budget
         self._scratch_given = scratch_budget
-        self._stream: _Stream | None = None  # streamed: the groups and ring slots of the current plan
+        self._stream: _Stream | None = None  # streamed: the groups and ring of the current plan
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
                                        progress_thread=replica_group is not None)  # replicas READ from it
@@ -328,39 +328,38 @@ class RefitReceiver:
         return plan, True
 
     def _ring_for(self, plan: Plan, scratch: int | None = None) -> _Stream:
-        """The groups of a streamed refit and its two ring slots, allocated once per plan: the
-        budget less ``scratch`` (default: the scratch budget), halved. Contiguous pulls of at
-        least a quarter of the scratch budget READ straight into the ring (no scratch).
+        """The groups of a streamed refit and its ring, allocated once per plan: the budget less
+        ``scratch`` (default: the scratch budget). Contiguous pulls of at least a quarter of the
+        scratch budget READ straight into the ring (no scratch).
 
         Raises:
-            MemoryBudgetError: the largest layer does not fit a slot (says which budget would)."""
+            MemoryBudgetError: the largest layer does not fit the ring (says which budget would)."""
         self._arenas, self._buffers = {}, {}
         budget = default_memory_budget(plan) if self.memory_budget == "auto" else int(self.memory_budget)
         if self._scratch_given is None:
             self.transport.scratch_budget = budget // SCRATCH_SHARE
         self.transport.direct_min_bytes = min(DIRECT_MIN_BYTES, max(ALIGN, self.transport.scratch_budget // 4))
         scratch = self.transport.scratch_budget if scratch is None else scratch
-        slot_bytes = (budget - scratch) // 2
+        ring_bytes = (budget - scratch) // ALIGN * ALIGN
         try:
-            groups = stream_groups(plan, slot_bytes)
+            groups = stream_groups(plan, ring_bytes)
         except MemoryBudgetError as exc:
-            need = exc.slot_bytes_needed
-            raise MemoryBudgetError(f"{exc}: memory_budget={budget} (ring slots of {slot_bytes} bytes beside "
+            need = exc.ring_bytes_needed
+            raise MemoryBudgetError(f"{exc}: memory_budget={budget} (a ring of {ring_bytes} bytes beside "
                                     f"{scratch} bytes of scratch) is too small; use memory_budget >= "
-                                    f"{max(budget_for(need), 2 * need + scratch)}, 'auto', or None "
+                                    f"{max(budget_for(need), need + scratch + ALIGN)}, 'auto', or None "
                                     "for a staged refit", need) from None
-        if self._stream is not None:  # a new plan or a re-cut ring: the old slots go
-            self.transport.release(self._stream.slots)
+        if self._stream is not None:  # a new plan or a re-cut ring: the old ring goes
+            self.transport.release([self._stream.ring])
             self._stream = None
-        size = max(g.nbytes for g in groups)
-        slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(groups)))]
-        self.transport.nixl.register(slots)  # as two whole regions: READs may span neighbouring targets
-        return _Stream(groups, slots, [g.views(slots[g.slot]) for g in groups], [None] * len(groups), budget)
+        ring = torch.empty(max(g.start + g.nbytes for g in groups), dtype=torch.uint8, device=self.device)
+        self.transport.nixl.register([ring])  # one region: READs may span neighbouring targets
+        return _Stream(groups, ring, [g.views(ring) for g in groups], [None] * len(groups), budget)
 
     def _prepare_stream(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> list:
         """The groups' prepared READs, with the ring and the scratch together within the budget: a
         gathered run that cannot be split may need more scratch than its share of the budget; then
-        the ring is cut again into smaller slots (once per plan: prepared requests are cached).
+        the ring is cut again, smaller (once per plan: prepared requests are cached).
 
         Raises:
             MemoryBudgetError: the scratch the pulls need leaves no room for the largest layer."""
@@ -375,7 +374,7 @@ class RefitReceiver:
                 break
             self._stream = stream = self._ring_for(plan, scratch)
         raise MemoryBudgetError(f"memory_budget={stream.budget}: the gathered pulls need {scratch} bytes of scratch "
-                                f"beside ring slots of {stream.nbytes // 2} bytes; use a larger memory_budget, "
+                                f"beside a ring of {stream.nbytes} bytes; use a larger memory_budget, "
                                 "'auto', or None for a staged refit")
 
     def _arena_for(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
@@ -520,7 +519,7 @@ class RefitReceiver:
         Staged (``memory_budget=None``): everything is pulled and fenced before the first
         tensor is yielded, so a failure leaves the consumer's model untouched; the tensors are
         views of the arena, valid until the next cycle. Streamed (``memory_budget``): each group
-        of layers is yielded as it lands, as views of a ring slot valid only until the next
+        of layers is yielded as it lands, as views of the ring valid only until the next
         item is requested (copy or install each before asking for the next); a rank that
         moves on during the cycle is seen after the last group (:class:`TornUpdateError`).
 
@@ -531,7 +530,7 @@ class RefitReceiver:
                 or disagrees on its shape / dtype (names tensor and rank).
             TransferError: a peer died, a READ failed or timed out (names peer,
                 tensor, byte range).
-            MemoryBudgetError: streamed, a layer does not fit half the budget.
+            MemoryBudgetError: streamed, a layer does not fit the ring (the budget less the scratch).
             TornUpdateError: streamed, a rank moved on or wrote after tensors were handed over.
         """
         if self.memory_budget is not None:
@@ -562,7 +561,7 @@ class RefitReceiver:
 
     # ---- streamed cycles -----------------------------------------------------
     def _finish_group(self, k: int) -> None:
-        """After group ``k`` landed: zero its never-pulled boxes (the slot held another group),
+        """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),
         run its receiver-side FP8 steps, and wait for them on a GPU."""
         stream = self._stream
         assert stream is not None
@@ -581,7 +580,7 @@ class RefitReceiver:
             torch.cuda.synchronize(self.device)
 
     def _run_streamed(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        """A streamed cycle (``memory_budget``): each group is pulled into its ring slot and its
+        """A streamed cycle (``memory_budget``): each group is pulled into the ring and its
         tensors handed over before the next group is pulled; the versions and update sequences
         are checked again after the last group.
 

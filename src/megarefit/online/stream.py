@@ -1,18 +1,23 @@
-"""Streamed refits: a plan cut into groups of whole layers, pulled through a ring of two slots.
+"""Streamed refits: a plan cut into groups of whole layers, pulled through one bounded ring.
 
 A staged receiver holds the worker's whole share (its arena) between cycles: a vLLM worker
-then needs its weights twice. A streamed receiver holds two **ring slots** sharing its
-``memory_budget`` with the transport's scratch (1/8 of the budget by default): group ``k``
-is pulled into slot ``k % 2`` and handed over, then group ``k + 1`` lands in the other
-slot, so the extra memory is at most the budget, whatever the model's size::
+then needs its weights twice. A streamed receiver holds one registered **ring** buffer that
+shares its ``memory_budget`` with the transport's scratch (1/8 of the budget by default):
+group ``k`` is pulled into the ring and handed over, then group ``k + 1`` lands, so the
+extra memory is at most the budget, whatever the model's size. Groups are packed to at
+most half the ring and placed at alternate ends of it, so two consecutive groups never
+share a byte (group ``k + 1`` can land while group ``k`` is installed); a layer larger
+than half the ring forms a group of its own, up to the whole ring::
 
     plan targets, in order:  embed | layer 0 | layer 1 | layer 2 | ... | norm, lm_head
-    groups (whole layers, each <= slot):  [embed, layer 0] [layer 1, layer 2] [layer 3] ...
-    ring:        slot 0 <- group 0, 2, 4, ...      slot 1 <- group 1, 3, 5, ...
+    groups (whole layers):   [embed, layer 0] [layer 1, layer 2] [layer 3] ...
+    ring (bytes):            |group 0, 2, 4 ->      ...      <- group 1, 3, 5|
 
 A group never splits one target (one HF tensor or vLLM parameter) nor one layer: a layer's
-tensors (its FP8 staging, weight and scale targets too) land together. Targets are laid
-out in a slot at 256-byte aligned offsets, in plan order.
+tensors (its FP8 staging, weight and scale targets too) land together, and vLLM's layerwise
+reload, which keeps a reference to each tensor until its layer is complete, has processed
+the layer before its bytes are overwritten. Targets are laid out at 256-byte aligned
+offsets, in plan order.
 """
 
 from __future__ import annotations
@@ -36,11 +41,11 @@ SCRATCH_SHARE = 8  # a streamed receiver's default scratch budget: 1/8 of its me
 
 class MemoryBudgetError(MegarefitError):
     """A memory budget too small for the model's largest layer (names the layer and its bytes);
-    ``slot_bytes_needed``: the slot that layer needs."""
+    ``ring_bytes_needed``: the ring that layer needs."""
 
-    def __init__(self, message: str, slot_bytes_needed: int = 0):
+    def __init__(self, message: str, ring_bytes_needed: int = 0):
         super().__init__(message)
-        self.slot_bytes_needed = slot_bytes_needed
+        self.ring_bytes_needed = ring_bytes_needed
 
 
 def layer_of(name: str) -> int | None:
@@ -55,7 +60,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def target_bytes(plan: Plan, ref: TensorRef) -> int:
-    """Bytes a target takes in a slot (its dtype's bytes, rounded up to :data:`ALIGN`)."""
+    """Bytes a target takes in the ring (its dtype's bytes, rounded up to :data:`ALIGN`)."""
     meta = plan.targets[ref]
     return _aligned(meta.numel * torch_dtype(meta.dtype).itemsize)
 
@@ -71,37 +76,43 @@ def layer_runs(plan: Plan) -> list[tuple[int | None, list[TensorRef]]]:
     return runs
 
 
-def budget_for(slot_bytes: int) -> int:
-    """The memory budget whose ring slots hold ``slot_bytes`` once its scratch share is set aside."""
-    return -(-2 * slot_bytes * SCRATCH_SHARE // (SCRATCH_SHARE - 1)) + ALIGN
+def budget_for(ring_bytes: int) -> int:
+    """The smallest memory budget whose ring holds ``ring_bytes`` once its scratch share
+    (1/:data:`SCRATCH_SHARE`) is set aside (bytes)."""
+    return -(-ring_bytes * SCRATCH_SHARE // (SCRATCH_SHARE - 1)) + ALIGN
 
 
 def default_memory_budget(plan: Plan) -> int:
-    """The larger of 1 GiB and the budget whose slots hold the plan's largest layer (bytes)."""
-    biggest = max((sum(target_bytes(plan, r) for r in refs) for _, refs in layer_runs(plan)), default=0)
-    return max(GiB, budget_for(biggest))
+    """The larger of 1 GiB and the budget whose ring holds the plan's two largest layers
+    (so that consecutive groups never share ring bytes), in bytes."""
+    sizes = sorted((sum(target_bytes(plan, r) for r in refs) for _, refs in layer_runs(plan)), reverse=True)
+    return max(GiB, budget_for(sum(sizes[:2])))
 
 
 @dataclass(frozen=True)
 class StreamGroup:
-    """One group: a sub-plan of whole layers, its ring slot and each target's byte offset there."""
+    """One group: a sub-plan of whole layers and each target's byte offset in the ring."""
 
     plan: Plan
-    slot: int  # 0 or 1
-    offsets: dict[TensorRef, int]  # bytes from the slot's start
-    nbytes: int  # bytes of the slot this group uses
+    offsets: dict[TensorRef, int]  # bytes from the ring's start
+    start: int  # the group's first byte in the ring
+    nbytes: int  # bytes of the ring this group uses, from ``start``
 
-    def views(self, slot: torch.Tensor) -> dict[TensorRef, torch.Tensor]:
-        """The group's targets as views of ``slot`` (a uint8 tensor), in plan order."""
+    def views(self, ring: torch.Tensor) -> dict[TensorRef, torch.Tensor]:
+        """The group's targets as views of ``ring`` (a uint8 tensor), in plan order."""
         out = {}
         for ref, meta in self.plan.targets.items():
             start = self.offsets[ref]
             n = meta.numel * torch_dtype(meta.dtype).itemsize
-            out[ref] = slot[start:start + n].view(torch_dtype(meta.dtype)).view(meta.shape)
+            out[ref] = ring[start:start + n].view(torch_dtype(meta.dtype)).view(meta.shape)
         return out
 
+    def overlaps(self, other: StreamGroup) -> bool:
+        """Whether the two groups share ring bytes."""
+        return self.start < other.start + other.nbytes and other.start < self.start + self.nbytes
 
-def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, slot_bytes: int) -> Plan:
+
+def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, ring_bytes: int) -> Plan:
     """``plan`` restricted to targets ``refs`` (every op writing them, the sources those read,
     their quantize steps); validated: it covers each of its targets exactly once."""
     by_target = plan.ops_by_target
@@ -110,40 +121,48 @@ def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, slot_bytes: int) -> Pla
     sources = {op.src: plan.sources[op.src] for op in ops}
     quantize = tuple(q for q in plan.quantize if q.weight in targets)
     sub = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, ops,
-               digest_of(plan.digest, "stream", slot_bytes, k), quantize)
+               digest_of(plan.digest, "stream", ring_bytes, k), quantize)
     validate_plan(sub)
     return sub
 
 
-def stream_groups(plan: Plan, slot_bytes: int) -> list[StreamGroup]:
-    """Cut ``plan`` into groups of consecutive whole layers, each fitting one ring slot of
-    ``slot_bytes``; group ``k`` uses slot ``k % 2``.
-
-    Raises:
-        MemoryBudgetError: a layer (or the embedding / head) needs more than one slot (the
-            largest such is named).
-    """
-    runs = [(layer, refs, sum(target_bytes(plan, r) for r in refs)) for layer, refs in layer_runs(plan)]
-    layer, refs, need = max(runs, key=lambda run: run[2])
-    if need > slot_bytes:  # the largest names the budget that fits every run
-        what = "the tensors outside the layers" if layer is None else f"layer {layer}"
-        raise MemoryBudgetError(f"{what} ({refs[0].name}, ...): {need} bytes, more than one ring slot "
-                                f"of {slot_bytes} bytes", need)
+def _pack(runs: list[tuple[int | None, list[TensorRef], int]], ring_bytes: int) -> list[list[TensorRef]]:
+    """Consecutive runs packed into groups of at most half the ring; a run larger than that
+    is a group of its own."""
     groups: list[list[TensorRef]] = []
-    used = slot_bytes + 1  # start a new group at the first run
+    used = ring_bytes  # start a new group at the first run
     for _, refs, need in runs:
-        if used + need > slot_bytes:
+        if used + need > ring_bytes // 2:
             groups.append([])
             used = 0
         groups[-1].extend(refs)
         used += need
+    return groups
+
+
+def stream_groups(plan: Plan, ring_bytes: int) -> list[StreamGroup]:
+    """Cut ``plan`` into groups of consecutive whole layers for a ring of ``ring_bytes``:
+    even groups start at the ring's start, odd groups end at its end.
+
+    Raises:
+        MemoryBudgetError: a layer (or the embedding / head) needs more than the ring (the
+            largest such is named).
+    """
+    runs = [(layer, refs, sum(target_bytes(plan, r) for r in refs)) for layer, refs in layer_runs(plan)]
+    layer, refs, need = max(runs, key=lambda run: run[2])
+    if need > ring_bytes:  # the largest names the budget that fits every run
+        what = "the tensors outside the layers" if layer is None else f"layer {layer}"
+        raise MemoryBudgetError(f"{what} ({refs[0].name}, ...): {need} bytes, more than the ring "
+                                f"of {ring_bytes} bytes", need)
     out = []
-    for k, refs in enumerate(groups):
-        offsets, at = {}, 0
-        for ref in refs:
+    for k, group in enumerate(_pack(runs, ring_bytes)):
+        size = sum(target_bytes(plan, r) for r in group)
+        start = 0 if k % 2 == 0 else (ring_bytes - size) // ALIGN * ALIGN
+        offsets, at = {}, start
+        for ref in group:
             offsets[ref] = at
             at += target_bytes(plan, ref)
-        out.append(StreamGroup(_sub_plan(plan, refs, k, slot_bytes), k % 2, offsets, at))
+        out.append(StreamGroup(_sub_plan(plan, group, k, ring_bytes), offsets, start, size))
     return out
 
 
