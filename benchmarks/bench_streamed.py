@@ -36,15 +36,15 @@ def _trainers(cfg: dict, ns: argparse.Namespace):
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
-    dims, layout = layout_for(cfg, tp=ns.tp, layers=ns.layers)
+    dims, layout = layout_for(cfg, tp=ns.tp, ep=ns.ep, layers=ns.layers)
     rdzv = Rendezvous.serve(job="bench-streamed")
     g = torch.Generator(device=ns.trainer_device).manual_seed(0)
     pubs = []
     for rank, tensors in source_tensors(dims, layout).items():
         shards = {n: torch.randn(t.shape, generator=g, device=ns.trainer_device).to(torch.bfloat16)
                   for n, t in tensors.items()}
-        pubs.append(Publisher(shards, cfg, rank=rank, tp=ns.tp, pp=1, rendezvous=rdzv,
-                              agent_name=f"bench-streamed-t{rank.tp}", quantization=None))
+        pubs.append(Publisher(shards, cfg, rank=rank, tp=ns.tp, pp=1, ep=ns.ep, rendezvous=rdzv,
+                              agent_name=f"bench-streamed-t{rank.tp}-e{rank.ep}", quantization=None))
     for p in pubs:
         p.publish(1)
     return rdzv, pubs
@@ -68,12 +68,16 @@ def _run(rdzv, ns: argparse.Namespace, budget, model: dict | None) -> tuple[dict
     rx = RefitReceiver(rdzv, name=f"bench-rx-{next(_RUNS)}", timeout=300, target=target, device=ns.device,
                        memory_budget=budget)
     times, model = [], model if model is not None else {}
-    for _ in range(ns.cycles):
-        t0 = time.perf_counter()
-        for name, t in rx.run_refit_cycle(1):
+
+    def install(weights) -> None:
+        for name, t in weights:
             if name not in model:
                 model[name] = torch.empty_like(t)  # the first cycle builds the consumer's model
             model[name].copy_(t)
+
+    for _ in range(ns.cycles):
+        t0 = time.perf_counter()
+        rx.refit(install, 1)
         if cuda:
             torch.cuda.synchronize(ns.device)
         times.append(time.perf_counter() - t0)
@@ -87,8 +91,8 @@ def _run(rdzv, ns: argparse.Namespace, budget, model: dict | None) -> tuple[dict
 
 def table(rows: list[dict]) -> str:
     """The markdown table of result rows (as printed, and as docs/benchmarks.md shows them)."""
-    lines = ["| install | budget | groups | warm s | vs staged | share MB | extra MB (counted) | extra MB (measured) "
-             "| equal |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [("| install | budget | groups | warm s | vs staged | share MB | extra MB (counted) | extra MB (measured) "
+             "| equal |"), "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         measured = "-" if r["measured_peak_extra_bytes"] is None else f"{r['measured_peak_extra_bytes'] / 1e6:.1f}"
         lines.append(f"| {r['install']} | {r['budget']} | {r['groups']} | {r['best_s']:.4f} "
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--vllm-tp", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--trainer-device", default=None)
@@ -114,12 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if ns.from_json:
         rows = [json.loads(line) for line in Path(ns.from_json).read_text().splitlines() if line.strip()]
-        print(f"machine: {rows[0]['machine']}; config {rows[0]['config']} layers={rows[0]['layers']} "
-              f"tp={rows[0]['tp']} vllm_tp={rows[0]['vllm_tp']} device={rows[0]['device']}")
-        print(table(rows))
+        runs: dict[tuple, list[dict]] = {}
+        for r in rows:
+            runs.setdefault(tuple(r.get(k) for k in ("machine", "config", "layers", "tp", "ep", "vllm_tp", "device")),
+                            []).append(r)
+        for (mach, config, layers, tp, ep, vllm_tp, device), group in runs.items():
+            print(f"machine: {mach}; config {config} layers={layers} tp={tp} ep={ep or 1} vllm_tp={vllm_tp} "
+                  f"device={device}\n")
+            print(table(group) + "\n")
         return 0
     ns.trainer_device = ns.trainer_device or ns.device
-    rdzv, pubs = _trainers(bench_config(ns.config, ns.layers), ns)
+    rdzv, _pubs = _trainers(bench_config(ns.config, ns.layers), ns)
     _, want = _run(rdzv, ns, None, None)  # the consumer's model: its names and shapes
     staged, _ = _run(rdzv, ns, None, {k: torch.empty_like(v) for k, v in want.items()})
     rows = [staged]
@@ -130,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
         row["vs_staged"] = row["best_s"] / staged["best_s"]
         rows.append(row)
-    print(f"machine: {machine()}; config {Path(ns.config).name} layers={ns.layers or 'all'} tp={ns.tp} "
+    print(f"machine: {machine()}; config {Path(ns.config).name} layers={ns.layers or 'all'} tp={ns.tp} ep={ns.ep} "
           f"vllm_tp={ns.vllm_tp or '-'} device={ns.device}")
     print(table(rows))
     if ns.json:
         with open(ns.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({"machine": machine(), "config": Path(ns.config).name, "layers": ns.layers,
-                                    "tp": ns.tp, "vllm_tp": ns.vllm_tp, "device": ns.device, **r}) + "\n")
+                                    "tp": ns.tp, "ep": ns.ep, "vllm_tp": ns.vllm_tp, "device": ns.device,
+                                    **r}) + "\n")
     return 0 if all(r.get("equal_to_staged", True) for r in rows) else 1
 
 

@@ -9,6 +9,8 @@ it counts it and as its ring and scratch tensors measure) stays within the budge
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -106,6 +108,96 @@ def test_a_write_during_a_streamed_cycle_is_reported_as_torn(config):
     with pytest.raises(TornUpdateError, match="mix of versions"):
         for _ in cycle:
             pass
+    receiver.close()
+
+
+def _step(pub, version: int) -> None:
+    """Trainer rank ``pub`` steps to ``version``: every element of its shards becomes ``version``."""
+    with pub.updating(version):
+        for t in pub.params.values():
+            t.fill_(version)
+
+
+def _versions_held(model: dict[str, torch.Tensor]) -> set[float]:
+    return {float(v) for t in model.values() for v in t.unique().tolist()}
+
+
+def test_a_torn_streamed_cycle_is_pulled_again_whole(config):
+    """A rank steps while groups are being installed: ``refit`` installs the whole cycle again
+    (``stats.retries``), so the consumer ends on one version, all of it; with ``retries=0``
+    the same write raises TornUpdateError, and the consumer really holds a mix."""
+    cfg = config("Llama-3.1-8B", num_hidden_layers=8)
+    shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
+    job, rdzv, pubs = _serve(cfg, shards, 2)
+    for p in pubs:
+        _step(p, 1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=10, memory_budget=300_000)
+    model: dict[str, torch.Tensor] = {}
+    steps = iter([2])
+
+    def install(weights):
+        for i, (name, t) in enumerate(weights):
+            model[name] = t.clone()
+            if i == 0 and (v := next(steps, None)) is not None:  # both ranks step after the first tensor
+                for p in pubs:
+                    _step(p, v)
+
+    stats = receiver.refit(install)
+    assert stats.retries == 1 and stats.version == 2 and stats.groups > 2
+    assert _versions_held(model) == {2.0} and len(model) == len(receiver.plan.targets)
+    receiver.retries, steps = 0, iter([3])
+    with pytest.raises(TornUpdateError, match="mix of versions"):
+        receiver.refit(install)
+    assert _versions_held(model) == {2.0, 3.0}  # what the error says: a mix
+    assert receiver.refit(install).version == 3 and _versions_held(model) == {3.0}
+    receiver.close()
+
+
+def test_writers_stepping_during_streamed_cycles_never_leave_a_mix(config):
+    """Two trainer ranks step continually (every element = the version) while a streamed
+    receiver refits into a model: every refit that returns leaves one version, whole; a torn
+    one that runs out of retries says so (and the next one mends it)."""
+    import random
+    import threading
+
+    cfg = config("Llama-3.1-8B", num_hidden_layers=8)
+    shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
+    job, rdzv, pubs = _serve(cfg, shards, 2)
+    for p in pubs:
+        _step(p, 1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=30, memory_budget=300_000)
+    model: dict[str, torch.Tensor] = {}
+    stop, rng = threading.Event(), random.Random(0)
+
+    def trainer():
+        version = 1
+        while not stop.is_set() and version < 200:
+            version += 1
+            for p in pubs:
+                _step(p, version)
+            time.sleep(rng.uniform(0.0, 0.03))
+
+    def install(weights):
+        for name, t in weights:
+            model[name] = t.clone()
+            time.sleep(0.0005)  # installing takes time: writes land mid-cycle
+
+    writer = threading.Thread(target=trainer, daemon=True)
+    writer.start()
+    done, torn, retried = 0, 0, 0
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline or done < 3:
+        try:
+            stats = receiver.refit(install)
+        except TornUpdateError:
+            torn += 1
+            continue
+        done += 1
+        retried += stats.retries
+        assert _versions_held(model) == {float(stats.version)}, "a refit returned with a mix of versions"
+    stop.set()
+    writer.join(10)
+    assert done >= 3 and retried + torn > 0  # writes did land mid-cycle, and were caught
     receiver.close()
 
 

@@ -187,6 +187,32 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
         assert same_generation(result["vllm"][version], result["hf"][version]), (version, result)
 
 
+def test_a_torn_streamed_refit_is_pulled_again_and_a_mix_is_never_served(tmp_path):
+    """Trainer ranks step mid-cycle during streamed sharded refits into a real vLLM engine
+    (scenario in tests/vllm_torn_scenario.py): the torn cycle is pulled and installed again
+    and vLLM then generates as HF with the new weights; with ``retries=0`` the update raises
+    PartialUpdateError saying the model holds a mix, a refit before any request mends it, and
+    a request that comes first is refused rather than served from mixed weights."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_torn_scenario.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, retried, mended = result["first"], result["retried"], result["mended"]
+    assert first["install"] == "streamed" and first["groups"] >= 3 and first["retries"] == 0, first
+    assert result["ok1"] and result["ok2"] and result["ok3"], result
+    assert retried["version"] == 2 and retried["retries"] == 1, retried
+    for gave_up in (result["gave_up"], result["gave_up_again"]):
+        assert gave_up.startswith("PartialUpdateError") and "mix of versions" in gave_up, gave_up
+    assert mended["version"] == 3 and mended["retries"] == 0, mended
+    assert "served_mix" not in result and result["refused"].startswith("PartialUpdateError"), result
+    assert "holds a mix of weight versions" in result["refused"], result
+
+
 @pytest.mark.parametrize("strategy", ["linear", "round_robin"])
 def test_owned_experts_follow_vllm_placement(strategy):
     """The expert set a vLLM EP worker pulls comes from vLLM's own expert map

@@ -18,10 +18,14 @@ Two ways in, both pulling the trainer's live shards over NIXL with
        llm.update_weights({"update_info": {"version": version}})
        llm.finish_weight_update()
 
-Every byte is pulled and version-fenced *before* the model is touched, so a
-failed cycle (dead trainer, version skew, missing tensor) raises and leaves the
-model on its previous weights. If vLLM's own installation then fails,
-:class:`PartialUpdateError` says the model may be partially updated.
+Staged (the default), every byte is pulled and version-fenced *before* the model is
+touched, so a failed cycle (dead trainer, version skew, missing tensor) raises and
+leaves the model on its previous weights. If vLLM's own installation then fails,
+:class:`PartialUpdateError` says the model may be partially updated. Streamed
+(``memory_budget``), groups of layers are installed as they land; a cycle torn by a
+trainer that wrote meanwhile is pulled and installed again (``RefitReceiver.refit``), and
+one that stays torn is a :class:`PartialUpdateError`. After a PartialUpdateError the worker
+extension refuses to run the model (its ``execute_model`` raises) until a refit completes.
 
 A sharded refit (``sharded=True``) pulls only the worker's own parameter shards in
 vLLM's checkpoint format and installs them through the same layerwise reload with a
@@ -69,15 +73,15 @@ class PartialUpdateError(MegarefitError, RuntimeError):
 
 @contextlib.contextmanager
 def _installing(version: int | None, count: int) -> Iterator[None]:
+    """vLLM's own failures while installing become :class:`PartialUpdateError`; a torn stream
+    (:class:`TornUpdateError`) goes through, for :meth:`RefitReceiver.refit` to pull again."""
     try:
         yield
-    except TornUpdateError as exc:
-        raise PartialUpdateError(
-            f"streamed refit of weight version {version}: {exc}. The model holds a mix of versions; refit again "
-            "before serving.") from exc
+    except (TornUpdateError, PartialUpdateError):
+        raise
     except Exception as exc:
         raise PartialUpdateError(
-            f"vLLM failed while installing weight version {version} ({count} tensors, all pulled and fenced): "
+            f"vLLM failed while installing weight version {version} ({count} tensors): "
             f"{type(exc).__name__}: {exc}. The model may be partially updated; refit again before serving."
         ) from exc
 
@@ -123,7 +127,7 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes, "counters": stats.counters,
             "target": None if receiver.target is None else repr(receiver.target),
             "tensors": 0 if plan is None else len(plan.targets), "install": stats.install, "groups": stats.groups,
-            "peak_extra_bytes": stats.peak_extra_bytes}
+            "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries}
 
 
 @torch.no_grad()
@@ -174,35 +178,52 @@ def _is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _streamed_install(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
-                      load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> float:
-    """One streamed cycle installed group by group (``memory_budget``): sharded targets through
-    :func:`install_shards` (every planned shard checked before the first is read), full HF
-    tensors through ``load_full``; returns the seconds from the first tensor to the last.
+def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
+                load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> float:
+    """One refit cycle installed into ``model`` (:meth:`RefitReceiver.refit`): sharded targets
+    through :func:`install_shards` (every planned shard checked before the first is written),
+    full HF tensors through ``load_full``. Staged, the cycle is pulled and fenced before the
+    first tensor; streamed (``memory_budget``), each group of layers is installed as it lands
+    and a torn cycle is pulled and installed again (``retries``). Returns the seconds spent
+    installing (the last attempt).
 
     Raises:
         whatever :meth:`RefitReceiver.run_refit_cycle` raises before the first tensor (model
-        untouched); PartialUpdateError once the model was written (a torn cycle included)."""
-    import itertools
+        untouched); PartialUpdateError once the model was written and the cycle failed or
+        stayed torn (it holds a mix of versions)."""
     import time
 
-    cycle = receiver.run_refit_cycle(version)
-    first = next(cycle)  # discover, fence, plan and the first group: raises before the model is touched
-    plan = receiver.plan
-    assert plan is not None
-    t0 = time.perf_counter()
-    weights = itertools.chain([first], cycle)
-    with _installing(version, len(plan.targets)), _cpu_moe_reload(model):
-        if receiver.target is not None:
-            expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
-                        if r not in plan.staging]
-            install_shards(model, weights, model_config, expected=expected)
-        else:
-            load_full(weights)
-    if _is_cpu():
-        _cpu_fixups(model)
-    receiver.acknowledge()
-    return time.perf_counter() - t0
+    started = [0.0]
+
+    def install(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        plan = receiver.plan
+        assert plan is not None
+        started[0] = time.perf_counter()
+        with _installing(version, len(plan.targets)), _cpu_moe_reload(model):
+            if receiver.target is not None:
+                expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
+                            if r not in plan.staging]
+                install_shards(model, weights, model_config, expected=expected)
+            else:
+                load_full(weights)
+        if _is_cpu():
+            _cpu_fixups(model)
+
+    try:
+        receiver.refit(install, version)
+    except TornUpdateError as exc:
+        what = "the trainers' current weights" if version is None else f"weight version {version}"
+        raise PartialUpdateError(f"streamed refit of {what}: {exc}") from exc
+    receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
+    return time.perf_counter() - started[0]
+
+
+def _refuse_to_serve(reason: str) -> Callable[..., Any]:
+    """A worker's ``execute_model`` while its model holds a mix of versions: raises instead."""
+    def execute_model(*args: Any, **kwargs: Any) -> Any:
+        raise PartialUpdateError(f"this vLLM worker's model holds a mix of weight versions ({reason}); it serves "
+                                 "nothing until update_weights_from_megatron completes")
+    return execute_model
 
 
 class MegarefitWorkerExtension:
@@ -235,38 +256,30 @@ class MegarefitWorkerExtension:
         """Run one refit cycle and install the weights; returns timings, bytes and counters.
 
         ``timeout`` (seconds) overrides the receiver's for this cycle. Raises whatever
-        :meth:`RefitReceiver.run_refit_cycle` raises, before the model is touched.
+        :meth:`RefitReceiver.run_refit_cycle` raises before the model is touched. Once the
+        model was written, a failed or torn cycle raises :class:`PartialUpdateError` and the
+        worker refuses to run the model (its ``execute_model`` raises) until a later call
+        completes: a mix of versions is never served.
         """
-        import time
-
         receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
         if receiver is None:
             raise RuntimeError("call init_megarefit(host, port, job) before update_weights_from_megatron")
         if timeout is not None:
             receiver.timeout = timeout
-        if receiver.memory_budget is not None:
-            return self._streamed_update(receiver, version)
-        weights = list(receiver.run_refit_cycle(version))  # pulled + fenced; model untouched so far
-        t0 = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
-        with _installing(receiver.stats.version if receiver.stats else version, len(weights)), \
-                _cpu_moe_reload(runner.get_model()):
-            if receiver.target is not None:
-                install_shards(runner.get_model(), weights, runner.model_config)
-            elif hasattr(runner, "reload_weights"):
-                runner.reload_weights(weights_iterator=iter(weights))
+
+        def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            if hasattr(runner, "reload_weights"):
+                runner.reload_weights(weights_iterator=weights)
             else:  # pragma: no cover - older vLLM
                 runner.get_model().load_weights(weights)
-        if _is_cpu():
-            _cpu_fixups(runner.get_model())
-        receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
-        return _cycle_report(receiver, time.perf_counter() - t0)
 
-    def _streamed_update(self, receiver: RefitReceiver, version: int | None) -> dict[str, Any]:
-        """A streamed cycle: every group is installed as it lands (see ``init_megarefit``)."""
-        runner = self.model_runner  # type: ignore[attr-defined]
-        load_s = _streamed_install(receiver, version, runner.get_model(), runner.model_config,
-                                   lambda weights: runner.reload_weights(weights_iterator=weights))
+        try:
+            load_s = _refit_into(receiver, version, runner.get_model(), runner.model_config, load_full)
+        except PartialUpdateError as exc:
+            self.execute_model = _refuse_to_serve(str(exc))  # instance attribute: shadows the worker's method
+            raise
+        self.__dict__.pop("execute_model", None)  # one version whole again: serve
         return _cycle_report(receiver, load_s)
 
     def megarefit_experts(self) -> dict[str, Any]:
@@ -330,36 +343,18 @@ def _make_engine_class():
             self._pending: list[tuple[str, torch.Tensor]] | None = None
 
         def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
-            import time
-
             from vllm.model_executor.model_loader.reload import (
                 finalize_layerwise_reload,
                 initialize_layerwise_reload,
             )
 
-            if self.receiver.memory_budget is not None:  # streamed: each group installed as it lands
-                def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-                    initialize_layerwise_reload(self.model)
-                    self.model.load_weights(weights)
-                    finalize_layerwise_reload(self.model, self.model_config)
+            def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+                initialize_layerwise_reload(self.model)
+                self.model.load_weights(weights)
+                finalize_layerwise_reload(self.model, self.model_config)
 
-                load_s = _streamed_install(self.receiver, update_info.version, self.model, self.model_config,
-                                           load_full)
-                self.last_report = _cycle_report(self.receiver, load_s)
-                return
-            weights = list(self.receiver.run_refit_cycle(update_info.version))  # fenced before loading
-            t0 = time.perf_counter()
-            with _installing(update_info.version, len(weights)), _cpu_moe_reload(self.model):
-                if self.receiver.target is not None:
-                    install_shards(self.model, weights, self.model_config)
-                else:
-                    initialize_layerwise_reload(self.model)
-                    self.model.load_weights(weights)
-                    finalize_layerwise_reload(self.model, self.model_config)
-            if _is_cpu():
-                _cpu_fixups(self.model)
-            self.receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
-            self.last_report = _cycle_report(self.receiver, time.perf_counter() - t0)
+            load_s = _refit_into(self.receiver, update_info.version, self.model, self.model_config, load_full)
+            self.last_report = _cycle_report(self.receiver, load_s)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))

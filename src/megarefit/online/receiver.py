@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -559,6 +560,51 @@ class RefitReceiver:
             if ref not in staging:
                 yield ref.name, tensor
 
+    def refit(self, install: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+              version: int | None = None) -> CycleStats:
+        """One refit cycle consumed by ``install``, retried whole where a stream tore; its stats.
+
+        ``install(weights)`` must consume every ``(hf_name, tensor)`` pair of the iterator
+        (install or copy each before asking for the next; see :meth:`run_refit_cycle`). It is
+        called once the cycle's first tensor is ready, so whatever fails before (discovery,
+        versions, plan, the first pull) raises here with the consumer untouched. Streamed, a
+        cycle that tears (a trainer rank wrote during it) while a new pull can succeed runs
+        again into a new ``install`` call, up to ``retries`` times: a cycle writes every
+        target, so the consumer then holds one version whole (``stats.retries`` counts them).
+
+        Raises:
+            TornUpdateError: streamed, still torn after ``retries`` (or the asked ``version``
+                is no longer served): the consumer holds a mix of versions.
+            (what :meth:`run_refit_cycle` raises before the first tensor; what ``install`` raises)
+        """
+        attempt = 0
+        while True:
+            torn: list[TornUpdateError] = []  # streamed: a torn cycle is reported once install returned
+            cycle = self._run_streamed(version, torn) if self.memory_budget is not None else \
+                self.run_refit_cycle(version)
+            try:
+                first = [next(cycle)]
+            except StopIteration:
+                first = []
+            except MegarefitError as exc:
+                if attempt == 0:
+                    raise
+                raise TornUpdateError(f"pulling again after a torn streamed cycle failed: {exc}; the consumer "
+                                      "holds a mix of versions: it must not serve until a refit cycle completes",
+                                      retryable=False) from exc
+            install(itertools.chain(first, cycle))
+            if next(cycle, None) is not None:
+                raise MegarefitError("install returned before consuming every tensor of the cycle: the rest "
+                                     "was never pulled nor fenced")
+            if not torn:
+                break
+            if not torn[0].retryable or attempt >= self.retries:
+                raise torn[0]
+            attempt += 1
+        assert self.stats is not None
+        self.stats.retries += attempt
+        return self.stats
+
     # ---- streamed cycles -----------------------------------------------------
     def _finish_group(self, k: int) -> None:
         """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),
@@ -579,10 +625,13 @@ class RefitReceiver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _run_streamed(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _run_streamed(self, version: int | None, torn: list[TornUpdateError] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """A streamed cycle (``memory_budget``): each group is pulled into the ring and its
         tensors handed over before the next group is pulled; the versions and update sequences
-        are checked again after the last group.
+        are checked again after the last group. ``torn``: a torn cycle is appended there and
+        the iterator ends normally (the consumer finishes its install, e.g. vLLM's reload)
+        instead of raising.
 
         Raises:
             TornUpdateError: a rank moved on or wrote during the cycle, after tensors were handed over.
@@ -615,8 +664,14 @@ class RefitReceiver:
         try:
             self._fence_end(ranks, seq, got, version)
         except StaleVersionError as exc:
-            raise TornUpdateError(f"{exc}; {len(stream.groups)} groups were already handed over, so the consumer "
-                                  "holds a mix of versions: it must not serve until a refit cycle completes") from exc
+            error = TornUpdateError(f"{exc}; {len(stream.groups)} groups were already handed over, so the consumer "
+                                    "holds a mix of versions: it must not serve until a refit cycle completes",
+                                    retryable=exc.retryable)
+            if torn is None:
+                raise error from exc
+            error.__cause__ = exc
+            torn.append(error)
+            return
         lap("fence")
         scratch = self.transport.scratch_allocated
         model_bytes = sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()

@@ -1,0 +1,122 @@
+"""Run by test_vllm_refit.py in its own process (one vLLM engine per process): trainer ranks
+that step *during* a streamed refit into a real vLLM engine (CPU).
+
+Two in-process trainer ranks (tp=2, NIXL publishers) serve a tiny Qwen3 model whose shards
+are cut from HF weights by the test's own reference code (not megarefit). The vLLM worker
+extension streams sharded refits through a small ring. A hook on the receiver's transport
+makes both ranks step to the next version right after the first group landed, so the cycle
+tears mid-install. Prints one JSON line:
+
+- ``retried``: the torn cycle was pulled and installed again (``retries``); vLLM's greedy
+  tokens + logprobs then equal HF's with the new version's weights;
+- ``gave_up``: with ``retries=0`` the update raises PartialUpdateError (the model holds a
+  mix); ``mended``: the next refit completes and the engine serves the newest version;
+- ``refused``: after another torn update, generating raises instead of serving the mix (in
+  vLLM an exception in ``execute_model`` stops the engine: nothing is served).
+
+Usage: ``python vllm_torn_scenario.py WORKDIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).parent))
+
+BUDGET = 1_200_000  # bytes: a ring of one layer (~790 kB of float32) beside the scratch; the share is 3.7 MB
+
+
+def _worker(llm):
+    """The in-process vLLM worker (uniproc executor, no engine-core process)."""
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    return core.model_executor.driver_worker.worker
+
+
+def main(work: Path) -> dict:
+    import vllm
+    from conftest import tiny_config
+    from reference import reference_shards
+    from vllm_helpers import EXT, hf_generate, same_generation, vllm_generate
+
+    from megarefit.integrations.hf import build_hf_model, save_checkpoint
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    cfg = tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64,
+                      tie_word_embeddings=False)
+    models = {}
+    for v in range(4):  # version 0 is the checkpoint vLLM starts from
+        torch.manual_seed(v)
+        models[v] = build_hf_model(cfg).eval()
+    shards = {v: reference_shards(dict(models[v].state_dict()), cfg, tp=2, pp=1) for v in (1, 2, 3)}
+    save_checkpoint(work / "ckpt", cfg, dict(models[0].state_dict()))
+
+    job = "vllm-torn"
+    rdzv = Rendezvous.serve(job=job)
+    live = {r: {n: t.clone() for n, t in s.items()} for r, s in shards[1].items()}
+    pubs = [Publisher(live[r], cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}") for r in live]
+
+    def step(version: int) -> None:
+        for pub in pubs:
+            with pub.updating(version):
+                for n, t in live[pub.rank].items():
+                    t.copy_(shards[version][pub.rank][n])
+
+    def tear_at_first_group(version: int) -> None:
+        receiver = _worker(llm)._megarefit
+        execute, calls = receiver.transport.execute, []
+
+        def execute_then_step(*args, **kwargs):
+            execute(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 1:
+                step(version)
+
+        receiver.transport.execute = execute_then_step
+
+    def update(retries: int) -> str | dict:
+        receiver = _worker(llm)._megarefit
+        receiver.retries = retries
+        try:
+            return llm.collective_rpc("update_weights_from_megatron")[0]
+        except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+            return f"{type(exc).__name__}: {exc}"
+
+    for p in pubs:
+        p.publish(1)
+    llm = vllm.LLM(model=str(work / "ckpt"), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                   max_model_len=128, worker_extension_cls=EXT)
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET))
+    out: dict = {}
+    out["first"] = update(2)
+    out["ok1"] = same_generation(vllm_generate(llm), hf_generate(models[1]))
+
+    tear_at_first_group(2)  # torn, pulled again whole
+    out["retried"] = update(2)
+    out["ok2"] = same_generation(vllm_generate(llm), hf_generate(models[2]))
+
+    tear_at_first_group(3)  # torn, no retry: the model holds versions 2 and 3
+    out["gave_up"] = update(0)
+    out["mended"] = update(2)  # refit again before serving: version 3 whole
+    out["ok3"] = same_generation(vllm_generate(llm), hf_generate(models[3]))
+
+    step(2)  # a torn cycle again, and this time a request comes before any refit
+    tear_at_first_group(3)
+    out["gave_up_again"] = update(0)
+    try:
+        out["served_mix"] = vllm_generate(llm)
+    except Exception as exc:  # noqa: BLE001 - the engine refuses (and stops): nothing is served
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1])), default=str))
