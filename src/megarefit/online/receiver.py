@@ -492,6 +492,7 @@ class RefitReceiver:
         if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
             self.rendezvous.store.add(self.rendezvous.prefix + arena_key("seq", self.replica_group, self.name), 1)
             self._serving = True
+        self._consumer_done()  # the previous cycle's tensors may still be read by queued device work
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
         t_quant = time.perf_counter()
         if plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull (one launch on a GPU)
@@ -606,6 +607,13 @@ class RefitReceiver:
         return self.stats
 
     # ---- streamed cycles -----------------------------------------------------
+    def _consumer_done(self) -> None:
+        """Wait for the device work the consumer queued on tensors handed over earlier (vLLM's
+        copies into its parameters run asynchronously on a GPU), before NIXL overwrites them:
+        a READ is not ordered with any CUDA stream. A no-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _finish_group(self, k: int) -> None:
         """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),
         run its receiver-side FP8 steps, and wait for them on a GPU."""
@@ -653,6 +661,7 @@ class RefitReceiver:
         pull_s = 0.0
         for k, (group, bufs) in enumerate(zip(stream.groups, stream.buffers)):
             t_pull = time.perf_counter()
+            self._consumer_done()  # the ring bytes handed over before may still be read by queued copies
             self.transport.execute(prepared[k], bufs, timeout=self.timeout)
             self._finish_group(k)
             pull_s += time.perf_counter() - t_pull
