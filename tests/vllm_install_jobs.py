@@ -110,3 +110,58 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
         results[key] = {"compared": len(want), "differ": differ, "changed": changed, "error": error,
                         "untouched_after_error": untouched, "target": repr(target), "params": len(weights)}
     return results
+
+
+def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str,
+                         share_fraction: float) -> dict[str, Any]:
+    """Per case ``(hf config, hf tensors A, expert_parallel, (host, port, job))``: two copies of the
+    whole vLLM model (vLLM tp=``world_size``, loaded with A by vLLM's own loader) refit from
+    trainers publishing version 1 over NIXL at that rendezvous, through the vLLM integration's
+    install path: one staged, one streamed with a budget of ``share_fraction`` of this worker's
+    share. ``{"differ": [...], "compared": n, "changed": n, "share": bytes, "budget": bytes,
+    "groups": n, "peak_extra": bytes (counted), "measured": bytes (ring + scratch tensors)}``."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    from megarefit.integrations.vllm import _refit_into
+    from megarefit.integrations.vllm_install import vllm_target_of
+    from megarefit.online import RefitReceiver
+    from megarefit.online.rendezvous import Rendezvous
+    from vllm_loader_jobs import init_vllm_tp, model_config_for
+
+    init_vllm_tp(rank, world_size, port)
+    results: dict[str, Any] = {}
+    for key, (cfg, hf_a, expert_parallel, (host, rdzv_port, job)) in cases.items():
+        model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"))
+        built = []
+        for _ in range(2):
+            config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(
+                tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel))
+            with set_current_vllm_config(config):
+                model = initialize_model(vllm_config=config)
+                model.load_weights(hf_a.items())
+                process_weights_after_loading(model, model_config, torch.device("cpu"))
+            built.append((model, config))
+        before = {k: v.clone() for k, v in reachable_tensors(built[0][0]).items()}
+        receivers, share = [], 0
+        for i, (model, config) in enumerate(built):
+            budget = None if i == 0 else max(1, int(share_fraction * share))
+            rx = RefitReceiver(Rendezvous.connect(host, rdzv_port, job=job, timeout=60), timeout=60,
+                               name=f"{job}-{key}-{rank}-{i}", target=vllm_target_of(model, config.parallel_config),
+                               memory_budget=budget)
+            with set_current_vllm_config(config):
+                _refit_into(rx, 1, model, model_config, load_full=None)  # type: ignore[arg-type]
+            share = share or rx.stats.model_bytes
+            receivers.append(rx)
+        staged, streamed = (reachable_tensors(m) for m, _ in built)
+        differ = sorted(k for k in staged.keys() | streamed.keys() if k not in staged or k not in streamed
+                        or staged[k].shape != streamed[k].shape or not torch.equal(staged[k], streamed[k]))
+        rx = receivers[1]
+        results[key] = {"differ": differ, "compared": len(staged), "share": share, "budget": rx.memory_budget,
+                        "changed": sum(1 for k, v in streamed.items() if k in before and v.numel()
+                                       and not torch.equal(before[k], v)),
+                        "groups": rx.stats.groups, "install": rx.stats.install, "peak_extra": rx.stats.peak_extra_bytes,
+                        "measured": rx._stream.ring.numel() + rx.transport.scratch_allocated}
+        for r in receivers:
+            r.close()
+    return results
