@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -159,6 +160,90 @@ def test_bench_reports_the_ratio(capsys):
                "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0 and "plain copy (preallocated)" in out and "megarefit warm refit" in out and "x" in out
+
+
+BENCH = ["bench", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--layers", "2", "--repeat", "2", "--device", "cpu"]
+
+
+def _installs(out: str) -> dict[str, tuple[int, float]]:
+    """``{install: (groups, extra MB)}`` from `megarefit bench --install` lines."""
+    found = re.findall(r"^install (\w+): (\d+) groups?, warm best [\d.]+ s / median [\d.]+ s.*?, extra MB ([\d.]+) ",
+                       out, re.MULTILINE)
+    return {name: (int(groups), float(mb)) for name, groups, mb in found}
+
+
+@pytest.mark.parametrize("budget, groups, extra_mb", [
+    ("auto", 1, 374.09),  # 1 GiB: one group, the ring as large as the arena
+    ("320000000", 2, 320.00),  # the embedding (311 MB) alone, then both layers and the norm at the ring's end
+])
+def test_bench_streamed_install(budget, groups, extra_mb, capsys):
+    """`megarefit bench --install streamed` on CPU (2-layer Qwen3-0.6B, 374 MB): the staged and the
+    streamed install, their groups and extra memory, and the streamed model equal to the staged."""
+    rc = main([*BENCH, "--install", "streamed", "--memory-budget", budget])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "megarefit warm refit" in out  # the refit vs plain copy table is still there
+    installs = _installs(out)
+    assert installs["staged"] == (1, 374.09), out  # the arena: the whole share
+    assert installs["streamed"] == (groups, extra_mb), out
+    assert ("memory budget auto = 1073741824 bytes" if budget == "auto" else "memory budget 320000000 bytes") in out
+    assert "equal to staged: yes" in out
+
+
+def _small_vocab(tmp_path) -> list[str]:
+    """``BENCH`` on Qwen3-0.6B with a vocabulary of 1000 (32 MB for a vLLM tp=2 worker, not 374 MB)."""
+    cfg = json.loads((CONFIG_DIR / "Qwen3-0.6B.json").read_text())
+    cfg["vocab_size"] = 1000
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg))
+    return [*BENCH[:2], str(config), *BENCH[3:], "--vllm-tp", "2"]
+
+
+def test_bench_streamed_install_zeroes_vllm_vocab_padding(capsys, tmp_path):
+    """A vLLM worker whose embedding shard has padding rows (vocab 1000 over vLLM tp=2: rank 1 holds
+    rows 512-999 and 24 rows of zeros): four groups of a 20 MB ring, so the second layer's bytes sit
+    where the embedding lands next cycle; the padding rows must be zero again, as staged."""
+    rc = main([*_small_vocab(tmp_path), "--vllm-rank", "1", "--install", "streamed", "--memory-budget", "2e7"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    installs = _installs(out)
+    assert installs["streamed"][0] == 4 and installs["streamed"][1] <= 20.0 < installs["staged"][1], out
+    assert "equal to staged: yes" in out
+
+
+def test_bench_staged_install_only(capsys, tmp_path):
+    rc = main([*_small_vocab(tmp_path), "--install", "staged"])
+    out = capsys.readouterr().out
+    assert rc == 0 and _installs(out) == {"staged": (1, 32.52)} and "equal to staged" not in out, out
+
+
+def test_bench_budget_too_small_names_the_layer(capsys):
+    """A budget below the largest run (the 311 MB embedding) fails in one line, before any shard
+    is made: which tensors, their bytes, the budget that fits."""
+    rc = main([*BENCH, "--install", "streamed", "--memory-budget", "100000000"])
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: the tensors outside the layers (model.embed_tokens.weight, ...): 311164928 "
+                               "bytes, more than the ring of 100000000 bytes"), lines
+    assert "311164928 bytes or more fit" in lines[0] and "Traceback" not in out.out + out.err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--install", "streamed", "--memory-budget", "0"], "--memory-budget must be a positive number of bytes"),
+    (["--install", "streamed", "--memory-budget", "-4096"], "--memory-budget must be a positive number of bytes"),
+    (["--install", "streamed", "--memory-budget", "lots"], "--memory-budget must be a positive number of bytes"),
+    (["--install", "streamed", "--memory-budget", "1.5"], "--memory-budget must be a positive number of bytes"),
+    (["--install", "streamed", "--memory-budget", "nan"], "--memory-budget must be a positive number of bytes"),
+    (["--install", "staged", "--memory-budget", "1000000"], "--memory-budget needs --install streamed"),
+    (["--memory-budget", "auto"], "--memory-budget needs --install streamed"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+])
+def test_bench_refuses_bad_values_in_one_line(args, words, capsys):
+    rc = main([*BENCH, *args])
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and words in lines[0], lines
 
 
 def test_plan_for_one_vllm_moe_worker(capsys, tmp_path):

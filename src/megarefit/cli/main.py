@@ -176,8 +176,13 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from megarefit.demo.bench import bench_refit, layout_for, machine
+    import torch
 
+    from megarefit.demo.bench import bench_refit, layout_for, machine, plan_stream, random_shards
+
+    if args.repeat < 1:
+        raise MegarefitError(f"--repeat must be at least 1, got {args.repeat}")
+    memory_budget = _memory_budget(args)
     dims, layout = layout_for(args.config, tp=args.tp, ep=args.ep, layers=args.layers)
     target = _vllm_target(args)
     if target is not None:
@@ -188,8 +193,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         from megarefit.planner import plan_megatron_to_hf
 
         plan = plan_megatron_to_hf(dims, layout, args.dtype)
-    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
-    result = bench_refit(plan, device=device, repeat=args.repeat)
+    # a budget too small fails here, before any shard exists
+    stream = (memory_budget, *plan_stream(plan, memory_budget)) if memory_budget is not None else None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shards = random_shards(plan, device, getattr(torch, plan.dtype))
+    result = bench_refit(plan, device=device, repeat=args.repeat, shards=shards)
     console.print(f"machine: {machine()}")
     what = _target_line(target, dims) if target is not None else "target: full HF tensors"
     console.print(f"{dims.family}, {dims.num_layers} layers, trainer tp={args.tp} ep={args.ep}, {args.dtype} on "
@@ -203,7 +211,69 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         table.add_row(name, f"{best:.4f}", f"{median:.4f}", f"{result.bytes / best / 1e9:.1f}",
                       f"{result.copy_s[0] / best:.2f}x")
     console.print(table)
-    return 0
+    if args.install is None:
+        return 0
+    return _bench_installs(args, console, plan, shards, device, stream)
+
+
+def _memory_budget(args: argparse.Namespace) -> int | str | None:
+    """``--memory-budget`` checked against ``--install``: bytes (an int), ``"auto"`` (also
+    ``--install streamed`` without a budget) or ``None`` (no streamed install).
+
+    Raises:
+        MegarefitError: not a positive whole number of bytes nor ``auto``, or given without
+            ``--install streamed``.
+    """
+    text = args.memory_budget
+    if text is None:
+        return "auto" if args.install == "streamed" else None
+    if args.install != "streamed":
+        raise MegarefitError("--memory-budget needs --install streamed (a staged install holds the whole share)")
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        budget = int(text)
+    except ValueError:
+        try:  # 2e9
+            value = float(text)
+            budget = int(value) if value.is_integer() else 0
+        except ValueError:
+            budget = 0
+    if budget <= 0:
+        raise MegarefitError(f"--memory-budget must be a positive number of bytes or 'auto', got {text!r}")
+    return budget
+
+
+def _bench_installs(args: argparse.Namespace, console: Console, plan: Any, shards: dict, device: str,
+                    stream: tuple[int | str, int, list] | None) -> int:
+    """The staged install and, with ``stream`` (the budget asked, in bytes, groups), the streamed
+    one: warm seconds and extra memory of each; exit 1 when the streamed model differs from the staged."""
+    from megarefit.demo.bench import bench_install, same_bits
+
+    console.print(f"installs into the consumer's preallocated model (pulls + its copies; best / median of "
+                  f"{args.repeat} warm cycles; extra MB: held above the model)")
+    staged = bench_install(plan, shards, device=device, repeat=args.repeat)
+    console.print(_install_line(staged, "the arena"))
+    if stream is None:
+        return 0
+    asked, budget, groups = stream
+    streamed = bench_install(plan, shards, groups=groups, device=device, repeat=args.repeat)
+    console.print(_install_line(streamed, f"the ring; memory budget {'auto = ' if asked == 'auto' else ''}{budget} "
+                                "bytes, all of it the ring: no NIXL scratch in-process", staged.seconds[0]))
+    equal = same_bits(streamed.model, staged.model)
+    console.print(f"equal to staged: {'yes' if equal else 'no'}")
+    return 0 if equal else 1
+
+
+def _install_line(r: Any, what: str, staged_s: float | None = None) -> str:
+    """One install's line (:class:`~megarefit.demo.bench.InstallResult`); ``staged_s``: the staged best seconds."""
+    best, median = r.seconds
+    vs = f" ({best / staged_s:.2f}x staged)" if staged_s else ""
+    line = (f"install {r.install}: {r.groups} group{'s' if r.groups != 1 else ''}, warm best {best:.4f} s / median "
+            f"{median:.4f} s{vs}, extra MB {r.extra_bytes / 1e6:.2f} ({what})")
+    if r.measured_extra_bytes is not None:
+        line += f", measured on the GPU {r.measured_extra_bytes / 1e6:.2f} MB"
+    return line
 
 
 def cmd_name_map(args: argparse.Namespace, console: Console) -> int:
@@ -342,14 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="time a warm refit against a plain copy of the same bytes, on this machine")
-    bench.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
-    bench.add_argument("--tp", type=int, default=2)
-    bench.add_argument("--ep", type=int, default=1)
-    bench.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
-    bench.add_argument("--dtype", default="bfloat16")
-    bench.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    bench.add_argument("--repeat", type=int, default=5)
-    _add_vllm_args(bench)
+    _add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
     names = sub.add_parser("name-map", help="Megatron -> HF name map; with --from-bridge, checked against "
@@ -362,6 +425,25 @@ def build_parser() -> argparse.ArgumentParser:
     names.add_argument("--format", choices=["table", "json"], default="table")
     names.set_defaults(func=cmd_name_map)
     return parser
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--install", choices=["staged", "streamed"],
+                   help="also time an install into a preallocated consumer model and print its extra memory: "
+                        "staged (whole share in an arena) or streamed (layer groups through one ring; staged "
+                        "too, for comparison, and checked bit for bit against it)")
+    p.add_argument("--memory-budget", metavar="BYTES|auto",
+                   help="memory budget of the streamed install, in bytes (the ring gets all of it: the "
+                        "in-process transport needs no NIXL scratch); auto (default): the larger of 1 GiB and "
+                        "the budget holding the two largest layers")
+    _add_vllm_args(p)
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,13 @@ Random Megatron shards with the planned shapes are put on ``device``; a warm
 nothing allocated) is timed against ``copy_`` of every source shard the plan
 reads into preallocated tensors of the same sizes -- the floor for moving those
 bytes once. Both are measured in the same run; best of ``repeat``.
+
+:func:`bench_install` times what a consumer sees: a **staged** install (the whole share
+pulled into an arena, then every tensor copied into the consumer's preallocated "model",
+as vLLM's ``load_weights`` copies into its parameters) or a **streamed** one (the plan cut
+into groups of whole layers, :func:`~megarefit.online.stream.stream_groups`, each pulled
+into one ring buffer and copied into the model before the next group lands), and the
+memory each holds above the model.
 """
 
 from __future__ import annotations
@@ -14,17 +21,20 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from megarefit.layout import SourceLayout
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.plan import Plan
-from megarefit.transport.execute import run_refit_cycle
+from megarefit.transport.execute import run_refit_cycle, torch_dtype
 from megarefit.transport.local import LocalTransport
+
+if TYPE_CHECKING:
+    from megarefit.online.stream import StreamGroup
 
 
 def sync(device: str | torch.device = "cuda") -> None:
@@ -110,10 +120,11 @@ class BenchResult:
         return self.copy_s[0] / self.refit_s[0]
 
 
-def bench_refit(plan: Plan, *, device: str = "cpu", repeat: int = 5) -> BenchResult:
-    """Time a warm refit of ``plan`` against a plain copy of the bytes it reads (same run)."""
+def bench_refit(plan: Plan, *, device: str = "cpu", repeat: int = 5, shards: dict | None = None) -> BenchResult:
+    """Time a warm refit of ``plan`` against a plain copy of the bytes it reads (same run);
+    ``shards``: the sources (:func:`random_shards`, made here when not given)."""
     dtype = getattr(torch, plan.dtype)
-    shards = random_shards(plan, device, dtype)
+    shards = random_shards(plan, device, dtype) if shards is None else shards
     read = {op.src for op in plan.ops}
     src = [shards[r.rank][r.name] for r in plan.sources if r in read]
     dst = [torch.empty_like(t) for t in src]
@@ -131,6 +142,121 @@ def bench_refit(plan: Plan, *, device: str = "cpu", repeat: int = 5) -> BenchRes
 
     refit()  # cold: compiles the views
     return BenchResult(plan.nbytes, len(plan.ops), best_of(plain_copy, repeat, device), best_of(refit, repeat, device))
+
+
+@dataclass
+class InstallResult:
+    """Warm cycles of one install mode (:func:`bench_install`).
+
+    ``seconds``: (best, median) of the warm cycles, the pulls and the consumer's copies
+    together. ``extra_bytes``: what the receiver side holds above the consumer's model, in
+    bytes: the arena (staged) or the ring (streamed). ``measured_extra_bytes``: on CUDA,
+    ``torch.cuda.max_memory_allocated`` during the cycles (the arena or ring allocated in
+    them) less what was allocated before (model and shards), in bytes; ``None`` off a GPU.
+    ``model``: the consumer's tensors after the last cycle, by name."""
+
+    install: str
+    groups: int
+    seconds: tuple[float, float]
+    extra_bytes: int
+    measured_extra_bytes: int | None
+    model: dict[str, torch.Tensor] = field(repr=False)
+
+
+def consumer_model(plan: Plan, device: str) -> dict[str, torch.Tensor]:
+    """The consumer's preallocated tensors (like vLLM's parameters), by target name: every
+    target handed over (not the FP8 ``staging`` ones), uninitialised."""
+    return {ref.name: torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+            for ref, meta in plan.targets.items() if ref not in plan.staging}
+
+
+def plan_stream(plan: Plan, memory_budget: int | Literal["auto"]) -> tuple[int, list[StreamGroup]]:
+    """``(budget, groups)`` of a streamed install of ``plan`` within ``memory_budget`` bytes
+    (``"auto"``: :func:`~megarefit.online.stream.default_memory_budget`). In-process, the
+    :class:`LocalTransport` needs no NIXL scratch, so the ring gets the whole budget.
+
+    Raises:
+        MemoryBudgetError: a layer (or the embedding / head) needs more than the budget; the
+            message names it and the bytes it needs.
+    """
+    from megarefit.online.stream import MemoryBudgetError, default_memory_budget, stream_groups
+
+    budget = default_memory_budget(plan) if memory_budget == "auto" else int(memory_budget)
+    try:
+        return budget, stream_groups(plan, budget)
+    except MemoryBudgetError as exc:
+        raise MemoryBudgetError(f"{exc}: a memory budget of {budget} bytes is too small; {exc.ring_bytes_needed} "
+                                "bytes or more fit (the local transport needs no scratch: the ring is the whole "
+                                "budget)", exc.ring_bytes_needed) from None
+
+
+def _staged_cycle(plan: Plan, shards: dict, model: dict[str, torch.Tensor], device: str
+                  ) -> tuple[Callable[[], None], int]:
+    """One staged install (every target pulled into its arena buffer, then copied into
+    ``model``) and the arena's bytes."""
+    transport = LocalTransport(shards)
+    arena = {ref.name: torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+             for ref, meta in plan.targets.items()}
+
+    def cycle() -> None:
+        for name, tensor in run_refit_cycle(plan, transport, buffers=arena):  # FP8 staging is not handed over
+            model[name].copy_(tensor)
+
+    return cycle, sum(t.numel() * t.element_size() for t in arena.values())
+
+
+def _streamed_cycle(groups: list[StreamGroup], shards: dict, model: dict[str, torch.Tensor], device: str
+                    ) -> tuple[Callable[[], None], int]:
+    """One streamed install (each group pulled into the ring, then copied into ``model``
+    before the next group) and the ring's bytes (up to the last byte a group uses, as
+    :class:`~megarefit.online.RefitReceiver` allocates it). ``run_refit_cycle`` zeroes each
+    ring view's ``zero_fill`` boxes (vLLM vocab padding) before every pull: the ring held
+    other groups' bytes. One :class:`LocalTransport` per group, so each keeps its compiled
+    copies across cycles (one holds one layout), as NIXL keeps each group's prepared READs."""
+    ring = torch.empty(max(g.start + g.nbytes for g in groups), dtype=torch.uint8, device=device)
+    steps = [(g.plan, LocalTransport(shards), {ref.name: v for ref, v in g.views(ring).items()}) for g in groups]
+    cuda = torch.device(device).type == "cuda"
+
+    def cycle() -> None:
+        for plan, transport, views in steps:
+            if cuda:  # the consumer's copies out of the ring are queued, not done: wait before reusing it
+                torch.cuda.synchronize(device)
+            for name, tensor in run_refit_cycle(plan, transport, buffers=views):
+                model[name].copy_(tensor)
+
+    return cycle, ring.numel()
+
+
+def bench_install(plan: Plan, shards: dict, *, groups: list[StreamGroup] | None = None, device: str = "cpu",
+                  repeat: int = 5) -> InstallResult:
+    """Time ``repeat`` warm installs of ``plan`` from ``shards`` (``{rank: {name: tensor}}``,
+    :func:`random_shards`) into a fresh consumer model on ``device``, after one cold cycle:
+    staged, or streamed through ``groups`` (:func:`plan_stream`). On CUDA the peak memory
+    above what was allocated before the arena / ring is measured (:class:`InstallResult`)."""
+    model = consumer_model(plan, device)
+    cuda, base = torch.device(device).type == "cuda", 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    if groups is None:
+        cycle, extra = _staged_cycle(plan, shards, model, device)
+    else:
+        cycle, extra = _streamed_cycle(groups, shards, model, device)
+    cycle()  # cold: compiles the views
+    seconds = best_of(cycle, repeat, device)
+    measured = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    return InstallResult("staged" if groups is None else "streamed", 1 if groups is None else len(groups),
+                         seconds, extra, measured, model)
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two models hold the same names, shapes, dtypes and bytes."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    return a.keys() == b.keys() and all(
+        x.shape == b[k].shape and x.dtype == b[k].dtype and torch.equal(raw(x), raw(b[k])) for k, x in a.items())
 
 
 def layout_for(config: Any, *, tp: int, ep: int = 1, layers: int = 0) -> tuple[ModelDims, SourceLayout]:
