@@ -185,7 +185,7 @@ def test_writers_stepping_during_streamed_cycles_never_leave_a_mix(config):
     writer = threading.Thread(target=trainer, daemon=True)
     writer.start()
     done, torn, retried = 0, 0, 0
-    deadline = time.monotonic() + 4.0
+    deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline or done < 3:
         try:
             stats = receiver.refit(install)

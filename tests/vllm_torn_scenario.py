@@ -5,7 +5,9 @@ Two in-process trainer ranks (tp=2, NIXL publishers) serve a tiny Qwen3 model wh
 are cut from HF weights by the test's own reference code (not megarefit). The vLLM worker
 extension streams sharded refits through a small ring. A hook on the receiver's transport
 makes both ranks step to the next version right after the first group landed, so the cycle
-tears mid-install. Prints one JSON line:
+tears mid-install. Version 1 comes through vLLM's weight-transfer API (backend
+``megarefit``, streamed and sharded, ``engine``); then, through the extension, a second
+refit of the same version (``first``), and the torn ones. Prints one JSON line:
 
 - ``retried``: the torn cycle was pulled and installed again (``retries``); vLLM's greedy
   tokens + logprobs then equal HF's with the new version's weights;
@@ -42,11 +44,13 @@ def _worker(llm):
 
 def main(work: Path) -> dict:
     import vllm
+    from vllm.config import WeightTransferConfig
     from conftest import tiny_config
     from reference import reference_shards
     from vllm_helpers import EXT, hf_generate, same_generation, vllm_generate
 
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
+    from megarefit.integrations.vllm import register
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
@@ -92,12 +96,22 @@ def main(work: Path) -> dict:
 
     for p in pubs:
         p.publish(1)
+    register()
     llm = vllm.LLM(model=str(work / "ckpt"), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                   max_model_len=128, worker_extension_cls=EXT)
-    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET))
+                   max_model_len=128, worker_extension_cls=EXT,
+                   weight_transfer_config=WeightTransferConfig(backend="megarefit"))
     out: dict = {}
-    out["first"] = update(2)
+    # version 1 through vLLM's weight-transfer API, streamed and sharded, in one update
+    llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job,
+                                                   "sharded": True, "memory_budget": BUDGET}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 1}})
+    llm.finish_weight_update(weight_version="1")
+    out["engine"] = _worker(llm).weight_transfer_engine.last_report
     out["ok1"] = same_generation(vllm_generate(llm), hf_generate(models[1]))
+    # the rest through the worker extension, streamed and sharded
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET))
+    out["first"] = update(2)
 
     tear_at_first_group(2)  # torn, pulled again whole
     out["retried"] = update(2)
