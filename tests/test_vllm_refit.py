@@ -159,7 +159,7 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
     scenario's option, run by hand: ``... 48 sharded streamed``): both refits stream groups of
     layers through a bounded ring. In CI, streamed refits into a real engine run in
     ``test_a_torn_streamed_refit_is_pulled_again_and_a_mix_is_never_served`` (weight-transfer
-    API and extension) and, for MoE at vLLM tp=2, in test_vllm_streamed.py (the install path).
+    API and extension) and, for MoE at vLLM tp=2, in test_vllm_install.py (the install path).
     (Its own process: one vLLM engine per process.)"""
     import json
     import subprocess
