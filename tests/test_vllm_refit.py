@@ -141,8 +141,7 @@ def test_failed_refits_leave_the_previous_weights(run):
 
 
 @pytest.mark.parametrize(("moe_intermediate_size", "sharded", "streamed"),
-                         [(48, False, False), (64, False, False), (48, True, False)],
-                         ids=["ffn48", "ffn64", "ffn48-sharded"])
+                         [(48, False, False), (64, False, False)], ids=["ffn48", "ffn64"])
 def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded, streamed):
     """Qwen3-MoE, two real Megatron trainer processes at EP=2 -> NIXL -> vLLM (CPU).
     Version 1 through the worker extension, version 2 through the weight-transfer
@@ -153,7 +152,9 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
     ``moe_intermediate_size=48`` (padded to 64 by its kernel) that raised a shape
     mismatch, with 64 (no padding) it silently served unpacked weights as packed.
     Both fail without :func:`megarefit.integrations.vllm._cpu_moe_reload`.
-    ``sharded``: both refits pull the worker's own vLLM-format shards (``qkv_proj``,
+    With ``moe_intermediate_size=48`` version 2 is sharded (``engine-sharded``): the worker's own
+    vLLM-format shards. ``sharded`` (the scenario's option): both refits pull the worker's own
+    vLLM-format shards (``qkv_proj``,
     ``experts.routed_experts.w13_weight``, ...) and install them through vLLM's layerwise
     reload, which re-runs the CPU linear repack and expert pad + prepack. ``streamed`` (the
     scenario's option, run by hand: ``... 48 sharded streamed``): both refits stream groups of
@@ -168,7 +169,8 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
 
     script = Path(__file__).with_name("vllm_moe_scenario.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(moe_intermediate_size)]
-                          + (["sharded"] if sharded else []) + (["streamed"] if streamed else []),
+                          + (["sharded"] if sharded else []) + (["streamed"] if streamed else [])
+                          + (["engine-sharded"] if moe_intermediate_size == 48 else []),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -182,6 +184,10 @@ def test_moe_refit_into_vllm_matches_hf(tmp_path, moe_intermediate_size, sharded
     # sharded 2 norms, qkv_proj, o_proj, q/k norm, gate, w13, w2 = 9
     assert report["tensors"] == 3 + 2 * (9 if sharded else 21), report
     assert report["install"] == ("streamed" if streamed else "staged"), report
+    engine = result["engine_report"]
+    engine_sharded = sharded or moe_intermediate_size == 48
+    assert (engine["target"] is not None) == engine_sharded and engine["version"] == 2, engine
+    assert engine["tensors"] == 3 + 2 * (9 if engine_sharded else 21), engine
     if streamed:  # several groups, and never more extra memory than the budget
         assert report["groups"] >= 3 and report["peak_extra_bytes"] <= 640_000, report
     for version in ("1", "2"):

@@ -1,8 +1,9 @@
 """Run by test_vllm_refit.py in its own process (one vLLM engine per process): a Qwen3-MoE
 refit into vLLM (CPU) over NIXL from two real Megatron trainer processes at EP=2.
 
-Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded] [streamed]``: with
-``sharded`` both refits pull vLLM-sharded targets (``w13_weight`` / ``w2_weight``, ...)
+Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded] [streamed]
+[engine-sharded]``: with ``engine-sharded`` only the second refit (weight-transfer API) is
+sharded; with ``sharded`` both refits pull vLLM-sharded targets (``w13_weight`` / ``w2_weight``, ...)
 and install them through vLLM's layerwise reload; with ``streamed`` both refits stream
 groups of layers through a ring of ``STREAM_BUDGET`` bytes. Prints one JSON
 line: vLLM's and HF's greedy generations (tokens, logprobs) for the initial
@@ -26,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 STREAM_BUDGET = 640_000  # bytes: a ring of two layers (~250 kB each), so 4 groups of one layer pass through it
 
 
-def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False) -> dict:
+def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False,
+         engine_sharded: bool = False) -> dict:
     import vllm
     from vllm.config import WeightTransferConfig
 
@@ -71,11 +73,14 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
         rdzv.mark_consumed(1)
 
         llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job,
-                                                       "sharded": sharded,
+                                                       "sharded": sharded or engine_sharded,
                                                        "memory_budget": STREAM_BUDGET if streamed else None}})
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": 2}})
         llm.finish_weight_update(weight_version="2")
+        core = llm.llm_engine.engine_core
+        worker = getattr(core, "engine_core", core).model_executor.driver_worker.worker
+        out["engine_report"] = worker.weight_transfer_engine.last_report
         out["vllm"]["2"] = vllm_generate(llm)
         rdzv.mark_consumed(2)
 
@@ -91,4 +96,5 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), "sharded" in sys.argv[3:], "streamed" in sys.argv[3:])))
+    print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), "sharded" in sys.argv[3:], "streamed" in sys.argv[3:],
+                          "engine-sharded" in sys.argv[3:])))
