@@ -92,12 +92,14 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"model: {Path(ns.config).stem}, trainer tp={ns.tp} on {ns.trainer_device}; receivers on {ns.devices}; "
           f"fan-out {ns.fanout}")
-    print("| replicas | first tier s | whole fan-out s | receivers | aggregate GB/s | bytes from trainers |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| replicas | first tier s | whole fan-out s | receivers | aggregate GB/s | bytes from trainers "
+          "| per receiver s (best, tier order) |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
     for n in ns.replicas:
         rdzv = Rendezvous.serve(job="bench")
         trainers = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
         names = ["tier1"] + [f"replica{i}" for i in range(n)]
+        devices_of = {m: ns.devices[i % len(ns.devices)] for i, m in enumerate(names)}
         parents = [tree_parent(rdzv, "bench", name, ns.fanout) for name in names]
         group = start_workers(receiver_job, world_size=len(names), args=(rdzv.port, names, parents, ns.devices,
                                                                          ns.cycles))
@@ -121,12 +123,15 @@ def main() -> None:
         trainers.join(timeout=300)
         nbytes = sum(r[-1]["bytes"] for r in results)
         best = min(totals[1:] or totals)
+        each = {name: min(c["seconds"] for c in r[1:] or r) for name, r in zip(names, results)}
         print(f"| {n} | {min(firsts[1:] or firsts):.4f} | {best:.4f} | {len(names)} | {nbytes / best / 1e9:.2f} | "
-              f"{results[0][-1]['trainer_bytes'] / 1e9:.3f} GB |", flush=True)
+              f"{results[0][-1]['trainer_bytes'] / 1e9:.3f} GB | "
+              f"{', '.join(f'{m} ({devices_of[m]}) {s:.4f}' for m, s in each.items())} |", flush=True)
         if ns.json:
             with open(ns.json, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"replicas": n, "fanout": ns.fanout, "first_tier_s": min(firsts[1:] or firsts),
-                                    "total_s": best, "bytes": nbytes, "trainer_bytes": results[0][-1]["trainer_bytes"],
+                                    "total_s": best, "bytes": nbytes, "per_receiver_s": each, "devices": devices_of,
+                                    "machine": machine(), "trainer_bytes": results[0][-1]["trainer_bytes"],
                                     "median_total_s": statistics.median(totals[1:] or totals)}) + "\n")
 
 

@@ -53,16 +53,15 @@ def _setup(cfg: dict, args: dict):
     layout = SourceLayout.build(tp=tp, pp=1, ep=args["ep"], etp=args["etp"] or tp,
                                 padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers,
                                 expert_layout=args["expert_layout"])
+    from megarefit.quant import Fp8Format
+    from megarefit.quant.planning import plan_fp8
+
+    fmt = Fp8Format() if args["quantization"] == "fp8" else None
     if args["vllm_tp"]:
         target = VllmTarget(args["vllm_tp"], args["vllm_rank"], expert_parallel=args["vllm_ep"])
-        return dims, layout, plan_megatron_to_vllm(dims, layout, args["dtype"], target)
+        return dims, layout, plan_megatron_to_vllm(dims, layout, args["dtype"], target, fmt)
     plan = plan_megatron_to_hf(dims, layout, args["dtype"])
-    if args["quantization"] == "fp8":
-        from megarefit.quant import Fp8Format
-        from megarefit.quant.planning import plan_fp8
-
-        plan = plan_fp8(plan, Fp8Format())
-    return dims, layout, plan
+    return dims, layout, plan if fmt is None else plan_fp8(plan, fmt)
 
 
 def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict, args: dict) -> dict:
@@ -202,7 +201,7 @@ def main() -> None:
     ap.add_argument("--vllm-ep", action="store_true", help="vLLM enable_expert_parallel")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", choices=["none", "fp8"],
-                    help="fp8: trainers publish block FP8 where blocks allow (full HF targets)")
+                    help="fp8: trainers publish block FP8 where blocks allow")
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--trainer-device", default="cpu", help="where trainers keep their shards (cpu, cuda:0)")
     ap.add_argument("--device", default="cpu", help="where the receiver lands the pulls (cpu, cuda:1)")

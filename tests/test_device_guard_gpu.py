@@ -84,3 +84,45 @@ def test_receiver_on_a_non_current_device(config, quantization):
         assert got.keys() == want.keys()
         for k, t in got.items():
             assert t.device == OTHER and torch.equal(t.cpu().view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_streamed_receiver_on_a_non_current_device(config, quantization):
+    """A streamed refit (400 MB budget: several groups through one ring) into ``cuda:1`` while
+    ``cuda:0`` is current: every group lands on the receiver's device, bit for bit, and this
+    process allocates nothing on ``cuda:0``."""
+    pytest.importorskip("nixl")
+    from megarefit.online import RefitReceiver
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.translate import megatron_to_hf
+    from reference import reference_hf_state, reference_shards
+
+    cfg = config("Qwen3-0.6B")
+    hf = reference_hf_state(cfg, "qwen3")
+    cpu_shards = reference_shards(hf, cfg, tp=2, pp=1)
+    want = megatron_to_hf(cpu_shards, cfg, tp=2, quantization=quantization)
+    shards = {r: {n: t.to("cuda:0").contiguous() for n, t in s.items()} for r, s in cpu_shards.items()}
+    job = f"guard-streamed-{quantization}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
+                      quantization=quantization) for r, s in shards.items()]
+    on_current = torch.cuda.memory_allocated(0)
+    receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1", memory_budget=400_000_000)
+    for version in (1, 2):
+        for p in pubs:
+            p.publish(version)
+        got: dict[str, torch.Tensor] = {}
+
+        def install(weights):
+            for name, t in weights:
+                assert t.device == OTHER, name
+                got[name] = t.cpu()
+
+        receiver.refit(install, version)
+        assert receiver.stats.groups > 1 and torch.cuda.current_device() == 0
+        assert got.keys() == want.keys()
+        for k, t in got.items():
+            assert torch.equal(t.view(torch.uint8), want[k].view(torch.uint8)), k
+    assert torch.cuda.memory_allocated(0) == on_current
+    receiver.close()
