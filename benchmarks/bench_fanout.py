@@ -32,14 +32,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: list[str], parents: list[str | None],
-                 devices: list[str], cycles: int) -> list[dict]:
+                 devices: list[str], cycles: int, make_current: bool = False) -> list[dict]:
     """Receiver ``names[index]``: the first tier (no parent) or a replica of ``parents[index]``;
     runs ``cycles`` cycles when told (``go/<name>/<c>``), reports seconds and bytes."""
     from megarefit.online import RefitReceiver
     from megarefit.online.rendezvous import Rendezvous
     from megarefit.online.replica import ReplicaReceiver
 
-    device = devices[index % len(devices)]  # not made current: megarefit guards its own launches
+    device = devices[index % len(devices)]  # not made current (unless --make-current): megarefit guards its own
+    if make_current and device.startswith("cuda"):
+        torch.cuda.set_device(device)
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
     name, parent = names[index], parents[index]
     if parent is None:
@@ -82,6 +84,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=4)
     ap.add_argument("--trainer-device", default="cpu")
     ap.add_argument("--devices", nargs="+", default=["cpu"], help="receiver devices, round robin by tier order")
+    ap.add_argument("--make-current", action="store_true", help="each receiver process sets its device current")
     ap.add_argument("--json", help="append one JSON line per replica count")
     ns = ap.parse_args()
     cfg = bench_config(ns.config, ns.layers)
@@ -102,7 +105,7 @@ def main() -> None:
         devices_of = {m: ns.devices[i % len(ns.devices)] for i, m in enumerate(names)}
         parents = [tree_parent(rdzv, "bench", name, ns.fanout) for name in names]
         group = start_workers(receiver_job, world_size=len(names), args=(rdzv.port, names, parents, ns.devices,
-                                                                         ns.cycles))
+                                                                         ns.cycles, ns.make_current))
         depth = {"tier1": 0}
         for name, parent in zip(names[1:], parents[1:]):
             depth[name] = depth[parent] + 1
@@ -131,7 +134,7 @@ def main() -> None:
             with open(ns.json, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"replicas": n, "fanout": ns.fanout, "first_tier_s": min(firsts[1:] or firsts),
                                     "total_s": best, "bytes": nbytes, "per_receiver_s": each, "devices": devices_of,
-                                    "machine": machine(), "trainer_bytes": results[0][-1]["trainer_bytes"],
+                                    "machine": machine(), "make_current": ns.make_current, "trainer_bytes": results[0][-1]["trainer_bytes"],
                                     "median_total_s": statistics.median(totals[1:] or totals)}) + "\n")
 
 

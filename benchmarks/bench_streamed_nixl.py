@@ -16,7 +16,10 @@ shards, plus one registered block of exactly the bytes this receiver reads from 
 process allocates the consumer's "model" first (one tensor per target, as vLLM holds its
 parameters), then, one receiver at a time, a staged :class:`~megarefit.online.RefitReceiver`
 and a streamed one per ``--budget``, each running ``--cycles`` refits that copy every handed-over
-tensor into the model (what vLLM's ``load_weights`` does). Per receiver: warm seconds (best),
+tensor into the model (what vLLM's ``load_weights`` does). Per receiver: warm seconds (best; a
+cycle's pull and install: the raw READ has no install), ``pull s`` (the receiver's own
+seconds waiting for READs and placing, not installing; streamed, the READs of group k + 1
+move while group k installs),
 the ratio to a raw NIXL READ of the same bytes (one descriptor per trainer, in its own
 process, warm), ``stats.peak_extra_bytes`` (counted) and, on a GPU, the measured peak extra
 memory (``torch.cuda.max_memory_allocated`` on the receiver's device during its cycles minus
@@ -90,15 +93,16 @@ def _run(rdzv, ns: argparse.Namespace, budget, model: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of one case's rows (as printed, and as docs/benchmarks.md shows them)."""
-    lines = ["| install | budget | groups | warm s | GB/s | vs raw NIXL READ | vs staged | extra MB (counted) "
-             "| extra MB (measured) | equal |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [("| install | budget | groups | warm s | GB/s | vs raw NIXL READ | vs staged | pull s | extra MB (counted) "
+              "| extra MB (measured) | equal |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         measured = "-" if r["measured_peak_extra_bytes"] is None else f"{r['measured_peak_extra_bytes'] / 1e6:.0f}"
         b = r["budget"]
         budget = "-" if b is None else b if b == "auto" else f"{b / 2**30:g} GiB" if b % 2**30 == 0 else f"{b / 1e6:g} MB"
         lines.append(f"| {r['install']} | {budget} | {r['groups']} | {r['best_s']:.4f} "
                      f"| {r['bytes'] / r['best_s'] / 1e9:.1f} | {r['raw_best_s'] / r['best_s']:.2f}x "
-                     f"| {r['best_s'] / r['staged_best_s']:.2f} | {r['peak_extra_bytes'] / 1e6:.0f} | {measured} "
+                     f"| {r['best_s'] / r['staged_best_s']:.2f} | {r['warm_seconds'].get('pull', 0):.4f} "
+                     f"| {r['peak_extra_bytes'] / 1e6:.0f} | {measured} "
                      f"| {r.get('equal_to_staged', '-')} |")
     return "\n".join(lines)
 
@@ -192,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe(rows[0]) + "\n\n" + table(rows), flush=True)
     if ns.json:
         with open(ns.json, "a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     return 0 if all(r.get("equal_to_staged", True) for r in rows) else 1
 
 

@@ -22,7 +22,7 @@ want moe-seq && run moe-seq "${moe[@]}" --expert-layout sequential --label moe-e
 want moe-ep && run moe-ep "${moe[@]}" --ep 2 --etp 1 --expert-layout te_grouped --vllm-ep --label moe-ep2-te_grouped
 want moe-ep-fp8 && run moe-ep-fp8 "${moe[@]}" --ep 2 --etp 1 --expert-layout te_grouped --vllm-ep --quantization fp8 \
   --label moe-ep2-te_grouped-fp8
-want fanout && { echo "== fanout"; timeout 300 python3 benchmarks/bench_fanout.py --config tests/data/configs/Qwen3-8B.json \
+want fanout && { echo "== fanout"; timeout 300 python3 benchmarks/bench_fanout.py --make-current --config tests/data/configs/Qwen3-8B.json \
   --trainer-device cuda:0 --devices cuda:1 cuda:0 --replicas 1 2 --fanout 1 --json "$out/fanout.jsonl" 2>&1 | quiet \
   | grep "^|\|^model\|^machine\|Error"; }
 exit 0

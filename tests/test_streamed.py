@@ -94,6 +94,35 @@ def test_streamed_equals_staged_and_the_offline_translation(config, case):
     streamed.close()
 
 
+def test_the_next_group_is_pulled_while_a_group_is_installed(config):
+    """While the consumer installs group k, group k + 1's READs are already posted (their ring
+    bytes are at the other end), and group k + 2's are not (they would land on group k)."""
+    cfg = config("Llama-3.1-8B", num_hidden_layers=LAYERS)
+    job, rdzv, pubs = _serve(cfg, reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1), 2)
+    for p in pubs:
+        p.publish(1)
+    staged = RefitReceiver(rdzv, name=f"{job}-staged", timeout=60)
+    want = _pull(staged, 1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=60, memory_budget=int(0.09 * _share(want)))
+    started = []
+    start = receiver.transport.start
+    receiver.transport.start = lambda prepared: (started.append(prepared), start(prepared))[1]
+    for cycle in range(2):
+        started.clear()
+        seen = [(name, len(started), t.clone()) for name, t in receiver.run_refit_cycle(1)]
+        groups = receiver._stream.groups
+        assert len(groups) > 4 and not any(a.overlaps(b) for a, b in zip(groups, groups[1:]))
+        group_of = {ref.name: k for k, g in enumerate(groups) for ref in g.plan.targets}
+        for name, posted, _ in seen:
+            k = group_of[name]
+            assert posted == min(k + 2, len(groups)), (cycle, name, k, posted)
+        assert [n for n, _, _ in seen] == [n for n, _ in want]
+        for (name, _, a), (_, b) in zip(seen, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    receiver.close()
+    staged.close()
+
+
 def test_a_write_during_a_streamed_cycle_is_reported_as_torn(config):
     cfg = config("Llama-3.1-8B", num_hidden_layers=LAYERS)
     shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)

@@ -25,7 +25,7 @@ import contextlib
 import gc
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,7 +54,7 @@ from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
-from megarefit.transport.nixl import DIRECT_MIN_BYTES, NixlTransport
+from megarefit.transport.nixl import DIRECT_MIN_BYTES, InFlight, NixlTransport
 
 
 class VersionMismatchError(MegarefitError):
@@ -633,6 +633,40 @@ class RefitReceiver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _land(self, k: int, flight: InFlight | None, prepared: list) -> None:
+        """Group ``k`` in the ring, finished: its READs (posted by ``flight``, else now) waited
+        for, its zero fills and FP8 steps run."""
+        if flight is None:
+            self._consumer_done()  # the ring bytes handed over before may still be read by queued copies
+            flight = self.transport.start(prepared[k])
+        self.transport.wait(flight, timeout=self.timeout)
+        self._finish_group(k)
+
+    def _stream_groups(self, stream: _Stream, prepared: list) -> Generator[tuple[str, torch.Tensor], None, float]:
+        """Hand over each group's tensors in turn; group ``k + 1``'s READs are posted before
+        group ``k`` is handed over when their ring bytes differ (they move while the consumer
+        installs group ``k``), else after. Returns the seconds spent pulling (waiting for
+        READs, placing, FP8 steps), not installing."""
+        pull_s, flight = 0.0, None
+        groups = stream.groups
+        try:
+            for k, (group, bufs) in enumerate(zip(groups, stream.buffers)):
+                t_pull = time.perf_counter()
+                self._land(k, flight, prepared)
+                flight = None
+                if k + 1 < len(groups) and not groups[k + 1].overlaps(group):
+                    self._consumer_done()  # group k + 1 lands where group k - 1 was: its copies must be done
+                    flight = self.transport.start(prepared[k + 1])
+                pull_s += time.perf_counter() - t_pull
+                for ref, tensor in bufs.items():
+                    if ref not in group.plan.staging:
+                        yield ref.name, tensor  # valid until the next item is requested
+        finally:
+            if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
+                with contextlib.suppress(MegarefitError):
+                    self.transport.wait(flight, timeout=self.timeout)
+        return pull_s
+
     def _run_streamed(self, version: int | None, torn: list[TornUpdateError] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
         """A streamed cycle (``memory_budget``): each group is pulled into the ring and its
@@ -658,16 +692,7 @@ class RefitReceiver:
             assert stream is not None
             lap("prepare")
         cold = before != self._setup_count()
-        pull_s = 0.0
-        for k, (group, bufs) in enumerate(zip(stream.groups, stream.buffers)):
-            t_pull = time.perf_counter()
-            self._consumer_done()  # the ring bytes handed over before may still be read by queued copies
-            self.transport.execute(prepared[k], bufs, timeout=self.timeout)
-            self._finish_group(k)
-            pull_s += time.perf_counter() - t_pull
-            for ref, tensor in bufs.items():
-                if ref not in group.plan.staging:
-                    yield ref.name, tensor  # valid until the next item is requested
+        pull_s = yield from self._stream_groups(stream, prepared)
         seconds["pull"] = pull_s
         lap.restart()
         try:

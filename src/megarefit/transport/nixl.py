@@ -198,6 +198,20 @@ class PreparedPlan:
         return sum(p.descriptors for p in self.per_source)
 
 
+@dataclass
+class InFlight:
+    """READs of one prepared plan posted by :meth:`NixlTransport.start`, not yet waited for."""
+
+    prepared: PreparedPlan
+    posted: float  # perf_counter seconds when the first READ was posted
+    pending: list[tuple[_SourcePulls, int]] = field(default_factory=list)  # (source, wave or -1: direct READ)
+    queued: list[tuple[_SourcePulls, int, Any]] = field(default_factory=list)  # wave to post after its event
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.queued
+
+
 class NixlTransport:
     """Executes whole plans over NIXL into preallocated target buffers.
 
@@ -470,52 +484,56 @@ class NixlTransport:
 
     def execute(self, prepared: PreparedPlan, buffers: Mapping[TensorRef, torch.Tensor], *,
                 timeout: float = 60.0) -> None:
-        """Post every source's direct READ and first two waves, and wait. Each wave is
-        placed (one batched copy) as soon as it lands, and the wave after next reuses its
-        scratch half once that placement has finished, overlapping the other READs.
+        """Post every source's direct READ and first two waves, and wait (:meth:`start`, then
+        :meth:`wait`). Each wave is placed (one batched copy) as soon as it lands, and the wave
+        after next reuses its scratch half once that placement has finished, overlapping the
+        other READs.
 
         Raises:
             TransferError: a peer disconnected, a transfer failed, or ``timeout``
                 seconds passed; the message names the peer, its first tensors
                 and byte ranges.
         """
-        agent = self.nixl.agent
-        t_post = time.perf_counter()
+        self.wait(self.start(prepared), timeout=timeout)
 
-        def post(pulls: _SourcePulls, handle: Any) -> None:
-            try:
-                agent.transfer(handle)
-            except Exception as exc:  # nixl raises its own error types per failure
-                raise TransferError(self._describe(pulls, f"could not post READ: {exc!r}")) from exc
-            self.nixl.counters["posts"] += 1
+    def start(self, prepared: PreparedPlan) -> InFlight:
+        """Post every source's direct READ and its first two waves; return without waiting.
+        The READs move while the caller does other work (a streamed receiver hands the
+        previous group over meanwhile); :meth:`wait` places the waves and finishes. Nothing
+        else may use the scratch until then.
 
-        pending: list[tuple[_SourcePulls, int]] = []  # (source, wave index or -1: its direct READ)
+        Raises:
+            TransferError: a READ could not be posted (names the peer and its first tensors)."""
+        flight = InFlight(prepared, time.perf_counter())
         for pulls in prepared.per_source:
             if pulls.handle is not None:
-                post(pulls, pulls.handle)
-                pending.append((pulls, -1))
+                self._post(pulls, pulls.handle)
+                flight.pending.append((pulls, -1))
             for w in range(min(2, len(pulls.waves))):
-                post(pulls, pulls.waves[w].handle)
-                pending.append((pulls, w))
-        queued: list[tuple[_SourcePulls, int, Any]] = []  # wave to post once the event (placement) is done
+                self._post(pulls, pulls.waves[w].handle)
+                flight.pending.append((pulls, w))
+        return flight
+
+    def _post(self, pulls: _SourcePulls, handle: Any) -> None:
+        try:
+            self.nixl.agent.transfer(handle)
+        except Exception as exc:  # nixl raises its own error types per failure
+            raise TransferError(self._describe(pulls, f"could not post READ: {exc!r}")) from exc
+        self.nixl.counters["posts"] += 1
+
+    def wait(self, flight: InFlight, *, timeout: float = 60.0) -> None:
+        """Finish a :meth:`start`: place each wave as it lands, post the later waves as
+        scratch halves free up, until every READ is done; ``last_seconds``: ``read`` (from
+        post to done, less placements) and ``scratch`` (placements) seconds.
+
+        Raises:
+            TransferError: a transfer failed, or ``timeout`` seconds passed (from this call)."""
         deadline = time.monotonic() + timeout
         scratch_s = 0.0
         gpu: torch.device | None = None  # the device of the fused placements, if any
-        while pending or queued:
-            still = []
-            for pulls, w in pending:
-                handle = pulls.handle if w < 0 else pulls.waves[w].handle
-                try:
-                    state = agent.check_xfer_state(handle)
-                except Exception as exc:
-                    raise TransferError(self._describe(pulls, f"transfer failed: {exc!r}")) from exc
-                if state == "ERR":
-                    raise TransferError(self._describe(pulls, "transfer reported ERR"))
-                if state != "DONE":
-                    still.append((pulls, w))
-                    continue
-                if w < 0:
-                    continue
+        while flight.pending or flight.queued:
+            landed = self._poll(flight)
+            for pulls, w in landed:
                 t0 = time.perf_counter()
                 place = pulls.waves[w].place
                 with _bounded_threads(SCRATCH_THREADS):
@@ -527,25 +545,46 @@ class NixlTransport:
                     event.record(torch.cuda.current_stream(gpu))
                 scratch_s += time.perf_counter() - t0
                 if w + 2 < len(pulls.waves):
-                    queued.append((pulls, w + 2, event))
-            pending = still
+                    flight.queued.append((pulls, w + 2, event))
             waiting = []
-            for pulls, w, event in queued:
+            for pulls, w, event in flight.queued:
                 if event is None or event.query():
-                    post(pulls, pulls.waves[w].handle)
-                    pending.append((pulls, w))
+                    self._post(pulls, pulls.waves[w].handle)
+                    flight.pending.append((pulls, w))
                 else:
                     waiting.append((pulls, w, event))
-            queued = waiting
-            if (pending or queued) and time.monotonic() > deadline:
-                who = pending[0][0] if pending else queued[0][0]
+            flight.queued = waiting
+            if (flight.pending or flight.queued) and time.monotonic() > deadline:
+                who = flight.pending[0][0] if flight.pending else flight.queued[0][0]
                 raise TransferError(self._describe(who, f"no completion after {timeout:.1f} s"))
         if gpu is not None:
             t0 = time.perf_counter()
             torch.cuda.current_stream(gpu).synchronize()
             scratch_s += time.perf_counter() - t0
-        total = time.perf_counter() - t_post
+        total = time.perf_counter() - flight.posted
         self.last_seconds = {"read": total - scratch_s, "scratch": scratch_s}
+
+    def _poll(self, flight: InFlight) -> list[tuple[_SourcePulls, int]]:
+        """Check every pending READ once; keep the unfinished, return the landed waves.
+
+        Raises:
+            TransferError: a transfer failed or reported ERR."""
+        agent = self.nixl.agent
+        still, landed = [], []
+        for pulls, w in flight.pending:
+            handle = pulls.handle if w < 0 else pulls.waves[w].handle
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as exc:
+                raise TransferError(self._describe(pulls, f"transfer failed: {exc!r}")) from exc
+            if state == "ERR":
+                raise TransferError(self._describe(pulls, "transfer reported ERR"))
+            if state != "DONE":
+                still.append((pulls, w))
+            elif w >= 0:
+                landed.append((pulls, w))
+        flight.pending = still
+        return landed
 
     def _remote_name(self, manifest: Manifest) -> str:
         if manifest.agent not in self._remotes:

@@ -8,6 +8,7 @@ lazily; install the ``nixl`` extra.
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +34,12 @@ class NixlAgent:
     """A NIXL agent (UCX backend) with counters for what it registers and prepares.
 
     ``progress_thread``: NIXL's background progress thread (needed on the serving
-    side so peers can connect; it busy-polls a CPU core).
+    side so peers can connect; it busy-polls a CPU core). A serving agent warns when it
+    registers GPU memory of a device that is not the process's current one: measured on two
+    H100s (docs/benchmarks.md), a replica serving its arena on ``cuda:1`` from a process
+    whose current device was ``cuda:0`` was read through the host at 0.45 GB/s; with that
+    device current, 254 GB/s over CUDA IPC. (Creating the agent, registering and exporting
+    its metadata under that device, without making it current for the process, did not help.)
 
     ``counters`` keys: ``registrations`` (register_memory calls), ``registered_bytes``,
     ``remote_agents`` (add_remote_agent calls), ``dlists`` (prepared descriptor
@@ -44,6 +50,7 @@ class NixlAgent:
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends)))
+        self.serving = progress_thread  # peers READ what this agent registers
         self.counters: Counter[str] = Counter()
         self._registered: dict[tuple[int, int], Any] = {}
         self._starts: list[tuple[int, int]] = []  # sorted (start, length) of the registrations
@@ -65,6 +72,8 @@ class NixlAgent:
         new = [t for key, t in roots.items() if key not in self._registered]
         if not new:
             return
+        if self.serving:
+            _warn_not_current(self.name, new)
         handle = self.agent.register_memory(list(new))
         for t in new:
             self._registered[(t.data_ptr(), t.numel() * t.element_size())] = handle
@@ -106,6 +115,18 @@ class NixlAgent:
     @property
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
+
+
+def _warn_not_current(name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Warn when GPU memory this agent serves is not on the process's current device."""
+    devices = {t.device for t in tensors if t.is_cuda}
+    other = sorted(str(d) for d in devices if d.index != torch.cuda.current_device())
+    if other:
+        warnings.warn(f"NIXL agent {name!r} serves GPU memory on {', '.join(other)} while the process's current "
+                      f"device is cuda:{torch.cuda.current_device()}: UCX then serves it to peers through the host "
+                      "(0.45 GB/s instead of ~250 GB/s over CUDA IPC, measured on two H100s). Call "
+                      "torch.cuda.set_device(<that device>) before creating the publisher or replica receiver.",
+                      stacklevel=3)
 
 
 def mem_type(t: torch.Tensor) -> tuple[str, int]:
