@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def _setup(cfg: dict, args: dict):
     """(dims, layout, plan) for the benchmark's arguments (trainers and receiver agree)."""
-    from megarefit.layout.dims import ModelDims
     from megarefit.layout import SourceLayout
+    from megarefit.layout.dims import ModelDims
     from megarefit.planner import plan_megatron_to_hf
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
@@ -89,7 +89,7 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
     pub = Publisher(params, cfg, rank=coord, tp=layout.tp, pp=1, ep=layout.ep, etp=layout.etp,
                     expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}",
-                    quantization=args["quantization"])
+                    quantization=args["quantization"], checksums=bool(args.get("checksums")))
     nbytes = (args["raw_bytes"][index] if args.get("raw_bytes")  # bench_multi.py: the most any receiver reads here
               else plan.summary()["per_rank"].get(coord, {"bytes": 0})["bytes"])
     raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
@@ -101,8 +101,13 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     for _ in range(5 if pub.fp8 else 0):  # trainer-side FP8: re-quantize into the same buffers, as publish() does
         pub.publish(1)
         quantize.append(pub.last_quantize_s)
+    sums = []
+    for _ in range(5 if pub.checksums is not None else 0):  # trainer-side checksums per publish
+        pub.publish(1)
+        sums.append(pub.last_checksum_s)
     rdzv.store.set(f"bench/quantize/{index}", json.dumps(
-        [min(quantize) if quantize else 0.0, sum(params[n].numel() * params[n].element_size() for n in pub.fp8)]))
+        [min(quantize) if quantize else 0.0, sum(params[n].numel() * params[n].element_size() for n in pub.fp8),
+         min(sums) if sums else 0.0, sum(t.nbytes for t in pub.manifest.tensors)]))
     rdzv.wait_consumed(1, timeout=1800)
     return {}
 

@@ -50,7 +50,7 @@ def _memory(device: str) -> int:
     return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
 
 
-def _run(rdzv, ns: argparse.Namespace, budget, model: dict) -> dict:
+def _run(rdzv, ns: argparse.Namespace, budget, model: dict, verify: bool = False) -> dict:
     """``--cycles`` refits of version 1 by one receiver into ``model`` (built by the first cycle
     when empty); its row of results."""
     from megarefit.online import RefitReceiver
@@ -64,7 +64,7 @@ def _run(rdzv, ns: argparse.Namespace, budget, model: dict) -> dict:
     base, base_current = _memory(ns.device), _memory(current)
     target = VllmTarget(ns.vllm_tp, 0, expert_parallel=ns.vllm_ep) if ns.vllm_tp else None
     rx = RefitReceiver(rdzv, name=f"bench-rx-{next(_RUNS)}", timeout=300, target=target, device=ns.device,
-                       memory_budget=budget)
+                       memory_budget=budget, verify_checksums=verify)
 
     def install(weights) -> None:
         for name, t in weights:
@@ -80,7 +80,8 @@ def _run(rdzv, ns: argparse.Namespace, budget, model: dict) -> dict:
             torch.cuda.synchronize(ns.device)
         times.append(time.perf_counter() - t0)
     stats = rx.stats
-    row = {"install": stats.install, "budget": budget, "groups": stats.groups, "best_s": min(times[1:] or times),
+    row = {"install": stats.install + (" + checksums" if verify else ""), "checked_bytes": stats.checked_bytes,
+           "unchecked_bytes": stats.unchecked_bytes, "install_kind": stats.install, "budget": budget, "groups": stats.groups, "best_s": min(times[1:] or times),
            "median_s": statistics.median(times[1:] or times), "cold_s": times[0], "bytes": stats.bytes_moved,
            "wire_bytes": stats.wire_bytes, "share_bytes": sum(t.numel() * t.element_size() for t in model.values()),
            "peak_extra_bytes": stats.peak_extra_bytes, "warm_seconds": stats.seconds,
@@ -113,12 +114,14 @@ def describe(r: dict) -> str:
             f"etp={r['etp']} {r['expert_layout']}, {r['quantization']}; trainers on {r['trainer_device']}, receiver "
             f"on {r['device']} (current device {r['current_device']}); target: {r['target']}; share "
             f"{r['share_bytes'] / 1e9:.3f} GB; raw NIXL READ of the same bytes {r['raw_best_s']:.4f} s, plain copy "
-            f"{r['copy_best_s']:.4f} s")
+            f"{r['copy_best_s']:.4f} s" + ("" if not r.get("trainer_checksum_s") else
+                                            f"; trainer checksums per publish {r['trainer_checksum_s'] * 1e3:.2f} ms "
+                                            f"for {r['trainer_served_bytes'] / 1e9:.3f} GB served (slowest rank)"))
 
 
 def _args(ns: argparse.Namespace) -> dict:
     args = {k: getattr(ns, k) for k in ("tp", "ep", "etp", "expert_layout", "vllm_tp", "vllm_ep", "quantization",
-                                        "trainer_device")}
+                                        "trainer_device", "checksums")}
     return {**args, "vllm_rank": 0, "dtype": "bfloat16", "param_buffer": True}
 
 
@@ -137,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", help="the receiver's device (never made current here)")
     ap.add_argument("--budget", nargs="+", default=[str(2**30), "auto"], help="streamed budgets: bytes or auto")
     ap.add_argument("--cycles", type=int, default=6)
+    ap.add_argument("--checksums", action="store_true",
+                    help="trainers publish checksums; adds staged and streamed receivers that verify them")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", help="append one JSON line per receiver")
     ap.add_argument("--from-json", help="print the tables of recorded results (a --json file) and exit")
@@ -178,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         row["equal_to_staged"] = model.keys() == want.keys() and all(
             torch.equal(model[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
         rows.append(row)
+    if ns.checksums:
+        for b in [None, *ns.budget[:1]]:
+            model = {k: torch.empty_like(v) for k, v in want.items()}
+            row = _run(rdzv, ns, None if b is None else b if b == "auto" else int(float(b)), model, verify=True)
+            row["equal_to_staged"] = all(torch.equal(model[k].view(torch.uint8), want[k].view(torch.uint8))
+                                         for k in want)
+            rows.append(row)
+    sums = [json.loads(rdzv.store.get(f"bench/quantize/{r}").decode()) for r in range(len(layout.ranks()))]
     (raw_times, raw_bytes, _split), = start_workers(raw_nixl_job, world_size=1, args=(
         rdzv.port, len(layout.ranks()), ns.device, ns.cycles)).join(timeout=600)
     src = torch.ones(raw_bytes, dtype=torch.uint8, device=ns.device)
@@ -191,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             "tp": layout.tp, "ep": layout.ep, "etp": layout.etp, "expert_layout": layout.expert_layout,
             "quantization": ns.quantization, "target": target, "trainer_device": ns.trainer_device,
             "device": ns.device, "raw_best_s": min(raw_times), "raw_bytes": raw_bytes, "copy_best_s": copy_best,
-            "staged_best_s": rows[0]["best_s"]}
+            "staged_best_s": rows[0]["best_s"],
+            "trainer_checksum_s": max(s[2] for s in sums) if ns.checksums else None,
+            "trainer_served_bytes": max(s[3] for s in sums)}
     rows = [{**head, **r} for r in rows]
     print(describe(rows[0]) + "\n\n" + table(rows), flush=True)
     if ns.json:

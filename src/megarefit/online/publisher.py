@@ -44,6 +44,7 @@ from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.table import LayerSpec, canonical_name
+from megarefit.transport.checksum import checksum_numel, tensor_checksum
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
@@ -101,7 +102,7 @@ class Publisher:
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
                  vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
                  quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
-                 ddp: Any = None):
+                 ddp: Any = None, checksums: bool = False):
         if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
             rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
             pp *= vpp
@@ -131,8 +132,10 @@ class Publisher:
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
         self.agent.register(served)
+        self.checksums = self._checksum_buffer(served) if checksums else None
         self.manifest = self._build_manifest(name, entries)
         self.last_quantize_s = 0.0
+        self.last_checksum_s = 0.0  # seconds the last publish spent computing checksums
         self._quantize = (Fp8Quantizer([(self.params[n].detach(), w, sc) for n, (w, sc) in self.fp8.items()],
                                        self.quantization) if self.fp8 else None)
         self.rendezvous = rendezvous
@@ -215,8 +218,23 @@ class Publisher:
         entries = [dataclasses.replace(e, region=-1 if (r := self.agent.region(e.addr, e.nbytes)) is None else r)
                    for e in entries]
         quant = None if self.quantization is None else (self.quantization.block, self.quantization.ue8m0)
+        sums = None if self.checksums is None else (self.checksums[0].data_ptr(), self.checksums[0].numel() * 8,
+                                                     *mem_type(self.checksums[0]))
         return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
-                        quantization=quant)
+                        quantization=quant, checksums=sums)
+
+    def _checksum_buffer(self, served: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor,
+                                                                                              torch.Tensor]]]:
+        """One registered int64 buffer holding every served tensor's checksum back to back (in
+        manifest order, on the device of the first), and (tensor, its slice) pairs."""
+        sizes = [checksum_numel(t.shape) for t in served]
+        flat = torch.zeros(sum(sizes), dtype=torch.int64, device=served[0].device)
+        pairs, at = [], 0
+        for t, n in zip(served, sizes):
+            pairs.append((t, flat[at:at + n]))
+            at += n
+        self.agent.register([flat])
+        return flat, pairs
 
     def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """FP8 weights and float32 scales of ``names`` as views of one arena each (per device),
@@ -269,7 +287,7 @@ class Publisher:
                 (e.g. re-allocated by a resharding step); create a new Publisher.
         """
         self._check_moved()
-        if (self.snapshot or self._quantize is not None) and not self.writing:
+        if (self.snapshot or self._quantize is not None or self.checksums is not None) and not self.writing:
             self.rendezvous.begin_update(self.rank)  # the served buffers are rewritten below: a seqlock
             self.writing = True
         self._settle()
@@ -342,3 +360,10 @@ class Publisher:
             if weight.is_cuda:
                 torch.cuda.synchronize(weight.device)
             self.last_quantize_s = time.perf_counter() - t0
+        if self.checksums is not None:  # what receivers check the pulled bytes against, inside the seqlock
+            t0 = time.perf_counter()
+            for t, out in self.checksums[1]:
+                out.copy_(tensor_checksum(t)) if out.device != t.device else tensor_checksum(t, out)
+            if self.checksums[0].is_cuda:
+                torch.cuda.synchronize(self.checksums[0].device)
+            self.last_checksum_s = time.perf_counter() - t0

@@ -22,6 +22,7 @@ cycle (vLLM's ``load_weights`` copies them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import time
@@ -34,6 +35,7 @@ import torch
 from megarefit.errors import LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
 from megarefit.layout import RankCoord
 from megarefit.online.arena import arena_key, publish_arena
+from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.rendezvous import Heartbeat, Rendezvous
 from megarefit.online.stream import (
     ALIGN,
@@ -52,6 +54,7 @@ from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import plan_fp8
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
+from megarefit.transport.checksum import ChecksumMismatchError
 from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import DIRECT_MIN_BYTES, InFlight, NixlTransport
@@ -89,6 +92,8 @@ class CycleStats:
     install: str = "staged"  # "staged": the whole share in an arena; "streamed": groups through a ring
     peak_extra_bytes: int = 0  # receiver memory held at once for the pull: arena or ring, plus scratch (bytes)
     groups: int = 1  # groups handed over one after the other (streamed)
+    checked_bytes: int = 0  # verify_checksums: bytes whose boxes were checked against the trainers' checksums
+    unchecked_bytes: int = 0  # verify_checksums: bytes of boxes no published sum covers (neither rows nor columns)
 
 
 class TornUpdateError(StaleVersionError):
@@ -175,13 +180,18 @@ class RefitReceiver:
             holds at most the budget (ring + scratch) instead of the whole share. ``"auto"``:
             the larger of 1 GiB and a ring holding the two largest layers. ``None``
             (default): staged, the whole share pulled and fenced before the first tensor.
+        verify_checksums: check every pulled box against the checksums its trainer rank
+            publishes (``Publisher(checksums=True)``; :mod:`~megarefit.online.integrity`) on
+            this receiver's device, before the box is handed over; a mismatch raises
+            :class:`~megarefit.transport.checksum.ChecksumMismatchError` (streamed, after
+            earlier groups were handed over: :class:`TornUpdateError`, not retried).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
                  device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
-                 memory_budget: int | Literal["auto"] | None = None):
+                 memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False):
         if memory_budget is not None and replica_group is not None:
             raise MegarefitError("a replica group serves the receiver's whole arena; a streamed receiver "
                                  "(memory_budget) keeps none: give one or the other")
@@ -203,6 +213,8 @@ class RefitReceiver:
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
                                        progress_thread=replica_group is not None)  # replicas READ from it
+        self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
+        self._checked = (0, 0)  # (checked, unchecked) bytes of the last cycle
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
         self.retries = retries
@@ -494,6 +506,8 @@ class RefitReceiver:
             self._serving = True
         self._consumer_done()  # the previous cycle's tensors may still be read by queued device work
         self.transport.execute(prepared, self._buffers, timeout=self.timeout)
+        if self._verifier is not None:
+            self._verifier.pull(manifests, self.timeout)
         t_quant = time.perf_counter()
         if plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull (one launch on a GPU)
             if self._quantizer is None:
@@ -511,6 +525,9 @@ class RefitReceiver:
             seconds["pull.quantize"] = quant_s
         self._fence_end(ranks, seq, got, version)
         lap("fence")
+        if self._verifier is not None:  # after the fence: a mismatch is not a concurrent write
+            self._checked = self._verifier.verify(plan, self._buffers, manifests, got)
+            lap("verify")
         cold = before != self._setup_count()
         return plan, prepared, got, seconds, cold
 
@@ -555,7 +572,8 @@ class RefitReceiver:
         model_bytes, arena_bytes = self._sizes
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
                                 arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries,
-                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes)
+                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._checked[0],
+                                unchecked_bytes=self._checked[1])
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:
@@ -642,7 +660,31 @@ class RefitReceiver:
         self.transport.wait(flight, timeout=self.timeout)
         self._finish_group(k)
 
-    def _stream_groups(self, stream: _Stream, prepared: list) -> Generator[tuple[str, torch.Tensor], None, float]:
+    def _check_group(self, manifests: dict[RankCoord, Manifest], fence: tuple, k: int) -> bool:
+        """Verify streamed group ``k`` against the checksums; ``False`` (stop checking: the
+        end fence reports the cycle torn) when a mismatch comes from a rank that wrote.
+
+        Raises:
+            ChecksumMismatchError: group 0 differs (nothing handed over yet).
+            TornUpdateError: a later group differs, and no rank wrote (not retried)."""
+        stream = self._stream
+        assert stream is not None and self._verifier is not None
+        try:
+            checked, unchecked = self._verifier.verify(stream.groups[k].plan, stream.buffers[k], manifests, fence[2])
+        except ChecksumMismatchError as exc:
+            try:
+                self._fence_end(*fence)
+            except StaleVersionError:
+                return False
+            if k == 0:
+                raise
+            raise TornUpdateError(f"{exc}; {k} earlier group(s) were already handed over, so the consumer holds a mix of "
+                                  "versions: it must not serve until a refit cycle completes", retryable=False) from exc
+        self._checked = (self._checked[0] + checked, self._checked[1] + unchecked)
+        return True
+
+    def _stream_groups(self, stream: _Stream, prepared: list, check: Callable[[int], bool] | None = None
+                       ) -> Generator[tuple[str, torch.Tensor], None, float]:
         """Hand over each group's tensors in turn; group ``k + 1``'s READs are posted before
         group ``k`` is handed over when their ring bytes differ (they move while the consumer
         installs group ``k``), else after. Returns the seconds spent pulling (waiting for
@@ -654,6 +696,8 @@ class RefitReceiver:
                 t_pull = time.perf_counter()
                 self._land(k, flight, prepared)
                 flight = None
+                if check is not None and not check(k):
+                    check = None
                 if k + 1 < len(groups) and not groups[k + 1].overlaps(group):
                     self._consumer_done()  # group k + 1 lands where group k - 1 was: its copies must be done
                     flight = self.transport.start(prepared[k + 1])
@@ -692,7 +736,12 @@ class RefitReceiver:
             assert stream is not None
             lap("prepare")
         cold = before != self._setup_count()
-        pull_s = yield from self._stream_groups(stream, prepared)
+        self._checked = (0, 0)
+        check = None
+        if self._verifier is not None:
+            self._verifier.pull(manifests, self.timeout)
+            check = functools.partial(self._check_group, manifests, (ranks, seq, got, version))
+        pull_s = yield from self._stream_groups(stream, prepared, check)
         seconds["pull"] = pull_s
         lap.restart()
         try:
@@ -713,4 +762,5 @@ class RefitReceiver:
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, sum(p.wire_bytes for p in prepared),
                                 dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
                                 install="streamed", peak_extra_bytes=stream.nbytes + scratch,
-                                groups=len(stream.groups))
+                                groups=len(stream.groups), checked_bytes=self._checked[0],
+                                unchecked_bytes=self._checked[1])

@@ -52,6 +52,8 @@ class Manifest:
     format: str = FORMAT
     dtype: str = ""  # the model dtype (what the trainer trains in); quantized tensors are served as float8
     quantization: tuple[tuple[int, int], bool] | None = None  # block FP8: (block, ue8m0); None: unquantized
+    checksums: tuple[int, int, str, int] | None = None  # (addr, nbytes, mem, dev) of the rank's int64 checksums
+    # (:mod:`megarefit.transport.checksum`: each tensor's, in ``tensors`` order), rewritten by every publish
 
     @property
     def model_dtype(self) -> str:
@@ -72,7 +74,7 @@ class Manifest:
     @cached_property
     def memory_digest(self) -> str:
         """Digest of the served memory (agent and addresses): changes when a trainer re-registers."""
-        return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors])
+        return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors], self.checksums)
 
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
@@ -82,6 +84,7 @@ class Manifest:
             "format": self.format, "rank": list(self.rank), "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(), "agent": self.agent, "dtype": self.dtype,
             "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
+            "checksums": None if self.checksums is None else list(self.checksums),
             "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes, t.mem,
                          t.dev, t.region] for t in self.tensors],
         }
@@ -99,7 +102,8 @@ class Manifest:
         quant = data.get("quantization")
         return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
                    data["agent"], tensors, dtype=data.get("dtype", ""),
-                   quantization=None if quant is None else (tuple(quant[0]), bool(quant[1])))
+                   quantization=None if quant is None else (tuple(quant[0]), bool(quant[1])),
+                   checksums=None if data.get("checksums") is None else tuple(data["checksums"]))
 
     def summary(self) -> dict[str, Any]:
         return {"rank": tuple(self.rank), "agent": self.agent, "tensors": len(self.tensors),

@@ -232,6 +232,7 @@ class NixlTransport:
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata loaded
         self._prepared: dict[tuple[str, ...], list[PreparedPlan]] = {}  # one prepared set at a time
         self._scratch: torch.Tensor | None = None
+        self._blocks: dict[tuple, tuple[Any, ...]] = {}  # read_blocks: (agent, addr, nbytes, local) -> request
         self.last_seconds: dict[str, float] = {}
 
     @property
@@ -283,6 +284,39 @@ class NixlTransport:
                         with contextlib.suppress(Exception):
                             handle.release()
         self._prepared = {}
+        for handles in self._blocks.values():
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    handle.release()
+        self._blocks = {}
+
+    def read_blocks(self, reads: Sequence[tuple[Manifest, tuple[int, int, str, int], torch.Tensor]], *,
+                    timeout: float = 60.0) -> None:
+        """READ whole registered blocks of sources (``(manifest, (addr, nbytes, mem, dev),
+        local)``: ``nbytes`` from ``addr`` of the manifest's agent into the contiguous
+        ``local``, registered here once), all posted at once; requests prepared once.
+
+        Raises:
+            TransferError: as :meth:`execute`."""
+        agent = self.nixl.agent
+        posted = []
+        for manifest, (addr, nbytes, mem, dev), local in reads:
+            key = (self._remote_name(manifest), addr, nbytes, local.data_ptr())
+            if key not in self._blocks:
+                self.nixl.register([local])
+                lmem, ldev = mem_type(local)
+                rh = agent.prep_xfer_dlist(key[0], [(addr, nbytes, dev)], mem)
+                lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr(), nbytes, ldev)], lmem)
+                self._blocks[key] = (agent.make_prepped_xfer("READ", lh, [0], rh, [0]), rh, lh)
+            pulls = _SourcePulls(manifest.rank, key[0], [], self._blocks[key][0])
+            self._post(pulls, pulls.handle)
+            posted.append((pulls, -1))
+        flight = InFlight(PreparedPlan((), []), time.perf_counter(), posted)
+        deadline = time.monotonic() + timeout
+        while flight.pending:
+            self._poll(flight)
+            if flight.pending and time.monotonic() > deadline:
+                raise TransferError(self._describe(flight.pending[0][0], f"no completion after {timeout:.1f} s"))
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                 buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
