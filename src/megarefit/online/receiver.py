@@ -214,7 +214,7 @@ class RefitReceiver:
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
                                        progress_thread=replica_group is not None)  # replicas READ from it
         self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
-        self._checked = (0, 0)  # (checked, unchecked) bytes of the last cycle
+        self._verified = (0, 0)  # (checked, unchecked) bytes of the last cycle
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
         self.retries = retries
@@ -526,7 +526,7 @@ class RefitReceiver:
         self._fence_end(ranks, seq, got, version)
         lap("fence")
         if self._verifier is not None:  # after the fence: a mismatch is not a concurrent write
-            self._checked = self._verifier.verify(plan, self._buffers, manifests, got)
+            self._verified = self._verifier.verify(plan, self._buffers, manifests, got)
             lap("verify")
         cold = before != self._setup_count()
         return plan, prepared, got, seconds, cold
@@ -572,8 +572,8 @@ class RefitReceiver:
         model_bytes, arena_bytes = self._sizes
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
                                 arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries,
-                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._checked[0],
-                                unchecked_bytes=self._checked[1])
+                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._verified[0],
+                                unchecked_bytes=self._verified[1])
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:
@@ -680,7 +680,7 @@ class RefitReceiver:
                 raise
             raise TornUpdateError(f"{exc}; {k} earlier group(s) were already handed over, so the consumer holds a mix of "
                                   "versions: it must not serve until a refit cycle completes", retryable=False) from exc
-        self._checked = (self._checked[0] + checked, self._checked[1] + unchecked)
+        self._verified = (self._verified[0] + checked, self._verified[1] + unchecked)
         return True
 
     def _stream_groups(self, stream: _Stream, prepared: list, check: Callable[[int], bool] | None = None
@@ -736,7 +736,7 @@ class RefitReceiver:
             assert stream is not None
             lap("prepare")
         cold = before != self._setup_count()
-        self._checked = (0, 0)
+        self._verified = (0, 0)
         check = None
         if self._verifier is not None:
             self._verifier.pull(manifests, self.timeout)
@@ -762,5 +762,5 @@ class RefitReceiver:
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, sum(p.wire_bytes for p in prepared),
                                 dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
                                 install="streamed", peak_extra_bytes=stream.nbytes + scratch,
-                                groups=len(stream.groups), checked_bytes=self._checked[0],
-                                unchecked_bytes=self._checked[1])
+                                groups=len(stream.groups), checked_bytes=self._verified[0],
+                                unchecked_bytes=self._verified[1])
