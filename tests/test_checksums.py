@@ -8,6 +8,10 @@ the trainer's back are a named error before anything is handed over.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -68,6 +72,51 @@ def test_a_box_of_some_rows_and_some_columns_is_not_checked():
     ref = TensorRef(None, "w")
     box = Box((1, 2), (2, 3))
     assert box_sums(CopyOp(ref, box, ref, box, "scratch", 0, 0, 2), (4, 6), t[box.slices()]) is None
+
+
+KERNEL_CHECK = r"""
+import os, torch
+from megarefit.transport.checksum_kernel import BoxSums
+dev = os.environ.get("DEV", "cpu")
+g = torch.Generator().manual_seed(0)
+base = {dt: (torch.randn(64, 40, generator=g) * 50).to(dt).to(dev) for dt in (torch.bfloat16, torch.float32)}
+base[torch.float8_e4m3fn] = torch.randn(64, 40, generator=g).to(torch.float8_e4m3fn).to(dev)
+base[torch.float64] = torch.randn(64, 40, generator=g, dtype=torch.float64).to(dev)
+entries, at = [], 0
+for t in base.values():
+    for x, first in [(t, 0), (t[3:17], 0), (t[:, 5:9], 7), (t[:, 5:6], 0), (t.t()[2:30], 3), (t[1:2, :1], 0),
+                     (t.reshape(-1, 20)[::3], 70000)]:
+        entries.append((x, at, at + x.shape[0], first))
+        at += x.shape[0] + x.shape[1]
+out = torch.zeros(at, dtype=torch.int64, device=dev)
+ref = torch.zeros(at, dtype=torch.int64, device=dev)
+k = BoxSums(entries, out, fused=True)
+assert k.fused
+k()
+k()  # twice: out is zeroed on each call
+BoxSums(entries, ref, fused=False)()
+print("MISMATCHES", [] if torch.equal(out, ref) else (out != ref).nonzero().flatten().tolist()[:10])
+"""
+
+
+def test_box_sums_kernel_in_the_triton_interpreter():
+    """The fused kernel (row and column sums of many strided boxes, 1- to 8-byte elements,
+    transposed and strided views, row weights past the modulus) run by Triton's CPU
+    interpreter gives exactly the torch path's sums."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("GPU machine: test_box_sums_kernel_on_a_gpu")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert "MISMATCHES []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_box_sums_kernel_on_a_gpu():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DEV": "cuda"})
+    assert "MISMATCHES []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 # ---- end to end, real NIXL (UCX loopback) ----------------------------------------------------

@@ -76,15 +76,15 @@ def main(work: Path) -> dict:
 
     def tear_at_first_group(version: int) -> None:
         receiver = _worker(llm)._megarefit
-        execute, calls = receiver.transport.execute, []
+        wait, calls = receiver.transport.wait, []
 
-        def execute_then_step(*args, **kwargs):
-            execute(*args, **kwargs)
+        def wait_then_step(*args, **kwargs):  # the first group landed (streamed: pulls are start + wait)
+            wait(*args, **kwargs)
             calls.append(1)
             if len(calls) == 1:
                 step(version)
 
-        receiver.transport.execute = execute_then_step
+        receiver.transport.wait = wait_then_step
 
     def update(retries: int) -> str | dict:
         receiver = _worker(llm)._megarefit

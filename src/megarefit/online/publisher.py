@@ -28,7 +28,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,7 +44,8 @@ from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.table import LayerSpec, canonical_name
-from megarefit.transport.checksum import checksum_numel, tensor_checksum
+from megarefit.transport.checksum import checksum_numel, matrix_shape, tensor_checksum
+from megarefit.transport.checksum_kernel import BoxSums
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
@@ -223,18 +224,27 @@ class Publisher:
         return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
                         quantization=quant, checksums=sums)
 
-    def _checksum_buffer(self, served: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor,
-                                                                                              torch.Tensor]]]:
+    def _checksum_buffer(self, served: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
         """One registered int64 buffer holding every served tensor's checksum back to back (in
-        manifest order, on the device of the first), and (tensor, its slice) pairs."""
+        manifest order, on the device of the first), and what fills it: one fused pass over
+        every served tensor (:class:`~megarefit.transport.checksum_kernel.BoxSums`; per tensor
+        where the tensors span devices)."""
         sizes = [checksum_numel(t.shape) for t in served]
         flat = torch.zeros(sum(sizes), dtype=torch.int64, device=served[0].device)
-        pairs, at = [], 0
-        for t, n in zip(served, sizes):
-            pairs.append((t, flat[at:at + n]))
-            at += n
         self.agent.register([flat])
-        return flat, pairs
+        entries, at = [], 0
+        for t, n in zip(served, sizes):
+            rows, cols = matrix_shape(t.shape)
+            entries.append((t.detach().view(rows, cols), at, at + rows, 0))
+            at += n
+        if all(t.device == flat.device for t in served):
+            return flat, BoxSums(entries, flat)
+
+        def per_tensor() -> None:
+            for (x, at, _, _), t in zip(entries, served):
+                flat[at:at + checksum_numel(t.shape)].copy_(tensor_checksum(t))
+
+        return flat, per_tensor
 
     def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """FP8 weights and float32 scales of ``names`` as views of one arena each (per device),
@@ -362,8 +372,7 @@ class Publisher:
             self.last_quantize_s = time.perf_counter() - t0
         if self.checksums is not None:  # what receivers check the pulled bytes against, inside the seqlock
             t0 = time.perf_counter()
-            for t, out in self.checksums[1]:
-                out.copy_(tensor_checksum(t)) if out.device != t.device else tensor_checksum(t, out)
+            self.checksums[1]()
             if self.checksums[0].is_cuda:
                 torch.cuda.synchronize(self.checksums[0].device)
             self.last_checksum_s = time.perf_counter() - t0

@@ -141,9 +141,9 @@ def _pack(runs: list[tuple[int | None, list[TensorRef], int]], ring_bytes: int) 
 
 
 def stream_groups(plan: Plan, ring_bytes: int) -> list[StreamGroup]:
-    """Cut ``plan`` into groups of consecutive whole layers for a ring of ``ring_bytes`` (or of
-    the plan's whole share, when that is smaller): even groups start at the ring's start, odd
-    groups end at its end.
+    """Cut ``plan`` into groups of consecutive whole layers for a ring of ``ring_bytes``: even
+    groups start at the ring's start, odd groups end at its end. A plan whose share fits the
+    ring is one group in a ring of the share.
 
     Raises:
         MemoryBudgetError: a layer (or the embedding / head) needs more than the ring (the
@@ -155,9 +155,11 @@ def stream_groups(plan: Plan, ring_bytes: int) -> list[StreamGroup]:
         what = "the tensors outside the layers" if layer is None else f"layer {layer}"
         raise MemoryBudgetError(f"{what} ({refs[0].name}, ...): {need} bytes, more than the ring "
                                 f"of {ring_bytes} bytes", need)
-    ring_bytes = min(ring_bytes, sum(run[2] for run in runs))  # a budget above the share: a ring of the share
+    total = sum(run[2] for run in runs)
+    packed = [[r for _, refs, _ in runs for r in refs]] if total <= ring_bytes else _pack(runs, ring_bytes)
+    ring_bytes = min(ring_bytes, total)  # a budget above the share: one group, a ring of the share
     out = []
-    for k, group in enumerate(_pack(runs, ring_bytes)):
+    for k, group in enumerate(packed):
         size = sum(target_bytes(plan, r) for r in group)
         start = 0 if k % 2 == 0 else (ring_bytes - size) // ALIGN * ALIGN
         offsets, at = {}, start

@@ -92,28 +92,39 @@ def tensor_checksum(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     return out
 
 
-def box_sums(op: CopyOp, shape: Sequence[int], data: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
-    """What a pulled box can be checked against: ``("rows", first, sums)`` (the box spans
-    whole rows of the source tensor of stored ``shape``: ``sums`` are rows ``first..``),
-    ``("cols", first, sums)`` (it spans every row: columns ``first..``), or ``None``
-    (neither, or a source addressed through a view). ``data``: the pulled box, shaped as
-    ``op.src_box``. Offsets and sums count checksum entries of that source (rows first)."""
+def box_kind(op: CopyOp, shape: Sequence[int]) -> tuple[str, int, int, int] | None:
+    """How ``op``'s source box can be checked: ``("rows", first, rows, cols)`` (it spans whole
+    rows of the source of stored ``shape``: checksum entries ``first..first + rows``),
+    ``("cols", first, rows, cols)`` (it spans every row: entries ``first..first + cols``, after
+    the rows), or ``None`` (neither, or a source addressed through a view). ``rows, cols``:
+    the box as a ``[rows, cols]`` matrix in source order."""
     if op.src_view is not None:
         return None
-    rows, cols = matrix_shape(shape)
-    box = op.src_box
+    n_rows, n_cols = matrix_shape(shape)
     if len(shape) == 0:
-        return "rows", 0, row_sums(data.reshape(1, 1))
+        return "rows", 0, 1, 1
+    box = op.src_box
     lead, length = box.lengths[:-1], box.lengths[-1]
-    if length == cols:  # whole rows: are they consecutive? (leading dims: all but the first full)
+    if length == n_cols:  # whole rows: consecutive when every leading dim but the first is whole
         if tuple(lead[1:]) != tuple(shape[1:-1]):
             return None
         first = box.offsets[0] * math.prod(shape[1:-1]) if len(shape) > 1 else 0
-        return "rows", first, row_sums(data.reshape(-1, cols))
+        return "rows", first, box.numel // n_cols, n_cols
     if tuple(lead) == tuple(shape[:-1]):  # every row, some columns
-        return "cols", rows + box.offsets[-1], col_sums(data.reshape(rows, length))
+        return "cols", n_rows + box.offsets[-1], n_rows, length
     return None
 
 
-__all__ = ["MODULUS", "ChecksumMismatchError", "box_sums", "checksum_numel", "col_sums", "matrix_shape", "row_sums",
+def box_sums(op: CopyOp, shape: Sequence[int], data: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
+    """``(kind, first, sums)`` of a pulled box (``data`` shaped as ``op.src_box``) as
+    :func:`box_kind` says it can be checked (torch arithmetic), or ``None``."""
+    kind = box_kind(op, shape)
+    if kind is None:
+        return None
+    what, first, rows, cols = kind
+    x = data.reshape(rows, cols)
+    return what, first, row_sums(x) if what == "rows" else col_sums(x)
+
+
+__all__ = ["MODULUS", "ChecksumMismatchError", "box_kind", "box_sums", "checksum_numel", "col_sums", "matrix_shape", "row_sums",
            "tensor_checksum"]
