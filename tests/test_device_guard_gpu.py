@@ -88,7 +88,7 @@ def test_receiver_on_a_non_current_device(config, quantization):
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_streamed_receiver_on_a_non_current_device(config, quantization):
-    """A streamed refit (400 MB budget: several groups through one ring) into ``cuda:1`` while
+    """A streamed refit (budget 60% of the bf16 share: several groups through one ring) into ``cuda:1`` while
     ``cuda:0`` is current: every group lands on the receiver's device, bit for bit, and this
     process allocates nothing on ``cuda:0``."""
     pytest.importorskip("nixl")
@@ -108,7 +108,8 @@ def test_streamed_receiver_on_a_non_current_device(config, quantization):
     pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
                       quantization=quantization) for r, s in shards.items()]
     on_current = torch.cuda.memory_allocated(0)
-    receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1", memory_budget=400_000_000)
+    share = sum(t.numel() * t.element_size() for t in megatron_to_hf(cpu_shards, cfg, tp=2).values())  # bf16
+    receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1", memory_budget=int(0.6 * share))
     for version in (1, 2):
         for p in pubs:
             p.publish(version)
