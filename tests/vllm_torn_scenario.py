@@ -66,7 +66,8 @@ def main(work: Path) -> dict:
     job = "vllm-torn"
     rdzv = Rendezvous.serve(job=job)
     live = {r: {n: t.clone() for n, t in s.items()} for r, s in shards[1].items()}
-    pubs = [Publisher(live[r], cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}") for r in live]
+    pubs = [Publisher(live[r], cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}",
+                      checksums=True) for r in live]
 
     def step(version: int) -> None:
         for pub in pubs:
@@ -103,14 +104,15 @@ def main(work: Path) -> dict:
     out: dict = {}
     # version 1 through vLLM's weight-transfer API, streamed and sharded, in one update
     llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job,
-                                                   "sharded": True, "memory_budget": BUDGET}})
+                                                   "sharded": True, "memory_budget": BUDGET,
+                                                   "verify_checksums": True}})
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": 1}})
     llm.finish_weight_update(weight_version="1")
     out["engine"] = _worker(llm).weight_transfer_engine.last_report
     out["ok1"] = same_generation(vllm_generate(llm), hf_generate(models[1]))
     # the rest through the worker extension, streamed and sharded
-    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET))
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET, True))
     out["first"] = update(2)
 
     tear_at_first_group(2)  # torn, pulled again whole

@@ -106,7 +106,7 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
-              memory_budget: int | str | None = None) -> RefitReceiver:
+              memory_budget: int | str | None = None, verify_checksums: bool = False) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if sharded:
@@ -116,7 +116,8 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
-                         experts=experts, target=target, device=device, memory_budget=memory_budget)
+                         experts=experts, target=target, device=device, memory_budget=memory_budget,
+                         verify_checksums=verify_checksums)
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -127,7 +128,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "bytes_moved": stats.bytes_moved, "model_bytes": stats.model_bytes, "counters": stats.counters,
             "target": None if receiver.target is None else repr(receiver.target),
             "tensors": 0 if plan is None else len(plan.targets), "install": stats.install, "groups": stats.groups,
-            "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries}
+            "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries,
+            "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes}
 
 
 @torch.no_grad()
@@ -230,7 +232,8 @@ class MegarefitWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
-                       sharded: bool = False, memory_budget: int | str | None = None) -> None:
+                       sharded: bool = False, memory_budget: int | str | None = None,
+                       verify_checksums: bool = False) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
@@ -244,12 +247,14 @@ class MegarefitWorkerExtension:
         (:mod:`megarefit.online.stream`), installing groups of whole layers as they land,
         instead of holding the whole share (the default, ``None``). Call it while the engine
         serves no request: a trainer that writes mid-cycle leaves a mix of versions
-        (``PartialUpdateError``).
+        (``PartialUpdateError``). ``verify_checksums``: check every pulled box against the
+        checksums the trainers publish (``Publisher(checksums=True)``) before installing it
+        (:class:`~megarefit.online.receiver.RefitReceiver`).
         """
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
-                                    config.parallel_config, memory_budget)
+                                    config.parallel_config, memory_budget, verify_checksums)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -313,6 +318,7 @@ class MegarefitInitInfo:
     timeout: float = 60.0
     sharded: bool = False  # pull only this worker's own shards and experts (unquantized models)
     memory_budget: int | str | None = None  # stream through a bounded ring (bytes or "auto"); None: staged
+    verify_checksums: bool = False  # check pulled boxes against the trainers' checksums (Publisher(checksums=True))
 
 
 @dataclass
@@ -336,7 +342,7 @@ def _make_engine_class():
             rank = getattr(self.parallel_config, "rank", 0)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
                                       getattr(self, "model", None), init_info.sharded, self.parallel_config,
-                                      init_info.memory_budget)
+                                      init_info.memory_budget, init_info.verify_checksums)
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:
