@@ -123,6 +123,57 @@ def test_the_next_group_is_pulled_while_a_group_is_installed(config):
     staged.close()
 
 
+def test_direct_writes_land_in_the_consumers_tensors(config):
+    """``direct``: every MLP weight is READ straight into the consumer's own tensors (no ring
+    bytes, never handed over); the rest streams through the ring and is copied. The consumer
+    ends equal to a staged receiver's tensors, for two versions; bad direct tensors are named."""
+    from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError
+
+    cfg = config("Llama-3.1-8B", num_hidden_layers=8)
+    hf = reference_hf_state(cfg, "llama")
+    job, rdzv, pubs = _serve(cfg, reference_shards(hf, cfg, tp=2, pp=1), 2)
+    for p in pubs:
+        p.publish(1)
+    staged = RefitReceiver(rdzv, name=f"{job}-staged", timeout=60)
+    want = dict(_pull(staged, 1))
+    model = {n: torch.zeros_like(t) for n, t in want.items()}
+    direct = {n: t for n, t in model.items() if ".mlp." in n}
+    budget = int(0.3 * _share(want.items()))
+    with pytest.raises(MegarefitError, match="need a streamed refit"):
+        RefitReceiver(rdzv, name=f"{job}-bad", direct=direct)
+    rx = RefitReceiver(rdzv, name=f"{job}-direct", timeout=60, memory_budget=budget, direct=direct)
+    plain = RefitReceiver(rdzv, name=f"{job}-plain", timeout=60, memory_budget=budget)
+    plain.refit(lambda w: [None for _ in w], 1)
+    for version in (1, 2):
+        if version == 2:
+            for p, (r, s) in zip(pubs, reference_shards({n: t * 2 for n, t in hf.items()}, cfg, tp=2, pp=1).items()):
+                with p.updating(2):
+                    for n, t in s.items():
+                        p.params[n].copy_(t)
+            want = dict(_pull(staged, 2))
+        handed = []
+
+        def install(weights):
+            for name, t in weights:
+                handed.append(name)
+                model[name].copy_(t)
+
+        stats = rx.refit(install, version)
+        assert not set(handed) & set(direct) and set(handed) | set(direct) == set(want)
+        assert all(torch.equal(model[n], want[n]) for n in want)
+        assert stats.direct_bytes == sum(t.numel() * t.element_size() for t in direct.values()) > 0
+        assert stats.groups < plain.stats.groups  # the ring holds no MLP weight: fewer, fuller groups
+        assert stats.peak_extra_bytes <= budget
+    rx.set_direct({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(ShapeMismatchError, match="up_proj"):
+        rx.refit(install, 2)
+    rx.set_direct({"model.layers.0.mlp.nope.weight": torch.zeros(3, 3)})
+    with pytest.raises(MissingParameterError, match="nope"):
+        rx.refit(install, 2)
+    for r in (rx, plain, staged):
+        r.close()
+
+
 def test_a_write_during_a_streamed_cycle_is_reported_as_torn(config):
     cfg = config("Llama-3.1-8B", num_hidden_layers=LAYERS)
     shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)

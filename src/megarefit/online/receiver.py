@@ -26,7 +26,7 @@ import functools
 import gc
 import itertools
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,7 +46,7 @@ from megarefit.online.stream import (
     default_memory_budget,
     stream_groups,
 )
-from megarefit.plan import Plan, TensorRef
+from megarefit.plan import Plan, TensorRef, digest_of
 from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format
@@ -94,6 +94,7 @@ class CycleStats:
     groups: int = 1  # groups handed over one after the other (streamed)
     checked_bytes: int = 0  # verify_checksums: bytes whose boxes were checked against the trainers' checksums
     unchecked_bytes: int = 0  # verify_checksums: bytes of boxes no published sum covers (neither rows nor columns)
+    direct_bytes: int = 0  # streamed with ``direct``: bytes READ straight into the consumer's tensors
 
 
 class TornUpdateError(StaleVersionError):
@@ -111,6 +112,7 @@ class _Stream:
     buffers: list[dict[TensorRef, torch.Tensor]]  # per group: its targets as views of the ring
     quantizers: list[Fp8Quantizer | None]  # per group, compiled on first use
     budget: int  # bytes: ring + scratch stay within it
+    direct: frozenset[TensorRef] = frozenset()  # targets READ straight into the consumer's tensors (no ring)
 
     @property
     def nbytes(self) -> int:
@@ -185,13 +187,20 @@ class RefitReceiver:
             this receiver's device, before the box is handed over; a mismatch raises
             :class:`~megarefit.transport.checksum.ChecksumMismatchError` (streamed, after
             earlier groups were handed over: :class:`TornUpdateError`, not retried).
+        direct: streamed only: ``{target name: the consumer's tensor}`` to READ straight into
+            (same shape and dtype, contiguous, on ``device``; e.g. an HF model's own parameters,
+            or a vLLM parameter whose live bytes equal its checkpoint-format shard). Those
+            targets take no ring bytes and are not handed over (``stats.direct_bytes``); the
+            consumer's tensors change while the cycle runs, as a streamed install does. See
+            :meth:`set_direct`.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
                  experts: frozenset[int] | None = None, target: VllmTarget | None = None,
                  device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
-                 memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False):
+                 memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
+                 direct: Mapping[str, torch.Tensor] | None = None):
         if memory_budget is not None and replica_group is not None:
             raise MegarefitError("a replica group serves the receiver's whole arena; a streamed receiver "
                                  "(memory_budget) keeps none: give one or the other")
@@ -208,6 +217,10 @@ class RefitReceiver:
         self.experts = None if experts is None else frozenset(experts)
         self.replica_group = replica_group
         self.memory_budget = memory_budget
+        if direct and memory_budget is None:
+            raise MegarefitError("direct writes need a streamed refit (memory_budget=...): a staged refit leaves "
+                                 "the consumer's tensors untouched until every byte is fenced")
+        self._direct: dict[str, torch.Tensor] = dict(direct or {})
         self._scratch_given = scratch_budget
         self._stream: _Stream | None = None  # streamed: the groups and ring of the current plan
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
@@ -340,6 +353,39 @@ class RefitReceiver:
             self._arena_for(plan, manifests)
         return plan, True
 
+    def set_direct(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Targets to READ straight into ``tensors`` from the next cycle on (see ``direct``);
+        the ring is cut again then. An empty mapping ends direct writes.
+
+        Raises:
+            MegarefitError: not a streamed receiver."""
+        if tensors and self.memory_budget is None:
+            raise MegarefitError("direct writes need a streamed refit (memory_budget=...)")
+        self._direct = dict(tensors)
+        self._plan = None  # re-planned (same plan, cached) and the ring re-cut on the next cycle
+
+    def _direct_refs(self, plan: Plan) -> frozenset[TensorRef]:
+        """The plan's targets written straight into the consumer's tensors, checked.
+
+        Raises:
+            MissingParameterError: a direct name is not a target this receiver hands over.
+            ShapeMismatchError: a direct tensor's shape, dtype, device or layout is wrong."""
+        by_name = {ref.name: ref for ref in plan.targets if ref not in plan.staging}
+        refs = []
+        for name, t in self._direct.items():
+            ref = by_name.get(name)
+            if ref is None:
+                raise MissingParameterError(f"direct tensor {name!r} is not a target of this receiver's plan "
+                                            f"(targets: {sorted(by_name)[:3]}, ...)")
+            meta = plan.targets[ref]
+            if (tuple(t.shape) != tuple(meta.shape) or t.dtype != torch_dtype(meta.dtype) or t.device != self.device
+                    or not t.is_contiguous()):
+                raise ShapeMismatchError(f"direct tensor {name!r}: expected contiguous {list(meta.shape)} "
+                                         f"{meta.dtype} on {self.device}, got {list(t.shape)} {t.dtype} on "
+                                         f"{t.device} contiguous={t.is_contiguous()}")
+            refs.append(ref)
+        return frozenset(refs)
+
     def _ring_for(self, plan: Plan, scratch: int | None = None) -> _Stream:
         """The groups of a streamed refit and its ring, allocated once per plan: the budget less
         ``scratch`` (default: the scratch budget). Contiguous pulls of at least a quarter of the
@@ -354,8 +400,10 @@ class RefitReceiver:
         self.transport.direct_min_bytes = min(DIRECT_MIN_BYTES, max(ALIGN, self.transport.scratch_budget // 4))
         scratch = self.transport.scratch_budget if scratch is None else scratch
         ring_bytes = (budget - scratch) // ALIGN * ALIGN
+        direct = self._direct_refs(plan)
+        salt = digest_of(sorted((r.name, self._direct[r.name].data_ptr()) for r in direct))
         try:
-            groups = stream_groups(plan, ring_bytes)
+            groups = stream_groups(plan, ring_bytes, direct, salt)
         except MemoryBudgetError as exc:
             need = exc.ring_bytes_needed
             raise MemoryBudgetError(f"{exc}: memory_budget={budget} (a ring of {ring_bytes} bytes beside "
@@ -365,9 +413,10 @@ class RefitReceiver:
         if self._stream is not None:  # a new plan or a re-cut ring: the old ring goes
             self.transport.release([self._stream.ring])
             self._stream = None
-        ring = torch.empty(max(g.start + g.nbytes for g in groups), dtype=torch.uint8, device=self.device)
+        ring = torch.empty(max(ALIGN, *(g.start + g.nbytes for g in groups)), dtype=torch.uint8, device=self.device)
         self.transport.nixl.register([ring])  # one region: READs may span neighbouring targets
-        return _Stream(groups, ring, [g.views(ring) for g in groups], [None] * len(groups), budget)
+        views = [{**g.views(ring), **{r: self._direct[r.name] for r in g.plan.targets if r in direct}} for g in groups]
+        return _Stream(groups, ring, views, [None] * len(groups), budget, direct)
 
     def _prepare_stream(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> list:
         """The groups' prepared READs, with the ring and the scratch together within the budget: a
@@ -703,7 +752,7 @@ class RefitReceiver:
                     flight = self.transport.start(prepared[k + 1])
                 pull_s += time.perf_counter() - t_pull
                 for ref, tensor in bufs.items():
-                    if ref not in group.plan.staging:
+                    if ref not in group.plan.staging and ref not in stream.direct:
                         yield ref.name, tensor  # valid until the next item is requested
         finally:
             if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
@@ -763,4 +812,6 @@ class RefitReceiver:
                                 dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
                                 install="streamed", peak_extra_bytes=stream.nbytes + scratch,
                                 groups=len(stream.groups), checked_bytes=self._verified[0],
-                                unchecked_bytes=self._verified[1])
+                                unchecked_bytes=self._verified[1],
+                                direct_bytes=sum(self._direct[r.name].numel() * self._direct[r.name].element_size()
+                                                 for r in stream.direct))

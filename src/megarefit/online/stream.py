@@ -99,9 +99,12 @@ class StreamGroup:
     nbytes: int  # bytes of the ring this group uses, from ``start``
 
     def views(self, ring: torch.Tensor) -> dict[TensorRef, torch.Tensor]:
-        """The group's targets as views of ``ring`` (a uint8 tensor), in plan order."""
+        """The group's targets as views of ``ring`` (a uint8 tensor), in plan order; targets
+        written directly into the consumer's tensors (no ring offset) are left out."""
         out = {}
         for ref, meta in self.plan.targets.items():
+            if ref not in self.offsets:
+                continue
             start = self.offsets[ref]
             n = meta.numel * torch_dtype(meta.dtype).itemsize
             out[ref] = ring[start:start + n].view(torch_dtype(meta.dtype)).view(meta.shape)
@@ -112,7 +115,7 @@ class StreamGroup:
         return self.start < other.start + other.nbytes and other.start < self.start + self.nbytes
 
 
-def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, ring_bytes: int) -> Plan:
+def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, ring_bytes: int, salt: str = "") -> Plan:
     """``plan`` restricted to targets ``refs`` (every op writing them, the sources those read,
     their quantize steps); validated: it covers each of its targets exactly once."""
     by_target = plan.ops_by_target
@@ -121,7 +124,7 @@ def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, ring_bytes: int) -> Pla
     sources = {op.src: plan.sources[op.src] for op in ops}
     quantize = tuple(q for q in plan.quantize if q.weight in targets)
     sub = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, ops,
-               digest_of(plan.digest, "stream", ring_bytes, k), quantize)
+               digest_of(plan.digest, "stream", ring_bytes, k, salt), quantize)
     validate_plan(sub)
     return sub
 
@@ -140,16 +143,22 @@ def _pack(runs: list[tuple[int | None, list[TensorRef], int]], ring_bytes: int) 
     return groups
 
 
-def stream_groups(plan: Plan, ring_bytes: int) -> list[StreamGroup]:
+def stream_groups(plan: Plan, ring_bytes: int, direct: frozenset[TensorRef] = frozenset(),
+                  salt: str = "") -> list[StreamGroup]:
     """Cut ``plan`` into groups of consecutive whole layers for a ring of ``ring_bytes``: even
     groups start at the ring's start, odd groups end at its end. A plan whose share fits the
-    ring is one group in a ring of the share.
+    ring is one group in a ring of the share. Targets in ``direct`` (pulled straight into the
+    consumer's own tensors) stay in their layer's group but take no ring bytes; ``salt``
+    (e.g. which tensors those are) goes into the groups' digests.
 
     Raises:
         MemoryBudgetError: a layer (or the embedding / head) needs more than the ring (the
             largest such is named).
     """
-    runs = [(layer, refs, sum(target_bytes(plan, r) for r in refs)) for layer, refs in layer_runs(plan)]
+    def size(ref: TensorRef) -> int:
+        return 0 if ref in direct else target_bytes(plan, ref)
+
+    runs = [(layer, refs, sum(size(r) for r in refs)) for layer, refs in layer_runs(plan)]
     layer, refs, need = max(runs, key=lambda run: run[2])
     if need > ring_bytes:  # the largest names the budget that fits every run
         what = "the tensors outside the layers" if layer is None else f"layer {layer}"
@@ -160,13 +169,14 @@ def stream_groups(plan: Plan, ring_bytes: int) -> list[StreamGroup]:
     ring_bytes = min(ring_bytes, total)  # a budget above the share: one group, a ring of the share
     out = []
     for k, group in enumerate(packed):
-        size = sum(target_bytes(plan, r) for r in group)
-        start = 0 if k % 2 == 0 else (ring_bytes - size) // ALIGN * ALIGN
+        nbytes = sum(size(r) for r in group)
+        start = 0 if k % 2 == 0 else (ring_bytes - nbytes) // ALIGN * ALIGN
         offsets, at = {}, start
         for ref in group:
-            offsets[ref] = at
-            at += target_bytes(plan, ref)
-        out.append(StreamGroup(_sub_plan(plan, group, k, ring_bytes), offsets, start, size))
+            if ref not in direct:
+                offsets[ref] = at
+                at += target_bytes(plan, ref)
+        out.append(StreamGroup(_sub_plan(plan, group, k, ring_bytes, salt), offsets, start, nbytes))
     return out
 
 
