@@ -202,7 +202,9 @@ def test_a_torn_streamed_refit_is_pulled_again_and_a_mix_is_never_served(tmp_pat
     PartialUpdateError saying the model holds a mix, a refit before any request mends it, and
     a request that comes first is refused rather than served from mixed weights. Checksums are
     on throughout (trainers publish them, both receivers verify every box): every byte of a
-    whole cycle is checked, and a torn cycle's mismatches are retried, not raised."""
+    whole cycle is checked, and a torn cycle's mismatches are retried, not raised. The extension
+    writes directly (``direct=True``): after its first cycle, what vLLM kept byte for byte is
+    READ in place, torn cycles included."""
     import json
     import subprocess
     import sys
@@ -216,6 +218,7 @@ def test_a_torn_streamed_refit_is_pulled_again_and_a_mix_is_never_served(tmp_pat
     for report in (result["engine"], first, retried, mended):  # the weight-transfer API, then the extension
         assert report["install"] == "streamed" and report["groups"] >= 3, report
         assert report["checked_bytes"] == report["bytes_moved"] and report["unchecked_bytes"] == 0, report
+    assert first["direct_bytes"] == 0 and retried["direct_bytes"] > 0 and mended["direct_bytes"] > 0, (first, retried)
     for report in (result["engine"], first):
         assert report["version"] == 1 and report["peak_extra_bytes"] <= 1_200_000 and report["retries"] == 0, report
     assert result["ok1"] and result["ok2"] and result["ok3"], result

@@ -112,7 +112,7 @@ def main(work: Path) -> dict:
     out["engine"] = _worker(llm).weight_transfer_engine.last_report
     out["ok1"] = same_generation(vllm_generate(llm), hf_generate(models[1]))
     # the rest through the worker extension, streamed and sharded
-    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET, True))
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 60.0, True, BUDGET, True, True))
     out["first"] = update(2)
 
     tear_at_first_group(2)  # torn, pulled again whole

