@@ -301,3 +301,20 @@ def test_plan_fp8_bytes_on_the_wire(capsys):
                "--vllm-tp", "8", "--vllm-ep", "--no-execute-meta"])
     out = capsys.readouterr().out
     assert rc == 0 and "quantized on the trainers, 0 on the receiver" in out and "this worker pulls" in out
+
+
+def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
+    """``--version``; a config megarefit would translate wrongly (GQA with 0 KV heads, a
+    sequence-classification head) is one clean error line and exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and re.fullmatch(r"megarefit \d+\.\d+\.\d+\n", capsys.readouterr().out)
+    base = json.loads((CONFIG_DIR / "Llama-3.1-8B.json").read_text())
+    for change, message in [({"num_key_value_heads": 0}, "num_key_value_heads must be a positive divisor"),
+                            ({"architectures": ["LlamaForSequenceClassification"]}, "only causal LMs")]:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(base | change))
+        rc = main(["plan", "--config", str(path), "--tp", "2"])
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert rc == 2 and message in text and "Traceback" not in text and len(text.strip().splitlines()) == 1, text

@@ -114,6 +114,27 @@ def test_hf_state_missing_and_unexpected(config):
 def test_unsupported_architecture():
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         family_for_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    # a supported model_type with another head is refused, not planned as the causal LM
+    with pytest.raises(UnsupportedModelError, match="LlamaForSequenceClassification.*score head"):
+        family_for_config({"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"})
+    assert family_for_config({"model_type": "llama"}).name == "llama"  # no architectures: model_type decides
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("num_key_value_heads", 0, "num_key_value_heads must be a positive divisor of num_attention_heads"),
+    ("num_key_value_heads", 3, "num_key_value_heads must be a positive divisor"),
+    ("hidden_size", -64, "hidden_size must be a positive integer, got -64"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer"),
+    ("vocab_size", "128", "vocab_size must be a positive integer, got '128'"),
+])
+def test_config_sizes_that_cannot_be_translated_are_refused(config, key, value, message):
+    from megarefit.errors import MegarefitError
+    from megarefit.layout.dims import ModelDims
+
+    cfg = dict(config("Llama-3.1-8B"))
+    assert ModelDims.from_hf_config(cfg).num_query_groups == cfg["num_key_value_heads"]
+    with pytest.raises(MegarefitError, match=message):
+        ModelDims.from_hf_config(cfg | {key: value})
 
 
 def test_spec_table_errors():

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+import megarefit
 from megarefit.errors import MegarefitError
 
 
@@ -381,6 +382,7 @@ def _fp8_line(where: dict[str, str], fmt: Any, nbytes: int, unquantized: int, dt
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarefit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"megarefit {megarefit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="real Megatron-Core -> HF refit on CPU, with a logits check")

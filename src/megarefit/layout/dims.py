@@ -103,10 +103,19 @@ class ModelDims:
             value = get(key)
             if value is None:
                 raise MegarefitError(f"HF config for family {fam.name} lacks {key!r}")
-            return int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise MegarefitError(f"HF config for family {fam.name}: {key} must be a positive integer, got "
+                                     f"{value!r}")
+            return value
 
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
+        groups = get("num_key_value_heads")
+        if groups is None:
+            groups = heads  # MHA, as HF reads a config without the key
+        elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or heads % groups:
+            raise MegarefitError(f"HF config for family {fam.name}: num_key_value_heads must be a positive divisor of "
+                                 f"num_attention_heads ({heads}), got {groups!r}")
 
         def flag(rule: bool | str) -> bool:
             return bool(get(rule, False)) if isinstance(rule, str) else rule
@@ -143,7 +152,7 @@ class ModelDims:
             num_layers=need("num_hidden_layers"),
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_query_groups=int(get("num_key_value_heads") or heads),
+            num_query_groups=groups,
             head_dim=int(get("head_dim") or hidden // heads),
             ffn_hidden_size=need("intermediate_size"),
             vocab_size=need("vocab_size"),

@@ -40,10 +40,12 @@ def get_family(name: str) -> FamilySpec:
 def family_for_config(hf_config: Mapping[str, Any] | Any) -> FamilySpec:
     """Pick the spec table for an HF config (dict or ``PretrainedConfig``).
 
-    ``architectures[0]`` decides when present; otherwise ``model_type``.
+    ``architectures[0]`` decides when present (a ``...ForSequenceClassification`` of a
+    supported ``model_type`` is refused, not read as its causal LM); otherwise ``model_type``.
 
     Raises:
-        UnsupportedModelError: neither names a supported family.
+        UnsupportedModelError: neither names a supported family, or ``architectures[0]`` is
+            not a supported causal-LM architecture.
     """
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     archs = tuple(get("architectures") or ())
@@ -51,6 +53,13 @@ def family_for_config(hf_config: Mapping[str, Any] | Any) -> FamilySpec:
     for fam in FAMILIES:
         if archs and archs[0] in fam.architectures:
             return fam
+    if archs:
+        supported = sorted(a for f in FAMILIES for a in f.architectures)
+        why = ("megarefit has no spec table for it" if archs[0].endswith("ForCausalLM") else
+               "only causal LMs are translated: another head (e.g. a sequence-classification score head instead of "
+               "lm_head) would be translated wrongly")
+        raise UnsupportedModelError(f"architecture {archs[0]!r} (model_type {model_type!r}) is refused: {why}; "
+                                    f"supported: {supported}")
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam
