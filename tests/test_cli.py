@@ -318,3 +318,27 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
         out = capsys.readouterr()
         text = out.out + out.err
         assert rc == 2 and message in text and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "--config", "Qwen3-30B-A3B.json", "--tp", "2", "--etp", "0"], "--etp: must be a positive integer"),
+    (["plan", "--config", "Qwen3-8B.json", "--vocab-divisible-by", "0"], "--vocab-divisible-by: must be a positive"),
+    (["plan", "--config", "Qwen3-8B.json", "--json", "/nonexistent-dir/x.json"], "directory '/nonexistent-dir'"),
+    (["bench", "--config", "Qwen3-0.6B.json", "--device", "foo"], "unknown device 'foo': use cpu or cuda[:N]"),
+    (["demo", "--seq", "0"], "--seq: must be a positive integer, got '0'"),
+    (["demo", "--versions", "-1"], "--versions: must be a positive integer"),
+])
+def test_bad_arguments_are_one_clear_error_before_any_work(argv, message, capsys):
+    argv = [str(CONFIG_DIR / a) if a.endswith(".json") and not a.startswith("/") else a for a in argv]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU-only torch")
+def test_bench_on_cuda_without_cuda_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "sees no CUDA device; use --device cpu" in err, err

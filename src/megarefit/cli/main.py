@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -380,6 +381,41 @@ def _fp8_line(where: dict[str, str], fmt: Any, nbytes: int, unquantized: int, dt
     return line + f"; {_mb(nbytes)} on the wire vs {_mb(unquantized)} in {dtype} ({nbytes / unquantized:.2f}x)"
 
 
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
+def device_arg(value: str) -> str:
+    """argparse type: a torch device this process can use (``cpu``, ``cuda``, ``cuda:1``)."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {value!r}: use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device {value!r}: only cpu and cuda[:N] are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"device {value!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                                         "use --device cpu")
+    return value
+
+
+def output_path(value: str) -> str:
+    """argparse type: a file path whose directory exists (checked before any work starts)."""
+    parent = Path(value).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {value!r}: directory {str(parent)!r} does not exist")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarefit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"megarefit {megarefit.__version__}")
@@ -389,12 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", help="HF config.json (default: a small Qwen3-architecture config)")
     demo.add_argument("--tp", type=int, default=2, help="trainer tensor-parallel size (default 2)")
     demo.add_argument("--pp", type=int, default=1, help="trainer pipeline-parallel size (default 1)")
-    demo.add_argument("--seq", type=int, default=16, help="tokens per sequence in the logits check")
+    demo.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence in the logits check")
     demo.add_argument("--transport", choices=["local", "nixl"], default="local",
                       help="local: in-process shards (default); nixl: trainers serve live shards over NIXL")
     demo.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                       help="refit target: HF transformers (default) or a real vLLM engine (needs --transport nixl)")
-    demo.add_argument("--versions", type=int, default=2, help="weight versions to refit with --transport nixl")
+    demo.add_argument("--versions", type=positive_int, default=2, help="weight versions to refit with --transport nixl")
     demo.add_argument("--quantization", choices=["none", "fp8"], default="none",
                       help="fp8: block-FP8 refit (trainer-side where blocks allow), logits compared within FP8 "
                            "tolerance")
@@ -409,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--per-rank", action="store_true", help="one table row per source rank")
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="skip running the plan against meta tensors")
-    plan.add_argument("--json", metavar="FILE", help="write the serialized plan")
+    plan.add_argument("--json", metavar="FILE", type=output_path, help="write the serialized plan")
     _add_vllm_args(plan)
     plan.set_defaults(func=cmd_plan)
 
@@ -435,7 +471,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", type=device_arg, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--install", choices=["staged", "streamed"],
                    help="also time an install into a preallocated consumer model and print its extra memory: "
@@ -453,14 +489,14 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, help="expert tensor parallel size: 1 or tp (default: tp)")
+    p.add_argument("--etp", type=positive_int, help="expert tensor parallel size: 1 or tp (default: tp)")
     p.add_argument("--expert-layout", choices=["sequential", "te_grouped", "legacy_grouped"], default="te_grouped",
                    help="expert storage (default: te_grouped)")
     p.add_argument("--first-stage-layers", type=int, help="Megatron num_layers_in_first_pipeline_stage")
     p.add_argument("--last-stage-layers", type=int, help="Megatron num_layers_in_last_pipeline_stage")
     p.add_argument("--layer-spec", choices=["local", "te"], default="te",
                    help="norm spelling of the trainer's layer spec (default: te)")
-    p.add_argument("--vocab-divisible-by", type=int, default=128, help="make_vocab_size_divisible_by")
+    p.add_argument("--vocab-divisible-by", type=positive_int, default=128, help="make_vocab_size_divisible_by")
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="Megatron mtp_num_layers: multi-token-prediction layers on the last stage (default 0)")
 
