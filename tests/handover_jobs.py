@@ -10,16 +10,16 @@ import torch
 
 
 def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, job: str, cfg: dict, mode: str,
-               write_s: float, idle_s: float) -> dict:
+               write_s: float, idle_s: float, device: str = "cpu") -> dict:
     """TP rank ``index`` of 2: every parameter holds the value ``v`` (float32, exact) of
     version ``v``. A step rewrites the parameters one by one over ~``write_s`` seconds
     (``mode="seqlock"``: inside ``Publisher.updating(v)``; ``"plain"``: then
     ``publish(v)``; ``"snapshot"``: the same with ``Publisher(snapshot=True)``), both ranks starting each step together (a gloo barrier), then idles
-    up to ``idle_s``. Returns the last version written."""
+    up to ``idle_s``. Parameters live on ``device``. Returns the last version written."""
     import torch.distributed as dist
 
-    from megarefit.layout.dims import ModelDims
     from megarefit.layout import SourceLayout
+    from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
@@ -29,7 +29,8 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
     coord = layout.ranks()[index]
-    params = {n: torch.ones(t.shape, dtype=torch.float32) for n, t in source_tensors(dims, layout)[coord].items()}
+    params = {n: torch.ones(t.shape, dtype=torch.float32, device=device)
+              for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
     pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{index}",
                     snapshot=mode == "snapshot")
@@ -94,11 +95,11 @@ def replica_parent_job(index: int, world_size: int, master_port: int, rdzv_port:
 
 
 def static_trainer_job(index: int, world_size: int, master_port: int, rdzv_port: int, job: str, cfg: dict,
-                       tp_rank: int | None, value: float, version: int) -> dict:
+                       tp_rank: int | None, value: float, version: int, devices: tuple[str, ...] = ("cpu",)) -> dict:
     """TP rank ``tp_rank`` (default: the worker index) of 2 serving parameters that all hold
-    ``value`` as ``version``, until ``stop`` is set."""
-    from megarefit.layout.dims import ModelDims
+    ``value`` as ``version``, until ``stop`` is set; worker ``i``'s on ``devices[i % len(devices)]``."""
     from megarefit.layout import SourceLayout
+    from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
@@ -107,7 +108,8 @@ def static_trainer_job(index: int, world_size: int, master_port: int, rdzv_port:
     layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
     tp_rank = index if tp_rank is None else tp_rank
     coord = layout.ranks()[tp_rank]
-    params = {n: torch.full(t.shape, value) for n, t in source_tensors(dims, layout)[coord].items()}
+    device = devices[index % len(devices)]
+    params = {n: torch.full(t.shape, value, device=device) for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
     pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{tp_rank}")
     pub.publish(version)

@@ -46,6 +46,7 @@ from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.checksum import checksum_numel, matrix_shape, tensor_checksum
 from megarefit.transport.checksum_kernel import BoxSums
+from megarefit.transport.cuda_ipc import export_storages
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
@@ -89,6 +90,11 @@ class Publisher:
     in flight and refuse (``ParamSyncPendingError``) if one was not dispatched: call
     :func:`megarefit.online.param_sync.finish_param_sync` on every data-parallel rank after the step.
 
+    ``ipc`` (default on): CUDA storages served are also exported for CUDA IPC (PyTorch's
+    reduction; :mod:`~megarefit.transport.cuda_ipc`), so a receiver on the same GPU (colocated
+    RL) reads them by device copies instead of NIXL through the host. If PyTorch cannot
+    export them, a warning says so and receivers use NIXL.
+
     Raises (at construction):
         MissingParameterError / UnexpectedParameterError: the parameters are not
             exactly what the spec table and layout place on this rank.
@@ -103,7 +109,7 @@ class Publisher:
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
                  vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
                  quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
-                 ddp: Any = None, checksums: bool = False):
+                 ddp: Any = None, checksums: bool = False, ipc: bool = True):
         if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
             rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
             pp *= vpp
@@ -134,6 +140,7 @@ class Publisher:
         self.agent = NixlAgent(name)
         self.agent.register(served)
         self.checksums = self._checksum_buffer(served) if checksums else None
+        self.ipc = self._export_ipc(served) if ipc else ()
         self.manifest = self._build_manifest(name, entries)
         self.last_quantize_s = 0.0
         self.last_checksum_s = 0.0  # seconds the last publish spent computing checksums
@@ -214,6 +221,17 @@ class Publisher:
                           "registration of VMM-mapped memory succeeds but RDMA NICs fault at transfer time. "
                           "Unset expandable_segments for the trainer, or serve through CUDA IPC only.", stacklevel=3)
 
+    def _export_ipc(self, served: list[torch.Tensor]) -> tuple:
+        """CUDA IPC records of the served storages and the checksum block (none for host memory);
+        a warning and none where PyTorch cannot export them."""
+        tensors = served + ([self.checksums[0]] if self.checksums is not None else [])
+        try:
+            return export_storages(tensors)
+        except RuntimeError as exc:
+            warnings.warn(f"rank {self.rank}: cannot export CUDA IPC handles ({exc}); receivers on this GPU "
+                          "read over NIXL", stacklevel=3)
+            return ()
+
     def _build_manifest(self, agent_name: str, entries: list[TensorEntry]) -> Manifest:
         """The rank's manifest: ``entries`` with the agent's registered region of each (-1 if none)."""
         entries = [dataclasses.replace(e, region=-1 if (r := self.agent.region(e.addr, e.nbytes)) is None else r)
@@ -222,7 +240,7 @@ class Publisher:
         sums = None if self.checksums is None else (self.checksums[0].data_ptr(), self.checksums[0].numel() * 8,
                                                      *mem_type(self.checksums[0]))
         return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
-                        quantization=quant, checksums=sums)
+                        quantization=quant, checksums=sums, ipc=self.ipc)
 
     def _checksum_buffer(self, served: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
         """One registered int64 buffer holding every served tensor's checksum back to back (in

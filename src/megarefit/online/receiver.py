@@ -55,6 +55,7 @@ from megarefit.quant.planning import plan_fp8
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.checksum import ChecksumMismatchError
+from megarefit.transport.cuda_ipc import IpcMode, IpcSources
 from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import DIRECT_MIN_BYTES, InFlight, NixlTransport
@@ -95,6 +96,8 @@ class CycleStats:
     checked_bytes: int = 0  # verify_checksums: bytes whose boxes were checked against the trainers' checksums
     unchecked_bytes: int = 0  # verify_checksums: bytes of boxes no published sum covers (neither rows nor columns)
     direct_bytes: int = 0  # streamed with ``direct``: bytes READ straight into the consumer's tensors
+    ipc_bytes: int = 0  # bytes copied from trainer ranks on this GPU through CUDA IPC (part of ``wire_bytes``)
+    ipc_ranks: int = 0  # trainer ranks read through CUDA IPC
 
 
 class TornUpdateError(StaleVersionError):
@@ -193,6 +196,11 @@ class RefitReceiver:
             targets take no ring bytes and are not handed over (``stats.direct_bytes``); the
             consumer's tensors change while the cycle runs, as a streamed install does. See
             :meth:`set_direct`.
+        transport: ``"auto"`` (default): trainer ranks on this receiver's own GPU (same device
+            UUID, exported by ``Publisher``) are read by device copies through CUDA IPC
+            (:mod:`~megarefit.transport.cuda_ipc`; colocated RL), the rest over NIXL, in one
+            cycle; ``"nixl"``: every rank over NIXL; ``"ipc"``: every rank through CUDA IPC
+            (:class:`~megarefit.transport.cuda_ipc.IpcError` names a rank that cannot be).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
@@ -200,7 +208,7 @@ class RefitReceiver:
                  device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
                  memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
-                 direct: Mapping[str, torch.Tensor] | None = None):
+                 direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto"):
         if memory_budget is not None and replica_group is not None:
             raise MegarefitError("a replica group serves the receiver's whole arena; a streamed receiver "
                                  "(memory_budget) keeps none: give one or the other")
@@ -224,8 +232,10 @@ class RefitReceiver:
         self._scratch_given = scratch_budget
         self._stream: _Stream | None = None  # streamed: the groups and ring of the current plan
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
+        ipc = IpcSources(self.device, transport)  # checks the mode before any agent exists
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
-                                       progress_thread=replica_group is not None)  # replicas READ from it
+                                       progress_thread=replica_group is not None,  # replicas READ from it
+                                       ipc=ipc)
         self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
         self._verified = (0, 0)  # (checked, unchecked) bytes of the last cycle
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
@@ -627,7 +637,8 @@ class RefitReceiver:
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
                                 arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries,
                                 peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._verified[0],
-                                unchecked_bytes=self._verified[1])
+                                unchecked_bytes=self._verified[1], ipc_bytes=prepared.ipc_bytes,
+                                ipc_ranks=len(self.transport.ipc.ranks))
         staging = plan.staging
         for ref, tensor in self._buffers.items():
             if ref not in staging:
@@ -819,4 +830,5 @@ class RefitReceiver:
                                 groups=len(stream.groups), checked_bytes=self._verified[0],
                                 unchecked_bytes=self._verified[1],
                                 direct_bytes=sum(self._direct[r.name].numel() * self._direct[r.name].element_size()
-                                                 for r in stream.direct))
+                                                 for r in stream.direct),
+                                ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks))

@@ -19,7 +19,7 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims
 from megarefit.plan import digest_of
 
-FORMAT = "megarefit.transport.manifest/3"  # /2: per-tensor NIXL memory type and device; /3: quantization
+FORMAT = "megarefit.transport.manifest/4"  # /2: NIXL memory type and device; /3: quantization; /4: CUDA IPC
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,32 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class IpcStorage:
+    """One CUDA allocation a trainer rank exports for CUDA IPC (:mod:`~megarefit.transport.cuda_ipc`):
+    a PyTorch storage as ``torch.multiprocessing.reductions.reduce_tensor`` shares it.
+
+    ``base`` and ``nbytes`` are the storage's address and size in the trainer process (bytes): a
+    served tensor whose ``addr`` lies in ``[base, base + nbytes)`` is read from this storage at
+    ``addr - base``. ``handle`` is the CUDA IPC handle of the caching allocator's block holding
+    the storage, at byte ``offset`` in it; ``ref_counter`` / ``ref_offset`` / ``event`` /
+    ``event_sync`` are PyTorch's IPC bookkeeping (shared reference counter, producer event).
+    Bytes are hex strings. ``uuid`` is the GPU's UUID (``torch.cuda.get_device_properties(d).uuid``):
+    the same physical GPU whatever ``CUDA_VISIBLE_DEVICES`` each process sees."""
+
+    uuid: str
+    dev: int  # the trainer's CUDA device index (its own numbering)
+    base: int
+    nbytes: int
+    handle: str
+    offset: int
+    ref_counter: str
+    ref_offset: int
+    event: str
+    event_sync: bool
+    pid: int  # the exporting process (a handle cannot be opened by the process that made it)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What one trainer rank publishes; see the module docstring."""
 
@@ -54,6 +80,7 @@ class Manifest:
     quantization: tuple[tuple[int, int], bool] | None = None  # block FP8: (block, ue8m0); None: unquantized
     checksums: tuple[int, int, str, int] | None = None  # (addr, nbytes, mem, dev) of the rank's int64 checksums
     # (:mod:`megarefit.transport.checksum`: each tensor's, in ``tensors`` order), rewritten by every publish
+    ipc: tuple[IpcStorage, ...] = ()  # CUDA storages holding the served bytes (and checksums), for same-GPU receivers
 
     @property
     def model_dtype(self) -> str:
@@ -74,7 +101,8 @@ class Manifest:
     @cached_property
     def memory_digest(self) -> str:
         """Digest of the served memory (agent and addresses): changes when a trainer re-registers."""
-        return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors], self.checksums)
+        return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors], self.checksums,
+                         [asdict(s) for s in self.ipc])
 
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
@@ -85,6 +113,7 @@ class Manifest:
             "layout": self.layout.to_dict(), "agent": self.agent, "dtype": self.dtype,
             "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
             "checksums": None if self.checksums is None else list(self.checksums),
+            "ipc": [asdict(s) for s in self.ipc],
             "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes, t.mem,
                          t.dev, t.region] for t in self.tensors],
         }
@@ -103,7 +132,8 @@ class Manifest:
         return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
                    data["agent"], tensors, dtype=data.get("dtype", ""),
                    quantization=None if quant is None else (tuple(quant[0]), bool(quant[1])),
-                   checksums=None if data.get("checksums") is None else tuple(data["checksums"]))
+                   checksums=None if data.get("checksums") is None else tuple(data["checksums"]),
+                   ipc=tuple(IpcStorage(**s) for s in data.get("ipc", ())))
 
     def summary(self) -> dict[str, Any]:
         return {"rank": tuple(self.rank), "agent": self.agent, "tensors": len(self.tensors),

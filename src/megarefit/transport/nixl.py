@@ -21,6 +21,12 @@ that overlap or touch are merged, so each expert block crosses the wire once and
 gate and up are both cut from the same scratch bytes.
 
 The agent itself (registrations, counters) is :mod:`~megarefit.transport.nixl_agent`.
+
+Ranks on the receiver's own GPU are not read over NIXL (UCX goes through the host between
+two processes on one GPU): given :class:`~megarefit.transport.cuda_ipc.IpcSources`, their ops
+compile into device copies from CUDA-IPC-mapped trainer memory
+(:class:`~megarefit.transport.cuda_ipc.DeviceCopies`), launched by :meth:`NixlTransport.start`
+beside the other ranks' READs and waited for by :meth:`NixlTransport.wait`.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 from megarefit.layout import RankCoord
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.transport.boxcopy import BoxCopies
+from megarefit.transport.cuda_ipc import DeviceCopies, IpcSources
 from megarefit.transport.gather import Piece, plan_waves
 from megarefit.transport.local import part_views
 from megarefit.transport.manifest import Manifest
@@ -162,12 +169,16 @@ def _local_memory(buffers: Mapping[Any, torch.Tensor]) -> tuple[str, int]:
     return lmem, ldev
 
 
-def _ops_by_rank(plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> dict[RankCoord, _SourcePulls]:
-    """The plan's ops grouped per source rank (plan order kept), one :class:`_SourcePulls` each."""
+def _ops_by_rank(plan: Plan, manifests: Mapping[RankCoord, Manifest],
+                 skip: frozenset[RankCoord] = frozenset()) -> dict[RankCoord, _SourcePulls]:
+    """The plan's ops grouped per source rank (plan order kept), one :class:`_SourcePulls` each;
+    ranks in ``skip`` (read through CUDA IPC) left out."""
     by_rank: dict[RankCoord, _SourcePulls] = {}
     for op in plan.ops:
         rank = op.src.rank
         assert rank is not None
+        if rank in skip:
+            continue
         pulls = by_rank.get(rank)
         if pulls is None:
             pulls = by_rank[rank] = _SourcePulls(rank, manifests[rank].agent, [])
@@ -181,12 +192,18 @@ class PreparedPlan:
 
     key: tuple[str, ...]
     per_source: list[_SourcePulls]
+    local: DeviceCopies | None = None  # the ops of ranks read through CUDA IPC
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes every READ of one cycle moves: each direct pull, plus each gathered run
-        whole (gaps between its pieces included)."""
-        return sum(p.wire_bytes for p in self.per_source)
+        """Bytes one cycle moves: every READ (each direct pull, plus each gathered run whole,
+        gaps between its pieces included) and every CUDA IPC copy."""
+        return sum(p.wire_bytes for p in self.per_source) + self.ipc_bytes
+
+    @property
+    def ipc_bytes(self) -> int:
+        """Bytes copied from ranks read through CUDA IPC."""
+        return 0 if self.local is None else self.local.nbytes
 
     @property
     def scratch_bytes(self) -> int:
@@ -206,10 +223,11 @@ class InFlight:
     posted: float  # perf_counter seconds when the first READ was posted
     pending: list[tuple[_SourcePulls, int]] = field(default_factory=list)  # (source, wave or -1: direct READ)
     queued: list[tuple[_SourcePulls, int, Any]] = field(default_factory=list)  # wave to post after its event
+    local: tuple[Any, Any] | None = None  # CUDA events around the CUDA IPC copies (start, end)
 
     @property
     def done(self) -> bool:
-        return not self.pending and not self.queued
+        return not self.pending and not self.queued and (self.local is None or self.local[1].query())
 
 
 class NixlTransport:
@@ -217,18 +235,20 @@ class NixlTransport:
 
     ``direct_min_bytes`` / ``max_direct`` / ``gap_bytes`` / ``scratch_budget``: see
     :data:`DIRECT_MIN_BYTES`, :data:`MAX_DIRECT`, :data:`GAP_BYTES`, :data:`SCRATCH_FRACTION`
-    (``scratch_budget=None``: the default budget).
+    (``scratch_budget=None``: the default budget). ``ipc``: ranks it opens are read through
+    CUDA IPC instead (:mod:`~megarefit.transport.cuda_ipc`); ``None``: every rank over NIXL.
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False,
                  direct_min_bytes: int = DIRECT_MIN_BYTES, gap_bytes: int = GAP_BYTES,
-                 scratch_budget: int | None = None, max_direct: int = MAX_DIRECT):
+                 scratch_budget: int | None = None, max_direct: int = MAX_DIRECT, ipc: IpcSources | None = None):
         # The receiver drives progress itself while it polls for completion; a
         # progress thread would only busy-poll a core (inside a vLLM worker, one
         # taken from inference). Publishers keep theirs: peers need it to connect.
         self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread)
         self.direct_min_bytes, self.gap_bytes, self.scratch_budget = direct_min_bytes, gap_bytes, scratch_budget
         self.max_direct = max_direct
+        self.ipc = ipc
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata loaded
         self._prepared: dict[tuple[str, ...], list[PreparedPlan]] = {}  # one prepared set at a time
         self._scratch: torch.Tensor | None = None
@@ -254,10 +274,19 @@ class NixlTransport:
 
         A source that re-registered (e.g. a restarted trainer: same agent name, new
         metadata) replaces its old entry, and requests prepared against it are released.
+        With ``ipc``, ranks on this GPU are opened through CUDA IPC instead (re-opened when
+        their exports change).
+
+        Raises:
+            TransferError: metadata names another agent than the manifest.
+            IpcError: ``transport="ipc"`` and a rank cannot be read through CUDA IPC.
         """
+        if self.ipc is not None and self.ipc.connect(manifests):
+            self._release_prepared()  # requests and copies against the old mappings
+        local = self._ipc_ranks()
         for rank, blob in metadata.items():
             name = manifests[rank].agent
-            if not blob or self._remotes.get(name) == blob:
+            if rank in local or not blob or self._remotes.get(name) == blob:
                 continue
             if name in self._remotes:
                 self._release_prepared()
@@ -269,6 +298,9 @@ class NixlTransport:
                 raise TransferError(f"rank {rank}: NIXL metadata names agent {added!r}, manifest says {name!r}")
             self._remotes[name] = blob
             self.nixl.counters["remote_agents"] += 1
+
+    def _ipc_ranks(self) -> frozenset[RankCoord]:
+        return frozenset() if self.ipc is None else self.ipc.ranks
 
     def release(self, tensors: Sequence[torch.Tensor]) -> None:
         """Drop every prepared request and deregister ``tensors`` (registered together by
@@ -300,7 +332,13 @@ class NixlTransport:
             TransferError: as :meth:`execute`."""
         agent = self.nixl.agent
         posted = []
+        local_ranks = self._ipc_ranks()
         for manifest, (addr, nbytes, mem, dev), local in reads:
+            if manifest.rank in local_ranks:  # a device copy from the mapped block
+                assert self.ipc is not None
+                local.view(torch.uint8).view(-1).copy_(self.ipc.checksum_block(manifest.rank)[:nbytes], non_blocking=True)
+                torch.cuda.current_stream(local.device).synchronize()
+                continue
             key = (self._remote_name(manifest), addr, nbytes, local.data_ptr())
             if key not in self._blocks:
                 self.nixl.register([local])
@@ -348,14 +386,17 @@ class NixlTransport:
         cached = self._prepared.get(key)
         if cached is not None:
             return cached
+        local = self._ipc_ranks() & manifests.keys()
+        remote = {r: m for r, m in manifests.items() if r not in local}
         every = [t for b in buffers for t in b.values()]
-        self.nixl.register(every)
+        if remote:
+            self.nixl.register(every)
         lmem, ldev = _local_memory({i: t for i, t in enumerate(every)})
         device = every[0].device if every else torch.device("cpu")
         # pass 1: per plan and rank, the direct descriptors and the gathered waves (addresses only)
         passes, need = [], 0
         for plan, bufs in zip(plans, buffers):
-            by_rank = _ops_by_rank(plan, manifests)
+            by_rank = _ops_by_rank(plan, remote, local)
             layouts = {rank: self._rank_layout(plan, pulls, manifests[rank], bufs, ldev)
                        for rank, pulls in sorted(by_rank.items())}
             waves_of, scratch_bytes = self._plan_waves(layouts, bufs)
@@ -364,6 +405,11 @@ class NixlTransport:
         self._ensure_scratch(need, device, (lmem, ldev), bool(every))
         # pass 2: descriptor lists, requests and the placement of each wave
         out = [self._prepare_pass2(key, *one, manifests, lmem, ldev) for one in passes]
+        if local:
+            assert self.ipc is not None
+            for prepared, plan, bufs in zip(out, plans, buffers):
+                ops = [op for op in plan.ops if op.src.rank in local]
+                prepared.local = DeviceCopies.build(plan, ops, self.ipc.tensor, bufs) if ops else None
         self._release_prepared()  # keep only the current layout's requests
         self._prepared = {key: out}
         return out
@@ -546,6 +592,15 @@ class NixlTransport:
             for w in range(min(2, len(pulls.waves))):
                 self._post(pulls, pulls.waves[w].handle)
                 flight.pending.append((pulls, w))
+        if prepared.local is not None:  # CUDA IPC ranks: device copies, asynchronous on the current stream
+            device = prepared.local.device
+            with torch.cuda.device(device):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                prepared.local()
+                end.record()
+            flight.local = (begin, end)
+            self.nixl.counters["ipc_launches"] += 1
         return flight
 
     def _post(self, pulls: _SourcePulls, handle: Any) -> None:
@@ -595,8 +650,14 @@ class NixlTransport:
             t0 = time.perf_counter()
             torch.cuda.current_stream(gpu).synchronize()
             scratch_s += time.perf_counter() - t0
+        ipc_s = None
+        if flight.local is not None:
+            flight.local[1].synchronize()
+            ipc_s = flight.local[0].elapsed_time(flight.local[1]) / 1e3
         total = time.perf_counter() - flight.posted
         self.last_seconds = {"read": total - scratch_s, "scratch": scratch_s}
+        if ipc_s is not None:
+            self.last_seconds["ipc"] = ipc_s
 
     def _poll(self, flight: InFlight) -> list[tuple[_SourcePulls, int]]:
         """Check every pending READ once; keep the unfinished, return the landed waves.
