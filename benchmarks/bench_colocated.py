@@ -89,6 +89,14 @@ def _measure(rdzv, ns: argparse.Namespace, label: str, cycles: int, *, install: 
     return row
 
 
+def _plain_copy(nbytes: int, ns: argparse.Namespace, best_of) -> float:
+    """Best seconds of ``dst.copy_(src)`` of ``nbytes`` on the device (freed after)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=ns.device)
+    dst = torch.empty_like(src)
+    best, _ = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
+    return best  # src and dst are freed on return; the caller empties the cache
+
+
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
@@ -159,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=ranks, args=(rdzv.port, cfg, args))
     rdzv.store.wait([f"bench/quantize/{r}" for r in range(ranks)], timedelta(seconds=900))
-    src = torch.ones(plan.nbytes, dtype=torch.uint8, device=ns.device)
-    dst = torch.empty_like(src)
-    copy_best, _ = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
-    del src, dst
+    copy_best = _plain_copy(plan.nbytes, ns, best_of)
     torch.cuda.empty_cache()
     staged: dict = {}
     rows = [_measure(rdzv, ns, "CUDA IPC, staged (pull only)", ns.cycles, install=False, keep=staged,
