@@ -96,6 +96,8 @@ class Rendezvous:
 
     # ---- receiver side ---------------------------------------------------
     def _wait(self, keys: list[str], timeout: float, what: str) -> None:
+        if self.store.check([self.prefix + k for k in keys]):  # all there: one round trip
+            return
         deadline = time.monotonic() + timeout
         while True:
             missing = [k for k in keys if not self.store.check([self.prefix + k])]
@@ -124,9 +126,9 @@ class Rendezvous:
         ranks = list(ranks)
         self._wait([f"generation/{_rank_key(r)}" for r in ranks], timeout, "manifest")  # names the missing ranks
         manifests, metadata = {}, {}
-        for r in ranks:
+        generations = self.store.multi_get([self.prefix + "generation/" + _rank_key(r) for r in ranks])
+        for r, gen in zip(ranks, generations):
             key = _rank_key(r)
-            gen = self.store.get(self.prefix + "generation/" + key)
             cached = self._seen.get(r)
             if cached is None or cached[0] != gen:  # new or re-registered: read and parse once
                 cached = (gen, Manifest.from_json(self.store.get(self.prefix + "manifest/" + key)),
@@ -136,7 +138,12 @@ class Rendezvous:
         return manifests, metadata
 
     def versions(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int | None]:
-        """Current version per rank (``None`` where none was published yet)."""
+        """Current version per rank (``None`` where none was published yet); one round trip
+        when every rank published one."""
+        ranks = list(ranks)
+        keys = [self.prefix + "version/" + _rank_key(r) for r in ranks]
+        if self.store.check(keys):
+            return {r: int(v) for r, v in zip(ranks, self.store.multi_get(keys))}
         out: dict[RankCoord, int | None] = {}
         for r in ranks:
             key = self.prefix + "version/" + _rank_key(r)
@@ -145,8 +152,12 @@ class Rendezvous:
 
     def sequences(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int]:
         """Current update sequence per rank (0 where the rank never began an update; odd:
-        writing now)."""
-        return {r: self.store.add(self.prefix + "seq/" + _rank_key(r), 0) for r in ranks}
+        writing now); one round trip when every rank has begun an update before."""
+        ranks = list(ranks)
+        keys = [self.prefix + "seq/" + _rank_key(r) for r in ranks]
+        if self.store.check(keys):
+            return {r: int(v) for r, v in zip(ranks, self.store.multi_get(keys))}
+        return {r: self.store.add(k, 0) for r, k in zip(ranks, keys)}
 
     # ---- hand-shake (optional): trainers may wait until a version was read ----
     def mark_consumed(self, version: int) -> None:
