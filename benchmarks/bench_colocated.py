@@ -16,6 +16,8 @@ which exports its CUDA storages for IPC. This process measures, in one run:
   and warm; ``open`` is the seconds spent opening the trainers' handles;
 * ``CUDA IPC staged + install`` and ``CUDA IPC streamed`` (``memory_budget="auto"``): the
   cycle with the consumer copying every tensor into its own model, as an inference engine does;
+* ``CUDA IPC streamed, direct``: the same with the model's tensors given as ``direct`` targets
+  (copied straight from the trainers' memory into them: one copy, no ring bytes);
 * ``NIXL, same GPU`` (``--nixl-cycles``): the same staged cycle over NIXL/UCX between the two
   processes (through the host: slow, so few cycles);
 
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                          keep=installed, transport="ipc", memory_budget="auto"))
     rows[-1]["equal"] = _same(installed, staged)
     installed.clear()
+    model = {k: torch.empty_like(v) for k, v in staged.items()}
+    rows.append(_measure(rdzv, ns, "CUDA IPC, streamed (auto budget), direct into the model", ns.cycles,
+                         install=True, keep={}, transport="ipc", memory_budget="auto", direct=model))
+    rows[-1]["equal"] = _same(model, staged)
+    del model
     if ns.nixl_cycles:
         over: dict = {}
         rows.append(_measure(rdzv, ns, "NIXL, same GPU, staged (pull only)", ns.nixl_cycles, install=False,

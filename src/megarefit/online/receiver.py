@@ -298,26 +298,28 @@ class RefitReceiver:
         self._manifests = manifests
         return manifests, metadata
 
-    def _wait_stable(self, ranks: list[RankCoord]) -> dict[RankCoord, int]:
-        """Every rank's update sequence once none is odd (no rank inside ``updating``)."""
+    def _wait_stable(self, ranks: list[RankCoord]) -> tuple[dict[RankCoord, int], dict[RankCoord, int | None]]:
+        """Every rank's update sequence once none is odd (no rank inside ``updating``), and the
+        versions read with them."""
         deadline = time.monotonic() + self.timeout
         while True:
-            seq = self.rendezvous.sequences(ranks)
+            seq, versions = self.rendezvous.state(ranks)
             writing = sorted(r for r, n in seq.items() if n % 2)
             if not writing:
-                return seq
+                return seq, versions
             if time.monotonic() > deadline:
                 raise StaleVersionError(f"trainer ranks still writing their weights after {self.timeout:.1f} s "
                                         f"(inside Publisher.updating, or an update that raised): "
                                         + ", ".join(str(tuple(r)) for r in writing))
             time.sleep(0.001)
 
-    def _wait_version(self, ranks: list[RankCoord], version: int | None) -> tuple[int, bool]:
-        """The common version (``version`` if given) and whether it had to be waited for."""
+    def _wait_version(self, ranks: list[RankCoord], version: int | None,
+                      seen: dict[RankCoord, int | None]) -> tuple[int, bool]:
+        """The common version (``version`` if given; ``seen``: the versions just read) and whether
+        it had to be waited for."""
         deadline = time.monotonic() + self.timeout
         waited = False
         while True:
-            seen = self.rendezvous.versions(ranks)
             values = set(seen.values())
             if version is None and len(values) == 1 and None not in values:
                 return values.pop(), waited  # type: ignore[return-value]
@@ -330,6 +332,7 @@ class RefitReceiver:
                 raise VersionMismatchError(f"trainer ranks do not publish {want} after {self.timeout:.1f} s: "
                                            f"{detail}")
             time.sleep(0.005)
+            seen = self.rendezvous.versions(ranks)
 
     def _plan_for(self, manifests: dict[RankCoord, Manifest]) -> tuple[Plan, bool]:
         first = manifests[min(manifests)]
@@ -524,8 +527,8 @@ class RefitReceiver:
         manifests, metadata = self._discover()
         lap("discover")
         ranks = sorted(manifests)
-        seq = self._wait_stable(ranks)  # seqlock: read before the bytes
-        got, waited = self._wait_version(ranks, version)
+        seq, seen = self._wait_stable(ranks)  # seqlock: read before the bytes
+        got, waited = self._wait_version(ranks, version, seen)
         if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
             manifests, metadata = self._discover()
             if sorted(manifests) != ranks:
@@ -538,8 +541,7 @@ class RefitReceiver:
 
         Raises:
             StaleVersionError: a rank moved past ``got`` or wrote during the pull."""
-        seq_after = self.rendezvous.sequences(ranks)  # seqlock: read after the bytes landed
-        after = self.rendezvous.versions(ranks)
+        seq_after, after = self.rendezvous.state(ranks)  # seqlock: read after the bytes landed
         moved = {r: v for r, v in after.items() if v != got}
         if moved:
             raise StaleVersionError(f"ranks moved past version {got} during the pull: "

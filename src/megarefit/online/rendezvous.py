@@ -54,6 +54,16 @@ class Rendezvous:
         self.job = job
         self.prefix = f"megarefit/{job}/"
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
+        self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
+
+    def _all_present(self, keys: list[str]) -> bool:
+        """Whether every key exists (one round trip, none once all were seen)."""
+        if self._present.issuperset(keys):
+            return True
+        if self.store.check(keys):
+            self._present.update(keys)
+            return True
+        return False
 
     @classmethod
     def serve(cls, host: str = "127.0.0.1", port: int = 0, *, job: str = "default",
@@ -96,7 +106,7 @@ class Rendezvous:
 
     # ---- receiver side ---------------------------------------------------
     def _wait(self, keys: list[str], timeout: float, what: str) -> None:
-        if self.store.check([self.prefix + k for k in keys]):  # all there: one round trip
+        if self._all_present([self.prefix + k for k in keys]):  # all there: at most one round trip
             return
         deadline = time.monotonic() + timeout
         while True:
@@ -142,7 +152,7 @@ class Rendezvous:
         when every rank published one."""
         ranks = list(ranks)
         keys = [self.prefix + "version/" + _rank_key(r) for r in ranks]
-        if self.store.check(keys):
+        if self._all_present(keys):
             return {r: int(v) for r, v in zip(ranks, self.store.multi_get(keys))}
         out: dict[RankCoord, int | None] = {}
         for r in ranks:
@@ -155,9 +165,19 @@ class Rendezvous:
         writing now); one round trip when every rank has begun an update before."""
         ranks = list(ranks)
         keys = [self.prefix + "seq/" + _rank_key(r) for r in ranks]
-        if self.store.check(keys):
+        if self._all_present(keys):
             return {r: int(v) for r, v in zip(ranks, self.store.multi_get(keys))}
         return {r: self.store.add(k, 0) for r, k in zip(ranks, keys)}
+
+    def state(self, ranks: Iterable[RankCoord]) -> tuple[dict[RankCoord, int], dict[RankCoord, int | None]]:
+        """(update sequences, versions) of ``ranks`` read together: one round trip (a snapshot of
+        the store) once every key exists, else as :meth:`sequences` then :meth:`versions`."""
+        ranks = list(ranks)
+        keys = [self.prefix + kind + _rank_key(r) for kind in ("seq/", "version/") for r in ranks]
+        if not self._all_present(keys):
+            return self.sequences(ranks), self.versions(ranks)
+        values = [int(v) for v in self.store.multi_get(keys)]
+        return dict(zip(ranks, values[:len(ranks)])), dict(zip(ranks, values[len(ranks):]))
 
     # ---- hand-shake (optional): trainers may wait until a version was read ----
     def mark_consumed(self, version: int) -> None:
