@@ -397,3 +397,26 @@ def test_snapshot_publisher_serves_the_published_copy(config):
     got = dict(receiver.run_refit_cycle(2))
     assert all(torch.equal(got[k], -v) for k, v in hf.items())
     receiver.close()
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 20])
+def test_release_memory_frees_the_buffers_and_the_next_cycle_allocates_again(served, budget):
+    """Between refits a colocated receiver gives its arena / ring and scratch back; the next
+    cycle allocates and prepares again (cold), without planning again, and pulls the same bytes."""
+    cfg, hf, shards, rdzv, pubs, _ = served
+    receiver = RefitReceiver(rdzv, name=f"{rdzv.job}-release-{budget}", timeout=5, memory_budget=budget)
+    try:
+        for p in pubs.values():
+            p.publish(3)
+        first = {k: t.clone() for k, t in receiver.run_refit_cycle(3)}
+        held = receiver.stats.peak_extra_bytes
+        registrations = receiver.counters["registrations"]
+        assert receiver.release_memory() == held > 0
+        assert receiver.release_memory() == 0  # nothing left to free
+        again = {k: t.clone() for k, t in receiver.run_refit_cycle(3)}
+        assert receiver.stats.cold and receiver.plans_built == 1
+        assert receiver.counters["registrations"] > registrations  # registered anew
+        assert again.keys() == first.keys() == hf.keys()
+        assert all(torch.equal(again[k], hf[k]) for k in hf)
+    finally:
+        receiver.close()

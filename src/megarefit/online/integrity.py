@@ -71,6 +71,10 @@ class ChecksumVerifier:
         self._offsets: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = {}  # memory digest -> name -> (at, shape)
         self._compiled: dict[tuple, _Compiled] = {}
 
+    def forget(self) -> None:
+        """Drop the compiled checks (their views of the receiver's buffers, which are being freed)."""
+        self._compiled = {}
+
     def pull(self, manifests: Mapping[RankCoord, Manifest], timeout: float) -> None:
         """READ every rank's checksum block.
 

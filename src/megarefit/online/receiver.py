@@ -348,6 +348,8 @@ class RefitReceiver:
         plan = self._plan
         if plan is not None and (plan.dims, plan.layout, plan.dtype, self._fmt) == (first.dims, first.layout, dtype,
                                                                                    fmt):
+            if not self._buffers and self._stream is None:  # release_memory() freed them: allocate again
+                self._allocate(plan, manifests)
             return plan, False
         if self.target is not None:
             plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
@@ -358,13 +360,42 @@ class RefitReceiver:
         self._fmt = fmt
         self.plans_built += 1
         self._plan = plan
-        self._quantizer = None
         self._checked = ()
+        self._allocate(plan, manifests)
+        return plan, True
+
+    def _allocate(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
+        """The ring (streamed) or arena (staged) of ``plan``."""
+        self._quantizer = None
         if self.memory_budget is not None:
             self._stream = self._ring_for(plan)
         else:
             self._arena_for(plan, manifests)
-        return plan, True
+
+    def release_memory(self) -> int:
+        """Free what the receiver holds on its device between cycles -- the arena (staged) or the
+        ring (streamed), and the scratch -- e.g. while a colocated trainer trains on the same GPU
+        and vLLM sleeps. Returns the bytes freed. The plan, the CUDA IPC mappings (they hold no
+        memory of the receiver's) and the NIXL connections stay; the next cycle allocates and
+        prepares again (a cold cycle, without planning). Tensors handed over earlier must no
+        longer be read.
+
+        Raises:
+            MegarefitError: the receiver serves a replica group (replicas read its arena)."""
+        if self.replica_group is not None:
+            raise MegarefitError("a receiver serving a replica group keeps its arena (replicas READ it): "
+                                 "release_memory() is for receivers without replica_group")
+        self._consumer_done()
+        held = list(self._arenas.values()) + ([self._stream.ring] if self._stream is not None else [])
+        freed = sum(t.numel() * t.element_size() for t in held)
+        self.transport.release([t for t in held if self.transport.nixl.registered(t)])  # none: CUDA IPC only
+        freed += self.transport.release_scratch()
+        self._arenas, self._buffers, self._stream, self._quantizer = {}, {}, None, None
+        if self._verifier is not None:
+            self._verifier.forget()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the pages back to other processes (the trainer, vLLM's KV cache)
+        return freed
 
     @property
     def direct(self) -> frozenset[str]:

@@ -299,6 +299,17 @@ class NixlTransport:
             self._remotes[name] = blob
             self.nixl.counters["remote_agents"] += 1
 
+    def release_scratch(self) -> int:
+        """Drop every prepared request and free the scratch (deregistered first); bytes freed. The
+        next :meth:`prepare` allocates it again."""
+        self._release_prepared()
+        if self._scratch is None:
+            return 0
+        freed = self._scratch.numel()
+        self.nixl.deregister([self._scratch])
+        self._scratch = None
+        return freed
+
     def _ipc_ranks(self) -> frozenset[RankCoord]:
         return frozenset() if self.ipc is None else self.ipc.ranks
 

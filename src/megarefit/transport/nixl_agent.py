@@ -80,6 +80,10 @@ class NixlAgent:
         self.counters["registrations"] += 1
         self.counters["registered_bytes"] += sum(t.numel() * t.element_size() for t in new)
 
+    def registered(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (a whole registered tensor, not a view inside one) is registered here."""
+        return (tensor.data_ptr(), tensor.numel() * tensor.element_size()) in self._registered
+
     def deregister(self, tensors: Sequence[torch.Tensor]) -> None:
         """Deregister tensors registered together by one :meth:`register` call (all of that
         call's tensors at once), before their memory is freed.
