@@ -9,7 +9,8 @@ source, strided on the destination. Run on a GPU machine from the repo root:
 Times (CUDA events, best of ``--repeat``) for the same bytes: one contiguous ``copy_``; the boxes
 through :class:`~megarefit.transport.boxcopy.BoxCopies` (one batched Triton launch); one
 ``copy_`` per box (PyTorch's strided copy kernel); and, where CuPy is installed,
-``cudaMemcpy2DAsync`` per box (the copy engines' strided path).
+``cudaMemcpy2DAsync`` per box (the copy engines' strided path). ``--from-json FILE`` prints
+the recorded tables.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def _time(fn, repeat: int) -> float:
     return best
 
 
+def table(r: dict) -> str:
+    """One run's heading and markdown table (as printed, and as docs/benchmarks.md shows it)."""
+    base = r["seconds"]["plain contiguous copy_"]
+    lines = [f"machine: {r['machine']}", (f"{r['config']}, {r['layers']} layers, tp={r['tp']}: {r['boxes']} row-parallel "
+             f"boxes, {r['bytes'] / 1e9:.3f} GB"), "", "| path | s | GB/s | vs contiguous |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {s:.5f} | {r['bytes'] / s / 1e9:.0f} | {base / s:.2f}x |" for name, s in r["seconds"].items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from megarefit.demo.bench import machine
     from megarefit.transport.boxcopy import BoxCopies
@@ -48,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", help="append the result as one JSON line")
+    ap.add_argument("--from-json", help="print the tables of recorded results (a --json file) and exit")
     ns = ap.parse_args(argv)
+    if ns.from_json:
+        lines = Path(ns.from_json).read_text(encoding="utf-8").splitlines()
+        print("\n\n".join(table(json.loads(line)) for line in lines if line.strip()))
+        return 0
     cfg = json.loads(Path(ns.config).read_text(encoding="utf-8"))
     hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
     q = cfg["num_attention_heads"] * (cfg.get("head_dim") or hidden // cfg["num_attention_heads"])
@@ -83,16 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     for d, s in pairs:  # every path wrote the same boxes: check the last one's result
         assert torch.equal(d, s)
-    base = rows["plain contiguous copy_"]
-    print(f"machine: {machine()}\n{Path(ns.config).stem}, {ns.layers} layers, tp={ns.tp}: {len(pairs)} row-parallel "
-          f"boxes, {nbytes / 1e9:.3f} GB\n")
-    print("| path | s | GB/s | vs contiguous |\n|---|---:|---:|---:|")
-    for name, s in rows.items():
-        print(f"| {name} | {s:.5f} | {nbytes / s / 1e9:.0f} | {base / s:.2f}x |")
+    result = {"machine": machine(), "config": Path(ns.config).stem, "tp": ns.tp, "layers": ns.layers,
+              "boxes": len(pairs), "bytes": nbytes, "seconds": rows}
+    print(table(result))
     if ns.json:
         with open(ns.json, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"machine": machine(), "config": Path(ns.config).stem, "tp": ns.tp, "layers": ns.layers,
-                                "boxes": len(pairs), "bytes": nbytes, "seconds": rows}) + "\n")
+            f.write(json.dumps(result) + "\n")
     return 0
 
 
