@@ -307,6 +307,8 @@ def _execute_on_meta(plan: Any) -> float:
 def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
     from megarefit.demo.live import run_live_demo
 
+    if args.ep > 1:
+        raise MegarefitError("--ep is for the local-transport demo; --transport nixl builds dense trainers only")
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
                                status=lambda msg: status.update(msg))
@@ -344,11 +346,13 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         raise MegarefitError("--engine vllm needs --transport nixl (the local transport refits HF models)")
 
     with console.status("starting") as status:
-        result = run_demo(args.config, tp=args.tp, pp=args.pp, seq=args.seq, quantization=args.quantization,
-                          status=lambda msg: status.update(msg))
+        result = run_demo(args.config, tp=args.tp, pp=args.pp, ep=args.ep, seq=args.seq,
+                          quantization=args.quantization, shrink=args.shrink, status=lambda msg: status.update(msg))
     plan, stats = result.plan, result.stats
+    for note in result.notes:
+        console.print(f"config: {note}")
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
-    console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} on gloo (CPU, fp32); "
+    console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} ep={args.ep} on gloo (CPU, fp32); "
                   f"target: HF transformers {result.config['architectures'][0]}")
     console.print(plan_table(plan, per_rank=True))
     times = Table(title="refit stages")
@@ -422,9 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="real Megatron-Core -> HF refit on CPU, with a logits check")
-    demo.add_argument("--config", help="HF config.json (default: a small Qwen3-architecture config)")
-    demo.add_argument("--tp", type=int, default=2, help="trainer tensor-parallel size (default 2)")
-    demo.add_argument("--pp", type=int, default=1, help="trainer pipeline-parallel size (default 1)")
+    demo.add_argument("--config", help="HF config.json, or a directory holding one (default: a small "
+                                       "Qwen3-architecture config); a large config is shrunk to a CPU-sized model "
+                                       "of the same architecture")
+    demo.add_argument("--tp", type=positive_int, default=2, help="trainer tensor-parallel size (default 2)")
+    demo.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
+    demo.add_argument("--ep", type=positive_int, default=1,
+                      help="trainer expert-parallel size, MoE configs (default 1; tp*pp*ep processes)")
+    demo.add_argument("--no-shrink", dest="shrink", action="store_false",
+                      help="build the config as given (default: shrink configs too large for a CPU demo)")
     demo.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence in the logits check")
     demo.add_argument("--transport", choices=["local", "nixl"], default="local",
                       help="local: in-process shards (default); nixl: trainers serve live shards over NIXL")

@@ -54,6 +54,7 @@ class DemoResult:
     where: dict[str, str] = field(default_factory=dict)  # FP8: HF weight -> "trainer" / "receiver: reason"
     cosine: float = 1.0
     unquantized_bytes: int = 0  # bytes the same refit moves without quantization (the shards' dtype, fp32 here)
+    notes: list[str] = field(default_factory=list)  # what shrinking the config changed (demo/shrink.py)
 
     @property
     def relative_error(self) -> float:
@@ -83,9 +84,15 @@ def check_memory(dims: ModelDims, tp: int, pp: int) -> None:
         )
 
 
-def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, batch: int = 2, seed: int = 1234,
-             quantization: str = "none", status: Callable[[str], None] = lambda _: None) -> DemoResult:
+def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, seq: int = 16, batch: int = 2,
+             seed: int = 1234, quantization: str = "none", shrink: bool = True,
+             status: Callable[[str], None] = lambda _: None) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it).
+
+    ``shrink`` (default): a config larger than a CPU demo is shrunk to a model of the same
+    architecture first (:func:`~megarefit.demo.shrink.shrink_config`; ``result.notes`` says
+    what changed). ``ep``: Megatron expert-parallel size (MoE configs; ``tp * pp * ep``
+    processes, experts split over ``ep`` with expert-TP ``tp``).
 
     ``quantization="fp8"``: the trainers quantize their shards to block FP8 where the
     blocks allow, the rest is quantized after the pull (:mod:`megarefit.quant`); the HF
@@ -97,24 +104,31 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
         RuntimeError: a trainer worker failed (its traceback is included).
     """
     from megarefit.demo.megatron_cpu import gpt_arch_from_hf
+    from megarefit.demo.shrink import shrink_config
     from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
     from megarefit.demo.workers import run_workers
-    from megarefit.integrations.hf import build_hf_model, hf_logits, install_weights
+    from megarefit.integrations.hf import (build_hf_model, hf_logits, install_weights, load_through_checkpoint,
+                                           needs_conversion)
     from megarefit.translate import check_shapes
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
+    notes: list[str] = []
+    if shrink:
+        cfg, notes = shrink_config(cfg)
     dims = ModelDims.from_hf_config(cfg)
     dims.check_layout(tp, pp)
+    if ep > 1 and (not dims.num_experts or dims.num_experts % ep):
+        raise MegarefitError(f"--ep {ep} needs an MoE config whose experts ({dims.num_experts}) divide by it")
     gpt_arch_from_hf(cfg, tp=tp)  # fail early on what the CPU harness cannot build
     check_memory(dims, tp, pp)
     vocab = dims.vocab_size
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     stages: dict[str, float] = {}
 
-    status(f"trainer: building Megatron-Core GPTModel on {tp * pp} gloo process(es) (tp={tp}, pp={pp})")
+    status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
     t0 = time.perf_counter()
-    case = TrainerCase("demo", cfg, tp, pp, tokens, seed)
-    per_rank = [r["demo"] for r in run_workers(trainer_job, world_size=tp * pp, args=([case],))]
+    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep)
+    per_rank = [r["demo"] for r in run_workers(trainer_job, world_size=tp * pp * ep, args=([case],)) if r["demo"]]
     stages["trainer (spawn, build, forward)"] = time.perf_counter() - t0
     shards = {tuple(r["coord"]): r["params"] for r in per_rank}
     megatron_logits = next(r["logits"] for r in per_rank if r["logits"] is not None)
@@ -125,7 +139,8 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
     status("plan: building and validating the slice plan")
     t0 = time.perf_counter()
     plan_megatron_to_hf.cache_clear()
-    base = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers)
+    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(tp),
+                              num_layers=dims.num_layers)
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in shards.items()})
     plan = plan_megatron_to_hf(dims, layout, "float32")
     check_shapes(plan, shards)
@@ -140,14 +155,20 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
         shards = quantize_sources(plan, shards, fmt)
         stages["trainer-side FP8 quantization"] = time.perf_counter() - t0
 
-    status("refit: streaming weights into an HF transformers model")
     model = build_hf_model(cfg)
+    names = [r.name for r in plan.targets if r not in plan.staging and not r.name.endswith("_scale_inv")]
+    convert = needs_conversion(model, names)
+    status("refit: streaming weights into an HF transformers model" + (
+        " (through a checkpoint: transformers fuses the per-expert tensors itself)" if convert else ""))
     t0 = time.perf_counter()
     stats = RefitStats()
     weights = run_refit_cycle(plan, LocalTransport(shards), stats=stats)
     if fmt is not None:  # the HF model computes in fp32: dequantize each FP8 weight with its block scales
         weights = iter(dequantize_state(dict(weights), fmt, torch.float32).items())
-    report = install_weights(model, weights)
+    if convert:
+        model, report = load_through_checkpoint(cfg, weights)
+    else:
+        report = install_weights(model, weights)
     stages["refit cycle (pull + install)"] = time.perf_counter() - t0
 
     status("check: HF forward vs Megatron forward")
@@ -158,4 +179,4 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, seq: int = 16, bat
     diff = (got - want).abs().max().item()
     cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
     return DemoResult(cfg, dims, plan, stats, diff, want.abs().max().item(), len(report.loaded), stages, fmt,
-                      where_quantized(plan) if fmt is not None else {}, cosine, unquantized_bytes)
+                      where_quantized(plan) if fmt is not None else {}, cosine, unquantized_bytes, notes)

@@ -98,6 +98,37 @@ def install_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
     return LoadReport(tuple(loaded), nbytes)
 
 
+def load_through_checkpoint(config: Mapping[str, Any], weights: Iterable[tuple[str, torch.Tensor]],
+                            *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, LoadReport]:
+    """An HF model loaded by transformers' own ``from_pretrained`` from ``weights`` (on-disk
+    checkpoint names, e.g. per-expert ``mlp.experts.E.gate_proj.weight``), written to a temporary
+    directory first: transformers converts them into its in-memory layout (transformers 5 fuses
+    experts into ``mlp.experts.gate_up_proj`` / ``down_proj``). The report lists the names written.
+
+    Raises:
+        MissingParameterError / UnexpectedParameterError: transformers reports missing or
+            unexpected keys (names them)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    state = {name: t.detach().clone() for name, t in weights}
+    with tempfile.TemporaryDirectory(prefix="megarefit-hf-") as tmp:
+        save_checkpoint(tmp, config, state)
+        model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, output_loading_info=True)
+    if info.get("missing_keys"):
+        raise MissingParameterError(f"transformers found no weight for {sorted(info['missing_keys'])[:3]}")
+    if info.get("unexpected_keys"):
+        raise UnexpectedParameterError(f"transformers did not expect {sorted(info['unexpected_keys'])[:3]}")
+    return model.eval(), LoadReport(tuple(state), sum(t.numel() * t.element_size() for t in state.values()))
+
+
+def needs_conversion(model: torch.nn.Module, names: Iterable[str]) -> bool:
+    """Whether ``names`` (checkpoint names) are not ``model``'s own parameter names -- transformers 5
+    keeps fused expert tensors -- so they must go through :func:`load_through_checkpoint`."""
+    return not set(names) <= set(expected_weight_names(model))
+
+
 def save_checkpoint(directory: str | os.PathLike[str], config: Mapping[str, Any],
                     tensors: Mapping[str, torch.Tensor]) -> None:
     """Write ``config.json`` and ``model.safetensors`` (on-disk HF checkpoint names)."""

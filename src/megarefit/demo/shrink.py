@@ -1,0 +1,132 @@
+"""Shrink a real HF config to a CPU-sized model of the same architecture (``megarefit demo``).
+
+The demo builds the model in fp32 on CPU with real Megatron-Core, so a 671B config must
+become a model of a few MB first. :func:`shrink_config` keeps what decides how weights are
+laid out and translated, and reduces only sizes:
+
+============================  =================================================================
+kept                          family, GQA ratio (query heads per KV head, up to 16), head_dim
+                              given explicitly or not, QKV bias, QK norm, tied embeddings,
+                              partial RoPE, MLA (with or without ``q_lora_rank``), dense-first
+                              layers, shared experts, expert-score bias, top-k normalisation
+reduced                       layers (the dense-first ones, at most one, plus two), hidden size,
+                              heads (2 KV groups), FFN sizes, experts (4, top-2), MLA ranks,
+                              vocabulary (512)
+dropped, and said so          RoPE scaling (the CPU harness builds plain RoPE), group-limited
+                              routing (``n_group``), MTP layers (not part of the HF model), a
+                              checkpoint's ``quantization_config``
+============================  =================================================================
+
+None of the dropped features changes a weight's layout; each one dropped is listed in the
+returned notes, which the CLI prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SMALL_VOCAB = 512
+HEAD_DIM = 16  # head_dim of the shrunk model
+KV_GROUPS = 2  # KV heads of the shrunk model (tp=2 splits them)
+FFN = 96
+MOE_FFN = 32
+EXPERTS = 4
+TOPK = 2
+MAX_GQA = 16
+
+
+def _experts_key(cfg: dict[str, Any]) -> str | None:
+    return next((k for k in ("n_routed_experts", "num_experts", "num_local_experts") if cfg.get(k)), None)
+
+
+def _small_enough(cfg: dict[str, Any]) -> bool:
+    """Already CPU-sized: nothing to shrink."""
+    return (cfg.get("hidden_size", 0) <= 256 and cfg.get("num_hidden_layers", 0) <= 4
+            and cfg.get("vocab_size", 0) <= 4096 and (cfg.get(_experts_key(cfg) or "", 0) or 0) <= 8)
+
+
+def _attention(cfg: dict[str, Any], out: dict[str, Any]) -> None:
+    """Heads, KV groups, head_dim, hidden size (and MLA ranks) of the shrunk model."""
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    ratio = min(heads // kv, MAX_GQA) if heads % kv == 0 else 1
+    mla = bool(cfg.get("kv_lora_rank"))
+    out["num_attention_heads"] = 4 if mla or ratio == 1 else KV_GROUPS * ratio
+    out["num_key_value_heads"] = out["num_attention_heads"] if mla or ratio == 1 else KV_GROUPS
+    if mla:
+        out.update(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        if cfg.get("q_lora_rank"):
+            out["q_lora_rank"] = 48
+        out["hidden_size"] = 64
+    elif cfg.get("head_dim"):
+        out["head_dim"] = HEAD_DIM
+        out["hidden_size"] = 64
+    else:  # head_dim = hidden_size / heads
+        out["hidden_size"] = out["num_attention_heads"] * HEAD_DIM
+
+
+def _moe(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> int:
+    """Experts, FFN sizes and dense-first layers; returns how many dense layers come first."""
+    out["intermediate_size"] = FFN
+    key = _experts_key(cfg)
+    if key is None:
+        return 0
+    out[key] = EXPERTS
+    out["num_experts_per_tok"] = min(cfg.get("num_experts_per_tok") or TOPK, TOPK)
+    if cfg.get("moe_intermediate_size"):
+        out["moe_intermediate_size"] = MOE_FFN
+    if cfg.get("shared_expert_intermediate_size"):
+        out["shared_expert_intermediate_size"] = MOE_FFN
+    if cfg.get("n_shared_experts"):
+        out["n_shared_experts"] = 1
+    if (cfg.get("n_group") or 1) > 1:
+        notes.append(f"group-limited routing off (n_group {cfg['n_group']} -> 1, topk_group -> 1): routing only, "
+                     "no weight changes layout")
+    if "n_group" in cfg:
+        out["n_group"], out["topk_group"] = 1, 1
+    dense = min(cfg.get("first_k_dense_replace") or 0, 1)
+    if "first_k_dense_replace" in cfg:
+        out["first_k_dense_replace"] = dense
+    if cfg.get("mlp_only_layers"):
+        out["mlp_only_layers"] = [0]
+        dense = 1
+    return dense
+
+
+def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A CPU-sized copy of ``cfg`` (an HF ``config.json`` dict) with the same architecture, and
+    one line per change (empty when ``cfg`` is already small). See the module docstring."""
+    if _small_enough(cfg):
+        return dict(cfg), []
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+    _attention(cfg, out)
+    dense = _moe(cfg, out, notes)
+    out["num_hidden_layers"] = dense + 2
+    out["vocab_size"] = min(cfg.get("vocab_size") or SMALL_VOCAB, SMALL_VOCAB)
+    out["max_position_embeddings"] = 256
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids must exist in the small vocabulary
+        value = cfg.get(key)
+        if isinstance(value, int) and value >= out["vocab_size"]:
+            out[key] = min(2 + ("bos_token_id", "eos_token_id", "pad_token_id").index(key), out["vocab_size"] - 1)
+        elif isinstance(value, list):
+            out[key] = [v if v < out["vocab_size"] else 1 for v in value]
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling:
+        notes.append(f"RoPE scaling ({scaling.get('rope_type', scaling.get('type'))}) dropped: the CPU harness builds "
+                     "plain RoPE; no weight changes layout")
+        out["rope_scaling"] = None
+    if cfg.get("num_nextn_predict_layers"):
+        notes.append(f"MTP layers dropped ({cfg['num_nextn_predict_layers']} -> 0): not part of the HF model; "
+                     "`megarefit plan --mtp-layers` plans them")
+        out["num_nextn_predict_layers"] = 0
+    if cfg.get("quantization_config"):
+        notes.append("the checkpoint's quantization_config dropped: the demo's weights are random fp32 "
+                     "(--quantization fp8 quantizes the refit)")
+    small = {k: v for k, v in cfg.items() if k != "quantization_config"} | out
+    changed = [f"{k} {cfg.get(k)} -> {v}" for k, v in out.items() if cfg.get(k) != v and k not in ("rope_scaling",)]
+    notes.insert(0, "shrunk to a CPU-sized model of the same architecture: " + ", ".join(changed))
+    return small, notes
+
+
+__all__ = ["shrink_config"]
