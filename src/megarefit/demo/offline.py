@@ -30,8 +30,15 @@ from megarefit.transport.execute import RefitStats, run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
 TOLERANCE = 1e-4  # max |logit difference| in fp32
-FP8_TOLERANCE = 0.2  # block FP8: max |logit difference| / max |logit| (measured 0.06-0.11 on random models)
-FP8_COSINE = 0.99  # ... and the cosine similarity of the logits at least this (measured 0.995-0.998)
+FP8_TOLERANCE = 0.2  # block FP8 vs fp32 (information): max |logit difference| / max |logit|
+FP8_COSINE = 0.99  # ... and the cosine similarity of the logits (information)
+# With --quantization fp8 the verdict is the refit against a reference: the same Megatron weights,
+# unquantized, each quantized WHOLE (quantize_fp8 on the full HF tensor, dequantized), in an HF
+# model of their own. A refit that quantizes on the trainers per shard (blocks inside one shard)
+# and on the receiver (blocks that straddle shards) must give the same FP8 values, so the two
+# models' logits must agree like the fp32 check (TOLERANCE). FP8's own error against the fp32
+# Megatron forward grows with depth and width on random weights (0.06-0.2 of the logit scale on
+# the shrunk configs, 0.37 on the whole 28-layer Qwen3-0.6B): reported, not judged.
 
 
 def default_config() -> dict[str, Any]:
@@ -55,6 +62,7 @@ class DemoResult:
     cosine: float = 1.0
     unquantized_bytes: int = 0  # bytes the same refit moves without quantization (the shards' dtype, fp32 here)
     notes: list[str] = field(default_factory=list)  # what shrinking the config changed (demo/shrink.py)
+    reference_diff: float | None = None  # FP8: max |logit diff| against whole-tensor quantization of the weights
 
     @property
     def relative_error(self) -> float:
@@ -63,7 +71,7 @@ class DemoResult:
     @property
     def passed(self) -> bool:
         if self.quantization is not None:
-            return self.relative_error < FP8_TOLERANCE and self.cosine > FP8_COSINE and self.logit_scale > 0
+            return self.reference_diff is not None and self.reference_diff < TOLERANCE and self.logit_scale > 0
         return self.max_logit_diff < TOLERANCE and self.logit_scale > 0
 
 
@@ -146,6 +154,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, seq: 
     check_shapes(plan, shards)
     unquantized_bytes = plan.nbytes
     fmt = resolve_quantization(quantization, cfg)
+    plain_plan, plain_shards = plan, shards
     if fmt is not None:
         plan = plan_fp8(plan, fmt)
     stages["plan + validate"] = time.perf_counter() - t0
@@ -178,5 +187,29 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, seq: 
     want = megatron_logits[..., :vocab]
     diff = (got - want).abs().max().item()
     cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    reference = None
+    if fmt is not None:
+        status("check: against the same weights quantized whole")
+        ref = _whole_tensor_fp8_logits(cfg, plain_plan, plain_shards, fmt, where_quantized(plan), tokens)
+        reference = (got - ref).abs().max().item()
     return DemoResult(cfg, dims, plan, stats, diff, want.abs().max().item(), len(report.loaded), stages, fmt,
-                      where_quantized(plan) if fmt is not None else {}, cosine, unquantized_bytes, notes)
+                      where_quantized(plan) if fmt is not None else {}, cosine, unquantized_bytes, notes, reference)
+
+
+def _whole_tensor_fp8_logits(cfg: dict[str, Any], plan: Plan, shards: dict, fmt: Any, where: dict[str, str],
+                             tokens: torch.Tensor) -> torch.Tensor:
+    """HF logits of the unquantized refit with every weight in ``where`` quantized whole
+    (``quantize_fp8`` on the full HF tensor) and dequantized: the reference of an FP8 refit."""
+    from megarefit.integrations.hf import build_hf_model, hf_logits, install_weights, load_through_checkpoint
+    from megarefit.quant.fp8 import quantize_fp8
+
+    state = {name: t.clone() for name, t in run_refit_cycle(plan, LocalTransport(shards))}
+    for name in where:
+        q, scale_inv = quantize_fp8(state[name], fmt)
+        state[name] = dequantize_state({name: q, name + "_scale_inv": scale_inv}, fmt, torch.float32)[name]
+    model = build_hf_model(cfg)
+    if set(state) <= {n for n, _ in model.named_parameters()}:
+        install_weights(model, state.items())
+    else:
+        model, _ = load_through_checkpoint(cfg, state.items())
+    return hf_logits(model, tokens)

@@ -1,0 +1,40 @@
+"""`megarefit demo` shrinks real configs (megarefit.demo.shrink): sizes go down, what decides
+the weights' layout stays, and every change is said."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CONFIG_DIR, real_config
+
+from megarefit.demo.shrink import shrink_config
+from megarefit.layout.dims import ModelDims
+
+NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shrunk_configs_keep_the_architecture(name):
+    cfg = real_config(name)
+    small, notes = shrink_config(cfg)
+    big, dims = ModelDims.from_hf_config(cfg), ModelDims.from_hf_config(small)
+    assert dims.hidden_size <= 512 and dims.num_layers <= 3 and dims.vocab_size <= 512
+    assert notes and notes[0].startswith("shrunk to a CPU-sized model of the same architecture")
+    assert small["model_type"] == cfg["model_type"] and small["architectures"] == cfg["architectures"]
+    ratio = big.num_attention_heads // big.num_query_groups
+    assert dims.num_attention_heads // dims.num_query_groups == (1 if ratio == 1 else min(ratio, 16))
+    assert dims.num_query_groups % 2 == 0  # tp=2 splits the KV groups
+    for flag in ("qkv_bias", "qk_norm", "tie_word_embeddings", "router_bias"):
+        assert getattr(dims, flag) == getattr(big, flag), flag
+    assert bool(dims.kv_lora_rank) == bool(big.kv_lora_rank) and bool(dims.q_lora_rank) == bool(big.q_lora_rank)
+    assert bool(dims.num_experts) == bool(big.num_experts)
+    assert bool(dims.shared_expert_ffn) == bool(big.shared_expert_ffn)
+    assert bool(dims.dense_layers) == bool(big.dense_layers)
+    if cfg.get("rope_scaling"):
+        assert small["rope_scaling"] is None and any("RoPE scaling" in n for n in notes)
+    assert all(small.get(k, 0) < small["vocab_size"] for k in ("bos_token_id", "pad_token_id")
+               if isinstance(small.get(k), int))
+
+
+def test_a_small_config_is_left_alone(config):
+    cfg = config("Qwen3-0.6B")
+    assert shrink_config(cfg) == (cfg, [])
