@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -364,3 +365,28 @@ def test_bench_on_cuda_without_cuda_is_one_clear_error(capsys):
         main(["bench", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--device", "cuda"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "sees no CUDA device; use --device cpu" in err, err
+
+
+def test_every_option_has_help_and_the_top_level_help_lists_every_command():
+    import argparse
+
+    from megarefit.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [(name, a.option_strings) for name, p in sub.choices.items() for a in p._actions
+               if a.option_strings and not a.help]
+    assert not missing, missing
+    text = parser.format_help()
+    assert all(name in text for name in sub.choices) and len(sub._choices_actions) == len(sub.choices)
+
+
+def test_tables_are_not_cut_when_piped(tmp_path):
+    """Long names stay whole when stdout is a pipe and no terminal width is known (logs, CI)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "name-map", "--config",
+                           str(CONFIG_DIR / "DeepSeek-V3.json"), "--tp", "2"], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout
+    assert "decoder.layers.3.mlp.experts.linear_fc1.weight255" in proc.stdout

@@ -1,4 +1,4 @@
-"""Command line: ``megarefit demo`` and ``megarefit plan``."""
+"""Command line: ``megarefit demo | plan | bench | name-map`` (``megarefit COMMAND --help`` for each)."""
 
 from __future__ import annotations
 
@@ -424,7 +424,8 @@ def output_path(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megarefit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megarefit", description="Megatron-Core -> HF / vLLM weight refits: "
+                                     "plan, check and time them. `megarefit COMMAND --help` for each command.")
     parser.add_argument("--version", action="version", version=f"megarefit {megarefit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -477,19 +478,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="look every parameter up in Megatron-Bridge's mapping registry and report "
                             "disagreements (exit 1 if any)")
     names.add_argument("--patterns", action="store_true", help="print Bridge's registry patterns (with --from-bridge)")
-    names.add_argument("--format", choices=["table", "json"], default="table")
+    names.add_argument("--format", choices=["table", "json"], default="table",
+                       help="table (default) or json (layout and one entry per Megatron parameter)")
     names.set_defaults(func=cmd_name_map)
     return parser
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--tp", type=positive_int, default=2, help="trainer tensor-parallel size (default 2)")
+    p.add_argument("--ep", type=positive_int, default=1, help="trainer expert-parallel size (default 1)")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the config's)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=5, help="warm cycles to time (default 5)")
     p.add_argument("--install", choices=["staged", "streamed"],
                    help="also time an install into a preallocated consumer model and print its extra memory: "
                         "staged (whole share in an arena) or streamed (layer groups through one ring; staged "
@@ -503,9 +505,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="HF config.json (or a directory holding one)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--tp", type=positive_int, default=1, help="trainer tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
+    p.add_argument("--ep", type=positive_int, default=1, help="trainer expert-parallel size (default 1)")
     p.add_argument("--etp", type=positive_int, help="expert tensor parallel size: 1 or tp (default: tp)")
     p.add_argument("--expert-layout", choices=["sequential", "te_grouped", "legacy_grouped"], default="te_grouped",
                    help="expert storage (default: te_grouped)")
