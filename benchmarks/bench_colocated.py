@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarefit.demo.bench import bench_config, best_of, machine
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
     ns = _parser().parse_args(argv)
     if ns.from_json:
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     dims, layout, plan = _setup(cfg, args)
     ranks = len(layout.ranks())
     args["raw_bytes"] = [0] * ranks  # no raw NIXL block: this benchmark's baseline is a device copy
+    ensure_job_secret()  # the trainer processes started below inherit it
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=ranks, args=(rdzv.port, cfg, args))
     rdzv.store.wait([f"bench/quantize/{r}" for r in range(ranks)], timedelta(seconds=900))

@@ -72,7 +72,7 @@ def main() -> None:
 
     from megarefit.demo.bench import bench_config, machine
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.online.replica import tree_parent
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -99,6 +99,7 @@ def main() -> None:
           "| per receiver s (best, tier order) |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for n in ns.replicas:
+        ensure_job_secret()  # the trainer processes started below inherit it
         rdzv = Rendezvous.serve(job="bench")
         trainers = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
         names = ["tier1"] + [f"replica{i}" for i in range(n)]

@@ -126,7 +126,7 @@ def main() -> None:
     from megarefit.demo.bench import bench_config, machine
     from megarefit.demo.workers import start_workers
     from megarefit.planner import plan_megatron_to_hf
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))
@@ -157,6 +157,7 @@ def main() -> None:
     args["vllm_tp"] = 0  # the trainers' own _setup: the HF plan (its FP8 decisions are the vLLM plans' too)
     trainer_args = dict(args)
     args["vllm_tp"] = ns.vllm_tp
+    ensure_job_secret()  # the trainer processes started below inherit it
     rdzv = Rendezvous.serve(job="bench")
     for i, r in enumerate(ranks):
         rdzv.store.set(f"multi/coord/{i}", json.dumps(list(r)))

@@ -192,7 +192,7 @@ def main() -> None:
     from megarefit.demo.bench import bench_config, best_of, machine
     from megarefit.demo.workers import start_workers
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))
@@ -230,6 +230,7 @@ def main() -> None:
                                         "trainer_device", "quantization")}
     args["param_buffer"] = not ns.separate_params
     dims, layout, plan = _setup(cfg, args)
+    ensure_job_secret()  # the trainer processes started below inherit it
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
     t_ctor = time.perf_counter()

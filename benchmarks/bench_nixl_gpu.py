@@ -24,7 +24,7 @@ import megarefit
 from megarefit.online import RefitReceiver
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.online.publisher import Publisher
-from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,7 @@ def main() -> None:
     for i, (src_dev, dst_dev) in enumerate(itertools.product(("cuda", "cpu"), ("cuda:0", "cpu"))):
         shards = {r: {n: t.to(src_dev).contiguous() for n, t in s.items()} for r, s in host.items()}
         job = f"gpu-{i}"
+        ensure_job_secret()  # the trainer processes started below inherit it
         rdzv = Rendezvous.serve(job=job)
         pubs = [Publisher(s, cfg, rank=r, tp=args.tp, pp=1, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}")
                 for r, s in shards.items()]

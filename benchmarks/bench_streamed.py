@@ -34,9 +34,10 @@ def _trainers(cfg: dict, ns: argparse.Namespace):
     from megarefit.demo.bench import layout_for
     from megarefit.layout.geometry import source_tensors
     from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
     dims, layout = layout_for(cfg, tp=ns.tp, ep=ns.ep, layers=ns.layers)
+    ensure_job_secret()  # the trainer processes started below inherit it
     rdzv = Rendezvous.serve(job="bench-streamed")
     g = torch.Generator(device=ns.trainer_device).manual_seed(0)
     pubs = []

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarefit.demo.bench import bench_config, best_of, machine
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
     ns = _parser().parse_args(argv)
     if ns.from_json:
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_config(ns.config, ns.layers)
     args = _args(ns)
     dims, layout, _plan = _setup(cfg, args)
+    ensure_job_secret()  # the trainer processes started below inherit it
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=len(layout.ranks()), args=(rdzv.port, cfg, args))
     rdzv.store.wait([f"bench/quantize/{r}" for r in range(len(layout.ranks()))], timedelta(seconds=600))

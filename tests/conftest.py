@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# One job secret for every rendezvous of the suite (its spawned trainer processes inherit it);
+# tests of the secret itself pass their own.
+os.environ.setdefault("MEGAREFIT_JOB_SECRET", "megarefit-test-suite-" + os.urandom(8).hex())
 
 CONFIG_DIR = Path(__file__).parent / "data" / "configs"
 

@@ -85,7 +85,7 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
     from megarefit.demo.workers import start_workers
     from megarefit.integrations.hf import build_hf_model, install_weights, save_checkpoint
     from megarefit.online.receiver import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.translate import megatron_to_hf
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
@@ -97,6 +97,7 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
     work = Path(tempfile.mkdtemp(prefix="megarefit-demo-"))
     (work / "snapshots").mkdir()
     job = f"demo-{os.getpid()}"
+    ensure_job_secret()  # the trainer processes started below inherit it
     rdzv = Rendezvous.serve(job=job)
     t0 = time.perf_counter()
     status(f"trainer: starting {tp * pp} Megatron-Core process(es) serving over NIXL")

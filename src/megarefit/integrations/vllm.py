@@ -108,7 +108,7 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
-              transport: str = "auto") -> RefitReceiver:
+              transport: str = "auto", secret: str | None = None) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if sharded:
@@ -117,7 +117,8 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
         target = vllm_target_of(model, parallel_config)
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
-    return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout), name=name, timeout=timeout,
+    return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout, secret=secret), name=name,
+                         timeout=timeout,
                          experts=experts, target=target, device=device, memory_budget=memory_budget,
                          verify_checksums=verify_checksums, transport=transport)  # type: ignore[arg-type]
 
@@ -248,7 +249,8 @@ class MegarefitWorkerExtension:
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
                        sharded: bool = False, memory_budget: int | str | None = None,
-                       verify_checksums: bool = False, direct: bool = False, transport: str = "auto") -> None:
+                       verify_checksums: bool = False, direct: bool = False, transport: str = "auto",
+                       secret: str | None = None) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
@@ -271,7 +273,8 @@ class MegarefitWorkerExtension:
         those bytes then skip the ring and vLLM's reload (``direct_bytes`` in the report).
         ``transport``: ``"auto"`` reads trainer ranks on this worker's GPU through CUDA IPC
         (colocated RL) and the rest over NIXL; ``"nixl"`` / ``"ipc"`` force one
-        (:class:`~megarefit.online.receiver.RefitReceiver`).
+        (:class:`~megarefit.online.receiver.RefitReceiver`). ``secret``: the job secret the
+        trainers sign their records with (default: ``$MEGAREFIT_JOB_SECRET`` in the worker).
 
         Raises:
             MegarefitError: ``direct`` without ``sharded`` and ``memory_budget``.
@@ -282,7 +285,7 @@ class MegarefitWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
-                                    config.parallel_config, memory_budget, verify_checksums, transport)
+                                    config.parallel_config, memory_budget, verify_checksums, transport, secret)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -357,6 +360,7 @@ class MegarefitInitInfo:
     memory_budget: int | str | None = None  # stream through a bounded ring (bytes or "auto"); None: staged
     verify_checksums: bool = False  # check pulled boxes against the trainers' checksums (Publisher(checksums=True))
     transport: str = "auto"  # "auto": CUDA IPC for trainer ranks on this GPU, NIXL for the rest; "nixl"; "ipc"
+    secret: str | None = None  # the job secret (default: $MEGAREFIT_JOB_SECRET in the worker)
 
 
 @dataclass
@@ -380,7 +384,8 @@ def _make_engine_class():
             rank = getattr(self.parallel_config, "rank", 0)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
                                       getattr(self, "model", None), init_info.sharded, self.parallel_config,
-                                      init_info.memory_budget, init_info.verify_checksums, init_info.transport)
+                                      init_info.memory_budget, init_info.verify_checksums, init_info.transport,
+                                      init_info.secret)
             self.last_report: dict[str, Any] | None = None
 
         def start_weight_update(self) -> None:

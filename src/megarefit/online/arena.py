@@ -33,8 +33,8 @@ def publish_arena(rdzv: Rendezvous, group: str, rid: str, arenas: dict[str, torc
     info = {"agent": rid, "version": version,
             "arenas": {d: [a.data_ptr(), a.numel(), *mem_type(a)] for d, a in arenas.items()},
             "targets": [[n, d, o, list(s)] for n, d, o, s in targets]}
-    rdzv.store.set(rdzv.prefix + arena_key("meta", group, rid), metadata)
-    rdzv.store.set(rdzv.prefix + arena_key("info", group, rid), json.dumps(info))
+    rdzv.put(arena_key("meta", group, rid), metadata)
+    rdzv.put(arena_key("info", group, rid), json.dumps(info))
 
 
 def tree_parent(rdzv: Rendezvous, group: str, rid: str, fanout: int) -> str | None:

@@ -3,7 +3,7 @@
 Each Megatron rank wraps its parameters once::
 
     pub = Publisher(dict(model.named_parameters()), hf_config, rank=(tp_rank, pp_rank, 0),
-                    tp=tp, pp=pp, rendezvous=Rendezvous.connect(host, port))
+                    tp=tp, pp=pp, rendezvous=Rendezvous.connect(host, port, secret=job_secret))
     ...
     optimizer.step()
     pub.publish(version=step)          # after every optimizer step; registers nothing new

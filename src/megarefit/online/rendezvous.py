@@ -19,14 +19,29 @@ Keys, under a job prefix (``megarefit/<job>/``)::
 One side serves the store (``Rendezvous.serve``), the others connect
 (``Rendezvous.connect``); on one machine the embedded default needs nothing
 else running.
+
+Every record megarefit acts on (manifest, NIXL metadata, generation, version, update
+sequence, consumed marks, acknowledgements, registry members, replica arena records) is
+signed with the job's secret (``secret=``, else ``MEGAREFIT_JOB_SECRET``; HMAC-SHA256 from the
+standard library) and checked before use: ``mr1:<mac>:<n>:<payload>``, the MAC over the
+job, the key, ``n`` and the payload, ``n`` a writer's counter that only grows (nanoseconds at
+least), so an older record written again under its key is refused as replayed. A record
+that is unsigned, signed with another secret or replayed raises
+:class:`RecordAuthenticationError` and nothing acts on it. Heartbeat and registry counters
+are plain store counters (unsigned: forging them can delay a trainer, not feed it bytes).
+docs/security.md says what this protects and what it does not.
 """
 
 from __future__ import annotations
 
 import atexit
 import hashlib
+import hmac
+import os
+import secrets
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterable
 from datetime import timedelta
@@ -42,17 +57,57 @@ class RendezvousTimeout(MegarefitError, TimeoutError):
     """A key did not appear in time (a trainer rank that never published, or died)."""
 
 
+class RecordAuthenticationError(MegarefitError):
+    """A rendezvous record is unsigned, signed with another job's secret (or forged), or an older
+    record written again (replayed); nothing was done with it. Names the key and the fix."""
+
+
+SECRET_ENV = "MEGAREFIT_JOB_SECRET"
+_FORMAT = b"mr1"
+_MAX_COUNTER_DIGITS = 20
+
+
+def ensure_job_secret() -> str:
+    """``$MEGAREFIT_JOB_SECRET``, set to a new random secret first if unset: for a launcher that
+    starts the job's processes itself on this host (they inherit it), e.g. the demo and the
+    benchmarks. A multi-host job sets the variable (or passes ``secret=``) on every host."""
+    return os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+
+
+def _resolve_secret(secret: bytes | str | None, *, serving: bool) -> tuple[bytes, bool]:
+    """(the job secret, whether it was generated): ``secret``, else ``$MEGAREFIT_JOB_SECRET``,
+    else (serving side only) a new random one.
+
+    Raises:
+        MegarefitError: a connecting side has neither (names the fix)."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if secret is None:
+        if not serving:
+            raise MegarefitError(f"no job secret: pass secret= (the serving side's Rendezvous.secret) to "
+                                 f"Rendezvous.connect, or set {SECRET_ENV} for every process of the job")
+        return secrets.token_hex(32).encode(), True
+    secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not secret:
+        raise MegarefitError("the job secret is empty; use a long random string (e.g. secrets.token_hex(32))")
+    return secret, False
+
+
 def _rank_key(rank: RankCoord) -> str:
     return f"{rank.tp}.{rank.pp}.{rank.ep}"
 
 
 class Rendezvous:
-    """Manifest and version exchange between trainer ranks and receivers."""
+    """Manifest and version exchange between trainer ranks and receivers (records signed with
+    the job secret; see the module docstring)."""
 
-    def __init__(self, store: dist.TCPStore, job: str = "default"):
+    def __init__(self, store: dist.TCPStore, job: str = "default", secret: bytes | str | None = None):
         self.store = store
         self.job = job
         self.prefix = f"megarefit/{job}/"
+        self._secret, _ = _resolve_secret(secret, serving=False)
+        self._counter = 0  # the last n this writer signed
+        self._latest: dict[str, int] = {}  # key -> the highest n read (older ones are replays)
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
@@ -67,16 +122,84 @@ class Rendezvous:
 
     @classmethod
     def serve(cls, host: str = "127.0.0.1", port: int = 0, *, job: str = "default",
-              timeout: float = 300.0) -> Rendezvous:
-        """Host the store (``port=0`` picks a free port; see :attr:`port`)."""
+              timeout: float = 300.0, secret: bytes | str | None = None) -> Rendezvous:
+        """Host the store (``port=0`` picks a free port; see :attr:`port`). Without ``secret``
+        and ``$MEGAREFIT_JOB_SECRET`` a random secret is generated (:attr:`secret`), with a
+        warning: hand it to every process of the job as you hand out host and port."""
+        key, generated = _resolve_secret(secret, serving=True)
+        if generated:
+            warnings.warn(f"no job secret given: generated one (Rendezvous.secret). Pass it to every trainer and "
+                          f"receiver of job {job!r} (Rendezvous.connect(..., secret=...), or {SECRET_ENV}) the way "
+                          "you pass host and port: whoever learns it can publish weights to this job",
+                          stacklevel=2)
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout))
-        return cls(store, job)
+        return cls(store, job, key)
 
     @classmethod
-    def connect(cls, host: str, port: int, *, job: str = "default", timeout: float = 300.0) -> Rendezvous:
+    def connect(cls, host: str, port: int, *, job: str = "default", timeout: float = 300.0,
+                secret: bytes | str | None = None) -> Rendezvous:
+        """Join a served store with the job's secret (``secret=``, else ``$MEGAREFIT_JOB_SECRET``).
+
+        Raises:
+            MegarefitError: no secret given (names the fix)."""
+        key, _ = _resolve_secret(secret, serving=False)
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-        return cls(store, job)
+        return cls(store, job, key)
+
+    @property
+    def secret(self) -> str:
+        """The job secret (text), to hand to the job's other processes."""
+        return self._secret.decode("utf-8", "surrogateescape")
+
+    # ---- signed records ------------------------------------------------------
+    def _mac(self, key: str, n: bytes, payload: bytes) -> bytes:
+        msg = b"\0".join([self.job.encode(), key.encode(), n, payload])
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, payload: bytes | str) -> bytes:
+        """The signed record of ``payload`` under full key ``key`` (``prefix + ...``)."""
+        payload = payload.encode() if isinstance(payload, str) else bytes(payload)
+        self._counter = max(self._counter + 1, time.time_ns())
+        n = str(self._counter).encode()
+        return b":".join([_FORMAT, self._mac(key, n, payload), n, payload])
+
+    def unseal(self, key: str, record: bytes) -> bytes:
+        """The payload of a signed record read under full key ``key``.
+
+        Raises:
+            RecordAuthenticationError: unsigned, malformed, signed with another secret, or older
+                than a record already read under this key."""
+        parts = bytes(record).split(b":", 3)
+        if (len(parts) != 4 or parts[0] != _FORMAT or len(parts[1]) != 64 or not parts[2].isdigit()
+                or len(parts[2]) > _MAX_COUNTER_DIGITS):
+            raise RecordAuthenticationError(
+                f"record {key!r} is not a signed megarefit record ({len(record)} bytes): written by another "
+                "program or another megarefit version; nothing was done with it")
+        if not hmac.compare_digest(parts[1], self._mac(key, parts[2], parts[3])):
+            raise RecordAuthenticationError(
+                f"record {key!r} has a wrong signature: written with another job secret, or forged; check that "
+                f"every process of job {self.job!r} uses the same secret ({SECRET_ENV}); nothing was done with it")
+        n = int(parts[2])
+        if n < self._latest.get(key, 0):
+            raise RecordAuthenticationError(
+                f"record {key!r} is older than one already read under that key (replayed); nothing was done with it")
+        self._latest[key] = n
+        return parts[3]
+
+    def put(self, key: str, payload: bytes | str) -> None:
+        """Write a signed record under ``key`` (relative to the job prefix)."""
+        self.store.set(self.prefix + key, self.seal(self.prefix + key, payload))
+
+    def fetch(self, key: str) -> bytes:
+        """Read and verify the record under ``key`` (relative to the job prefix; waits for it
+        like ``TCPStore.get``). Raises RecordAuthenticationError as :meth:`unseal`."""
+        return self.unseal(self.prefix + key, self.store.get(self.prefix + key))
+
+    def fetch_many(self, keys: list[str]) -> list[bytes]:
+        """:meth:`fetch` of several keys in one round trip (every key must exist)."""
+        full = [self.prefix + k for k in keys]
+        return [self.unseal(k, r) for k, r in zip(full, self.store.multi_get(full))]
 
     @property
     def port(self) -> int:
@@ -86,23 +209,30 @@ class Rendezvous:
     def publish_manifest(self, manifest: Manifest, nixl_metadata: bytes = b"") -> None:
         key = _rank_key(manifest.rank)
         text = manifest.to_json()
-        self.store.set(self.prefix + "nixl/" + key, nixl_metadata)
-        self.store.set(self.prefix + "manifest/" + key, text)
+        self.put("nixl/" + key, nixl_metadata)
+        self.put("manifest/" + key, text)
         digest = hashlib.sha256(text.encode() + b"\0" + bytes(nixl_metadata)).hexdigest()[:16]
-        self.store.set(self.prefix + "generation/" + key, f"{time.time_ns()}-{digest}")
+        self.put("generation/" + key, f"{time.time_ns()}-{digest}")
 
     def publish_version(self, rank: RankCoord, version: int) -> None:
-        self.store.set(self.prefix + "version/" + _rank_key(rank), str(int(version)))
+        self.put("version/" + _rank_key(rank), str(int(version)))
+
+    def _bump(self, rank: RankCoord) -> int:
+        """The rank's update sequence plus one, written (only the rank's own publisher writes it)."""
+        key = "seq/" + _rank_key(rank)
+        seq = int(self.fetch(key)) + 1 if self.store.check([self.prefix + key]) else 1
+        self.put(key, str(seq))
+        return seq
 
     def begin_update(self, rank: RankCoord) -> int:
         """Mark ``rank`` writing (its sequence becomes odd) before the first byte changes; the
-        new sequence (one atomic store increment)."""
-        return self.store.add(self.prefix + "seq/" + _rank_key(rank), 1)
+        new sequence."""
+        return self._bump(rank)
 
     def end_update(self, rank: RankCoord, version: int) -> int:
         """Publish ``version`` for ``rank``, then mark it stable (its sequence becomes even)."""
         self.publish_version(rank, version)
-        return self.store.add(self.prefix + "seq/" + _rank_key(rank), 1)
+        return self._bump(rank)
 
     # ---- receiver side ---------------------------------------------------
     def _wait(self, keys: list[str], timeout: float, what: str) -> None:
@@ -131,18 +261,17 @@ class Rendezvous:
         """
         if ranks is None:
             self._wait(["generation/0.0.0"], timeout, "manifest")
-            first = Manifest.from_json(self.store.get(self.prefix + "manifest/0.0.0"))
+            first = Manifest.from_json(self.fetch("manifest/0.0.0"))
             ranks = first.layout.ranks()
         ranks = list(ranks)
         self._wait([f"generation/{_rank_key(r)}" for r in ranks], timeout, "manifest")  # names the missing ranks
         manifests, metadata = {}, {}
-        generations = self.store.multi_get([self.prefix + "generation/" + _rank_key(r) for r in ranks])
+        generations = self.fetch_many(["generation/" + _rank_key(r) for r in ranks])
         for r, gen in zip(ranks, generations):
             key = _rank_key(r)
             cached = self._seen.get(r)
             if cached is None or cached[0] != gen:  # new or re-registered: read and parse once
-                cached = (gen, Manifest.from_json(self.store.get(self.prefix + "manifest/" + key)),
-                          self.store.get(self.prefix + "nixl/" + key))
+                cached = (gen, Manifest.from_json(self.fetch("manifest/" + key)), self.fetch("nixl/" + key))
                 self._seen[r] = cached
             manifests[r], metadata[r] = cached[1], cached[2]
         return manifests, metadata
@@ -151,41 +280,39 @@ class Rendezvous:
         """Current version per rank (``None`` where none was published yet); one round trip
         when every rank published one."""
         ranks = list(ranks)
-        keys = [self.prefix + "version/" + _rank_key(r) for r in ranks]
-        if self._all_present(keys):
-            return {r: int(v) for r, v in zip(ranks, self.store.multi_get(keys))}
-        out: dict[RankCoord, int | None] = {}
-        for r in ranks:
-            key = self.prefix + "version/" + _rank_key(r)
-            out[r] = int(self.store.get(key)) if self.store.check([key]) else None
-        return out
+        keys = ["version/" + _rank_key(r) for r in ranks]
+        if self._all_present([self.prefix + k for k in keys]):
+            return {r: int(v) for r, v in zip(ranks, self.fetch_many(keys))}
+        return {r: int(self.fetch(k)) if self.store.check([self.prefix + k]) else None for r, k in zip(ranks, keys)}
 
     def sequences(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int]:
         """Current update sequence per rank (0 where the rank never began an update; odd:
         writing now); one round trip when every rank has begun an update before."""
         ranks = list(ranks)
-        keys = [self.prefix + "seq/" + _rank_key(r) for r in ranks]
-        if self._all_present(keys):
-            return {r: int(v) for r, v in zip(ranks, self.store.multi_get(keys))}
-        return {r: self.store.add(k, 0) for r, k in zip(ranks, keys)}
+        keys = ["seq/" + _rank_key(r) for r in ranks]
+        if self._all_present([self.prefix + k for k in keys]):
+            return {r: int(v) for r, v in zip(ranks, self.fetch_many(keys))}
+        return {r: int(self.fetch(k)) if self.store.check([self.prefix + k]) else 0 for r, k in zip(ranks, keys)}
 
     def state(self, ranks: Iterable[RankCoord]) -> tuple[dict[RankCoord, int], dict[RankCoord, int | None]]:
         """(update sequences, versions) of ``ranks`` read together: one round trip (a snapshot of
         the store) once every key exists, else as :meth:`sequences` then :meth:`versions`."""
         ranks = list(ranks)
-        keys = [self.prefix + kind + _rank_key(r) for kind in ("seq/", "version/") for r in ranks]
-        if not self._all_present(keys):
+        keys = [kind + _rank_key(r) for kind in ("seq/", "version/") for r in ranks]
+        if not self._all_present([self.prefix + k for k in keys]):
             return self.sequences(ranks), self.versions(ranks)
-        values = [int(v) for v in self.store.multi_get(keys)]
+        values = [int(v) for v in self.fetch_many(keys)]
         return dict(zip(ranks, values[:len(ranks)])), dict(zip(ranks, values[len(ranks):]))
 
     # ---- hand-shake (optional): trainers may wait until a version was read ----
     def mark_consumed(self, version: int) -> None:
-        self.store.set(self.prefix + f"consumed/{int(version)}", "1")
+        self.put(f"consumed/{int(version)}", "1")
 
     def wait_consumed(self, version: int, timeout: float = 300.0) -> None:
-        """Block until a receiver marked ``version`` consumed (raises RendezvousTimeout)."""
+        """Block until a receiver marked ``version`` consumed (raises RendezvousTimeout, or
+        RecordAuthenticationError for a mark not signed with the job secret)."""
         self._wait([f"consumed/{int(version)}"], timeout, f"receiver consumed version {version}")
+        self.fetch(f"consumed/{int(version)}")
 
     # ---- receivers: registration, leases, acknowledgements -------------------
     def register_receiver(self, rid: str) -> None:
@@ -198,7 +325,7 @@ class Rendezvous:
 
     def acknowledge(self, rid: str, version: int) -> None:
         """Receiver ``rid`` installed ``version`` (and no longer reads older bytes)."""
-        self.store.set(self.prefix + f"acked/{rid}", str(int(version)))
+        self.put(f"acked/{rid}", str(int(version)))
 
     def receivers(self) -> list[str]:
         """Registered receiver ids, in registration order."""
@@ -210,7 +337,7 @@ class Rendezvous:
         members = self.members(registry)
         if member not in members:
             i = self.store.add(self.prefix + f"{registry}/n", 1)
-            self.store.set(self.prefix + f"{registry}/{i}", member)
+            self.put(f"{registry}/{i}", member)
             members = self.members(registry)
         return members
 
@@ -219,14 +346,16 @@ class Rendezvous:
         n = self.store.add(self.prefix + f"{registry}/n", 0)
         out: list[str] = []
         for i in range(1, n + 1):
-            member = self.store.get(self.prefix + f"{registry}/{i}").decode()
+            if not self.store.check([self.prefix + f"{registry}/{i}"]):  # a slot taken, not yet written
+                continue
+            member = self.fetch(f"{registry}/{i}").decode()
             if member not in out:
                 out.append(member)
         return out
 
     def acked(self, rid: str) -> int | None:
-        key = self.prefix + f"acked/{rid}"
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        key = f"acked/{rid}"
+        return int(self.fetch(key)) if self.store.check([self.prefix + key]) else None
 
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
         """Block until every live registered receiver acknowledged ``version`` (or later).
@@ -280,7 +409,7 @@ class Heartbeat:
     def __init__(self, rendezvous: Rendezvous, rid: str, interval: float = 1.0):
         host, port = rendezvous.store.host, rendezvous.store.port
         self._rdzv = Rendezvous(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)),
-                                rendezvous.prefix.split("/")[1])
+                                rendezvous.job, rendezvous.secret)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(rid, interval), daemon=True,
                                         name=f"megarefit-heartbeat-{rid}")

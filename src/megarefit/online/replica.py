@@ -84,10 +84,10 @@ class ReplicaReceiver:
                 raise RendezvousTimeout(f"replica parent {self.parent!r} of group {self.group!r} serves no arena "
                                         f"after {self.timeout:.1f} s")
             time.sleep(0.005)
-        return json.loads(self.rendezvous.store.get(key))
+        return json.loads(self.rendezvous.fetch(arena_key("info", self.group, self.parent)))
 
     def _prepare(self, info: dict[str, Any]) -> None:
-        meta = self.rendezvous.store.get(self.rendezvous.prefix + arena_key("meta", self.group, self.parent))
+        meta = self.rendezvous.fetch(arena_key("meta", self.group, self.parent))
         agent = self.nixl.agent
         if meta != self._loaded:
             if self._loaded is not None:

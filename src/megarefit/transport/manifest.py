@@ -10,6 +10,7 @@ published separately (it changes every optimizer step; the manifest does not).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
@@ -38,6 +39,59 @@ class TensorEntry:
     dev: int = 0  # device id for VRAM (the CUDA device index)
     region: int = -1  # start address of the publisher's registered region holding the bytes (-1: unknown);
     # equal regions let a receiver pull neighbouring tensors as one descriptor
+
+
+class ManifestError(MegarefitError):
+    """A published manifest is malformed (names the field or tensor)."""
+
+
+_MAX_ADDRESS = 1 << 64
+_MAX_DIMS = 8
+_MAX_ELEMENTS = 1 << 48
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8,
+             "int32": 4, "uint8": 1, "int8": 1, "float64": 8}
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative integer below 2**64 (an element count, address or index)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_ADDRESS:
+        raise ManifestError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_DIMS:
+        raise ManifestError(f"{what} must be a list of at most {_MAX_DIMS} sizes, got {value!r}"[:200])
+    shape = tuple(_count(n, what) for n in value)
+    if math.prod(shape) > _MAX_ELEMENTS:
+        raise ManifestError(f"{what} {shape} holds more than 2**48 elements")
+    return shape
+
+
+def _region(value: Any, name: str) -> int:
+    if value == -1:
+        return -1
+    return _count(value, f"tensor {name} region")
+
+
+def _entry(row: Any) -> TensorEntry:
+    """One tensor row of a manifest, checked: names and memory as text, sizes and addresses as
+    non-negative integers, ``nbytes`` = elements x the dtype's size."""
+    if not isinstance(row, list) or not 9 <= len(row) <= 10:
+        raise ManifestError(f"tensor entry must be a list of 9 or 10 fields, got {str(row)[:200]}")
+    name, role, dtype, shape, gshape, addr, nbytes, mem, dev, *rest = row
+    if not all(isinstance(v, str) for v in (name, role, dtype, mem)):
+        raise ManifestError(f"tensor entry {str(name)[:80]!r}: name, role, dtype and memory must be text")
+    if dtype not in _ITEMSIZE:
+        raise ManifestError(f"tensor {name}: unknown dtype {dtype!r}")
+    local = _shape(shape, f"tensor {name} shape")
+    entry = TensorEntry(name, role, dtype, local, _shape(gshape, f"tensor {name} global shape"),
+                        _count(addr, f"tensor {name} address"), _count(nbytes, f"tensor {name} bytes"), mem,
+                        _count(dev, f"tensor {name} device"), _region(rest[0] if rest else -1, name))
+    if entry.nbytes != math.prod(local) * _ITEMSIZE[dtype]:
+        raise ManifestError(f"tensor {name}: {entry.nbytes} bytes, but shape {local} of {dtype} holds "
+                            f"{math.prod(local) * _ITEMSIZE[dtype]}")
+    return entry
 
 
 @dataclass(frozen=True)
@@ -121,19 +175,42 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
-        """Raises MegarefitError on a format (version skew) mismatch."""
-        data = json.loads(text)
-        if data.get("format") != FORMAT:
-            raise MegarefitError(f"manifest format {data.get('format')!r} is not {FORMAT!r} (version skew between "
-                                 "trainer and receiver megarefit?)")
-        tensors = tuple(TensorEntry(n, r, d, tuple(s), tuple(g), a, b, m, v, *rest)
-                        for n, r, d, s, g, a, b, m, v, *rest in data["tensors"])
+        """The manifest a trainer rank published, checked field by field (it arrives over the
+        network: sizes are checked before anything is sized from them).
+
+        Raises:
+            ManifestError: not JSON, a format (version skew) mismatch, a missing or mistyped
+                field, a negative or implausible size or address, or a byte count that does not
+                match the tensor's shape and dtype (names the field or tensor)."""
+        try:
+            data = json.loads(text)
+        except (ValueError, TypeError) as exc:
+            raise ManifestError(f"manifest is not JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ManifestError(f"manifest format {got!r} is not {FORMAT!r} (version skew between trainer and "
+                                "receiver megarefit?)")
+        try:
+            return cls._parse(data)
+        except ManifestError:
+            raise
+        except (MegarefitError, KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
+            raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}"[:500]) from None
+
+    @classmethod
+    def _parse(cls, data: dict[str, Any]) -> Manifest:
+        tensors = tuple(_entry(row) for row in data["tensors"])
         quant = data.get("quantization")
-        return cls(RankCoord(*data["rank"]), ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
-                   data["agent"], tensors, dtype=data.get("dtype", ""),
-                   quantization=None if quant is None else (tuple(quant[0]), bool(quant[1])),
+        ipc = tuple(IpcStorage(**s) for s in data.get("ipc", ()))
+        for s in ipc:
+            if not all(isinstance(v, int) and 0 <= v < _MAX_ADDRESS for v in (s.base, s.nbytes, s.offset, s.dev)):
+                raise ManifestError(f"CUDA IPC record sizes out of range: {s}")
+        rank = RankCoord(*(_count(v, "rank") for v in data["rank"]))
+        return cls(rank, ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
+                   str(data["agent"]), tensors, dtype=str(data.get("dtype", "")),
+                   quantization=None if quant is None else (tuple(_count(b, "block") for b in quant[0]), bool(quant[1])),
                    checksums=None if data.get("checksums") is None else tuple(data["checksums"]),
-                   ipc=tuple(IpcStorage(**s) for s in data.get("ipc", ())))
+                   ipc=ipc)
 
     def summary(self) -> dict[str, Any]:
         return {"rank": tuple(self.rank), "agent": self.agent, "tensors": len(self.tensors),

@@ -1,0 +1,163 @@
+"""Authenticated rendezvous records: a process that knows the port but not the job secret can
+neither publish weights nor move versions; an unsigned, forged or replayed record is a named
+error before any pull; malformed manifests are named errors, never crashes (hypothesis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("nixl")
+
+from megarefit.errors import MegarefitError  # noqa: E402
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.online.rendezvous import SECRET_ENV, RecordAuthenticationError, Rendezvous  # noqa: E402
+from megarefit.transport.manifest import FORMAT, Manifest, ManifestError  # noqa: E402
+from reference import reference_hf_state, reference_shards  # noqa: E402
+
+_JOBS = iter(range(10**6))
+
+
+@pytest.fixture
+def job(config):
+    """Two trainer ranks publishing version 1 under a job secret; a receiver of the same job."""
+    cfg = config("Qwen3-0.6B")
+    hf = reference_hf_state(cfg, "qwen3")
+    shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
+    name = f"sec-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=name, secret="the-job-secret")
+    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{name}-{r[0]}")
+            for r, s in shards.items()]
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(Rendezvous.connect("127.0.0.1", rdzv.port, job=name, secret="the-job-secret"),
+                             name=f"{name}-rx", timeout=2, retries=0)
+    yield hf, rdzv, pubs, receiver
+    receiver.close()
+
+
+def _intruder(rdzv: Rendezvous, secret: str = "a-guess") -> Rendezvous:
+    return Rendezvous.connect("127.0.0.1", rdzv.port, job=rdzv.job, secret=secret)
+
+
+def test_forged_version_is_refused_before_any_pull(job):
+    hf, rdzv, pubs, receiver = job
+    assert dict(receiver.run_refit_cycle(1)).keys() == hf.keys()
+    posts = receiver.counters["posts"]
+    intruder = _intruder(rdzv)
+    for p in pubs:
+        intruder.publish_version(p.rank, 99)  # the attack of the issue: "version 99" for every rank
+    with pytest.raises(RecordAuthenticationError, match=r"version/0\.0\.0' has a wrong signature: written with "
+                                                        r"another job secret, or forged"):
+        dict(receiver.run_refit_cycle())
+    assert receiver.counters["posts"] == posts  # nothing was read
+    for p in pubs:  # the trainers publish again: the job goes on
+        p.publish(2)
+    got = dict(receiver.run_refit_cycle(2))
+    assert receiver.stats.version == 2 and all(torch.equal(got[k], hf[k]) for k in hf)
+
+
+def test_forged_manifest_is_refused(job):
+    hf, rdzv, pubs, receiver = job
+    forged = dataclasses.replace(pubs[0].manifest, agent="attacker-agent")
+    _intruder(rdzv).publish_manifest(forged, b"attacker metadata")
+    with pytest.raises(RecordAuthenticationError, match=r"(nixl|manifest|generation)/0\.0\.0' has a wrong signature"):
+        dict(receiver.run_refit_cycle(1))
+
+
+def test_unsigned_record_is_refused(job):
+    hf, rdzv, pubs, receiver = job
+    rdzv.store.set(rdzv.prefix + "version/1.0.0", "1")  # a plain TCPStore write, as before signing
+    with pytest.raises(RecordAuthenticationError, match=r"version/1\.0\.0' is not a signed megarefit record"):
+        dict(receiver.run_refit_cycle(1))
+
+
+def test_replayed_record_is_refused(job):
+    hf, rdzv, pubs, receiver = job
+    key = rdzv.prefix + "version/0.0.0"
+    old = rdzv.store.get(key)  # version 1, correctly signed
+    for p in pubs:
+        p.publish(2)
+    dict(receiver.run_refit_cycle(2))
+    rdzv.store.set(key, old)  # written again by someone who kept it
+    with pytest.raises(RecordAuthenticationError, match=r"version/0\.0\.0' is older than one already read"):
+        dict(receiver.run_refit_cycle())
+
+
+def test_a_connecting_side_needs_the_secret(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.warns(UserWarning, match=r"no job secret given: generated one \(Rendezvous.secret\)"):
+        rdzv = Rendezvous.serve(job="sec-generated")
+    with pytest.raises(MegarefitError, match=rf"no job secret: pass secret= .* or set {SECRET_ENV}"):
+        Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-generated")
+    peer = Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-generated", secret=rdzv.secret)
+    rdzv.mark_consumed(3)
+    peer.wait_consumed(3, timeout=5)  # the generated secret, handed over, works
+    with pytest.raises(RecordAuthenticationError, match="wrong signature"):
+        _intruder(rdzv).wait_consumed(3, timeout=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_are_a_named_error_or_a_record(record):
+    rdzv = Rendezvous(None, "fuzz", "fuzz-secret")  # type: ignore[arg-type] - unseal needs no store
+    with pytest.raises(RecordAuthenticationError):
+        rdzv.unseal("megarefit/fuzz/version/0.0.0", record)
+
+
+def _valid_manifest() -> dict:
+    from conftest import tiny_config
+    from megarefit.layout import SourceLayout
+    from megarefit.layout.dims import ModelDims
+    from megarefit.transport.manifest import TensorEntry
+
+    dims = ModelDims.from_hf_config(tiny_config("Qwen3-0.6B"))
+    layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=dims.num_layers)
+    entry = TensorEntry("embedding.word_embeddings.weight", "vocab", "bfloat16", (256, 64), (256, 64), 4096,
+                        256 * 64 * 2, "DRAM", 0, 4096)
+    from megarefit.layout import RankCoord
+
+    return json.loads(Manifest(RankCoord(0, 0, 0), dims, layout, "agent", (entry,)).to_json())
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["tensors", "rank", "dims", "layout", "agent", "quantization", "checksums", "ipc", "format"]),
+       _JSON, st.integers(0, 9))
+def test_malformed_manifests_are_named_errors(field, value, column):
+    data = _valid_manifest()
+    if field == "tensors" and isinstance(value, (int, str)) and value is not None:
+        row = list(data["tensors"][0])
+        row[column] = value  # one wrong field of a tensor row: a type, a negative size, a huge shape
+        data["tensors"] = [row]
+    else:
+        data[field] = value
+    try:
+        Manifest.from_json(json.dumps(data))
+    except ManifestError:
+        pass  # a named error
+
+
+@pytest.mark.parametrize("column,value,match", [
+    (3, [2**30, 2**30], "more than 2\\*\\*48 elements"),
+    (3, [-1, 64], "non-negative integer"),
+    (6, 7, "7 bytes, but shape"),
+    (5, -4096, "address must be a non-negative integer"),
+    (2, "complex64", "unknown dtype"),
+])
+def test_manifest_sizes_are_checked_before_use(column, value, match):
+    data = _valid_manifest()
+    data["tensors"][0][column] = value
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(json.dumps(data))
+    assert Manifest.from_json(json.dumps(_valid_manifest())).format == FORMAT
