@@ -43,7 +43,9 @@ def job(config):
 
 
 def _intruder(rdzv: Rendezvous, secret: str = "a-guess") -> Rendezvous:
-    return Rendezvous.connect("127.0.0.1", rdzv.port, job=rdzv.job, secret=secret)
+    """A writer on the job's own store connection signing with another secret: what a record
+    signed outside the job looks like (the store itself refuses connections without the secret)."""
+    return Rendezvous(rdzv.store, rdzv.job, secret)
 
 
 def test_forged_version_is_refused_before_any_pull(job):
@@ -161,3 +163,19 @@ def test_manifest_sizes_are_checked_before_use(column, value, match):
     with pytest.raises(ManifestError, match=match):
         Manifest.from_json(json.dumps(data))
     assert Manifest.from_json(json.dumps(_valid_manifest())).format == FORMAT
+
+
+def test_the_store_listens_only_where_asked_and_only_to_the_job():
+    """Served on 127.0.0.1: another local address of this machine (127.0.0.2) is refused, and a
+    process with the port but another secret cannot even connect (so it reads nothing)."""
+    import socket
+
+    from megarefit.online.store import StoreError
+
+    rdzv = Rendezvous.serve(job="sec-bind", secret="bind-secret")
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.2", rdzv.port))
+    with pytest.raises(StoreError, match=rf"rendezvous at 127\.0\.0\.1:{rdzv.port} refused this process: wrong job secret"):
+        Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="a-guess")
+    rdzv.mark_consumed(1)
+    Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="bind-secret").wait_consumed(1, timeout=5)

@@ -1,4 +1,6 @@
-"""Rendezvous for manifests and versions over ``torch.distributed.TCPStore``.
+"""Rendezvous for manifests and versions over an authenticated key-value store
+(:class:`~megarefit.online.store.KeyValueStore`: bound to the address asked for, open only to
+holders of the job secret).
 
 Keys, under a job prefix (``megarefit/<job>/``)::
 
@@ -44,12 +46,10 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
+from megarefit.online.store import KeyValueStore
 from megarefit.transport.manifest import Manifest
 
 
@@ -101,7 +101,7 @@ class Rendezvous:
     """Manifest and version exchange between trainer ranks and receivers (records signed with
     the job secret; see the module docstring)."""
 
-    def __init__(self, store: dist.TCPStore, job: str = "default", secret: bytes | str | None = None):
+    def __init__(self, store: KeyValueStore, job: str = "default", secret: bytes | str | None = None):
         self.store = store
         self.job = job
         self.prefix = f"megarefit/{job}/"
@@ -132,9 +132,7 @@ class Rendezvous:
                           f"receiver of job {job!r} (Rendezvous.connect(..., secret=...), or {SECRET_ENV}) the way "
                           "you pass host and port: whoever learns it can publish weights to this job",
                           stacklevel=2)
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout))
-        return cls(store, job, key)
+        return cls(KeyValueStore.serve(host, port, key, timeout), job, key)
 
     @classmethod
     def connect(cls, host: str, port: int, *, job: str = "default", timeout: float = 300.0,
@@ -144,8 +142,7 @@ class Rendezvous:
         Raises:
             MegarefitError: no secret given (names the fix)."""
         key, _ = _resolve_secret(secret, serving=False)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-        return cls(store, job, key)
+        return cls(KeyValueStore(host, port, key, timeout), job, key)
 
     @property
     def secret(self) -> str:
@@ -408,8 +405,8 @@ class Heartbeat:
 
     def __init__(self, rendezvous: Rendezvous, rid: str, interval: float = 1.0):
         host, port = rendezvous.store.host, rendezvous.store.port
-        self._rdzv = Rendezvous(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)),
-                                rendezvous.job, rendezvous.secret)
+        self._rdzv = Rendezvous(KeyValueStore(host, port, rendezvous._secret, 30.0), rendezvous.job,
+                                rendezvous.secret)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(rid, interval), daemon=True,
                                         name=f"megarefit-heartbeat-{rid}")
