@@ -7,57 +7,27 @@ values, blocking reads with a timeout) through Python's ``multiprocessing.manage
 server listens on the one address it is given (loopback by default), and every connection
 must first answer an HMAC challenge keyed with the job secret
 (``multiprocessing.connection``'s authentication), so a process without the secret can
-neither read nor write a record. One table per server; each client thread gets its own
-connection.
+neither read nor write a record. The server is a process of its own
+(:mod:`~megarefit.online.store_server`, standard library only), so a busy serving process
+(a training loop) does not delay its answers. One table per server; each client thread gets
+its own connection.
 """
 
 from __future__ import annotations
 
-import threading
+import subprocess
+import sys
 from collections.abc import Iterable
 from datetime import timedelta
 from multiprocessing import AuthenticationError
 from multiprocessing.managers import BaseManager
+from pathlib import Path
 
 from megarefit.errors import MegarefitError
 
 
 class StoreError(MegarefitError):
     """The store refused a connection (wrong job secret), could not be reached, or a read timed out."""
-
-
-class _Table:
-    """The served table: bytes values, a condition for blocking reads."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._cond:
-            self._data[key] = bytes(value)
-            self._cond.notify_all()
-
-    def multi_get(self, keys: list[str], timeout: float) -> list[bytes] | None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: all(k in self._data for k in keys), timeout):
-                return None
-            return [self._data[k] for k in keys]
-
-    def add(self, key: str, amount: int) -> int:
-        with self._cond:
-            value = int(self._data.get(key, b"0")) + int(amount)
-            self._data[key] = str(value).encode()
-            self._cond.notify_all()
-            return value
-
-    def check(self, keys: list[str]) -> bool:
-        with self._cond:
-            return all(k in self._data for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        with self._cond:
-            return self._data.pop(key, None) is not None
 
 
 def _seconds(timeout: timedelta | float | None, default: float) -> float:
@@ -82,25 +52,28 @@ class KeyValueStore:
         except OSError as exc:
             raise StoreError(f"cannot reach the rendezvous at {host}:{port}: {exc}") from None
         self._table = self._manager.table()  # type: ignore[attr-defined]
-        self._server: threading.Thread | None = None
+        self._server: subprocess.Popen | None = None
 
     @classmethod
     def serve(cls, host: str, port: int, secret: bytes, timeout: float) -> KeyValueStore:
-        """Serve a new table on ``host:port`` (``port=0``: a free one) and connect to it.
+        """Start a table's server process (:mod:`~megarefit.online.store_server`) on ``host:port``
+        (``port=0``: a free one) and connect to it. The server lives until this process exits.
 
         Raises:
             StoreError: the address cannot be bound (in use, not an address of this host)."""
-        table = _Table()
-        manager = type("_Server", (BaseManager,), {})
-        manager.register("table", callable=lambda: table)
-        try:
-            server = manager(address=(host, port), authkey=secret).get_server()
-        except OSError as exc:
-            raise StoreError(f"cannot serve the rendezvous on {host}:{port}: {exc}") from None
-        thread = threading.Thread(target=server.serve_forever, daemon=True, name=f"megarefit-store-{host}")
-        thread.start()
-        client = cls(host, server.address[1], secret, timeout)
-        client._server = thread
+        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("store_server.py")), host,
+                                   str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(secret.hex() + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline().strip()
+        if not line.isdigit():
+            server.kill()
+            why = server.stderr.read().strip() if server.stderr else ""
+            raise StoreError(f"cannot serve the rendezvous on {host}:{port}: {why or 'the server exited'}")
+        client = cls(host, int(line), secret, timeout)
+        client._server = server  # its stdin pipe stays open while this process lives
         return client
 
     def set(self, key: str, value: bytes | str) -> None:
