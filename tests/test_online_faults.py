@@ -94,7 +94,8 @@ def test_manifest_missing_a_tensor(served):
 def test_dtype_mismatch(served):
     _, _, _, rdzv, pubs, receiver = served
     name = "decoder.layers.1.self_attention.linear_qkv.weight"
-    _republish(rdzv, pubs, (0, 0, 0), lambda t: dataclasses.replace(t, dtype="bfloat16") if t.name == name else t)
+    _republish(rdzv, pubs, (0, 0, 0),  # a consistent entry (bytes match): the plan check must catch it
+               lambda t: dataclasses.replace(t, dtype="bfloat16", nbytes=t.nbytes // 2) if t.name == name else t)
     with pytest.raises(ShapeMismatchError, match=rf"rank \(tp=0, pp=0, ep=0\) publishes {name} as bfloat16 .*"
                                                  r"plan expects float32"):
         next(receiver.run_refit_cycle(1))

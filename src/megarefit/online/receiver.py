@@ -290,20 +290,26 @@ class RefitReceiver:
             heartbeat.stop()
 
     # ---- stages ------------------------------------------------------------
-    def _discover(self) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]]:
-        manifests, metadata = self.rendezvous.manifests(self._manifests.keys() or None, timeout=self.timeout)
+    def _discover(self) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes], tuple | None]:
+        """Every rank's manifest and metadata, and their (sequences, versions) read with them
+        (``None`` if not all there yet)."""
+        manifests, metadata, state = self.rendezvous.manifests_and_state(self._manifests.keys() or None,
+                                                                         timeout=self.timeout)
         first = manifests[min(manifests)]
         if set(manifests) != set(first.layout.ranks()):  # a new layout: rediscover every rank
-            manifests, metadata = self.rendezvous.manifests(first.layout.ranks(), timeout=self.timeout)
+            manifests, metadata, state = self.rendezvous.manifests_and_state(first.layout.ranks(),
+                                                                             timeout=self.timeout)
         self._manifests = manifests
-        return manifests, metadata
+        return manifests, metadata, state
 
-    def _wait_stable(self, ranks: list[RankCoord]) -> tuple[dict[RankCoord, int], dict[RankCoord, int | None]]:
+    def _wait_stable(self, ranks: list[RankCoord], first: tuple | None = None
+                     ) -> tuple[dict[RankCoord, int], dict[RankCoord, int | None]]:
         """Every rank's update sequence once none is odd (no rank inside ``updating``), and the
-        versions read with them."""
+        versions read with them (``first``: a read already made, used before reading again)."""
         deadline = time.monotonic() + self.timeout
         while True:
-            seq, versions = self.rendezvous.state(ranks)
+            seq, versions = first if first is not None else self.rendezvous.state(ranks)
+            first = None
             writing = sorted(r for r, n in seq.items() if n % 2)
             if not writing:
                 return seq, versions
@@ -555,13 +561,13 @@ class RefitReceiver:
                                 dict[RankCoord, int], int]:
         """Discover the ranks, read their update sequences once none is writing (the seqlock,
         before the bytes) and wait for the version: ``(manifests, metadata, ranks, seq, version)``."""
-        manifests, metadata = self._discover()
+        manifests, metadata, state = self._discover()
         lap("discover")
         ranks = sorted(manifests)
-        seq, seen = self._wait_stable(ranks)  # seqlock: read before the bytes
+        seq, seen = self._wait_stable(ranks, state)  # seqlock: read before the bytes (with the generations)
         got, waited = self._wait_version(ranks, version, seen)
         if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
-            manifests, metadata = self._discover()
+            manifests, metadata, _ = self._discover()
             if sorted(manifests) != ranks:
                 raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
         lap("version")

@@ -256,6 +256,15 @@ class Rendezvous:
         Raises:
             RendezvousTimeout: naming the ranks that did not publish.
         """
+        manifests, metadata, _ = self.manifests_and_state(ranks, timeout=timeout)
+        return manifests, metadata
+
+    def manifests_and_state(self, ranks: Iterable[RankCoord] | None = None, *, timeout: float = 60.0
+                            ) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes],
+                                       tuple[dict[RankCoord, int], dict[RankCoord, int | None]] | None]:
+        """:meth:`manifests`, and the ranks' :meth:`state` read in the same round trip as their
+        generations (``None`` where some rank has no sequence or version yet): a warm receiver's
+        fence start is one store read."""
         if ranks is None:
             self._wait(["generation/0.0.0"], timeout, "manifest")
             first = Manifest.from_json(self.fetch("manifest/0.0.0"))
@@ -263,7 +272,15 @@ class Rendezvous:
         ranks = list(ranks)
         self._wait([f"generation/{_rank_key(r)}" for r in ranks], timeout, "manifest")  # names the missing ranks
         manifests, metadata = {}, {}
-        generations = self.fetch_many(["generation/" + _rank_key(r) for r in ranks])
+        keys = ["generation/" + _rank_key(r) for r in ranks]
+        both = [kind + _rank_key(r) for kind in ("seq/", "version/") for r in ranks]
+        with_state = self._all_present([self.prefix + k for k in both])
+        values = self.fetch_many(keys + both if with_state else keys)
+        generations = values[:len(ranks)]
+        state = None
+        if with_state:
+            numbers = [int(v) for v in values[len(ranks):]]
+            state = dict(zip(ranks, numbers[:len(ranks)])), dict(zip(ranks, numbers[len(ranks):]))
         for r, gen in zip(ranks, generations):
             key = _rank_key(r)
             cached = self._seen.get(r)
@@ -271,7 +288,7 @@ class Rendezvous:
                 cached = (gen, Manifest.from_json(self.fetch("manifest/" + key)), self.fetch("nixl/" + key))
                 self._seen[r] = cached
             manifests[r], metadata[r] = cached[1], cached[2]
-        return manifests, metadata
+        return manifests, metadata, state
 
     def versions(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int | None]:
         """Current version per rank (``None`` where none was published yet); one round trip
