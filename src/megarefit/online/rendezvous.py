@@ -209,6 +209,8 @@ class Rendezvous:
         self.put("nixl/" + key, nixl_metadata)
         self.put("manifest/" + key, text)
         digest = hashlib.sha256(text.encode() + b"\0" + bytes(nixl_metadata)).hexdigest()[:16]
+        if not self.store.check([self.prefix + "seq/" + key]):  # stable from the start: a receiver's fence
+            self.put("seq/" + key, "0")  # then reads generations, sequences and versions in one round trip
         self.put("generation/" + key, f"{time.time_ns()}-{digest}")
 
     def publish_version(self, rank: RankCoord, version: int) -> None:
