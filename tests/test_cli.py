@@ -390,3 +390,15 @@ def test_tables_are_not_cut_when_piped(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "…" not in proc.stdout
     assert "decoder.layers.47.mlp.experts.linear_fc1.weight127" in proc.stdout
+
+
+def test_plan_draws_which_rank_feeds_which_worker(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.svg"
+    assert main(["plan", "--config", str(CONFIG_DIR / "Qwen3-8B.json"), "--tp", "2", "--vllm-tp", "4",
+                 "--svg", str(out)]) == 0
+    assert f"picture written to {out}" in capsys.readouterr().out
+    svg = out.read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg
+    for words in ("vLLM tp rank 3", "tp1 pp0 ep0", "bytes pulled (GB)", "of which strided, via scratch (GB)"):
+        assert words in svg, words

@@ -133,7 +133,28 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(plan.to_json())
         console.print(f"plan written to {args.json}")
+    if args.svg:
+        _picture(args, plan, target, dims, layout, fmt)
+        console.print(f"picture written to {args.svg}")
     return 0
+
+
+def _picture(args: argparse.Namespace, plan: Any, target: Any, dims: Any, layout: Any, fmt: Any) -> None:
+    """``--svg``: one plan per vLLM worker of the engine (the other ranks planned too), or the HF plan."""
+    import dataclasses
+
+    from megarefit.cli.picture import draw
+
+    if target is None:
+        plans, names = [plan], ["HF receiver"]
+    else:
+        from megarefit.targets import plan_megatron_to_vllm
+
+        workers = [dataclasses.replace(target, rank=r) for r in range(target.tp)]
+        plans = [plan if w == target else plan_megatron_to_vllm(dims, layout, args.dtype, w, fmt) for w in workers]
+        names = [f"vLLM tp rank {w.rank}" for w in workers]
+    draw(args.svg, plans, names, f"{dims.family}: trainer tp={args.tp} pp={args.pp} ep={args.ep} -> "
+                                 + ("HF tensors" if target is None else f"vLLM tp={target.tp}"))
 
 
 def _vllm_target(args: argparse.Namespace) -> Any:
@@ -464,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="the default: validation only")
     plan.add_argument("--json", metavar="FILE", type=output_path, help="write the serialized plan")
+    plan.add_argument("--svg", metavar="FILE", type=output_path,
+                      help="draw bytes per trainer rank and receiver (every vLLM worker with --vllm-tp), and which "
+                           "are strided, as SVG/PNG/PDF by the suffix (needs matplotlib: megarefit[bench])")
     _add_vllm_args(plan)
     plan.set_defaults(func=cmd_plan)
 

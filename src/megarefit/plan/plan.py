@@ -79,8 +79,10 @@ class Plan:
         return sum(op.nbytes for op in self.ops)
 
     def summary(self) -> dict[str, Any]:
-        """Counts per source rank (``None`` for HF sources): ops, contiguous pulls, scratch copies, bytes."""
-        per: dict[Any, dict[str, int]] = defaultdict(lambda: {"ops": 0, "contiguous": 0, "scratch": 0, "bytes": 0})
+        """Counts per source rank (``None`` for HF sources): ops, contiguous pulls, scratch copies, bytes
+        (``scratch_bytes``: of which strided, through scratch)."""
+        per: dict[Any, dict[str, int]] = defaultdict(lambda: {"ops": 0, "contiguous": 0, "scratch": 0, "bytes": 0,
+                                                              "scratch_bytes": 0})
         if isinstance(self.ops, OpTable):  # whole columns: no op objects
             table, cols = self.ops.sources, self.ops.columns
             ranks = [g.rank for g in table.groups]
@@ -89,11 +91,13 @@ class Plan:
             n = len(rank_id)
             count = torch.bincount(of_op, minlength=n).tolist()
             scratch = torch.bincount(of_op, weights=cols.kind.double(), minlength=n).long().tolist()
-            nbytes = torch.zeros(n, dtype=torch.int64).index_add_(0, of_op, self.ops.nbytes()).tolist()
+            op_bytes = self.ops.nbytes()
+            nbytes = torch.zeros(n, dtype=torch.int64).index_add_(0, of_op, op_bytes).tolist()
+            strided = torch.zeros(n, dtype=torch.int64).index_add_(0, of_op, op_bytes * cols.kind).tolist()
             for r, i in rank_id.items():
                 if count[i]:
                     per[r] = {"ops": count[i], "contiguous": count[i] - scratch[i], "scratch": scratch[i],
-                              "bytes": nbytes[i]}
+                              "bytes": nbytes[i], "scratch_bytes": strided[i]}
             ops: tuple[CopyOp, ...] = ()
         else:
             ops = self.ops
@@ -102,7 +106,9 @@ class Plan:
             row["ops"] += 1
             row[op.kind] += 1
             row["bytes"] += op.nbytes
-        total = {k: sum(r[k] for r in per.values()) for k in ("ops", "contiguous", "scratch", "bytes")}
+            if op.kind == "scratch":
+                row["scratch_bytes"] += op.nbytes
+        total = {k: sum(r[k] for r in per.values()) for k in ("ops", "contiguous", "scratch", "bytes", "scratch_bytes")}
         return {"sources": len(self.sources), "targets": len(self.targets), "per_rank": dict(per), "total": total}
 
     # ---- serialization -------------------------------------------------
