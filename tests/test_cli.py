@@ -402,3 +402,22 @@ def test_plan_draws_which_rank_feeds_which_worker(tmp_path, capsys):
     assert svg.startswith("<?xml") and "<svg" in svg
     for words in ("vLLM tp rank 3", "tp1 pp0 ep0", "bytes pulled (GB)", "of which strided, via scratch (GB)"):
         assert words in svg, words
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_plan_rows_for_scripts(fmt, capsys):
+    import csv
+    import io
+
+    assert main(["plan", "--config", str(CONFIG_DIR / "Qwen3-30B-A3B.json"), "--tp", "2", "--ep", "2",
+                 "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    if fmt == "json":
+        data = json.loads(out)
+        rows, total = data["per_rank"], data["total"]
+    else:
+        rows = list(csv.DictReader(io.StringIO(out)))
+        total = rows.pop()
+        assert total["tp"] == "total"
+    assert len(rows) == 4 and sum(int(r["bytes"]) for r in rows) == int(total["bytes"])
+    assert sum(int(r["scratch_bytes"]) for r in rows) == int(total["scratch_bytes"]) > 0

@@ -105,6 +105,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     meta_s = None
     if args.execute_meta:
         meta_s = _execute_on_meta(plan)
+    if args.format != "table":
+        _print_rows(plan, args.format, plan_s)
+        return 0
     console.print(_model_line(dims, padded))
     experts = (f", {dims.num_experts} experts (etp={layout.etp}, {layout.expert_layout})"
                if dims.num_experts else "")
@@ -137,6 +140,28 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         _picture(args, plan, target, dims, layout, fmt)
         console.print(f"picture written to {args.svg}")
     return 0
+
+
+PLAN_COLUMNS = ("tp", "pp", "ep", "layers", "ops", "contiguous", "scratch", "bytes", "scratch_bytes")
+
+
+def _print_rows(plan: Any, fmt: str, plan_s: float) -> None:
+    """``--format json|csv``: one row per source rank and a total, for logs and scripts."""
+    import csv
+    import json
+
+    summary = plan.summary()
+    rows = [{"tp": r.tp, "pp": r.pp, "ep": r.ep, "layers": plan.layout.stage_layers[r.pp], **row}
+            for r, row in sorted(summary["per_rank"].items(), key=lambda kv: (kv[0].pp, kv[0].tp, kv[0].ep))]
+    total = {"tp": "total", "pp": "", "ep": "", "layers": plan.layout.num_layers, **summary["total"]}
+    if fmt == "json":
+        print(json.dumps({"layout": plan.layout.to_dict(), "dtype": plan.dtype, "sources": summary["sources"],
+                          "targets": summary["targets"], "per_rank": rows, "total": summary["total"],
+                          "digest": plan.digest, "planned_s": round(plan_s, 4)}, indent=1))
+        return
+    writer = csv.DictWriter(sys.stdout, fieldnames=PLAN_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows + [total])
 
 
 def _picture(args: argparse.Namespace, plan: Any, target: Any, dims: Any, layout: Any, fmt: Any) -> None:
@@ -478,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="refit target format: auto (default) follows the config's quantization_config "
                            "(an FP8 serving config means block-FP8 targets), fp8, or none")
     plan.add_argument("--per-rank", action="store_true", help="one table row per source rank")
+    plan.add_argument("--format", choices=["table", "json", "csv"], default="table",
+                      help="table (default, for people), or json / csv: one row per source rank and a total, "
+                           "nothing else on stdout (for logs and scripts)")
     plan.add_argument("--execute-meta", dest="execute_meta", action="store_true", default=False,
                       help="also run every op through the executor on meta tensors, one op at a time (validation "
                            "already proves bounds, lengths and exact cover; this adds the executor's views; "
