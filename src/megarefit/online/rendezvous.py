@@ -107,7 +107,10 @@ class Rendezvous:
         self.prefix = f"megarefit/{job}/"
         self._secret, _ = _resolve_secret(secret, serving=False)
         self._counter = 0  # the last n this writer signed
-        self._latest: dict[str, int] = {}  # key -> the highest n read (older ones are replays)
+        # key -> the highest n this thread read (older ones are replays). Per thread: another
+        # thread may verify, later, a record it fetched before this thread read a newer one.
+        self._reads = threading.local()
+        self._lock = threading.Lock()  # the counter, shared by this object's writers
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
@@ -157,8 +160,9 @@ class Rendezvous:
     def seal(self, key: str, payload: bytes | str) -> bytes:
         """The signed record of ``payload`` under full key ``key`` (``prefix + ...``)."""
         payload = payload.encode() if isinstance(payload, str) else bytes(payload)
-        self._counter = max(self._counter + 1, time.time_ns())
-        n = str(self._counter).encode()
+        with self._lock:
+            self._counter = max(self._counter + 1, time.time_ns())
+            n = str(self._counter).encode()
         return b":".join([_FORMAT, self._mac(key, n, payload), n, payload])
 
     def unseal(self, key: str, record: bytes) -> bytes:
@@ -178,10 +182,11 @@ class Rendezvous:
                 f"record {key!r} has a wrong signature: written with another job secret, or forged; check that "
                 f"every process of job {self.job!r} uses the same secret ({SECRET_ENV}); nothing was done with it")
         n = int(parts[2])
-        if n < self._latest.get(key, 0):
+        latest = self._reads.__dict__.setdefault("latest", {})
+        if n < latest.get(key, 0):
             raise RecordAuthenticationError(
                 f"record {key!r} is older than one already read under that key (replayed); nothing was done with it")
-        self._latest[key] = n
+        latest[key] = n
         return parts[3]
 
     def put(self, key: str, payload: bytes | str) -> None:
