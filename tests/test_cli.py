@@ -75,19 +75,19 @@ def test_demo_fp8_passes():
 
 @pytest.mark.megatron
 def test_demo_shrinks_a_full_size_moe_config():
-    """`megarefit demo --config DeepSeek-V3.json --ep 2 --quantization fp8`: the 671B config is
+    """`megarefit demo --config DeepSeek-V3.json --ep 2 --etp 1 --quantization fp8`: the 671B config is
     shrunk to a CPU model of the same architecture (MLA with q_lora, dense first layer, shared
     expert, expert-score bias), built by real Megatron-Core over tp=2 x ep=2 processes, refit
     into transformers' own DeepseekV3ForCausalLM; what was dropped is said."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("transformers")
     cfg = Path(__file__).parent / "data" / "configs" / "DeepSeek-V3.json"
-    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--ep", "2",
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--ep", "2", "--etp", "1",
                            "--quantization", "fp8"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())
     for words in ("shrunk to a CPU-sized model of the same architecture", "n_routed_experts 256 -> 4",
-                  "RoPE scaling (yarn) dropped", "MTP layers dropped", "ep=2", "DeepseekV3ForCausalLM",
+                  "RoPE scaling (yarn) dropped", "MTP layers dropped", "ep=2 etp=1", "DeepseekV3ForCausalLM",
                   "quantized whole| = 0.000e+00", "PASS"):
         assert words in out, (words, proc.stdout)
 

@@ -353,8 +353,9 @@ def _execute_on_meta(plan: Any) -> float:
 def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
     from megarefit.demo.live import run_live_demo
 
-    if args.ep > 1:
-        raise MegarefitError("--ep is for the local-transport demo; --transport nixl builds dense trainers only")
+    if args.ep > 1 or args.etp:
+        raise MegarefitError("--ep / --etp are for the local-transport demo; --transport nixl builds dense trainers "
+                             "only")
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
                                status=lambda msg: status.update(msg))
@@ -392,13 +393,14 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         raise MegarefitError("--engine vllm needs --transport nixl (the local transport refits HF models)")
 
     with console.status("starting") as status:
-        result = run_demo(args.config, tp=args.tp, pp=args.pp, ep=args.ep, seq=args.seq,
+        result = run_demo(args.config, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, seq=args.seq,
                           quantization=args.quantization, shrink=args.shrink, status=lambda msg: status.update(msg))
     plan, stats = result.plan, result.stats
     for note in result.notes:
         console.print(f"config: {note}")
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
-    console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} ep={args.ep} on gloo (CPU, fp32); "
+    console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} ep={args.ep} "
+                  f"etp={args.etp or args.tp} on gloo (CPU, fp32); "
                   f"target: HF transformers {result.config['architectures'][0]}")
     console.print(plan_table(plan, per_rank=True))
     times = Table(title="refit stages")
@@ -483,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
     demo.add_argument("--ep", type=positive_int, default=1,
                       help="trainer expert-parallel size, MoE configs (default 1; tp*pp*ep processes)")
+    demo.add_argument("--etp", type=positive_int, help="expert tensor-parallel size: 1 or tp (default: tp)")
     demo.add_argument("--no-shrink", dest="shrink", action="store_false",
                       help="build the config as given (default: shrink configs too large for a CPU demo)")
     demo.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence in the logits check")

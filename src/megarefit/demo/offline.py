@@ -92,7 +92,8 @@ def check_memory(dims: ModelDims, tp: int, pp: int) -> None:
         )
 
 
-def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, seq: int = 16, batch: int = 2,
+def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None, seq: int = 16,
+             batch: int = 2,
              seed: int = 1234, quantization: str = "none", shrink: bool = True,
              status: Callable[[str], None] = lambda _: None) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it).
@@ -135,7 +136,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, seq: 
 
     status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
     t0 = time.perf_counter()
-    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep)
+    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, etp)
     per_rank = [r["demo"] for r in run_workers(trainer_job, world_size=tp * pp * ep, args=([case],)) if r["demo"]]
     stages["trainer (spawn, build, forward)"] = time.perf_counter() - t0
     shards = {tuple(r["coord"]): r["params"] for r in per_rank}
@@ -147,7 +148,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, seq: 
     status("plan: building and validating the slice plan")
     t0 = time.perf_counter()
     plan_megatron_to_hf.cache_clear()
-    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(tp),
+    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp or tp, padded_vocab_size=dims.padded_vocab_size(tp),
                               num_layers=dims.num_layers)
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in shards.items()})
     plan = plan_megatron_to_hf(dims, layout, "float32")

@@ -34,6 +34,7 @@ class TrainerCase:
     tokens: torch.Tensor  # [batch, seq] int64
     seed: int = 1234
     ep: int = 1
+    etp: int | None = None  # expert tensor-parallel size (None: tp)
 
 
 def _first_copy(ep: int) -> bool:
@@ -61,7 +62,8 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
     out: dict[str, Any] = {}
     for case in cases:
-        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
+        init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep,
+                      etp=case.etp)
         t0 = time.perf_counter()
         model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
         perturb_parameters_(model, seed=case.seed)
