@@ -75,19 +75,22 @@ def test_demo_fp8_passes():
 
 @pytest.mark.megatron
 def test_demo_shrinks_a_full_size_moe_config():
-    """`megarefit demo --config DeepSeek-V3.json --ep 2 --etp 1 --quantization fp8`: the 671B config is
-    shrunk to a CPU model of the same architecture (MLA with q_lora, dense first layer, shared
-    expert, expert-score bias), built by real Megatron-Core over tp=2 x ep=2 processes, refit
+    """`megarefit demo --config DeepSeek-V3.json --ep 2 --etp 1 --quantization fp8 --expert-layout
+    legacy_grouped`: the 671B config is shrunk to a CPU model of the same architecture (MLA with
+    q_lora, dense first layer, shared expert, expert-score bias), built by real Megatron-Core
+    over tp=2 x ep=2 processes with GroupedMLP experts (weight1/weight2, transposed), refit
     into transformers' own DeepseekV3ForCausalLM; what was dropped is said."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("transformers")
     cfg = Path(__file__).parent / "data" / "configs" / "DeepSeek-V3.json"
     proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--ep", "2", "--etp", "1",
-                           "--quantization", "fp8"], capture_output=True, text=True, timeout=600)
+                           "--quantization", "fp8", "--expert-layout", "legacy_grouped"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())
     for words in ("shrunk to a CPU-sized model of the same architecture", "n_routed_experts 256 -> 4",
-                  "RoPE scaling (yarn) dropped", "MTP layers dropped", "ep=2 etp=1", "DeepseekV3ForCausalLM",
+                  "RoPE scaling (yarn) dropped", "MTP layers dropped", "ep=2 etp=1, legacy_grouped experts",
+                  "DeepseekV3ForCausalLM",
                   "quantized whole| = 0.000e+00", "PASS"):
         assert words in out, (words, proc.stdout)
 
@@ -341,6 +344,19 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
         out = capsys.readouterr()
         text = out.out + out.err
         assert rc == 2 and message in text and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["demo", "--config", "Qwen3-30B-A3B.json", "--expert-layout", "te_grouped"],
+     "te_grouped builds Transformer Engine's TEGroupedMLP, which needs TE and a GPU"),
+    (["demo", "--expert-layout", "legacy_grouped"], "needs an MoE config; this one has no experts"),
+])
+def test_demo_expert_layouts_it_cannot_build_are_refused_before_any_process(argv, message, capsys):
+    argv = [str(CONFIG_DIR / a) if a.endswith(".json") else a for a in argv]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert message in text and "Traceback" not in text, text
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -353,8 +353,8 @@ def _execute_on_meta(plan: Any) -> float:
 def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
     from megarefit.demo.live import run_live_demo
 
-    if args.ep > 1 or args.etp:
-        raise MegarefitError("--ep / --etp are for the local-transport demo; --transport nixl builds dense trainers "
+    if args.ep > 1 or args.etp or args.expert_layout != "sequential":
+        raise MegarefitError("--ep / --etp / --expert-layout are for the local-transport demo; --transport nixl builds dense trainers "
                              "only")
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
@@ -394,13 +394,15 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
     with console.status("starting") as status:
         result = run_demo(args.config, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, seq=args.seq,
+                          expert_layout=args.expert_layout,
                           quantization=args.quantization, shrink=args.shrink, status=lambda msg: status.update(msg))
     plan, stats = result.plan, result.stats
     for note in result.notes:
         console.print(f"config: {note}")
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
+    experts = f", {plan.layout.expert_layout} experts" if result.dims.num_experts else ""
     console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} ep={args.ep} "
-                  f"etp={args.etp or args.tp} on gloo (CPU, fp32); "
+                  f"etp={args.etp or args.tp}{experts} on gloo (CPU, fp32); "
                   f"target: HF transformers {result.config['architectures'][0]}")
     console.print(plan_table(plan, per_rank=True))
     times = Table(title="refit stages")
@@ -486,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ep", type=positive_int, default=1,
                       help="trainer expert-parallel size, MoE configs (default 1; tp*pp*ep processes)")
     demo.add_argument("--etp", type=positive_int, help="expert tensor-parallel size: 1 or tp (default: tp)")
+    demo.add_argument("--expert-layout", choices=["sequential", "legacy_grouped", "te_grouped"], default="sequential",
+                      help="Megatron experts module, MoE configs: sequential (SequentialMLP, default) or "
+                           "legacy_grouped (GroupedMLP); te_grouped needs Transformer Engine (GPU)")
     demo.add_argument("--no-shrink", dest="shrink", action="store_false",
                       help="build the config as given (default: shrink configs too large for a CPU demo)")
     demo.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence in the logits check")

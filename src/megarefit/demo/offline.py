@@ -92,8 +92,24 @@ def check_memory(dims: ModelDims, tp: int, pp: int) -> None:
         )
 
 
+def check_expert_layout(expert_layout: str, dims: ModelDims) -> None:
+    """Raise :class:`MegarefitError` for an expert layout the CPU harness cannot build.
+
+    ``te_grouped`` (``TEGroupedMLP``) needs Transformer Engine's grouped GEMM, a GPU package;
+    a non-sequential layout on a dense config has no experts to lay out.
+    """
+    if expert_layout == "te_grouped":
+        raise MegarefitError("--expert-layout te_grouped builds Transformer Engine's TEGroupedMLP, which needs TE and "
+                             "a GPU; the CPU demo builds sequential or legacy_grouped (`megarefit plan "
+                             "--expert-layout te_grouped` plans te_grouped from shapes)")
+    if expert_layout not in ("sequential", "legacy_grouped"):
+        raise MegarefitError(f"--expert-layout {expert_layout!r}: use sequential or legacy_grouped")
+    if expert_layout != "sequential" and not dims.num_experts:
+        raise MegarefitError(f"--expert-layout {expert_layout} needs an MoE config; this one has no experts")
+
+
 def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None, seq: int = 16,
-             batch: int = 2,
+             batch: int = 2, expert_layout: str = "sequential",
              seed: int = 1234, quantization: str = "none", shrink: bool = True,
              status: Callable[[str], None] = lambda _: None) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it).
@@ -101,7 +117,11 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     ``shrink`` (default): a config larger than a CPU demo is shrunk to a model of the same
     architecture first (:func:`~megarefit.demo.shrink.shrink_config`; ``result.notes`` says
     what changed). ``ep``: Megatron expert-parallel size (MoE configs; ``tp * pp * ep``
-    processes, experts split over ``ep`` with expert-TP ``tp``).
+    processes, experts split over ``ep`` with expert-TP ``tp``). ``expert_layout``: the
+    Megatron experts module the trainers build, ``"sequential"`` (``SequentialMLP``, one
+    ``local_experts.{i}`` pair per expert) or ``"legacy_grouped"`` (``GroupedMLP``: every
+    local expert in one ``weight1`` [hidden, experts*2*ffn] and ``weight2``
+    [experts*ffn, hidden]); ``"te_grouped"`` needs Transformer Engine and is refused.
 
     ``quantization="fp8"``: the trainers quantize their shards to block FP8 where the
     blocks allow, the rest is quantized after the pull (:mod:`megarefit.quant`); the HF
@@ -109,7 +129,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     Megatron forward (relative error and cosine).
 
     Raises:
-        MegarefitError: the config or layout is unsupported.
+        MegarefitError: the config or layout is unsupported (``te_grouped`` experts included).
         RuntimeError: a trainer worker failed (its traceback is included).
     """
     from megarefit.demo.megatron_cpu import gpt_arch_from_hf
@@ -129,6 +149,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     if ep > 1 and (not dims.num_experts or dims.num_experts % ep):
         raise MegarefitError(f"--ep {ep} needs an MoE config whose experts ({dims.num_experts}) divide by it")
     gpt_arch_from_hf(cfg, tp=tp)  # fail early on what the CPU harness cannot build
+    check_expert_layout(expert_layout, dims)
     check_memory(dims, tp, pp)
     vocab = dims.vocab_size
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
@@ -136,7 +157,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
 
     status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
     t0 = time.perf_counter()
-    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, etp)
+    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, etp, expert_layout)
     per_rank = [r["demo"] for r in run_workers(trainer_job, world_size=tp * pp * ep, args=([case],)) if r["demo"]]
     stages["trainer (spawn, build, forward)"] = time.perf_counter() - t0
     shards = {tuple(r["coord"]): r["params"] for r in per_rank}

@@ -5,6 +5,7 @@ serve them through a :class:`~megarefit.online.publisher.Publisher` (:func:`serv
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 from megarefit.demo.megatron_cpu import (
     apply_cpu_patches,
     build_gpt_model,
+    fake_grouped_gemm,
     forward_logits,
     gpt_arch_from_hf,
     init_parallel,
@@ -35,6 +37,7 @@ class TrainerCase:
     seed: int = 1234
     ep: int = 1
     etp: int | None = None  # expert tensor-parallel size (None: tp)
+    expert_layout: str = "sequential"  # or "legacy_grouped" (GroupedMLP through a looped grouped GEMM)
 
 
 def _first_copy(ep: int) -> bool:
@@ -44,6 +47,22 @@ def _first_copy(ep: int) -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank() // max(1, ep) == 0
+
+
+def _build(case: TrainerCase) -> torch.nn.Module:
+    """The case's GPTModel. ``legacy_grouped`` experts are Megatron's ``GroupedMLP`` run through
+    :func:`~megarefit.demo.megatron_cpu.fake_grouped_gemm` (a looped fp32 ``gmm``); its forward
+    asserts ``config.bf16``, which is set after the build so no other module sees it."""
+    arch = gpt_arch_from_hf(case.hf_config, tp=case.tp)
+    if case.expert_layout == "legacy_grouped":
+        fake_grouped_gemm()
+        arch = dataclasses.replace(arch, moe_grouped_gemm=True)
+    elif case.expert_layout != "sequential":
+        raise ValueError(f"expert_layout {case.expert_layout!r}: the CPU harness builds sequential or legacy_grouped")
+    model = build_gpt_model(arch, seed=case.seed)
+    if case.expert_layout == "legacy_grouped":
+        model.config.bf16 = True
+    return model
 
 
 def trainer_job(rank: int, world_size: int, master_port: int, cases: list[TrainerCase]) -> dict[str, Any]:
@@ -65,7 +84,7 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
         init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep,
                       etp=case.etp)
         t0 = time.perf_counter()
-        model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+        model = _build(case)
         perturb_parameters_(model, seed=case.seed)
         t1 = time.perf_counter()
         logits = forward_logits(model, case.tokens)

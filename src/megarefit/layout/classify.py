@@ -49,6 +49,10 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("TopKRouter", "*"): P.REPLICATED,
     ("TEColumnParallelGroupedLinear", "*"): P.COLUMN,  # weight{i} per local expert
     ("TERowParallelGroupedLinear", "*"): P.ROW,
+    # legacy GroupedMLP stores its experts transposed: the mode is Megatron's partition_dim
+    # (weight1 [h, E_local*2F/etp] dim 1, weight2 [E_local*F/etp, h] dim 0), as the table's roles
+    ("GroupedMLP", "weight1"): P.ROW,
+    ("GroupedMLP", "weight2"): P.COLUMN,
 }
 
 
@@ -110,8 +114,9 @@ def classify_model(model: torch.nn.Module, dims: ModelDims, *, pp: int = 1, laye
         if name is None:
             continue
         mod_name, _, attr = raw.rpartition(".")
-        attr = attr.rstrip("0123456789") if attr[:1].isalpha() and attr[-1:].isdigit() else attr  # weight{i}
         cls_name = type(modules[mod_name]).__name__
+        if (cls_name, attr) not in MODULE_MODES and attr[:1].isalpha() and attr[-1:].isdigit():
+            attr = attr.rstrip("0123456789")  # TE grouped linears: weight{i}, one per local expert
         m_mode = module_mode(cls_name, attr, overrides, name)
         a_mode = _attr_mode(param)
         role, problem = None, None
