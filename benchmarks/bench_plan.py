@@ -2,6 +2,8 @@
 
     python benchmarks/bench_plan.py            # the table
     python benchmarks/bench_plan.py --growth   # ops vs seconds, DeepSeek-V3 up to ~1M ops
+    python benchmarks/bench_plan.py --cli --json docs/plan_cli.jsonl   # `megarefit plan` as a whole process
+    python benchmarks/bench_plan.py --from-json docs/plan_cli.jsonl    # the recorded table
 
 Each plan is built cold (cache cleared) three times, validated (exact cover)
 inside the timing; best and median are reported.
@@ -9,8 +11,11 @@ inside the timing; best and median are reported.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,8 +73,64 @@ def growth() -> None:
               f"{seconds / len(plan.ops) * 1e6:.2f} |", flush=True)
 
 
+CLI_CASES = [  # (config, arguments after `megarefit plan --config CONFIG`): the default (block FP8 from the config)
+    ("DeepSeek-V3", ["--tp", "8", "--ep", "64"]),
+    ("DeepSeek-V3", ["--tp", "8", "--ep", "64", "--quantization", "none"]),
+    ("Kimi-K2-Instruct", ["--tp", "8", "--ep", "64"]),
+    ("Kimi-K2-Instruct", ["--tp", "8", "--ep", "64", "--quantization", "none"]),
+]
+
+
+def cli(repeat: int, record: str | None) -> None:
+    """``megarefit plan`` as users run it: a fresh process per run (imports included), its
+    wall time and the planned + validated seconds it prints; the median of ``repeat`` runs."""
+    rows = []
+    for name, args in CLI_CASES:
+        argv = [sys.executable, "-m", "megarefit", "plan", "--config", str(ROOT / f"tests/data/configs/{name}.json"),
+                *args]
+        walls, planned, summary = [], [], ""
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+            walls.append(time.perf_counter() - t0)
+            planned.append(float(re.search(r"planned \+ validated in ([0-9.]+) s", out).group(1)))
+            summary = next(line for line in out.splitlines() if "validated exact cover" in line)
+        rows.append({"config": name, "args": " ".join(args), "ops": int(re.search(r"; ([0-9]+) ops", summary).group(1)),
+                     "planned_s": statistics.median(planned), "whole_s": statistics.median(walls),
+                     "whole_max_s": max(walls), "repeat": repeat, "machine": machine(),
+                     "date": time.strftime("%Y-%m-%d")})
+        print(json.dumps(rows[-1]), flush=True)
+    if record:
+        Path(record).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print_cli(rows)
+
+
+def print_cli(rows: list[dict]) -> None:
+    """The recorded ``--cli`` rows as a markdown table, machine and date first."""
+    print(f"`megarefit plan`, median of {rows[0]['repeat']} fresh processes on {rows[0]['machine']}, "
+          f"{rows[0]['date']}:\n")
+    print("| `megarefit plan --config` | ops | planned + validated | whole process (median / max) |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['config']}.json {r['args']} | {r['ops']} | {r['planned_s']:.2f} s | "
+              f"**{r['whole_s']:.2f} s** / {r['whole_max_s']:.2f} s |")
+
+
 def main() -> None:
-    if "--growth" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--growth", action="store_true", help="ops vs seconds, DeepSeek-V3 up to ~1M ops")
+    ap.add_argument("--cli", action="store_true", help="time `megarefit plan` as a whole process")
+    ap.add_argument("--repeat", type=int, default=5, help="--cli runs per case (default 5)")
+    ap.add_argument("--json", help="--cli: record the rows in this JSONL file")
+    ap.add_argument("--from-json", help="print the table of a recorded --cli JSONL file and exit")
+    ns = ap.parse_args()
+    if ns.from_json:
+        print_cli([json.loads(line) for line in Path(ns.from_json).read_text().splitlines() if line.strip()])
+        return
+    if ns.cli:
+        cli(ns.repeat, ns.json)
+        return
+    if ns.growth:
         growth()
         return
     print(f"machine: {machine()}")

@@ -116,6 +116,7 @@ def test_vllm_engine_needs_nixl(capsys):
     ("Qwen3-235B-A22B", ["--tp", "4", "--pp", "16", "--ep", "64", "--first-stage-layers", "5",
                          "--last-stage-layers", "5"]),
     ("Mixtral-8x7B-v0.1", ["--tp", "8", "--pp", "16", "--ep", "8"]),
+    ("Kimi-K2-Instruct", ["--tp", "8", "--ep", "64"]),
     ("GLM-4.5-Air", ["--tp", "4", "--pp", "2", "--ep", "16", "--etp", "1", "--layer-spec", "local"]),
 ])
 def test_plan_full_size_moe(name, args, capsys):

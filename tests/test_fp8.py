@@ -77,7 +77,7 @@ def test_megatron_to_hf_fp8_equals_vllm_quantization_of_the_hf_tensors(family, n
     trainer quantized its shard (blocks inside one shard, edge blocks included) or the
     receiver quantized after assembly (blocks straddling shards); the plan says which."""
     from megarefit import SourceLayout, plan_megatron_to_hf
-    from megarefit.quant.planning import plan_fp8, where_quantized
+    from megarefit.quant.planning import fp8_weight_count, plan_fp8, where_quantized
 
     if family in ("qwen3_moe", "mixtral"):
         from moe_cases import moe_config
@@ -104,8 +104,9 @@ def test_megatron_to_hf_fp8_equals_vllm_quantization_of_the_hf_tensors(family, n
         t.numel() * t.element_size() for t in hf.values())
     layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=model.padded_vocab_size(tp),
                                 num_layers=model.num_layers)
-    places = where_quantized(plan_fp8(plan_megatron_to_hf(model, layout, "bfloat16"), Fp8Format()))
-    assert places.keys() == quantized
+    fp8_plan = plan_fp8(plan_megatron_to_hf(model, layout, "bfloat16"), Fp8Format())
+    places = where_quantized(fp8_plan)
+    assert places.keys() == quantized and fp8_weight_count(fp8_plan) == len(quantized)
     kinds = {"trainer" if p == "trainer" else "receiver" for p in places.values()}
     assert kinds == ({"trainer", "receiver"} if where == "both" else {where}), places
     assert all("block grid" in p for p in places.values() if p != "trainer")

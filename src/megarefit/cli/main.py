@@ -121,9 +121,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   f"{s['total']['ops']} ops ({s['total']['contiguous']} contiguous sliced pulls, "
                   f"{s['total']['scratch']} scratch copies), {_mb(plan.nbytes)}; validated exact cover.")
     if fmt is not None:
-        from megarefit.quant.planning import where_quantized
+        from megarefit.quant.planning import fp8_weight_count
 
-        console.print(_fp8_line(where_quantized(plan), fmt, plan.nbytes, unquantized_bytes, args.dtype))
+        console.print(_fp8_line(fp8_weight_count(plan), [q.reason for q in plan.quantize], fmt, plan.nbytes,
+                                unquantized_bytes, args.dtype))
     if target is not None:
         full = plan_megatron_to_hf(dims, layout, args.dtype).nbytes
         console.print(f"this worker pulls {_mb(plan.nbytes)} of the model's {_mb(full)} "
@@ -415,7 +416,9 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
                   f"{_mb(stats.bytes_copied)} copied, {stats.views} zero-copy views ({_mb(stats.bytes_viewed)})")
     verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
     if result.quantization is not None:
-        console.print(_fp8_line(result.where, result.quantization, plan.nbytes, result.unquantized_bytes, "float32"))
+        receiver = [w.removeprefix("receiver: ") for w in result.where.values() if w != "trainer"]
+        console.print(_fp8_line(len(result.where), receiver, result.quantization, plan.nbytes,
+                                result.unquantized_bytes, "float32"))
         console.print(f"FP8's own error: HF logits vs fp32 Megatron logits max |diff| = {result.max_logit_diff:.3e} = "
                       f"{result.relative_error:.4f} of the logit scale {result.logit_scale:.2f}, cosine "
                       f"{result.cosine:.6f} (block FP8 on random weights; typical < {FP8_TOLERANCE:g} and > "
@@ -428,13 +431,12 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if result.passed else 1
 
 
-def _fp8_line(where: dict[str, str], fmt: Any, nbytes: int, unquantized: int, dtype: str) -> str:
-    trainer = sum(1 for w in where.values() if w == "trainer")
-    receiver = [w for w in where.values() if w != "trainer"]
-    line = (f"block FP8 {fmt.block[0]}x{fmt.block[1]}{' (UE8M0 scales)' if fmt.ue8m0 else ''}: {len(where)} weights, "
-            f"{trainer} quantized on the trainers, {len(receiver)} on the receiver")
+def _fp8_line(weights: int, receiver: list[str], fmt: Any, nbytes: int, unquantized: int, dtype: str) -> str:
+    """``weights`` FP8 weights, of which ``receiver`` (their reasons) are quantized after the pull."""
+    line = (f"block FP8 {fmt.block[0]}x{fmt.block[1]}{' (UE8M0 scales)' if fmt.ue8m0 else ''}: {weights} weights, "
+            f"{weights - len(receiver)} quantized on the trainers, {len(receiver)} on the receiver")
     if receiver:
-        line += f" (e.g. {receiver[0].removeprefix('receiver: ')})"
+        line += f" (e.g. {receiver[0]})"
     return line + f"; {_mb(nbytes)} on the wire vs {_mb(unquantized)} in {dtype} ({nbytes / unquantized:.2f}x)"
 
 

@@ -174,5 +174,17 @@ def where_quantized(plan: Plan) -> dict[str, str]:
     return out
 
 
-__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "plan_fp8", "quantize_shard",
+def fp8_weight_count(plan: Plan) -> int:
+    """Number of FP8 weight targets of ``plan`` (``len(where_quantized(plan))``: a receiver
+    quantize step's weight is an FP8 target too), counted on the target table's columns
+    without formatting a name (a 1.1M-op Kimi-K2 plan: ms, not 0.6 s)."""
+    targets, fp8 = plan.targets, str(FP8_DTYPE).removeprefix("torch.")
+    groups = getattr(targets, "groups", None)
+    if groups is None:  # a plain mapping (a plan read back from JSON)
+        return sum(1 for meta in targets.values() if meta.dtype == fp8)
+    per_group = torch.bincount(targets.group, minlength=len(groups)).tolist()
+    return sum(n for g, n in zip(groups, per_group) if g.meta.dtype == fp8)
+
+
+__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "fp8_weight_count", "plan_fp8", "quantize_shard",
            "quantize_sources", "scale_ref", "where_quantized"]
