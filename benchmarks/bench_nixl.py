@@ -222,7 +222,11 @@ def main() -> None:
     ap.add_argument("--profile-cold", type=int, default=0, help="print the N costliest calls of the cold cycle")
     ap.add_argument("--label", default="", help="a name for this case in the JSON line")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
+    ap.add_argument("--from-json", help="print the table of recorded results (a --json file) and exit")
     ns = ap.parse_args()
+    if ns.from_json:
+        print_recorded(ns.from_json)
+        return
     if ns.receiver_threads:
         torch.set_num_threads(ns.receiver_threads)
     cfg = bench_config(ns.config, ns.layers)
@@ -340,13 +344,45 @@ def main() -> None:
         with open(ns.json, "a", encoding="utf-8") as f:
             f.write(json.dumps({"config": Path(ns.config).stem, "layers": dims.num_layers, "tp": layout.tp,
                                 "ep": layout.ep, "etp": layout.etp, "expert_layout": layout.expert_layout,
-                                "target": target, "bytes": nbytes, "wire_bytes": stats.wire_bytes, "full_bytes": full, "ops": summary,
+                                "target": target, "bytes": nbytes, "wire_bytes": stats.wire_bytes, "full_bytes": full,
+                                "ops": summary,
                                 "warm_best": min(warm), "warm_median": statistics.median(warm),
                                 "read_best": min(read), "raw_best": best_raw, "copy_best": copy_best,
-                                "nccl_best": min(nccl) if nccl else None, "raw_split": split, "label": ns.label, "descriptors": stats.descriptors,
+                                "nccl_best": min(nccl) if nccl else None, "raw_split": split, "label": ns.label,
+                                "descriptors": stats.descriptors,
                                 "arena_bytes": stats.arena_bytes, "scratch_bytes": stats.scratch_bytes,
                                 "cold": cycles[0][0], "warm_seconds": stats.seconds, "quantization": ns.quantization,
-                                "trainer_quantize_s": max(q[0] for q in quant)}) + "\n")
+                                "trainer_quantize_s": max(q[0] for q in quant), "machine": machine(),
+                                "date": time.strftime("%Y-%m-%d")}) + "\n")
+
+
+def case_name(r: dict) -> str:
+    """A recorded case in words: model, trainer layout, FP8, the vLLM worker if one."""
+    name = f"{r['config']} tp{r['tp']}"
+    if r["ep"] > 1 or r["etp"] != r["tp"]:
+        name += (f" ep{r['ep']}" if r["ep"] > 1 else "") + f" etp{r['etp']} {r['expert_layout']}"
+    elif r["config"].endswith(("A3B", "A22B")) or "x7B" in r["config"]:
+        name += f" etp{r['etp']} {r['expert_layout']}"
+    name += ", FP8" if r.get("quantization") == "fp8" else ""
+    return name + (f" -> {r['target']}" if r["target"].startswith("vLLM") else "")
+
+
+def print_recorded(path: str) -> None:
+    """The table of a ``--json`` file (``benchmarks/run_refit_gpu.sh`` writes one line per case)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    machines = sorted({r.get("machine", "not recorded in this file (see the text)") for r in rows})
+    print("machine: " + "; ".join(machines) + "\n")
+    print("| case | GB placed | READ descriptors | scratch MB (of arena) | warm ms | pull ms | raw NIXL ms | NCCL ms "
+          "| **warm vs raw** | pull vs raw | NCCL vs raw | cold s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        raw, pull, nccl = r["raw_best"], r["warm_seconds"]["pull"], r.get("nccl_best")
+        scratch = f"{r['scratch_bytes'] / 1e6:.0f}" if r["scratch_bytes"] >= 1e6 else f"{r['scratch_bytes'] / 1e6:.1f}"
+        nccl_ms, nccl_ratio = (f"{nccl * 1e3:.1f}", f"{raw / nccl:.2f}x") if nccl else ("-", "-")
+        print(f"| {case_name(r)} | {r['bytes'] / 1e9:.2f} | {r['descriptors']} | {scratch} "
+              f"({100 * r['scratch_bytes'] / r['arena_bytes']:.1f}%) | {r['warm_best'] * 1e3:.1f} | {pull * 1e3:.1f} | "
+              f"{raw * 1e3:.1f} | {nccl_ms} | **{raw / r['warm_best']:.2f}x** | {raw / pull:.2f}x | {nccl_ratio} | "
+              f"{r['cold']:.3f} |")
 
 
 def plan_target(ns: argparse.Namespace):

@@ -355,8 +355,8 @@ def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
     from megarefit.demo.live import run_live_demo
 
     if args.ep > 1 or args.etp or args.expert_layout != "sequential":
-        raise MegarefitError("--ep / --etp / --expert-layout are for the local-transport demo; --transport nixl builds dense trainers "
-                             "only")
+        raise MegarefitError("--ep / --etp / --expert-layout are for the local-transport demo; --transport nixl "
+                             "builds dense trainers only")
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
                                status=lambda msg: status.update(msg))

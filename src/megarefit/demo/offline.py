@@ -136,8 +136,13 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     from megarefit.demo.shrink import shrink_config
     from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
     from megarefit.demo.workers import run_workers
-    from megarefit.integrations.hf import (build_hf_model, hf_logits, install_weights, load_through_checkpoint,
-                                           needs_conversion)
+    from megarefit.integrations.hf import (
+        build_hf_model,
+        hf_logits,
+        install_weights,
+        load_through_checkpoint,
+        needs_conversion,
+    )
     from megarefit.translate import check_shapes
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()

@@ -186,5 +186,5 @@ def fp8_weight_count(plan: Plan) -> int:
     return sum(n for g, n in zip(groups, per_group) if g.meta.dtype == fp8)
 
 
-__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "fp8_weight_count", "plan_fp8", "quantize_shard",
-           "quantize_sources", "scale_ref", "where_quantized"]
+__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "STAGING_SUFFIX", "fp8_sources", "fp8_weight_count", "plan_fp8",
+           "quantize_shard", "quantize_sources", "scale_ref", "where_quantized"]
