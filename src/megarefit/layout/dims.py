@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megarefit.errors import ConfigError, LayoutError, MegarefitError
+from megarefit.errors import ConfigError, LayoutError, MegarefitError, UnsupportedModelError
 from megarefit.specs import FamilySpec, family_for_config, get_family
 from megarefit.specs.table import Condition
 
@@ -74,6 +74,8 @@ class ModelDims:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0  # HF num_nextn_predict_layers: MTP layers the checkpoint stores after the decoder
+    index_n_heads: int = 0  # DSA lightning indexer (GLM-5); 0 without one
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
@@ -147,6 +149,9 @@ class ModelDims:
                        v_head_dim=need("v_head_dim"))
         if fam.mtp_key is not None:
             moe["mtp_layers"] = int(get(fam.mtp_key) or 0)
+        if fam.dsa_indexer:
+            moe.update(index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"))
+            _refuse_shared_indexers(fam.name, get("indexer_types"))
         return cls(
             family=fam.name,
             num_layers=need("num_hidden_layers"),
@@ -189,6 +194,9 @@ class ModelDims:
             "kv_down": self.kv_lora_rank + self.qk_rope_head_dim,
             "kv_up": heads * (self.qk_nope_head_dim + self.v_head_dim),
             "v_heads": heads * self.v_head_dim,
+            "index_q": self.index_n_heads * self.index_head_dim,
+            "index_head_dim": self.index_head_dim,
+            "index_heads": self.index_n_heads,
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
             "2ffn": 2 * self.ffn_hidden_size,
@@ -223,6 +231,8 @@ class ModelDims:
             out.add(Condition.Q_PROJ)
         if self.qk_norm:
             out.add(Condition.QK_NORM)
+        if self.index_n_heads:
+            out.add(Condition.DSA_INDEXER)
         return frozenset(out)
 
     def layer_kind(self, layer: int) -> str:
@@ -264,3 +274,14 @@ class ModelDims:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         return d
+
+
+def _refuse_shared_indexers(family: str, indexer_types: Any) -> None:
+    """GLM-5.1+ ``indexer_types``: a ``"shared"`` layer has no indexer weights of its own (it
+    reuses the previous ``"full"`` layer's top-k); the spec table gives every layer one."""
+    shared = [i for i, kind in enumerate(indexer_types or ()) if kind != "full"]
+    if shared:
+        raise UnsupportedModelError(
+            f"HF config for family {family}: indexer_types marks layers {shared[:8]}{' ...' if len(shared) > 8 else ''} "
+            f"as {indexer_types[shared[0]]!r} (no indexer weights of their own); megarefit translates configs whose "
+            "layers all have their own indexer ('full') only")

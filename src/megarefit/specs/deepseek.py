@@ -19,6 +19,22 @@ The local layer spec splits the down-projections over TP (column-parallel); the
 Transformer-Engine spec replicates them and fuses the two norms into
 ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``.
 MTP layers (HF ``model.layers.{num_layers + i}``): see :mod:`megarefit.specs.mtp`.
+
+GLM-5 (``GlmMoeDsaForCausalLM``, ``glm_moe_dsa``): DeepSeek-V3's MLA and MoE plus a DSA
+lightning indexer in every layer. Megatron-Core 0.16.1 builds it inside the core attention
+(``experimental_attention_variant="dsa"``, ``DSAttention.indexer``, ``DSAIndexer``), every
+tensor whole on each rank (``parallel_mode="duplicated"``); vLLM keeps it replicated too::
+
+    Megatron self_attention.core_attention.indexer.   HF self_attn.indexer.   shape
+    linear_wq_b.weight                            ->  wq_b.weight             [index_heads*index_head_dim, q_lora]
+    linear_wk.weight                              ->  wk.weight               [index_head_dim, hidden]
+    k_norm.weight, k_norm.bias (LayerNorm)        ->  k_norm.weight, .bias    [index_head_dim]
+    linear_weights_proj.weight                    ->  weights_proj.weight     [index_heads, hidden]
+
+Megatron-Core 0.16.1's DSA spec needs Transformer Engine (``backend.linear()``, fused
+layer-norm up-projections), so a GLM-5 trainer uses the TE spelling of the MLA rows. Block
+FP8 quantizes ``wq_b`` (vLLM's ``ReplicatedLinear`` with the quant config); ``wk`` and
+``weights_proj`` stay in the model dtype, as vLLM's fused ``wk_weights_proj`` holds them.
 Without ``q_lora_rank`` (DeepSeek-V2-Lite style) Megatron has one column-parallel
 ``linear_q_proj`` (HF ``q_proj``) instead of the q down / up pair.
 """
@@ -59,7 +75,22 @@ MLA = (
     ParamSpec(_L + "linear_proj.weight", R.ROW, (_H + "o_proj.weight",), ("hidden", "v_heads")),
 )
 
+_I = _L + "core_attention.indexer."
+_HI = _H + "indexer."
+DI = frozenset({Condition.Q_LORA, Condition.DSA_INDEXER})
+
+DSA_INDEXER = (
+    ParamSpec(_I + "linear_wq_b.weight", R.REPLICATED, (_HI + "wq_b.weight",), ("index_q", "q_lora"), requires=DI,
+              linear=True),
+    ParamSpec(_I + "linear_wk.weight", R.REPLICATED, (_HI + "wk.weight",), ("index_head_dim", "hidden"), requires=DI),
+    ParamSpec(_I + "k_norm.weight", R.REPLICATED, (_HI + "k_norm.weight",), ("index_head_dim",), requires=DI),
+    ParamSpec(_I + "k_norm.bias", R.REPLICATED, (_HI + "k_norm.bias",), ("index_head_dim",), requires=DI),
+    ParamSpec(_I + "linear_weights_proj.weight", R.REPLICATED, (_HI + "weights_proj.weight",),
+              ("index_heads", "hidden"), requires=DI),
+)
+
 _DSV3 = gpt.EMBEDDING + MLA + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(shared="shared_experts")
+_GLM5 = _DSV3 + DSA_INDEXER
 _GLM = (gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT
         + moe_rows(shared="shared_experts"))
 
@@ -75,6 +106,21 @@ DEEPSEEK_V3 = FamilySpec(
     router_bias=("topk_method", "noaux_tc"),
     mtp_key="num_nextn_predict_layers",
     mla=True,
+)
+
+GLM_MOE_DSA = FamilySpec(
+    name="glm_moe_dsa",
+    architectures=("GlmMoeDsaForCausalLM",),
+    model_types=("glm_moe_dsa",),
+    entries=_GLM5 + mtp_rows(_GLM5),
+    experts_key="n_routed_experts",
+    moe_ffn_key="moe_intermediate_size",
+    shared_experts_key="n_shared_experts",
+    first_dense_key="first_k_dense_replace",
+    router_bias=("topk_method", "noaux_tc"),
+    mtp_key="num_nextn_predict_layers",
+    mla=True,
+    dsa_indexer=True,
 )
 
 GLM4_MOE = FamilySpec(

@@ -153,6 +153,7 @@ class Condition(str, Enum):
     Q_PROJ = "q_proj"  # MLA without q_lora_rank: one q projection (Megatron linear_q_proj, HF q_proj)
     QK_NORM = "qk_norm"  # per-head q/k RMSNorm (Qwen3; GLM-4.5 when use_qk_norm)
     ROUTER_BIAS = "router_bias"  # router has a score-correction bias (DeepSeek-V3 noaux_tc)
+    DSA_INDEXER = "dsa_indexer"  # every layer's attention carries a DSA lightning indexer (GLM-5)
 
 
 # Dimension symbols allowed in ParamSpec.shape; ModelDims.size() resolves them.
@@ -160,6 +161,7 @@ SHAPE_SYMBOLS = frozenset({
     "hidden", "2hidden", "ffn", "2ffn", "vocab", "head_dim", "q", "qkv",  # dense
     "experts", "moe_ffn", "2moe_ffn", "shared_ffn", "2shared_ffn",  # MoE
     "q_lora", "kv_lora", "q_up", "kv_down", "kv_up", "v_heads",  # MLA
+    "index_q", "index_head_dim", "index_heads",  # DSA indexer: heads * head_dim, head_dim, heads
 })
 _ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
                         Role.EXPERT_GATED_MLP: "2moe_ffn"}
@@ -334,6 +336,7 @@ class FamilySpec:
     router_bias: bool | tuple[str, str] = False  # True/False, or (config key, value that means "on")
     mtp_key: str | None = None  # HF key counting multi-token-prediction layers (num_nextn_predict_layers)
     mla: bool = False  # multi-latent attention dims from q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim
+    dsa_indexer: bool = False  # DSA lightning-indexer dims from index_n_heads / index_head_dim
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.entries):
