@@ -24,16 +24,18 @@ def moe_config(name: str, **extra) -> dict:
     else:  # DeepSeek-V3 (MLA) / GLM-4.5
         cfg |= {"n_routed_experts": 4, "moe_intermediate_size": 32, "intermediate_size": 96, "n_group": 1,
                 "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_nextn_predict_layers": 0}
-        if name == "DeepSeek-V3":
+        if name in ("DeepSeek-V3", "GLM-5"):
             cfg |= {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                     "qk_rope_head_dim": 8, "v_head_dim": 16}
-        else:
+        if name == "GLM-5":  # + the DSA indexer (index_topk below a test prompt's length)
+            cfg |= {"qk_head_dim": 24, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4}
+        elif name != "GLM-5":
             cfg |= {"num_key_value_heads": 2, "head_dim": 16, "use_qk_norm": True}
     return cfg | extra
 
 
 CONFIGS = {"qwen3_moe": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B-v0.1", "deepseek_v3": "DeepSeek-V3",
-           "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3"}
+           "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3", "glm_moe_dsa": "GLM-5"}
 _OVERRIDES = {"deepseek_v3_no_q_lora": {"q_lora_rank": None}}  # MLA with one q projection (q_proj)
 
 
@@ -52,6 +54,7 @@ TRAINERS = {
     "deepseek_v3": [(2, 2, 1, "te_grouped", "local"), (1, 2, 1, "te_grouped", "te")],
     "glm4_moe": [(2, 2, 1, "sequential", "local"), (2, 1, 2, "te_grouped", "te")],
     "deepseek_v3_no_q_lora": [(2, 1, 2, "te_grouped", "local")],
+    "glm_moe_dsa": [(2, 2, 1, "te_grouped", "te")],  # Megatron-Core's DSA spec is TE-only
 }
 
 

@@ -275,9 +275,10 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
     """vLLM's documented layout of an MoE / MLA model on worker (tp rank t of T, dp rank d
     of D), with cat / chunk and vLLM's own ``determine_expert_map`` (independent of the
     planner): attention and dense MLPs as :func:`vllm_reference`; MLA down-projections
-    stacked whole into ``fused_qkv_a_proj``; routed experts tensor-parallel over all
+    stacked whole into ``fused_qkv_a_proj``; GLM-5's indexer whole, ``wk`` and ``weights_proj``
+    stacked into ``wk_weights_proj``; routed experts tensor-parallel over all
     T*D workers (rank d*T + t), or whole experts under EP (EP rank d*T + t); DeepSeek-V3's
-    shared experts whole under sequence-parallel MoE (EP, T > 1, D > 1)."""
+    and GLM-5's shared experts whole under sequence-parallel MoE (EP, T > 1, D > 1)."""
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     family = cfg["model_type"]
@@ -298,7 +299,7 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
             routed.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = w
         else:
             dense[name] = w
-    sp_shared = family == "deepseek_v3" and ep and T > 1 and D > 1
+    sp_shared = family in ("deepseek_v3", "glm_moe_dsa") and ep and T > 1 and D > 1
     for name in list(dense):
         if name not in dense:
             continue  # popped with its gate_proj
@@ -306,6 +307,11 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
             out[name.replace("gate_proj", "gate_up_proj")] = (
                 torch.cat([dense.pop(name), dense.pop(name.replace("gate_proj", "up_proj"))])
                 if ".gate_proj." in name else dense.pop(name))
+        elif name.endswith("self_attn.indexer.wk.weight"):  # GLM-5's DSA indexer: replicated, wk + weights_proj fused
+            out[name.replace(".wk.", ".wk_weights_proj.")] = torch.cat(
+                [dense.pop(name), dense.pop(name.replace(".wk.", ".weights_proj."))])
+        elif ".self_attn.indexer." in name and not name.endswith(".weights_proj.weight"):
+            out[name] = dense.pop(name)  # (weights_proj goes with wk)
         elif name.endswith("self_attn.q_a_proj.weight"):
             kv = name.replace("q_a_proj", "kv_a_proj_with_mqa")
             out[name.replace("q_a_proj", "fused_qkv_a_proj")] = torch.cat([dense.pop(name), dense.pop(kv)])

