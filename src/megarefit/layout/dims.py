@@ -282,6 +282,7 @@ def _refuse_shared_indexers(family: str, indexer_types: Any) -> None:
     shared = [i for i, kind in enumerate(indexer_types or ()) if kind != "full"]
     if shared:
         raise UnsupportedModelError(
-            f"HF config for family {family}: indexer_types marks layers {shared[:8]}{' ...' if len(shared) > 8 else ''} "
+            f"HF config for family {family}: indexer_types marks layers {shared[:8]}"
+            f"{' ...' if len(shared) > 8 else ''} "
             f"as {indexer_types[shared[0]]!r} (no indexer weights of their own); megarefit translates configs whose "
             "layers all have their own indexer ('full') only")
