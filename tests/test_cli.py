@@ -117,6 +117,8 @@ def test_vllm_engine_needs_nixl(capsys):
                          "--last-stage-layers", "5"]),
     ("Mixtral-8x7B-v0.1", ["--tp", "8", "--pp", "16", "--ep", "8"]),
     ("Kimi-K2-Instruct", ["--tp", "8", "--ep", "64"]),
+    ("GLM-5", ["--tp", "8", "--pp", "4", "--ep", "64", "--first-stage-layers", "20", "--last-stage-layers", "20",
+               "--quantization", "fp8"]),
     ("GLM-4.5-Air", ["--tp", "4", "--pp", "2", "--ep", "16", "--etp", "1", "--layer-spec", "local"]),
 ])
 def test_plan_full_size_moe(name, args, capsys):
@@ -336,9 +338,13 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and re.fullmatch(r"megarefit \d+\.\d+\.\d+\n", capsys.readouterr().out)
-    base = json.loads((CONFIG_DIR / "Llama-3.1-8B.json").read_text())
-    for change, message in [({"num_key_value_heads": 0}, "num_key_value_heads must be a positive divisor"),
-                            ({"architectures": ["LlamaForSequenceClassification"]}, "only causal LMs")]:
+    llama = json.loads((CONFIG_DIR / "Llama-3.1-8B.json").read_text())
+    glm5 = json.loads((CONFIG_DIR / "GLM-5.json").read_text())
+    for base, change, message in [
+            (llama, {"num_key_value_heads": 0}, "num_key_value_heads must be a positive divisor"),
+            (llama, {"architectures": ["LlamaForSequenceClassification"]}, "only causal LMs"),
+            (glm5, {"indexer_types": ["full", "shared"] * 39}, "as 'shared' (no indexer weights of their own)"),
+            (glm5, {"q_lora_rank": None}, "the DSA indexer reads the low-rank query")]:
         path = tmp_path / "config.json"
         path.write_text(json.dumps(base | change))
         rc = main(["plan", "--config", str(path), "--tp", "2"])

@@ -151,6 +151,9 @@ class ModelDims:
             moe["mtp_layers"] = int(get(fam.mtp_key) or 0)
         if fam.dsa_indexer:
             moe.update(index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"))
+            if not moe.get("q_lora_rank"):
+                raise UnsupportedModelError(f"HF config for family {fam.name}: the DSA indexer reads the low-rank "
+                                            "query; a config without q_lora_rank is not supported")
             _refuse_shared_indexers(fam.name, get("indexer_types"))
         return cls(
             family=fam.name,

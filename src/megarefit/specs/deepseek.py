@@ -31,10 +31,15 @@ tensor whole on each rank (``parallel_mode="duplicated"``); vLLM keeps it replic
     k_norm.weight, k_norm.bias (LayerNorm)        ->  k_norm.weight, .bias    [index_head_dim]
     linear_weights_proj.weight                    ->  weights_proj.weight     [index_heads, hidden]
 
-Megatron-Core 0.16.1's DSA spec needs Transformer Engine (``backend.linear()``, fused
-layer-norm up-projections), so a GLM-5 trainer uses the TE spelling of the MLA rows. Block
-FP8 quantizes ``wq_b`` (vLLM's ``ReplicatedLinear`` with the quant config); ``wk`` and
-``weights_proj`` stay in the model dtype, as vLLM's fused ``wk_weights_proj`` holds them.
+The indexer reads the *normalized* low-rank query (HF ``q_a_layernorm(q_a_proj(x))``), so a
+DSA trainer keeps MLA's norms separate (``q_layernorm`` / ``kv_layernorm``, as MBridge's
+DeepSeek-V3.2 and GLM-5 bridges map them) and its down-projections whole on every rank
+(``TELinear``, ``parallel_mode="duplicated"``), whatever the layer spec of the rest of the
+layer. (Megatron-Core 0.16.1's stock DSA spec fuses the norms into the up-projections, which
+hands the indexer the un-normalized query: a different model than HF's, refused here by
+its names.) Block FP8 quantizes ``wq_b`` (vLLM's ``ReplicatedLinear`` with the quant config);
+``wk`` and ``weights_proj`` stay in the model dtype, as vLLM's fused ``wk_weights_proj``
+holds them.
 Without ``q_lora_rank`` (DeepSeek-V2-Lite style) Megatron has one column-parallel
 ``linear_q_proj`` (HF ``q_proj``) instead of the q down / up pair.
 """
@@ -89,8 +94,21 @@ DSA_INDEXER = (
               ("index_heads", "hidden"), requires=DI),
 )
 
+DSA_MLA = (  # MLA as DSA trainers lay it out: down-projections whole, norms separate (any layer spec)
+    MLA[0],
+    ParamSpec(_L + "linear_q_down_proj.weight", R.REPLICATED, (_H + "q_a_proj.weight",), ("q_lora", "hidden"),
+              requires=Q, linear=True),
+    ParamSpec(_L + "q_layernorm.weight", R.REPLICATED, (_H + "q_a_layernorm.weight",), ("q_lora",), requires=Q),
+    ParamSpec(_L + "linear_q_up_proj.weight", R.COLUMN, (_H + "q_b_proj.weight",), ("q_up", "q_lora"), requires=Q),
+    ParamSpec(_L + "linear_kv_down_proj.weight", R.REPLICATED, (_H + "kv_a_proj_with_mqa.weight",),
+              ("kv_down", "hidden"), linear=True),
+    ParamSpec(_L + "kv_layernorm.weight", R.REPLICATED, (_H + "kv_a_layernorm.weight",), ("kv_lora",)),
+    ParamSpec(_L + "linear_kv_up_proj.weight", R.COLUMN, (_H + "kv_b_proj.weight",), ("kv_up", "kv_lora")),
+    ParamSpec(_L + "linear_proj.weight", R.ROW, (_H + "o_proj.weight",), ("hidden", "v_heads")),
+)
+
 _DSV3 = gpt.EMBEDDING + MLA + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(shared="shared_experts")
-_GLM5 = _DSV3 + DSA_INDEXER
+_GLM5 = gpt.EMBEDDING + DSA_MLA + DSA_INDEXER + gpt.GATED_MLP + gpt.OUTPUT + moe_rows(shared="shared_experts")
 _GLM = (gpt.EMBEDDING + gpt.ATTENTION + gpt.QK_NORM + gpt.GATED_MLP + gpt.OUTPUT
         + moe_rows(shared="shared_experts"))
 
