@@ -87,7 +87,10 @@ def test_round_trip_is_exact(name, tp, pp, ep, etp_one, layer_spec, seed, q_lora
 def test_glm5_indexer_is_whole_on_every_rank_and_transformers_logits_survive(tp, pp, ep, tmp_path):
     """GLM-5: transformers' own GlmMoeDsaForCausalLM (random, fp32, saved as transformers saves
     it) -> Megatron shards -> HF. Every rank of a layer's stage holds each indexer tensor
-    whole and equal to the HF tensor (Megatron's ``parallel_mode="duplicated"``), and the
+    whole (Megatron's ``parallel_mode="duplicated"``): ``weights_proj`` as HF's, the others
+    with every head's rows rotated from HF's [rope; nope] to Megatron-Core's [nope; rope]
+    (computed here with cat/reshape; real Megatron-Core's logits check it in
+    tests/test_cli.py's GLM-5 demo), and the
     round-tripped checkpoint loads into transformers with the same logits as the original,
     with an ``index_topk`` below the sequence length so the indexer's top-k decides which
     tokens each query attends to."""
@@ -103,7 +106,7 @@ def test_glm5_indexer_is_whole_on_every_rank_and_transformers_logits_survive(tp,
     shards = megarefit.hf_to_megatron(hf, cfg, tp=tp, pp=pp, ep=ep, layer_spec="te", expert_layout="te_grouped")
     layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=ModelDims.from_hf_config(cfg)
                                 .padded_vocab_size(tp), num_layers=cfg["num_hidden_layers"])
-    checked = 0
+    checked, d, rope = 0, cfg["index_head_dim"], cfg["qk_rope_head_dim"]
     for (t, p, e), params in shards.items():
         for local in {int(n.split(".")[2]) for n in params if n.startswith("decoder.layers.")}:
             for meg, name in (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
@@ -111,6 +114,9 @@ def test_glm5_indexer_is_whole_on_every_rank_and_transformers_logits_survive(tp,
                               ("linear_weights_proj.weight", "weights_proj.weight")):
                 got = params[f"decoder.layers.{local}.self_attention.core_attention.indexer.{meg}"]
                 want = hf[f"model.layers.{layout.layer_offset(p) + local}.self_attn.indexer.{name}"]
+                if meg != "linear_weights_proj.weight":  # HF heads [rope; nope] -> Megatron [nope; rope]
+                    heads = want.reshape(-1, d, *want.shape[1:])
+                    want = torch.cat([heads[:, rope:], heads[:, :rope]], 1).reshape(want.shape)
                 assert torch.equal(got, want), (t, p, e, meg)
                 checked += 1
     assert checked == 5 * cfg["num_hidden_layers"] * tp * ep

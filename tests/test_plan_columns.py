@@ -45,7 +45,7 @@ def dense_case():
 
 @st.composite
 def moe_case(draw):
-    name = draw(st.sampled_from(["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "DeepSeek-V3", "GLM-4.5-Air"]))
+    name = draw(st.sampled_from(["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "DeepSeek-V3", "GLM-4.5-Air", "GLM-5"]))
     tp, ep = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
     pp = draw(st.sampled_from([1, 2]))
     etp = draw(st.sampled_from([1, tp]))
@@ -54,7 +54,7 @@ def moe_case(draw):
     extra |= {"num_experts": n_exp} if name == "Qwen3-30B-A3B" else (
         {"num_local_experts": n_exp} if name == "Mixtral-8x7B-v0.1" else {"n_routed_experts": n_exp})
     mtp = 0
-    if name in ("DeepSeek-V3", "GLM-4.5-Air") and draw(st.booleans()):
+    if name in ("DeepSeek-V3", "GLM-4.5-Air", "GLM-5") and draw(st.booleans()):
         mtp = 1
         extra["num_nextn_predict_layers"] = 1
     if name != "Mixtral-8x7B-v0.1":

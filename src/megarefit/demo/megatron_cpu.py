@@ -39,8 +39,8 @@ from megarefit.integrations.megatron import refit_tensors
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
-__all__ = ["GPTArch", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm", "forward_logits", "gpt_arch_from_hf",
-           "init_parallel", "perturb_parameters_"]
+__all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm",
+           "forward_logits", "gpt_arch_from_hf", "init_parallel", "perturb_parameters_"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ class GPTArch:
     qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
     v_head_dim: int = 0
     mtp_layers: int = 0  # Megatron mtp_num_layers (multi-token prediction on the last stage)
+    # DSA lightning indexer (GLM-5; 0 heads: none): experimental_attention_variant="dsa"
+    dsa_indexer_heads: int = 0
+    dsa_indexer_head_dim: int = 0
+    dsa_indexer_topk: int = 0
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -150,6 +154,59 @@ def _patch_mla() -> type:
 
         _MLA_ATTENTION = MLADotProductAttention
     return _MLA_ATTENTION
+
+
+def _duplicated_linear() -> type:
+    """Megatron-Core's local replicated ``Linear`` (``post_training.modelopt.layers``, whole
+    ``weight`` [out, in] on every rank, ``forward`` -> ``(y, None)``) taking the
+    ``parallel_mode="duplicated"`` that the DSA indexer passes to TE's ``TELinear``."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    class DuplicatedLinear(Linear):
+        def __init__(self, *args: Any, parallel_mode: str | None = None, **kwargs: Any) -> None:
+            if parallel_mode not in (None, "duplicated"):
+                raise ValueError(f"DuplicatedLinear: parallel_mode {parallel_mode!r}")
+            super().__init__(*args, **kwargs)
+
+    return DuplicatedLinear
+
+
+# module classes of this harness for the classifier (``classify_model(overrides=...)``)
+HARNESS_MODULE_MODES = {"DuplicatedLinear": "replicated"}
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``fast_hadamard_transform.hadamard_transform(x, scale=n ** -0.5)`` in torch (any float
+    dtype; ``n`` = ``x.shape[-1]``, a power of two): ``x @ H_n / sqrt(n)``, Sylvester's ``H_n``."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two width, got {n}")
+    h = torch.ones(1, 1, dtype=x.dtype, device=x.device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (x @ h) * n ** -0.5
+
+
+def _dsa_attention(submodules: Any) -> None:
+    """Make one MLA layer spec a DSA one, as Megatron-Core's ``get_dsa_module_spec_for_backend``
+    does with TE, on CPU: down-projections Megatron's local replicated ``Linear`` (the class
+    ``MLASelfAttention`` accepts besides TE's), the indexer's linears the same class taking
+    ``parallel_mode``,
+    norms separate (the indexer reads the normalized query), ``DSAttention`` with a
+    ``DSAIndexer`` as the core attention. The indexer's Hadamard rotation (a GPU package,
+    ``fast_hadamard_transform``, on bf16 only) runs as :func:`_hadamard`."""
+    import megatron.core.transformer.experimental_attention_variant.dsa as dsa
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    dsa.rotate_activation = _hadamard
+    duplicated = _duplicated_linear()
+    submodules.linear_q_down_proj = Linear
+    submodules.linear_kv_down_proj = Linear
+    submodules.core_attention = ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(
+        indexer=ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
+            linear_wq_b=duplicated, linear_wk=duplicated, k_norm=WrappedTorchNorm, linear_weights_proj=duplicated))))
 
 
 def fake_grouped_gemm() -> None:
@@ -287,11 +344,17 @@ def _moe_config_kwargs(arch: GPTArch, ps: Any) -> dict[str, Any]:
 
 
 def _mla_config_kwargs(arch: GPTArch) -> dict[str, Any]:
-    """The multi-latent-attention options of ``arch`` (``arch.kv_lora_rank`` set)."""
-    return dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None,
-                kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
-                qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
-                num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+    """The multi-latent-attention options of ``arch`` (``arch.kv_lora_rank`` set), with the DSA
+    indexer's where ``arch.dsa_indexer_heads`` is set."""
+    kwargs: dict[str, Any] = dict(
+        multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_head_dim, qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
+        num_query_groups=None, kv_channels=None, rope_type="rope", rotary_base=arch.rotary_base)
+    if arch.dsa_indexer_heads:
+        kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=arch.dsa_indexer_heads,
+                      dsa_indexer_head_dim=arch.dsa_indexer_head_dim, dsa_indexer_topk=arch.dsa_indexer_topk,
+                      dsa_indexer_loss_coeff=0.0)
+    return kwargs
 
 
 def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
@@ -331,6 +394,8 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, A
         if mla_attention is not None:
             for layer_spec in spec.layer_specs:
                 layer_spec.submodules.self_attention.submodules.core_attention = mla_attention
+                if arch.dsa_indexer_heads:
+                    _dsa_attention(layer_spec.submodules.self_attention.submodules)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     mtp_spec = None
@@ -451,6 +516,8 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         router_topk_scaling_factor=float(get("routed_scaling_factor")) if get("routed_scaling_factor") else None,
         q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_head_dim=dims.qk_nope_head_dim,
         qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim, mtp_layers=mtp_layers,
+        dsa_indexer_heads=dims.index_n_heads, dsa_indexer_head_dim=dims.index_head_dim,
+        dsa_indexer_topk=int(get("index_topk") or 0),
     )
 
 

@@ -7,11 +7,11 @@ laid out and translated, and reduces only sizes:
 ============================  =================================================================
 kept                          family, GQA ratio (query heads per KV head, up to 16), head_dim
                               given explicitly or not, QKV bias, QK norm, tied embeddings,
-                              partial RoPE, MLA (with or without ``q_lora_rank``), dense-first
+                              partial RoPE, MLA (with or without ``q_lora_rank``), the DSA indexer, dense-first
                               layers, shared experts, expert-score bias, top-k normalisation
 reduced                       layers (the dense-first ones, at most one, plus two), hidden size,
                               heads (2 KV groups), FFN sizes, experts (4, top-2), MLA ranks,
-                              vocabulary (512)
+                              indexer heads (4 x 16, top-8 of the 16 demo tokens), vocabulary (512)
 dropped, and said so          RoPE scaling (the CPU harness builds plain RoPE), group-limited
                               routing (``n_group``), MTP layers (not part of the HF model), a
                               checkpoint's ``quantization_config``
@@ -57,6 +57,10 @@ def _attention(cfg: dict[str, Any], out: dict[str, Any]) -> None:
         out.update(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
         if cfg.get("q_lora_rank"):
             out["q_lora_rank"] = 48
+        if cfg.get("qk_head_dim"):  # GLM-5 spells qk_nope + qk_rope out
+            out["qk_head_dim"] = 24
+        if cfg.get("index_n_heads"):  # GLM-5's DSA indexer; its top-k below the demo's sequence length
+            out.update(index_n_heads=4, index_head_dim=16, index_topk=min(cfg.get("index_topk") or 8, 8))
         out["hidden_size"] = 64
     elif cfg.get("head_dim"):
         out["head_dim"] = HEAD_DIM

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megarefit.demo.megatron_cpu import (
+    HARNESS_MODULE_MODES,
     apply_cpu_patches,
     build_gpt_model,
     fake_grouped_gemm,
@@ -93,7 +94,8 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
             out[case.key] = {}
             continue
         dims = ModelDims.from_hf_config(case.hf_config)
-        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local")
+        problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local",
+                                                                     overrides=HARNESS_MODULE_MODES)
                     if not c.ok]
         coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                  ps.get_expert_model_parallel_rank())

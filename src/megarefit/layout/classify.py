@@ -47,6 +47,10 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("Embedding", "weight"): P.REPLICATED,  # learned absolute position embeddings
     # MoE: the router is replicated over TP; expert linears split over expert-TP
     ("TopKRouter", "*"): P.REPLICATED,
+    # whole on every rank: TE's TELinear as Megatron's specs use it (parallel_mode "duplicated":
+    # MLA down-projections in the TE spec, the DSA indexer) and Megatron's local Linear
+    ("TELinear", "*"): P.REPLICATED,
+    ("Linear", "*"): P.REPLICATED,
     ("TEColumnParallelGroupedLinear", "*"): P.COLUMN,  # weight{i} per local expert
     ("TERowParallelGroupedLinear", "*"): P.ROW,
     # legacy GroupedMLP stores its experts transposed: the mode is Megatron's partition_dim

@@ -200,6 +200,7 @@ class ModelDims:
             "index_q": self.index_n_heads * self.index_head_dim,
             "index_head_dim": self.index_head_dim,
             "index_heads": self.index_n_heads,
+            "qk_rope": self.qk_rope_head_dim,
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
             "2ffn": 2 * self.ffn_hidden_size,

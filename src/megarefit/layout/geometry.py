@@ -24,6 +24,12 @@ Gated MLP (``linear_fc1``, role ``gated_mlp``); f = ffn, rank r of tp::
                                      up   rows [r*f/tp, (r+1)*f/tp) ]
     (so concatenating ranks does NOT give [gate; up])
 
+Rotated heads (a replicated row with ``head_rotate``, GLM-5's DSA indexer ``wq_b``, ``wk``,
+``k_norm``); D rows per head, r = qk_rope_head_dim::
+
+    Megatron head h [nope (D-r rows); rope (r rows)]  ->  HF head h [rope; nope]
+    rows [h*D, h*D + D-r) -> HF rows [h*D + r, (h+1)*D);  rows [h*D + D-r, (h+1)*D) -> HF rows [h*D, h*D + r)
+
 Vocab (``word_embeddings``, ``output_layer``): rows split over the *padded*
 vocab; rows >= HF ``vocab_size`` are padding, trimmed on export and zero on
 import. Row-parallel (``linear_proj``, ``linear_fc2``): rank r holds columns
@@ -132,6 +138,13 @@ def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: Sou
     tp, role = _split(spec, layout), spec.role
     tp_rank = tp_rank if tp > 1 else 0
     n = shape[0] // tp if role.parallel_mode is ParallelMode.COLUMN else shape[0]
+    if role is Role.REPLICATED and spec.head_rotate is not None:
+        head, rope = (dims.size(sym) for sym in spec.head_rotate)
+        if not 0 < rope < head or shape[0] % head:
+            raise LayoutError(f"{names[0]}: {shape[0]} rows are not whole heads of {head} rows with {rope} rotated")
+        return [p for h in range(shape[0] // head)  # Megatron [nope; rope] -> HF [rope; nope], per head
+                for p in (Piece(names[0], h * head + head - rope, h * head, rope),
+                          Piece(names[0], h * head, h * head + rope, head - rope))]
     if role is Role.REPLICATED:
         return [Piece(names[0], 0, 0, shape[0])]
     if role is Role.COLUMN:

@@ -26,10 +26,18 @@ lightning indexer in every layer. Megatron-Core 0.16.1 builds it inside the core
 tensor whole on each rank (``parallel_mode="duplicated"``); vLLM keeps it replicated too::
 
     Megatron self_attention.core_attention.indexer.   HF self_attn.indexer.   shape
-    linear_wq_b.weight                            ->  wq_b.weight             [index_heads*index_head_dim, q_lora]
-    linear_wk.weight                              ->  wk.weight               [index_head_dim, hidden]
-    k_norm.weight, k_norm.bias (LayerNorm)        ->  k_norm.weight, .bias    [index_head_dim]
+    linear_wq_b.weight                            ->  wq_b.weight             [index_heads*index_head_dim, q_lora]  *
+    linear_wk.weight                              ->  wk.weight               [index_head_dim, hidden]  *
+    k_norm.weight, k_norm.bias (LayerNorm)        ->  k_norm.weight, .bias    [index_head_dim]  *
     linear_weights_proj.weight                    ->  weights_proj.weight     [index_heads, hidden]
+
+(*) rows rotated within each indexer head: Megatron-Core 0.16.1's ``DSAIndexer._apply_rope``
+splits a head ``[nope; rope]`` (RoPE on its *last* ``qk_rope_head_dim`` dims), HF's and
+vLLM's GLM-5 indexer ``[rope; nope]`` (the *first*). A straight copy (what the bridges do)
+makes the served indexer rank tokens differently from the trained one wherever it drops
+tokens (``index_topk`` < sequence length: GLM-5 keeps 2048); rotating each head's rows (and
+the LayerNorm ``k_norm``'s, which is equivariant to it) makes them the same function, checked
+against real Megatron-Core on CPU (``megarefit demo``, top-8 of 16 tokens).
 
 The indexer reads the *normalized* low-rank query (HF ``q_a_layernorm(q_a_proj(x))``), so a
 DSA trainer keeps MLA's norms separate (``q_layernorm`` / ``kv_layernorm``, as MBridge's
@@ -84,12 +92,17 @@ _I = _L + "core_attention.indexer."
 _HI = _H + "indexer."
 DI = frozenset({Condition.Q_LORA, Condition.DSA_INDEXER})
 
+_ROT = ("index_head_dim", "qk_rope")  # Megatron [nope; rope] per indexer head, HF [rope; nope]
+
 DSA_INDEXER = (
     ParamSpec(_I + "linear_wq_b.weight", R.REPLICATED, (_HI + "wq_b.weight",), ("index_q", "q_lora"), requires=DI,
-              linear=True),
-    ParamSpec(_I + "linear_wk.weight", R.REPLICATED, (_HI + "wk.weight",), ("index_head_dim", "hidden"), requires=DI),
-    ParamSpec(_I + "k_norm.weight", R.REPLICATED, (_HI + "k_norm.weight",), ("index_head_dim",), requires=DI),
-    ParamSpec(_I + "k_norm.bias", R.REPLICATED, (_HI + "k_norm.bias",), ("index_head_dim",), requires=DI),
+              linear=True, head_rotate=_ROT),
+    ParamSpec(_I + "linear_wk.weight", R.REPLICATED, (_HI + "wk.weight",), ("index_head_dim", "hidden"), requires=DI,
+              head_rotate=_ROT),
+    ParamSpec(_I + "k_norm.weight", R.REPLICATED, (_HI + "k_norm.weight",), ("index_head_dim",), requires=DI,
+              head_rotate=_ROT),
+    ParamSpec(_I + "k_norm.bias", R.REPLICATED, (_HI + "k_norm.bias",), ("index_head_dim",), requires=DI,
+              head_rotate=_ROT),
     ParamSpec(_I + "linear_weights_proj.weight", R.REPLICATED, (_HI + "weights_proj.weight",),
               ("index_heads", "hidden"), requires=DI),
 )

@@ -162,6 +162,7 @@ SHAPE_SYMBOLS = frozenset({
     "experts", "moe_ffn", "2moe_ffn", "shared_ffn", "2shared_ffn",  # MoE
     "q_lora", "kv_lora", "q_up", "kv_down", "kv_up", "v_heads",  # MLA
     "index_q", "index_head_dim", "index_heads",  # DSA indexer: heads * head_dim, head_dim, heads
+    "qk_rope",  # MLA's qk_rope_head_dim (the rotated part of a head; see ParamSpec.head_rotate)
 })
 _ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
                         Role.EXPERT_GATED_MLP: "2moe_ffn"}
@@ -211,6 +212,12 @@ class ParamSpec:
             every role but ``replicated`` and ``vocab``; set where a replicated tensor is
             such a weight, e.g. MLA down-projections in the TE spec). Embeddings,
             ``lm_head``, norms, the router gate and biases never are.
+        head_rotate: ``(head, rope)`` shape symbols of a ``replicated`` row whose dim 0 is
+            whole heads of ``head`` rows, each stored ``[nope; rope]`` by Megatron and
+            ``[rope; nope]`` by HF (the last ``rope`` rows of a Megatron head are the first
+            of the HF head): Megatron-Core 0.16.1's ``DSAIndexer`` ropes the last
+            ``qk_rope`` dims of an indexer head, HF / vLLM GLM-5 the first. Two row runs
+            per head, both directions; ``None``: rows map one to one.
     """
 
     megatron: str
@@ -224,6 +231,7 @@ class ParamSpec:
     expert_layout: ExpertLayout | None = None
     dtype: str | None = None
     linear: bool | None = None
+    head_rotate: tuple[str, str] | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -253,6 +261,10 @@ class ParamSpec:
                 raise SpecTableError(f"{where}: HF name {template!r} and the role disagree on {{expert}}")
         if self.role in (Role.ROW, Role.EXPERT_ROW) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
+        if self.head_rotate is not None and (self.role is not Role.REPLICATED
+                                             or not set(self.head_rotate) <= SHAPE_SYMBOLS):
+            raise SpecTableError(f"{where}: head_rotate needs the replicated role and two shape symbols, got "
+                                 f"{self.role.value} {self.head_rotate}")
 
     @property
     def per_layer(self) -> bool:
