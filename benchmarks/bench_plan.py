@@ -78,6 +78,9 @@ CLI_CASES = [  # (config, arguments after `megarefit plan --config CONFIG`): the
     ("DeepSeek-V3", ["--tp", "8", "--ep", "64", "--quantization", "none"]),
     ("Kimi-K2-Instruct", ["--tp", "8", "--ep", "64"]),
     ("Kimi-K2-Instruct", ["--tp", "8", "--ep", "64", "--quantization", "none"]),
+    ("GLM-5", ["--tp", "8", "--pp", "4", "--ep", "64", "--first-stage-layers", "20", "--last-stage-layers", "20",
+               "--quantization", "fp8"]),
+    ("GLM-5", ["--tp", "8", "--pp", "4", "--ep", "64", "--first-stage-layers", "20", "--last-stage-layers", "20"]),
 ]
 
 

@@ -96,8 +96,7 @@ def test_demo_shrinks_a_full_size_moe_config():
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("quantization", ["none", "fp8"])
-def test_demo_glm5_with_a_sparse_indexer_matches_real_megatron(quantization):
+def test_demo_glm5_with_a_sparse_indexer_matches_real_megatron():
     """`megarefit demo --config GLM-5.json --ep 2 --etp 1`: real Megatron-Core builds GLM-5's DSA
     attention on CPU (``DSAttention`` + ``DSAIndexer``; the Hadamard rotation in torch), the
     indexer keeps 8 of the 16 demo tokens, and transformers' own GlmMoeDsaForCausalLM gives the
@@ -106,14 +105,12 @@ def test_demo_glm5_with_a_sparse_indexer_matches_real_megatron(quantization):
     pytest.importorskip("megatron.core")
     pytest.importorskip("transformers")
     cfg = Path(__file__).parent / "data" / "configs" / "GLM-5.json"
-    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--ep", "2", "--etp", "1",
-                           "--quantization", quantization], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--ep", "2", "--etp", "1"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())
-    for words in ("index_topk 2048 -> 8", "GlmMoeDsaForCausalLM", "PASS"):
+    for words in ("index_topk 2048 -> 8", "GlmMoeDsaForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
         assert words in out, (words, proc.stdout)
-    if quantization == "fp8":
-        assert "quantized whole| = 0.000e+00" in out
 
 
 @pytest.mark.megatron
