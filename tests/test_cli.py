@@ -462,3 +462,21 @@ def test_plan_rows_for_scripts(fmt, capsys):
         assert total["tp"] == "total"
     assert len(rows) == 4 and sum(int(r["bytes"]) for r in rows) == int(total["bytes"])
     assert sum(int(r["scratch_bytes"]) for r in rows) == int(total["scratch_bytes"]) > 0
+
+
+def test_name_map_says_where_glm5_rows_are_rotated_and_a_bridge_copy_disagrees(capsys):
+    """GLM-5's indexer wq_b / wk / k_norm carry their per-head rotation in the name map, and a
+    Bridge mapping of them (a straight copy) is reported as a disagreement, not passed."""
+    from megarefit.planner.namemap import NameMapEntry, compare, with_other
+
+    assert main(["name-map", "--config", str(CONFIG_DIR / "GLM-5.json"), "--tp", "2", "--format", "json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    rotated = {e["megatron"].rsplit("indexer.", 1)[1] for e in entries if e["transform"]
+               and e["megatron"].startswith("decoder.layers.0.")}
+    assert rotated == {"linear_wq_b.weight", "linear_wk.weight", "k_norm.weight", "k_norm.bias"}
+    wq_b = next(e for e in entries if e["megatron"].endswith("layers.0.self_attention.core_attention.indexer."
+                                                               "linear_wq_b.weight"))
+    entry = NameMapEntry(**{k: tuple(tuple(r) for r in v) if k == "ranks" else tuple(v) if k == "hf" else v
+                            for k, v in wq_b.items() if k not in ("other_kind", "other_hf")})
+    (diff,) = compare([with_other(entry, "ReplicatedMapping", entry.hf)])
+    assert diff.what == "transform" and "straight copy" in diff.other

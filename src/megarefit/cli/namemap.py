@@ -37,7 +37,8 @@ def name_map_table(entries: list[NameMapEntry], *, bridge: bool) -> Table:
         table.add_column("agrees")
     bad = {d.megatron for d in compare(entries)}
     for e in entries:
-        role = f"{e.role} ({e.parallel})" + (" tied copy, not exported" if e.duplicate else "")
+        role = f"{e.role} ({e.parallel})" + (" tied copy, not exported" if e.duplicate else "") + (
+            f"; {e.transform}" if e.transform else "")
         row = [e.megatron, ranks_text(e.ranks), role, _hf_text(e.hf)]
         if bridge:
             row += [e.other_kind or "[red]none[/]", "[red]no[/]" if e.megatron in bad else "yes"]

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.geometry import source_tensors
-from megarefit.specs.table import ParallelMode, Role, Stage
+from megarefit.specs.table import ParallelMode, ParamSpec, Role, Stage
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class NameMapEntry:
     parallel: str
     hf: tuple[str, ...]
     duplicate: bool = False  # a tied output-layer copy on the last stage: not exported
+    transform: str = ""  # what a 1:1 mapping does besides copying ("": nothing; GLM-5's rotated indexer heads)
     other_kind: str | None = None
     other_hf: tuple[str, ...] | None = None
 
@@ -62,7 +63,8 @@ class NameMapEntry:
 @dataclass(frozen=True)
 class Disagreement:
     """One parameter where megarefit and the other tool differ; ``what`` is
-    ``"unmapped"`` (the other tool has no mapping), ``"hf_names"`` or ``"kind"``."""
+    ``"unmapped"`` (the other tool has no mapping), ``"hf_names"``, ``"kind"`` or
+    ``"transform"`` (megarefit reorders rows where the other tool copies them)."""
 
     megatron: str
     what: str
@@ -93,12 +95,18 @@ def name_map(dims: ModelDims, layout: SourceLayout) -> list[NameMapEntry]:
             else:
                 hf = row.hf_names(t.layer, t.expert)
             entry = merged.setdefault(glob, {"local": local, "ranks": [], "role": row.role, "hf": [],
-                                             "duplicate": row.duplicate})
+                                             "duplicate": row.duplicate, "transform": _transform(row)})
             entry["ranks"].append(rank)
             entry["hf"].extend(h for h in hf if h not in entry["hf"])
     return [NameMapEntry(name, e["local"], tuple(sorted(set(e["ranks"]))), e["role"].value,
-                         e["role"].parallel_mode.value, tuple(e["hf"]), bool(e["duplicate"]))
+                         e["role"].parallel_mode.value, tuple(e["hf"]), bool(e["duplicate"]), e["transform"])
             for name, e in merged.items()]
+
+
+def _transform(row: ParamSpec) -> str:
+    if row.head_rotate is None:
+        return ""
+    return f"rows rotated per head of {row.head_rotate[0]}: Megatron (nope, rope) -> HF (rope, nope)"
 
 
 # Megatron-Bridge mapping class -> megarefit roles it can stand for. AutoMapping is a
@@ -136,6 +144,8 @@ def compare(entries: Iterable[NameMapEntry]) -> list[Disagreement]:
             out.append(Disagreement(e.megatron, "hf_names", str(list(e.hf)), str(list(e.other_hf))))
         if not kind_agrees(e.other_kind, Role(e.role)):
             out.append(Disagreement(e.megatron, "kind", f"{e.role} ({e.parallel})", e.other_kind))
+        elif e.transform:  # a Bridge mapping copies, it never reorders rows
+            out.append(Disagreement(e.megatron, "transform", e.transform, f"{e.other_kind} (a straight copy)"))
     return out
 
 
