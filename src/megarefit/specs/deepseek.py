@@ -52,6 +52,8 @@ Without ``q_lora_rank`` (DeepSeek-V2-Lite style) Megatron has one column-paralle
 ``linear_q_proj`` (HF ``q_proj``) instead of the q down / up pair.
 """
 
+import dataclasses
+
 from megarefit.specs import gpt
 from megarefit.specs.moe import moe_rows
 from megarefit.specs.mtp import mtp_rows
@@ -139,20 +141,9 @@ DEEPSEEK_V3 = FamilySpec(
     mla=True,
 )
 
-GLM_MOE_DSA = FamilySpec(
-    name="glm_moe_dsa",
-    architectures=("GlmMoeDsaForCausalLM",),
-    model_types=("glm_moe_dsa",),
-    entries=_GLM5 + mtp_rows(_GLM5),
-    experts_key="n_routed_experts",
-    moe_ffn_key="moe_intermediate_size",
-    shared_experts_key="n_shared_experts",
-    first_dense_key="first_k_dense_replace",
-    router_bias=("topk_method", "noaux_tc"),
-    mtp_key="num_nextn_predict_layers",
-    mla=True,
-    dsa_indexer=True,
-)
+# GLM-5: DeepSeek-V3's MoE / MTP rules, its own rows (DSA MLA + indexer)
+GLM_MOE_DSA = dataclasses.replace(DEEPSEEK_V3, name="glm_moe_dsa", architectures=("GlmMoeDsaForCausalLM",),
+                                  model_types=("glm_moe_dsa",), entries=_GLM5 + mtp_rows(_GLM5), dsa_indexer=True)
 
 GLM4_MOE = FamilySpec(
     name="glm4_moe",
