@@ -67,6 +67,20 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
     return out
 
 
+def print_recorded(path: str) -> None:
+    """The table of a ``--json`` file: one row per recorded run, devices and current device said."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    print("machine: " + "; ".join(sorted({r.get("machine", "not recorded") for r in rows})) + "\n")
+    print("| receiver processes | replicas | first tier s | whole fan-out s | per receiver s (best, tier order) "
+          "| bytes from trainers |")
+    print("|---|---:|---:|---:|---|---:|")
+    for r in sorted(rows, key=lambda r: (not r.get("make_current"), r["replicas"])):
+        current = "device made current (`--make-current`)" if r.get("make_current") else "device **not** made current"
+        each = ", ".join(f"{name} ({r['devices'][name]}) {s:.4f}" for name, s in r["per_receiver_s"].items())
+        print(f"| {current} | {r['replicas']} | {r['first_tier_s']:.4f} | {r['total_s']:.4f} | {each} | "
+              f"{r['trainer_bytes'] / 1e9:.2f} GB |")
+
+
 def main() -> None:
     from bench_nixl import _setup, trainer
 
@@ -86,7 +100,11 @@ def main() -> None:
     ap.add_argument("--devices", nargs="+", default=["cpu"], help="receiver devices, round robin by tier order")
     ap.add_argument("--make-current", action="store_true", help="each receiver process sets its device current")
     ap.add_argument("--json", help="append one JSON line per replica count")
+    ap.add_argument("--from-json", help="print the table of recorded results (a --json file) and exit")
     ns = ap.parse_args()
+    if ns.from_json:
+        print_recorded(ns.from_json)
+        return
     cfg = bench_config(ns.config, ns.layers)
     args = {"tp": ns.tp, "ep": 1, "etp": 0, "expert_layout": "sequential", "vllm_tp": 0, "vllm_rank": 0,
             "vllm_ep": False, "dtype": "bfloat16", "trainer_device": ns.trainer_device, "quantization": "none",

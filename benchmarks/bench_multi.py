@@ -120,6 +120,25 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
     return out
 
 
+def print_recorded(path: str) -> None:
+    """The table of a ``--json`` file: per run, the workers' shares, the slowest worker's warm
+    cycle, the aggregate rate, and the raw NIXL READ of the same shares (both at once)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    print("machine: " + "; ".join(sorted({r.get("machine", "not recorded in this file (see the text)")
+                                          for r in rows})) + "\n")
+    print("| model -> engine | bytes per worker | descriptors per worker | warm s (slowest worker) | aggregate GB/s "
+          "| raw NIXL s | **vs raw** | cold s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        moe = f" ep{r['ep']} {r['expert_layout']}" if r["ep"] > 1 else ""
+        case = (f"{r['config']} ({r['layers']} layers) tp{r['tp']}{moe}{', FP8' if r['quantization'] == 'fp8' else ''}"
+                f" -> vLLM tp{r['vllm_tp']}{' EP' if r['vllm_ep'] else ''}")
+        share = ", ".join(f"{b / 1e9:.2f}" for b in sorted(set(r["bytes_per_worker"])))
+        print(f"| {case} | {share} GB | {', '.join(map(str, r['descriptors']))} | {r['warm_best']:.4f} | "
+              f"{r['model_bytes'] / r['warm_best'] / 1e9:.1f} | {r['raw_best']:.4f} | "
+              f"**{r['raw_best'] / r['warm_best']:.2f}x** | {r['cold']:.3f} |")
+
+
 def main() -> None:
     from bench_nixl import nccl_broadcast_job, trainer
 
@@ -144,7 +163,11 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--nccl-bucket", type=float, default=1024, help="NCCL baseline bucket, MB (0: skip)")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
+    ap.add_argument("--from-json", help="print the table of recorded results (a --json file) and exit")
     ns = ap.parse_args()
+    if ns.from_json:
+        print_recorded(ns.from_json)
+        return
     cfg = bench_config(ns.config, ns.layers)
     args = {"tp": ns.tp, "ep": ns.ep, "etp": ns.etp, "expert_layout": ns.expert_layout, "vllm_tp": ns.vllm_tp,
             "vllm_rank": 0, "vllm_ep": ns.vllm_ep, "dtype": ns.dtype, "trainer_device": ns.trainer_devices[0],
@@ -226,7 +249,8 @@ def main() -> None:
                                 "bytes_per_worker": [r["bytes"] for r in results], "model_bytes": full,
                                 "cold": per_cycle[0], "warm_best": min(warm), "warm_median": statistics.median(warm),
                                 "raw_best": best_raw, "nccl_best": min(nccl) if nccl else None,
-                                "descriptors": [r["descriptors"] for r in results]}) + "\n")
+                                "descriptors": [r["descriptors"] for r in results], "machine": machine(),
+                                "date": time.strftime("%Y-%m-%d")}) + "\n")
 
 
 if __name__ == "__main__":
