@@ -10,6 +10,9 @@ only pause and resume the engine: what this proves is the order of calls), then 
 receiver gives its arena back (``megarefit_release_memory``). After each, greedy generation must equal HF transformers loaded
 with that version's trainer snapshot (token ids and chosen-token logprobs). Then
 a refit that fails (version skew, a dead trainer) must leave vLLM on version 3.
+The engine has a real (BPE) tokenizer: after each refit its prompt logprobs of a text prompt
+must equal the Megatron trainer's own forward logprobs on the same tokens, over the whole
+vocabulary (train/infer mismatch; max / mean |delta| and token-level KL reported).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import VersionMismatchError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
-from vllm_helpers import EXT, PROMPTS, hf_generate as _hf_generate, same_generation  # noqa: E402
+from vllm_helpers import EXT, PROMPT_TEXT, bpe_tokenizer, same_generation  # noqa: E402
+from vllm_helpers import hf_generate as _hf_generate  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402
+from vllm_helpers import vllm_prompt_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -49,22 +54,25 @@ def run(tmp_path_factory):
     cfg = tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64)
     job = "vllm-e2e"
     rdzv = Rendezvous.serve(job=job)
-    tokens = torch.tensor([PROMPTS[0]])
+    ckpt = tmp_path_factory.mktemp("initial")
+    tokenizer = bpe_tokenizer(ckpt, cfg["vocab_size"])  # a real tokenizer: the engine tokenizes PROMPT_TEXT itself
+    tokens = torch.tensor([tokenizer(PROMPT_TEXT).input_ids])  # what the trainers' own forward pass reads
     snapdir = tmp_path_factory.mktemp("snapshots")
     group = start_workers(serving_trainer_job, world_size=2,
                           args=(TrainerCase(job, cfg, 2, 1, tokens), ("127.0.0.1", rdzv.port, job), 4, 0.01,
                                 str(snapdir)))
-    ckpt = tmp_path_factory.mktemp("initial")
     torch.manual_seed(0)
     initial = build_hf_model(cfg)
     save_checkpoint(ckpt, cfg, {k: v for k, v in initial.state_dict().items() if k != "lm_head.weight"})
-    llm = vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
+    llm = vllm.LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=128, max_logprobs=-1,
                    worker_extension_cls=EXT, weight_transfer_config=WeightTransferConfig(backend="megarefit"))
-    out = {"initial": _vllm_generate(llm), "initial_hf": _hf_generate(initial), "reports": {}}
+    out = {"initial": _vllm_generate(llm), "initial_hf": _hf_generate(initial), "reports": {}, "prompt": {},
+           "tokens": tokens[0].tolist()}
 
     llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0))
     out["reports"][1] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
     out[1] = _vllm_generate(llm)
+    out["prompt"][1] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
     rdzv.mark_consumed(1)
 
     llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job}})
@@ -72,6 +80,7 @@ def run(tmp_path_factory):
     llm.update_weights({"update_info": {"version": 2}})
     llm.finish_weight_update(weight_version="2")
     out[2] = _vllm_generate(llm)
+    out["prompt"][2] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
     rdzv.mark_consumed(2)
 
     llm.sleep(level=1)  # colocated RL: the engine sleeps while the trainer steps
@@ -79,6 +88,7 @@ def run(tmp_path_factory):
     out["reports"][3] = llm.collective_rpc("update_weights_from_megatron", args=(3,))[0]
     llm.wake_up(tags=["kv_cache"])
     out[3] = _vllm_generate(llm)
+    out["prompt"][3] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
     out["released"] = llm.collective_rpc("megarefit_release_memory")[0]  # before the next sleep
     rdzv.mark_consumed(3)
 
@@ -100,6 +110,7 @@ def run(tmp_path_factory):
     with pytest.raises(RuntimeError, match="worker 1"):
         group.join(timeout=120)
     snapshots = {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)} for v in (1, 2, 3)}
+    out["trainer_logits"] = {v: torch.load(snapdir / f"v{v}-logits-tp0.pt") for v in (1, 2, 3)}
     return cfg, out, snapshots
 
 
@@ -263,3 +274,32 @@ def test_owned_experts_follow_vllm_placement(strategy):
         want = set(range(rank * 2, rank * 2 + 2)) if strategy == "linear" else set(range(rank, experts, ep))
         assert owned_experts(model) == want
     assert owned_experts(torch.nn.Linear(2, 2)) is None  # no routed-experts layer: every expert
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_served_logprobs_equal_the_trainers_own(run, version, record_property):
+    """Train/infer mismatch, as RL users watch it: after the refit of ``version``, vLLM's
+    prompt logprobs of a text prompt (tokenized by the engine's own BPE tokenizer) against the
+    Megatron trainer's forward pass on the same token ids (the logits its last stage computed
+    for that version), over the whole vocabulary at every position. Max and mean |delta
+    logprob| and the token-level KL(trainer || vLLM) are reported; both fail past a tolerance
+    from the dtype: |delta| <= sqrt(eps) (fp32: 3.5e-4); KL <= V * eps (fp32, V = 500: 6e-5),
+    the first-order error of normalizing a softmax over V entries, which KL inherits."""
+    cfg, out, _ = run
+    ids, served = out["prompt"][version]
+    assert ids == out["tokens"]  # the engine tokenized the text as the trainer's tokens were made
+    logits = out["trainer_logits"][version][0, :-1, :cfg["vocab_size"]].double()
+    trainer = torch.log_softmax(logits, -1)
+    assert served.shape == trainer.shape and torch.isfinite(served).all()
+    delta = (trainer - served).abs()
+    kl = (trainer.exp() * (trainer - served)).sum(-1)
+    eps = torch.finfo(torch.float32).eps
+    report = {"max_abs_delta": float(delta.max()), "mean_abs_delta": float(delta.mean()),
+              "max_token_kl": float(kl.max()), "mean_token_kl": float(kl.mean())}
+    for key, value in report.items():
+        record_property(f"v{version}_{key}", value)
+    print(f"version {version}: {report}")
+    assert report["max_abs_delta"] <= eps ** 0.5 and report["max_token_kl"] <= cfg["vocab_size"] * eps, report
+    for other in {1, 2, 3} - {version}:  # the check can fail: another version's weights are far outside it
+        logits = out["trainer_logits"][other][0, :-1, :cfg["vocab_size"]].double()
+        assert (torch.log_softmax(logits, -1) - served).abs().max() > 100 * eps ** 0.5

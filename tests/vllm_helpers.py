@@ -13,7 +13,8 @@ EXT = "megarefit.integrations.vllm.MegarefitWorkerExtension"
 def vllm_generate(llm) -> list[tuple[list[int], list[float]]]:
     import vllm
 
-    params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, detokenize=False)
+    params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, detokenize=False,
+                                 ignore_eos=True)  # HF's loop below never stops early either
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     result = []
     for o in outs:
@@ -42,3 +43,49 @@ def same_generation(a, b, tol: float = 1e-3) -> bool:
     """Equal token ids and chosen-token logprobs within ``tol``."""
     return all(at == bt and max(abs(x - y) for x, y in zip(al, bl)) < tol
                for (at, al), (bt, bl) in zip(a, b, strict=True))
+
+
+# What the logprob-parity check feeds through a real tokenizer (text, not token ids).
+PROMPT_TEXT = ("The trainer publishes a new version of the weights; every vLLM worker pulls its own shard "
+               "and the next rollout samples from the model that was just trained.")
+
+
+def bpe_tokenizer(directory, vocab_size: int):
+    """A real byte-level BPE tokenizer (HF ``tokenizers``, trained here on this repository's
+    README so the tests need no download) with ``vocab_size`` entries, saved to
+    ``directory`` as ``tokenizer.json`` + ``tokenizer_config.json``; returns it as a
+    ``PreTrainedTokenizerFast``."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text.splitlines() + [PROMPT_TEXT], trainer=trainer)
+    assert tok.get_vocab_size() <= vocab_size, tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def vllm_prompt_logprobs(llm, text: str, vocab: int) -> tuple[list[int], torch.Tensor]:
+    """vLLM's prompt logprobs of ``text`` (tokenized by the engine's tokenizer): the prompt's
+    token ids and ``[len - 1, vocab]`` fp64 log-probabilities of every vocabulary entry at
+    each position after the first (row i: the distribution of token i + 1)."""
+    import vllm
+
+    params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1)
+    (out,) = llm.generate([text], params, use_tqdm=False)
+    rows = []
+    for entry in out.prompt_logprobs[1:]:
+        row = torch.full((vocab,), float("-inf"), dtype=torch.float64)
+        for token, lp in entry.items():
+            if token < vocab:
+                row[token] = lp.logprob
+        rows.append(row)
+    return list(out.prompt_token_ids), torch.stack(rows)
