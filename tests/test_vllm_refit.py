@@ -76,9 +76,20 @@ def run(tmp_path_factory):
     rdzv.mark_consumed(1)
 
     llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "port": rdzv.port, "job": job}})
+    # an update whose pull fails (version 99 is never published): vLLM ends the update, the
+    # engine restores the layers it opened, version 1 keeps serving
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": {"version": 99, "timeout": 2.0}})
+    except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+        out["update_error"] = exc
+    out["after_failed_update"] = _vllm_generate(llm)
+    acks = lambda: {rid: rdzv.acked(rid) for rid in rdzv.receivers()}  # noqa: E731
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": 2}})
+    out["acked_before_finish"] = acks()  # installed into the open reload, not yet acknowledged
     llm.finish_weight_update(weight_version="2")
+    out["acked_after_finish"] = acks()
     out[2] = _vllm_generate(llm)
     out["prompt"][2] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
     rdzv.mark_consumed(2)
@@ -138,6 +149,19 @@ def test_vllm_matches_hf_after_each_refit(run, version, tmp_path):
     want = _hf_generate(_hf_model(cfg, snapshots[version], tmp_path))
     _assert_same(out[version], want)
     assert out[version] != out["initial"]  # the refit really changed the engine's weights
+
+
+def test_engine_follows_vllms_update_lifecycle(run):
+    """The weight-transfer engine: a failed pull inside start/update ends the update with the
+    server healthy on its previous version (vLLM ends the update on an error; the engine
+    restores what it opened) and the error says why; a version is acknowledged to the
+    trainers at finish_weight_update, not before."""
+    _, out, _ = run
+    assert isinstance(out["update_error"], VersionMismatchError) and "99" in str(out["update_error"])
+    _assert_same(out["after_failed_update"], out[1])
+    before, after = out["acked_before_finish"], out["acked_after_finish"]
+    newly = [rid for rid in after if after[rid] == 2 and before.get(rid) != 2]
+    assert len(newly) == 1, (before, after)
 
 
 def test_warm_refit_registers_nothing_new(run):

@@ -195,13 +195,18 @@ def _recording(weights: Iterator[tuple[str, torch.Tensor]], sums: dict[str, torc
 
 def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
                 load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
-                evidence: dict[str, torch.Tensor] | None = None) -> float:
+                evidence: dict[str, torch.Tensor] | None = None, *, reload_open: bool = False) -> float:
     """One refit cycle installed into ``model`` (:meth:`RefitReceiver.refit`): sharded targets
     through :func:`install_shards` (every planned shard checked before the first is written),
     full HF tensors through ``load_full``. Staged, the cycle is pulled and fenced before the
     first tensor; streamed (``memory_budget``), each group of layers is installed as it lands
     and a torn cycle is pulled and installed again (``retries``). Returns the seconds spent
     installing (the last attempt).
+
+    ``reload_open``: a weight-transfer engine's update window holds vLLM's layerwise reload
+    open (and the CPU fix-ups): install into it, finalize nothing, acknowledge nothing (the
+    window's ``finish_weight_update`` does). Otherwise the cycle is self-contained and
+    acknowledged once installed.
 
     Raises:
         whatever :meth:`RefitReceiver.run_refit_cycle` raises before the first tensor (model
@@ -216,15 +221,17 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
         plan = receiver.plan
         assert plan is not None
         started[0] = time.perf_counter()
-        with _installing(version, len(plan.targets)), _cpu_moe_reload(model):
+        cpu_moe = contextlib.nullcontext() if reload_open else _cpu_moe_reload(model)
+        with _installing(version, len(plan.targets)), cpu_moe:
             if receiver.target is not None:
                 direct = receiver.direct
                 expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
                             if r not in plan.staging and r.name not in direct]
-                install_shards(model, _recording(weights, evidence), model_config, expected=expected, direct=direct)
+                install_shards(model, _recording(weights, evidence), model_config, expected=expected, direct=direct,
+                               reload_open=reload_open)
             else:
                 load_full(weights)
-        if _is_cpu():
+        if _is_cpu() and not reload_open:
             _cpu_fixups(model)
 
     try:
@@ -232,8 +239,20 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
     except TornUpdateError as exc:
         what = "the trainers' current weights" if version is None else f"weight version {version}"
         raise PartialUpdateError(f"streamed refit of {what}: {exc}") from exc
-    receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
+    if not reload_open:
+        receiver.acknowledge()  # installed: trainers waiting in Publisher.wait_receivers may go on
     return time.perf_counter() - started[0]
+
+
+@dataclass
+class _UpdateWindow:
+    """A weight-transfer engine's update between ``start_weight_update`` and
+    ``finish_weight_update``: what it holds open and what its ``update_weights`` calls did."""
+
+    stack: contextlib.ExitStack  # the CPU experts' reload fix-up, for the whole window
+    reload_open: bool  # vLLM's layerwise reload opened at start (staged pulls); streamed: per pull
+    version: int | None = None  # the version installed by a successful update_weights
+    partial: str | None = None  # the model was written and the cycle failed: why
 
 
 def _refuse_to_serve(reason: str) -> Callable[..., Any]:
@@ -365,16 +384,37 @@ class MegarefitInitInfo:
 
 @dataclass
 class MegarefitUpdateInfo:
-    """``update_info`` of the ``megarefit`` backend: which weight version to pull (``None``: current)."""
+    """``update_info`` of the ``megarefit`` backend: which weight version to pull (``None``:
+    current) and, optionally, how long to wait for it (seconds; default: ``init_info``'s)."""
 
     version: int | None = None
+    timeout: float | None = None
 
 
 def _make_engine_class():
     base = _engine_base()
 
     class MegarefitWeightTransferEngine(base):  # type: ignore[misc, valid-type]
-        """vLLM ``WeightTransferEngine`` that pulls Megatron shards over NIXL with megarefit."""
+        """vLLM ``WeightTransferEngine`` that pulls Megatron shards over NIXL with megarefit.
+
+        It follows vLLM's update lifecycle (``/start_weight_update`` -> ``/update_weights``
+        -> ``/finish_weight_update`` over HTTP, or the same ``LLM`` methods):
+
+        * ``start_weight_update`` opens the update: vLLM's layerwise reload (staged pulls;
+          a streamed pull opens and finalizes it per attempt, as a torn cycle is installed
+          again) and the CPU experts' reload fix-up. Raises if an update is already open.
+        * ``update_weights`` pulls one weight version and loads it into the open reload.
+        * ``finish_weight_update`` finalizes the reload and only then acknowledges the
+          version to the trainers (``Publisher.wait_receivers`` returns after it).
+
+        vLLM ends the update when ``update_weights`` raises, so the engine closes it too:
+        it finalizes the reload, which gives every layer that got no new weights its
+        previous tensors back. A pull that fails before writing (version not published in
+        time, version skew, a dead trainer) thus leaves the server on its previous version,
+        healthy, with the error in the response; one that fails midway raises
+        :class:`PartialUpdateError` (the model may hold a mix of versions). A second
+        ``update_weights`` in one update is refused: finish, then start another.
+        """
 
         init_info_cls = MegarefitInitInfo
         update_info_cls = MegarefitUpdateInfo
@@ -386,32 +426,93 @@ def _make_engine_class():
                                       getattr(self, "model", None), init_info.sharded, self.parallel_config,
                                       init_info.memory_budget, init_info.verify_checksums, init_info.transport,
                                       init_info.secret)
+            self.default_timeout = init_info.timeout
             self.last_report: dict[str, Any] | None = None
+            self.window: _UpdateWindow | None = None
 
         def start_weight_update(self) -> None:
-            self._pending: list[tuple[str, torch.Tensor]] | None = None
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            if getattr(self, "receiver", None) is None:
+                raise MegarefitError("start_weight_update before init_weight_transfer_engine")
+            if self.window is not None:
+                raise MegarefitError("a weight update is already open: call finish_weight_update first")
+            stack = contextlib.ExitStack()
+            stack.enter_context(_cpu_moe_reload(self.model))
+            staged = self.receiver.memory_budget is None
+            try:
+                if staged:
+                    initialize_layerwise_reload(self.model)
+            except BaseException:
+                stack.close()
+                raise
+            self.window = _UpdateWindow(stack, staged)
 
         def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
+            window = self.window
+            if window is None:
+                raise MegarefitError("update_weights outside a weight update: call start_weight_update first")
+            if window.version is not None:
+                self._close(window)
+                raise MegarefitError(f"weight version {window.version} was installed in this update already; it "
+                                     "is now served (vLLM ends an update on an error): start another update for "
+                                     "the next version")
+            self.receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
+            try:
+                load_s = _refit_into(self.receiver, update_info.version, self.model, self.model_config,
+                                     self._load_full(window), reload_open=window.reload_open)
+            except BaseException as exc:
+                if isinstance(exc, PartialUpdateError):
+                    window.partial = str(exc)
+                self._close(window)  # vLLM ends the update: layers that got nothing keep their weights
+                raise
+            stats = self.receiver.stats
+            assert stats is not None
+            window.version = stats.version
+            self.last_report = _cycle_report(self.receiver, load_s)
+
+        def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
             from vllm.model_executor.model_loader.reload import (
                 finalize_layerwise_reload,
                 initialize_layerwise_reload,
             )
 
             def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-                initialize_layerwise_reload(self.model)
+                if not window.reload_open:  # streamed: one reload per attempt
+                    initialize_layerwise_reload(self.model)
                 self.model.load_weights(weights)
-                finalize_layerwise_reload(self.model, self.model_config)
+                if not window.reload_open:
+                    finalize_layerwise_reload(self.model, self.model_config)
 
-            load_s = _refit_into(self.receiver, update_info.version, self.model, self.model_config, load_full)
-            self.last_report = _cycle_report(self.receiver, load_s)
+            return load_full
+
+        def _close(self, window: _UpdateWindow) -> None:
+            """End ``window``: finalize the reload, undo the CPU fix-up, acknowledge what it installed."""
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self.window = None
+            try:
+                if window.reload_open:  # layers that got nothing: their previous tensors go back
+                    finalize_layerwise_reload(self.model, self.model_config)
+                if _is_cpu():
+                    _cpu_fixups(self.model)
+            finally:
+                window.stack.close()
+            if window.version is not None and window.partial is None:
+                self.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
 
         def finish_weight_update(self) -> None:
-            pass
+            window = self.window
+            if window is None:
+                raise MegarefitError("finish_weight_update without start_weight_update")
+            self._close(window)
 
         def shutdown(self) -> None:
+            if getattr(self, "window", None) is not None:
+                self._close(self.window)  # type: ignore[arg-type]
             self.receiver = None  # type: ignore[assignment]
 
     return MegarefitWeightTransferEngine

@@ -214,7 +214,7 @@ def _post_load_step(module: torch.nn.Module) -> bool:
 def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                    model_config: Any = None,
                    expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
-                   direct: Collection[str] = ()) -> None:
+                   direct: Collection[str] = (), reload_open: bool = False) -> None:
     """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
 
     ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
@@ -231,6 +231,9 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     partially updated. ``direct``: parameters already written in place (whole modules, see
     :func:`direct_candidates`): not expected in ``weights``; vLLM's reload puts their live
     tensors back untouched (its "Failed to load weights" warning for them is silenced).
+    ``reload_open``: the caller opened vLLM's layerwise reload (``initialize_layerwise_reload``,
+    a ``WeightTransferEngine``'s ``start_weight_update``) and finalizes it itself
+    (``finish_weight_update``); the shards are loaded into that window only.
     """
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
@@ -238,7 +241,8 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
 
     targets = check_shards(model, weights, direct) if expected is None else _streamed_targets(
         model, weights, expected, direct)
-    initialize_layerwise_reload(model)
+    if not reload_open:
+        initialize_layerwise_reload(model)
     swapped: list[tuple[torch.Tensor, Any]] = []
     try:
         for module, attr, tensor in targets:
@@ -249,8 +253,9 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
                 _shard_copy_loader(param, tensor)
             else:
                 make_online_process_loader(module, attr)(param, tensor)
-        with _quiet_reload(bool(direct)):
-            finalize_layerwise_reload(model, model_config)
+        if not reload_open:
+            with _quiet_reload(bool(direct)):
+                finalize_layerwise_reload(model, model_config)
     finally:
         for param, loader in swapped:  # vLLM's own loaders back, for later full-tensor loads
             if loader is None:
