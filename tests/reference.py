@@ -271,14 +271,16 @@ def hf_checkpoint_state(cfg: dict, directory, seed: int = 0) -> dict[str, torch.
 
 
 def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int = 0, expert_parallel: bool = False,
-                       placement: str = "linear") -> dict:
+                       placement: str = "linear", physical_to_logical: list[list[int]] | None = None) -> dict:
     """vLLM's documented layout of an MoE / MLA model on worker (tp rank t of T, dp rank d
     of D), with cat / chunk and vLLM's own ``determine_expert_map`` (independent of the
     planner): attention and dense MLPs as :func:`vllm_reference`; MLA down-projections
     stacked whole into ``fused_qkv_a_proj``; GLM-5's indexer whole, ``wk`` and ``weights_proj``
     stacked into ``wk_weights_proj``; routed experts tensor-parallel over all
     T*D workers (rank d*T + t), or whole experts under EP (EP rank d*T + t); DeepSeek-V3's
-    and GLM-5's shared experts whole under sequence-parallel MoE (EP, T > 1, D > 1)."""
+    and GLM-5's shared experts whole under sequence-parallel MoE (EP, T > 1, D > 1).
+    ``physical_to_logical`` (EPLB, per MoE layer): vLLM places the physical experts, each
+    slot holds its layer's logical expert (redundant ones repeat)."""
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     family = cfg["model_type"]
@@ -286,12 +288,13 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
     n, r = T * D, d * T + t
     ep = expert_parallel and n > 1
     moe_T, moe_r = (1, 0) if ep else (n, r)
+    physical = experts if physical_to_logical is None else len(physical_to_logical[0])
     if ep:
-        _, emap, _ = determine_expert_map(n, r, experts, placement)
+        _, emap, _ = determine_expert_map(n, r, physical, placement)
         emap = emap.tolist()
         slots = [emap.index(j) for j in range(max(emap) + 1)]
     else:
-        slots = list(range(experts))
+        slots = list(range(physical))
     dense, routed, out = {}, {}, {}
     for name, w in hf.items():
         m = re.match(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(\w+)\.weight$", name)
@@ -320,11 +323,14 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
             out[name] = dense.pop(name).chunk(T)[t]  # MLA column-parallel (q_proj: no q_lora_rank)
     out |= vllm_reference(dense, cfg, T, t)
     gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    moe_layers = sorted({int(prefix.split(".")[2]) for prefix in routed})
     for prefix, ws in routed.items():
+        layer_slots = slots if physical_to_logical is None else [
+            physical_to_logical[moe_layers.index(int(prefix.split(".")[2]))][p] for p in slots]
         out[prefix + "routed_experts.w13_weight"] = torch.stack(
-            [torch.cat([ws[(e, gate)].chunk(moe_T)[moe_r], ws[(e, up)].chunk(moe_T)[moe_r]]) for e in slots])
+            [torch.cat([ws[(e, gate)].chunk(moe_T)[moe_r], ws[(e, up)].chunk(moe_T)[moe_r]]) for e in layer_slots])
         out[prefix + "routed_experts.w2_weight"] = torch.stack([ws[(e, down)].chunk(moe_T, dim=1)[moe_r]
-                                                               for e in slots])
+                                                               for e in layer_slots])
     return out
 
 

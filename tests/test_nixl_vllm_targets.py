@@ -145,3 +145,37 @@ def test_fp8_refit_over_nixl(head_dim, tmp_path):
                 -1, *mine[name + "_scale_inv"].shape[-2:]), w.reshape(-1, *w.shape[-2:])):
             wq, ws = per_block_cast_to_fp8(slot, [128, 128])
             assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws), name
+
+
+def test_a_receiver_follows_eplb_placements_between_cycles(tmp_path):
+    """vLLM's EPLB moves experts at run time: a sharded receiver given each cycle's placement
+    (``set_target``; the vLLM extension reads it from the worker's EPLB state) re-plans when
+    it changed, finds a placement it saw before in the plan cache, and every physical slot
+    holds its logical expert's bytes (redundant experts in two slots) after each cycle."""
+    name, tp, ep, etp, expert_layout, layer_spec = CASES["qwen3_moe"]
+    cfg = moe_config(name)
+    hf = hf_checkpoint_state(cfg, tmp_path, seed=6)
+    shards = megatron_shards(hf, cfg, "qwen3_moe", tp, ep, etp, expert_layout, layer_spec)
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=tp, pp=1, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
+                                num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
+    job = "vllm-eplb"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r), tp=tp, pp=1, ep=ep,
+                      etp=etp, layer_spec=layer_spec, expert_layout=expert_layout, rendezvous=rdzv,
+                      agent_name=f"{job}-trainer-{r.tp}-{r.ep}") for r in layout.ranks()]
+    placements = [[[0, 1, 2, 3, 0, 1]], [[3, 3, 2, 0, 1, 2]], [[0, 1, 2, 3, 0, 1]]]  # 4 logical, 2 redundant
+    receiver = RefitReceiver(rdzv, name=f"{job}-vllm-1", timeout=10,
+                             target=VllmTarget(2, 1, expert_parallel=True, physical_to_logical=placements[0]))
+    built = []
+    for version, p2l in enumerate(placements, start=1):
+        for p in pubs:
+            p.publish(version)
+        changed = receiver.set_target(VllmTarget(2, 1, expert_parallel=True, physical_to_logical=p2l))
+        got = {n: t.clone() for n, t in receiver.run_refit_cycle(version)}
+        want = vllm_moe_reference(hf, cfg, 2, 1, expert_parallel=True, physical_to_logical=p2l)
+        assert got.keys() == want.keys()
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), (key, version)
+        built.append((changed, receiver.plans_built))
+    assert built == [(False, 1), (True, 2), (True, 2)]  # the third placement is the first one again: cached

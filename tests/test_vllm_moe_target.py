@@ -32,7 +32,7 @@ from megarefit.transport.execute import run_refit_cycle  # noqa: E402
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm, vllm_params  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
 from moe_cases import CONFIGS, TRAINERS, case_config, family_of, megatron_shards, moe_config  # noqa: E402
-from reference import hf_checkpoint_state, vllm_moe_reference  # noqa: E402
+from reference import hf_checkpoint_state, moe_hf_state, moe_reference_shards, vllm_moe_reference  # noqa: E402
 from vllm_loader_jobs import unportable, vllm_model_job  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,48 @@ def test_vllm_moe_shards_match_an_independent_reference(states, case):
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
+
+
+_EPLB_QWEN = moe_config("Qwen3-30B-A3B", num_hidden_layers=3)  # layer 0 dense, two MoE layers
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["qwen3_moe", "glm_moe_dsa"]), st.sampled_from([(2, 1), (4, 1), (2, 2)]),
+       st.integers(1, 4), st.sampled_from(["linear", "round_robin"]), st.integers(0, 2**16))
+def test_eplb_placements_put_each_logical_expert_in_every_slot_that_holds_it(states, family, td, redundant,
+                                                                               placement, seed):
+    """vLLM's expert-parallel load balancer: per MoE layer a physical -> logical map over
+    ``experts + redundant`` physical slots (vLLM's ``EplbModelState.physical_to_logical_map``:
+    random here, each logical expert at least once, some several times, different per layer:
+    Qwen3-MoE with two MoE layers, GLM-5 with one). Every worker's w13 / w2 slots hold
+    exactly their layer's logical expert's bytes, checked against the cat/chunk reference
+    with vLLM's own ``determine_expert_map`` over the physical count."""
+    if family == "qwen3_moe":
+        cfg = _EPLB_QWEN
+        hf = moe_hf_state(cfg, "qwen3_moe", seed=5)
+        shards = moe_reference_shards(hf, cfg, "qwen3_moe", tp=2, pp=1, ep=2, etp=1, layout="te_grouped")
+        spec = "local"
+    else:
+        cfg, hf = states[family]
+        shards = megatron_shards(hf, cfg, family, 2, 2, 1, "te_grouped", "te")
+        spec = "te"
+    T, D = td
+    dims = ModelDims.from_hf_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    E, n_moe = dims.num_experts, sum(dims.layer_kind(i) == "moe" for i in range(dims.num_layers))
+    physical = E + redundant + (-(E + redundant)) % (T * D)  # vLLM needs the physical count to divide EP
+    p2l = [torch.cat([torch.randperm(E, generator=g), torch.randint(0, E, (physical - E,), generator=g)])
+           [torch.randperm(physical, generator=g)].tolist() for _ in range(n_moe)]
+    layout = SourceLayout.build(tp=2, pp=1, ep=2, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=dims.num_layers, layer_spec=spec, expert_layout="te_grouped")
+    transport = LocalTransport({RankCoord(*r): s for r, s in shards.items()})
+    for t in range(T):
+        for d in range(D):
+            target = VllmTarget(T, t, dp=D, dp_rank=d, expert_parallel=True, expert_placement=placement,
+                                physical_to_logical=p2l)
+            plan = plan_megatron_to_vllm(dims, layout, "float32", target)
+            got = dict(run_refit_cycle(plan, transport))
+            want = vllm_moe_reference(hf, cfg, T, t, D, d, True, placement, physical_to_logical=p2l)
+            assert got.keys() == want.keys()
+            for name, tensor in want.items():
+                assert torch.equal(got[name], tensor), (name, t, d)

@@ -121,7 +121,7 @@ def run(tmp_path_factory):
     with pytest.raises(RuntimeError, match="worker 1"):
         group.join(timeout=120)
     snapshots = {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)} for v in (1, 2, 3)}
-    out["trainer_logits"] = {v: torch.load(snapdir / f"v{v}-logits-tp0.pt") for v in (1, 2, 3)}
+    out["trainer_logits"] = {v: torch.load(snapdir / f"logits-v{v}-tp0.pt") for v in (1, 2, 3)}
     return cfg, out, snapshots
 
 

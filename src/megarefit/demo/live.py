@@ -187,7 +187,7 @@ def _load_snapshots(folder: Path, version: int) -> dict[tuple[int, int, int], di
     """The trainers' own snapshot of ``version``: ``{(tp, pp, ep) rank: state dict}`` from the
     ``v{version}-tp{tp}-pp{pp}-ep{ep}.pt`` files in ``folder``."""
     shards = {}
-    for f in folder.glob(f"v{version}-*.pt"):
+    for f in folder.glob(f"v{version}-tp*-pp*-ep*.pt"):
         t, p, e = (int(x[2:]) for x in f.stem.split("-")[1:])
         shards[(t, p, e)] = torch.load(f)
     return shards

@@ -116,7 +116,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``;
     with ``snapshot_dir`` each version's shards are also saved there as
     ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published, and the last stage's
-    logits of ``case.tokens`` (fp32 ``[batch, seq, padded_vocab]``) as ``v{v}-logits-tp{t}.pt``.
+    logits of ``case.tokens`` (fp32 ``[batch, seq, padded_vocab]``) as ``logits-v{v}-tp{t}.pt``.
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
@@ -144,7 +144,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
         if snapshot_dir is not None:
             torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord)))
             if out["logits"][v] is not None:
-                torch.save(out["logits"][v], os.path.join(snapshot_dir, f"v{v}-logits-tp{coord[0]}.pt"))
+                torch.save(out["logits"][v], os.path.join(snapshot_dir, f"logits-v{v}-tp{coord[0]}.pt"))
         pub.publish(v)
         rdzv.wait_consumed(v)
         out["counters"].append(dict(pub.counters))

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.integrations.vllm_install import direct_candidates, install_shards, vllm_target_of
+from megarefit.integrations.vllm_install import direct_candidates, eplb_placement, install_shards, vllm_target_of
 from megarefit.online.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.transport.checksum import tensor_checksum
@@ -108,13 +108,14 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
-              transport: str = "auto", secret: str | None = None) -> RefitReceiver:
+              transport: str = "auto", secret: str | None = None,
+              physical_to_logical: tuple[tuple[int, ...], ...] | None = None) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if sharded:
         if model is None or parallel_config is None:
             raise MegarefitError("a sharded refit needs the live vLLM model and its parallel config")
-        target = vllm_target_of(model, parallel_config)
+        target = vllm_target_of(model, parallel_config, physical_to_logical)
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout, secret=secret), name=name,
@@ -301,10 +302,12 @@ class MegarefitWorkerExtension:
         if direct and not (sharded and memory_budget is not None):
             raise MegarefitError("direct writes need a sharded, streamed refit (sharded=True, memory_budget=...)")
         self._megarefit_direct = direct
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        config = getattr(self, "vllm_config", None) or runner.vllm_config
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
-                                    config.parallel_config, memory_budget, verify_checksums, transport, secret)
+                                    config.parallel_config, memory_budget, verify_checksums, transport, secret,
+                                    eplb_placement(runner, runner.model_config) if sharded else None)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -322,6 +325,11 @@ class MegarefitWorkerExtension:
         if timeout is not None:
             receiver.timeout = timeout
         runner = self.model_runner  # type: ignore[attr-defined]
+        if receiver.target is not None and receiver.target.expert_parallel:  # follow EPLB's current placement
+            placement = eplb_placement(runner, runner.model_config)
+            if placement is not None or receiver.target.physical_to_logical is not None:
+                config = getattr(self, "vllm_config", None) or runner.vllm_config
+                receiver.set_target(vllm_target_of(runner.get_model(), config.parallel_config, placement))
 
         def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
             if hasattr(runner, "reload_weights"):

@@ -282,11 +282,29 @@ def engine_expert_map(model: torch.nn.Module) -> tuple[int, ...] | None:
     return maps.pop()
 
 
-def vllm_target_of(model: torch.nn.Module, parallel: Any) -> Any:
+def eplb_placement(runner: Any, model_config: Any = None) -> tuple[tuple[int, ...], ...] | None:
+    """The worker's current EPLB placement: per MoE layer, the logical expert in each
+    physical slot (``EplbModelState.physical_to_logical_map`` of the model runner's
+    ``eplb_state``, the entry of ``model_config`` or the only one), or ``None`` without EPLB."""
+    state = getattr(runner, "eplb_state", None)
+    states = getattr(state, "model_states", None) or {}
+    if not states:
+        return None
+    key = model_config.compute_hash() if model_config is not None and hasattr(model_config, "compute_hash") else None
+    model_state = states.get(key) if key in states else (next(iter(states.values())) if len(states) == 1 else None)
+    if model_state is None:
+        raise MegarefitError(f"the worker's EPLB state holds {len(states)} models and none is this one")
+    return tuple(tuple(int(e) for e in row) for row in model_state.physical_to_logical_map.tolist())
+
+
+def vllm_target_of(model: torch.nn.Module, parallel: Any,
+                   physical_to_logical: tuple[tuple[int, ...], ...] | None = None) -> Any:
     """This worker's :class:`~megarefit.targets.VllmTarget`, read from the live engine:
     tensor-parallel rank and size (vLLM's process groups), data-parallel rank and size and
     ``enable_expert_parallel`` (vLLM's ``ParallelConfig`` ``parallel``), and the expert
-    map the engine actually uses (vLLM may fall back from round-robin to linear)."""
+    map the engine actually uses (vLLM may fall back from round-robin to linear).
+    ``physical_to_logical``: the EPLB placement (:func:`eplb_placement`); with it the expert
+    map is over physical slots, the same in every layer."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from megarefit.targets import VllmTarget
@@ -294,7 +312,8 @@ def vllm_target_of(model: torch.nn.Module, parallel: Any) -> Any:
     dp, dp_rank = parallel.data_parallel_size, parallel.data_parallel_rank if parallel.data_parallel_size > 1 else 0
     return VllmTarget(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), dp=dp,
                       dp_rank=dp_rank, expert_parallel=bool(parallel.enable_expert_parallel),
-                      expert_map=engine_expert_map(model))
+                      expert_map=engine_expert_map(model), physical_to_logical=physical_to_logical)
 
 
-__all__ = ["check_shards", "engine_expert_map", "install_shards", "model_format_params", "vllm_target_of"]
+__all__ = ["check_shards", "engine_expert_map", "eplb_placement", "install_shards", "model_format_params",
+           "vllm_target_of"]

@@ -256,6 +256,7 @@ class RefitReceiver:
         self._arenas: dict[str, torch.Tensor] = {}
         self._layout: list[tuple[str, str, int, tuple[int, ...]]] = []
         self.plans_built = 0
+        self._plans: dict[tuple, Plan] = {}  # per (dims, layout, dtype, FP8 format, vLLM target): placements seen
 
     @property
     def plan(self) -> Plan | None:
@@ -265,6 +266,23 @@ class RefitReceiver:
     @property
     def counters(self) -> dict[str, int]:
         return {**self.transport.counters, "plans_built": self.plans_built}
+
+    def set_target(self, target: VllmTarget) -> bool:
+        """Follow the worker's current placement before a cycle (vLLM's expert-parallel load
+        balancer moves experts at run time): a target that differs from the current one
+        re-plans at the next cycle (plans are cached by target, so a placement seen before
+        costs no planning again); returns whether it changed.
+
+        Raises:
+            MegarefitError: this receiver pulls full HF tensors (no vLLM target to follow).
+        """
+        if self.target is None:
+            raise MegarefitError(f"receiver {self.name!r} pulls full HF tensors: it has no vLLM target to change")
+        if target == self.target:
+            return False
+        self.target = target
+        self._plan = None  # the next cycle plans this placement (or takes its plan from self._plans)
+        return True
 
     def acknowledge(self, version: int | None = None) -> None:
         """Tell the trainers this receiver installed ``version`` (default: the last cycle's)
@@ -357,14 +375,20 @@ class RefitReceiver:
             if not self._buffers and self._stream is None:  # release_memory() freed them: allocate again
                 self._allocate(plan, manifests)
             return plan, False
-        if self.target is not None:
+        key = (first.dims, first.layout, dtype, fmt, self.target)
+        cached = self._plans.get(key)  # a placement seen before (EPLB moves experts back and forth)
+        if cached is not None:
+            plan = cached
+        elif self.target is not None:
             plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
         else:
             plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
             if fmt is not None:
                 plan = plan_fp8(plan, fmt)
+        if cached is None:
+            self._plans[key] = plan
+            self.plans_built += 1
         self._fmt = fmt
-        self.plans_built += 1
         self._plan = plan
         self._checked = ()
         self._allocate(plan, manifests)

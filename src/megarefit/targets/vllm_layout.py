@@ -104,11 +104,18 @@ class VllmTarget:
         expert_placement: vLLM's ``expert_placement_strategy`` (``linear``, ``round_robin``).
         expert_map: vLLM's global -> local expert map of this worker (``-1`` where another
             worker holds the expert), as read from the engine; overrides the placement rule.
+            With ``physical_to_logical`` its entries are *physical* expert ids.
+        physical_to_logical: vLLM's expert-parallel load balancer (EPLB) placement, as its
+            ``EplbModelState.physical_to_logical_map`` holds it: per MoE layer (in layer
+            order), the logical expert in each global physical slot (``num_experts +
+            num_redundant_experts`` of them; a logical expert may sit in several). The
+            worker's physical slots follow ``expert_map`` or the placement rule over the
+            physical count; each slot gets its layer's logical expert. ``None``: no EPLB.
         vocab_padding: vLLM's vocab padding (``DEFAULT_VOCAB_PADDING_SIZE``).
 
     Raises:
         LayoutError: a rank outside its size, an unknown placement, an expert map
-            without expert parallelism.
+            without expert parallelism, EPLB maps without it or of unequal widths.
     """
 
     tp: int
@@ -118,6 +125,7 @@ class VllmTarget:
     expert_parallel: bool = False
     expert_placement: ExpertPlacement = "linear"
     expert_map: tuple[int, ...] | None = None
+    physical_to_logical: tuple[tuple[int, ...], ...] | None = None
     vocab_padding: int = VLLM_VOCAB_PADDING
 
     def __post_init__(self) -> None:
@@ -130,6 +138,14 @@ class VllmTarget:
             object.__setattr__(self, "expert_map", tuple(int(i) for i in self.expert_map))
             if self.ep_size == 1:
                 raise LayoutError("an expert map needs expert parallelism (expert_parallel=True and tp*dp > 1)")
+        if self.physical_to_logical is not None:
+            maps = tuple(tuple(int(e) for e in layer) for layer in self.physical_to_logical)
+            object.__setattr__(self, "physical_to_logical", maps)
+            if self.ep_size == 1:
+                raise LayoutError("EPLB placements need expert parallelism (expert_parallel=True and tp*dp > 1)")
+            if not maps or len({len(m) for m in maps}) != 1:
+                raise LayoutError(f"EPLB physical_to_logical maps must be one per MoE layer, all as wide as the "
+                                  f"physical expert count; got widths {sorted({len(m) for m in maps})}")
 
     @property
     def ep_size(self) -> int:
@@ -154,36 +170,52 @@ class VllmTarget:
         """vLLM's ``ParallelConfig.use_sequence_parallel_moe`` with its default all2all backend."""
         return self.expert_parallel and self.tp > 1 and self.dp > 1
 
-    def local_experts(self, num_experts: int) -> tuple[int, ...]:
-        """The global routed expert in each of this worker's FusedMoE slots (slot j -> expert).
+    def local_experts(self, num_experts: int, moe_layer: int | None = None) -> tuple[int, ...]:
+        """The routed (logical) expert in each of this worker's FusedMoE slots (slot j -> expert).
+
+        With EPLB (``physical_to_logical``), ``moe_layer`` (the index among MoE layers)
+        picks that layer's placement; without it, the sorted experts of any layer (what
+        the worker's HF plan must hold). Redundant experts repeat.
 
         Raises:
             LayoutError: the expert map has the wrong length or its local slots are not
-                ``0..n-1`` once each; a worker would hold no expert.
+                ``0..n-1`` once each; an EPLB map names an expert outside the model or
+                lacks the layer; a worker would hold no expert.
         """
+        p2l = self.physical_to_logical
+        physical = num_experts if p2l is None else len(p2l[0])
         if self.expert_map is not None:
-            if len(self.expert_map) != num_experts:
+            if len(self.expert_map) != physical:
                 raise LayoutError(f"vLLM expert map has {len(self.expert_map)} entries, the model "
-                                  f"{num_experts} routed experts")
+                                  f"{physical} {'physical' if p2l is not None else 'routed'} experts")
             slots = {local: g for g, local in enumerate(self.expert_map) if local >= 0}
             if sorted(slots) != list(range(len(slots))) or len(slots) != sum(i >= 0 for i in self.expert_map):
                 raise LayoutError(f"vLLM expert map {list(self.expert_map)} does not give local slots 0..n-1 "
-                                  "once each (redundant experts are not supported)")
+                                  "once each (redundant experts: pass the EPLB physical_to_logical maps)")
             experts = tuple(slots[j] for j in range(len(slots)))
         elif self.ep_size == 1:
-            experts = tuple(range(num_experts))
+            experts = tuple(range(physical))
         else:  # vLLM determine_expert_map: the first `remainder` ranks get one more
-            base, remainder = divmod(num_experts, self.ep_size)
+            base, remainder = divmod(physical, self.ep_size)
             n = base + (1 if self.ep_rank < remainder else 0)
             if self.expert_placement == "linear":
                 start = self.ep_rank * base + min(self.ep_rank, remainder)
                 experts = tuple(range(start, start + n))
             else:
-                experts = tuple(range(self.ep_rank, num_experts, self.ep_size))
+                experts = tuple(range(self.ep_rank, physical, self.ep_size))
         if not experts:
-            raise LayoutError(f"vLLM EP rank {self.ep_rank} of {self.ep_size} holds none of the {num_experts} "
+            raise LayoutError(f"vLLM EP rank {self.ep_rank} of {self.ep_size} holds none of the {physical} "
                               "routed experts")
-        return experts
+        if p2l is None:
+            return experts
+        bad = sorted({e for m in p2l for e in m if not 0 <= e < num_experts})
+        if bad:
+            raise LayoutError(f"EPLB physical_to_logical names experts {bad[:8]} outside the model's {num_experts}")
+        if moe_layer is None:
+            return tuple(sorted({m[p] for m in p2l for p in experts}))
+        if not 0 <= moe_layer < len(p2l):
+            raise LayoutError(f"EPLB placements cover {len(p2l)} MoE layers, asked for MoE layer {moe_layer}")
+        return tuple(p2l[moe_layer][p] for p in experts)
 
 
 @dataclass(frozen=True)
@@ -340,7 +372,11 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
     hf_layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.vocab_size, num_layers=dims.num_layers)
     rows = [r for r in dims.spec.rows(dims.conditions(1), "local", "sequential")
             if not r.duplicate and r.stage is not Stage.MTP]
-    slots = target.local_experts(dims.num_experts) if dims.num_experts else ()
+    moe_layers = [layer for layer in range(dims.num_layers) if dims.layer_kind(layer) == "moe"]
+    if target.physical_to_logical is not None and len(target.physical_to_logical) != len(moe_layers):
+        raise LayoutError(f"EPLB placements for {len(target.physical_to_logical)} MoE layers, the model has "
+                          f"{len(moe_layers)}")
+    slots = {layer: target.local_experts(dims.num_experts, m) for m, layer in enumerate(moe_layers)}
     out: dict[str, VllmParam] = {}
     order = [(row, None) for row in rows if row.stage is Stage.FIRST]  # embedding, then layer by layer, then head
     order += [(row, layer) for layer in range(dims.num_layers) for row in rows if row.stage is Stage.LAYER
@@ -348,7 +384,7 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
     order += [(row, None) for row in rows if row.stage is Stage.LAST]
     for row, layer in order:
         if row.role.is_expert:
-            _experts(row, layer, dims, target, slots, out)  # type: ignore[arg-type]
+            _experts(row, layer, dims, target, slots[layer], out)  # type: ignore[index]
         else:
             _dense(row, list(zip(row.hf_names(layer), hf_shapes(row, dims, hf_layout))), dims, target, out)
     return _fuse(out)
