@@ -28,7 +28,8 @@ walks every op by name (the JSON form, the in-process translator) materializes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -123,6 +124,41 @@ class TensorTable(Mapping["TensorRef", "TensorMeta"]):
 
     def numels(self) -> torch.Tensor:
         return self._per_group(lambda m: 0 if m is None else m.numel)[self.group]
+
+    def lookup(self, refs: Iterable[TensorRef]) -> dict[TensorRef, TensorMeta]:
+        """The metas of those ``refs`` that are rows of this table, naming no other row: each
+        name is matched against the name templates of its rank's groups (layer and expert
+        read back), then its row is found in the columns. For a few refs in a big table (a
+        plan's quantize steps) instead of formatting every name (``table[ref]``)."""
+        if "_dict" in self.__dict__:
+            return {r: self._dict[r] for r in refs if r in self._dict}
+        out: dict[TensorRef, TensorMeta] = {}
+        for ref in refs:
+            for gi, g in enumerate(self.groups):
+                m = _group_pattern(g).fullmatch(ref.name) if g.rank == ref.rank else None
+                if m is None:
+                    continue
+                found = m.groupdict()
+                layer, expert = (int(found[k]) if found.get(k) is not None else -1 for k in ("layer", "expert"))
+                if bool(((self.group == gi) & (self.layer == layer) & (self.expert == expert)).any()):
+                    out[ref] = g.meta
+                    break
+        return out
+
+
+def _group_pattern(g: TensorGroup) -> re.Pattern[str]:
+    """``g``'s names as a regex (``{layer}`` / ``{expert}`` captured), cached per group."""
+    template = g.spec.megatron if g.hf_index is None else g.spec.hf[g.hf_index]
+    key = (template, g.suffix)
+    pattern = _PATTERNS.get(key)
+    if pattern is None:
+        parts = re.split(r"\{(layer|expert)\}", template)
+        regex = "".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>0|[1-9][0-9]*)" for i, p in enumerate(parts))
+        pattern = _PATTERNS[key] = re.compile(regex + re.escape(g.suffix))
+    return pattern
+
+
+_PATTERNS: dict[tuple[str, str], re.Pattern[str]] = {}
 
 
 class OpTable(Sequence["CopyOp"]):

@@ -76,8 +76,10 @@ def validate_plan(plan: PlanFields) -> None:
     for op, src, dst in checks:
         _check_op(op, src, dst)
     produced = plan.produced
+    lookup = getattr(plan.targets, "lookup", None)  # a columnar table: name only these refs' rows
+    quantized = lookup([r for q in plan.quantize for r in (q.staging, q.weight, q.scale)]) if lookup else plan.targets
     for step in plan.quantize:
-        staging, weight, scale = (plan.targets.get(r) for r in (step.staging, step.weight, step.scale))
+        staging, weight, scale = (quantized.get(r) for r in (step.staging, step.weight, step.scale))
         if staging is None or weight is None or scale is None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging / weight / scale not declared")
         want_scale = tuple(staging.shape[:-2]) + tuple(-(-n // b) for n, b in zip(staging.shape[-2:], step.block))

@@ -42,17 +42,18 @@ def _grid(off: torch.Tensor, n: torch.Tensor, size: torch.Tensor, b: int) -> tor
     return (off % b == 0) & ((n % b == 0) | (off + n == size))
 
 
-def _variant(g: TensorGroup, v: int, fmt: Fp8Format, staging_suffix: str) -> TensorGroup:
-    """0: as is, 1: float8, 2: its float32 scales, 3: receiver staging (targets)."""
+def _variant(g: TensorGroup, v: int, fmt: Fp8Format, staging_suffix: str,
+             metas: dict[tuple[TensorMeta, int], TensorMeta]) -> TensorGroup:
+    """0: as is, 1: float8, 2: its float32 scales, 3: receiver staging (targets). ``metas``
+    caches the new metas (~10^5 groups, a few dozen shapes)."""
     m = g.meta
-    if v == 1:
-        return TensorGroup(g.rank, g.spec, g.hf_index, TensorMeta(m.shape, _F8))
-    if v == 2:
-        return TensorGroup(g.rank, g.spec, g.hf_index, TensorMeta(fmt.scale_shape(m.shape), "float32"),
-                           SCALE_SUFFIX)
-    if v == 3:
-        return TensorGroup(g.rank, g.spec, g.hf_index, m, staging_suffix)
-    return g
+    if v in (0, 3):
+        return g if v == 0 else TensorGroup(g.rank, g.spec, g.hf_index, m, staging_suffix)
+    new = metas.get((m, v))
+    if new is None:
+        new = metas[(m, v)] = (TensorMeta(m.shape, _F8) if v == 1 else
+                               TensorMeta(fmt.scale_shape(m.shape), "float32"))
+    return TensorGroup(g.rank, g.spec, g.hf_index, new, SCALE_SUFFIX if v == 2 else "")
 
 
 def _table(old: TensorTable, rows: torch.Tensor, variant: torch.Tensor, fmt: Fp8Format, staging_suffix: str,
@@ -63,7 +64,8 @@ def _table(old: TensorTable, rows: torch.Tensor, variant: torch.Tensor, fmt: Fp8
     used = torch.unique(new_group).tolist()
     remap = torch.full((len(old.groups) * kinds,), -1, dtype=_I64)
     remap[torch.tensor(used, dtype=_I64)] = torch.arange(len(used))
-    groups = [_variant(old.groups[u // kinds], u % kinds, fmt, staging_suffix) for u in used]
+    metas: dict[tuple[TensorMeta, int], TensorMeta] = {}
+    groups = [_variant(old.groups[u // kinds], u % kinds, fmt, staging_suffix, metas) for u in used]
     return TensorTable(groups, remap[new_group], old.layer[rows], old.expert[rows])
 
 
