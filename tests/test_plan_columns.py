@@ -263,3 +263,30 @@ def test_a_piece_of_an_unplanned_hf_tensor_is_named():
                                    None)}
     with pytest.raises(PlanValidationError, match=r"model.norm.weight.*'model.bogus.weight'"):
         retarget(hf_plan, bogus, set(), "bfloat16", [], "x")
+
+
+def test_table_lookup_names_only_what_it_is_asked():
+    """``TensorTable.lookup`` (used to validate quantize steps without naming every target)
+    gives the same metas as the full mapping, for a GLM-5 FP8 plan's staging / weight / scale
+    refs and a sample of others, and leaves out refs that are not rows."""
+    import random
+
+    from megarefit.plan import TensorRef
+    from megarefit.planner import plan_megatron_to_hf
+    from megarefit.quant import Fp8Format, planning
+
+    cfg = real_config("GLM-5") | {"num_hidden_layers": 8, "n_routed_experts": 16}
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=2, ep=4, padded_vocab_size=dims.padded_vocab_size(2), num_layers=8)
+    plan = planning.plan_fp8(plan_megatron_to_hf(dims, layout, "bfloat16"), Fp8Format())
+    refs = [r for q in plan.quantize for r in (q.staging, q.weight, q.scale)]
+    assert refs  # the rotated indexer wq_b is quantized on the receiver
+    fresh = lambda t: TensorTable(t.groups, t.group, t.layer, t.expert)  # noqa: E731 - nothing named yet
+    full = dict(plan.targets)
+    sample = random.Random(0).sample(list(full), 60) + refs
+    missing = [TensorRef(None, "model.layers.99.mlp.gate.weight"), TensorRef(None, "lm_head.weight:staging")]
+    got = fresh(plan.targets).lookup(sample + missing)
+    assert got == {r: full[r] for r in sample}
+    src = dict(plan.sources)
+    some = random.Random(1).sample(list(src), 40)
+    assert fresh(plan.sources).lookup(some) == {r: src[r] for r in some}
