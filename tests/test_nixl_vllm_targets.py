@@ -179,3 +179,37 @@ def test_a_receiver_follows_eplb_placements_between_cycles(tmp_path):
             assert torch.equal(got[key], tensor), (key, version)
         built.append((changed, receiver.plans_built))
     assert built == [(False, 1), (True, 2), (True, 2)]  # the third placement is the first one again: cached
+
+
+def test_eplb_placement_is_read_from_vllms_layer_state():
+    """What a worker reads before a cycle: vLLM's own ``EplbLayerState`` objects (the maps
+    ``MixtureOfExperts.set_eplb_state`` hands each MoE layer: logical -> physical replicas and
+    replica counts), driven directly; ``eplb_placement`` turns them back into each layer's
+    physical -> logical map. A slot given two experts is refused, naming it."""
+    from vllm.distributed.eplb.eplb_state import EplbLayerState
+
+    from megarefit.errors import MegarefitError
+    from megarefit.integrations.vllm_install import eplb_placement
+
+    p2l = [[0, 1, 2, 3, 0, 1], [3, 3, 2, 0, 1, 2]]  # per MoE layer, physical slot -> logical expert
+    logical, replicas = 4, 3
+    l2p = torch.full((len(p2l), logical, replicas), -1, dtype=torch.int64)
+    counts = torch.zeros(len(p2l), logical, dtype=torch.int64)
+    for m, row in enumerate(p2l):
+        for physical, e in enumerate(row):
+            l2p[m, e, counts[m, e]] = physical
+            counts[m, e] += 1
+
+    class MoELayer(torch.nn.Module):
+        def __init__(self, m: int) -> None:
+            super().__init__()
+            self.eplb_state = EplbLayerState()
+            self.eplb_state.set_layer_state(m, torch.zeros(len(p2l), 6), l2p, counts)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), MoELayer(0), torch.nn.Linear(2, 2), MoELayer(1))
+    assert eplb_placement(model=model) == tuple(map(tuple, p2l))
+    assert eplb_placement(model=torch.nn.Linear(2, 2)) is None  # no EPLB
+    l2p[1, 0, 1] = 2  # logical 0 also claims slot 2, which logical 2 holds
+    counts[1, 0] += 1
+    with pytest.raises(MegarefitError, match="physical expert 2 holds logical experts"):
+        eplb_placement(model=model)

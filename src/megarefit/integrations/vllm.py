@@ -256,6 +256,17 @@ class _UpdateWindow:
     partial: str | None = None  # the model was written and the cycle failed: why
 
 
+def _follow_eplb(receiver: RefitReceiver, model: torch.nn.Module, parallel_config: Any,
+                 placement: tuple[tuple[int, ...], ...] | None) -> None:
+    """A sharded expert-parallel receiver takes the worker's current EPLB placement before a
+    cycle (re-planning when it changed: :meth:`RefitReceiver.set_target`)."""
+    target = receiver.target
+    if target is None or not target.expert_parallel:
+        return
+    if placement is not None or target.physical_to_logical is not None:
+        receiver.set_target(vllm_target_of(model, parallel_config, placement))
+
+
 def _refuse_to_serve(reason: str) -> Callable[..., Any]:
     """A worker's ``execute_model`` while its model holds a mix of versions: raises instead."""
     def execute_model(*args: Any, **kwargs: Any) -> Any:
@@ -307,7 +318,7 @@ class MegarefitWorkerExtension:
         config = getattr(self, "vllm_config", None) or runner.vllm_config
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
                                     config.parallel_config, memory_budget, verify_checksums, transport, secret,
-                                    eplb_placement(runner, runner.model_config) if sharded else None)
+                                    eplb_placement(runner, runner.model_config, model) if sharded else None)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -325,11 +336,9 @@ class MegarefitWorkerExtension:
         if timeout is not None:
             receiver.timeout = timeout
         runner = self.model_runner  # type: ignore[attr-defined]
-        if receiver.target is not None and receiver.target.expert_parallel:  # follow EPLB's current placement
-            placement = eplb_placement(runner, runner.model_config)
-            if placement is not None or receiver.target.physical_to_logical is not None:
-                config = getattr(self, "vllm_config", None) or runner.vllm_config
-                receiver.set_target(vllm_target_of(runner.get_model(), config.parallel_config, placement))
+        config = getattr(self, "vllm_config", None) or runner.vllm_config
+        _follow_eplb(receiver, runner.get_model(), config.parallel_config,
+                     eplb_placement(runner, runner.model_config, runner.get_model()))
 
         def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
             if hasattr(runner, "reload_weights"):
@@ -430,10 +439,12 @@ def _make_engine_class():
 
         def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
             rank = getattr(self.parallel_config, "rank", 0)
+            model = getattr(self, "model", None)
             self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
-                                      getattr(self, "model", None), init_info.sharded, self.parallel_config,
+                                      model, init_info.sharded, self.parallel_config,
                                       init_info.memory_budget, init_info.verify_checksums, init_info.transport,
-                                      init_info.secret)
+                                      init_info.secret,
+                                      eplb_placement(model=model) if init_info.sharded and model is not None else None)
             self.default_timeout = init_info.timeout
             self.last_report: dict[str, Any] | None = None
             self.window: _UpdateWindow | None = None
@@ -467,6 +478,7 @@ def _make_engine_class():
                                      "the next version")
             self.receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
             try:
+                _follow_eplb(self.receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
                 load_s = _refit_into(self.receiver, update_info.version, self.model, self.model_config,
                                      self._load_full(window), reload_open=window.reload_open)
             except BaseException as exc:

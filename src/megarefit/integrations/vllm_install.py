@@ -282,19 +282,55 @@ def engine_expert_map(model: torch.nn.Module) -> tuple[int, ...] | None:
     return maps.pop()
 
 
-def eplb_placement(runner: Any, model_config: Any = None) -> tuple[tuple[int, ...], ...] | None:
+def eplb_placement(runner: Any = None, model_config: Any = None,
+                   model: torch.nn.Module | None = None) -> tuple[tuple[int, ...], ...] | None:
     """The worker's current EPLB placement: per MoE layer, the logical expert in each
-    physical slot (``EplbModelState.physical_to_logical_map`` of the model runner's
-    ``eplb_state``, the entry of ``model_config`` or the only one), or ``None`` without EPLB."""
+    physical slot, or ``None`` without EPLB. Read from the model runner's ``eplb_state``
+    (``EplbModelState.physical_to_logical_map`` of ``model_config``'s model, or the only
+    one) when given, else from ``model``'s MoE layers (each layer's ``EplbLayerState``:
+    ``logical_to_physical_map`` [logical, replicas] and ``logical_replica_count``, turned
+    around): what a ``WeightTransferEngine``, which sees the model only, can read.
+
+    Raises:
+        MegarefitError: several models and none is ``model_config``'s; a layer's maps leave
+            a physical slot without a logical expert or give one two.
+    """
     state = getattr(runner, "eplb_state", None)
     states = getattr(state, "model_states", None) or {}
-    if not states:
-        return None
-    key = model_config.compute_hash() if model_config is not None and hasattr(model_config, "compute_hash") else None
-    model_state = states.get(key) if key in states else (next(iter(states.values())) if len(states) == 1 else None)
-    if model_state is None:
-        raise MegarefitError(f"the worker's EPLB state holds {len(states)} models and none is this one")
-    return tuple(tuple(int(e) for e in row) for row in model_state.physical_to_logical_map.tolist())
+    if states:
+        key = model_config.compute_hash() if model_config is not None and hasattr(model_config, "compute_hash") \
+            else None
+        model_state = states.get(key) if key in states else (next(iter(states.values())) if len(states) == 1
+                                                              else None)
+        if model_state is None:
+            raise MegarefitError(f"the worker's EPLB state holds {len(states)} models and none is this one")
+        return tuple(tuple(int(e) for e in row) for row in model_state.physical_to_logical_map.tolist())
+    return _layer_placements(model) if model is not None else None
+
+
+def _layer_placements(model: torch.nn.Module) -> tuple[tuple[int, ...], ...] | None:
+    """Per MoE layer (module order) the physical -> logical map its ``EplbLayerState`` holds."""
+    seen: set[int] = set()
+    out = []
+    for module in model.modules():
+        layer = getattr(module, "eplb_state", None)
+        l2p = getattr(layer, "logical_to_physical_map", None)
+        if l2p is None or id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        counts = layer.logical_replica_count.tolist()
+        slots: dict[int, int] = {}
+        for logical, (row, n) in enumerate(zip(l2p.tolist(), counts)):
+            for physical in row[:n]:
+                if physical in slots:
+                    raise MegarefitError(f"EPLB layer {len(out)}: physical expert {physical} holds logical experts "
+                                         f"{slots[physical]} and {logical}")
+                slots[physical] = logical
+        if sorted(slots) != list(range(len(slots))):
+            empty = sorted(set(range(max(slots) + 1)) - set(slots))
+            raise MegarefitError(f"EPLB layer {len(out)}: physical experts {empty} hold no logical expert")
+        out.append(tuple(slots[p] for p in range(len(slots))))
+    return tuple(out) or None
 
 
 def vllm_target_of(model: torch.nn.Module, parallel: Any,
