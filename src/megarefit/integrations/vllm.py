@@ -336,9 +336,10 @@ class MegarefitWorkerExtension:
         if timeout is not None:
             receiver.timeout = timeout
         runner = self.model_runner  # type: ignore[attr-defined]
-        config = getattr(self, "vllm_config", None) or runner.vllm_config
-        _follow_eplb(receiver, runner.get_model(), config.parallel_config,
-                     eplb_placement(runner, runner.model_config, runner.get_model()))
+        if receiver.target is not None and receiver.target.expert_parallel:
+            config = getattr(self, "vllm_config", None) or runner.vllm_config
+            _follow_eplb(receiver, runner.get_model(), config.parallel_config,
+                         eplb_placement(runner, runner.model_config, runner.get_model()))
 
         def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
             if hasattr(runner, "reload_weights"):
@@ -478,7 +479,8 @@ def _make_engine_class():
                                      "the next version")
             self.receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
             try:
-                _follow_eplb(self.receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
+                if self.receiver.target is not None and self.receiver.target.expert_parallel:
+                    _follow_eplb(self.receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
                 load_s = _refit_into(self.receiver, update_info.version, self.model, self.model_config,
                                      self._load_full(window), reload_open=window.reload_open)
             except BaseException as exc:
