@@ -10,7 +10,7 @@ set -uo pipefail
 out=${1:-out}; mkdir -p "$out"
 want() { [[ " ${CASES:-all} " == *" all "* || " ${CASES:-all} " == *" $1 "* ]]; }
 quiet() { grep -v "NIXL INFO\|UCX  WARN\|UserWarning\|return func\|CudaIPCTypes\|^$" | tee -a "$out/all.log"; }
-want tests && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc_gpu.py tests/test_device_guard_gpu.py \
+want tests && python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_cuda_ipc_gpu.py tests/test_device_guard_gpu.py \
   tests/test_streamed_gpu.py tests/test_nixl_gpu.py tests/test_checksums.py 2>&1 | tail -3 | tee -a "$out/all.log"
 run() { echo "== $1"; shift; timeout 240 python3 benchmarks/bench_colocated.py "$@" --cycles 8 \
   --json "$out/colocated.jsonl" 2>&1 | quiet | grep "^|\|^model\|^machine\|Error\|copies per"; }

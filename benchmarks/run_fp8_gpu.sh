@@ -4,7 +4,7 @@
 # Usage: [QUANT="none fp8"] benchmarks/run_fp8_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-out}; mkdir -p "$out"
-python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py tests/test_nixl_gpu.py 2>&1 | tail -5
+python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_fp8_gpu.py tests/test_nixl_gpu.py 2>&1 | tail -5
 timeout 120 python3 benchmarks/bench_fp8.py --json "$out/kernel.jsonl" 2>&1 | tee "$out/kernel.log"
 moe=(--config tests/data/configs/Qwen3-30B-A3B.json --layers 8 --tp 2)
 dense=(--config tests/data/configs/Qwen3-8B.json --tp 2)

@@ -6,7 +6,7 @@
 # Then, anywhere with matplotlib: python benchmarks/plot_refit.py OUT_DIR/refit.jsonl docs/refit_gpu.png
 set -uo pipefail
 out=${1:-out}; mkdir -p "$out"
-python3 -m pytest -q -p no:cacheprovider tests/test_gather.py tests/test_fp8_gpu.py tests/test_nixl_gpu.py 2>&1 | tail -3
+python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_gather.py tests/test_fp8_gpu.py tests/test_nixl_gpu.py 2>&1 | tail -3
 moe=(--config tests/data/configs/Qwen3-30B-A3B.json --layers 8 --tp 2)
 dense=(--config tests/data/configs/Qwen3-8B.json)
 gpu=(--cycles 6 --trainer-device cuda:0 --device cuda:1 --json "$out/refit.jsonl")

@@ -10,7 +10,7 @@ set -uo pipefail
 out=${1:-out}; mkdir -p "$out"
 want() { [[ " ${CASES:-all} " == *" all "* || " ${CASES:-all} " == *" $1 "* ]]; }
 quiet() { grep -v "NIXL INFO\|UCX  WARN\|UserWarning\|return func\|ProcessGroupNCCL" | tee -a "$out/all.log"; }
-want tests && python3 -m pytest -q -p no:cacheprovider tests/test_device_guard_gpu.py tests/test_streamed_gpu.py \
+want tests && python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_device_guard_gpu.py tests/test_streamed_gpu.py \
   tests/test_nixl_gpu.py 2>&1 | tail -3 | tee -a "$out/all.log"
 gpu=(--trainer-device cuda:0 --device cuda:1 --budget 1073741824 auto --cycles 8 --json "$out/streamed.jsonl")
 dense=(--config tests/data/configs/Qwen3-8B.json --tp 2 --vllm-tp 2)

@@ -35,19 +35,25 @@ REQUIREMENTS = ROOT / "requirements" / "bridge.txt"
 
 
 def _env_python() -> Path:
-    """The Bridge environment's python, built on first use (about a minute)."""
+    """The Bridge environment's python, built on first use (about a minute); a file lock lets
+    one process build it while others (pytest-xdist workers) wait for it."""
+    import fcntl
+
     env = Path(os.environ.get("MEGAREFIT_BRIDGE_ENV", ROOT / ".cache" / "bridge-env"))
     python = env / "bin" / "python"
     stamp = env / "megarefit-requirements.sha256"
     want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
-    if python.exists() and stamp.exists() and stamp.read_text() == want:
-        return python
-    venv.EnvBuilder(with_pip=True, clear=True).create(env)
-    for args in (["-r", str(REQUIREMENTS)], ["-e", str(ROOT)]):
-        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *args],
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"building the Bridge environment failed:\n{proc.stderr[-3000:]}"
-    stamp.write_text(want)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with open(env.parent / f"{env.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if python.exists() and stamp.exists() and stamp.read_text() == want:
+            return python
+        venv.EnvBuilder(with_pip=True, clear=True).create(env)
+        for args in (["-r", str(REQUIREMENTS)], ["-e", str(ROOT)]):
+            proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *args],
+                                  capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, f"building the Bridge environment failed:\n{proc.stderr[-3000:]}"
+        stamp.write_text(want)
     return python
 
 
