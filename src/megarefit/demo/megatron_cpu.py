@@ -79,6 +79,7 @@ class GPTArch:
     qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
     v_head_dim: int = 0
     mtp_layers: int = 0  # Megatron mtp_num_layers (multi-token prediction on the last stage)
+    dtype: str = "float32"  # parameters and activations: "float32" or "bfloat16" (Megatron's bf16=True)
     # DSA lightning indexer (GLM-5; 0 heads: none): experimental_attention_variant="dsa"
     dsa_indexer_heads: int = 0
     dsa_indexer_head_dim: int = 0
@@ -303,8 +304,9 @@ def _base_config_kwargs(arch: GPTArch, ps: Any) -> dict[str, Any]:
         ffn_hidden_size=arch.ffn_hidden_size,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=getattr(torch, arch.dtype),
+        params_dtype=getattr(torch, arch.dtype),
+        bf16=arch.dtype == "bfloat16",
         use_cpu_initialization=True,
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_epsilon,
@@ -407,7 +409,7 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, A
 
 
 def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None) -> GPTModel:
-    """Build this rank's shard of a Megatron ``GPTModel`` on CPU (fp32, eval mode).
+    """Build this rank's shard of a Megatron ``GPTModel`` on CPU (``arch.dtype``, eval mode).
 
     Uses the current parallel state (see :func:`init_parallel`);
     ``pre_process``/``post_process`` follow the pipeline stage. SwiGLU MLP,
@@ -441,6 +443,10 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = N
             rotary_percent=arch.rotary_percent,
             mtp_block_spec=mtp_spec,
         )
+    if arch.dtype != "float32":  # the local spec's norms ignore params_dtype (Megatron's Float16Module casts them)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.to(getattr(torch, arch.dtype))
     return model.eval()
 
 
@@ -460,7 +466,7 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None
     position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     if not ps.is_pipeline_first_stage():
-        hidden = torch.empty(seq, batch, model.config.hidden_size, dtype=torch.float32)
+        hidden = torch.empty(seq, batch, model.config.hidden_size, dtype=model.config.params_dtype)
         dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(hidden)
     out = model(tokens, position_ids, attention_mask=mask)

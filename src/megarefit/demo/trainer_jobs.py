@@ -39,6 +39,7 @@ class TrainerCase:
     ep: int = 1
     etp: int | None = None  # expert tensor-parallel size (None: tp)
     expert_layout: str = "sequential"  # or "legacy_grouped" (GroupedMLP through a looped grouped GEMM)
+    dtype: str = "float32"  # the model's parameters and forward pass: "float32" or "bfloat16"
 
 
 def _first_copy(ep: int) -> bool:
@@ -54,7 +55,7 @@ def _build(case: TrainerCase) -> torch.nn.Module:
     """The case's GPTModel. ``legacy_grouped`` experts are Megatron's ``GroupedMLP`` run through
     :func:`~megarefit.demo.megatron_cpu.fake_grouped_gemm` (a looped fp32 ``gmm``); its forward
     asserts ``config.bf16``, which is set after the build so no other module sees it."""
-    arch = gpt_arch_from_hf(case.hf_config, tp=case.tp)
+    arch = dataclasses.replace(gpt_arch_from_hf(case.hf_config, tp=case.tp), dtype=case.dtype)
     if case.expert_layout == "legacy_grouped":
         fake_grouped_gemm()
         arch = dataclasses.replace(arch, moe_grouped_gemm=True)
@@ -125,7 +126,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     from megarefit.online.rendezvous import Rendezvous
 
     init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
-    model = build_gpt_model(gpt_arch_from_hf(case.hf_config, tp=case.tp), seed=case.seed)
+    model = _build(case)
     perturb_parameters_(model, seed=case.seed)
     coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
              ps.get_expert_model_parallel_rank())
