@@ -29,13 +29,12 @@ pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
-from conftest import tiny_config  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
-from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
+from megarefit.integrations.hf import save_checkpoint  # noqa: E402
 from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from vllm_helpers import MAX_TOKENS, PROMPTS, bpe_tokenizer, hf_generate, same_generation  # noqa: E402
+from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -77,13 +76,11 @@ def _wait_healthy(base: str, server: subprocess.Popen, log, timeout: float = 300
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    cfg = tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64)
+    cfg = e2e_config()
     job = "vllm-http"
     rdzv = Rendezvous.serve(job=job)
     ckpt = tmp_path_factory.mktemp("initial")
-    bpe_tokenizer(ckpt, cfg["vocab_size"])
-    torch.manual_seed(0)
-    save_checkpoint(ckpt, cfg, {k: v for k, v in build_hf_model(cfg).state_dict().items() if k != "lm_head.weight"})
+    initial_checkpoint(ckpt, cfg)
     snapdir = tmp_path_factory.mktemp("snapshots")
     trainers = start_workers(serving_trainer_job, world_size=2,
                              args=(TrainerCase(job, cfg, 2, 1, torch.tensor([PROMPTS[0]])),

@@ -12,7 +12,8 @@ with that version's trainer snapshot (token ids and chosen-token logprobs). Then
 a refit that fails (version skew, a dead trainer) must leave vLLM on version 3.
 The engine has a real (BPE) tokenizer: after each refit its prompt logprobs of a text prompt
 must equal the Megatron trainer's own forward logprobs on the same tokens, over the whole
-vocabulary (train/infer mismatch; max / mean |delta| and token-level KL reported).
+vocabulary (train/infer mismatch; max / mean |delta| and token-level KL reported); and the
+same in bf16, with bf16 trainers (the CPU harness in bfloat16) and a bf16 engine.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
-from conftest import tiny_config  # noqa: E402
-from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
+from megarefit.integrations.hf import save_checkpoint  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import VersionMismatchError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
-from vllm_helpers import EXT, PROMPT_TEXT, bpe_tokenizer, same_generation  # noqa: E402
+from vllm_helpers import EXT, PROMPT_TEXT, e2e_config, initial_checkpoint, same_generation  # noqa: E402
 from vllm_helpers import hf_generate as _hf_generate  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402
 from vllm_helpers import vllm_prompt_logprobs  # noqa: E402
@@ -51,19 +51,16 @@ def run(tmp_path_factory):
     from megarefit.integrations.vllm import register
 
     register()  # the entry point does this in vLLM's own processes; explicit here for in-process use
-    cfg = tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64)
+    cfg = e2e_config()
     job = "vllm-e2e"
     rdzv = Rendezvous.serve(job=job)
     ckpt = tmp_path_factory.mktemp("initial")
-    tokenizer = bpe_tokenizer(ckpt, cfg["vocab_size"])  # a real tokenizer: the engine tokenizes PROMPT_TEXT itself
+    tokenizer, initial = initial_checkpoint(ckpt, cfg)  # a real tokenizer: the engine tokenizes PROMPT_TEXT itself
     tokens = torch.tensor([tokenizer(PROMPT_TEXT).input_ids])  # what the trainers' own forward pass reads
     snapdir = tmp_path_factory.mktemp("snapshots")
     group = start_workers(serving_trainer_job, world_size=2,
                           args=(TrainerCase(job, cfg, 2, 1, tokens), ("127.0.0.1", rdzv.port, job), 4, 0.01,
                                 str(snapdir)))
-    torch.manual_seed(0)
-    initial = build_hf_model(cfg)
-    save_checkpoint(ckpt, cfg, {k: v for k, v in initial.state_dict().items() if k != "lm_head.weight"})
     llm = vllm.LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=128, max_logprobs=-1,
                    worker_extension_cls=EXT, weight_transfer_config=WeightTransferConfig(backend="megarefit"))
     out = {"initial": _vllm_generate(llm), "initial_hf": _hf_generate(initial), "reports": {}, "prompt": {},
@@ -300,6 +297,22 @@ def test_owned_experts_follow_vllm_placement(strategy):
     assert owned_experts(torch.nn.Linear(2, 2)) is None  # no routed-experts layer: every expert
 
 
+def _parity(trainer_logits: torch.Tensor, served: torch.Tensor, vocab: int, record, tag: str
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The trainer's log-softmax (fp64, ``[len - 1, vocab]``) and max / mean |delta logprob|
+    and token-level KL(trainer || vLLM) against vLLM's ``served`` prompt logprobs, recorded."""
+    trainer = torch.log_softmax(trainer_logits[0, :-1, :vocab].double(), -1)
+    assert served.shape == trainer.shape and torch.isfinite(served).all()
+    delta = (trainer - served).abs()
+    kl = (trainer.exp() * (trainer - served)).sum(-1)
+    report = {"max_abs_delta": float(delta.max()), "mean_abs_delta": float(delta.mean()),
+              "max_token_kl": float(kl.max()), "mean_token_kl": float(kl.mean())}
+    for key, value in report.items():
+        record(f"{tag}_{key}", value)
+    print(f"{tag}: {report}")
+    return trainer, report
+
+
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_served_logprobs_equal_the_trainers_own(run, version, record_property):
     """Train/infer mismatch, as RL users watch it: after the refit of ``version``, vLLM's
@@ -312,18 +325,48 @@ def test_served_logprobs_equal_the_trainers_own(run, version, record_property):
     cfg, out, _ = run
     ids, served = out["prompt"][version]
     assert ids == out["tokens"]  # the engine tokenized the text as the trainer's tokens were made
-    logits = out["trainer_logits"][version][0, :-1, :cfg["vocab_size"]].double()
-    trainer = torch.log_softmax(logits, -1)
-    assert served.shape == trainer.shape and torch.isfinite(served).all()
-    delta = (trainer - served).abs()
-    kl = (trainer.exp() * (trainer - served)).sum(-1)
+    _, report = _parity(out["trainer_logits"][version], served, cfg["vocab_size"], record_property, f"v{version}")
     eps = torch.finfo(torch.float32).eps
-    report = {"max_abs_delta": float(delta.max()), "mean_abs_delta": float(delta.mean()),
-              "max_token_kl": float(kl.max()), "mean_token_kl": float(kl.mean())}
-    for key, value in report.items():
-        record_property(f"v{version}_{key}", value)
-    print(f"version {version}: {report}")
     assert report["max_abs_delta"] <= eps ** 0.5 and report["max_token_kl"] <= cfg["vocab_size"] * eps, report
     for other in {1, 2, 3} - {version}:  # the check can fail: another version's weights are far outside it
         logits = out["trainer_logits"][other][0, :-1, :cfg["vocab_size"]].double()
         assert (torch.log_softmax(logits, -1) - served).abs().max() > 100 * eps ** 0.5
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """Logprob parity in bf16, as most RL runs train and serve: bf16 trainers, a bf16 engine."""
+    cfg = e2e_config()
+    job = "vllm-bf16"
+    rdzv = Rendezvous.serve(job=job)
+    ckpt = tmp_path_factory.mktemp("initial")
+    tokenizer, _ = initial_checkpoint(ckpt, cfg)
+    tokens = torch.tensor([tokenizer(PROMPT_TEXT).input_ids])
+    snapdir = tmp_path_factory.mktemp("snapshots")
+    group = start_workers(serving_trainer_job, world_size=2,
+                          args=(TrainerCase(job, cfg, 2, 1, tokens, dtype="bfloat16"), ("127.0.0.1", rdzv.port, job),
+                                1, 0.01, str(snapdir)))
+    llm = vllm.LLM(model=str(ckpt), dtype="bfloat16", enforce_eager=True, max_model_len=128, max_logprobs=-1,
+                   worker_extension_cls=EXT)
+    out = {"before": vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"]), "tokens": tokens[0].tolist()}
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0))
+    out["report"] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
+    out["after"] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
+    rdzv.mark_consumed(1)
+    group.join(timeout=120)
+    out["trainer"] = torch.load(snapdir / "logits-v1-tp0.pt")
+    return cfg, out
+
+
+def test_bf16_served_logprobs_equal_the_trainers_own(bf16_run, record_property):
+    """bf16 on both sides: max |delta logprob| <= sqrt(eps_bf16) (0.088), token KL <= eps_bf16 / 2
+    (0.0039, KL of logprob errors of that size) plus the fp32 normalization term V * eps_fp32;
+    the served model before the refit is far outside it (the check can fail)."""
+    cfg, out = bf16_run
+    ids, served = out["after"]
+    assert ids == out["tokens"] and out["report"]["version"] == 1
+    trainer, report = _parity(out["trainer"], served, cfg["vocab_size"], record_property, "bf16")
+    eps = torch.finfo(torch.bfloat16).eps
+    kl_tol = eps / 2 + cfg["vocab_size"] * torch.finfo(torch.float32).eps
+    assert report["max_abs_delta"] <= eps ** 0.5 and report["max_token_kl"] <= kl_tol, report
+    assert (trainer - out["before"][1]).abs().max() > 10 * eps ** 0.5

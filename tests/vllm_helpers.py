@@ -89,3 +89,23 @@ def vllm_prompt_logprobs(llm, text: str, vocab: int) -> tuple[list[int], torch.T
                 row[token] = lp.logprob
         rows.append(row)
     return list(out.prompt_token_ids), torch.stack(rows)
+
+
+def e2e_config() -> dict:
+    """The tiny Qwen3-architecture config the vLLM end-to-end tests serve (vocab 500, tied)."""
+    from conftest import tiny_config
+
+    return tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64)
+
+
+def initial_checkpoint(directory, cfg: dict):
+    """An HF checkpoint of random weights (seed 0) with :func:`bpe_tokenizer`'s tokenizer in
+    ``directory``, what a vLLM engine starts from before its first refit; returns
+    ``(tokenizer, the HF model)``."""
+    from megarefit.integrations.hf import build_hf_model, save_checkpoint
+
+    tokenizer = bpe_tokenizer(directory, cfg["vocab_size"])
+    torch.manual_seed(0)
+    model = build_hf_model(cfg)
+    save_checkpoint(directory, cfg, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
+    return tokenizer, model
