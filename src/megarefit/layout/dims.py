@@ -187,6 +187,7 @@ class ModelDims:
         heads = self.num_attention_heads
         table = {
             "experts": self.num_experts,
+            "heads": heads,
             "moe_ffn": self.moe_ffn_hidden_size,
             "2moe_ffn": 2 * self.moe_ffn_hidden_size,
             "shared_ffn": self.shared_expert_ffn,

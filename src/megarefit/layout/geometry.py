@@ -128,7 +128,53 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
         return ((shape[1], shape[0]),)
     if spec.role is Role.VOCAB:
         return ((dims.vocab_size,) + rest,)
+    if spec.role.is_fused:
+        return (fused_shapes(spec, dims, layout, dims.num_experts)[0],)
     return (shape,)
+
+
+@lru_cache(maxsize=4096)
+def fused_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, experts: int,
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(view, stored shape)`` of a fused role's HF tensor holding ``experts`` experts (see
+    :class:`~megarefit.specs.table.Role`): weights ``[in, out]`` per expert, biases as they
+    are; ``gate_up`` viewed with its interleave as a trailing dim of 2::
+
+        gate_up_proj [E, h, 2f] as [E, h, f, 2]    gate_up_proj_bias [E, 2f] as [E, f, 2]
+        down_proj    [E, f, h]                     down_proj_bias    [E, h]
+    """
+    shape = global_shape(spec, dims, layout)
+    per = shape[::-1] if len(shape) == 2 else shape
+    stored = (experts,) + per
+    if spec.role is Role.EXPERT_GATE_UP_FUSED:
+        return stored[:-1] + (stored[-1] // 2, 2), stored
+    return stored, stored
+
+
+def fused_boxes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_rank: int) -> list[tuple[Box, Box, bool]]:
+    """A fused role's copies of one expert read on TP rank ``tp_rank``: ``(box in the local
+    tensor, box in the HF view with the expert at 0 on dim 0, transposed)``; the planner
+    moves the target box to the expert's slot. Two copies for ``gate_up`` (gate, up: one
+    transposed box each, every ``f/etp x h`` element in one op), one otherwise::
+
+        gate:  local rows [0, f_l)     -> view (e, 0, r*f_l, 0)  lengths (1, h, f_l, 1)   transposed
+        up:    local rows [f_l, 2f_l)  -> view (e, 0, r*f_l, 1)  lengths (1, h, f_l, 1)   transposed
+        (a bias: the same without the h dim, not transposed)
+        down:  local [h, f_l]          -> (e, r*f_l, 0)          lengths (1, f_l, h)      transposed
+        down bias: local [h]           -> (e, 0)                 lengths (1, h)
+    """
+    local = local_shape(spec, dims, layout)
+    r = tp_rank if layout.etp > 1 else 0
+    matrix = len(local) == 2
+    if spec.role is Role.EXPERT_GATE_UP_FUSED:
+        f = local[0] // 2
+        lead = ((0, 0), (1, local[1])) if matrix else ((0,), (1,))
+        return [(Box.rows(local, k * f, f), Box(lead[0] + (r * f, k), lead[1] + (f, 1)), matrix) for k in range(2)]
+    if spec.role is Role.EXPERT_ROW_FUSED:
+        h, f = local
+        return [(Box.full(local), Box((0, r * f, 0), (1, f, h)), True)]
+    per = local[::-1] if matrix else local
+    return [(Box.full(local), Box((0,) * (len(per) + 1), (1,) + per), matrix)]
 
 
 def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: SourceLayout, tp_rank: int) -> list[Piece]:
@@ -264,5 +310,5 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     return out
 
 
-__all__ = ["Piece", "SourceTensor", "global_shape", "grouped_boxes", "grouped_pieces", "hf_shapes", "local_shape",
+__all__ = ["Piece", "SourceTensor", "fused_boxes", "fused_shapes", "global_shape", "grouped_boxes", "grouped_pieces", "hf_shapes", "local_shape",
            "piece_boxes", "pieces", "source_tensors", "view_shape"]

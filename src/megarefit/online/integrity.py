@@ -21,6 +21,7 @@ from megarefit.layout import RankCoord
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.transport.checksum import ChecksumMismatchError, box_kind, box_sums, checksum_numel, matrix_shape
 from megarefit.transport.checksum_kernel import BoxSums
+from megarefit.transport.local import squeezed
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import NixlTransport
 
@@ -30,8 +31,8 @@ def pulled_box(op: CopyOp, target: torch.Tensor) -> torch.Tensor:
     (undoing the target view and the transpose; a copy where no view can say it)."""
     t = target.view(op.dst_view) if op.dst_view is not None else target
     d = t[op.dst_box.slices()]
-    if op.transpose:  # dst = src^T over the last two dims, leading 1-dims dropped
-        d = d.reshape(d.shape[-2:]).t()
+    if op.transpose:  # dst = src^T as matrices, 1-dims dropped
+        d = squeezed(d, 2).t()
     return d.reshape(op.src_box.lengths)
 
 
@@ -42,7 +43,7 @@ def _matrix(op: CopyOp, target: torch.Tensor, rows: int, cols: int) -> torch.Ten
     d = t[op.dst_box.slices()]
     try:
         if op.transpose:
-            return d.view(d.shape[-2:]).t().view(rows, cols)
+            return squeezed(d, 2).t().view(rows, cols)
         return d.view(rows, cols)
     except RuntimeError:
         return None

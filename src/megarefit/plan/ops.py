@@ -81,7 +81,7 @@ class CopyOp:
     src_offset: int  # flat element offset of src_box's first element
     dst_offset: int  # flat element offset of dst_box's first element
     itemsize: int  # bytes per element
-    transpose: bool = False  # dst[dst_box] = src[src_box] with leading 1-dims dropped, transposed (2-D)
+    transpose: bool = False  # dst[dst_box] = src[src_box] as a matrix, transposed (see squeezed_lengths)
     src_view: tuple[int, ...] | None = None  # view the stored source as this shape first
     dst_view: tuple[int, ...] | None = None  # view the stored target as this shape first
 
@@ -100,6 +100,18 @@ class CopyOp:
     @property
     def dst_byte_offset(self) -> int:
         return self.dst_offset * self.itemsize
+
+
+def squeezed_lengths(lengths: tuple[int, ...], keep: int) -> tuple[int, ...]:
+    """``lengths`` without leading, then trailing, length-1 dims while more than ``keep`` dims
+    remain: how a box with 1-dims the other side lacks (an expert slot in front, an
+    interleave behind) lines up with it; the row-major order of the elements is unchanged."""
+    lo, hi = 0, len(lengths)
+    while hi - lo > keep and lengths[lo] == 1:
+        lo += 1
+    while hi - lo > keep and lengths[hi - 1] == 1:
+        hi -= 1
+    return tuple(lengths[lo:hi])
 
 
 def make_op(src: TensorRef, src_shape: tuple[int, ...], src_box: Box,
@@ -169,4 +181,4 @@ def digest_of(*parts: Any) -> str:
 
 
 __all__ = ["ITEMSIZE", "CopyOp", "Direction", "OpKind", "QuantizeStep", "TensorMeta", "TensorRef", "digest_of",
-           "itemsize", "joined", "make_op", "merge_ops"]
+           "itemsize", "joined", "make_op", "merge_ops", "squeezed_lengths"]

@@ -15,7 +15,7 @@ import torch
 from megarefit.errors import PlanValidationError
 from megarefit.layout.parallel import Box
 from megarefit.plan.columns import PlanColumns, vectorized_checks
-from megarefit.plan.ops import CopyOp, QuantizeStep, TensorMeta, TensorRef
+from megarefit.plan.ops import CopyOp, QuantizeStep, TensorMeta, TensorRef, squeezed_lengths
 from megarefit.plan.table import OpTable
 
 
@@ -165,12 +165,10 @@ def _check_disjoint(ref: TensorRef, entries: list[tuple[Box, str]]) -> None:
 
 
 def _squeeze_leading(lengths: tuple[int, ...], keep: int = 2) -> tuple[int, ...]:
-    """``lengths`` without leading 1s, keeping at least ``keep`` dims (a box may carry
-    leading length-1 dims the other side lacks: a FusedMoE expert slot)."""
-    i = 0
-    while i < len(lengths) - keep and lengths[i] == 1:
-        i += 1
-    return lengths[i:]
+    """``lengths`` without leading, then trailing, 1s, keeping at least ``keep`` dims (a box
+    may carry length-1 dims the other side lacks: a FusedMoE expert slot in front, gpt-oss's
+    gate/up interleave behind); row-major order is the same with or without them."""
+    return squeezed_lengths(lengths, keep)
 
 
 __all__ = ["PlanFields", "validate_plan"]

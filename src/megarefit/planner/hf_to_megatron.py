@@ -10,7 +10,17 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megarefit.layout.dims import ModelDims
-from megarefit.layout.geometry import grouped_pieces, hf_shapes, piece_boxes, pieces, source_tensors, view_shape
+from megarefit.layout.geometry import (
+    SourceTensor,
+    fused_boxes,
+    fused_shapes,
+    grouped_pieces,
+    hf_shapes,
+    piece_boxes,
+    pieces,
+    source_tensors,
+    view_shape,
+)
 from megarefit.layout.parallel import Box, SourceLayout
 from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
 from megarefit.specs.table import Role
@@ -41,6 +51,10 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                                        dst_view=True))
                 targets[dst] = TensorMeta(view, tdtype, storage_shape=t.shape)  # type: ignore[arg-type]
                 continue
+            if t.spec.role.is_fused:
+                _fused_ops(t, TensorRef(rank, name), dims, layout, dtype, rank.tp, sources, ops)
+                targets[TensorRef(rank, name)] = TensorMeta(t.shape, t.spec.dtype or dtype)
+                continue
             names, shapes = t.spec.hf_names(t.layer, t.expert), hf_shapes(t.spec, dims, layout)
             shape_of = dict(zip(names, shapes))
             tdtype = t.spec.dtype or dtype
@@ -61,6 +75,20 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
                 digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype))
     validate_plan(plan)
     return plan
+
+
+def _fused_ops(t: SourceTensor, dst: TensorRef, dims: ModelDims, layout: SourceLayout, dtype: str, tp_rank: int,
+               sources: dict[TensorRef, TensorMeta], ops: list[CopyOp]) -> None:
+    """Ops filling expert ``t.expert``'s shard ``dst`` from its slot of a fused HF tensor
+    (the export's :func:`fused_boxes` with the two sides swapped)."""
+    view, stored = fused_shapes(t.spec, dims, layout, dims.num_experts)
+    tdtype = t.spec.dtype or dtype
+    src = TensorRef(None, t.spec.hf_names(t.layer)[0])
+    sources.setdefault(src, TensorMeta(view, tdtype, storage_shape=None if view == stored else stored))
+    for local_box, hf_box, tr in fused_boxes(t.spec, dims, layout, tp_rank):
+        at = Box((t.expert,) + hf_box.offsets[1:], hf_box.lengths)  # type: ignore[operator]
+        ops.append(make_op(src, view, at, dst, t.shape, local_box, itemsize(tdtype), transpose=tr,
+                           src_view=view != stored))
 
 
 __all__ = ["plan_hf_to_megatron"]

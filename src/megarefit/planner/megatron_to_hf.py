@@ -35,7 +35,16 @@ import torch
 
 from megarefit.errors import LayoutError
 from megarefit.layout.dims import ModelDims
-from megarefit.layout.geometry import grouped_boxes, hf_shapes, local_shape, piece_boxes, pieces, view_shape
+from megarefit.layout.geometry import (
+    fused_boxes,
+    fused_shapes,
+    grouped_boxes,
+    hf_shapes,
+    local_shape,
+    piece_boxes,
+    pieces,
+    view_shape,
+)
 from megarefit.layout.parallel import RankCoord, SourceLayout
 from megarefit.plan import Plan, TensorMeta, digest_of, itemsize, make_op, validate_plan
 from megarefit.plan.columns import PlanColumns, plan_threads
@@ -118,6 +127,7 @@ class _Targets(NamedTuple):
     epos: dict[ParamSpec, torch.Tensor]  # per row, [experts + 2]: global expert + 1 -> position (-1: not owned)
     t_id: torch.Tensor  # [n_targets]: unpermuted target row -> target id (its row in ``table``)
     n_owned: int  # experts this receiver owns
+    opos: torch.Tensor  # [experts + 2]: global expert + 1 -> its slot in a fused target (-1: not owned)
 
 
 class _Reads(NamedTuple):
@@ -209,7 +219,7 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
     nt = 0
     for pos, row in enumerate(r for r in rows if r in row_layers):
         layers = sorted(row_layers[row])
-        exps = owned if (row.per_expert or row.role.is_grouped) else [-1]
+        exps = owned if (row.per_expert or row.role.is_grouped) and not row.role.is_fused else [-1]
         lpos = torch.full((n_layers_all + 1,), -1, dtype=_I64)
         lpos[torch.tensor(layers) + 1] = torch.arange(len(layers))
         epos = torch.full((dims.num_experts + 2,), -1, dtype=_I64)
@@ -219,12 +229,24 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
         part = _PARTS.index(row.stage)
         for k in range(len(row.hf)):
             t_first[(row, k)] = nt
-            t_groups.append(TensorGroup(None, row, k, TensorMeta(shapes[0 if row.role.is_grouped else k], tdtype)))
+            t_groups.append(TensorGroup(None, row, k, _target_meta(row, k, shapes, len(owned), dims, layout, tdtype)))
             t_rows.append((len(t_groups) - 1, layers, exps))
             t_keys.append((part, pos, k))
             nt += len(layers) * len(exps)
     group, layer, expert, t_id = _target_order(t_rows, t_keys, n_layers_all, len(rows) + 1, dims.num_experts + 2)
-    return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned))
+    opos = torch.full((dims.num_experts + 2,), -1, dtype=_I64)
+    opos[torch.tensor(owned, dtype=_I64) + 1] = torch.arange(len(owned))
+    return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned), opos)
+
+
+def _target_meta(row: ParamSpec, k: int, shapes: tuple[tuple[int, ...], ...], owned: int, dims: ModelDims,
+                 layout: SourceLayout, tdtype: str) -> TensorMeta:
+    """The meta of HF name ``k`` of ``row``: a fused role's tensor holds the ``owned`` experts,
+    addressed through its view where that differs from the stored shape."""
+    if row.role.is_fused:
+        view, stored = fused_shapes(row, dims, layout, owned)
+        return TensorMeta(view, tdtype, storage_shape=None if view == stored else stored)
+    return TensorMeta(shapes[0 if row.role.is_grouped else k], tdtype)
 
 
 def _target_order(t_rows: list[tuple[int, list[int], list[int]]], t_keys: list[tuple[int, int, int]],
@@ -264,6 +286,8 @@ def _template_entries(row: ParamSpec, tp_rank: int, src_meta: TensorMeta, dims: 
     view = src_meta.shape
     if row.role.is_grouped:
         boxes = [(k, j, sb, shapes[0], db, True) for j, k, sb, db in grouped_boxes(row, dims, layout, tp_rank)]
+    elif row.role.is_fused:  # target boxes at expert slot 0; _broadcast shifts them to the expert's slot
+        boxes = [(0, 0, sb, shapes[0], db, tr) for sb, db, tr in fused_boxes(row, dims, layout, tp_rank)]
     else:
         names = tuple(str(k) for k in range(len(row.hf)))  # placeholders: k is all a template needs
         boxes = []
@@ -304,6 +328,9 @@ def _group_reads(layout: SourceLayout, src: _Sources, gi: int, turns: list[dict[
         bases = torch.tensor([src.base[(RankCoord(t, rank.pp, layout.dense_ep(t)), id(row))]
                               for t in range(layout.tp)])
         ids = bases[reader] + i
+    elif row.role is Role.EXPERT_REPLICATED_FUSED and layout.etp > 1:
+        if rank.tp != layout.expert_tps(rank.ep)[0]:
+            return None  # whole on every expert-TP rank: read from the first
     elif row.role.is_expert and layout.etp == 1 and layout.tp > 1:
         tps = layout.expert_tps(rank.ep)
         if rank.tp != tps[0]:
@@ -315,10 +342,18 @@ def _group_reads(layout: SourceLayout, src: _Sources, gi: int, turns: list[dict[
 
 
 def _broadcast(template: list[_Entry], start: int, row: ParamSpec, reads: _Reads, tgt: _Targets,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One source group's ops: its ``n`` read instances x the ``count`` template entries (``[n, count]``),
-    flattened, keeping those whose target exists here; columns entry index (``start`` + e), source id, target id."""
+    flattened, keeping those whose target exists here; columns entry index (``start`` + e), source id, target id,
+    and the expert slot a fused target's box moves to (0 for other rows)."""
     n, count = len(reads.lay), len(template)
+    if row.role.is_fused:
+        slot = tgt.opos[reads.exp + 1]  # [n]
+        lp = tgt.lpos[row][reads.lay + 1]
+        keep = ((slot >= 0) & (lp >= 0))[:, None].expand(n, count)
+        dst = tgt.first[(row, 0)] + lp[:, None].expand(n, count)
+        return ((start + torch.arange(count))[None, :].expand(n, count)[keep],
+                reads.src[:, None].expand(n, count)[keep], tgt.t_id[dst[keep]], slot[:, None].expand(n, count)[keep])
     ks = torch.tensor([e[0] for e in template], dtype=_I64)
     js = torch.tensor([e[1] for e in template], dtype=_I64)
     e_exp = reads.exp[:, None] + js[None, :]  # [n, count]
@@ -329,17 +364,17 @@ def _broadcast(template: list[_Entry], start: int, row: ParamSpec, reads: _Reads
     keep = (ep_ >= 0) & (lp >= 0)
     dst = firsts[None, :] + lp * nexp_t + ep_
     return ((start + torch.arange(count))[None, :].expand(n, count)[keep], reads.src[:, None].expand(n, count)[keep],
-            tgt.t_id[dst[keep]])
+            tgt.t_id[dst[keep]], torch.zeros(int(keep.sum()), dtype=_I64))
 
 
 def _op_rows(dims: ModelDims, layout: SourceLayout, dtype: str, stages: list[_StageRows], src: _Sources,
              tgt: _Targets, per_ep: int, width: int,
-             ) -> tuple[list[_Entry], torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[list[_Entry], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every template entry (each ``(row, tp rank)`` template built once), and the unsorted ops as
-    ``[n_ops]`` columns template entry, source id, target id, source group by source group."""
+    ``[n_ops]`` columns template entry, source id, target id, fused expert slot, source group by source group."""
     entries: list[_Entry] = []
     templates: dict[tuple[ParamSpec, int], tuple[int, int]] = {}  # (row, tp rank) -> (first entry, count)
-    o_entry, o_src, o_dst = [], [], []
+    o_entry, o_src, o_dst, o_slot = [], [], [], []
     turns = [_replicated_turns(stage) for stage in stages]
     for gi, (_, row, _) in enumerate(src.where):
         reads = _group_reads(layout, src, gi, turns, per_ep)
@@ -353,26 +388,32 @@ def _op_rows(dims: ModelDims, layout: SourceLayout, dtype: str, stages: list[_St
         start, count = templates[key]
         if not count:
             continue
-        e, s, d = _broadcast(entries[start:start + count], start, row, reads, tgt)
+        e, s, d, slot = _broadcast(entries[start:start + count], start, row, reads, tgt)
         o_entry.append(e)
         o_src.append(s)
         o_dst.append(d)
-    return entries, _cat(o_entry), _cat(o_src), _cat(o_dst)
+        o_slot.append(slot)
+    return entries, _cat(o_entry), _cat(o_src), _cat(o_dst), _cat(o_slot)
 
 
 def _op_columns(entries: list[_Entry], width: int, entry: torch.Tensor, src_id: torch.Tensor, dst_id: torch.Tensor,
-                sources: TensorTable, targets: TensorTable) -> tuple[PlanColumns, torch.Tensor, torch.Tensor]:
+                slot: torch.Tensor, sources: TensorTable, targets: TensorTable,
+                ) -> tuple[PlanColumns, torch.Tensor, torch.Tensor]:
     """The ops sorted by (target id, target flat offset) as :class:`PlanColumns` (``[n_ops]`` /
-    ``[n_ops, width]``, boxes and offsets copied from each op's template entry), with their
-    itemsize and transpose columns ``[n_ops]``."""
+    ``[n_ops, width]``, boxes and offsets copied from each op's template entry, target boxes of
+    fused experts moved ``slot`` along the target's dim 0), with their itemsize and transpose
+    columns ``[n_ops]``."""
     cols_e = list(zip(*entries)) if entries else [()] * 12
     e_t = {name: torch.tensor(cols_e[c], dtype=_I64).reshape(len(entries), -1)
            for c, name in ((2, "so"), (3, "sl"), (4, "do"), (5, "dl"))}
     e_s = {name: torch.tensor(cols_e[c], dtype=_I64) for c, name in ((6, "kind"), (7, "sflat"), (8, "dflat"),
                                                                        (9, "tr"), (10, "item"), (11, "ok"))}
     dflat = e_s["dflat"][entry] if len(entries) else torch.zeros(0, dtype=_I64)
+    d_off = e_t["do"][entry] if len(entries) else torch.zeros(0, width, dtype=_I64)
+    if bool((slot != 0).any()):
+        d_off, dflat = _slot_shifted(d_off, dflat, slot, dst_id, targets, width)
     order = torch.argsort(dst_id * (int(dflat.max()) + 1 if len(dflat) else 1) + dflat, stable=True)
-    entry, src_id, dst_id = entry[order], src_id[order], dst_id[order]
+    entry, src_id, dst_id, dflat, d_off = entry[order], src_id[order], dst_id[order], dflat[order], d_off[order]
 
     def col(name: str) -> torch.Tensor:
         t = e_t.get(name, e_s.get(name))
@@ -382,11 +423,22 @@ def _op_columns(entries: list[_Entry], width: int, entry: torch.Tensor, src_id: 
 
     transpose = col("tr").bool()
     columns = PlanColumns(src_id=src_id, dst_id=dst_id, kind=col("kind"), special=transpose.clone(),
-                          src_off=col("so"), src_len=col("sl"), dst_off=col("do"), dst_len=col("dl"),
-                          ndim_ok=col("ok").bool(), src_flat=col("sflat"), dst_flat=col("dflat"),
+                          src_off=col("so"), src_len=col("sl"), dst_off=d_off, dst_len=col("dl"),
+                          ndim_ok=col("ok").bool(), src_flat=col("sflat"), dst_flat=dflat,
                           src_shape=sources.shapes(width), dst_shape=targets.shapes(width),
                           dst_numel=targets.numels())
     return columns, col("item"), transpose
+
+
+def _slot_shifted(d_off: torch.Tensor, dflat: torch.Tensor, slot: torch.Tensor, dst_id: torch.Tensor,
+                  targets: TensorTable, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target offsets ``[n_ops, width]`` and flat offsets ``[n_ops]`` moved ``slot`` along each
+    target's dim 0 (its first unpadded dim)."""
+    shape = targets.shapes(width)[dst_id]
+    lead = (width - targets.ndims()[dst_id])[:, None]
+    d_off = d_off.clone()
+    d_off.scatter_add_(1, lead, slot[:, None])
+    return d_off, dflat + slot * (shape.prod(1) // shape.gather(1, lead).squeeze(1))
 
 
 def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
@@ -405,8 +457,8 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                                                                          if 0 <= e < dims.num_experts)
     tgt = _build_targets(dims, layout, dtype, rows, stages, owned)
     width = max([len(g.meta.shape) for g in src.table.groups] + [len(g.meta.shape) for g in tgt.table.groups] + [1])
-    entries, entry, src_id, dst_id = _op_rows(dims, layout, dtype, stages, src, tgt, per_ep, width)
-    columns, item, transpose = _op_columns(entries, width, entry, src_id, dst_id, src.table, tgt.table)
+    entries, entry, src_id, dst_id, slot = _op_rows(dims, layout, dtype, stages, src, tgt, per_ep, width)
+    columns, item, transpose = _op_columns(entries, width, entry, src_id, dst_id, slot, src.table, tgt.table)
     ops = OpTable(columns, src.table, tgt.table, item, transpose)
     plan = Plan("megatron_to_hf", dims, layout, dtype, src.table, tgt.table, ops,  # type: ignore[arg-type]
                 digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,

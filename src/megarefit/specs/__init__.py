@@ -7,6 +7,7 @@ from typing import Any
 
 from megarefit.errors import UnsupportedModelError
 from megarefit.specs.deepseek import DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA
+from megarefit.specs.gpt_oss import GPT_OSS
 from megarefit.specs.llama import LLAMA
 from megarefit.specs.mixtral import MIXTRAL
 from megarefit.specs.qwen import QWEN2, QWEN3, QWEN3_MOE
@@ -22,7 +23,8 @@ from megarefit.specs.table import (
     Stage,
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA)
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA,
+                                   GPT_OSS)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

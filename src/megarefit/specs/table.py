@@ -77,7 +77,23 @@ class Role(str, Enum):
     gated_mlp  dim 0 2 (gate, up), rank r holds ``[gate_r; up_r]``, see planner
     expert_gated_mlp  dim 0 over expert-TP, per expert, like gated_mlp
     expert_row        dim 1 over expert-TP, per expert, like row
+    expert_gate_up_fused     dim 0 over expert-TP, per expert [gate_r; up_r]; 1 HF tensor
+                             per layer holding every expert, gate/up interleaved
+    expert_row_fused         dim 1 over expert-TP, per expert; 1 HF tensor per layer
+    expert_replicated_fused  --, per expert (a row-parallel bias); 1 HF tensor per layer
     ========== ===== ================================================================
+
+    Fused roles (gpt-oss): HF stores a layer's experts as one tensor, expert on dim 0,
+    each expert's weight as ``[in, out]`` (transformers' gpt-oss computes ``x @ W``, the
+    transpose of Megatron's ``[out, in]``) and its bias as is; gate and up are interleaved
+    element by element (gate at even, up at odd positions of the ``2*moe_ffn`` dim)::
+
+        Megatron expert e, etp rank r            HF (E experts)
+        linear_fc1.weight [2f/etp, h]       ->   gate_up_proj       [E, h, 2f]   viewed [E, h, f, 2]
+          = [gate_r; up_r]                        gate_r^T -> (e, :, r*f/etp.., 0), up_r^T -> (.., 1)
+        linear_fc1.bias   [2f/etp]          ->   gate_up_proj_bias  [E, 2f]      viewed [E, f, 2]
+        linear_fc2.weight [h, f/etp]        ->   down_proj          [E, f, h]    rows r*f/etp.. of e, transposed
+        linear_fc2.bias   [h]               ->   down_proj_bias     [E, h]       row e
 
     Expert roles are split over expert-tensor-parallel ranks (``etp``, Megatron's
     ``expert_tensor_parallel_size``, 1 or ``tp``) and spread over ``ep`` ranks by expert.
@@ -93,10 +109,19 @@ class Role(str, Enum):
     EXPERT_ROW = "expert_row"
     GROUPED_EXPERT_FC1 = "grouped_expert_fc1"  # legacy GroupedMLP weight1: all local experts, transposed
     GROUPED_EXPERT_FC2 = "grouped_expert_fc2"  # legacy GroupedMLP weight2
+    EXPERT_GATE_UP_FUSED = "expert_gate_up_fused"  # gpt-oss linear_fc1 -> gate_up_proj (all experts, interleaved)
+    EXPERT_ROW_FUSED = "expert_row_fused"  # gpt-oss linear_fc2.weight -> down_proj (all experts)
+    EXPERT_REPLICATED_FUSED = "expert_replicated_fused"  # gpt-oss linear_fc2.bias -> down_proj_bias (all experts)
 
     @property
     def is_expert(self) -> bool:
-        return self in (Role.EXPERT_GATED_MLP, Role.EXPERT_ROW, Role.GROUPED_EXPERT_FC1, Role.GROUPED_EXPERT_FC2)
+        return self in (Role.EXPERT_GATED_MLP, Role.EXPERT_ROW, Role.GROUPED_EXPERT_FC1, Role.GROUPED_EXPERT_FC2,
+                        Role.EXPERT_GATE_UP_FUSED, Role.EXPERT_ROW_FUSED, Role.EXPERT_REPLICATED_FUSED)
+
+    @property
+    def is_fused(self) -> bool:
+        """The HF tensor holds every expert of a layer (expert on dim 0; no ``{expert}`` in its name)."""
+        return self in (Role.EXPERT_GATE_UP_FUSED, Role.EXPERT_ROW_FUSED, Role.EXPERT_REPLICATED_FUSED)
 
     @property
     def is_grouped(self) -> bool:
@@ -124,6 +149,9 @@ _ROLE_MODE = {
     Role.EXPERT_ROW: ParallelMode.ROW,
     Role.GROUPED_EXPERT_FC1: ParallelMode.ROW,  # weight1 [h, E_local*2F/etp]: Megatron partition_dim 1
     Role.GROUPED_EXPERT_FC2: ParallelMode.COLUMN,  # weight2 [E_local*F/etp, h]: partition_dim 0
+    Role.EXPERT_GATE_UP_FUSED: ParallelMode.COLUMN,
+    Role.EXPERT_ROW_FUSED: ParallelMode.ROW,
+    Role.EXPERT_REPLICATED_FUSED: ParallelMode.REPLICATED,
 }
 _ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2, Role.GROUPED_EXPERT_FC1: 2}
 
@@ -163,9 +191,10 @@ SHAPE_SYMBOLS = frozenset({
     "q_lora", "kv_lora", "q_up", "kv_down", "kv_up", "v_heads",  # MLA
     "index_q", "index_head_dim", "index_heads",  # DSA indexer: heads * head_dim, head_dim, heads
     "qk_rope",  # MLA's qk_rope_head_dim (the rotated part of a head; see ParamSpec.head_rotate)
+    "heads",  # num_attention_heads (gpt-oss attention sinks: one learned logit per head)
 })
 _ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
-                        Role.EXPERT_GATED_MLP: "2moe_ffn"}
+                        Role.EXPERT_GATED_MLP: "2moe_ffn", Role.EXPERT_GATE_UP_FUSED: "2moe_ffn"}
 
 _PLACEHOLDERS = {"layer": r"(?P<layer>0|[1-9][0-9]*)", "expert": r"(?P<expert>0|[1-9][0-9]*)"}
 _PLACEHOLDER_RE = re.compile(r"\{([a-z_]+)\}")
@@ -257,9 +286,9 @@ class ParamSpec:
         if self.role.is_expert and self.layer_kind != "moe":
             raise SpecTableError(f"{where}: expert rows exist in MoE layers only (layer_kind='moe')")
         for template in self.hf:
-            if ("{expert}" in template) != self.role.is_expert:
+            if ("{expert}" in template) != (self.role.is_expert and not self.role.is_fused):
                 raise SpecTableError(f"{where}: HF name {template!r} and the role disagree on {{expert}}")
-        if self.role in (Role.ROW, Role.EXPERT_ROW) and len(self.shape) != 2:
+        if self.role in (Role.ROW, Role.EXPERT_ROW, Role.EXPERT_ROW_FUSED) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
         if self.head_rotate is not None and (self.role is not Role.REPLICATED
                                              or not set(self.head_rotate) <= SHAPE_SYMBOLS):

@@ -137,16 +137,20 @@ class _Compiled:
                     d.copy_(s)
 
 
-def _squeeze_leading(t: torch.Tensor, keep: int) -> torch.Tensor:
+def squeezed(t: torch.Tensor, keep: int) -> torch.Tensor:
+    """``t`` without leading, then trailing, size-1 dims while more than ``keep`` remain (a
+    view; :func:`~megarefit.plan.ops.squeezed_lengths` on tensors)."""
     while t.dim() > keep and t.shape[0] == 1:
         t = t[0]
+    while t.dim() > keep and t.shape[-1] == 1:
+        t = t[..., 0]
     return t
 
 
 def op_views(op: CopyOp, src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(destination view, source view) of one op, same shape, both views (no copies):
-    honours ``src_view`` / ``dst_view`` and ``transpose`` (leading 1-dims dropped, the
-    last two dims swapped: legacy GroupedMLP experts)."""
+    honours ``src_view`` / ``dst_view`` and ``transpose`` (1-dims dropped, the matrix
+    transposed: legacy GroupedMLP experts, gpt-oss's fused experts)."""
     if op.src_view is not None:
         src = src.view(op.src_view)
     return part_views(op, src[op.src_box.slices()], out)
@@ -158,10 +162,10 @@ def part_views(op: CopyOp, part: torch.Tensor, out: torch.Tensor) -> tuple[torch
         out = out.view(op.dst_view)
     dst = out[op.dst_box.slices()]
     if op.transpose:
-        part = _squeeze_leading(part, 2).T
-        dst = _squeeze_leading(dst, 2)
-    elif part.dim() != dst.dim():  # a box with leading 1-dims the other side lacks (FusedMoE expert slot)
-        part, dst = _squeeze_leading(part, 1), _squeeze_leading(dst, 1)
+        part = squeezed(part, 2).T
+        dst = squeezed(dst, 2)
+    elif part.shape != dst.shape:  # 1-dims the other side lacks (FusedMoE expert slot, gate/up interleave)
+        part, dst = squeezed(part, 1), squeezed(dst, 1)
     if tuple(part.shape) != tuple(dst.shape):
         raise MegarefitError(f"op {op.src} -> {op.dst}: source box {tuple(part.shape)} does not fit "
                              f"destination box {tuple(dst.shape)}")
