@@ -21,6 +21,9 @@ def moe_config(name: str, **extra) -> dict:
                 "intermediate_size": 96, "mlp_only_layers": [0]}
     elif name == "Mixtral-8x7B-v0.1":
         cfg |= {"num_key_value_heads": 2, "num_local_experts": 4, "intermediate_size": 32}
+    elif name == "gpt-oss-120b":  # fused experts with biases, sinks; sliding windows below a test prompt
+        cfg |= {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "intermediate_size": 32,
+                "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
     else:  # DeepSeek-V3 (MLA) / GLM-4.5
         cfg |= {"n_routed_experts": 4, "moe_intermediate_size": 32, "intermediate_size": 96, "n_group": 1,
                 "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_nextn_predict_layers": 0}

@@ -346,3 +346,38 @@ def vllm_fp8_checkpoint(hf: dict[str, torch.Tensor], names: set[str] | frozenset
         else:
             out[name] = w
     return out
+
+
+def gpt_oss_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, ranks, *, tp: int, pp: int, ep: int,
+                             layout: str = "sequential", divisor: int = 128) -> dict:
+    """Megatron shards of a gpt-oss model on ``ranks`` ((tp, pp, ep) tuples; expert-TP 1, the only
+    size Megatron-Core builds biased experts at): attention as ``reference_shards`` plus sinks split
+    by heads; experts whole on ep rank ``e // (E/ep)``, gate / up taken from the interleaved
+    ``gate_up_proj`` [E, h, 2f] with strided slices and transposed, ``[gate; up]`` concatenated."""
+    experts, heads = cfg["num_local_experts"], cfg["num_attention_heads"]
+    per_stage, per_ep = cfg["num_hidden_layers"] // pp, experts // ep
+    fake, hidden = dict(hf), cfg["hidden_size"]
+    for i in range(cfg["num_hidden_layers"]):
+        H = f"model.layers.{i}.mlp."
+        fake |= {H + "gate_proj.weight": torch.zeros(tp, hidden), H + "up_proj.weight": torch.zeros(tp, hidden),
+                 H + "down_proj.weight": torch.zeros(hidden, tp)}
+    base = reference_shards(fake, cfg, tp=tp, pp=pp, divisor=divisor)
+    out = {}
+    for t, p, e_rank in ranks:
+        s = {k: v for k, v in base[(t, p, 0)].items() if ".mlp.linear_fc" not in k}
+        for local in range(per_stage):
+            H, L = f"model.layers.{p * per_stage + local}.", f"decoder.layers.{local}."
+            s[L + "self_attention.core_attention.softmax_offset"] = hf[H + "self_attn.sinks"].reshape(tp, heads // tp)[t]
+            s[L + "mlp.router.weight"], s[L + "mlp.router.bias"] = hf[H + "mlp.router.weight"], hf[H + "mlp.router.bias"]
+            gate_up, gate_up_bias = hf[H + "mlp.experts.gate_up_proj"], hf[H + "mlp.experts.gate_up_proj_bias"]
+            down, down_bias = hf[H + "mlp.experts.down_proj"], hf[H + "mlp.experts.down_proj_bias"]
+            for j in range(per_ep):
+                e = e_rank * per_ep + j
+                fc1 = torch.cat([gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T])  # [2f, h] = [gate; up]
+                fc1_bias = torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]])
+                X = L + (f"mlp.experts.local_experts.{j}.linear_fc{{}}.{{}}" if layout == "sequential"
+                         else f"mlp.experts.linear_fc{{}}.{{}}{j}")
+                s[X.format(1, "weight")], s[X.format(1, "bias")] = fc1, fc1_bias
+                s[X.format(2, "weight")], s[X.format(2, "bias")] = down[e].T, down_bias[e]
+        out[(t, p, e_rank)] = s
+    return out

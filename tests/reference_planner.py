@@ -10,7 +10,16 @@ from collections import defaultdict
 from megarefit.layout.dims import ModelDims
 from megarefit.layout import Box, RankCoord, SourceLayout
 from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, merge_ops, validate_plan
-from megarefit.layout.geometry import piece_boxes, grouped_pieces, hf_shapes, pieces, source_tensors, view_shape
+from megarefit.layout.geometry import (
+    fused_boxes,
+    fused_shapes,
+    grouped_pieces,
+    hf_shapes,
+    piece_boxes,
+    pieces,
+    source_tensors,
+    view_shape,
+)
 from megarefit.specs.table import Role
 from megarefit.targets.vllm_layout import VllmPiece
 
@@ -50,6 +59,9 @@ def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str =
                     by_target[dst].append(make_op(TensorRef(rank, name), view, sbox, dst, hf_shape, dbox, item,
                                                   transpose=True, src_view=True))
                 continue
+            if t.spec.role.is_fused:
+                _fused_ops(dims, layout, dtype, experts, rank, name, t, targets, by_target)
+                continue
             names = t.spec.hf_names(t.layer, t.expert)
             shapes = hf_shapes(t.spec, dims, layout)
             tdtype = t.spec.dtype or dtype
@@ -83,6 +95,27 @@ def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str =
     return plan
 
 
+
+
+def _fused_ops(dims, layout, dtype, experts, rank, name, t, targets, by_target) -> None:
+    """Ops of one expert's tensor of a fused role (gpt-oss): its boxes from ``fused_boxes`` moved to
+    the expert's slot among the owned experts."""
+    if layout.etp == 1 and layout.tp > 1:
+        tps = layout.expert_tps(rank.ep)
+        if rank.tp != tps[0]:
+            return
+        rank = RankCoord(tps[t.expert % len(tps)], rank.pp, rank.ep)
+    elif t.spec.role is Role.EXPERT_REPLICATED_FUSED and rank.tp != layout.expert_tps(rank.ep)[0]:
+        return  # whole on every expert-TP rank: read from the first
+    owned = sorted(range(dims.num_experts) if experts is None else (e for e in experts if e < dims.num_experts))
+    view, stored = fused_shapes(t.spec, dims, layout, len(owned))
+    tdtype = t.spec.dtype or dtype
+    dst = TensorRef(None, t.spec.hf_names(t.layer)[0])
+    targets.setdefault(dst, TensorMeta(view, tdtype, storage_shape=None if view == stored else stored))
+    for sbox, dbox, tr in fused_boxes(t.spec, dims, layout, rank.tp):
+        at = Box((owned.index(t.expert),) + dbox.offsets[1:], dbox.lengths)
+        by_target[dst].append(make_op(TensorRef(rank, name), t.shape, sbox, dst, view, at, itemsize(tdtype),
+                                      transpose=tr, dst_view=view != stored))
 
 
 # ---- vLLM targets: the per-object re-targeting of an HF plan (before targets/vllm_columns.py)

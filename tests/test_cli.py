@@ -114,6 +114,27 @@ def test_demo_glm5_with_a_sparse_indexer_matches_real_megatron():
 
 
 @pytest.mark.megatron
+@pytest.mark.parametrize("layout", [["--ep", "2", "--etp", "1"], ["--pp", "2"]])
+def test_demo_gpt_oss_matches_real_megatron(layout):
+    """`megarefit demo --config gpt-oss-120b.json`: real Megatron-Core builds gpt-oss on CPU
+    (learned attention sinks, biased router and experts, clamped quick-GELU GLU with the
+    +1 offset, sliding windows of 4 tokens in every other layer, YaRN) and transformers' own
+    GptOssForCausalLM gives the same logits after the refit, with the experts' gate/up
+    interleaved into one gate_up_proj per layer. Experts whole per rank (ep 2, etp 1) and
+    split over expert-TP (etp = tp = 2, two pipeline stages)."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    cfg = Path(__file__).parent / "data" / "configs" / "gpt-oss-120b.json"
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), *layout],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    for words in ("sliding_window 128 -> 4", "layer_types cut to the first 2", "GptOssForCausalLM",
+                  "max |HF logits - Megatron logits|", "PASS"):
+        assert words in out, (words, proc.stdout)
+
+
+@pytest.mark.megatron
 def test_live_demo_over_nixl_passes():
     pytest.importorskip("nixl")
     pytest.importorskip("megatron.core")
@@ -138,6 +159,7 @@ def test_vllm_engine_needs_nixl(capsys):
     ("GLM-5", ["--tp", "8", "--pp", "4", "--ep", "64", "--first-stage-layers", "20", "--last-stage-layers", "20",
                "--quantization", "fp8"]),
     ("GLM-4.5-Air", ["--tp", "4", "--pp", "2", "--ep", "16", "--etp", "1", "--layer-spec", "local"]),
+    ("gpt-oss-120b", ["--tp", "4", "--ep", "8", "--quantization", "none"]),
 ])
 def test_plan_full_size_moe(name, args, capsys):
     t0 = __import__("time").perf_counter()
@@ -375,6 +397,11 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
     (["demo", "--config", "Qwen3-30B-A3B.json", "--expert-layout", "te_grouped"],
      "te_grouped builds Transformer Engine's TEGroupedMLP, which needs TE and a GPU"),
     (["demo", "--expert-layout", "legacy_grouped"], "needs an MoE config; this one has no experts"),
+    (["demo", "--config", "gpt-oss-120b.json", "--expert-layout", "legacy_grouped"],
+     "gpt_oss experts have no legacy_grouped layout in Megatron-Core; use one of ['sequential', 'te_grouped']"),
+    (["plan", "--config", "gpt-oss-120b.json", "--tp", "4", "--ep", "8"],
+     "quantization method 'mxfp4' (the config's quantization_config) is not produced; megarefit refits the model "
+     "dtype (quantization='none', CLI --quantization none: bf16)"),
 ])
 def test_demo_expert_layouts_it_cannot_build_are_refused_before_any_process(argv, message, capsys):
     argv = [str(CONFIG_DIR / a) if a.endswith(".json") else a for a in argv]

@@ -134,15 +134,15 @@ def check_shapes(plan: Plan, tensors: Mapping[RankCoord | None, Mapping[str, tor
 
 
 def _infer_etp(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch.Tensor]], tp: int) -> int:
-    """Expert-TP size from an expert fc1 shard's rows (``2 * moe_ffn / etp``); ``tp`` if none."""
+    """Expert-TP size from an expert fc1 shard's rows (``2 * moe_ffn / etp``); ``dims.default_etp(tp)`` if none."""
     if not dims.num_experts:
         return tp
-    fc1_rows = [r for r in dims.spec.entries if r.role is Role.EXPERT_GATED_MLP]
+    fc1_rows = [r for r in dims.spec.entries if r.role in (Role.EXPERT_GATED_MLP, Role.EXPERT_GATE_UP_FUSED)]
     for rank, params in sorted(tensors.items()):
         for name, t in params.items():
             if t.dim() == 2 and t.shape[0] and any(r.matches(name) for r in fc1_rows):
                 return max(1, 2 * dims.moe_ffn_hidden_size // t.shape[0])
-    return tp
+    return dims.default_etp(tp)
 
 
 def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -226,7 +226,8 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     copy of the embedding. ``layer_spec`` picks the norm spelling (``"local"`` or
     ``"te"``); ``first_stage_layers`` / ``last_stage_layers`` give Megatron's uneven
     pipeline split (``num_layers_in_first/last_pipeline_stage``); ``etp`` (default
-    ``tp``) and ``expert_layout`` (``"sequential"`` / ``"te_grouped"``) shape the experts. Tensors may be zero-copy views of ``hf_state`` (replicated tensors are
+    ``tp``; 1 for experts with biases) and ``expert_layout`` (``"sequential"`` / ``"te_grouped"``) shape the
+    experts. Tensors may be zero-copy views of ``hf_state`` (replicated tensors are
     shared between TP ranks); copy them before mutating.
 
     An in-memory ``lm_head.weight`` of a tied model (as ``state_dict()`` returns it)
@@ -242,6 +243,7 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     """
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
+    etp = dims.default_etp(tp) if etp is None else etp
     dims.check_layout(tp, pp, ep, etp)
     state = dict(hf_state)
     if dims.tie_word_embeddings:

@@ -65,6 +65,7 @@ def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
 
     cfg = load_hf_config(args.config)
     dims = ModelDims.from_hf_config(cfg)
+    args.etp = args.etp or dims.default_etp(args.tp)
     dims.check_layout(args.tp, args.pp, args.ep, args.etp)
     padded = dims.padded_vocab_size(args.tp, args.vocab_divisible_by)
     layout = SourceLayout.build(tp=args.tp, pp=args.pp, ep=args.ep, padded_vocab_size=padded,
@@ -403,7 +404,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
     experts = f", {plan.layout.expert_layout} experts" if result.dims.num_experts else ""
     console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} ep={args.ep} "
-                  f"etp={args.etp or args.tp}{experts} on gloo (CPU, fp32); "
+                  f"etp={plan.layout.etp}{experts} on gloo (CPU, fp32); "
                   f"target: HF transformers {result.config['architectures'][0]}")
     console.print(plan_table(plan, per_rank=True))
     times = Table(title="refit stages")
@@ -489,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
     demo.add_argument("--ep", type=positive_int, default=1,
                       help="trainer expert-parallel size, MoE configs (default 1; tp*pp*ep processes)")
-    demo.add_argument("--etp", type=positive_int, help="expert tensor-parallel size: 1 or tp (default: tp)")
+    demo.add_argument("--etp", type=positive_int, help="expert tensor-parallel size: 1 or tp (default: tp; 1 for experts with biases)")
     demo.add_argument("--expert-layout", choices=["sequential", "legacy_grouped", "te_grouped"], default="sequential",
                       help="Megatron experts module, MoE configs: sequential (SequentialMLP, default) or "
                            "legacy_grouped (GroupedMLP); te_grouped needs Transformer Engine (GPU)")
@@ -570,7 +571,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=positive_int, default=1, help="trainer tensor-parallel size (default 1)")
     p.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
     p.add_argument("--ep", type=positive_int, default=1, help="trainer expert-parallel size (default 1)")
-    p.add_argument("--etp", type=positive_int, help="expert tensor parallel size: 1 or tp (default: tp)")
+    p.add_argument("--etp", type=positive_int, help="expert tensor parallel size: 1 or tp (default: tp; 1 for experts with biases)")
     p.add_argument("--expert-layout", choices=["sequential", "te_grouped", "legacy_grouped"], default="te_grouped",
                    help="expert storage (default: te_grouped)")
     p.add_argument("--first-stage-layers", type=int, help="Megatron num_layers_in_first_pipeline_stage")

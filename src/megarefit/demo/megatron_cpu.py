@@ -84,6 +84,17 @@ class GPTArch:
     dsa_indexer_heads: int = 0
     dsa_indexer_head_dim: int = 0
     dsa_indexer_topk: int = 0
+    # gpt-oss: biases on every linear (router too), learned attention sinks (softmax_type="learnable"),
+    # clamped quick-GELU GLU with the linear half offset by 1, sliding-window layers, YaRN RoPE
+    add_bias_linear: bool = False
+    softmax_sinks: bool = False
+    activation: str = "silu"  # or "quick_gelu" (x * sigmoid(1.702 x))
+    glu_linear_offset: float = 0.0
+    activation_clamp: float | None = None  # HF swiglu_limit
+    sliding_window: int = 0  # HF sliding_window: tokens a sliding layer attends to, itself included (0: none)
+    sliding_layers: tuple[bool, ...] = ()  # per layer (HF layer_types == "sliding_attention")
+    yarn: tuple[float, int, float, float] | None = None  # (factor, original_max_position_embeddings, beta_fast,
+    #                                                    beta_slow), HF rope_type "yarn" with truncate=False
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -228,6 +239,13 @@ def fake_grouped_gemm() -> None:
     gg.ops = gg.grouped_gemm.ops
 
 
+def _sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """Megatron-Core's ``get_sliding_window_causal_mask`` (``[sq, skv]`` bool, True = masked), on the
+    CPU (upstream allocates it with ``device="cuda"``)."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
 def _patch_moe_utils() -> None:
     """See point 3 of :func:`apply_cpu_patches`."""
     from megatron.core.transformer.moe import moe_utils
@@ -289,6 +307,9 @@ def init_parallel(*, rank: int, world_size: int, master_port: int, tp: int, pp: 
                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     _patch_moe_utils()
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -322,6 +343,32 @@ def _base_config_kwargs(arch: GPTArch, ps: Any) -> dict[str, Any]:
                          "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion"),
                         False),
     )
+
+
+def _gpt_oss_config_kwargs(arch: GPTArch) -> dict[str, Any]:
+    """gpt-oss's departures from :func:`_base_config_kwargs` (see :class:`GPTArch`), where ``arch`` has them."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    kwargs: dict[str, Any] = dict(add_bias_linear=arch.add_bias_linear, glu_linear_offset=arch.glu_linear_offset,
+                                  activation_func_clamp_value=arch.activation_clamp)
+    if arch.activation == "quick_gelu":
+        kwargs["activation_func"] = quick_gelu
+    if arch.softmax_sinks:
+        kwargs["softmax_type"] = "learnable"
+    if arch.sliding_window:  # Megatron keeps keys i - left .. i: left = window - 1
+        kwargs.update(window_size=(arch.sliding_window - 1, 0),
+                      window_attn_skip_freq=[int(s) for s in arch.sliding_layers])
+    return kwargs
+
+
+def _yarn_attributes(config: Any, arch: GPTArch) -> None:
+    """YaRN settings GPTModel reads from the config (``TransformerConfig`` has no fields for them;
+    ``correction_range_round_to_int=False`` is HF's ``truncate=False``)."""
+    factor, original, fast, slow = arch.yarn  # type: ignore[misc]
+    for key, value in (("rotary_scaling_factor", factor), ("original_max_position_embeddings", original),
+                       ("beta_fast", fast), ("beta_slow", slow), ("mscale", 1.0), ("mscale_all_dim", 0.0),
+                       ("correction_range_round_to_int", False)):
+        setattr(config, f"yarn_{key}", value)
 
 
 def _moe_config_kwargs(arch: GPTArch, ps: Any) -> dict[str, Any]:
@@ -366,6 +413,7 @@ def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = _base_config_kwargs(arch, ps)
+    kwargs.update(_gpt_oss_config_kwargs(arch))
     if arch.num_experts:
         kwargs.update(_moe_config_kwargs(arch, ps))
     config_cls = TransformerConfig
@@ -380,7 +428,10 @@ def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
         kwargs["mtp_num_layers"] = arch.mtp_layers
     if vp_stage is not None:
         kwargs["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
-    return config_cls(**kwargs), mla_attention
+    config = config_cls(**kwargs)
+    if arch.yarn is not None:
+        _yarn_attributes(config, arch)
+    return config, mla_attention
 
 
 def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, Any]:
@@ -438,7 +489,7 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = N
             vp_stage=vp_stage,
             parallel_output=False,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if arch.yarn is not None else "rope",
             rotary_base=arch.rotary_base,
             rotary_percent=arch.rotary_percent,
             mtp_block_spec=mtp_spec,
@@ -491,15 +542,16 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
     cfg = load_hf_config(hf_config)
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     dims = ModelDims.from_hf_config(cfg)
-    if dims.proj_bias or dims.mlp_bias:
+    gpt_oss = _gpt_oss_arch(get) if dims.family == "gpt_oss" else {}
+    if (dims.proj_bias or dims.mlp_bias) and not gpt_oss:
         raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
     if (get("n_group") or 1) > 1:
         raise MegarefitError("group-limited routing differs between Megatron and HF unless topk/group_topk == 2; "
                              "use n_group=1 for the CPU harness")
     rope = get("rope_parameters") or {}
     scaling = get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or (
-            rope.get("rope_type", "default") != "default"):
+    if "yarn" not in gpt_oss and (scaling.get("rope_type", scaling.get("type", "default")) != "default" or (
+            rope.get("rope_type", "default") != "default")):
         raise MegarefitError("the CPU harness builds plain RoPE only; drop rope_scaling from the config")
     theta = get("rope_theta") or rope.get("rope_theta") or 10000.0
     return GPTArch(
@@ -524,7 +576,37 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim, mtp_layers=mtp_layers,
         dsa_indexer_heads=dims.index_n_heads, dsa_indexer_head_dim=dims.index_head_dim,
         dsa_indexer_topk=int(get("index_topk") or 0),
+        **gpt_oss,
     )
+
+
+def _gpt_oss_arch(get: Any) -> dict[str, Any]:
+    """The :class:`GPTArch` fields of a gpt-oss config (``get``: its key lookup).
+
+    Raises:
+        MegarefitError: RoPE scaling other than YaRN with ``truncate=False``, or another
+            GLU slope than quick-GELU's 1.702.
+    """
+    from megarefit.errors import MegarefitError
+
+    scaling = get("rope_scaling") or get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    yarn = None
+    if kind == "yarn":
+        if scaling.get("truncate", True) is not False:
+            raise MegarefitError("the CPU harness builds YaRN with truncate=False (gpt-oss's) only")
+        yarn = (float(scaling["factor"]), int(scaling["original_max_position_embeddings"]),
+                float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0)))
+    elif kind != "default":
+        raise MegarefitError(f"the CPU harness builds gpt-oss with YaRN or plain RoPE, not {kind!r}")
+    if float(get("swiglu_alpha", 1.702) or 1.702) != 1.702:
+        raise MegarefitError("Megatron's quick_gelu has slope 1.702; the config's swiglu_alpha differs")
+    types = get("layer_types") or []
+    window = int(get("sliding_window") or 0) if "sliding_attention" in types else 0
+    out = dict(add_bias_linear=True, softmax_sinks=True, activation="quick_gelu", glu_linear_offset=1.0,
+               activation_clamp=float(get("swiglu_limit") or 7.0), sliding_window=window,
+               sliding_layers=tuple(t == "sliding_attention" for t in types), yarn=yarn)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 @torch.no_grad()
@@ -552,6 +634,7 @@ def perturb_parameters_(model: torch.nn.Module, *, seed: int, scale: float = 0.0
         if ".mlp.experts." in name:  # routed experts: identity = (ep rank, local expert, expert-TP rank)
             shard = f"ep{ep_rank}/etp{etp_rank if etp > 1 else -1}"
         else:  # replicated over ep; TP-sharded tensors differ per TP rank
-            shard = f"tp{tp_rank if getattr(p, 'tensor_model_parallel', False) else -1}"
+            split = getattr(p, "tensor_model_parallel", False) or name.endswith(".softmax_offset")  # sinks: by head
+            shard = f"tp{tp_rank if split else -1}"
         g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{stage}/{shard}".encode()))
         p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))

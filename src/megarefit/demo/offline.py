@@ -79,7 +79,8 @@ def check_memory(dims: ModelDims, tp: int, pp: int) -> None:
     """Refuse configs whose fp32 copies (Megatron shards, results, HF model) would not fit in RAM."""
     import os
 
-    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers)
+    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp), num_layers=dims.num_layers,
+                                etp=dims.default_etp(tp))
     need = 4 * plan_megatron_to_hf(dims, layout, "float32").nbytes  # shards, their pickled copies, HF model, grads-free
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -106,6 +107,7 @@ def check_expert_layout(expert_layout: str, dims: ModelDims) -> None:
         raise MegarefitError(f"--expert-layout {expert_layout!r}: use sequential or legacy_grouped")
     if expert_layout != "sequential" and not dims.num_experts:
         raise MegarefitError(f"--expert-layout {expert_layout} needs an MoE config; this one has no experts")
+    dims.check_expert_layout(expert_layout)
 
 
 def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None, seq: int = 16,
@@ -150,7 +152,8 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     if shrink:
         cfg, notes = shrink_config(cfg)
     dims = ModelDims.from_hf_config(cfg)
-    dims.check_layout(tp, pp)
+    etp = etp or dims.default_etp(tp)
+    dims.check_layout(tp, pp, ep, etp)
     if ep > 1 and (not dims.num_experts or dims.num_experts % ep):
         raise MegarefitError(f"--ep {ep} needs an MoE config whose experts ({dims.num_experts}) divide by it")
     gpt_arch_from_hf(cfg, tp=tp)  # fail early on what the CPU harness cannot build
@@ -174,7 +177,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     status("plan: building and validating the slice plan")
     t0 = time.perf_counter()
     plan_megatron_to_hf.cache_clear()
-    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp or tp, padded_vocab_size=dims.padded_vocab_size(tp),
+    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
                               num_layers=dims.num_layers)
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in shards.items()})
     plan = plan_megatron_to_hf(dims, layout, "float32")

@@ -11,8 +11,10 @@ kept                          family, GQA ratio (query heads per KV head, up to 
                               layers, shared experts, expert-score bias, top-k normalisation
 reduced                       layers (the dense-first ones, at most one, plus two), hidden size,
                               heads (2 KV groups), FFN sizes, experts (4, top-2), MLA ranks,
-                              indexer heads (4 x 16, top-8 of the 16 demo tokens), vocabulary (512)
-dropped, and said so          RoPE scaling (the CPU harness builds plain RoPE), group-limited
+                              indexer heads (4 x 16, top-8 of the 16 demo tokens), vocabulary (512),
+                              sliding windows (to 4 tokens, so the demo's 16 cross them; per-layer
+                              ``layer_types`` cut to the layers kept)
+dropped, and said so          RoPE scaling (the CPU harness builds plain RoPE; gpt-oss's YaRN is kept), group-limited
                               routing (``n_group``), MTP layers (not part of the HF model), a
                               checkpoint's ``quantization_config``
 ============================  =================================================================
@@ -26,6 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 SMALL_VOCAB = 512
+SLIDING_WINDOW = 4  # tokens a sliding-window layer of the shrunk model attends to
+KEEPS_ROPE_SCALING = ("gpt_oss",)  # model types whose RoPE scaling the CPU harness builds (YaRN)
 HEAD_DIM = 16  # head_dim of the shrunk model
 KV_GROUPS = 2  # KV heads of the shrunk model (tp=2 splits them)
 FFN = 96
@@ -97,6 +101,15 @@ def _moe(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> int:
     return dense
 
 
+def _windows(cfg: dict[str, Any], out: dict[str, Any]) -> None:
+    """Per-layer ``layer_types`` cut to the kept layers; a sliding window shrunk below the demo's
+    sequence length."""
+    if isinstance(cfg.get("layer_types"), list):
+        out["layer_types"] = cfg["layer_types"][:out["num_hidden_layers"]]
+    if cfg.get("sliding_window"):
+        out["sliding_window"] = min(cfg["sliding_window"], SLIDING_WINDOW)
+
+
 def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A CPU-sized copy of ``cfg`` (an HF ``config.json`` dict) with the same architecture, and
     one line per change (empty when ``cfg`` is already small). See the module docstring."""
@@ -115,8 +128,9 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             out[key] = min(2 + ("bos_token_id", "eos_token_id", "pad_token_id").index(key), out["vocab_size"] - 1)
         elif isinstance(value, list):
             out[key] = [v if v < out["vocab_size"] else 1 for v in value]
+    _windows(cfg, out)
     scaling = cfg.get("rope_scaling") or {}
-    if scaling:
+    if scaling and cfg.get("model_type") not in KEEPS_ROPE_SCALING:
         notes.append(f"RoPE scaling ({scaling.get('rope_type', scaling.get('type'))}) dropped: the CPU harness builds "
                      "plain RoPE; no weight changes layout")
         out["rope_scaling"] = None
@@ -128,7 +142,10 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         notes.append("the checkpoint's quantization_config dropped: the demo's weights are random fp32 "
                      "(--quantization fp8 quantizes the refit)")
     small = {k: v for k, v in cfg.items() if k != "quantization_config"} | out
-    changed = [f"{k} {cfg.get(k)} -> {v}" for k, v in out.items() if cfg.get(k) != v and k not in ("rope_scaling",)]
+    changed = [f"{k} {cfg.get(k)} -> {v}" for k, v in out.items()
+               if cfg.get(k) != v and k not in ("rope_scaling", "layer_types")]
+    if out.get("layer_types") is not None and out["layer_types"] != cfg.get("layer_types"):
+        changed.append(f"layer_types cut to the first {len(out['layer_types'])}")
     notes.insert(0, "shrunk to a CPU-sized model of the same architecture: " + ", ".join(changed))
     return small, notes
 

@@ -52,7 +52,11 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("TELinear", "*"): P.REPLICATED,
     ("Linear", "*"): P.REPLICATED,
     ("TEColumnParallelGroupedLinear", "*"): P.COLUMN,  # weight{i} per local expert
-    ("TERowParallelGroupedLinear", "*"): P.ROW,
+    ("TERowParallelGroupedLinear", "weight"): P.ROW,
+    ("TERowParallelGroupedLinear", "bias"): P.REPLICATED,  # bias{i}: added after the reduction, whole
+    # learned attention-sink logits (softmax_type="learnable", gpt-oss): one per local head
+    ("DotProductAttention", "softmax_offset"): P.COLUMN,
+    ("TEDotProductAttention", "softmax_offset"): P.COLUMN,
     # legacy GroupedMLP stores its experts transposed: the mode is Megatron's partition_dim
     # (weight1 [h, E_local*2F/etp] dim 1, weight2 [E_local*F/etp, h] dim 0), as the table's roles
     ("GroupedMLP", "weight1"): P.ROW,

@@ -244,11 +244,36 @@ class ModelDims:
         """``"moe"`` or ``"dense"`` for global decoder layer ``layer``."""
         return "moe" if self.num_experts and layer not in self.dense_layers else "dense"
 
+    def check_expert_layout(self, expert_layout: str) -> None:
+        """Raise :class:`LayoutError` if this model's experts have no spelling in ``expert_layout``
+        (gpt-oss's biased experts are not a legacy ``GroupedMLP``, which has no biases)."""
+        if not self.num_experts:
+            return
+        rows = self.spec.rows(self.conditions(1), None, expert_layout)  # type: ignore[arg-type]
+        if not any(r.role.is_expert for r in rows):
+            have = sorted({r.expert_layout for r in self.spec.entries if r.role.is_expert and r.expert_layout})
+            raise LayoutError(f"{self.family} experts have no {expert_layout} layout in Megatron-Core; "
+                              f"use one of {have}")
+
+    @property
+    def expert_biases(self) -> bool:
+        """Routed experts carry biases (gpt-oss)."""
+        return any(r.role.is_expert and len(r.shape) == 1 for r in self.spec.rows(self.conditions(1)))
+
+    def default_etp(self, tp: int) -> int:
+        """Megatron's expert-TP size when none is given: ``tp``, or 1 for experts with biases
+        (Megatron-Core supports those at ``expert_tensor_parallel_size`` 1 only)."""
+        return 1 if self.num_experts and self.expert_biases else tp
+
     def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
         """Raise :class:`LayoutError` if Megatron could not shard this model with these sizes
         (the layer split over ``pp`` is checked by ``SourceLayout.build``). ``etp`` is
-        Megatron's ``expert_tensor_parallel_size`` (default ``tp``)."""
-        etp = tp if etp is None else etp
+        Megatron's ``expert_tensor_parallel_size`` (default :meth:`default_etp`)."""
+        etp = self.default_etp(tp) if etp is None else etp
+        if etp > 1 and self.num_experts and self.expert_biases:
+            raise LayoutError(f"{self.family} experts carry biases, which Megatron-Core supports only at "
+                              f"expert_tensor_parallel_size 1 (its TransformerConfig asserts 'Bias in Moe is only "
+                              f"supported when ETP==1'); got etp={etp}: use etp=1 (--etp 1)")
         for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")

@@ -265,6 +265,7 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     are replicated over ``ep`` ranks.
     """
     dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
+    dims.check_expert_layout(layout.expert_layout)
     rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
     per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
     if layout.mtp_layers > dims.mtp_layers:

@@ -12,7 +12,15 @@ run; per target, covered volume == element count; disjoint boxes for the common 
         [ rows a..b, every column ]                 sorted by offset, each starts where
         [ every row, columns c..d ]                 the previous ends or later; slabs
                                                     along two different dims always overlap
-    partial in 2+ dims, zero-fill boxes, transposed ops: left to the per-item checks
+    partial in 2+ dims, all of one target's        a tiling: every offset a multiple of the
+        boxes the same lengths (fused experts,      lengths, no grid cell twice (gpt-oss's
+        FusedMoE slots)                              gate_up [E, h, f, 2]: (1, h, f/etp, 1) tiles)
+    other partial-in-2+-dims targets, zero-fill boxes: left to the per-item checks
+
+Box lengths agree when they are equal with every length-1 dim dropped (an expert slot in
+front, an interleave behind); a transposed op's boxes are matrices (exactly two adjacent
+dims longer than 1 on each side, else left to the per-op checks) with rows and columns
+swapped.
 
 It answers "proved" or the ops / targets the per-item checks must look at (every
 failure is reported by those, with names). Measured: DeepSeek-V3 tp8 ep64, 360k ops
@@ -64,7 +72,7 @@ class PlanColumns:
     src_id: torch.Tensor  # [ops]
     dst_id: torch.Tensor  # [ops]
     kind: torch.Tensor  # [ops] 0 contiguous, 1 scratch
-    special: torch.Tensor  # [ops] bool: transposed or viewed (left to per-op checks)
+    special: torch.Tensor  # [ops] bool: transposed (lengths checked as matrices)
     src_off: torch.Tensor  # [ops, D]
     src_len: torch.Tensor  # [ops, D]
     dst_off: torch.Tensor  # [ops, D]
@@ -101,7 +109,7 @@ class PlanColumns:
                 so, sl = _pad(so, width, 0), _pad(sl, width, 1)
             if len(do) != width:
                 do, dl = _pad(do, width, 0), _pad(dl, width, 1)
-            special = op.transpose or op.src_view is not None or op.dst_view is not None
+            special = op.transpose
             rows.extend((s, t, kinds[op.kind], special, ok, op.src_offset, op.dst_offset))
             boxes.extend(so)
             boxes.extend(sl)
@@ -134,6 +142,57 @@ def flat_offsets(off: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     return (off * strides).sum(1)
 
 
+def _compact(length: torch.Tensor) -> torch.Tensor:
+    """Each row's lengths other than 1, in order, right-aligned (1s in front)."""
+    order = torch.argsort((length > 1).long(), dim=1, stable=True)
+    return length.gather(1, order)
+
+
+def _matrix(length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row ``(rows, cols, ok)``: a box as a matrix, ok where exactly two adjacent dims are longer than 1."""
+    long_ = length > 1
+    width = length.shape[1]
+    idx = torch.arange(width).expand_as(length)
+    last = torch.where(long_, idx, -1).max(1).values
+    first = torch.where(long_, idx, width).min(1).values
+    ok = (long_.sum(1) == 2) & (last - first == 1)
+    cols = length.gather(1, last.clamp(min=0)[:, None]).squeeze(1)
+    return length.prod(1) // cols.clamp(min=1), cols, ok
+
+
+def _lengths_agree(cols: PlanColumns) -> torch.Tensor:
+    """Per op: box lengths agree (module docstring), transposed ops as swapped matrices."""
+    plain = (_compact(cols.src_len) == _compact(cols.dst_len)).all(1)
+    if not bool(cols.special.any()):
+        return plain
+    s_rows, s_cols, s_ok = _matrix(cols.src_len)
+    d_rows, d_cols, d_ok = _matrix(cols.dst_len)
+    swapped = s_ok & d_ok & (s_rows == d_cols) & (s_cols == d_rows)
+    return torch.where(cols.special, swapped, plain)
+
+
+def _tiled(cols: PlanColumns, d_shape: torch.Tensor, multi: torch.Tensor, n_targets: int) -> torch.Tensor:
+    """``[targets]`` bool: every op box of the target is partial in 2+ dims (``multi``), all of
+    them have the same lengths, sit on the grid of those lengths, and no two share a cell."""
+    ids = cols.dst_id
+    first = torch.full((n_targets,), len(ids), dtype=torch.int64).scatter_reduce_(0, ids, torch.arange(len(ids)),
+                                                                                   "amin")
+    same = (cols.dst_len == cols.dst_len[first.clamp(max=max(len(ids) - 1, 0))[ids]]).all(1)
+    length = cols.dst_len.clamp(min=1)  # an empty box is flagged by the bounds check
+    aligned = ((cols.dst_off % length) == 0).all(1) & ((d_shape % length) == 0).all(1)
+    op_ok = same & aligned & multi
+    bad = torch.zeros(n_targets, dtype=torch.bool)
+    bad[ids[~op_ok]] = True
+    cell = flat_offsets(cols.dst_off // length, d_shape // length)
+    key = ids * (int(cell.max()) + 1 if len(cell) else 1) + cell
+    srt, order = torch.sort(key)
+    dup = srt[1:] == srt[:-1]
+    bad[ids[order[1:][dup]]] = True
+    has = torch.zeros(n_targets, dtype=torch.bool)
+    has[ids] = True
+    return has & ~bad
+
+
 def vectorized_checks(cols: PlanColumns) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ops, targets)`` that the vectorized checks could not prove (indices into
     ``plan.ops`` / ``plan.targets``); both empty means every op and every target whose
@@ -143,10 +202,9 @@ def vectorized_checks(cols: PlanColumns) -> tuple[torch.Tensor, torch.Tensor]:
     inside = ((cols.src_off >= 0) & (cols.src_len > 0) & (cols.src_off + cols.src_len <= s_shape)).all(1) \
         & ((cols.dst_off >= 0) & (cols.dst_len > 0) & (cols.dst_off + cols.dst_len <= d_shape)).all(1)
     s_run, d_run = contiguous_runs(cols.src_off, cols.src_len, s_shape), contiguous_runs(cols.dst_off, cols.dst_len, d_shape)
-    kind_ok = torch.where(s_run & d_run, cols.kind == 0, cols.kind == 1) & (s_run | d_run)
+    kind_ok = torch.where(s_run & d_run & ~cols.special, cols.kind == 0, cols.kind == 1) & (s_run | d_run)
     flat_ok = (cols.src_flat == flat_offsets(cols.src_off, s_shape)) & (cols.dst_flat == flat_offsets(cols.dst_off, d_shape))
-    lengths_ok = (cols.src_len == cols.dst_len).all(1)
-    good = cols.ndim_ok & inside & kind_ok & flat_ok & lengths_ok & ~cols.special
+    good = cols.ndim_ok & inside & kind_ok & flat_ok & _lengths_agree(cols)
     bad_ops = torch.nonzero(~good).flatten()
     # per target: covered volume, and disjoint slabs
     n_targets = cols.dst_shape.shape[0]
@@ -156,7 +214,9 @@ def vectorized_checks(cols: PlanColumns) -> tuple[torch.Tensor, torch.Tensor]:
     n_partial = partial.sum(1)
     dim = torch.where(n_partial == 1, partial.long().argmax(1), torch.full_like(n_partial, -1))
     odd = torch.zeros(n_targets, dtype=torch.bool)
-    odd[cols.dst_id[(n_partial > 1) | ~good]] = True  # left to the per-target sweep
+    odd[cols.dst_id[n_partial > 1]] = True
+    odd &= ~_tiled(cols, d_shape, n_partial > 1, n_targets)
+    odd[cols.dst_id[~good]] = True  # left to the per-target sweep
     whole = n_partial == 0
     # a whole-tensor box shares its target with nothing (else the volume exceeds the numel)
     slab = n_partial == 1

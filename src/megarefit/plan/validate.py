@@ -137,7 +137,7 @@ def _check_op(op: CopyOp, src: TensorMeta | None, dst: TensorMeta | None) -> Non
         if len(squeezed) != 2 or squeezed[::-1] != _squeeze_leading(op.dst_box.lengths):
             raise PlanValidationError(f"op {op.src} -> {op.dst}: transposed box lengths do not match: "
                                       f"{op.src_box.lengths} vs {op.dst_box.lengths}")
-    elif _squeeze_leading(op.src_box.lengths, 1) != _squeeze_leading(op.dst_box.lengths, 1):
+    elif _long_dims(op.src_box.lengths) != _long_dims(op.dst_box.lengths):
         raise PlanValidationError(
             f"op {op.src} -> {op.dst}: box lengths differ: {op.src_box.lengths} vs {op.dst_box.lengths}"
         )
@@ -162,6 +162,11 @@ def _check_disjoint(ref: TensorRef, entries: list[tuple[Box, str]]) -> None:
                     f"target {ref}: box {box} from {who} overlaps box {other} from {other_who}"
                 )
         active.append((box, who))
+
+
+def _long_dims(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """``lengths`` without its length-1 dims (the elements' row-major order is unchanged)."""
+    return tuple(n for n in lengths if n != 1)
 
 
 def _squeeze_leading(lengths: tuple[int, ...], keep: int = 2) -> tuple[int, ...]:

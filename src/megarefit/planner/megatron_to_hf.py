@@ -147,6 +147,7 @@ def _layout_stages(dims: ModelDims, layout: SourceLayout) -> tuple[tuple[ParamSp
         LayoutError: tp/pp/ep do not fit the model.
     """
     dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
+    dims.check_expert_layout(layout.expert_layout)
     if layout.mtp_layers > dims.mtp_layers:
         raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
                           f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")

@@ -71,8 +71,10 @@ class Fp8Format:
             qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
         method = qc.get("quant_method")
         if method != "fp8":
-            raise UnsupportedQuantizationError(f"quantization method {method!r}: megarefit produces block FP8 "
-                                               "(quant_method 'fp8' with weight_block_size) only")
+            raise UnsupportedQuantizationError(
+                f"quantization method {method!r} (the config's quantization_config) is not produced; megarefit "
+                "refits the model dtype (quantization='none', CLI --quantization none: bf16) or block FP8 "
+                "(quant_method 'fp8' with weight_block_size)")
         block = qc.get("weight_block_size")
         if not block:
             raise UnsupportedQuantizationError("fp8 without weight_block_size (per-tensor scales) is not produced; "

@@ -35,7 +35,7 @@ from megarefit.layout import RankCoord
 from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, validate_plan
 from megarefit.plan.columns import plan_threads
 from megarefit.plan.table import OpTable
-from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format, quantize_fp8
+from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format, UnsupportedQuantizationError, quantize_fp8
 from megarefit.quant.fp8_columns import plan_fp8_columns
 from megarefit.quant.grid import misaligned, scale_box
 from megarefit.quant.scheme import quantized_weight_names
@@ -61,11 +61,16 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
     :class:`QuantizeStep`). Cached per (plan digest, format).
 
     Raises:
+        UnsupportedQuantizationError: a family vLLM does not serve in block FP8 (gpt-oss).
         PlanValidationError: internal inconsistency (a bug).
     """
     cached = _CACHE.get((plan.digest, fmt))
     if cached is not None:
         return cached
+    if plan.dims.num_experts and any(r.role.is_fused for r in plan.dims.spec.entries):
+        raise UnsupportedQuantizationError(
+            f"{plan.dims.family}: block FP8 is not produced for it (vLLM serves gpt-oss in bf16 or MXFP4, and "
+            "reads no block-FP8 experts for it); refit the model dtype (quantization='none', CLI --quantization none)")
     if isinstance(plan.ops, OpTable):  # a columnar plan (plan_megatron_to_hf): the same rules on columns
         with plan_threads():
             out = plan_fp8_columns(plan, fmt, STAGING_SUFFIX)

@@ -164,8 +164,8 @@ def part_views(op: CopyOp, part: torch.Tensor, out: torch.Tensor) -> tuple[torch
     if op.transpose:
         part = squeezed(part, 2).T
         dst = squeezed(dst, 2)
-    elif part.shape != dst.shape:  # 1-dims the other side lacks (FusedMoE expert slot, gate/up interleave)
-        part, dst = squeezed(part, 1), squeezed(dst, 1)
+    elif part.shape != dst.shape and part.numel() == dst.numel():
+        part = part.reshape(dst.shape)  # 1-dims the other side lacks (FusedMoE slot, gate/up interleave): a view
     if tuple(part.shape) != tuple(dst.shape):
         raise MegarefitError(f"op {op.src} -> {op.dst}: source box {tuple(part.shape)} does not fit "
                              f"destination box {tuple(dst.shape)}")
