@@ -40,6 +40,9 @@ CASES = {
     "deepseek_v3_mtp": ("DeepSeek-V3", MOE | MLA | MTP, [(2, 2, 2, "te", "te_grouped")], False),
     "glm4_moe_mtp": ("GLM-4.5-Air", MOE | MTP, [(2, 2, 2, "te", "te_grouped")], False),
     "mixtral": ("Mixtral-8x7B-v0.1", MOE, [(1, 1, 2, "te", "te_grouped")], False),
+    # fused experts with biases (etp 1, Megatron-Core's rule), attention sinks, router bias
+    "gpt_oss": ("gpt-oss-120b", MOE | {"intermediate_size": 32, "layer_types": ["full_attention"] * 4},
+                [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], True),
 }
 
 
@@ -79,7 +82,8 @@ def run() -> dict:
             continue
         case: dict = {"patterns": len(patterns), "layouts": {}}
         for tp, pp, ep, spec, experts in layouts:
-            layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(tp),
+            layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=dims.default_etp(tp),
+                                        padded_vocab_size=dims.padded_vocab_size(tp),
                                         num_layers=dims.num_layers, layer_spec=spec, expert_layout=experts,
                                         mtp_layers=dims.mtp_layers)
             entries = name_map(dims, layout)

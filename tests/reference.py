@@ -296,7 +296,12 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
     else:
         slots = list(range(physical))
     dense, routed, out = {}, {}, {}
+    fused = {}  # gpt-oss: model.layers.L.mlp.experts. -> {gate_up_proj, ..._bias, down_proj, ..._bias}
     for name, w in hf.items():
+        f = re.match(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$", name)
+        if f:
+            fused.setdefault(f.group(1), {})[f.group(2) + (f.group(3) or "")] = w
+            continue
         m = re.match(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(\w+)\.weight$", name)
         if m:
             routed.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = w
@@ -321,7 +326,13 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
         elif name.endswith(("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")) or (
                 name.endswith("self_attn.q_proj.weight") and name.replace("q_proj", "kv_a_proj_with_mqa") in hf):
             out[name] = dense.pop(name).chunk(T)[t]  # MLA column-parallel (q_proj: no q_lora_rank)
-    out |= vllm_reference(dense, cfg, T, t)
+    sinks = {n: dense.pop(n).chunk(T)[t] for n in list(dense) if n.endswith(".self_attn.sinks")}  # by heads
+    out |= vllm_reference(dense, cfg, T, t) | sinks
+    if family == "gpt_oss":  # vLLM's GptOssModel spells attn / embedding
+        out = {n.replace(".self_attn.", ".attn.").replace("model.embed_tokens.", "model.embedding."): w
+               for n, w in out.items()}
+    for prefix, ws in fused.items():
+        out |= _gpt_oss_experts(prefix, ws, slots, moe_T, moe_r)
     gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     moe_layers = sorted({int(prefix.split(".")[2]) for prefix in routed})
     for prefix, ws in routed.items():
@@ -332,6 +343,21 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
         out[prefix + "routed_experts.w2_weight"] = torch.stack([ws[(e, down)].chunk(moe_T, dim=1)[moe_r]
                                                                for e in layer_slots])
     return out
+
+
+def _gpt_oss_experts(prefix: str, ws: dict, slots: list[int], moe_T: int, moe_r: int) -> dict:
+    """vLLM gpt_oss.py's bf16 loader, restated: the worker's experts (``slots``); without EP each
+    narrowed to its ffn range [start, end) -- gate_up_proj columns [2*start, 2*end) (gate / up stay
+    interleaved) transposed, down_proj rows [start, end) transposed, gate_up bias columns
+    [2*start, 2*end); down_proj_bias whole on moe rank 0 and zero elsewhere."""
+    f = ws["down_proj"].shape[1] // moe_T
+    lo, hi = moe_r * f, (moe_r + 1) * f
+    idx = torch.tensor(slots)
+    bias = ws["down_proj_bias"][idx]
+    return {prefix + "routed_experts.w13_weight": ws["gate_up_proj"][idx][:, :, 2 * lo:2 * hi].permute(0, 2, 1),
+            prefix + "routed_experts.w13_bias": ws["gate_up_proj_bias"][idx][:, 2 * lo:2 * hi],
+            prefix + "routed_experts.w2_weight": ws["down_proj"][idx][:, lo:hi, :].permute(0, 2, 1),
+            prefix + "routed_experts.w2_bias": bias if moe_r == 0 else torch.zeros_like(bias)}
 
 
 def vllm_fp8_checkpoint(hf: dict[str, torch.Tensor], names: set[str] | frozenset[str]) -> dict[str, torch.Tensor]:

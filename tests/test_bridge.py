@@ -79,7 +79,7 @@ def test_bridge_is_the_pinned_version(scenarios):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe",
-                                    "deepseek_v3_mtp", "glm4_moe_mtp"])
+                                    "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss"])
 def test_tables_agree_with_bridge(scenarios, family):
     case = scenarios["cases"][family]
     assert case["patterns"] > 0
@@ -157,7 +157,7 @@ def test_where_bridge_conversion_disagrees_logits_decide(bridge_python, tmp_path
                                              for n in ("mlp.down_proj", "self_attn.o_proj")]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_spec_rows_generated_from_bridge_equal_ours(scenarios, family):
     """A spec table generated from Bridge (``rows_from_bridge``: its mapping classes, with
     AutoMapping resolved on the real Megatron-Core model's modules, layer / expert indices

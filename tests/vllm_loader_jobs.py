@@ -112,7 +112,9 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
             tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel))
         with set_current_vllm_config(config):
             model = initialize_model(vllm_config=config)
-            model.load_weights(hf.items())
+            # copies: vLLM's gpt-oss loader zeroes down_proj_bias in place on TP ranks > 0, and these
+            # tensors share memory with the parent's
+            model.load_weights((n, t.clone()) for n, t in hf.items())
         maps = {n: m._expert_map.tolist() for n, m in model.named_modules()
                 if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
         out[key] = ({n: portable(p.detach().clone()) for n, p in model.named_parameters()}, maps)

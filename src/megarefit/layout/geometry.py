@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from megarefit.errors import LayoutError
 from megarefit.layout.dims import ModelDims
@@ -73,6 +74,17 @@ class Piece:
 
 
 @lru_cache(maxsize=4096)
+def _fused_boxes_out_in(spec: ParamSpec, local: tuple[int, ...], r: int) -> list[tuple[Box, Box, bool]]:
+    """:func:`fused_boxes` of a weight (2-D) into the ``out_in`` layout."""
+    if spec.role is Role.EXPERT_GATE_UP_FUSED:
+        f, h = local[0] // 2, local[1]
+        return [(Box.rows(local, k * f, f), Box((0, r * f, k, 0), (1, f, 1, h)), False) for k in range(2)]
+    if spec.role is Role.EXPERT_ROW_FUSED:
+        h, f = local
+        return [(Box.full(local), Box((0, 0, r * f), (1, h, f)), False)]
+    return [(Box.full(local), Box((0, 0, 0), (1,) + local), False)]
+
+
 def global_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
     """The Megatron tensor's shape at TP=1 (vocab padded)."""
     return tuple(dims.size(s, padded_vocab=layout.padded_vocab_size) for s in spec.shape)
@@ -133,25 +145,36 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
     return (shape,)
 
 
+ExpertWeights = Literal["in_out", "out_in"]
+"""How a fused target stores each expert's weight: ``"in_out"`` as HF's gpt-oss (``x @ W``),
+``"out_in"`` as Megatron and vLLM's FusedMoE (``w13_weight`` [E, 2f, h], rows interleaved
+gate / up; ``w2_weight`` [E, h, f]), the pivot a vLLM worker's plan is re-targeted from."""
+
+
 @lru_cache(maxsize=4096)
 def fused_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, experts: int,
-                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                 weights: ExpertWeights = "in_out") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(view, stored shape)`` of a fused role's HF tensor holding ``experts`` experts (see
-    :class:`~megarefit.specs.table.Role`): weights ``[in, out]`` per expert, biases as they
-    are; ``gate_up`` viewed with its interleave as a trailing dim of 2::
+    :class:`~megarefit.specs.table.Role`): weights per expert ``[in, out]`` (or ``[out, in]``,
+    ``weights="out_in"``), biases as they are; ``gate_up`` viewed with its interleave as a
+    dim of 2::
 
-        gate_up_proj [E, h, 2f] as [E, h, f, 2]    gate_up_proj_bias [E, 2f] as [E, f, 2]
-        down_proj    [E, f, h]                     down_proj_bias    [E, h]
+        in_out: gate_up_proj [E, h, 2f] as [E, h, f, 2]    down_proj [E, f, h]
+        out_in: gate_up_proj [E, 2f, h] as [E, f, 2, h]    down_proj [E, h, f]
+        gate_up_proj_bias [E, 2f] as [E, f, 2]             down_proj_bias [E, h]
     """
     shape = global_shape(spec, dims, layout)
-    per = shape[::-1] if len(shape) == 2 else shape
+    per = shape[::-1] if len(shape) == 2 and weights == "in_out" else shape
     stored = (experts,) + per
-    if spec.role is Role.EXPERT_GATE_UP_FUSED:
-        return stored[:-1] + (stored[-1] // 2, 2), stored
-    return stored, stored
+    if spec.role is not Role.EXPERT_GATE_UP_FUSED:
+        return stored, stored
+    if len(shape) == 2 and weights == "out_in":
+        return (experts, shape[0] // 2, 2, shape[1]), stored
+    return stored[:-1] + (stored[-1] // 2, 2), stored
 
 
-def fused_boxes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_rank: int) -> list[tuple[Box, Box, bool]]:
+def fused_boxes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_rank: int,
+                weights: ExpertWeights = "in_out") -> list[tuple[Box, Box, bool]]:
     """A fused role's copies of one expert read on TP rank ``tp_rank``: ``(box in the local
     tensor, box in the HF view with the expert at 0 on dim 0, transposed)``; the planner
     moves the target box to the expert's slot. Two copies for ``gate_up`` (gate, up: one
@@ -162,10 +185,15 @@ def fused_boxes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_rank:
         (a bias: the same without the h dim, not transposed)
         down:  local [h, f_l]          -> (e, r*f_l, 0)          lengths (1, f_l, h)      transposed
         down bias: local [h]           -> (e, 0)                 lengths (1, h)
+
+    With ``weights="out_in"`` nothing is transposed: gate / up rows land at
+    ``(e, r*f_l, k, 0)`` lengths ``(1, f_l, 1, h)`` of ``[E, f, 2, h]``, down at ``(e, 0, r*f_l)``.
     """
     local = local_shape(spec, dims, layout)
     r = tp_rank if layout.etp > 1 else 0
     matrix = len(local) == 2
+    if matrix and weights == "out_in":
+        return _fused_boxes_out_in(spec, local, r)
     if spec.role is Role.EXPERT_GATE_UP_FUSED:
         f = local[0] // 2
         lead = ((0, 0), (1, local[1])) if matrix else ((0,), (1,))
@@ -311,5 +339,5 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     return out
 
 
-__all__ = ["Piece", "SourceTensor", "fused_boxes", "fused_shapes", "global_shape", "grouped_boxes", "grouped_pieces",
+__all__ = ["ExpertWeights", "Piece", "SourceTensor", "fused_boxes", "fused_shapes", "global_shape", "grouped_boxes", "grouped_pieces",
            "hf_shapes", "local_shape", "piece_boxes", "pieces", "source_tensors", "view_shape"]

@@ -457,9 +457,10 @@ class RefitReceiver:
                 raise MissingParameterError(f"direct tensor {name!r} is not a target of this receiver's plan "
                                             f"(targets: {sorted(by_name)[:3]}, ...)")
             meta = plan.targets[ref]
-            if (tuple(t.shape) != tuple(meta.shape) or t.dtype != torch_dtype(meta.dtype) or t.device != self.device
+            shape = meta.storage_shape or meta.shape
+            if (tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(meta.dtype) or t.device != self.device
                     or not t.is_contiguous()):
-                raise ShapeMismatchError(f"direct tensor {name!r}: expected contiguous {list(meta.shape)} "
+                raise ShapeMismatchError(f"direct tensor {name!r}: expected contiguous {list(shape)} "
                                          f"{meta.dtype} on {self.device}, got {list(t.shape)} {t.dtype} on "
                                          f"{t.device} contiguous={t.is_contiguous()}")
             refs.append(ref)
@@ -540,11 +541,13 @@ class RefitReceiver:
         slots, at, offsets = {}, dict.fromkeys(totals, 0), {}
         for ref in sorted(plan.targets, key=trainer_order):
             meta = plan.targets[ref]
-            slots[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(meta.shape)
+            slots[ref] = arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(
+                meta.storage_shape or meta.shape)  # as the tensor is stored (a view's storage)
             offsets[ref] = at[meta.dtype]
             at[meta.dtype] += meta.numel
         self._arenas = arenas
-        self._layout = [(ref.name, plan.targets[ref].dtype, offsets[ref], plan.targets[ref].shape)
+        self._layout = [(ref.name, plan.targets[ref].dtype, offsets[ref],
+                         plan.targets[ref].storage_shape or plan.targets[ref].shape)
                         for ref in plan.targets if ref not in plan.staging]  # what replicas mirror
         self._buffers = {ref: slots[ref] for ref in plan.targets}  # handed over in plan order
         staging = plan.staging
@@ -570,7 +573,7 @@ class RefitReceiver:
                                             f"(agent {manifests[ref.rank].agent!r})")
             if tuple(entry.shape) != (meta.storage_shape or meta.shape) or entry.dtype != meta.dtype:
                 raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {ref.name} as {entry.dtype} "
-                                         f"{tuple(entry.shape)}, plan expects {meta.dtype} {meta.shape}")
+                                         f"{tuple(entry.shape)}, plan expects {meta.dtype} {meta.storage_shape or meta.shape}")
             if entry.nbytes != meta.numel * torch_dtype(meta.dtype).itemsize:
                 raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {entry.nbytes} bytes for {ref.name}, "
                                          f"expected {meta.numel * torch_dtype(meta.dtype).itemsize}")

@@ -107,7 +107,7 @@ class StreamGroup:
                 continue
             start = self.offsets[ref]
             n = meta.numel * torch_dtype(meta.dtype).itemsize
-            out[ref] = ring[start:start + n].view(torch_dtype(meta.dtype)).view(meta.shape)
+            out[ref] = ring[start:start + n].view(torch_dtype(meta.dtype)).view(meta.storage_shape or meta.shape)
         return out
 
     def overlaps(self, other: StreamGroup) -> bool:

@@ -36,6 +36,7 @@ import torch
 from megarefit.errors import LayoutError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.geometry import (
+    ExpertWeights,
     fused_boxes,
     fused_shapes,
     grouped_boxes,
@@ -128,6 +129,7 @@ class _Targets(NamedTuple):
     t_id: torch.Tensor  # [n_targets]: unpermuted target row -> target id (its row in ``table``)
     n_owned: int  # experts this receiver owns
     opos: torch.Tensor  # [experts + 2]: global expert + 1 -> its slot in a fused target (-1: not owned)
+    weights: ExpertWeights  # how fused targets store each expert's weight
 
 
 class _Reads(NamedTuple):
@@ -203,7 +205,7 @@ def _build_sources(dims: ModelDims, layout: SourceLayout, dtype: str, stages: li
 
 
 def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tuple[ParamSpec, ...],
-                   stages: list[_StageRows], owned: list[int]) -> _Targets:
+                   stages: list[_StageRows], owned: list[int], weights: ExpertWeights = "in_out") -> _Targets:
     """Target tensors: one group per (row, HF name k), instances the row's global layers x
     ``owned`` experts, permuted into the module docstring's target order."""
     row_layers: dict[ParamSpec, set[int]] = defaultdict(set)
@@ -230,22 +232,24 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
         part = _PARTS.index(row.stage)
         for k in range(len(row.hf)):
             t_first[(row, k)] = nt
-            t_groups.append(TensorGroup(None, row, k, _target_meta(row, k, shapes, len(owned), dims, layout, tdtype)))
+            t_groups.append(TensorGroup(None, row, k, _target_meta(row, k, shapes, len(owned), dims, layout, tdtype,
+                                                                     weights)))
             t_rows.append((len(t_groups) - 1, layers, exps))
             t_keys.append((part, pos, k))
             nt += len(layers) * len(exps)
     group, layer, expert, t_id = _target_order(t_rows, t_keys, n_layers_all, len(rows) + 1, dims.num_experts + 2)
     opos = torch.full((dims.num_experts + 2,), -1, dtype=_I64)
     opos[torch.tensor(owned, dtype=_I64) + 1] = torch.arange(len(owned))
-    return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned), opos)
+    return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned), opos,
+                    weights)
 
 
 def _target_meta(row: ParamSpec, k: int, shapes: tuple[tuple[int, ...], ...], owned: int, dims: ModelDims,
-                 layout: SourceLayout, tdtype: str) -> TensorMeta:
+                 layout: SourceLayout, tdtype: str, weights: ExpertWeights) -> TensorMeta:
     """The meta of HF name ``k`` of ``row``: a fused role's tensor holds the ``owned`` experts,
     addressed through its view where that differs from the stored shape."""
     if row.role.is_fused:
-        view, stored = fused_shapes(row, dims, layout, owned)
+        view, stored = fused_shapes(row, dims, layout, owned, weights)
         return TensorMeta(view, tdtype, storage_shape=None if view == stored else stored)
     return TensorMeta(shapes[0 if row.role.is_grouped else k], tdtype)
 
@@ -278,7 +282,7 @@ def _pad(t: tuple[int, ...], fill: int, width: int) -> list[int]:
 
 
 def _template_entries(row: ParamSpec, tp_rank: int, src_meta: TensorMeta, dims: ModelDims, layout: SourceLayout,
-                      dtype: str, width: int) -> list[_Entry]:
+                      dtype: str, width: int, weights: ExpertWeights = "in_out") -> list[_Entry]:
     """The template of ``(row, tp_rank)``: one entry (see ``_Entry``) per op that an instance of ``row``
     read on TP rank ``tp_rank`` makes; ``k``: its HF name, ``j``: its local expert (grouped rows, else 0),
     boxes left-padded to ``width`` dims, flat offsets and kind from :func:`~megarefit.plan.make_op`."""
@@ -288,7 +292,8 @@ def _template_entries(row: ParamSpec, tp_rank: int, src_meta: TensorMeta, dims: 
     if row.role.is_grouped:
         boxes = [(k, j, sb, shapes[0], db, True) for j, k, sb, db in grouped_boxes(row, dims, layout, tp_rank)]
     elif row.role.is_fused:  # target boxes at expert slot 0; _broadcast shifts them to the expert's slot
-        boxes = [(0, 0, sb, shapes[0], db, tr) for sb, db, tr in fused_boxes(row, dims, layout, tp_rank)]
+        dshape = fused_shapes(row, dims, layout, dims.num_experts, weights)[0]
+        boxes = [(0, 0, sb, dshape, db, tr) for sb, db, tr in fused_boxes(row, dims, layout, tp_rank, weights)]
     else:
         names = tuple(str(k) for k in range(len(row.hf)))  # placeholders: k is all a template needs
         boxes = []
@@ -383,7 +388,8 @@ def _op_rows(dims: ModelDims, layout: SourceLayout, dtype: str, stages: list[_St
             continue
         key = (row, reads.tp_rank)
         if key not in templates:
-            new = _template_entries(row, reads.tp_rank, src.table.groups[gi].meta, dims, layout, dtype, width)
+            new = _template_entries(row, reads.tp_rank, src.table.groups[gi].meta, dims, layout, dtype, width,
+                                    tgt.weights)
             templates[key] = (len(entries), len(new))
             entries.extend(new)
         start, count = templates[key]
@@ -443,7 +449,7 @@ def _slot_shifted(d_off: torch.Tensor, dflat: torch.Tensor, slot: torch.Tensor, 
 
 
 def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                experts: frozenset[int] | None = None) -> Plan:
+                experts: frozenset[int] | None = None, expert_weights: ExpertWeights = "in_out") -> Plan:
     """:func:`~megarefit.planner.plan_megatron_to_hf` built on columns (same ops, same
     rules; see the module docstring for the target order). Validated before returning.
 
@@ -456,26 +462,30 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
     src = _build_sources(dims, layout, dtype, stages, per_ep)
     owned = list(range(dims.num_experts)) if experts is None else sorted(e for e in experts
                                                                          if 0 <= e < dims.num_experts)
-    tgt = _build_targets(dims, layout, dtype, rows, stages, owned)
+    tgt = _build_targets(dims, layout, dtype, rows, stages, owned, expert_weights)
     width = max([len(g.meta.shape) for g in src.table.groups] + [len(g.meta.shape) for g in tgt.table.groups] + [1])
     entries, entry, src_id, dst_id, slot = _op_rows(dims, layout, dtype, stages, src, tgt, per_ep, width)
     columns, item, transpose = _op_columns(entries, width, entry, src_id, dst_id, slot, src.table, tgt.table)
     ops = OpTable(columns, src.table, tgt.table, item, transpose)
     plan = Plan("megatron_to_hf", dims, layout, dtype, src.table, tgt.table, ops,  # type: ignore[arg-type]
                 digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
-                          None if experts is None else sorted(experts)))
+                          None if experts is None else sorted(experts),
+                          *(() if expert_weights == "in_out" else (expert_weights,))))
     validate_plan(plan)
     return plan
 
 
 @lru_cache(maxsize=64)
 def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                        experts: frozenset[int] | None = None) -> Plan:
+                        experts: frozenset[int] | None = None, expert_weights: ExpertWeights = "in_out") -> Plan:
     """Plan the export of every HF tensor from Megatron shards (full HF tensors as targets).
 
     ``experts``: the global routed experts this receiver owns (vLLM expert
     parallelism); expert tensors of other experts get no target and no op.
-    ``None``: all experts.
+    ``None``: all experts. ``expert_weights``: how targets holding every expert of a layer
+    (gpt-oss's fused experts) store each expert's weight: ``"in_out"``, the HF checkpoint's
+    layout, or ``"out_in"`` (vLLM's FusedMoE, the pivot of :func:`plan_megatron_to_vllm`);
+    see :func:`~megarefit.layout.geometry.fused_shapes`.
 
     Each HF element is read from exactly one rank. Replicated tensors are read
     from TP ranks in turn (``k % tp`` for the k-th replicated tensor of a stage)
@@ -488,14 +498,14 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     Built on columns (this module): sources, targets and ops are
     tables whose names are formatted on demand (DeepSeek-V3 tp8 ep64, 642k source
     tensors and 360k ops: ~0.5 s planned and validated on 2 cores). Cached per
-    ``(dims, layout, dtype, experts)``.
+    ``(dims, layout, dtype, experts, expert_weights)``.
 
     Raises:
         LayoutError: tp/pp/ep do not fit the model.
         PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
     """
     with plan_threads():
-        return plan_export(dims, layout, dtype, experts)
+        return plan_export(dims, layout, dtype, experts, expert_weights)
 
 
 __all__ = ["plan_export", "plan_megatron_to_hf"]

@@ -120,6 +120,9 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
     "ColumnParallelMapping": frozenset({Role.COLUMN, Role.VOCAB}),
     "RowParallelMapping": frozenset({Role.ROW, Role.EXPERT_ROW}),
     "ReplicatedMapping": frozenset({Role.REPLICATED}),
+    # gpt-oss's fused experts: Bridge's own classes (transpose, (de-)interleave, stack the experts)
+    "GPTOSSMLPGateUpProjMapping": frozenset({Role.EXPERT_GATE_UP_FUSED}),
+    "GPTOSSMLPDownProjMapping": frozenset({Role.EXPERT_ROW_FUSED, Role.EXPERT_REPLICATED_FUSED}),
 }
 
 

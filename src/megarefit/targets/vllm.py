@@ -132,7 +132,8 @@ def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, tar
         PlanValidationError: internal inconsistency (a bug).
     """
     experts = worker_experts(dims, target)
-    hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts)
+    fused = any(r.role.is_fused for r in dims.spec.entries)  # gpt-oss: the pivot holds them as FusedMoE does
+    hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts, "out_in" if fused else "in_out")
     if quantization is not None:
         hf_plan = plan_fp8(hf_plan, quantization)
     typed, steps, produced = worker_params(dims, target, hf_plan, quantization)

@@ -97,7 +97,8 @@ def _parameters(typed: Mapping[str, tuple[VllmParam, str | None]], produced: set
         first = row_of.get(TensorRef(None, param.pieces[0].hf_name)) if param.pieces else None
         meta = hf_targets.meta(first) if first is not None else None
         refs.append(TensorRef(None, name))
-        metas.append(TensorMeta(param.shape, pdtype or (meta.dtype if meta is not None else dtype)))
+        metas.append(TensorMeta(param.shape, pdtype or (meta.dtype if meta is not None else dtype),
+                                storage_shape=param.storage))
         fills.append(sum(p.param_box.lengths[0] for p in param.pieces))
         if name in produced:
             continue
@@ -125,8 +126,9 @@ def _parameters(typed: Mapping[str, tuple[VllmParam, str | None]], produced: set
 
 def _pairs(c: PlanColumns, n_t: int, pieces: _Pieces, width: int) -> tuple[torch.Tensor, ...]:
     """Every (piece, HF op of its HF tensor) pair whose part (``op.dst_box`` n ``piece.hf_box``)
-    is not empty, in piece then op order: ``(pair_piece, op, lo, hi, d_off, s_off)``, ``[lo, hi)``
-    the part in HF coordinates, ``d_off`` / ``s_off`` the op's padded dst / src offsets."""
+    is not empty, in piece then op order: ``(pair_piece, op, lo, hi, d_off, s_off, d_len)``, ``[lo, hi)``
+    the part in HF coordinates, ``d_off`` / ``s_off`` the op's padded dst / src offsets, ``d_len`` its
+    padded dst lengths."""
     n_pieces = len(pieces.param)
     hfo, hfl = pieces.hf_off, pieces.hf_len
     count = torch.bincount(c.dst_id, minlength=n_t)
@@ -140,13 +142,31 @@ def _pairs(c: PlanColumns, n_t: int, pieces: _Pieces, width: int) -> tuple[torch
     lo = torch.maximum(d_off, hfo[pair_piece])
     hi = torch.minimum(d_off + d_len, hfo[pair_piece] + hfl[pair_piece])
     keep = (hi > lo).all(1)
-    return pair_piece[keep], op[keep], lo[keep], hi[keep], d_off[keep], s_off[keep]
+    return pair_piece[keep], op[keep], lo[keep], hi[keep], d_off[keep], s_off[keep], d_len[keep]
+
+
+def _aligned(shift: torch.Tensor, part_len: torch.Tensor, d_len: torch.Tensor, s_len: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shift`` / ``part_len`` (per dim of the op's dst box) moved onto the source box's dims: the
+    dims longer than 1 correspond in order on both sides (a validated op's boxes have the same
+    lengths once 1-dims are dropped; gpt-oss's interleave puts a 1-dim between them in the
+    target only), 1-dims take shift 0 and length 1."""
+    order_d = torch.argsort((d_len > 1).long(), dim=1, stable=True)
+    order_s = torch.argsort((s_len > 1).long(), dim=1, stable=True)
+    return (torch.zeros_like(shift).scatter_(1, order_s, shift.gather(1, order_d)),
+            torch.ones_like(part_len).scatter_(1, order_s, part_len.gather(1, order_d)))
 
 
 def _source_boxes(s_off: torch.Tensor, shift: torch.Tensor, part_len: torch.Tensor,
-                  transpose: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  transpose: torch.Tensor, d_len: torch.Tensor, s_len: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(offsets, lengths) of each part in its source: the op's source box shifted by ``shift``
-    (the part's offset inside the op's dst box); for transposed ops the last two dims swapped."""
+    (the part's offset inside the op's dst box, dims matched by :func:`_aligned` where the two
+    boxes differ in 1-dims); for transposed ops the last two dims swapped."""
+    odd = (d_len != s_len).any(1) & ~transpose
+    if bool(odd.any()):
+        shift, part_len = shift.clone(), part_len.clone()
+        shift[odd], part_len[odd] = _aligned(shift[odd], part_len[odd], d_len[odd], s_len[odd])
     src_off = s_off + shift
     src_len = part_len.clone()
     if bool(transpose.any()):  # last two dims swapped; the source's leading dims stay length 1
@@ -168,7 +188,8 @@ def _fill_metas(refs: list[TensorRef], metas: list[TensorMeta], fills: list[int]
     written = torch.zeros(len(refs), dtype=_I64).index_add_(0, dst_id, dst_len.prod(1))
     for j, (m, w) in enumerate(zip(metas, written.tolist())):
         if refs[j].name not in produced and w < m.numel:
-            metas[j] = TensorMeta(m.shape, m.dtype, (Box.rows(m.shape, fills[j], m.shape[0] - fills[j]),))
+            metas[j] = TensorMeta(m.shape, m.dtype, (Box.rows(m.shape, fills[j], m.shape[0] - fills[j]),),
+                                  m.storage_shape)
     return ListTable(refs, metas)
 
 
@@ -207,10 +228,10 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
     refs, metas, fills, pieces = _parameters(typed, produced, dtype, hf_targets, width)
 
     # ---- pairs (piece, HF op of its HF tensor), in piece order then op order
-    pair_piece, op, lo, hi, d_off, s_off = _pairs(c, len(hf_targets), pieces, width)
+    pair_piece, op, lo, hi, d_off, s_off, d_len = _pairs(c, len(hf_targets), pieces, width)
     part_len = hi - lo
     transpose = ops.transpose[op]
-    src_off, src_len = _source_boxes(s_off, lo - d_off, part_len, transpose)
+    src_off, src_len = _source_boxes(s_off, lo - d_off, part_len, transpose, d_len, _pad(c.src_len[op], width, 1))
     dst_off = pieces.param_off[pair_piece] + (lo - pieces.hf_off[pair_piece])
     dst_len = part_len
     dst_id = pieces.param[pair_piece]

@@ -40,6 +40,20 @@ Routed experts (``FusedMoE``; E_l experts on this worker, slot j holds global ex
     experts.routed_experts.w2_weight   [E_l, hidden, I_p]
         slot j = down_proj(e_j) columns chunk r
 
+gpt-oss's experts (vLLM ``gpt_oss.py``, bf16) carry biases and keep gate / up interleaved
+row by row (its ``swigluoai`` activation reads them so); the plan's pivot holds them
+``out_in`` (:func:`~megarefit.layout.geometry.fused_shapes`), so every part is a plain box::
+
+    experts.routed_experts.w13_weight  [E_l, 2*I_p, hidden]  viewed [E_l, I_p, 2, hidden]
+        slot j = gate_up(e_j) rows [r*I_p, (r+1)*I_p) of [E, I, 2, hidden], gate / up interleaved
+    experts.routed_experts.w13_bias    [E_l, 2*I_p]          viewed [E_l, I_p, 2], the same rows
+    experts.routed_experts.w2_weight   [E_l, hidden, I_p]    down(e_j) columns chunk r
+    experts.routed_experts.w2_bias     [E_l, hidden]         down_bias(e_j) on moe rank 0; zero on
+                                                             the others (vLLM adds it once)
+
+and vLLM names its attention ``attn`` and its embedding ``embedding`` (``model.layers.L.attn.sinks``,
+``model.embedding.weight``).
+
 Under sequence-parallel MoE (EP with T > 1 and D > 1, vLLM's default all2all backend)
 DeepSeek-V3's shared experts are not split (``disable_tp``): whole on every worker.
 
@@ -71,6 +85,11 @@ EXPERT_PLACEMENTS: tuple[ExpertPlacement, ...] = ("linear", "round_robin")
 # ``mlp.experts.routed_experts.w13_weight``. Older vLLM spells ``mlp.experts.w13_weight``;
 # the sharded install resolves either against the live model.
 FUSED_MOE_W13, FUSED_MOE_W2 = "routed_experts.w13_weight", "routed_experts.w2_weight"
+# gpt-oss's fused HF expert tensors -> FusedMoE parameters (with biases)
+_FUSED_MOE_NAMES = {"gate_up_proj": FUSED_MOE_W13, "gate_up_proj_bias": "routed_experts.w13_bias",
+                    "down_proj": FUSED_MOE_W2, "down_proj_bias": "routed_experts.w2_bias"}
+# vLLM model classes that spell HF module names differently: (HF part, vLLM part) per family
+_VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn."))}
 
 # vLLM stacks a multi-tensor role's HF tensors (in the spec row's order: q, k, v / gate,
 # up) into one parameter, named after the first with this part replaced.
@@ -230,10 +249,13 @@ class VllmPiece:
 
 @dataclass(frozen=True)
 class VllmParam:
-    """A vLLM parameter on one worker: its local shape (elements) and what fills it."""
+    """A vLLM parameter on one worker: its local shape (elements) and what fills it;
+    ``storage``: the stored shape where ``shape`` is a row-major view of it (gpt-oss's
+    interleaved ``w13``), else ``None``. What no piece fills is zero."""
 
     shape: tuple[int, ...]
     pieces: tuple[VllmPiece, ...]
+    storage: tuple[int, ...] | None = None
 
 
 def _split(n: int, parts: int, what: str, group: str = "tp") -> int:
@@ -337,6 +359,32 @@ def _experts(row: ParamSpec, layer: int, dims: ModelDims, target: VllmTarget, sl
     out[param] = VllmParam(shape, tuple(pieces))
 
 
+def _fused_experts(row: ParamSpec, layer: int, dims: ModelDims, target: VllmTarget, slots: tuple[int, ...],
+                   out: dict[str, VllmParam]) -> None:
+    """gpt-oss's FusedMoE ``w13_weight`` / ``w13_bias`` / ``w2_weight`` / ``w2_bias`` of one layer
+    from the ``out_in`` pivot (module docstring), whose expert dim holds the worker's experts
+    (EP: the sorted set it owns; else all of them)."""
+    T, r, group = _split_group(row, dims, target)
+    hf_name = row.hf_names(layer)[0]
+    prefix, _, leaf = hf_name.rpartition(".")
+    f, h = _split(dims.moe_ffn_hidden_size, T, "intermediate_size", group), dims.hidden_size
+    owned = sorted(set(slots)) if target.ep_size > 1 else None
+    pos = [owned.index(e) if owned is not None else e for e in slots]
+    n = len(slots)
+    if leaf == "down_proj_bias":  # vLLM loads it on moe rank 0 only (the others add zero)
+        pieces = [VllmPiece(hf_name, Box((p, 0), (1, h)), Box((j, 0), (1, h))) for j, p in enumerate(pos)] \
+            if r == 0 else []
+        out[f"{prefix}.{_FUSED_MOE_NAMES[leaf]}"] = VllmParam((n, h), tuple(pieces))
+        return
+    view = {"gate_up_proj": (n, f, 2, h), "gate_up_proj_bias": (n, f, 2), "down_proj": (n, h, f)}[leaf]
+    box = {"gate_up_proj": ((r * f, 0, 0), (f, 2, h)), "gate_up_proj_bias": ((r * f, 0), (f, 2)),
+           "down_proj": ((0, r * f), (h, f))}[leaf]
+    storage = {"gate_up_proj": (n, 2 * f, h), "gate_up_proj_bias": (n, 2 * f)}.get(leaf)
+    pieces = [VllmPiece(hf_name, Box((p,) + box[0], (1,) + box[1]), Box((j,) + (0,) * len(box[1]), (1,) + box[1]))
+              for j, p in enumerate(pos)]
+    out[f"{prefix}.{_FUSED_MOE_NAMES[leaf]}"] = VllmParam(view, tuple(pieces), storage)
+
+
 def _fuse(out: dict[str, VllmParam]) -> dict[str, VllmParam]:
     """Stack the replicated pairs of :data:`_VLLM_FUSED` (MLA's down-projections into
     ``fused_qkv_a_proj``, the DSA indexer's ``wk`` and ``weights_proj``) where both exist."""
@@ -383,11 +431,20 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
               and (row.layer_kind is None or row.layer_kind == dims.layer_kind(layer))]
     order += [(row, None) for row in rows if row.stage is Stage.LAST]
     for row, layer in order:
-        if row.role.is_expert:
+        if row.role.is_fused:
+            _fused_experts(row, layer, dims, target, slots[layer], out)  # type: ignore[index]
+        elif row.role.is_expert:
             _experts(row, layer, dims, target, slots[layer], out)  # type: ignore[index]
         else:
             _dense(row, list(zip(row.hf_names(layer), hf_shapes(row, dims, hf_layout))), dims, target, out)
-    return _fuse(out)
+    renames = _VLLM_RENAMES.get(dims.family, ())
+    return {_renamed(name, renames): param for name, param in _fuse(out).items()}
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for hf, vllm in renames:
+        name = name.replace(hf, vllm)
+    return name
 
 
 __all__ = ["EXPERT_PLACEMENTS", "FUSED_MOE_W13", "FUSED_MOE_W2", "VLLM_VOCAB_PADDING", "ExpertPlacement",
