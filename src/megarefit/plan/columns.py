@@ -161,36 +161,44 @@ def _matrix(length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _lengths_agree(cols: PlanColumns) -> torch.Tensor:
-    """Per op: box lengths agree (module docstring), transposed ops as swapped matrices."""
-    plain = (_compact(cols.src_len) == _compact(cols.dst_len)).all(1)
-    if not bool(cols.special.any()):
-        return plain
-    s_rows, s_cols, s_ok = _matrix(cols.src_len)
-    d_rows, d_cols, d_ok = _matrix(cols.dst_len)
+    """Per op: box lengths agree (module docstring), transposed ops as swapped matrices; the
+    common case (equal padded lengths, not transposed) settled first, the rest on its rows."""
+    out = (cols.src_len == cols.dst_len).all(1) & ~cols.special
+    rest = torch.nonzero(~out).flatten()
+    if not len(rest):
+        return out
+    s_len, d_len, special = cols.src_len[rest], cols.dst_len[rest], cols.special[rest]
+    plain = (_compact(s_len) == _compact(d_len)).all(1)
+    s_rows, s_cols, s_ok = _matrix(s_len)
+    d_rows, d_cols, d_ok = _matrix(d_len)
     swapped = s_ok & d_ok & (s_rows == d_cols) & (s_cols == d_rows)
-    return torch.where(cols.special, swapped, plain)
+    out[rest] = torch.where(special, swapped, plain)
+    return out
 
 
 def _tiled(cols: PlanColumns, d_shape: torch.Tensor, multi: torch.Tensor, n_targets: int) -> torch.Tensor:
     """``[targets]`` bool: every op box of the target is partial in 2+ dims (``multi``), all of
-    them have the same lengths, sit on the grid of those lengths, and no two share a cell."""
-    ids = cols.dst_id
+    them have the same lengths, sit on the grid of those lengths, and no two share a cell
+    (computed on the ops of targets with such boxes only)."""
+    cand = torch.zeros(n_targets, dtype=torch.bool)
+    cand[cols.dst_id[multi]] = True
+    sel = torch.nonzero(cand[cols.dst_id]).flatten()
+    ids, multi, d_shape = cols.dst_id[sel], multi[sel], d_shape[sel]
+    d_len, d_off = cols.dst_len[sel], cols.dst_off[sel]
     first = torch.full((n_targets,), len(ids), dtype=torch.int64).scatter_reduce_(0, ids, torch.arange(len(ids)),
                                                                                    "amin")
-    same = (cols.dst_len == cols.dst_len[first.clamp(max=max(len(ids) - 1, 0))[ids]]).all(1)
-    length = cols.dst_len.clamp(min=1)  # an empty box is flagged by the bounds check
-    aligned = ((cols.dst_off % length) == 0).all(1) & ((d_shape % length) == 0).all(1)
+    same = (d_len == d_len[first.clamp(max=max(len(ids) - 1, 0))[ids]]).all(1)
+    length = d_len.clamp(min=1)  # an empty box is flagged by the bounds check
+    aligned = ((d_off % length) == 0).all(1) & ((d_shape % length) == 0).all(1)
     op_ok = same & aligned & multi
     bad = torch.zeros(n_targets, dtype=torch.bool)
     bad[ids[~op_ok]] = True
-    cell = flat_offsets(cols.dst_off // length, d_shape // length)
+    cell = flat_offsets(d_off // length, d_shape // length)
     key = ids * (int(cell.max()) + 1 if len(cell) else 1) + cell
     srt, order = torch.sort(key)
     dup = srt[1:] == srt[:-1]
     bad[ids[order[1:][dup]]] = True
-    has = torch.zeros(n_targets, dtype=torch.bool)
-    has[ids] = True
-    return has & ~bad
+    return cand & ~bad
 
 
 def vectorized_checks(cols: PlanColumns) -> tuple[torch.Tensor, torch.Tensor]:

@@ -222,6 +222,8 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
     nt = 0
     for pos, row in enumerate(r for r in rows if r in row_layers):
         layers = sorted(row_layers[row])
+        if row.role.is_fused and not owned:
+            continue  # a receiver owning no expert holds no fused expert tensor
         exps = owned if (row.per_expert or row.role.is_grouped) and not row.role.is_fused else [-1]
         lpos = torch.full((n_layers_all + 1,), -1, dtype=_I64)
         lpos[torch.tensor(layers) + 1] = torch.arange(len(layers))
@@ -384,7 +386,7 @@ def _op_rows(dims: ModelDims, layout: SourceLayout, dtype: str, stages: list[_St
     turns = [_replicated_turns(stage) for stage in stages]
     for gi, (_, row, _) in enumerate(src.where):
         reads = _group_reads(layout, src, gi, turns, per_ep)
-        if reads is None:
+        if reads is None or (row.role.is_fused and (row, 0) not in tgt.first):  # (no expert owned: no target)
             continue
         key = (row, reads.tp_rank)
         if key not in templates:
