@@ -41,6 +41,12 @@ CASES = {
     "glm4_moe_mtp": ("GLM-4.5-Air", MOE | MTP, [(2, 2, 2, "te", "te_grouped")], False),
     "mixtral": ("Mixtral-8x7B-v0.1", MOE, [(1, 1, 2, "te", "te_grouped")], False),
     # fused experts with biases (etp 1, Megatron-Core's rule), attention sinks, router bias
+    # hybrid Mamba2 (Megatron-Core MambaModel names); no CPU model: Mamba needs mamba-ssm to build
+    "nemotron_h": ("NVIDIA-Nemotron-3-Nano-30B-A3B", {"num_hidden_layers": 4, "hybrid_override_pattern": "ME*-",
+                                                      "n_routed_experts": 4, "mamba_num_heads": 8,
+                                                      "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8,
+                                                      "moe_shared_expert_intermediate_size": 48},
+                   [(2, 1, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], False),
     "gpt_oss": ("gpt-oss-120b", MOE | {"intermediate_size": 32, "layer_types": ["full_attention"] * 4},
                 [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], True),
 }

@@ -407,3 +407,68 @@ def gpt_oss_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, ranks, *, t
                 s[X.format(2, "weight")], s[X.format(2, "bias")] = down[e].T, down_bias[e]
         out[(t, p, e_rank)] = s
     return out
+
+
+def nemotron_h_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, ranks, *, tp: int, ep: int,
+                                layout: str = "sequential") -> dict:
+    """Megatron ``MambaModel`` shards (local spec, pp 1, expert TP 1) of a Nemotron-H checkpoint, in
+    Megatron-Bridge's scheme (``MambaInProjMapping`` / ``MambaConv1dMapping``): every part of
+    ``in_proj`` [z; x; B; C; dt] and ``conv1d`` [x; B; C] reshaped to (tp, -1, ...) and the
+    parts concatenated per rank; q / k / v interleaved per query group, then the whole tensor
+    chunked over tp (a part of a group per rank when tp > groups); ``ranks``: the (tp, pp, ep)
+    ranks to build, experts whole on ep rank e."""
+    pattern = cfg["hybrid_override_pattern"]
+    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, hidden, vocab = cfg["head_dim"], cfg["hidden_size"], cfg["vocab_size"]
+    inner, gs = cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["n_groups"] * cfg["ssm_state_size"]
+    experts = cfg["n_routed_experts"]
+    padded = -(-vocab // (128 * tp)) * (128 * tp)
+
+    def parts(w, sizes, t):
+        return torch.cat([p.reshape(tp, -1, *p.shape[1:])[t] for p in w.split(sizes)])
+
+    def qkv(prefix):
+        q, k, v = (hf[f"{prefix}{x}_proj.weight"] for x in "qkv")
+        return torch.cat([q.reshape(groups, -1, hidden), k.reshape(groups, d, hidden), v.reshape(groups, d, hidden)],
+                         1).reshape(-1, hidden)
+
+    out = {}
+    for t, _, e_rank in ranks:
+        if True:
+            s = {"embedding.word_embeddings.weight": F.pad(hf["backbone.embeddings.weight"],
+                                                           (0, 0, 0, padded - vocab)).chunk(tp)[t],
+                 "decoder.final_norm.weight": hf["backbone.norm_f.weight"],
+                 "output_layer.weight": F.pad(hf["lm_head.weight"], (0, 0, 0, padded - vocab)).chunk(tp)[t]}
+            for i, kind in enumerate(pattern):
+                H, L = f"backbone.layers.{i}.mixer.", f"decoder.layers.{i}."
+                norm = {"M": "norm", "*": "input_layernorm", "-": "pre_mlp_layernorm", "E": "pre_mlp_layernorm"}[kind]
+                s[L + norm + ".weight"] = hf[f"backbone.layers.{i}.norm.weight"]
+                if kind == "M":
+                    s[L + "mixer.in_proj.weight"] = parts(hf[H + "in_proj.weight"], [inner, inner, gs, gs,
+                                                                                     cfg["mamba_num_heads"]], t)
+                    for p in ("weight", "bias"):
+                        s[L + f"mixer.conv1d.{p}"] = parts(hf[H + f"conv1d.{p}"], [inner, gs, gs], t)
+                    for p in ("A_log", "D", "dt_bias", "norm.weight"):
+                        s[L + f"mixer.{p}"] = hf[H + p].chunk(tp)[t]
+                    s[L + "mixer.out_proj.weight"] = hf[H + "out_proj.weight"].chunk(tp, 1)[t]
+                elif kind == "*":
+                    s[L + "self_attention.linear_qkv.weight"] = qkv(H).chunk(tp)[t]
+                    s[L + "self_attention.linear_proj.weight"] = hf[H + "o_proj.weight"].chunk(tp, 1)[t]
+                elif kind == "-":
+                    s[L + "mlp.linear_fc1.weight"] = hf[H + "up_proj.weight"].chunk(tp)[t]
+                    s[L + "mlp.linear_fc2.weight"] = hf[H + "down_proj.weight"].chunk(tp, 1)[t]
+                else:
+                    s[L + "mlp.router.weight"] = hf[H + "gate.weight"]
+                    s[L + "mlp.router.expert_bias"] = hf[H + "gate.e_score_correction_bias"]
+                    s[L + "mlp.shared_experts.linear_fc1.weight"] = hf[H + "shared_experts.up_proj.weight"].chunk(tp)[t]
+                    s[L + "mlp.shared_experts.linear_fc2.weight"] = hf[H + "shared_experts.down_proj.weight"].chunk(
+                        tp, 1)[t]
+                    per = experts // ep
+                    for j in range(per):
+                        X = H + f"experts.{e_rank * per + j}."
+                        names = ((f"mlp.experts.local_experts.{j}.linear_fc1.weight",
+                                  f"mlp.experts.local_experts.{j}.linear_fc2.weight") if layout == "sequential" else
+                                 (f"mlp.experts.linear_fc1.weight{j}", f"mlp.experts.linear_fc2.weight{j}"))
+                        s[L + names[0]], s[L + names[1]] = hf[X + "up_proj.weight"], hf[X + "down_proj.weight"]
+            out[(t, 0, e_rank)] = s
+    return out

@@ -79,7 +79,7 @@ def test_bridge_is_the_pinned_version(scenarios):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe",
-                                    "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss"])
+                                    "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss", "nemotron_h"])
 def test_tables_agree_with_bridge(scenarios, family):
     case = scenarios["cases"][family]
     assert case["patterns"] > 0
@@ -99,7 +99,8 @@ def test_tables_agree_with_bridge(scenarios, family):
         assert others == [], (name, others[:5])
         mapped = [e for e in entries if e["other_kind"]]
         assert mapped and all(e["other_hf"] == e["hf"] for e in mapped)
-        if name == "tp1-pp1-ep1-local-sequential":  # resolved against a real Megatron-Core model
+        if name == "tp1-pp1-ep1-local-sequential" and family != "nemotron_h":  # resolved against a real
+            # Megatron-Core model (Mamba needs mamba-ssm to build: Nemotron-H is compared by names and classes)
             assert layout["resolved_kinds"] == ["AutoMapping:column", "AutoMapping:replicated", "AutoMapping:row"]
 
 

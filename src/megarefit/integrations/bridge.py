@@ -63,7 +63,7 @@ BRIDGE_VERSION = "0.3.1"
 INSTALL_HINT = ("install Megatron-Bridge in its own environment (it pins transformers<5): "
                 "pip install --no-deps -r requirements/bridge.txt && pip install --no-deps -e .")
 # Bridge family packages imported for their registration side effects.
-_FAMILIES = ("llama", "qwen", "deepseek", "glm", "mistral", "gpt_oss")
+_FAMILIES = ("llama", "qwen", "deepseek", "glm", "mistral", "gpt_oss", "nemotronh")
 
 
 class BridgeUnavailableError(MegarefitError, ImportError):
@@ -123,6 +123,47 @@ def _te_stub() -> dict[str, types.ModuleType]:
     return mods
 
 
+class _Kernel:
+    """Stands in for any Triton name at import time: a decorator returns what it decorates,
+    anything else (``tl.constexpr`` in annotations, ``triton.Config(...)``) is this object."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+
+def _triton_stub() -> dict[str, types.ModuleType]:
+    """``triton`` / ``triton.language`` for importing Bridge's nemotronh package where Triton is
+    absent: Megatron-Core's Mamba modules import inference kernels at module level; a name map
+    never runs them."""
+    mods = {n: types.ModuleType(n) for n in ("triton", "triton.language")}
+    for m in mods.values():
+        m.__getattr__ = _Kernel().__getattr__  # type: ignore[method-assign]  # PEP 562
+        m.__path__ = []  # type: ignore[attr-defined]
+    mods["triton"].language = mods["triton.language"]  # type: ignore[attr-defined]
+    mods["triton"].jit = _Kernel()  # type: ignore[attr-defined]
+    return mods
+
+
+def _import_family(family: str) -> None:
+    """``megatron.bridge.models.<family>``, with :func:`_triton_stub` in place while it imports
+    when Triton is absent (the stub stays referenced by the modules that imported it)."""
+    if importlib.util.find_spec("triton") is not None:
+        importlib.import_module(f"megatron.bridge.models.{family}")
+        return
+    stub = _triton_stub()
+    sys.modules.update(stub)
+    try:
+        importlib.import_module(f"megatron.bridge.models.{family}")
+    finally:
+        for n in stub:
+            sys.modules.pop(n, None)
+
+
 _IMPORTED = False
 
 
@@ -159,7 +200,7 @@ def _import_bridge() -> None:
                 pkg.__spec__.loader.exec_module(pkg)  # type: ignore[union-attr]
                 pkg._megarefit_bare = False  # type: ignore[attr-defined]
         for family in _FAMILIES:
-            importlib.import_module(f"megatron.bridge.models.{family}")
+            _import_family(family)
     except ImportError as exc:
         raise BridgeUnavailableError(f"Megatron-Bridge is not importable ({exc}); {INSTALL_HINT}") from exc
     _IMPORTED = True
@@ -180,7 +221,10 @@ def _hf_config_object(hf_config: Mapping[str, Any]) -> Any:
     model_type = cfg.pop("model_type")
     for key in ("transformers_version", "_name_or_path"):
         cfg.pop(key, None)
-    return transformers.AutoConfig.for_model(model_type, **cfg)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **cfg)
+    except ValueError:  # a model type this transformers lacks (Nemotron-H ships its config as remote code)
+        return transformers.PretrainedConfig(model_type=model_type, **cfg)
 
 
 def bridge_registry(hf_config: Mapping[str, Any]) -> Any:

@@ -76,9 +76,19 @@ class ModelDims:
     mtp_layers: int = 0  # HF num_nextn_predict_layers: MTP layers the checkpoint stores after the decoder
     index_n_heads: int = 0  # DSA lightning indexer (GLM-5); 0 without one
     index_head_dim: int = 0
+    # hybrid Mamba2 models (Nemotron-H): one letter per layer (M mamba, * attention, - dense MLP, E MoE)
+    layer_pattern: str = ""
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0  # HF n_groups (Megatron mamba_num_groups)
+    mamba_state: int = 0  # HF ssm_state_size (Megatron mamba_state_dim)
+    conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
+        if self.layer_pattern and (len(self.layer_pattern) != self.num_layers or set(self.layer_pattern) - set(_KINDS)):
+            raise MegarefitError(f"layer pattern {self.layer_pattern!r}: expected {self.num_layers} letters of "
+                                 f"{''.join(_KINDS)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
                      "ffn_hidden_size", "vocab_size"):
             if getattr(self, name) <= 0:
@@ -149,6 +159,10 @@ class ModelDims:
                        v_head_dim=need("v_head_dim"))
         if fam.mtp_key is not None:
             moe["mtp_layers"] = int(get(fam.mtp_key) or 0)
+        if fam.hybrid:
+            moe.update(_hybrid_dims(fam.name, get, need))
+            if fam.shared_ffn_key and moe.get("shared_expert_ffn"):
+                moe["shared_expert_ffn"] = int(get(fam.shared_ffn_key)) * int(get(fam.shared_experts_key) or 1)
         if fam.dsa_indexer:
             moe.update(index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"))
             if not moe.get("q_lora_rank"):
@@ -202,6 +216,14 @@ class ModelDims:
             "index_head_dim": self.index_head_dim,
             "index_heads": self.index_n_heads,
             "qk_rope": self.qk_rope_head_dim,
+            "mamba_inner": self.mamba_heads * self.mamba_head_dim,
+            "mamba_gs": self.mamba_groups * self.mamba_state,
+            "mamba_heads": self.mamba_heads,
+            "mamba_in": 2 * self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
+            + self.mamba_heads,
+            "mamba_conv": self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state,
+            "conv_kernel": self.conv_kernel,
+            "one": 1,
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
             "2ffn": 2 * self.ffn_hidden_size,
@@ -241,7 +263,10 @@ class ModelDims:
         return frozenset(out)
 
     def layer_kind(self, layer: int) -> str:
-        """``"moe"`` or ``"dense"`` for global decoder layer ``layer``."""
+        """``"moe"`` or ``"dense"`` for global decoder layer ``layer``; a hybrid model's letter's kind
+        (``"mamba"``, ``"attention"``, ``"dense"``, ``"moe"``)."""
+        if self.layer_pattern and layer < len(self.layer_pattern):
+            return _KINDS[self.layer_pattern[layer]]
         return "moe" if self.num_experts and layer not in self.dense_layers else "dense"
 
     def check_expert_layout(self, expert_layout: str) -> None:
@@ -280,8 +305,11 @@ class ModelDims:
         problems = []
         if self.kv_lora_rank:  # MLA splits by heads
             pass
-        elif self.num_query_groups % tp:
-            problems.append(f"num_query_groups={self.num_query_groups} not divisible by tp={tp}")
+        elif self.num_query_groups % tp and tp % self.num_query_groups:  # Megatron-Core's rule
+            problems.append(f"num_query_groups={self.num_query_groups} neither a multiple nor a divisor of tp={tp}")
+        if self.mamba_heads and (self.mamba_heads % tp or self.mamba_groups % tp):
+            problems.append(f"mamba heads={self.mamba_heads} and groups (n_groups)={self.mamba_groups} must divide "
+                            f"over tp={tp} (Megatron-Core's MambaMixer asserts ngroups % tp == 0)")
         if self.num_attention_heads % tp:
             problems.append(f"num_attention_heads={self.num_attention_heads} not divisible by tp={tp}")
         if self.ffn_hidden_size % tp:
@@ -303,7 +331,42 @@ class ModelDims:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
+        for key in _HYBRID_FIELDS:  # absent when unused: the same dict (and plan digests) as before them
+            if not d[key]:
+                del d[key]
         return d
+
+
+_KINDS = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
+_BLOCK_TYPES = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}  # HF layers_block_type -> letter
+_HYBRID_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel")
+
+
+def _hybrid_dims(family: str, get: Any, need: Any) -> dict[str, Any]:
+    """A hybrid Mamba2 config's pattern and Mamba dims (HF NemotronH keys: ``hybrid_override_pattern``
+    or the ``layers_block_type`` list, ``mamba_num_heads``, ``mamba_head_dim``, ``n_groups``,
+    ``ssm_state_size``, ``conv_kernel``).
+
+    Raises:
+        UnsupportedModelError: no pattern, an unknown block type, or Mamba projections with biases.
+    """
+    pattern = get("hybrid_override_pattern")
+    if not pattern and get("layers_block_type"):
+        kinds = list(get("layers_block_type"))
+        unknown = sorted(set(kinds) - set(_BLOCK_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"HF config for family {family}: layers_block_type {unknown} unknown; "
+                                        f"known: {sorted(_BLOCK_TYPES)}")
+        pattern = "".join(_BLOCK_TYPES[k] for k in kinds)
+    if not pattern:
+        raise UnsupportedModelError(f"HF config for family {family} has no hybrid_override_pattern / "
+                                    "layers_block_type")
+    if get("mamba_proj_bias") or get("use_bias"):
+        raise UnsupportedModelError(f"HF config for family {family}: Mamba projections with biases are not "
+                                    "built by Megatron-Core's MambaMixer (bias must be False)")
+    return {"layer_pattern": str(pattern), "mamba_heads": need("mamba_num_heads"),
+            "mamba_head_dim": need("mamba_head_dim"), "mamba_groups": need("n_groups"),
+            "mamba_state": need("ssm_state_size"), "conv_kernel": need("conv_kernel")}
 
 
 def _refuse_shared_indexers(family: str, indexer_types: Any) -> None:

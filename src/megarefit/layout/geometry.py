@@ -233,16 +233,41 @@ def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: Sou
         half = n // 2  # local rows are [gate_r; up_r]
         return [Piece(names[0], 0, tp_rank * half, half), Piece(names[1], half, tp_rank * half, half)]
     if role is Role.QKV:
-        d, groups = dims.head_dim, dims.num_query_groups
-        hq = dims.num_attention_heads // groups
-        out = []
-        for j in range(groups // tp):
-            g, base = tp_rank * (groups // tp) + j, j * (hq + 2) * d
-            out += [Piece(names[0], base, g * hq * d, hq * d),
-                    Piece(names[1], base + hq * d, g * d, d),
-                    Piece(names[2], base + (hq + 1) * d, g * d, d)]
-        return out
+        return _qkv_pieces(names, dims, n, tp_rank)
+    if role in (Role.SEGMENTED, Role.EXPERT_COLUMN):
+        return _segment_pieces(spec, names[0], dims, tp, tp_rank)
     raise NotImplementedError(f"role {role.value} has no layout yet")
+
+
+def _qkv_pieces(names: tuple[str, ...], dims: ModelDims, n: int, tp_rank: int) -> list[Piece]:
+    """QKV rows ``[tp_rank*n, (tp_rank+1)*n)`` of the global interleaved tensor (whole query groups
+    when ``tp`` divides the groups; a part of one group's ``[q_g; k_g; v_g]`` block when ``tp`` is a
+    multiple of them, as Megatron-Core splits it then) cut at the q / k / v boundaries."""
+    d, groups = dims.head_dim, dims.num_query_groups
+    hq = dims.num_attention_heads // groups
+    block = (hq + 2) * d
+    lo, hi = tp_rank * n, (tp_rank + 1) * n
+    out = []
+    for g in range(lo // block, -(-hi // block)):
+        for k, (start, size, dst) in enumerate(((0, hq * d, g * hq * d), (hq * d, d, g * d), ((hq + 1) * d, d, g * d))):
+            a, b = max(lo, g * block + start), min(hi, g * block + start + size)
+            if a < b:
+                out.append(Piece(names[k], a - lo, dst + a - g * block - start, b - a))
+    return out
+
+
+def _segment_pieces(spec: ParamSpec, name: str, dims: ModelDims, tp: int, tp_rank: int) -> list[Piece]:
+    """A segmented row (Mamba's ``in_proj`` [z; x; B; C; dt], ``conv1d`` [x; B; C]): each segment
+    split over ``tp``, rank r holding ``[seg0_r; seg1_r; ...]``; an expert column row is one segment."""
+    sizes = [dims.size(sym) for sym in (spec.segments or spec.shape[:1])]
+    out, src, dst = [], 0, 0
+    for size in sizes:
+        if size % tp:
+            raise LayoutError(f"{name}: a segment of {size} rows does not split over tp={tp}")
+        local = size // tp
+        out.append(Piece(name, src, dst + tp_rank * local, local))
+        src, dst = src + local, dst + size
+    return out
 
 
 def grouped_boxes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout, tp_rank: int,

@@ -112,7 +112,7 @@ def _transform(row: ParamSpec) -> str:
 # Megatron-Bridge mapping class -> megarefit roles it can stand for. AutoMapping is a
 # 1:1 copy whose TP split Bridge decides from the owning module ("AutoMapping:column"
 # once resolved against a real model); QKV / gated mappings are the 3:1 / 2:1 ones.
-_ONE_TO_ONE = {Role.REPLICATED, Role.COLUMN, Role.ROW, Role.VOCAB, Role.EXPERT_ROW}
+_ONE_TO_ONE = {Role.REPLICATED, Role.COLUMN, Role.ROW, Role.VOCAB, Role.EXPERT_ROW, Role.EXPERT_COLUMN}
 KIND_ROLES: dict[str, frozenset[Role]] = {
     "QKVMapping": frozenset({Role.QKV}),
     "GatedMLPMapping": frozenset({Role.GATED_MLP, Role.EXPERT_GATED_MLP}),
@@ -123,6 +123,9 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
     # gpt-oss's fused experts: Bridge's own classes (transpose, (de-)interleave, stack the experts)
     "GPTOSSMLPGateUpProjMapping": frozenset({Role.EXPERT_GATE_UP_FUSED}),
     "GPTOSSMLPDownProjMapping": frozenset({Role.EXPERT_ROW_FUSED, Role.EXPERT_REPLICATED_FUSED}),
+    # Nemotron-H's Mamba mixer: in_proj [z; x; B; C; dt] and conv1d [x; B; C], each part split over TP
+    "MambaInProjMapping": frozenset({Role.SEGMENTED}),
+    "MambaConv1dMapping": frozenset({Role.SEGMENTED}),
 }
 
 

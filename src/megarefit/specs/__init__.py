@@ -10,6 +10,7 @@ from megarefit.specs.deepseek import DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA
 from megarefit.specs.gpt_oss import GPT_OSS
 from megarefit.specs.llama import LLAMA
 from megarefit.specs.mixtral import MIXTRAL
+from megarefit.specs.nemotron_h import NEMOTRON_H
 from megarefit.specs.qwen import QWEN2, QWEN3, QWEN3_MOE
 from megarefit.specs.table import (
     LAYER_SPECS,
@@ -24,7 +25,7 @@ from megarefit.specs.table import (
 )
 
 FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA,
-                                   GPT_OSS)
+                                   GPT_OSS, NEMOTRON_H)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

@@ -51,8 +51,10 @@ ExpertLayout = Literal["sequential", "te_grouped", "legacy_grouped"]
 
 EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("sequential", "te_grouped", "legacy_grouped")
 
-LayerKind = Literal["dense", "moe"]
-"""Which decoder layers a row exists in (MoE models mix dense and MoE layers)."""
+LayerKind = Literal["dense", "moe", "mamba", "attention"]
+"""Which decoder layers a row exists in: MoE models mix dense and MoE layers; hybrid models
+(Nemotron-H) have one kind per layer, from their pattern (``M`` mamba, ``*`` attention,
+``-`` dense MLP, ``E`` MoE)."""
 
 
 class ParallelMode(str, Enum):
@@ -81,6 +83,10 @@ class Role(str, Enum):
                              per layer holding every expert, gate/up interleaved
     expert_row_fused         dim 1 over expert-TP, per expert; 1 HF tensor per layer
     expert_replicated_fused  --, per expert (a row-parallel bias); 1 HF tensor per layer
+    expert_column     dim 0 over expert-TP, per expert, like column (non-gated experts)
+    segmented  dim 0 1, rows are ``ParamSpec.segments``, each split over TP: rank r holds
+                     ``[seg0_r; seg1_r; ...]`` (Mamba's ``in_proj`` [z; x; B; C; dt],
+                     ``conv1d`` [x; B; C]); HF keeps the segments whole, in order
     ========== ===== ================================================================
 
     Fused roles (gpt-oss): HF stores a layer's experts as one tensor, expert on dim 0,
@@ -112,11 +118,14 @@ class Role(str, Enum):
     EXPERT_GATE_UP_FUSED = "expert_gate_up_fused"  # gpt-oss linear_fc1 -> gate_up_proj (all experts, interleaved)
     EXPERT_ROW_FUSED = "expert_row_fused"  # gpt-oss linear_fc2.weight -> down_proj (all experts)
     EXPERT_REPLICATED_FUSED = "expert_replicated_fused"  # gpt-oss linear_fc2.bias -> down_proj_bias (all experts)
+    EXPERT_COLUMN = "expert_column"  # non-gated expert linear_fc1 (Nemotron-H relu2 experts) -> up_proj
+    SEGMENTED = "segmented"  # Mamba in_proj / conv1d: segments each split over tp
 
     @property
     def is_expert(self) -> bool:
         return self in (Role.EXPERT_GATED_MLP, Role.EXPERT_ROW, Role.GROUPED_EXPERT_FC1, Role.GROUPED_EXPERT_FC2,
-                        Role.EXPERT_GATE_UP_FUSED, Role.EXPERT_ROW_FUSED, Role.EXPERT_REPLICATED_FUSED)
+                        Role.EXPERT_GATE_UP_FUSED, Role.EXPERT_ROW_FUSED, Role.EXPERT_REPLICATED_FUSED,
+                        Role.EXPERT_COLUMN)
 
     @property
     def is_fused(self) -> bool:
@@ -152,6 +161,8 @@ _ROLE_MODE = {
     Role.EXPERT_GATE_UP_FUSED: ParallelMode.COLUMN,
     Role.EXPERT_ROW_FUSED: ParallelMode.ROW,
     Role.EXPERT_REPLICATED_FUSED: ParallelMode.REPLICATED,
+    Role.EXPERT_COLUMN: ParallelMode.COLUMN,
+    Role.SEGMENTED: ParallelMode.COLUMN,
 }
 _ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2, Role.GROUPED_EXPERT_FC1: 2}
 
@@ -192,6 +203,9 @@ SHAPE_SYMBOLS = frozenset({
     "index_q", "index_head_dim", "index_heads",  # DSA indexer: heads * head_dim, head_dim, heads
     "qk_rope",  # MLA's qk_rope_head_dim (the rotated part of a head; see ParamSpec.head_rotate)
     "heads",  # num_attention_heads (gpt-oss attention sinks: one learned logit per head)
+    # Mamba2 (Nemotron-H): in_proj rows 2*inner + 2*groups*state + heads, conv1d rows inner + 2*groups*state,
+    # inner = mamba heads * mamba head_dim, a conv1d weight [rows, one, conv_kernel]
+    "mamba_in", "mamba_conv", "mamba_inner", "mamba_gs", "mamba_heads", "conv_kernel", "one",
 })
 _ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
                         Role.EXPERT_GATED_MLP: "2moe_ffn", Role.EXPERT_GATE_UP_FUSED: "2moe_ffn"}
@@ -247,6 +261,9 @@ class ParamSpec:
             of the HF head): Megatron-Core 0.16.1's ``DSAIndexer`` ropes the last
             ``qk_rope`` dims of an indexer head, HF / vLLM GLM-5 the first. Two row runs
             per head, both directions; ``None``: rows map one to one.
+        segments: the ``segmented`` role's dim-0 segments as shape symbols, in order
+            (Mamba ``in_proj``: ``("mamba_inner", "mamba_inner", "mamba_gs", "mamba_gs",
+            "mamba_heads")`` for [z; x; B; C; dt]); they sum to ``shape[0]``.
     """
 
     megatron: str
@@ -261,6 +278,7 @@ class ParamSpec:
     dtype: str | None = None
     linear: bool | None = None
     head_rotate: tuple[str, str] | None = None
+    segments: tuple[str, ...] = ()
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -290,6 +308,9 @@ class ParamSpec:
                 raise SpecTableError(f"{where}: HF name {template!r} and the role disagree on {{expert}}")
         if self.role in (Role.ROW, Role.EXPERT_ROW, Role.EXPERT_ROW_FUSED) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
+        if (self.role is Role.SEGMENTED) != bool(self.segments) or not set(self.segments) <= SHAPE_SYMBOLS:
+            raise SpecTableError(f"{where}: the segmented role and known segment symbols go together, got "
+                                 f"{self.role.value} {self.segments}")
         if self.head_rotate is not None and (self.role is not Role.REPLICATED
                                              or not set(self.head_rotate) <= SHAPE_SYMBOLS):
             raise SpecTableError(f"{where}: head_rotate needs the replicated role and two shape symbols, got "
@@ -378,6 +399,8 @@ class FamilySpec:
     mtp_key: str | None = None  # HF key counting multi-token-prediction layers (num_nextn_predict_layers)
     mla: bool = False  # multi-latent attention dims from q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim
     dsa_indexer: bool = False  # DSA lightning-indexer dims from index_n_heads / index_head_dim
+    hybrid: bool = False  # Mamba2 hybrid: layer pattern and Mamba dims (see ModelDims.from_hf_config)
+    shared_ffn_key: str | None = None  # per shared expert intermediate size, where not moe_ffn_key's
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.entries):

@@ -417,6 +417,10 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
         LayoutError: heads / ffn / moe_intermediate_size / hidden do not split over the
             worker's tensor-parallel group; a bad expert map or placement.
     """
+    if dims.layer_pattern:
+        raise UnsupportedModelError(f"{dims.family}: vLLM-sharded targets are not built for hybrid Mamba models yet "
+                                    "(vLLM's MambaMixer2 stores A = -exp(A_log), a value transform); refit full HF "
+                                    "tensors (sharded=False)")
     hf_layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.vocab_size, num_layers=dims.num_layers)
     rows = [r for r in dims.spec.rows(dims.conditions(1), "local", "sequential")
             if not r.duplicate and r.stage is not Stage.MTP]
