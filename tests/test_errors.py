@@ -50,9 +50,11 @@ def test_wrong_pp_argument_layers_on_wrong_stage(qwen3):
 
 
 def test_tp_that_does_not_divide_groups(config):
-    cfg = config("Qwen3-0.6B")
-    with pytest.raises(LayoutError, match="num_query_groups=2 not divisible by tp=4"):
-        megarefit.hf_to_megatron(reference_hf_state(cfg, "qwen3"), cfg, tp=4)
+    """Megatron-Core splits query groups over tp when one divides the other (a part of a group per
+    rank when tp > groups); anything else is refused, naming both."""
+    cfg = config("Qwen3-0.6B", num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(LayoutError, match="num_query_groups=3 neither a multiple nor a divisor of tp=2"):
+        megarefit.hf_to_megatron(reference_hf_state(cfg, "qwen3"), cfg, tp=2)
 
 
 def test_shape_mismatch_names_tensor_rank_expected_actual(qwen3):

@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
-from megarefit.demo.megatron_mamba import mamba_arch_from_hf, torch_mamba_chunk_scan  # noqa: E402
-from megarefit.demo.workers import run_workers  # noqa: E402
-from megarefit.errors import MegarefitError  # noqa: E402
+from megarefit.demo.megatron_mamba import mamba_arch_from_hf, torch_mamba_chunk_scan
+from megarefit.demo.workers import run_workers
+from megarefit.errors import MegarefitError
 
 pytestmark = pytest.mark.megatron
 
@@ -161,9 +161,9 @@ def layouts_job(rank: int, world_size: int, port: int, hf_sd: dict, cfg: dict, l
         init_parallel(rank=rank, world_size=world_size, master_port=port, tp=tp, pp=1, ep=ep, etp=etp)
         arch = mamba_arch_from_hf(cfg, tp=tp)
         model = build_mamba_model(arch, seed=3)
-        coords = dict(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), ep=ep,
-                      ep_rank=ps.get_expert_model_parallel_rank(), etp=etp,
-                      etp_rank=ps.get_expert_tensor_parallel_rank())
+        coords = {"tp": tp, "tp_rank": ps.get_tensor_model_parallel_rank(), "ep": ep,
+                  "ep_rank": ps.get_expert_model_parallel_rank(), "etp": etp,
+                  "etp_rank": ps.get_expert_tensor_parallel_rank()}
         params, buffers = hf_to_megatron_rank(hf_sd, cfg, arch.pattern, arch.padded_vocab_size, coords)
         own_params = dict(model.named_parameters())
         own_buffers = {k: v for k, v in model.named_buffers() if k.endswith("expert_bias")}
@@ -216,17 +216,30 @@ def test_parameter_names_and_shapes_equal_conversion(runs, layout):
         assert got == want
 
 
+LAYER_NAMES = {  # parameters of one layer of each kind in the local spec (+ the router's expert_bias buffer)
+    "M": ["mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj.weight", "mixer.conv1d.weight",
+          "mixer.conv1d.bias", "mixer.norm.weight", "mixer.out_proj.weight", "norm.weight"],
+    "*": ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"],
+    "E": ["pre_mlp_layernorm.weight", "mlp.router.weight",
+          *(f"mlp.experts.local_experts.{e}.linear_fc{i}.weight" for e in range(2) for i in (1, 2)),
+          "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+          "mlp.router.expert_bias"],
+    "-": ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"],
+}
+
+
 def test_layer_parameter_names(runs):
-    names = sorted(n for n in runs[0][(2, 2, 1)]["model"] if n.startswith("decoder.layers."))
-    assert [n for n in names if n.startswith("decoder.layers.0.")] == [
-        f"decoder.layers.0.{k}" for k in ("mixer.A_log", "mixer.D", "mixer.conv1d.bias", "mixer.conv1d.weight",
-                                          "mixer.dt_bias", "mixer.in_proj.weight", "mixer.norm.weight",
-                                          "mixer.out_proj.weight", "norm.weight")]
-    tp2 = runs[1][(2, 2, 1)]["model"]  # rank 1: tp rank 1, ep rank 1
-    assert tp2["decoder.layers.0.mixer.in_proj.weight"] == (148, 64)  # (2*128 + 2*16 + 8) / 2
-    assert tp2["decoder.layers.0.mixer.conv1d.weight"] == (80, 1, 4)
-    assert tp2["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"] == (48, 64)
-    assert "decoder.layers.2.mlp.experts.local_experts.2.linear_fc1.weight" not in tp2
+    """Names (in Megatron's registration order) and tp=2 / ep=2 shapes of each layer kind."""
+    model = runs[1][(2, 2, 1)]["model"]  # rank 1: tp rank 1, ep rank 1 (global experts 2, 3)
+    for i, kind in enumerate("M*E-"):
+        prefix = f"decoder.layers.{i}."
+        assert [n[len(prefix):] for n in model if n.startswith(prefix)] == LAYER_NAMES[kind]
+    assert model["decoder.layers.0.mixer.in_proj.weight"] == (148, 64)  # (2*128 + 2*16 + 8) / 2
+    assert model["decoder.layers.0.mixer.conv1d.weight"] == (80, 1, 4)  # (128 + 2*16) / 2
+    assert model["decoder.layers.0.mixer.out_proj.weight"] == (64, 64)
+    assert model["decoder.layers.1.self_attention.linear_qkv.weight"] == (64, 64)  # one query group
+    assert model["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"] == (48, 64)  # etp 1
+    assert model["decoder.layers.2.mlp.shared_experts.linear_fc1.weight"] == (40, 64)
 
 
 def test_torch_scan_matches_hf_chunked_scan():
@@ -239,7 +252,7 @@ def test_torch_scan_matches_hf_chunked_scan():
     B, C = torch.randn(b, l, grp, n, generator=g), torch.randn(b, l, grp, n, generator=g)
     A, D, dt_bias = -torch.rand(h, generator=g) * 3, torch.randn(h, generator=g), torch.randn(h, generator=g)
     s0 = torch.randn(b, h, p, n, generator=g)
-    kw = dict(D=D, dt_bias=dt_bias, initial_states=s0, dt_softplus=True, return_final_states=True)
+    kw = {"D": D, "dt_bias": dt_bias, "initial_states": s0, "dt_softplus": True, "return_final_states": True}
     y, s = torch_mamba_chunk_scan(x, dt, A, B, C, 4, **kw)
     y_ref, s_ref = hfm.mamba2_chunk_scan(x, dt, A, B, C, 4, **kw)
     assert (y - y_ref).abs().max().item() < 1e-4 and (s - s_ref).abs().max().item() < 1e-4

@@ -254,8 +254,7 @@ def apply_mamba_cpu_patches() -> None:
     apply_cpu_patches()
     if _MAMBA_PATCHED:
         return
-    import megatron.core.ssm.mamba_block as mamba_block
-    import megatron.core.ssm.mamba_mixer as mamba_mixer
+    from megatron.core.ssm import mamba_block, mamba_mixer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     mamba_mixer.HAVE_MAMBA_SSM = True
@@ -270,6 +269,10 @@ def mamba_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible
                        max_sequence_length: int = 256) -> MambaArch:
     """MambaArch for an HF NemotronH config (``config.json`` dict, path, or ``NemotronHConfig``),
     vocab padded as Megatron pads it (to a multiple of ``make_vocab_size_divisible_by * tp``).
+
+    Not a refusal but a known forward difference: transformers clamps ``softplus(dt + dt_bias)``
+    to at least ``time_step_min`` (Nano: 1e-3); Megatron (and vLLM) do not clamp. The shared
+    expert is ``moe_shared_expert_intermediate_size * n_shared_experts`` wide (only 1 accepted).
 
     Raises:
         MegarefitError: the config needs something Megatron-Core (or this harness) does not build
@@ -348,8 +351,9 @@ def _refuse_unbuildable(get: Any, pattern: str, tp: int) -> None:
     need(heads % groups == 0, f"mamba_num_heads={heads} is not a multiple of n_groups={groups}")
     need(heads % tp == 0 and groups % tp == 0,
          f"Megatron splits Mamba heads ({heads}) and groups ({groups}) over tp={tp}: both must divide")
-    if "*" in pattern:
-        need(int(get("num_attention_heads")) % tp == 0, f"num_attention_heads not divisible by tp={tp}")
+    need(int(get("num_attention_heads")) % tp == 0, f"num_attention_heads not divisible by tp={tp}")
+    if "-" in pattern:
+        need(int(get("intermediate_size")) % tp == 0, f"intermediate_size not divisible by tp={tp}")
     if "E" in pattern:
         need(get("moe_latent_size") is None, "moe_latent_size (latent expert projections)")
         n_group, topk_group = int(get("n_group") or 1), int(get("topk_group") or 1)
@@ -357,6 +361,8 @@ def _refuse_unbuildable(get: Any, pattern: str, tp: int) -> None:
         need(int(get("n_shared_experts", 1) or 0) == 1,
              "n_shared_experts != 1: transformers sizes the shared expert by moe_shared_expert_intermediate_size "
              "alone, vLLM by its product with n_shared_experts")
+        need(int(get("moe_shared_expert_intermediate_size") or 0) % tp == 0,
+             f"moe_shared_expert_intermediate_size not divisible by tp={tp}")
         topk, norm = int(get("num_experts_per_tok") or 2), bool(get("norm_topk_prob", True))
         need(norm == (topk > 1), f"norm_topk_prob={norm} with top-k {topk}: Megatron's sigmoid router "
                                  "renormalises exactly when top-k > 1")
@@ -452,9 +458,11 @@ def _transformer_config(arch: MambaArch) -> Any:
 def build_mamba_model(arch: MambaArch, *, seed: int = 1234) -> MambaModel:
     """Build this rank's shard of a Megatron ``MambaModel`` on CPU (``arch.dtype``, eval mode).
 
-    Uses the current parallel state (:func:`megarefit.demo.megatron_cpu.init_parallel`; tested
-    with tp 1 and 2, pp 1, ep 1 or 2, etp 1 or tp). The default torch RNG is seeded from ``seed``
-    and the pipeline rank. No position embedding; ``parallel_output=False``.
+    Uses the current parallel state (:func:`megarefit.demo.megatron_cpu.init_parallel`; the
+    tests run tp 1 and 2, pp 1, ep 1 or 2, etp 1 or tp). With pp > 1 ``MambaStack`` keeps its
+    stage's slice of ``arch.pattern`` and numbers the layers locally from 0. The default torch
+    RNG is seeded from ``seed`` and the pipeline rank. No position embedding;
+    ``parallel_output=False``.
     """
     apply_mamba_cpu_patches()
     from megatron.core import parallel_state as ps
