@@ -135,6 +135,24 @@ def test_demo_gpt_oss_matches_real_megatron(layout):
 
 
 @pytest.mark.megatron
+def test_demo_nemotron_h_matches_real_megatron():
+    """`megarefit demo --config NVIDIA-Nemotron-3-Nano-30B-A3B.json`: real Megatron-Core builds the
+    hybrid as MambaModel on CPU (one Mamba2, one MoE and one attention layer, the SSD scan in torch;
+    tp 2: in_proj / conv1d split part by part, experts and the shared expert split over expert TP)
+    and transformers' own NemotronHForCausalLM gives the same logits after the refit."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    cfg = Path(__file__).parent / "data" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B.json"
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    for words in ("hybrid_override_pattern MEMEM", "-> ME*", "real Megatron-Core MambaModel, tp=2",
+                  "NemotronHForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
+        assert words in out, (words, proc.stdout)
+
+
+@pytest.mark.megatron
 def test_live_demo_over_nixl_passes():
     pytest.importorskip("nixl")
     pytest.importorskip("megatron.core")
@@ -160,6 +178,7 @@ def test_vllm_engine_needs_nixl(capsys):
                "--quantization", "fp8"]),
     ("GLM-4.5-Air", ["--tp", "4", "--pp", "2", "--ep", "16", "--etp", "1", "--layer-spec", "local"]),
     ("gpt-oss-120b", ["--tp", "4", "--ep", "8", "--quantization", "none"]),
+    ("NVIDIA-Nemotron-3-Nano-30B-A3B", ["--tp", "4", "--ep", "8"]),
 ])
 def test_plan_full_size_moe(name, args, capsys):
     t0 = __import__("time").perf_counter()

@@ -403,7 +403,8 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         console.print(f"config: {note}")
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
     experts = f", {plan.layout.expert_layout} experts" if result.dims.num_experts else ""
-    console.print(f"trainer: real Megatron-Core GPTModel, tp={args.tp} pp={args.pp} ep={args.ep} "
+    model_class = "MambaModel" if result.dims.layer_pattern else "GPTModel"
+    console.print(f"trainer: real Megatron-Core {model_class}, tp={args.tp} pp={args.pp} ep={args.ep} "
                   f"etp={plan.layout.etp}{experts} on gloo (CPU, fp32); "
                   f"target: HF transformers {result.config['architectures'][0]}")
     console.print(plan_table(plan, per_rank=True))

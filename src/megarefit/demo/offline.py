@@ -1,6 +1,7 @@
 """``megarefit demo``: a real Megatron-Core -> HF transformers refit on CPU.
 
-1. trainer: ``tp * pp`` gloo processes build a real Megatron-Core GPTModel from
+1. trainer: ``tp * pp`` gloo processes build a real Megatron-Core GPTModel (MambaModel for
+   hybrid Mamba configs, :mod:`megarefit.demo.megatron_mamba`) from
    the HF config (random init), run a forward pass, and hand over their local
    shards (no gather);
 2. plan: the slice plan from shapes alone, validated;
@@ -134,9 +135,8 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
         MegarefitError: the config or layout is unsupported (``te_grouped`` experts included).
         RuntimeError: a trainer worker failed (its traceback is included).
     """
-    from megarefit.demo.megatron_cpu import gpt_arch_from_hf
     from megarefit.demo.shrink import shrink_config
-    from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
+    from megarefit.demo.trainer_jobs import TrainerCase, check_buildable, trainer_job
     from megarefit.demo.workers import run_workers
     from megarefit.integrations.hf import (
         build_hf_model,
@@ -156,7 +156,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     dims.check_layout(tp, pp, ep, etp)
     if ep > 1 and (not dims.num_experts or dims.num_experts % ep):
         raise MegarefitError(f"--ep {ep} needs an MoE config whose experts ({dims.num_experts}) divide by it")
-    gpt_arch_from_hf(cfg, tp=tp)  # fail early on what the CPU harness cannot build
+    check_buildable(cfg, tp)  # fail early on what the CPU harness cannot build
     check_expert_layout(expert_layout, dims)
     check_memory(dims, tp, pp)
     vocab = dims.vocab_size

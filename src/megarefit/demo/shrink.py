@@ -101,6 +101,23 @@ def _moe(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> int:
     return dense
 
 
+def _hybrid(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """A hybrid Mamba2 config (Nemotron-H): its pattern cut to one layer of each kind, in order of
+    first appearance; Mamba dims reduced (8 heads of 16, 2 groups of state 8)."""
+    pattern = cfg.get("hybrid_override_pattern")
+    if not pattern:
+        return
+    out["hybrid_override_pattern"] = "".join(dict.fromkeys(pattern))
+    out["num_hidden_layers"] = len(out["hybrid_override_pattern"])
+    out.update(mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8)
+    if cfg.get("moe_shared_expert_intermediate_size"):
+        out["moe_shared_expert_intermediate_size"] = MOE_FFN
+    if (cfg.get("time_step_min") or 0) > 1e-9:  # HF clamps dt there, Megatron-Core and vLLM do not
+        out["time_step_min"] = 1e-9
+        notes.append(f"time_step_min {cfg['time_step_min']} -> 1e-9: HF clamps the Mamba step dt at it, "
+                     "Megatron-Core and vLLM do not (a model-math difference, not a layout one)")
+
+
 def _windows(cfg: dict[str, Any], out: dict[str, Any]) -> None:
     """Per-layer ``layer_types`` cut to the kept layers; a sliding window shrunk below the demo's
     sequence length."""
@@ -120,6 +137,7 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _attention(cfg, out)
     dense = _moe(cfg, out, notes)
     out["num_hidden_layers"] = dense + 2
+    _hybrid(cfg, out, notes)
     out["vocab_size"] = min(cfg.get("vocab_size") or SMALL_VOCAB, SMALL_VOCAB)
     out["max_position_embeddings"] = 256
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids must exist in the small vocabulary

@@ -51,10 +51,34 @@ def _first_copy(ep: int) -> bool:
     return ps.get_data_parallel_rank() // max(1, ep) == 0
 
 
+def is_hybrid(hf_config: dict) -> bool:
+    """A hybrid Mamba2 config (Nemotron-H), built as Megatron-Core's ``MambaModel``."""
+    return hf_config.get("model_type") == "nemotron_h"
+
+
+def check_buildable(hf_config: dict, tp: int) -> None:
+    """Raise :class:`~megarefit.errors.MegarefitError` for a config the CPU harnesses cannot build
+    exactly (before any process starts)."""
+    if is_hybrid(hf_config):
+        from megarefit.demo.megatron_mamba import mamba_arch_from_hf
+
+        mamba_arch_from_hf(hf_config, tp=tp)
+    else:
+        gpt_arch_from_hf(hf_config, tp=tp)
+
+
 def _build(case: TrainerCase) -> torch.nn.Module:
     """The case's GPTModel. ``legacy_grouped`` experts are Megatron's ``GroupedMLP`` run through
     :func:`~megarefit.demo.megatron_cpu.fake_grouped_gemm` (a looped fp32 ``gmm``); its forward
     asserts ``config.bf16``, which is set after the build so no other module sees it."""
+    if is_hybrid(case.hf_config):  # Nemotron-H: Megatron-Core's MambaModel
+        from megarefit.demo.megatron_mamba import apply_mamba_cpu_patches, build_mamba_model, mamba_arch_from_hf
+
+        apply_mamba_cpu_patches()
+        if case.expert_layout != "sequential":
+            raise ValueError(f"expert_layout {case.expert_layout!r}: the CPU MambaModel builds sequential experts")
+        return build_mamba_model(dataclasses.replace(mamba_arch_from_hf(case.hf_config, tp=case.tp),
+                                                     dtype=case.dtype), seed=case.seed)
     arch = dataclasses.replace(gpt_arch_from_hf(case.hf_config, tp=case.tp), dtype=case.dtype)
     if case.expert_layout == "legacy_grouped":
         fake_grouped_gemm()

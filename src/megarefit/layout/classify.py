@@ -54,6 +54,12 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("TEColumnParallelGroupedLinear", "*"): P.COLUMN,  # weight{i} per local expert
     ("TERowParallelGroupedLinear", "weight"): P.ROW,
     ("TERowParallelGroupedLinear", "bias"): P.REPLICATED,  # bias{i}: added after the reduction, whole
+    # Mamba2 mixer (Nemotron-H): per-head parameters, the depthwise conv and the gated norm, split over TP
+    ("MambaMixer", "A_log"): P.COLUMN,
+    ("MambaMixer", "D"): P.COLUMN,
+    ("MambaMixer", "dt_bias"): P.COLUMN,
+    ("Conv1d", "*"): P.COLUMN,
+    ("ExtendedRMSNorm", "weight"): P.COLUMN,
     # learned attention-sink logits (softmax_type="learnable", gpt-oss): one per local head
     ("DotProductAttention", "softmax_offset"): P.COLUMN,
     ("TEDotProductAttention", "softmax_offset"): P.COLUMN,
