@@ -56,7 +56,8 @@ def test_targets_are_what_transformers_saves(checkpoint, tp, ep):
 
 
 @settings(max_examples=20, deadline=None)
-@given(tp_groups=st.sampled_from([(1, 2, 2), (2, 2, 2), (2, 2, 1), (4, 4, 2), (4, 4, 1)]), ep=st.sampled_from([1, 2, 4]),
+@given(tp_groups=st.sampled_from([(1, 2, 2), (2, 2, 2), (2, 2, 1), (4, 4, 2), (4, 4, 1)]),
+       ep=st.sampled_from([1, 2, 4]),
        pattern=st.sampled_from(["M*E-", "ME*M", "*EM", "MEME*"]), layout=st.sampled_from(["sequential", "te_grouped"]),
        seed=st.integers(0, 2**16))
 def test_layout_matches_the_reference_and_round_trips(tp_groups, ep, pattern, layout, seed):

@@ -364,5 +364,5 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     return out
 
 
-__all__ = ["ExpertWeights", "Piece", "SourceTensor", "fused_boxes", "fused_shapes", "global_shape", "grouped_boxes", "grouped_pieces",
-           "hf_shapes", "local_shape", "piece_boxes", "pieces", "source_tensors", "view_shape"]
+__all__ = ["ExpertWeights", "Piece", "SourceTensor", "fused_boxes", "fused_shapes", "global_shape", "grouped_boxes",
+           "grouped_pieces", "hf_shapes", "local_shape", "piece_boxes", "pieces", "source_tensors", "view_shape"]

@@ -4,8 +4,8 @@ mixers, attention, dense MLP and MoE layers, one kind per layer from the config'
 HF checkpoints name every layer's block ``mixer`` under ``backbone.``::
 
     Megatron decoder.layers.{layer}.          HF backbone.layers.{layer}.   TP split
-    M  mixer.in_proj.weight   [z; x; B; C; dt]  ->  mixer.in_proj.weight    segmented: rank r holds [z_r; x_r; B_r; C_r; dt_r]
-       mixer.conv1d.weight / .bias  [x; B; C]   ->  mixer.conv1d.*          segmented: [x_r; B_r; C_r] ([rows, 1, kernel])
+    M  mixer.in_proj.weight   [z; x; B; C; dt]  ->  mixer.in_proj.weight    segmented: rank r [z_r; x_r; B_r; C_r; dt_r]
+       mixer.conv1d.weight / .bias  [x; B; C]   ->  mixer.conv1d.*          segmented: [x_r; B_r; C_r] ([rows, 1, k])
        mixer.A_log, mixer.D, mixer.dt_bias      ->  the same              by heads
        mixer.norm.weight  (gated, per group)    ->  mixer.norm.weight       rows (groups split over TP)
        mixer.out_proj.weight                    ->  mixer.out_proj.weight   columns
@@ -46,7 +46,8 @@ def _mamba_rows() -> tuple[ParamSpec, ...]:
                   layer_kind=k),
         ParamSpec(_L + "mixer.in_proj.weight", R.SEGMENTED, (_M + "in_proj.weight",), ("mamba_in", "hidden"),
                   layer_kind=m, segments=("mamba_inner", "mamba_inner", "mamba_gs", "mamba_gs", "mamba_heads")),
-        ParamSpec(_L + "mixer.conv1d.weight", R.SEGMENTED, (_M + "conv1d.weight",), ("mamba_conv", "one", "conv_kernel"),
+        ParamSpec(_L + "mixer.conv1d.weight", R.SEGMENTED, (_M + "conv1d.weight",),
+                  ("mamba_conv", "one", "conv_kernel"),
                   layer_kind=m, segments=("mamba_inner", "mamba_gs", "mamba_gs"), linear=False),
         ParamSpec(_L + "mixer.conv1d.bias", R.SEGMENTED, (_M + "conv1d.bias",), ("mamba_conv",),
                   layer_kind=m, segments=("mamba_inner", "mamba_gs", "mamba_gs")),
