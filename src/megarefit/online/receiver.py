@@ -56,7 +56,7 @@ from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.transport.boxcopy import BoxCopies
 from megarefit.transport.checksum import ChecksumMismatchError
 from megarefit.transport.cuda_ipc import IpcMode, IpcSources
-from megarefit.transport.execute import slots, torch_dtype
+from megarefit.transport.execute import run_value_step, slots, torch_dtype
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import DIRECT_MIN_BYTES, InFlight, NixlTransport
 
@@ -646,6 +646,8 @@ class RefitReceiver:
                     self._buffers[q.staging], self._buffers[q.weight], self._buffers[q.scale])],
                                                Fp8Format(step.block, step.ue8m0))
             self._quantizer()
+        for t in plan.transforms:  # value steps (vLLM's Mamba A = -exp(A_log)), after the pull
+            run_value_step(t, self._buffers[t.staging], self._buffers[t.target])
         if plan.quantize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         quant_s = time.perf_counter() - t_quant
@@ -772,6 +774,8 @@ class RefitReceiver:
         for ref, meta in group.plan.targets.items():
             for box in meta.zero_fill:
                 bufs[ref][box.slices()].zero_()
+        for t in group.plan.transforms:
+            run_value_step(t, bufs[t.staging], bufs[t.target])
         if not group.plan.quantize:
             return
         if stream.quantizers[k] is None:

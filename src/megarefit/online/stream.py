@@ -117,14 +117,15 @@ class StreamGroup:
 
 def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, ring_bytes: int, salt: str = "") -> Plan:
     """``plan`` restricted to targets ``refs`` (every op writing them, the sources those read,
-    their quantize steps); validated: it covers each of its targets exactly once."""
+    their quantize and value steps); validated: it covers each of its targets exactly once."""
     by_target = plan.ops_by_target
     ops = tuple(op for ref in refs for op in by_target.get(ref, ()))
     targets = {ref: plan.targets[ref] for ref in refs}
     sources = {op.src: plan.sources[op.src] for op in ops}
     quantize = tuple(q for q in plan.quantize if q.weight in targets)
+    transforms = tuple(t for t in plan.transforms if t.target in targets)
     sub = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, ops,
-               digest_of(plan.digest, "stream", ring_bytes, k, salt), quantize)
+               digest_of(plan.digest, "stream", ring_bytes, k, salt), quantize, transforms)
     validate_plan(sub)
     return sub
 

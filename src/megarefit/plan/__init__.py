@@ -1,7 +1,7 @@
 """Plan data: what a refit copies, as frozen, validated, serializable data.
 
 * :mod:`~megarefit.plan.ops`: :class:`TensorRef`, :class:`TensorMeta`, :class:`CopyOp`,
-  :class:`QuantizeStep` (offsets in elements, ``nbytes`` in bytes);
+  :class:`QuantizeStep`, :class:`ValueStep` (offsets in elements, ``nbytes`` in bytes);
 * :mod:`~megarefit.plan.columns`: a plan's ops as int64 columns, checks on whole columns;
 * :mod:`~megarefit.plan.table`: columnar plans (tensor tables named on demand, :class:`OpTable`);
 * :mod:`~megarefit.plan.validate`: :func:`validate_plan`, exact cover before a byte moves;
@@ -16,6 +16,7 @@ from megarefit.plan.ops import (
     QuantizeStep,
     TensorMeta,
     TensorRef,
+    ValueStep,
     digest_of,
     itemsize,
     joined,
@@ -25,5 +26,5 @@ from megarefit.plan.ops import (
 from megarefit.plan.plan import Plan
 from megarefit.plan.validate import validate_plan
 
-__all__ = ["ITEMSIZE", "CopyOp", "Direction", "OpKind", "Plan", "QuantizeStep", "TensorMeta", "TensorRef", "digest_of",
-           "itemsize", "joined", "make_op", "merge_ops", "validate_plan"]
+__all__ = ["ITEMSIZE", "CopyOp", "Direction", "OpKind", "Plan", "QuantizeStep", "TensorMeta", "TensorRef", "ValueStep",
+           "digest_of", "itemsize", "joined", "make_op", "merge_ops", "validate_plan"]

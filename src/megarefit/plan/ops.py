@@ -173,6 +173,26 @@ class QuantizeStep:
 
 
 
+ValueFn = Literal["neg_exp"]
+VALUE_FNS: dict[str, str] = {  # what each value function computes, and its inverse
+    "neg_exp": "target = -exp(staging) in float32 (vLLM MambaMixer2's A = -exp(A_log.float())); "
+               "inverse staging = log(-target), not bit-exact (exp and log each round)",
+}
+
+
+@dataclass(frozen=True)
+class ValueStep:
+    """An elementwise value transform on the receiver, after the pulls: ``target`` =
+    ``fn(staging)`` (:data:`VALUE_FNS`), ``staging`` a target the ops fill in the model dtype
+    and never handed over, ``target`` (same shape, float32) written by no op. Where a
+    receiver's parameter is not a copy of trainer bytes (vLLM's Mamba ``A``), the plan says
+    so here instead of hiding it in a loader."""
+
+    staging: TensorRef
+    target: TensorRef
+    fn: ValueFn
+
+
 def digest_of(*parts: Any) -> str:
     """Stable short digest of JSON-serializable parts (the plan-cache key)."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
@@ -180,5 +200,6 @@ def digest_of(*parts: Any) -> str:
 
 
 
-__all__ = ["ITEMSIZE", "CopyOp", "Direction", "OpKind", "QuantizeStep", "TensorMeta", "TensorRef", "digest_of",
+__all__ = ["ITEMSIZE", "VALUE_FNS", "CopyOp", "Direction", "OpKind", "QuantizeStep", "TensorMeta", "TensorRef",
+           "ValueFn", "ValueStep", "digest_of",
            "itemsize", "joined", "make_op", "merge_ops", "squeezed_lengths"]

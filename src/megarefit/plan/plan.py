@@ -21,7 +21,7 @@ from megarefit.errors import PlanValidationError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.parallel import Box, RankCoord, SourceLayout
 from megarefit.plan.columns import PlanColumns
-from megarefit.plan.ops import CopyOp, Direction, QuantizeStep, TensorMeta, TensorRef, itemsize, make_op
+from megarefit.plan.ops import CopyOp, Direction, QuantizeStep, TensorMeta, TensorRef, ValueStep, itemsize, make_op
 from megarefit.plan.table import OpTable
 from megarefit.plan.validate import validate_plan
 
@@ -33,7 +33,9 @@ class Plan:
     ``ops`` are grouped by target, targets in ``targets`` order, so a receiver
     can finish (and hand over) one target tensor at a time. ``quantize`` lists the
     receiver-side FP8 steps (their staging targets are filled by ops and not handed
-    over; their weight / scale targets are produced by the step).
+    over; their weight / scale targets are produced by the step); ``transforms`` the
+    receiver-side value transforms (:class:`ValueStep`: a staging target filled by ops,
+    a float32 target produced from it).
     """
 
     direction: Direction
@@ -45,16 +47,19 @@ class Plan:
     ops: tuple[CopyOp, ...]
     digest: str = field(default="")
     quantize: tuple[QuantizeStep, ...] = ()
+    transforms: tuple[ValueStep, ...] = ()
 
     @cached_property
     def staging(self) -> frozenset[TensorRef]:
-        """Targets filled only to be quantized on the receiver (not handed over)."""
-        return frozenset(q.staging for q in self.quantize)
+        """Targets filled only to be quantized or transformed on the receiver (not handed over)."""
+        return frozenset([q.staging for q in self.quantize] + [t.staging for t in self.transforms])
 
     @cached_property
-    def produced(self) -> dict[TensorRef, QuantizeStep]:
-        """Targets a quantize step writes (no op does), with their step."""
-        return {ref: q for q in self.quantize for ref in (q.weight, q.scale)}
+    def produced(self) -> dict[TensorRef, QuantizeStep | ValueStep]:
+        """Targets a quantize or value step writes (no op does), with their step."""
+        out: dict[TensorRef, QuantizeStep | ValueStep] = {ref: q for q in self.quantize for ref in (q.weight, q.scale)}
+        out.update((t.target, t) for t in self.transforms)
+        return out
 
     @cached_property
     def ops_by_target(self) -> dict[TensorRef, tuple[CopyOp, ...]]:
@@ -121,7 +126,7 @@ class Plan:
                     None if m.storage_shape is None else list(m.storage_shape)]
 
         return {
-            "format": "megarefit.plan/3",  # /3: quantize steps
+            "format": "megarefit.plan/3",  # /3: quantize steps (and value transforms, where a plan has them)
             "direction": self.direction,
             "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(),
@@ -132,6 +137,8 @@ class Plan:
             "ops": [[ref(o.src), o.src_box.to_list(), ref(o.dst), o.dst_box.to_list(), o.transpose] for o in self.ops],
             "quantize": [[ref(q.staging), ref(q.weight), ref(q.scale), list(q.block), q.ue8m0, q.reason]
                          for q in self.quantize],
+            **({"transforms": [[ref(t.staging), ref(t.target), t.fn] for t in self.transforms]}
+               if self.transforms else {}),
         }
 
     def to_json(self) -> str:
@@ -161,8 +168,9 @@ class Plan:
                                dst_view=targets[dr].storage_shape is not None))
         steps = tuple(QuantizeStep(ref(st), ref(w), ref(sc), tuple(b), ue, why)  # type: ignore[arg-type]
                       for st, w, sc, b, ue, why in data.get("quantize", []))
+        transforms = tuple(ValueStep(ref(st), ref(t), fn) for st, t, fn in data.get("transforms", []))
         plan = cls(data["direction"], ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]), data["dtype"],
-                   sources, targets, tuple(ops), data["digest"], steps)
+                   sources, targets, tuple(ops), data["digest"], steps, transforms)
         validate_plan(plan)
         return plan
 

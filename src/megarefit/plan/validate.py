@@ -15,7 +15,7 @@ import torch
 from megarefit.errors import PlanValidationError
 from megarefit.layout.parallel import Box
 from megarefit.plan.columns import PlanColumns, vectorized_checks
-from megarefit.plan.ops import CopyOp, QuantizeStep, TensorMeta, TensorRef, squeezed_lengths
+from megarefit.plan.ops import VALUE_FNS, CopyOp, QuantizeStep, TensorMeta, TensorRef, squeezed_lengths
 from megarefit.plan.table import OpTable
 
 
@@ -88,13 +88,14 @@ def validate_plan(plan: PlanFields) -> None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
                                       f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "
                                       f"(expected {want_scale})")
+    _check_transforms(plan, lookup)
     if target_rows is None:
         by_target = plan.ops_by_target if targets else {}
         target_rows = [(ref, plan.targets[ref], by_target.get(ref, ())) for ref in targets]
     for ref, meta, writers in target_rows:
         if ref in produced:
             if writers:
-                raise PlanValidationError(f"target {ref}: written by ops and by its quantize step")
+                raise PlanValidationError(f"target {ref}: written by ops and by its quantize / value step")
             continue
         entries = [(op.dst_box, str(op.src)) for op in writers] + [(b, "zero fill") for b in meta.zero_fill]
         for b, who in entries:
@@ -106,6 +107,23 @@ def validate_plan(plan: PlanFields) -> None:
             raise PlanValidationError(
                 f"target {ref}: ops cover {covered} of {meta.numel} elements (shape {meta.shape})"
             )
+
+
+def _check_transforms(plan: PlanFields, lookup: Any) -> None:
+    """Every value step's staging and target are declared, of one shape, the target float32 and
+    the function known."""
+    steps = getattr(plan, "transforms", ())
+    if not steps:
+        return
+    metas = lookup([r for t in steps for r in (t.staging, t.target)]) if lookup else plan.targets
+    for t in steps:
+        staging, target = metas.get(t.staging), metas.get(t.target)
+        if staging is None or target is None:
+            raise PlanValidationError(f"value step for {t.target}: staging / target not declared")
+        if t.fn not in VALUE_FNS or staging.shape != target.shape or target.dtype != "float32":
+            raise PlanValidationError(f"value step for {t.target}: {t.fn!r} (known: {sorted(VALUE_FNS)}) from "
+                                      f"{staging.dtype} {staging.shape} into {target.dtype} {target.shape} "
+                                      "(expected the same shape, float32)")
 
 
 def _odd_targets(table: Any, odd: Any) -> list[tuple[TensorRef, TensorMeta, tuple[CopyOp, ...]]]:

@@ -71,6 +71,10 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
         raise UnsupportedQuantizationError(
             f"{plan.dims.family}: block FP8 is not produced for it (vLLM serves gpt-oss in bf16 or MXFP4, and "
             "reads no block-FP8 experts for it); refit the model dtype (quantization='none', CLI --quantization none)")
+    if plan.dims.layer_pattern:
+        raise UnsupportedQuantizationError(
+            f"{plan.dims.family}: block FP8 is not produced for hybrid Mamba models yet; refit the model dtype "
+            "(quantization='none', CLI --quantization none)")
     if isinstance(plan.ops, OpTable):  # a columnar plan (plan_megatron_to_hf): the same rules on columns
         with plan_threads():
             out = plan_fp8_columns(plan, fmt, STAGING_SUFFIX)

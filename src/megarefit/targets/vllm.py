@@ -22,7 +22,7 @@ from functools import lru_cache
 from megarefit.errors import LayoutError
 from megarefit.layout import Box, SourceLayout
 from megarefit.layout.dims import ModelDims
-from megarefit.plan import Plan, QuantizeStep, TensorRef, digest_of
+from megarefit.plan import Plan, QuantizeStep, TensorRef, ValueStep, digest_of
 from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
@@ -99,17 +99,38 @@ def worker_experts(dims: ModelDims, target: VllmTarget) -> frozenset[int] | None
     return frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
 
 
+def _value_params(typed: dict[str, tuple[VllmParam, str | None]]
+                  ) -> tuple[dict[str, tuple[VllmParam, str | None]], list[ValueStep]]:
+    """Parameters vLLM stores transformed (``VllmParam.value_fn``: Mamba's ``A``) as a staging
+    parameter the pulls fill, in the model dtype, and a float32 parameter a :class:`ValueStep`
+    produces from it (staging first: a receiver finishes targets in order)."""
+    out: dict[str, tuple[VllmParam, str | None]] = {}
+    steps: list[ValueStep] = []
+    for name, (param, dtype) in typed.items():
+        if param.value_fn is None:
+            out[name] = (param, dtype)
+            continue
+        staging = name + STAGING_SUFFIX
+        out[staging] = (VllmParam(param.shape, param.pieces), None)
+        out[name] = (VllmParam(param.shape, ()), "float32")
+        steps.append(ValueStep(TensorRef(None, staging), TensorRef(None, name), param.value_fn))  # type: ignore[arg-type]
+    return out, steps
+
+
 def worker_params(dims: ModelDims, target: VllmTarget, hf_plan: Plan, quantization: Fp8Format | None
-                  ) -> tuple[dict[str, tuple[VllmParam, str | None]], list[QuantizeStep], set[str]]:
+                  ) -> tuple[dict[str, tuple[VllmParam, str | None]], list[QuantizeStep], set[str], list[ValueStep]]:
     """Worker ``target``'s parameters against ``hf_plan`` (already FP8 where ``quantization``
-    is set): ``(name -> (parameter, dtype override), quantize steps, names a step writes)``."""
+    is set): ``(name -> (parameter, dtype override), quantize steps, names a step writes,
+    value steps)``."""
     params = vllm_params(dims, target)
     steps: list[QuantizeStep] = []
     if quantization is not None:
         typed, steps = _fp8_params(params, hf_plan, quantization)
     else:
         typed = {name: (param, None) for name, param in params.items()}
-    return typed, steps, {r.name for q in steps for r in (q.weight, q.scale)}
+    typed, transforms = _value_params(typed)
+    produced = {r.name for q in steps for r in (q.weight, q.scale)} | {t.target.name for t in transforms}
+    return typed, steps, produced, transforms
 
 
 @lru_cache(maxsize=64)
@@ -136,9 +157,10 @@ def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, tar
     hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts, "out_in" if fused else "in_out")
     if quantization is not None:
         hf_plan = plan_fp8(hf_plan, quantization)
-    typed, steps, produced = worker_params(dims, target, hf_plan, quantization)
+    typed, steps, produced, transforms = worker_params(dims, target, hf_plan, quantization)
     with plan_threads():
-        return retarget(hf_plan, typed, produced, dtype, steps, digest_of("megatron_to_vllm", hf_plan.digest, target))
+        return retarget(hf_plan, typed, produced, dtype, steps, digest_of("megatron_to_vllm", hf_plan.digest, target),
+                        transforms)
 
 
 __all__ = ["plan_megatron_to_vllm"]

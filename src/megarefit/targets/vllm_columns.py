@@ -25,7 +25,7 @@ import torch
 
 from megarefit.errors import PlanValidationError
 from megarefit.layout import Box
-from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, validate_plan
+from megarefit.plan import Plan, QuantizeStep, TensorMeta, TensorRef, ValueStep, validate_plan
 from megarefit.plan.columns import PlanColumns, contiguous_runs, flat_offsets
 from megarefit.plan.table import OpTable, TensorTable
 from megarefit.targets.vllm_layout import VllmParam
@@ -214,7 +214,7 @@ def _merged_columns(columns: list[torch.Tensor], ops: OpTable, targets: ListTabl
 
 
 def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], produced: set[str], dtype: str,
-             steps: Sequence[QuantizeStep], digest: str) -> Plan:
+             steps: Sequence[QuantizeStep], digest: str, transforms: Sequence[ValueStep] = ()) -> Plan:
     """The vLLM worker's plan from a columnar ``hf_plan`` (see the module docstring);
     ``typed``: parameter name -> (parameter, dtype override); ``produced``: names a quantize
     step writes (declared, no ops). Validated before returning.
@@ -252,7 +252,7 @@ def retarget(hf_plan: Plan, typed: Mapping[str, tuple[VllmParam, str | None]], p
     cols, item, transpose = _merged_columns(columns, ops, targets_table, src_shape, width)
     out = OpTable(cols, ops.sources, targets_table, item, transpose)  # type: ignore[arg-type]
     plan = Plan("megatron_to_vllm", hf_plan.dims, hf_plan.layout, dtype, ops.sources, targets_table,
-                out, digest, tuple(steps))  # type: ignore[arg-type]
+                out, digest, tuple(steps), tuple(transforms))  # type: ignore[arg-type]
     validate_plan(plan)
     return plan
 

@@ -89,7 +89,10 @@ FUSED_MOE_W13, FUSED_MOE_W2 = "routed_experts.w13_weight", "routed_experts.w2_we
 _FUSED_MOE_NAMES = {"gate_up_proj": FUSED_MOE_W13, "gate_up_proj_bias": "routed_experts.w13_bias",
                     "down_proj": FUSED_MOE_W2, "down_proj_bias": "routed_experts.w2_bias"}
 # vLLM model classes that spell HF module names differently: (HF part, vLLM part) per family
-_VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn."))}
+_VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn.")),
+                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A"))}
+# HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
+_VLLM_VALUES = {".mixer.A_log": "neg_exp"}  # MambaMixer2: A = -exp(A_log.float()), float32
 
 # vLLM stacks a multi-tensor role's HF tensors (in the spec row's order: q, k, v / gate,
 # up) into one parameter, named after the first with this part replaced.
@@ -256,6 +259,7 @@ class VllmParam:
     shape: tuple[int, ...]
     pieces: tuple[VllmPiece, ...]
     storage: tuple[int, ...] | None = None
+    value_fn: str | None = None  # the parameter is fn(pieces) (a ValueStep: Mamba's A = -exp(A_log)), float32
 
 
 def _split(n: int, parts: int, what: str, group: str = "tp") -> int:
@@ -293,6 +297,9 @@ def _split_group(row: ParamSpec, dims: ModelDims, target: VllmTarget) -> tuple[i
 def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, target: VllmTarget,
            out: dict[str, VllmParam]) -> None:
     T, t, group = _split_group(row, dims, target)
+    if row.role is Role.SEGMENTED:
+        _segmented(row, named[0], dims, T, t, out)
+        return
     if any(name.endswith(_VLLM_REPLICATED) for name, _ in named):
         for name, shape in named:
             out[name] = _whole(name, shape)
@@ -317,6 +324,9 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
         for name, shape in named:
             n = _split(shape[0], T, f"{name} rows", group)
             out[name] = _stacked([(name, shape, t * n, n)])
+            fn = next((f for suffix, f in _VLLM_VALUES.items() if name.endswith(suffix)), None)
+            if fn is not None:
+                out[name] = VllmParam(out[name].shape, out[name].pieces, value_fn=fn)
     elif row.role is Role.ROW:
         for name, shape in named:
             n = _split(shape[1], T, f"{name} columns", group)
@@ -337,6 +347,28 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
         raise UnsupportedModelError(f"{named[0][0]}: role {row.role.value} has no vLLM shard rule")
 
 
+def _segmented(row: ParamSpec, named: tuple[str, tuple[int, ...]], dims: ModelDims, T: int, t: int,
+               out: dict[str, VllmParam]) -> None:
+    """Mamba's ``in_proj`` / ``conv1d`` (vLLM ``MambaMixer2``'s merged column-parallel layers): each
+    segment's rows chunk ``t`` of ``T``, stacked; with ``n_groups == 1`` and ``T > 1`` vLLM keeps B and
+    C whole on every rank.
+
+    Raises:
+        LayoutError: a segment does not split over ``T`` (vLLM asserts ``n_groups % tp == 0`` or 1 group).
+    """
+    name, shape = named
+    parts, start = [], 0
+    for sym in row.segments:
+        size = dims.size(sym)
+        if sym == "mamba_gs" and dims.mamba_groups == 1 and T > 1:
+            parts.append((name, shape, start, size))  # one group: replicated
+        else:
+            n = _split(size, T, f"{name} part {sym}={size}", "tp")
+            parts.append((name, shape, start + t * n, n))
+        start += size
+    out[name] = _stacked(parts)
+
+
 def _experts(row: ParamSpec, layer: int, dims: ModelDims, target: VllmTarget, slots: tuple[int, ...],
              out: dict[str, VllmParam]) -> None:
     """FusedMoE ``w13_weight`` (gated fc1 rows) or ``w2_weight`` (fc2 columns) of one layer."""
@@ -345,9 +377,9 @@ def _experts(row: ParamSpec, layer: int, dims: ModelDims, target: VllmTarget, sl
     prefix = template[:template.index("{expert}")].format(layer=layer)
     ffn = _split(dims.moe_ffn_hidden_size, T, "moe_intermediate_size", group)
     h = dims.hidden_size
-    if row.role in (Role.EXPERT_GATED_MLP, Role.GROUPED_EXPERT_FC1):
-        param = prefix + FUSED_MOE_W13
-        shape: tuple[int, ...] = (len(slots), 2 * ffn, h)
+    if row.role in (Role.EXPERT_GATED_MLP, Role.GROUPED_EXPERT_FC1, Role.EXPERT_COLUMN):
+        param = prefix + FUSED_MOE_W13  # non-gated experts (Nemotron-H relu2): up_proj alone
+        shape: tuple[int, ...] = (len(slots), len(row.hf) * ffn, h)
         pieces = [p for j, e in enumerate(slots)
                   for p in _stacked([(n, (dims.moe_ffn_hidden_size, h), r * ffn, ffn) for n in row.hf_names(layer, e)],
                                     lead=(j,)).pieces]
@@ -417,10 +449,6 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
         LayoutError: heads / ffn / moe_intermediate_size / hidden do not split over the
             worker's tensor-parallel group; a bad expert map or placement.
     """
-    if dims.layer_pattern:
-        raise UnsupportedModelError(f"{dims.family}: vLLM-sharded targets are not built for hybrid Mamba models yet "
-                                    "(vLLM's MambaMixer2 stores A = -exp(A_log), a value transform); refit full HF "
-                                    "tensors (sharded=False)")
     hf_layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.vocab_size, num_layers=dims.num_layers)
     rows = [r for r in dims.spec.rows(dims.conditions(1), "local", "sequential")
             if not r.duplicate and r.stage is not Stage.MTP]

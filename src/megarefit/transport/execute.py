@@ -16,7 +16,7 @@ import torch
 
 from megarefit.errors import MegarefitError, ShapeMismatchError
 from megarefit.layout import Box
-from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef
+from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, ValueStep
 from megarefit.transport.base import Transport
 
 
@@ -68,8 +68,9 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
         # every target has a buffer: one batched pull (no streaming needed), then yield
         _pull_batch(plan, transport, buffers, key, stats)
         batched = True
-    done: dict[TensorRef, torch.Tensor] = {}  # quantize-step outputs waiting for their turn
-    steps = {q.staging: q for q in plan.quantize}
+    done: dict[TensorRef, torch.Tensor] = {}  # quantize / value step outputs waiting for their turn
+    steps: dict[TensorRef, QuantizeStep | ValueStep] = {q.staging: q for q in plan.quantize}
+    steps.update((t.staging, t) for t in plan.transforms)
     for ref, meta in plan.targets.items():
         ops = by_target[ref]
         t0 = time.perf_counter()
@@ -85,9 +86,10 @@ def materialize(plan: Plan, transport: Transport, *, views: bool = True, device:
             stats.pull_s += time.perf_counter() - t0
             stats.tensors += 1
         step = steps.get(ref)
-        if step is not None:  # staging: quantize now, hand over the FP8 weight and its scales in their turn
+        if step is not None:  # staging: quantize / transform now, hand over the results in their turn
             if not batched:
-                done.update(_quantize_staging(plan, step, tensor, buffers))
+                done.update(_quantize_staging(plan, step, tensor, buffers) if isinstance(step, QuantizeStep)
+                            else _transform_staging(plan, step, tensor, buffers))
             continue
         yield ref, tensor
 
@@ -130,6 +132,8 @@ def _pull_batch(plan: Plan, transport: Transport, buffers: Mapping[TensorRef, to
     transport.pull_batch([(by_target[ref], buffers[ref]) for ref in plan.targets if ref not in produced], key=key)
     for step in plan.quantize:
         run_quantize_step(step, buffers[step.staging], buffers[step.weight], buffers[step.scale])
+    for t in plan.transforms:
+        run_value_step(t, buffers[t.staging], buffers[t.target])
     if stats is not None:
         stats.pull_s += time.perf_counter() - t0
         stats.bytes_copied += plan.nbytes
@@ -175,6 +179,29 @@ def _quantize_staging(plan: Plan, step: QuantizeStep, staging: torch.Tensor,
            for r in (step.weight, step.scale)}
     run_quantize_step(step, staging, out[step.weight], out[step.scale])
     return out
+
+
+def _transform_staging(plan: Plan, step: ValueStep, staging: torch.Tensor,
+                       buffers: Mapping[TensorRef, torch.Tensor] | None) -> dict[TensorRef, torch.Tensor]:
+    """A value step's target from its pulled ``staging`` tensor (its buffer when given)."""
+    meta = plan.targets[step.target]
+    out = buffers[step.target] if buffers and step.target in buffers else torch.empty(
+        meta.storage_shape or meta.shape, dtype=torch_dtype(meta.dtype), device=staging.device)
+    run_value_step(step, staging, out)
+    return {step.target: out}
+
+
+def run_value_step(step: ValueStep, staging: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = fn(staging)`` (:data:`~megarefit.plan.ops.VALUE_FNS`): ``neg_exp`` computes
+    ``-exp(staging)`` in float32, the operations vLLM's ``A`` loader runs, so bit-identical to it.
+
+    Raises:
+        MegarefitError: an unknown function (a plan from a newer megarefit).
+    """
+    if step.fn != "neg_exp":
+        raise MegarefitError(f"value step for {step.target}: unknown function {step.fn!r}")
+    torch.exp(staging.to(torch.float32), out=out)
+    out.neg_()
 
 
 def run_quantize_step(step: QuantizeStep, staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
