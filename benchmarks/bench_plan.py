@@ -83,6 +83,8 @@ CLI_CASES = [  # (config, arguments after `megarefit plan --config CONFIG`): the
     ("GLM-5", ["--tp", "8", "--pp", "4", "--ep", "64", "--first-stage-layers", "20", "--last-stage-layers", "20"]),
     ("gpt-oss-120b", ["--tp", "4", "--ep", "8", "--quantization", "none"]),  # bf16 (the config says MXFP4)
     ("gpt-oss-120b", ["--tp", "4", "--ep", "8", "--quantization", "none", "--vllm-tp", "8", "--vllm-ep"]),
+    ("NVIDIA-Nemotron-3-Nano-30B-A3B", ["--tp", "4", "--ep", "8"]),
+    ("NVIDIA-Nemotron-3-Nano-30B-A3B", ["--tp", "4", "--ep", "8", "--vllm-tp", "4", "--vllm-ep"]),
 ]
 
 
