@@ -1,0 +1,50 @@
+"""`megarefit demo` on the newer families' real configs: real Megatron-Core builds each on CPU and
+transformers' own model gives its logits after the refit (gpt-oss, Nemotron-H). A module of its
+own so pytest-xdist can run it beside test_cli.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("layout", [["--ep", "2"]])  # also passes at --pp 2 (20 s more; README)
+def test_demo_gpt_oss_matches_real_megatron(layout):
+    """`megarefit demo --config gpt-oss-120b.json`: real Megatron-Core builds gpt-oss on CPU
+    (learned attention sinks, biased router and experts, clamped quick-GELU GLU with the
+    +1 offset, sliding windows of 4 tokens in every other layer, YaRN) and transformers' own
+    GptOssForCausalLM gives the same logits after the refit, with the experts' gate/up
+    interleaved into one gate_up_proj per layer; experts whole per rank (ep 2, etp 1, the default
+    for biased experts)."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    cfg = Path(__file__).parent / "data" / "configs" / "gpt-oss-120b.json"
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), *layout],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    for words in ("sliding_window 128 -> 4", "layer_types cut to the first 2", "GptOssForCausalLM",
+                  "max |HF logits - Megatron logits|", "PASS"):
+        assert words in out, (words, proc.stdout)
+
+
+@pytest.mark.megatron
+def test_demo_nemotron_h_matches_real_megatron():
+    """`megarefit demo --config NVIDIA-Nemotron-3-Nano-30B-A3B.json`: real Megatron-Core builds the
+    hybrid as MambaModel on CPU (one Mamba2, one MoE and one attention layer, the SSD scan in torch;
+    tp 2: in_proj / conv1d split part by part, experts and the shared expert split over expert TP)
+    and transformers' own NemotronHForCausalLM gives the same logits after the refit."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    cfg = Path(__file__).parent / "data" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B.json"
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    for words in ("hybrid_override_pattern MEMEM", "-> ME*", "real Megatron-Core MambaModel, tp=2",
+                  "NemotronHForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
+        assert words in out, (words, proc.stdout)
