@@ -75,16 +75,17 @@ def test_demo_fp8_passes():
 
 @pytest.mark.megatron
 def test_demo_shrinks_a_full_size_moe_config():
-    """`megarefit demo --config DeepSeek-V3.json --ep 2 --etp 1 --quantization fp8 --expert-layout
+    """`megarefit demo --config DeepSeek-V3.json --tp 1 --ep 2 --etp 1 --quantization fp8 --expert-layout
     legacy_grouped`: the 671B config is shrunk to a CPU model of the same architecture (MLA with
     q_lora, dense first layer, shared expert, expert-score bias), built by real Megatron-Core
-    over tp=2 x ep=2 processes with GroupedMLP experts (weight1/weight2, transposed), refit
-    into transformers' own DeepseekV3ForCausalLM; what was dropped is said."""
+    over ep=2 processes with GroupedMLP experts (weight1/weight2, transposed), refit into
+    transformers' own DeepseekV3ForCausalLM; what was dropped is said. (At tp=2 x ep=2 too, in
+    twice the processes; the MLA layouts at tp=2 are test_megatron_mla_glm.py's.)"""
     pytest.importorskip("megatron.core")
     pytest.importorskip("transformers")
     cfg = Path(__file__).parent / "data" / "configs" / "DeepSeek-V3.json"
-    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--ep", "2", "--etp", "1",
-                           "--quantization", "fp8", "--expert-layout", "legacy_grouped"],
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), "--tp", "1", "--ep", "2",
+                           "--etp", "1", "--quantization", "fp8", "--expert-layout", "legacy_grouped"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())

@@ -12,14 +12,15 @@ import pytest
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("layout", [["--ep", "2"]])  # also passes at --pp 2 (20 s more; README)
+@pytest.mark.parametrize("layout", [["--tp", "2"]])  # also at --ep 2 and --pp 2 (twice the processes; README)
 def test_demo_gpt_oss_matches_real_megatron(layout):
     """`megarefit demo --config gpt-oss-120b.json`: real Megatron-Core builds gpt-oss on CPU
     (learned attention sinks, biased router and experts, clamped quick-GELU GLU with the
     +1 offset, sliding windows of 4 tokens in every other layer, YaRN) and transformers' own
     GptOssForCausalLM gives the same logits after the refit, with the experts' gate/up
-    interleaved into one gate_up_proj per layer; experts whole per rank (ep 2, etp 1, the default
-    for biased experts)."""
+    interleaved into one gate_up_proj per layer; attention and sinks split over tp 2, experts whole
+    on each rank (etp 1, the default for biased experts); EP trainers run in
+    test_vllm_refit_families.py."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("transformers")
     cfg = Path(__file__).parent / "data" / "configs" / "gpt-oss-120b.json"
