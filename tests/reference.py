@@ -472,3 +472,19 @@ def nemotron_h_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, ranks, *
                         s[L + names[0]], s[L + names[1]] = hf[X + "up_proj.weight"], hf[X + "down_proj.weight"]
             out[(t, 0, e_rank)] = s
     return out
+
+
+def with_mtp_layer(cfg: dict, hf: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
+    """``hf`` plus MTP layer N (``num_hidden_layers``) as DeepSeek-V3 / GLM-4.5 checkpoints store
+    it: fresh random tensors shaped like the last decoder layer's (a MoE layer), and the
+    MTP-only ``enorm``, ``hnorm``, ``eh_proj`` [h, 2h] and ``shared_head.norm``."""
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    out = dict(hf)
+    last = f"model.layers.{n - 1}."
+    for name, t in hf.items():
+        if name.startswith(last):
+            out[f"model.layers.{n}." + name[len(last):]] = torch.randn(t.shape, generator=g)
+    for leaf, shape in (("enorm", (h,)), ("hnorm", (h,)), ("eh_proj", (h, 2 * h)), ("shared_head.norm", (h,))):
+        out[f"model.layers.{n}.{leaf}.weight"] = torch.randn(shape, generator=g)
+    return out

@@ -207,3 +207,37 @@ def vllm_nongated_model_job(rank: int, world_size: int, port: int, cases: dict, 
     """:func:`vllm_model_job` with :func:`patch_nongated_moe_cpu` applied first (Nemotron-H)."""
     patch_nongated_moe_cpu()
     return vllm_model_job(rank, world_size, port, cases, workdir)
+
+
+def vllm_draft_job(rank: int, world_size: int, port: int, cases: dict[str, tuple[dict, list, bool]],
+                   workdir: str) -> dict[str, Any]:
+    """vLLM's MTP draft models (``DeepSeekMTP``, ``Glm4MoeMTP``), built as vLLM's proposer builds
+    them (``initialize_model`` with the speculative config's draft model config, method
+    ``"mtp"``), in real tensor-parallel processes on CPU. Per case ``(hf config, loads,
+    enable_expert_parallel)``: ``loads`` is a list of HF-named tensor dicts, each given to one
+    fresh drafter's own ``load_weights``; per load, this rank's ``named_parameters()``
+    (checkpoint format), each routed-experts layer's expert map and the drafter's class."""
+    from vllm.config import ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    init_vllm_tp(rank, world_size, port)
+    build_sparse_mla_on_cpu()
+    out: dict[str, Any] = {}
+    for key, (cfg, loads, expert_parallel) in cases.items():
+        dtype = "bfloat16" if cfg.get("quantization_config") else "float32"
+        results = []
+        for i, hf in enumerate(loads):  # a fresh config per drafter: vLLM registers each attention layer once
+            model_config = model_config_for(cfg, os.path.join(workdir, f"{key}-{rank}-{i}"), dtype)
+            parallel = ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=expert_parallel)
+            spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
+                                     target_parallel_config=parallel)
+            config = VllmConfig(model_config=model_config, parallel_config=parallel, speculative_config=spec)
+            with set_current_vllm_config(config):
+                drafter = initialize_model(vllm_config=config, model_config=spec.draft_model_config)
+                drafter.load_weights((n, t.clone()) for n, t in hf.items())
+            maps = {n: m._expert_map.tolist() for n, m in drafter.named_modules()
+                    if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
+            results.append(({n: portable(p.detach().clone()) for n, p in drafter.named_parameters()}, maps,
+                            type(drafter).__name__))
+        out[key] = results
+    return out

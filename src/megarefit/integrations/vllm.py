@@ -59,7 +59,13 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.integrations.vllm_install import direct_candidates, eplb_placement, install_shards, vllm_target_of
+from megarefit.integrations.vllm_install import (
+    direct_candidates,
+    draft_shared,
+    eplb_placement,
+    install_shards,
+    vllm_target_of,
+)
 from megarefit.online.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.transport.checksum import tensor_checksum
@@ -117,8 +123,11 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
               transport: str = "auto", secret: str | None = None,
-              physical_to_logical: tuple[tuple[int, ...], ...] | None = None) -> RefitReceiver:
-    name = f"megarefit-vllm-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+              physical_to_logical: tuple[tuple[int, ...], ...] | None = None, draft: bool = False
+              ) -> RefitReceiver:
+    """A receiver for ``model``: the worker's target model, or (``draft``) its MTP draft model;
+    full HF tensors pull only what that model loads (the MTP layers go to the draft)."""
+    name = f"megarefit-vllm-{rank}-{'draft-' if draft else ''}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if not sharded and model is not None and type(model).__name__ in NEEDS_SHARDED:
         raise MegarefitError(f"{type(model).__name__}: {NEEDS_SHARDED[type(model).__name__]}; refit it sharded "
@@ -126,13 +135,14 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
     if sharded:
         if model is None or parallel_config is None:
             raise MegarefitError("a sharded refit needs the live vLLM model and its parallel config")
-        target = vllm_target_of(model, parallel_config, physical_to_logical)
+        target = vllm_target_of(model, parallel_config, physical_to_logical, draft)
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout, secret=secret), name=name,
                          timeout=timeout,
                          experts=experts, target=target, device=device, memory_budget=memory_budget,
-                         verify_checksums=verify_checksums, transport=transport)  # type: ignore[arg-type]
+                         verify_checksums=verify_checksums, transport=transport,  # type: ignore[arg-type]
+                         part="all" if target is not None else "draft" if draft else "model")
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -190,6 +200,22 @@ def _cpu_moe_reload(model: torch.nn.Module) -> Iterator[None]:
             method.moe_quant_config = quant_config
 
 
+@contextlib.contextmanager
+def _mtp_loads(draft: bool) -> Iterator[None]:
+    """A draft model's ``load_weights`` without vLLM's MTP completeness check (DeepSeekMTP
+    raises unless every call carries every MTP layer; a streamed refit loads layer groups)."""
+    if not draft:
+        yield
+        return
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:  # pragma: no cover - vLLM without the check
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
+
+
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -207,7 +233,8 @@ def _recording(weights: Iterator[tuple[str, torch.Tensor]], sums: dict[str, torc
 
 def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
                 load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
-                evidence: dict[str, torch.Tensor] | None = None, *, reload_open: bool = False) -> float:
+                evidence: dict[str, torch.Tensor] | None = None, *, reload_open: bool = False,
+                shared: frozenset[str] = frozenset()) -> float:
     """One refit cycle installed into ``model`` (:meth:`RefitReceiver.refit`): sharded targets
     through :func:`install_shards` (every planned shard checked before the first is written),
     full HF tensors through ``load_full``. Staged, the cycle is pulled and fenced before the
@@ -224,7 +251,10 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
         whatever :meth:`RefitReceiver.run_refit_cycle` raises before the first tensor (model
         untouched); PartialUpdateError once the model was written and the cycle failed or
         stayed torn (it holds a mix of versions). ``evidence``: filled with each installed
-    shard's checksum (for :func:`~megarefit.integrations.vllm_install.direct_candidates`)."""
+    shard's checksum (for :func:`~megarefit.integrations.vllm_install.direct_candidates`).
+    ``shared``: parameters of ``model`` another model owns (an MTP drafter's embedding and
+    head, :func:`~megarefit.integrations.vllm_install.draft_shared`): a sharded install
+    leaves them as they are."""
     import time
 
     started = [0.0]
@@ -239,8 +269,8 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
                 direct = receiver.direct
                 expected = [(r.name, m.storage_shape or m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
                             if r not in plan.staging and r.name not in direct]
-                install_shards(model, _recording(weights, evidence), model_config, expected=expected, direct=direct,
-                               reload_open=reload_open)
+                install_shards(model, _recording(weights, evidence), model_config, expected=expected,
+                               direct=direct | shared, reload_open=reload_open)
             else:
                 load_full(weights)
         if _is_cpu() and not reload_open:
@@ -263,6 +293,8 @@ class _UpdateWindow:
 
     stack: contextlib.ExitStack  # the CPU experts' reload fix-up, for the whole window
     reload_open: bool  # vLLM's layerwise reload opened at start (staged pulls); streamed: per pull
+    receiver: RefitReceiver  # the target model's, or the MTP draft model's (a draft update)
+    draft: bool = False  # a draft update (/start_draft_weight_update): the engine's model is the drafter
     version: int | None = None  # the version installed by a successful update_weights
     partial: str | None = None  # the model was written and the cycle failed: why
 
@@ -275,7 +307,7 @@ def _follow_eplb(receiver: RefitReceiver, model: torch.nn.Module, parallel_confi
     if target is None or not target.expert_parallel:
         return
     if placement is not None or target.physical_to_logical is not None:
-        receiver.set_target(vllm_target_of(model, parallel_config, placement))
+        receiver.set_target(vllm_target_of(model, parallel_config, placement, target.draft))
 
 
 def _refuse_to_serve(reason: str) -> Callable[..., Any]:
@@ -443,23 +475,46 @@ def _make_engine_class():
         healthy, with the error in the response; one that fails midway raises
         :class:`PartialUpdateError` (the model may hold a mix of versions). A second
         ``update_weights`` in one update is refused: finish, then start another.
+
+        Draft (MTP) models (``supports_draft_weight_update``): ``/start_draft_weight_update``
+        (``LLM.start_draft_weight_update``) points the engine's ``model`` at the worker's MTP
+        drafter (vLLM's ``set_weight_update_target``) for one update. The engine then pulls
+        the trainers' MTP layers only (Megatron ``mtp.layers.i`` -> ``model.layers.{N+i}``;
+        full HF tensors into the drafter's ``load_weights``, or, sharded, the drafter's own
+        shards: ``VllmTarget(draft=True)``) through a second receiver, built at the first
+        draft update. The drafter's embedding and head are the target model's (vLLM shares
+        them): the target's update refreshes them. From the first draft update on,
+        ``Publisher.wait_receivers`` also waits for the draft receiver, so refit the draft
+        model at every version.
         """
 
         init_info_cls = MegarefitInitInfo
         update_info_cls = MegarefitUpdateInfo
-        supports_draft_weight_update = False
+        supports_draft_weight_update = True
 
         def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
-            rank = getattr(self.parallel_config, "rank", 0)
-            model = getattr(self, "model", None)
-            self.receiver = _receiver(init_info.host, init_info.port, init_info.job, init_info.timeout, rank,
-                                      model, init_info.sharded, self.parallel_config,
-                                      init_info.memory_budget, init_info.verify_checksums, init_info.transport,
-                                      init_info.secret,
-                                      eplb_placement(model=model) if init_info.sharded and model is not None else None)
+            if getattr(self, "window", None) is not None:
+                raise MegarefitError("init_weight_transfer_engine during an open weight update: finish it first")
+            self._close_receivers()  # initialized again (new trainers or options): the old receivers go
+            self.init_info = init_info
+            self.receiver = self._make_receiver(getattr(self, "model", None), draft=False)
+            self.draft_receiver: RefitReceiver | None = None  # built at the first draft update
             self.default_timeout = init_info.timeout
             self.last_report: dict[str, Any] | None = None
             self.window: _UpdateWindow | None = None
+
+        def _make_receiver(self, model: torch.nn.Module | None, draft: bool) -> RefitReceiver:
+            info = self.init_info
+            placement = eplb_placement(model=model) if info.sharded and model is not None else None
+            return _receiver(info.host, info.port, info.job, info.timeout, getattr(self.parallel_config, "rank", 0),
+                             model, info.sharded, self.parallel_config, info.memory_budget, info.verify_checksums,
+                             info.transport, info.secret, placement, draft)
+
+        def _drafting(self) -> bool:
+            """vLLM retargeted this update to the worker's MTP draft model (``start_draft_weight_update``
+            -> ``set_weight_update_target``): the engine's ``model`` is not the one it was built with."""
+            default = getattr(self, "_default_model", None)
+            return default is not None and self.model is not default
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -468,16 +523,21 @@ def _make_engine_class():
                 raise MegarefitError("start_weight_update before init_weight_transfer_engine")
             if self.window is not None:
                 raise MegarefitError("a weight update is already open: call finish_weight_update first")
+            draft = self._drafting()
+            if draft and self.draft_receiver is None:  # the trainers' Publisher.wait_receivers waits for it from now on
+                self.draft_receiver = self._make_receiver(self.model, draft=True)
+            receiver = self.draft_receiver if draft else self.receiver
+            assert receiver is not None
             stack = contextlib.ExitStack()
             stack.enter_context(_cpu_moe_reload(self.model))
-            staged = self.receiver.memory_budget is None
+            staged = receiver.memory_budget is None
             try:
                 if staged:
                     initialize_layerwise_reload(self.model)
             except BaseException:
                 stack.close()
                 raise
-            self.window = _UpdateWindow(stack, staged)
+            self.window = _UpdateWindow(stack, staged, receiver, draft)
 
         def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
             window = self.window
@@ -488,21 +548,23 @@ def _make_engine_class():
                 raise MegarefitError(f"weight version {window.version} was installed in this update already; it "
                                      "is now served (vLLM ends an update on an error): start another update for "
                                      "the next version")
-            self.receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
+            receiver = window.receiver
+            receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
             try:
-                if self.receiver.target is not None and self.receiver.target.expert_parallel:
-                    _follow_eplb(self.receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
-                load_s = _refit_into(self.receiver, update_info.version, self.model, self.model_config,
-                                     self._load_full(window), reload_open=window.reload_open)
+                if receiver.target is not None and receiver.target.expert_parallel:
+                    _follow_eplb(receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
+                load_s = _refit_into(receiver, update_info.version, self.model, self.model_config,
+                                     self._load_full(window), reload_open=window.reload_open,
+                                     shared=draft_shared(self.model) if window.draft else frozenset())
             except BaseException as exc:
                 if isinstance(exc, PartialUpdateError):
                     window.partial = str(exc)
                 self._close(window)  # vLLM ends the update: layers that got nothing keep their weights
                 raise
-            stats = self.receiver.stats
+            stats = receiver.stats
             assert stats is not None
             window.version = stats.version
-            self.last_report = _cycle_report(self.receiver, load_s)
+            self.last_report = _cycle_report(receiver, load_s)
 
         def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
             from vllm.model_executor.model_loader.reload import (
@@ -513,7 +575,8 @@ def _make_engine_class():
             def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
                 if not window.reload_open:  # streamed: one reload per attempt
                     initialize_layerwise_reload(self.model)
-                self.model.load_weights(weights)
+                with _mtp_loads(window.draft):
+                    self.model.load_weights(weights)
                 if not window.reload_open:
                     finalize_layerwise_reload(self.model, self.model_config)
 
@@ -532,7 +595,7 @@ def _make_engine_class():
             finally:
                 window.stack.close()
             if window.version is not None and window.partial is None:
-                self.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
+                window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -543,10 +606,18 @@ def _make_engine_class():
                 raise MegarefitError("finish_weight_update without start_weight_update")
             self._close(window)
 
+        def _close_receivers(self) -> None:
+            """Stop the receivers' heartbeats: trainers' ``wait_receivers`` drop them once their lease ends."""
+            for receiver in (getattr(self, "receiver", None), getattr(self, "draft_receiver", None)):
+                if receiver is not None:
+                    receiver.close()
+            self.receiver = None  # type: ignore[assignment]
+            self.draft_receiver = None
+
         def shutdown(self) -> None:
             if getattr(self, "window", None) is not None:
                 self._close(self.window)  # type: ignore[arg-type]
-            self.receiver = None  # type: ignore[assignment]
+            self._close_receivers()
 
     return MegarefitWeightTransferEngine
 

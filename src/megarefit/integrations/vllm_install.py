@@ -334,13 +334,14 @@ def _layer_placements(model: torch.nn.Module) -> tuple[tuple[int, ...], ...] | N
 
 
 def vllm_target_of(model: torch.nn.Module, parallel: Any,
-                   physical_to_logical: tuple[tuple[int, ...], ...] | None = None) -> Any:
+                   physical_to_logical: tuple[tuple[int, ...], ...] | None = None, draft: bool = False) -> Any:
     """This worker's :class:`~megarefit.targets.VllmTarget`, read from the live engine:
     tensor-parallel rank and size (vLLM's process groups), data-parallel rank and size and
     ``enable_expert_parallel`` (vLLM's ``ParallelConfig`` ``parallel``), and the expert
     map the engine actually uses (vLLM may fall back from round-robin to linear).
     ``physical_to_logical``: the EPLB placement (:func:`eplb_placement`); with it the expert
-    map is over physical slots, the same in every layer."""
+    map is over physical slots, the same in every layer. ``draft``: ``model`` is the worker's
+    MTP draft model (``VllmTarget(draft=True)``; its own expert map and placements)."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from megarefit.targets import VllmTarget
@@ -348,8 +349,21 @@ def vllm_target_of(model: torch.nn.Module, parallel: Any,
     dp, dp_rank = parallel.data_parallel_size, parallel.data_parallel_rank if parallel.data_parallel_size > 1 else 0
     return VllmTarget(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), dp=dp,
                       dp_rank=dp_rank, expert_parallel=bool(parallel.enable_expert_parallel),
-                      expert_map=engine_expert_map(model), physical_to_logical=physical_to_logical)
+                      expert_map=engine_expert_map(model), physical_to_logical=physical_to_logical, draft=draft)
 
 
-__all__ = ["check_shards", "engine_expert_map", "eplb_placement", "install_shards", "model_format_params",
+# An MTP drafter's parameters that are the target model's in a running engine (vLLM's proposer
+# shares the embedding and the head: llm_base_proposer ``_maybe_share_embeddings`` / ``_lm_head``)
+_DRAFT_SHARED = ("embed_tokens.weight", "shared_head.head.weight", "lm_head.weight")
+
+
+def draft_shared(model: torch.nn.Module) -> frozenset[str]:
+    """Parameters of MTP draft model ``model`` that a draft refit leaves alone: its embedding
+    and heads, which vLLM shares with the target model (the target's refit updates them).
+    Passed as ``direct`` to :func:`install_shards`: not expected, put back untouched."""
+    return frozenset(n for n in model_format_params(model) if n == "lm_head.weight" or n.endswith(
+        tuple("." + s for s in _DRAFT_SHARED)))
+
+
+__all__ = ["check_shards", "draft_shared", "engine_expert_map", "eplb_placement", "install_shards", "model_format_params",
            "vllm_target_of"]

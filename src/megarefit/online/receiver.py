@@ -49,6 +49,7 @@ from megarefit.online.stream import (
 from megarefit.plan import Plan, TensorRef, digest_of
 from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
+from megarefit.planner.megatron_to_hf import MODEL_PARTS, ModelPart
 from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import plan_fp8
@@ -165,7 +166,11 @@ class RefitReceiver:
         target: a vLLM tensor-parallel worker (:class:`~megarefit.targets.VllmTarget`):
             pull only that worker's own parameter shards, under vLLM parameter names
             (``qkv_proj``, ``gate_up_proj``, ``w13_weight``, ``fused_qkv_a_proj``, ...) and
-            only its experts. ``None``: full HF tensors.
+            only its experts; ``VllmTarget(draft=True)``: the worker's MTP draft model's.
+            ``None``: full HF tensors.
+        part: which full HF tensors to pull (no ``target``): ``"all"`` (default; an HF
+            consumer); ``"model"``, all but the MTP layers (a vLLM target model, whose
+            loader skips them); ``"draft"``, the MTP layers only (a vLLM MTP draft model).
         device: where the pulled tensors land (``"cuda:0"`` in a GPU worker: NIXL reads
             trainer memory, host or GPU, straight into GPU memory; registered as VRAM).
         scratch_budget: bytes of scratch for gathered pulls (small and strided pieces read as
@@ -208,7 +213,8 @@ class RefitReceiver:
                  device: torch.device | str = "cpu", scratch_budget: int | None = None, retries: int = 2,
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
                  memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
-                 direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto"):
+                 direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto",
+                 part: ModelPart = "all"):
         if memory_budget is not None and replica_group is not None:
             raise MegarefitError("a replica group serves the receiver's whole arena; a streamed receiver "
                                  "(memory_budget) keeps none: give one or the other")
@@ -219,8 +225,12 @@ class RefitReceiver:
         if experts is not None and target is not None:
             raise LayoutError("a vLLM-sharded target carries its own expert placement (VllmTarget expert_parallel / "
                               "expert_map): give experts or target, not both")
+        if part not in MODEL_PARTS or (target is not None and part != "all"):
+            raise MegarefitError(f"part={part!r}: expected one of {MODEL_PARTS}, and 'all' with a vLLM target "
+                                 "(VllmTarget(draft=True) picks a worker's draft model)")
         self.rendezvous = rendezvous
         self.target = target
+        self.part: ModelPart = part
         self.device = torch.device(device)
         self.experts = None if experts is None else frozenset(experts)
         self.replica_group = replica_group
@@ -375,14 +385,14 @@ class RefitReceiver:
             if not self._buffers and self._stream is None:  # release_memory() freed them: allocate again
                 self._allocate(plan, manifests)
             return plan, False
-        key = (first.dims, first.layout, dtype, fmt, self.target)
+        key = (first.dims, first.layout, dtype, fmt, self.target, self.part)
         cached = self._plans.get(key)  # a placement seen before (EPLB moves experts back and forth)
         if cached is not None:
             plan = cached
         elif self.target is not None:
             plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
         else:
-            plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts)
+            plan = plan_megatron_to_hf(first.dims, first.layout, dtype, self.experts, part=self.part)
             if fmt is not None:
                 plan = plan_fp8(plan, fmt)
         if cached is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -53,6 +53,11 @@ from megarefit.plan.table import OpTable, TensorGroup, TensorTable
 from megarefit.specs.table import ParamSpec, Role, Stage
 
 _PARTS = (Stage.FIRST, Stage.LAYER, Stage.LAST, Stage.MTP)
+
+# Which HF tensors an export plans: every one; those vLLM's target model loads (all but the
+# MTP layers, which its loader skips); or those its MTP draft model loads (the MTP layers).
+ModelPart = Literal["all", "model", "draft"]
+MODEL_PARTS: tuple[ModelPart, ...] = ("all", "model", "draft")
 _I64 = torch.int64
 
 
@@ -141,20 +146,41 @@ class _Reads(NamedTuple):
     tp_rank: int  # the TP rank whose template applies
 
 
-def _layout_stages(dims: ModelDims, layout: SourceLayout) -> tuple[tuple[ParamSpec, ...], list[_StageRows]]:
-    """The spec-table rows for ``layout`` and each pipeline stage's rows (:func:`_stage_rows`),
-    once the layout is checked against the model.
+def _layout_stages(dims: ModelDims, layout: SourceLayout, part: ModelPart = "all",
+                   ) -> tuple[tuple[ParamSpec, ...], list[_StageRows]]:
+    """The spec-table rows for ``layout`` and each pipeline stage's rows (:func:`_stage_rows`)
+    of model part ``part``, once the layout is checked against the model.
 
     Raises:
-        LayoutError: tp/pp/ep do not fit the model.
+        LayoutError: tp/pp/ep do not fit the model; an unknown part; ``"draft"`` where the
+            trainers' MTP layers are not the HF config's (see :func:`check_draft_layers`).
     """
     dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
     dims.check_expert_layout(layout.expert_layout)
     if layout.mtp_layers > dims.mtp_layers:
         raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
                           f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")
+    if part not in MODEL_PARTS:
+        raise LayoutError(f"model part {part!r}: expected one of {MODEL_PARTS}")
+    if part == "draft":
+        check_draft_layers(dims, layout)
     rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
-    return rows, [_stage_rows(dims, layout, rows, p) for p in range(layout.pp)]
+    stages = [_stage_rows(dims, layout, rows, p) for p in range(layout.pp)]
+    if part != "all":
+        stages = [[s for s in stage if (s[0].stage is Stage.MTP) == (part == "draft")] for stage in stages]
+    return rows, stages
+
+
+def check_draft_layers(dims: ModelDims, layout: SourceLayout) -> None:
+    """Raise :class:`LayoutError` unless the trainers publish every MTP layer vLLM's draft
+    model holds (Megatron ``mtp_num_layers`` == HF ``num_nextn_predict_layers`` > 0)."""
+    if not dims.mtp_layers:
+        raise LayoutError(f"{dims.family}: the HF config has no MTP layers (num_nextn_predict_layers is 0), so "
+                          "vLLM serves no MTP draft model to refit")
+    if layout.mtp_layers != dims.mtp_layers:
+        raise LayoutError(f"vLLM's MTP draft model has {dims.mtp_layers} layer(s) (num_nextn_predict_layers) but "
+                          f"the trainers publish {layout.mtp_layers} (Megatron mtp_num_layers): train with "
+                          f"mtp_num_layers={dims.mtp_layers} to refit the draft model, or serve without it")
 
 
 def _source_meta(row: ParamSpec, viewed: bool, dims: ModelDims, layout: SourceLayout, dtype: str) -> TensorMeta:
@@ -451,7 +477,8 @@ def _slot_shifted(d_off: torch.Tensor, dflat: torch.Tensor, slot: torch.Tensor, 
 
 
 def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                experts: frozenset[int] | None = None, expert_weights: ExpertWeights = "in_out") -> Plan:
+                experts: frozenset[int] | None = None, expert_weights: ExpertWeights = "in_out",
+                part: ModelPart = "all") -> Plan:
     """:func:`~megarefit.planner.plan_megatron_to_hf` built on columns (same ops, same
     rules; see the module docstring for the target order). Validated before returning.
 
@@ -459,7 +486,7 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
         LayoutError: tp/pp/ep do not fit the model.
         PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
     """
-    rows, stages = _layout_stages(dims, layout)
+    rows, stages = _layout_stages(dims, layout, part)
     per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
     src = _build_sources(dims, layout, dtype, stages, per_ep)
     owned = list(range(dims.num_experts)) if experts is None else sorted(e for e in experts
@@ -472,14 +499,16 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
     plan = Plan("megatron_to_hf", dims, layout, dtype, src.table, tgt.table, ops,  # type: ignore[arg-type]
                 digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
                           None if experts is None else sorted(experts),
-                          *(() if expert_weights == "in_out" else (expert_weights,))))
+                          *(() if expert_weights == "in_out" else (expert_weights,)),
+                          *(() if part == "all" else (part,))))
     validate_plan(plan)
     return plan
 
 
 @lru_cache(maxsize=64)
 def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                        experts: frozenset[int] | None = None, expert_weights: ExpertWeights = "in_out") -> Plan:
+                        experts: frozenset[int] | None = None, expert_weights: ExpertWeights = "in_out",
+                        part: ModelPart = "all") -> Plan:
     """Plan the export of every HF tensor from Megatron shards (full HF tensors as targets).
 
     ``experts``: the global routed experts this receiver owns (vLLM expert
@@ -487,7 +516,10 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     ``None``: all experts. ``expert_weights``: how targets holding every expert of a layer
     (gpt-oss's fused experts) store each expert's weight: ``"in_out"``, the HF checkpoint's
     layout, or ``"out_in"`` (vLLM's FusedMoE, the pivot of :func:`plan_megatron_to_vllm`);
-    see :func:`~megarefit.layout.geometry.fused_shapes`.
+    see :func:`~megarefit.layout.geometry.fused_shapes`. ``part``: ``"all"`` HF tensors;
+    ``"model"``, all but the MTP layers (what vLLM's target model loads: its loader skips
+    ``model.layers.{N+i}``); ``"draft"``, the MTP layers only (vLLM's MTP draft model); the
+    other part's source tensors are not read.
 
     Each HF element is read from exactly one rank. Replicated tensors are read
     from TP ranks in turn (``k % tp`` for the k-th replicated tensor of a stage)
@@ -500,14 +532,15 @@ def plan_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     Built on columns (this module): sources, targets and ops are
     tables whose names are formatted on demand (DeepSeek-V3 tp8 ep64, 642k source
     tensors and 360k ops: ~0.5 s planned and validated on 2 cores). Cached per
-    ``(dims, layout, dtype, experts, expert_weights)``.
+    ``(dims, layout, dtype, experts, expert_weights, part)``.
 
     Raises:
-        LayoutError: tp/pp/ep do not fit the model.
+        LayoutError: tp/pp/ep do not fit the model; ``part="draft"`` where the trainers
+            publish no MTP layers or fewer than the HF config stores.
         PlanValidationError: internal inconsistency (a bug): the plan does not cover exactly.
     """
     with plan_threads():
-        return plan_export(dims, layout, dtype, experts, expert_weights)
+        return plan_export(dims, layout, dtype, experts, expert_weights, part)
 
 
-__all__ = ["plan_export", "plan_megatron_to_hf"]
+__all__ = ["MODEL_PARTS", "ModelPart", "check_draft_layers", "plan_export", "plan_megatron_to_hf"]

@@ -11,7 +11,8 @@ decoder, as layer ``num_hidden_layers + i``::
     final_layernorm.weight                     ->  shared_head.norm.weight   [hidden]
     transformer_layer.<decoder-layer param>    ->  <same HF name as in a decoder layer>
 
-``eh_proj`` reads ``cat(enorm(embedding), hnorm(hidden))`` in both. The MTP block
+``eh_proj`` reads ``cat(enorm(embedding), hnorm(hidden))`` in both; block-FP8
+checkpoints keep it unquantized (vLLM's drafters hold it as a plain ``nn.Linear``). The MTP block
 shares the model's embedding and output layer (with pp > 1 the last stage holds a
 kept-in-sync copy of the embedding, a duplicate); DeepSeek-V3 checkpoints also
 carry copies of them as ``model.layers.{N+i}.embed_tokens`` / ``shared_head.head``,
@@ -30,7 +31,9 @@ _H = "model.layers.{layer}."
 MTP_OWN = (
     ParamSpec(_M + "enorm.weight", Role.REPLICATED, (_H + "enorm.weight",), ("hidden",)),
     ParamSpec(_M + "hnorm.weight", Role.REPLICATED, (_H + "hnorm.weight",), ("hidden",)),
-    ParamSpec(_M + "eh_proj.weight", Role.COLUMN, (_H + "eh_proj.weight",), ("hidden", "2hidden")),
+    # not block-FP8 quantized: vLLM's and SGLang's MTP drafters build eh_proj as a plain
+    # nn.Linear with no quantization method, so FP8 checkpoints keep it in the model dtype
+    ParamSpec(_M + "eh_proj.weight", Role.COLUMN, (_H + "eh_proj.weight",), ("hidden", "2hidden"), linear=False),
     ParamSpec(_M + "final_layernorm.weight", Role.REPLICATED, (_H + "shared_head.norm.weight",), ("hidden",)),
 )
 

@@ -144,17 +144,21 @@ def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, tar
     ``vocab_size`` are ``zero_fill``. With ``quantization`` (block FP8) every quantized
     weight is float8_e4m3fn with its ``..._scale_inv`` (``qkv_proj.weight_scale_inv``,
     ``w13_weight_scale_inv`` ``[E_l, 2*I_p/128, hidden/128]``, ...), as vLLM's FP8 layers
-    hold them before post-load processing. Cached per arguments.
+    hold them before post-load processing. A ``draft`` target gets the trainers' MTP
+    layers as vLLM's MTP drafter holds them (``model.layers.{N+i}.mtp_block...``). Cached
+    per arguments.
 
     Raises:
         LayoutError: the model does not split over the worker's groups (names the dim
-            and sizes), a bad expert placement (see :func:`vllm_params`), or an FP8 part
-            off the 128-block grid.
+            and sizes), a bad expert placement (see :func:`vllm_params`), an FP8 part
+            off the 128-block grid, or a draft target whose MTP layer count differs from
+            the trainers'.
         PlanValidationError: internal inconsistency (a bug).
     """
     experts = worker_experts(dims, target)
     fused = any(r.role.is_fused for r in dims.spec.entries)  # gpt-oss: the pivot holds them as FusedMoE does
-    hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts, "out_in" if fused else "in_out")
+    hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts, "out_in" if fused else "in_out",
+                                  "draft" if target.draft else "model")
     if quantization is not None:
         hf_plan = plan_fp8(hf_plan, quantization)
     typed, steps, produced, transforms = worker_params(dims, target, hf_plan, quantization)

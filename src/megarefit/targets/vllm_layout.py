@@ -57,6 +57,19 @@ and vLLM names its attention ``attn`` and its embedding ``embedding`` (``model.l
 Under sequence-parallel MoE (EP with T > 1 and D > 1, vLLM's default all2all backend)
 DeepSeek-V3's shared experts are not split (``disable_tp``): whole on every worker.
 
+A worker's **draft model** (``VllmTarget(draft=True)``: vLLM's MTP drafters ``DeepSeekMTP``,
+``Glm4MoeMTP``, as ``/start_draft_weight_update`` retargets the update to them) holds the
+MTP layers only, under their HF index ``N + i`` (N = ``num_hidden_layers``)::
+
+    model.layers.{N+i}.enorm / hnorm / shared_head.norm .weight   [hidden]      whole
+    model.layers.{N+i}.eh_proj.weight                              [hidden, 2*hidden]  whole
+                        (a plain ``nn.Linear`` in vLLM; Megatron splits it over tp)
+    model.layers.{N+i}.mtp_block.<decoder-layer parameter>         as in a decoder layer
+
+The drafter's embedding and head (``model.embed_tokens``, ``shared_head.head``) are the
+target model's own modules in a running engine (the proposer shares them): a draft
+update leaves them to the target's update.
+
 Each vLLM parameter is a list of :class:`VllmPiece` -- a box of one HF tensor placed
 at a box of the parameter (with leading expert-slot dims for FusedMoE) -- computed
 from the spec table's roles and HF names; the few facts the roles do not imply
@@ -66,6 +79,7 @@ MoE; FusedMoE names) are the small tables below.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -74,7 +88,7 @@ from megarefit.errors import LayoutError, UnsupportedModelError
 from megarefit.layout import Box, SourceLayout
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.geometry import hf_shapes
-from megarefit.specs.table import ParamSpec, Role, Stage
+from megarefit.specs.table import MTP_PREFIX, ParamSpec, Role, Stage
 
 VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -108,6 +122,11 @@ _VLLM_FUSED = (
                                                   "self_attn.indexer.weights_proj.weight")),
 )
 
+# An MTP layer's own modules in vLLM's drafters (models/deepseek_mtp.py ``_rewrite_spec_layer_name``):
+# everything else of the layer is its decoder block, ``mtp_block.``.
+_MTP_OWN_MODULES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
 # Families whose vLLM shared experts follow sequence-parallel MoE (DeepseekV2MoE passes
 # is_sequence_parallel -> disable_tp; GLM-5 is served by vLLM's DeepSeek-V3.2 model, the same
 # MoE); GLM-4.5's Glm4MoeMLP always splits over tp.
@@ -134,6 +153,10 @@ class VllmTarget:
             worker's physical slots follow ``expert_map`` or the placement rule over the
             physical count; each slot gets its layer's logical expert. ``None``: no EPLB.
         vocab_padding: vLLM's vocab padding (``DEFAULT_VOCAB_PADDING_SIZE``).
+        draft: the worker's MTP draft model (speculative decoding ``method="mtp"``), not its
+            target model: the MTP layers only, named as vLLM's drafters name them (module
+            docstring). Its expert map and EPLB placements are the drafter's own (its MoE
+            layers: one per MTP layer).
 
     Raises:
         LayoutError: a rank outside its size, an unknown placement, an expert map
@@ -149,6 +172,7 @@ class VllmTarget:
     expert_map: tuple[int, ...] | None = None
     physical_to_logical: tuple[tuple[int, ...], ...] | None = None
     vocab_padding: int = VLLM_VOCAB_PADDING
+    draft: bool = False
 
     def __post_init__(self) -> None:
         for size, rank, what in ((self.tp, self.rank, "tp"), (self.dp, self.dp_rank, "dp")):
@@ -442,35 +466,66 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
 
     Names are vLLM's ``named_parameters()`` names (vLLM 0.2x-0.32 spelling), shapes are
     the worker's local shapes in vLLM's checkpoint ("model") format, before any
-    ``process_weights_after_loading``. MTP layers are not included (vLLM loads them
-    into a separate draft model).
+    ``process_weights_after_loading``. The target model has no MTP layers (vLLM loads
+    them into a separate draft model); a ``draft`` target has only them.
 
     Raises:
         LayoutError: heads / ffn / moe_intermediate_size / hidden do not split over the
-            worker's tensor-parallel group; a bad expert map or placement.
+            worker's tensor-parallel group; a bad expert map or placement; a draft target
+            of a model without MTP layers (``num_nextn_predict_layers`` 0).
     """
     hf_layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.vocab_size, num_layers=dims.num_layers)
     rows = [r for r in dims.spec.rows(dims.conditions(1), "local", "sequential")
-            if not r.duplicate and r.stage is not Stage.MTP]
-    moe_layers = [layer for layer in range(dims.num_layers) if dims.layer_kind(layer) == "moe"]
+            if not r.duplicate and (r.stage is Stage.MTP) == target.draft]
+    layers = _layers(dims, target)
+    moe_layers = [layer for layer in layers if dims.layer_kind(layer) == "moe"]
     if target.physical_to_logical is not None and len(target.physical_to_logical) != len(moe_layers):
-        raise LayoutError(f"EPLB placements for {len(target.physical_to_logical)} MoE layers, the model has "
-                          f"{len(moe_layers)}")
+        raise LayoutError(f"EPLB placements for {len(target.physical_to_logical)} MoE layers, the "
+                          f"{'draft ' if target.draft else ''}model has {len(moe_layers)}")
     slots = {layer: target.local_experts(dims.num_experts, m) for m, layer in enumerate(moe_layers)}
     out: dict[str, VllmParam] = {}
     order = [(row, None) for row in rows if row.stage is Stage.FIRST]  # embedding, then layer by layer, then head
-    order += [(row, layer) for layer in range(dims.num_layers) for row in rows if row.stage is Stage.LAYER
+    order += [(row, layer) for layer in layers for row in rows if row.stage in (Stage.LAYER, Stage.MTP)
               and (row.layer_kind is None or row.layer_kind == dims.layer_kind(layer))]
     order += [(row, None) for row in rows if row.stage is Stage.LAST]
     for row, layer in order:
+        named = list(zip(row.hf_names(layer), hf_shapes(row, dims, hf_layout)))
         if row.role.is_fused:
             _fused_experts(row, layer, dims, target, slots[layer], out)  # type: ignore[index]
         elif row.role.is_expert:
             _experts(row, layer, dims, target, slots[layer], out)  # type: ignore[index]
+        elif _mtp_own(row):  # whole on every worker, eh_proj included
+            out.update((name, _whole(name, shape)) for name, shape in named)
         else:
-            _dense(row, list(zip(row.hf_names(layer), hf_shapes(row, dims, hf_layout))), dims, target, out)
+            _dense(row, named, dims, target, out)
     renames = _VLLM_RENAMES.get(dims.family, ())
-    return {_renamed(name, renames): param for name, param in _fuse(out).items()}
+    fused = _fuse(out)
+    if target.draft:
+        fused = {_draft_name(name): param for name, param in fused.items()}
+    return {_renamed(name, renames): param for name, param in fused.items()}
+
+
+def _layers(dims: ModelDims, target: VllmTarget) -> list[int]:
+    """The global (HF) layer indices ``target`` holds: the decoder's, or a draft's MTP layers."""
+    if not target.draft:
+        return list(range(dims.num_layers))
+    if not dims.mtp_layers:
+        raise LayoutError(f"{dims.family}: the HF config has no MTP layers (num_nextn_predict_layers is 0), so "
+                          "vLLM serves no MTP draft model to refit")
+    return [dims.num_layers + i for i in range(dims.mtp_layers)]
+
+
+def _mtp_own(row: ParamSpec) -> bool:
+    """An MTP layer's own tensor (enorm, hnorm, eh_proj, final norm), not its decoder block's."""
+    return row.stage is Stage.MTP and not row.megatron.startswith(MTP_PREFIX + "{layer}.transformer_layer.")
+
+
+def _draft_name(name: str) -> str:
+    """An MTP layer's HF name as vLLM's drafter names it: its decoder block under ``mtp_block.``."""
+    m = _LAYER_NAME.match(name)
+    if m is None or name[m.end():].startswith(_MTP_OWN_MODULES):
+        return name
+    return name[:m.end()] + "mtp_block." + name[m.end():]
 
 
 def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
