@@ -26,6 +26,10 @@ Three parts, usually three kinds of processes:
                    server.refit(step + 1)                         # pause, pull, finish, resume
            publisher.wait_receivers(step + 1)                     # every server acknowledged
 
+A server with MTP speculative decoding (``--speculative-config '{"method": "mtp", ...}'``)
+refits its draft model too: ``server.refit(step + 1, draft=True)``, with the trainers built
+and published with ``mtp_num_layers``.
+
 All processes share the job secret (``MEGAREFIT_JOB_SECRET``): every record on the
 rendezvous is signed with it (docs/security.md). The lifecycle and what each step
 guarantees: docs/http.md. tests/test_vllm_http.py runs this loop end to end on CPU.

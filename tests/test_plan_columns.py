@@ -241,10 +241,12 @@ def test_vllm_plans_match_the_reference(case, block):
         return
     new = plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
     assert isinstance(new.ops, OpTable)
-    assert dict(new.sources) == dict(ref.sources)
+    # the target model's plan reads no MTP layer (vLLM loads those into its draft model)
+    assert dict(new.sources) == {r: m for r, m in ref.sources.items() if not r.name.startswith("mtp.layers.")}
     assert list(new.targets.items()) == list(ref.targets.items())
     assert list(new.ops) == list(ref.ops)  # same ops in the same order (merges included)
-    assert new.quantize == ref.quantize and new.nbytes == ref.nbytes and new.summary() == ref.summary()
+    assert new.quantize == ref.quantize and new.nbytes == ref.nbytes
+    assert new.summary()["total"] == ref.summary()["total"]
 
 
 def test_real_qwen3_moe_vllm_worker_matches_the_reference():

@@ -74,6 +74,15 @@ def _wait_healthy(base: str, server: subprocess.Popen, log, timeout: float = 300
     raise AssertionError(f"vLLM server not healthy after {timeout} s")
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """Terminate the server, killing it if it has not exited after 60 s."""
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     cfg = e2e_config()
@@ -115,11 +124,7 @@ def served(tmp_path_factory):
         out["version_after_error"] = refit.weight_version()
         trainers.join(timeout=120)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         log.close()
     snapshots = {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)} for v in (1, 2, 3)}
     return cfg, out, snapshots

@@ -11,7 +11,13 @@ same). Prints one JSON line: per stage, which version the drafter's MTP-only par
 hold, whether the drafter's embedding is still the target's, vLLM's greedy generation
 (with speculative decoding) and HF's from that version's weights.
 
-Usage: ``python vllm_draft_scenario.py WORKDIR``.
+With ``http``: the same model served by vLLM's OpenAI server (``vllm serve``, started as a
+module) with ``--speculative-config``, refitted to version 1 by
+:class:`~megarefit.integrations.vllm_http.VllmHttpRefit` ``refit(1, draft=True)``; prints
+greedy ``/v1/completions`` and HF's, ``/weight_info``, and what the trainers'
+``wait_receivers`` saw.
+
+Usage: ``python vllm_draft_scenario.py WORKDIR [http]``.
 """
 
 from __future__ import annotations
@@ -121,5 +127,56 @@ def main(work: Path) -> dict:
     return out
 
 
+def main_http(work: Path) -> dict:
+    import subprocess
+
+    import megarefit
+    from conftest import hf_model_from
+    from megarefit.integrations.hf import save_checkpoint
+    from megarefit.integrations.vllm_http import VllmHttpRefit
+    from megarefit.online import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+    from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
+    from vllm_helpers import bpe_tokenizer, hf_generate
+
+    cfg = config()
+    n = cfg["num_hidden_layers"]
+    states = _states(cfg, work)[:2]
+    save_checkpoint(work / "ckpt", cfg, states[0])
+    bpe_tokenizer(work / "ckpt", cfg["vocab_size"])  # the OpenAI server's completions need one
+    job = "vllm-draft-http"
+    rdzv = Rendezvous.serve(job=job)
+    params = megarefit.hf_to_megatron(states[1], cfg, tp=2, mtp_layers=1)
+    pubs = [Publisher({k: t.clone() for k, t in params[r].items()}, cfg, rank=r, tp=2, pp=1, mtp_layers=1,
+                      rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}") for r in sorted(params)]
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    out: dict = {}
+    with open(work / "server.log", "w+") as log:
+        server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                   str(work / "ckpt"), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+                                   "float32", "--enforce-eager", "--max-model-len", "128",
+                                   "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}),
+                                   "--weight-transfer-config", json.dumps({"backend": "megarefit"})],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(base, server, log)
+            for p in pubs:
+                p.publish(1)
+            refit = VllmHttpRefit(base)
+            refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True)
+            out["seconds"] = refit.refit(1, draft=True)
+            out["version"] = refit.weight_version()
+            out["acks"] = sorted(pubs[0].wait_receivers(1, timeout=60).values())
+            out["vllm"] = _completions(base, str(work / "ckpt"))
+        finally:
+            stop_server(server)
+    hf = {k: v for k, v in states[1].items() if not k.startswith(f"model.layers.{n}.")}
+    out["hf"] = hf_generate(hf_model_from(hf, cfg, work / "hf-model"))
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]))))
+    run = main_http if "http" in sys.argv[2:] else main
+    print(json.dumps(run(Path(sys.argv[1]))))

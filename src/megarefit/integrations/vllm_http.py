@@ -88,17 +88,23 @@ class VllmHttpRefit:
         self._call("POST", "init_weight_transfer_engine",
                    {"init_info": {"host": host, "port": port, "job": job, **init_info}})
 
-    def refit(self, version: int, *, pause: bool = True, timeout: float | None = None) -> float:
+    def refit(self, version: int, *, pause: bool = True, timeout: float | None = None, draft: bool = False) -> float:
         """One weight update to ``version``; returns its seconds (pause to resume).
 
         ``pause``: ``/pause`` before (in-flight requests are aborted, the prefix cache is
         cleared, so no cached prefix of the old weights is served) and ``/resume`` after,
         also after a failed update (the server then serves its previous version).
         ``timeout``: seconds the workers wait for ``version`` to be published (default:
-        ``init``'s).
+        ``init``'s). ``draft``: the server runs MTP speculative decoding
+        (``--speculative-config '{"method": "mtp", ...}'``): after the target model, refit its
+        draft model too, in the same pause (``/start_draft_weight_update`` ->
+        ``/update_weights`` -> ``/finish_weight_update``; the trainers must publish their MTP
+        layers, Megatron ``mtp_num_layers``).
 
         Raises:
-            RefitHTTPError: naming the route that failed and the server's error text.
+            RefitHTTPError: naming the route that failed and the server's error text (a failed
+                draft update names ``start_draft_weight_update`` or ``update_weights (draft model)``: the
+                target model then holds ``version`` and the draft model its previous one).
         """
         t0 = time.perf_counter()
         if pause:
@@ -107,9 +113,15 @@ class VllmHttpRefit:
         if timeout is not None:
             info["timeout"] = float(timeout)
         try:
-            self._call("POST", "start_weight_update")
-            self._call("POST", "update_weights", {"update_info": info})  # on an error vLLM ends the update
-            self._call("POST", "finish_weight_update", {"weight_version": str(version)})
+            for start in ("start_weight_update", "start_draft_weight_update")[:2 if draft else 1]:
+                self._call("POST", start)
+                try:
+                    self._call("POST", "update_weights", {"update_info": info})  # on an error vLLM ends the update
+                except RefitHTTPError as exc:
+                    if start == "start_weight_update":
+                        raise
+                    raise RefitHTTPError("update_weights (draft model)", exc.status, exc.body) from None
+                self._call("POST", "finish_weight_update", {"weight_version": str(version)})
         except RefitHTTPError:
             if pause:  # the server holds its previous version: serve it again, report the failure
                 try:

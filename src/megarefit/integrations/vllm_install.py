@@ -365,5 +365,5 @@ def draft_shared(model: torch.nn.Module) -> frozenset[str]:
         tuple("." + s for s in _DRAFT_SHARED)))
 
 
-__all__ = ["check_shards", "draft_shared", "engine_expert_map", "eplb_placement", "install_shards", "model_format_params",
-           "vllm_target_of"]
+__all__ = ["check_shards", "draft_shared", "engine_expert_map", "eplb_placement", "install_shards",
+           "model_format_params", "vllm_target_of"]
