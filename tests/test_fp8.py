@@ -252,3 +252,62 @@ def test_fused_kernel_is_bit_identical_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert "MISMATCHES []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Block-FP8 ``w`` [..., rows, cols] times its 128x128 block scales [..., rows/128, cols/128]."""
+    if scale is None:
+        return w.float()
+    rows, cols = w.shape[-2:]
+    full = scale.float().repeat_interleave(128, -2)[..., :rows, :].repeat_interleave(128, -1)[..., :cols]
+    return w.float() * full
+
+
+def test_fp8_draft_targets_carry_vllms_own_quantized_blocks(tmp_path):
+    """Block FP8 (the drafter gets the target's quantization): the MTP block's linear weights
+    arrive as float8 + ``weight_scale_inv``, ``eh_proj`` stays in the model dtype (vLLM's
+    drafters build it as a plain ``nn.Linear``), and every FP8 parameter, dequantized, equals
+    the checkpoint vLLM's own quantizer (``per_block_cast_to_fp8``) makes of the same HF
+    tensors, dequantized and placed by the bf16 draft layout that the loader test proves.
+    (vLLM's FP8 layers themselves need AMX on CPU: their loaders are not run here; the bf16
+    draft layout is proved against vLLM's drafters in test_vllm_draft.py.)"""
+    from megarefit import RankCoord, SourceLayout
+    from megarefit.quant.planning import quantize_sources
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm, vllm_params
+    from megarefit.transport import LocalTransport
+    from megarefit.transport.execute import run_refit_cycle
+    from moe_cases import case_config
+    from reference import hf_checkpoint_state, vllm_fp8_checkpoint, with_mtp_layer
+
+    cfg = case_config("deepseek_v3") | {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512,
+                                        "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+                                        "qk_rope_head_dim": 64, "v_head_dim": 64, "num_nextn_predict_layers": 1}
+    hf = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)
+          for k, v in with_mtp_layer(cfg, hf_checkpoint_state(cfg, tmp_path, 9)).items()}
+    dims = ModelDims.from_hf_config(cfg)
+    names = quantized_weight_names(dims)
+    n = dims.num_layers
+    assert f"model.layers.{n}.eh_proj.weight" not in names and f"model.layers.{n}.self_attn.o_proj.weight" in names
+    mtp = {k: t for k, t in hf.items() if k.startswith(f"model.layers.{n}.")}  # what the drafter holds
+    ckpt = vllm_fp8_checkpoint(mtp, names)
+    want_hf = {k: _dequantized(ckpt[k], ckpt.get(k + "_scale_inv")) for k in mtp}
+    fmt = Fp8Format()
+    shards = megarefit.hf_to_megatron(hf, cfg, tp=2, ep=2, etp=1, layer_spec="te", expert_layout="te_grouped",
+                                      mtp_layers=1)
+    layout = SourceLayout.build(tp=2, pp=1, ep=2, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=n, layer_spec="te", expert_layout="te_grouped", mtp_layers=1)
+    for rank in range(2):
+        target = VllmTarget(2, rank, expert_parallel=True, draft=True)
+        plan = plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
+        served = quantize_sources(plan, {RankCoord(*r): s for r, s in shards.items()}, fmt)
+        got = {k: t.clone() for k, t in run_refit_cycle(plan, LocalTransport(served))}
+        fp8 = {k for k, t in got.items() if t.dtype == torch.float8_e4m3fn}
+        assert f"model.layers.{n}.eh_proj.weight" in got and f"model.layers.{n}.eh_proj.weight" not in fp8
+        assert f"model.layers.{n}.mtp_block.self_attn.o_proj.weight" in fp8
+        assert {k + "_scale_inv" for k in fp8} <= set(got)
+        for name, param in vllm_params(dims, target).items():
+            want = torch.zeros(param.shape)
+            for p in param.pieces:
+                want[p.param_box.slices()] = want_hf[p.hf_name][p.hf_box.slices()].reshape(p.param_box.lengths)
+            assert torch.equal(_dequantized(got[name], got.get(name + "_scale_inv") if name in fp8 else None),
+                               want), (name, rank)

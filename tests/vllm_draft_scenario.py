@@ -44,9 +44,12 @@ def config() -> dict:
 
 
 def _states(cfg: dict, work: Path) -> list[dict[str, torch.Tensor]]:
+    """Versions 0, 1, 2: random tensors under transformers' names and shapes, plus MTP layer N."""
     from reference import hf_checkpoint_state, with_mtp_layer
 
-    return [with_mtp_layer(cfg, hf_checkpoint_state(cfg, work / f"hf-{v}", seed=v), seed=10 + v) for v in range(3)]
+    first = with_mtp_layer(cfg, hf_checkpoint_state(cfg, work / "hf-0", seed=0), seed=10)
+    g = torch.Generator().manual_seed(1)
+    return [first] + [{k: torch.randn(t.shape, generator=g) for k, t in first.items()} for _ in range(2)]
 
 
 def _which(drafter: torch.nn.Module, states: list[dict[str, torch.Tensor]], n: int) -> list[int | None]:
@@ -91,13 +94,17 @@ def main(work: Path) -> dict:
     target, drafter = worker.model_runner.get_model(), worker.model_runner.drafter.model
     out: dict = {"drafter": type(drafter).__name__, "stages": {}}
 
+    hf_out: dict[int, list] = {}  # HF transformers' greedy generation per version
+
     def stage(name: str, version: int) -> None:
-        hf = {k: v for k, v in states[version].items() if not k.startswith(f"model.layers.{n}.")}
+        if version not in hf_out:
+            hf = {k: v for k, v in states[version].items() if not k.startswith(f"model.layers.{n}.")}
+            hf_out[version] = hf_generate(hf_model_from(hf, cfg, work / f"hf-model-{version}"))
         out["stages"][name] = {
             "draft_holds": _which(drafter, states, n),
             "embedding_shared": drafter.model.embed_tokens.weight is target.model.embed_tokens.weight,
             "vllm": vllm_generate(llm),
-            "hf": hf_generate(hf_model_from(hf, cfg, work / f"hf-model-{name}")),
+            "hf": hf_out[version],
         }
 
     stage("initial", 0)
