@@ -31,18 +31,18 @@ def job(config):
     hf = reference_hf_state(cfg, "qwen3")
     shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
     name = f"sec-{next(_JOBS)}"
-    rdzv = Rendezvous.serve(job=name, secret="the-job-secret")
+    rdzv = Rendezvous.serve(job=name, secret="the-job-secret-of-this-test")
     pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{name}-{r[0]}")
             for r, s in shards.items()]
     for p in pubs:
         p.publish(1)
-    receiver = RefitReceiver(Rendezvous.connect("127.0.0.1", rdzv.port, job=name, secret="the-job-secret"),
+    receiver = RefitReceiver(Rendezvous.connect("127.0.0.1", rdzv.port, job=name, secret="the-job-secret-of-this-test"),
                              name=f"{name}-rx", timeout=2, retries=0)
     yield hf, rdzv, pubs, receiver
     receiver.close()
 
 
-def _intruder(rdzv: Rendezvous, secret: str = "a-guess") -> Rendezvous:
+def _intruder(rdzv: Rendezvous, secret: str = "a-guess-of-sixteen-bytes") -> Rendezvous:
     """A writer on the job's own store connection signing with another secret: what a record
     signed outside the job looks like (the store itself refuses connections without the secret)."""
     return Rendezvous(rdzv.store, rdzv.job, secret)
@@ -108,7 +108,7 @@ def test_a_connecting_side_needs_the_secret(monkeypatch):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_any_bytes_are_a_named_error_or_a_record(record):
-    rdzv = Rendezvous(None, "fuzz", "fuzz-secret")  # type: ignore[arg-type] - unseal needs no store
+    rdzv = Rendezvous(None, "fuzz", "fuzz-secret-of-this-test")  # type: ignore[arg-type] - unseal needs no store
     with pytest.raises(RecordAuthenticationError):
         rdzv.unseal("megarefit/fuzz/version/0.0.0", record)
 
@@ -172,10 +172,10 @@ def test_the_store_listens_only_where_asked_and_only_to_the_job():
 
     from megarefit.online.store import StoreError
 
-    rdzv = Rendezvous.serve(job="sec-bind", secret="bind-secret")
+    rdzv = Rendezvous.serve(job="sec-bind", secret="bind-secret-of-this-test")
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.2", rdzv.port))
     with pytest.raises(StoreError, match=rf"rendezvous at 127\.0\.0\.1:{rdzv.port} refused this process: wrong job secret"):
-        Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="a-guess")
+        Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="a-guess-of-sixteen-bytes")
     rdzv.mark_consumed(1)
-    Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="bind-secret").wait_consumed(1, timeout=5)
+    Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="bind-secret-of-this-test").wait_consumed(1, timeout=5)

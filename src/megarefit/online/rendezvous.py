@@ -26,11 +26,13 @@ Every record megarefit acts on (manifest, NIXL metadata, generation, version, up
 sequence, consumed marks, acknowledgements, registry members, replica arena records) is
 signed with the job's secret (``secret=``, else ``MEGAREFIT_JOB_SECRET``; HMAC-SHA256 from the
 standard library) and checked before use: ``mr1:<mac>:<n>:<payload>``, the MAC over the
-job, the key, ``n`` and the payload, ``n`` a writer's counter that only grows (nanoseconds at
-least), so an older record written again under its key is refused as replayed. A record
-that is unsigned, signed with another secret or replayed raises
-:class:`RecordAuthenticationError` and nothing acts on it. Heartbeat and registry counters
-are plain store counters (unsigned: forging them can delay a trainer, not feed it bytes).
+job, the key, ``n`` and the payload, ``n`` drawn from the job's counter in the store
+(``clock``: one atomic add per record, never a wall clock, so a writer restarted on a host
+whose clock is behind still writes newer records), so an older record written again under
+its key is refused as replayed. A record that is unsigned, signed with another secret or
+replayed raises :class:`RecordAuthenticationError` and nothing acts on it. Heartbeat and
+registry counters are plain store counters (the store itself admits only holders of the
+secret, and authenticates every message: :mod:`~megarefit.online.store`).
 docs/security.md says what this protects and what it does not.
 """
 
@@ -49,7 +51,8 @@ from collections.abc import Iterable
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
-from megarefit.online.store import KeyValueStore
+from megarefit.online.store import KeyValueStore, StoreTLS
+from megarefit.online.store_server import check_secret
 from megarefit.transport.manifest import Manifest
 
 
@@ -87,10 +90,10 @@ def _resolve_secret(secret: bytes | str | None, *, serving: bool) -> tuple[bytes
             raise MegarefitError(f"no job secret: pass secret= (the serving side's Rendezvous.secret) to "
                                  f"Rendezvous.connect, or set {SECRET_ENV} for every process of the job")
         return secrets.token_hex(32).encode(), True
-    secret = secret.encode() if isinstance(secret, str) else bytes(secret)
-    if not secret:
-        raise MegarefitError("the job secret is empty; use a long random string (e.g. secrets.token_hex(32))")
-    return secret, False
+    try:
+        return check_secret(secret), False
+    except ValueError as exc:
+        raise MegarefitError(str(exc)) from None
 
 
 def _rank_key(rank: RankCoord) -> str:
@@ -106,11 +109,9 @@ class Rendezvous:
         self.job = job
         self.prefix = f"megarefit/{job}/"
         self._secret, _ = _resolve_secret(secret, serving=False)
-        self._counter = 0  # the last n this writer signed
         # key -> the highest n this thread read (older ones are replays). Per thread: another
         # thread may verify, later, a record it fetched before this thread read a newer one.
         self._reads = threading.local()
-        self._lock = threading.Lock()  # the counter, shared by this object's writers
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
@@ -125,27 +126,38 @@ class Rendezvous:
 
     @classmethod
     def serve(cls, host: str = "127.0.0.1", port: int = 0, *, job: str = "default",
-              timeout: float = 300.0, secret: bytes | str | None = None) -> Rendezvous:
+              timeout: float = 300.0, secret: bytes | str | None = None,
+              tls: StoreTLS | None = None) -> Rendezvous:
         """Host the store (``port=0`` picks a free port; see :attr:`port`). Without ``secret``
         and ``$MEGAREFIT_JOB_SECRET`` a random secret is generated (:attr:`secret`), with a
-        warning: hand it to every process of the job as you hand out host and port."""
+        warning: hand it to every process of the job as you hand out host and port.
+        ``tls``: serve over TLS (``StoreTLS(certfile=, keyfile=, cafile=)``; the connecting
+        sides pass ``StoreTLS(cafile=)``).
+
+        Raises:
+            MegarefitError: the secret is shorter than 16 bytes.
+            StoreError: the address cannot be bound or the TLS files cannot be read."""
         key, generated = _resolve_secret(secret, serving=True)
         if generated:
             warnings.warn(f"no job secret given: generated one (Rendezvous.secret). Pass it to every trainer and "
                           f"receiver of job {job!r} (Rendezvous.connect(..., secret=...), or {SECRET_ENV}) the way "
                           "you pass host and port: whoever learns it can publish weights to this job",
                           stacklevel=2)
-        return cls(KeyValueStore.serve(host, port, key, timeout), job, key)
+        return cls(KeyValueStore.serve(host, port, key, timeout, tls=tls), job, key)
 
     @classmethod
     def connect(cls, host: str, port: int, *, job: str = "default", timeout: float = 300.0,
-                secret: bytes | str | None = None) -> Rendezvous:
-        """Join a served store with the job's secret (``secret=``, else ``$MEGAREFIT_JOB_SECRET``).
+                secret: bytes | str | None = None, tls: StoreTLS | None = None) -> Rendezvous:
+        """Join a served store with the job's secret (``secret=``, else ``$MEGAREFIT_JOB_SECRET``;
+        ``str`` or ``bytes``, at least 16 bytes). ``tls``: the store serves TLS
+        (``StoreTLS(cafile=...)``).
 
         Raises:
-            MegarefitError: no secret given (names the fix)."""
+            MegarefitError: no secret given, or one shorter than 16 bytes (names the fix).
+            StoreError: the store cannot be reached, refused the secret, or is not a megarefit
+                rendezvous of this job."""
         key, _ = _resolve_secret(secret, serving=False)
-        return cls(KeyValueStore(host, port, key, timeout), job, key)
+        return cls(KeyValueStore(host, port, key, timeout, tls=tls), job, key)
 
     @property
     def secret(self) -> str:
@@ -160,9 +172,7 @@ class Rendezvous:
     def seal(self, key: str, payload: bytes | str) -> bytes:
         """The signed record of ``payload`` under full key ``key`` (``prefix + ...``)."""
         payload = payload.encode() if isinstance(payload, str) else bytes(payload)
-        with self._lock:
-            self._counter = max(self._counter + 1, time.time_ns())
-            n = str(self._counter).encode()
+        n = str(self.store.add(self.prefix + "clock", 1)).encode()
         return b":".join([_FORMAT, self._mac(key, n, payload), n, payload])
 
     def unseal(self, key: str, record: bytes) -> bytes:
@@ -216,7 +226,7 @@ class Rendezvous:
         digest = hashlib.sha256(text.encode() + b"\0" + bytes(nixl_metadata)).hexdigest()[:16]
         if not self.store.check([self.prefix + "seq/" + key]):  # stable from the start: a receiver's fence
             self.put("seq/" + key, "0")  # then reads generations, sequences and versions in one round trip
-        self.put("generation/" + key, f"{time.time_ns()}-{digest}")
+        self.put("generation/" + key, f"{self.store.add(self.prefix + 'clock', 1)}-{digest}")
 
     def publish_version(self, rank: RankCoord, version: int) -> None:
         self.put("version/" + _rank_key(rank), str(int(version)))
@@ -249,8 +259,10 @@ class Rendezvous:
                 return
             if time.monotonic() > deadline:
                 ranks = [k.rsplit("/", 1)[1] for k in missing[:8]]
-                raise RendezvousTimeout(f"no {what} after {timeout:.1f} s from: {missing[:8]} (trainer ranks "
-                                        f"{ranks}, as tp.pp.ep)")
+                raise RendezvousTimeout(
+                    f"no {what} after {timeout:.1f} s from trainer ranks {ranks} (tp.pp.ep) of job {self.job!r} at the "
+                    f"rendezvous {self.store.host}:{self.store.port} (keys {missing[:8]}): check that the trainers "
+                    "were started with this job name and rendezvous, and are alive")
             time.sleep(0.01)
 
     def manifests(self, ranks: Iterable[RankCoord] | None = None, *,
@@ -428,9 +440,9 @@ class Heartbeat:
     connection), until :meth:`stop` (or interpreter exit)."""
 
     def __init__(self, rendezvous: Rendezvous, rid: str, interval: float = 1.0):
-        host, port = rendezvous.store.host, rendezvous.store.port
-        self._rdzv = Rendezvous(KeyValueStore(host, port, rendezvous._secret, 30.0), rendezvous.job,
-                                rendezvous.secret)
+        store = rendezvous.store
+        self._rdzv = Rendezvous(KeyValueStore(store.host, store.port, rendezvous._secret, 30.0, tls=store.tls),
+                                rendezvous.job, rendezvous._secret)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(rid, interval), daemon=True,
                                         name=f"megarefit-heartbeat-{rid}")
@@ -441,7 +453,7 @@ class Heartbeat:
         while not self._stop.wait(interval):
             try:
                 self._rdzv.heartbeat(rid)
-            except (RuntimeError, OSError):  # the store went away: the trainers will drop this receiver
+            except (MegarefitError, RuntimeError, OSError):  # the store went away: the trainers will drop this receiver
                 return
 
     def stop(self) -> None:

@@ -1,33 +1,76 @@
-"""The rendezvous' key-value store: bound where asked, open only to holders of the job secret.
+"""The rendezvous' key-value store: bound where asked, open only to holders of the job secret,
+and nothing received is ever unpickled or executed.
 
-``torch.distributed.TCPStore`` listens on every interface whatever host it is given and lets
-anyone who reaches the port read and write. :class:`KeyValueStore` serves the same small API
-(``set`` / ``get`` / ``add`` / ``check`` / ``multi_get`` / ``wait`` / ``delete_key``, bytes
-values, blocking reads with a timeout) through Python's ``multiprocessing.managers``: the
-server listens on the one address it is given (loopback by default), and every connection
-must first answer an HMAC challenge keyed with the job secret
-(``multiprocessing.connection``'s authentication), so a process without the secret can
-neither read nor write a record. The server is a process of its own
-(:mod:`~megarefit.online.store_server`, standard library only), so a busy serving process
-(a training loop) does not delay its answers. One table per server; each client thread gets
-its own connection.
+:class:`KeyValueStore` serves the small API megarefit needs (``set`` / ``get`` / ``add`` /
+``check`` / ``multi_get`` / ``wait`` / ``delete_key``, bytes values, blocking reads with a
+timeout) over its own protocol (:mod:`~megarefit.online.store_server`, standard library
+only): JSON headers and raw byte values in length-prefixed frames, a mutual HMAC-SHA256
+handshake keyed with the job secret and fresh nonces, then an HMAC-SHA256 tag on every
+message in both directions. A process without the secret can neither read nor write, and a
+server that does not prove the secret is not talked to. TLS is optional (:class:`StoreTLS`).
+
+The server is a process of its own (a busy serving process, a training loop, does not delay
+its answers), listening on the one address it is given (loopback by default). Each client
+thread gets its own connection.
+
+Why not Redis or etcd: docs/security.md ("Choosing the store") compares them; the embedded
+store needs no server install, and a job can serve it from any trainer process.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
+import os
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import AuthenticationError
-from multiprocessing.managers import BaseManager
 from pathlib import Path
+from typing import Any
 
 from megarefit.errors import MegarefitError
+from megarefit.online.store_server import (
+    FRAME_MAX,
+    HELLO_MAX,
+    NONCE_BYTES,
+    PROTOCOL,
+    Channel,
+    ProtocolError,
+    check_secret,
+    decode,
+    encode,
+    hello_json,
+    proof,
+)
 
 
 class StoreError(MegarefitError):
-    """The store refused a connection (wrong job secret), could not be reached, or a read timed out."""
+    """The store refused a connection (wrong job secret), could not be reached, broke the
+    protocol (not a megarefit rendezvous), or a read timed out."""
+
+
+@dataclass(frozen=True)
+class StoreTLS:
+    """TLS for the store's connections (PEM files).
+
+    The serving side passes ``certfile`` (its certificate chain) and ``keyfile``; connecting
+    sides pass ``cafile`` (the CA that signed it) and, when they connect by an address the
+    certificate does not name, ``server_hostname``. The job-secret handshake runs inside TLS."""
+
+    certfile: str | None = None
+    keyfile: str | None = None
+    cafile: str | None = None
+    server_hostname: str | None = None
+
+    def client_context(self) -> ssl.SSLContext:
+        """A verifying client context: ``cafile``, else (the serving side's own connection)
+        ``certfile`` when it is self-signed, else the system's CAs."""
+        return ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.cafile or self.certfile)
 
 
 def _seconds(timeout: timedelta | float | None, default: float) -> float:
@@ -36,48 +79,158 @@ def _seconds(timeout: timedelta | float | None, default: float) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-class KeyValueStore:
-    """A client of a served table (``TCPStore``'s calls megarefit uses). ``timeout``: seconds a
-    blocking read waits by default."""
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 22))
+        if not chunk:
+            raise ConnectionError("the store closed the connection")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
-    def __init__(self, host: str, port: int, secret: bytes, timeout: float):
-        self.host, self.port, self.timeout = host, port, timeout
-        manager = type("_Client", (BaseManager,), {})
-        manager.register("table")
-        self._manager = manager(address=(host, port), authkey=secret)
+
+def _recv_frame(sock: socket.socket, limit: int) -> bytes:
+    n = int.from_bytes(_recv_exactly(sock, 4), "big")
+    if n > limit:
+        raise ProtocolError(f"a frame of {n} bytes (at most {limit} here)")
+    return _recv_exactly(sock, n)
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(len(payload).to_bytes(4, "big") + payload)
+
+
+class _Connection:
+    """One authenticated connection (one thread's)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, tls: StoreTLS | None, connect_timeout: float):
+        where = f"{host}:{port}"
         try:
-            self._manager.connect()
-        except AuthenticationError:
-            raise StoreError(f"the rendezvous at {host}:{port} refused this process: wrong job secret") from None
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
-            raise StoreError(f"cannot reach the rendezvous at {host}:{port}: {exc}") from None
-        self._table = self._manager.table()  # type: ignore[attr-defined]
+            raise StoreError(f"cannot reach the rendezvous at {where}: {exc}") from None
+        try:
+            if tls is not None:
+                sock = tls.client_context().wrap_socket(sock, server_hostname=tls.server_hostname or host)
+            self.channel = self._handshake(sock, secret, where)
+        except (ProtocolError, OSError, ssl.SSLError) as exc:
+            sock.close()
+            raise StoreError(f"the server at {where} is not a megarefit rendezvous of this job ({exc}); "
+                             "check host, port and TLS settings") from None
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        self.sock = sock
+
+    @staticmethod
+    def _handshake(sock: socket.socket, secret: bytes, where: str) -> Channel:
+        hello = hello_json(_recv_frame(sock, HELLO_MAX), ("protocol", "nonce"))
+        if hello.get("protocol") != PROTOCOL:
+            raise ProtocolError(f"it speaks {hello.get('protocol', hello.get('error'))!r}, not {PROTOCOL!r}")
+        server_nonce, client_nonce = bytes.fromhex(hello["nonce"]), os.urandom(NONCE_BYTES)
+        if len(server_nonce) != NONCE_BYTES:
+            raise ProtocolError("a handshake nonce of the wrong length")
+        _send_frame(sock, json.dumps({"nonce": client_nonce.hex(),
+                                      "proof": proof(secret, "client", server_nonce, client_nonce).hex()}).encode())
+        answer = hello_json(_recv_frame(sock, HELLO_MAX), ("proof",))
+        if "error" in answer:
+            raise StoreError(f"the rendezvous at {where} refused this process: {answer['error']} (every process "
+                             "of the job needs the same secret: secret= or $MEGAREFIT_JOB_SECRET)")
+        expected = proof(secret, "server", server_nonce, client_nonce)
+        if not hmac.compare_digest(bytes.fromhex(answer["proof"]), expected):
+            raise StoreError(f"the server at {where} does not hold the job secret: it is not this job's "
+                             "rendezvous; nothing was read from it")
+        return Channel(proof(secret, "session", server_nonce, client_nonce), "c")
+
+    def request(self, header: dict[str, Any], values: tuple[bytes, ...], timeout: float | None
+                ) -> tuple[dict[str, Any], list[bytes]]:
+        self.sock.settimeout(timeout)
+        _send_frame(self.sock, self.channel.seal(encode(header, values)))
+        return decode(self.channel.open(_recv_frame(self.sock, FRAME_MAX)))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class KeyValueStore:
+    """A client of a served table. ``timeout``: seconds a blocking read waits by default;
+    ``secret``: the job secret, ``str`` or ``bytes`` of at least 16 bytes.
+
+    Raises:
+        StoreError: the secret is too short, the store cannot be reached, refused the secret,
+            or is not a megarefit rendezvous of this job (names host:port and the fix)."""
+
+    def __init__(self, host: str, port: int, secret: bytes | str, timeout: float, *,
+                 tls: StoreTLS | None = None, connect_timeout: float = 30.0):
+        try:
+            self._secret = check_secret(secret)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+        self.host, self.port, self.timeout, self.tls = host, port, timeout, tls
+        self.connect_timeout = connect_timeout
+        self._local = threading.local()
+        self._connections: list[_Connection] = []
+        self._lock = threading.Lock()
         self._server: subprocess.Popen | None = None
+        self._connection()  # fail now on a wrong secret or address
+
+    def _connection(self) -> _Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _Connection(self.host, self.port, self._secret, self.tls, self.connect_timeout)
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        return conn
+
+    def _call(self, header: dict[str, Any], values: tuple[bytes, ...] = (), wait: float = 0.0
+              ) -> tuple[dict[str, Any], list[bytes]]:
+        conn = self._connection()
+        try:
+            head, out = conn.request(header, values, wait + self.connect_timeout)
+        except (ProtocolError, OSError) as exc:
+            self._local.conn = None
+            conn.close()
+            raise StoreError(f"the rendezvous at {self.host}:{self.port} failed during {header['op']!r}: "
+                             f"{exc}") from None
+        if "error" in head:
+            raise StoreError(f"the rendezvous at {self.host}:{self.port} refused {header['op']!r}: {head['error']}")
+        return head, out
 
     @classmethod
-    def serve(cls, host: str, port: int, secret: bytes, timeout: float) -> KeyValueStore:
+    def serve(cls, host: str, port: int, secret: bytes | str, timeout: float, *,
+              tls: StoreTLS | None = None) -> KeyValueStore:
         """Start a table's server process (:mod:`~megarefit.online.store_server`) on ``host:port``
         (``port=0``: a free one) and connect to it. The server lives until this process exits.
 
         Raises:
-            StoreError: the address cannot be bound (in use, not an address of this host)."""
-        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("store_server.py")), host,
-                                   str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+            StoreError: the secret is shorter than 16 bytes, the address cannot be bound (in
+                use, not an address of this host), or the TLS files cannot be read."""
+        try:
+            key = check_secret(secret)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+        args = [sys.executable, str(Path(__file__).with_name("store_server.py")), host, str(port)]
+        if tls is not None and tls.certfile is not None:
+            args += ["--certfile", tls.certfile] + (["--keyfile", tls.keyfile] if tls.keyfile else [])
+        server = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
         assert server.stdin is not None and server.stdout is not None
-        server.stdin.write(secret.hex() + "\n")
+        server.stdin.write(key.hex() + "\n")
         server.stdin.flush()
         line = server.stdout.readline().strip()
         if not line.isdigit():
             server.kill()
             why = server.stderr.read().strip() if server.stderr else ""
             raise StoreError(f"cannot serve the rendezvous on {host}:{port}: {why or 'the server exited'}")
-        client = cls(host, int(line), secret, timeout)
+        client = cls(host, int(line), key, timeout, tls=tls)
         client._server = server  # its stdin pipe stays open while this process lives
         return client
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._table.set(key, value.encode() if isinstance(value, str) else bytes(value))
+        self._call({"op": "set", "key": key}, (value.encode() if isinstance(value, str) else bytes(value),))
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store's timeout for it to appear.
@@ -86,17 +239,30 @@ class KeyValueStore:
             StoreError: it did not appear in time."""
         return self.multi_get([key])[0]
 
+    def _get(self, keys: list[str], seconds: float) -> list[bytes] | None:
+        head, values = self._call({"op": "get", "keys": list(keys), "timeout": seconds}, wait=seconds)
+        if head.get("found") is not True:
+            return None
+        if len(values) != len(keys):
+            raise StoreError(f"the rendezvous at {self.host}:{self.port} answered {len(values)} values for "
+                             f"{len(keys)} keys")
+        return values
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        values = self._table.multi_get(list(keys), self.timeout)
+        values = self._get(keys, self.timeout)
         if values is None:
             raise StoreError(f"rendezvous keys {list(keys)[:4]} did not appear within {self.timeout:.1f} s")
         return values
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._table.add(key, int(amount)))
+        """Add ``amount`` to the counter ``key`` (0 if absent); the new value."""
+        value = self._call({"op": "add", "key": key, "amount": int(amount)})[0].get("value")
+        if not isinstance(value, int):
+            raise StoreError(f"the rendezvous at {self.host}:{self.port} answered a non-integer counter")
+        return value
 
     def check(self, keys: Iterable[str]) -> bool:
-        return bool(self._table.check(list(keys)))
+        return self._call({"op": "check", "keys": list(keys)})[0].get("value") is True
 
     def wait(self, keys: list[str], timeout: timedelta | float | None = None) -> None:
         """Block until every key exists.
@@ -104,11 +270,20 @@ class KeyValueStore:
         Raises:
             StoreError: not within ``timeout`` (default: the store's)."""
         seconds = _seconds(timeout, self.timeout)
-        if self._table.multi_get(list(keys), seconds) is None:
+        if self._get(keys, seconds) is None:
             raise StoreError(f"rendezvous keys {list(keys)[:4]} did not appear within {seconds:.1f} s")
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._table.delete_key(key))
+        return self._call({"op": "delete", "key": key})[0].get("value") is True
+
+    def close(self) -> None:
+        """Close every thread's connection (the server, if this client started it, keeps running
+        until this process exits)."""
+        with self._lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
+        self._local = threading.local()
 
 
-__all__ = ["KeyValueStore", "StoreError"]
+__all__ = ["KeyValueStore", "StoreError", "StoreTLS"]

@@ -1,0 +1,276 @@
+"""The rendezvous store on a shared cluster: nothing received from a socket is unpickled or
+run, every message is authenticated, idle connections cannot keep members out, short secrets
+are refused, replay protection needs no clock, TLS works.
+
+Attackers here are real sockets on loopback: a fake store that answers with a code-running
+pickle (before and after a correct handshake), hundreds of idle connections, a tampered and a
+replayed frame. Whatever megarefit executed would create a marker file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from megarefit.errors import MegarefitError
+from megarefit.online.rendezvous import Heartbeat, Rendezvous
+from megarefit.online.store import KeyValueStore, StoreError, StoreTLS
+from megarefit.online.store_server import NONCE_BYTES, Channel, StoreServer, encode, proof
+
+SECRET = b"store-test-secret-" + os.urandom(8).hex().encode()
+
+
+class _RunsCommand:
+    """Unpickling this runs a shell command (what a malicious store would send)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            raise ConnectionError("closed")
+        head += chunk
+    n, body = int.from_bytes(head, "big"), b""
+    while len(body) < n:
+        chunk = sock.recv(n - len(body))
+        if not chunk:
+            raise ConnectionError("closed")
+        body += chunk
+    return body
+
+
+@contextlib.contextmanager
+def _fake_store(answer):
+    """A TCP server on a free loopback port: ``answer(conn)`` talks to each client."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def run():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                with contextlib.suppress(OSError):
+                    answer(conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+@contextlib.contextmanager
+def _in_thread_server(secret: bytes, **options):
+    """megarefit's StoreServer on a free loopback port, on an event loop in a thread (its
+    handshake timeout and pending cap can be set small here)."""
+    loop = asyncio.new_event_loop()
+    store = StoreServer(secret, **options)
+    server = loop.run_until_complete(asyncio.start_server(store.handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        async def shutdown():
+            server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_fake_store_answering_with_a_pickle_runs_nothing(tmp_path):
+    """The old managers client unpickled a store's answer. Here a fake store sends a pickle
+    that would create a marker file: first instead of the hello, then (knowing the secret,
+    as a caller of vLLM's /init_weight_transfer_engine may choose it) inside a correctly
+    tagged message. The client refuses both, naming the address; the marker never appears."""
+    marker = tmp_path / "ran"
+    evil = pickle.dumps(_RunsCommand(f"touch {marker}"))
+    assert b"system" in evil
+
+    with _fake_store(lambda conn: conn.sendall(_frame(evil))) as port:
+        with pytest.raises(StoreError, match=rf"127\.0\.0\.1:{port} is not a megarefit rendezvous"):
+            KeyValueStore("127.0.0.1", port, SECRET, 2.0)
+
+    def knows_the_secret(conn):
+        server_nonce = os.urandom(NONCE_BYTES)
+        conn.sendall(_frame(json.dumps({"protocol": "megarefit-store/1", "nonce": server_nonce.hex()}).encode()))
+        client_nonce = bytes.fromhex(json.loads(_recv_frame(conn))["nonce"])
+        conn.sendall(_frame(json.dumps({"proof": proof(SECRET, "server", server_nonce, client_nonce).hex()}).encode()))
+        channel = Channel(proof(SECRET, "session", server_nonce, client_nonce), "s")
+        while True:
+            channel.open(_recv_frame(conn))
+            conn.sendall(_frame(channel.seal(evil)))  # tagged: only its content is hostile
+
+    with _fake_store(knows_the_secret) as port:
+        store = KeyValueStore("127.0.0.1", port, SECRET, 2.0)
+        for call in (lambda: store.get("k"), lambda: store.add("n", 1), lambda: store.check(["k"])):
+            with pytest.raises(StoreError, match=rf"127\.0\.0\.1:{port} failed during"):
+                call()
+    time.sleep(0.2)
+    assert not marker.exists()
+
+
+def test_a_server_that_cannot_prove_the_secret_is_not_talked_to():
+    def wrong_proof(conn):
+        conn.sendall(_frame(json.dumps({"protocol": "megarefit-store/1", "nonce": os.urandom(32).hex()}).encode()))
+        _recv_frame(conn)
+        conn.sendall(_frame(json.dumps({"proof": os.urandom(32).hex()}).encode()))
+        time.sleep(0.5)
+
+    with _fake_store(wrong_proof) as port:
+        with pytest.raises(StoreError, match="does not hold the job secret: it is not this job's rendezvous"):
+            KeyValueStore("127.0.0.1", port, SECRET, 2.0)
+
+
+def test_secrets_shorter_than_16_bytes_are_refused_and_bytes_secrets_work():
+    for short in ("abc", b"abc", "fifteen-bytes!!"):
+        with pytest.raises(MegarefitError, match=r"has \d+ bytes; at least 16 are required"):
+            Rendezvous.serve(job="short", secret=short)
+    raw = b"\xff\xfe" + os.urandom(30)  # not UTF-8
+    rdzv = Rendezvous.serve(job="raw", secret=raw)
+    peer = Rendezvous.connect("127.0.0.1", rdzv.port, job="raw", secret=raw)
+    again = Rendezvous.connect("127.0.0.1", rdzv.port, job="raw", secret=rdzv.secret)  # the text form
+    with pytest.raises(MegarefitError, match="at least 16 are required"):
+        Rendezvous.connect("127.0.0.1", rdzv.port, job="raw", secret=raw[:3])
+    beat = Heartbeat(peer, "rx", interval=0.05)  # the receiver's heartbeat took the secret as text before
+    try:
+        deadline = time.monotonic() + 10
+        while again.store.add(again.prefix + "beat/rx", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.stop()
+    assert again.store.add(again.prefix + "beat/rx", 0) >= 2
+    rdzv.mark_consumed(4)
+    again.wait_consumed(4, timeout=5)
+
+
+def test_members_are_served_past_hundreds_of_idle_connections():
+    """400 connections that never answer the handshake, against the real server process
+    (pending cap 256: the oldest are dropped); a member still connects and works at once."""
+    rdzv = Rendezvous.serve(job="idle", secret=SECRET)
+    idle = [socket.create_connection(("127.0.0.1", rdzv.port), timeout=10) for _ in range(400)]
+    try:
+        t0 = time.monotonic()
+        member = Rendezvous.connect("127.0.0.1", rdzv.port, job="idle", secret=SECRET)
+        member.mark_consumed(1)
+        rdzv.wait_consumed(1, timeout=10)
+        assert time.monotonic() - t0 < 10
+        dropped = 0
+        for s in idle[:100]:  # the oldest were dropped when the cap was reached
+            s.settimeout(5)
+            with contextlib.suppress(OSError):
+                while s.recv(4096):
+                    pass
+                dropped += 1
+        assert dropped == 100
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_silent_connection_is_closed_after_the_handshake_timeout_and_the_cap_holds():
+    with _in_thread_server(SECRET, handshake_timeout=0.5, max_pending=8) as port:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        store = KeyValueStore("127.0.0.1", port, SECRET, 2.0)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        t0 = time.monotonic()
+        for s in idle:
+            with pytest.raises((ConnectionError, OSError)):
+                while True:
+                    _recv_frame(s)  # the hello (unless dropped at once), then closed: by the cap or the timeout
+        assert time.monotonic() - t0 < 4
+        for s in idle:
+            s.close()
+
+
+def test_every_message_is_authenticated():
+    """After a correct handshake, a frame with a wrong tag, or a correct frame sent again
+    (replayed), closes the connection without an answer; the table is unchanged."""
+    with _in_thread_server(SECRET) as port:
+        store = KeyValueStore("127.0.0.1", port, SECRET, 2.0)
+
+        def session() -> tuple[socket.socket, Channel]:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            hello = json.loads(_recv_frame(sock))
+            sn, cn = bytes.fromhex(hello["nonce"]), os.urandom(NONCE_BYTES)
+            sock.sendall(_frame(json.dumps({"nonce": cn.hex(), "proof": proof(SECRET, "client", sn, cn).hex()}).encode()))
+            _recv_frame(sock)
+            return sock, Channel(proof(SECRET, "session", sn, cn), "c")
+
+        sock, channel = session()
+        sealed = channel.seal(encode({"op": "set", "key": "k"}, [b"forged"]))
+        sock.sendall(_frame(sealed[:-1] + bytes([sealed[-1] ^ 1])))
+        with pytest.raises(ConnectionError):
+            _recv_frame(sock)
+        sock, channel = session()
+        sealed = channel.seal(encode({"op": "add", "key": "n", "amount": 1}, []))
+        sock.sendall(_frame(sealed))
+        _recv_frame(sock)
+        sock.sendall(_frame(sealed))  # the same bytes again
+        with pytest.raises(ConnectionError):
+            _recv_frame(sock)
+        assert not store.check(["k"]) and store.add("n", 0) == 1
+
+
+def test_replays_are_judged_by_the_store_counter_not_by_clocks(monkeypatch):
+    """A trainer restarted on a host whose clock is behind: its records are newer all the same
+    (before, the record counter started at the wall clock and the reader refused them)."""
+    rdzv = Rendezvous.serve(job="clock", secret=SECRET)
+    reader = Rendezvous.connect("127.0.0.1", rdzv.port, job="clock", secret=SECRET)
+    rdzv.put("version/0.0.0", "1")
+    assert reader.fetch("version/0.0.0") == b"1"
+    monkeypatch.setattr(time, "time_ns", lambda: 1)
+    monkeypatch.setattr(time, "time", lambda: 1e-9)
+    restarted = Rendezvous.connect("127.0.0.1", rdzv.port, job="clock", secret=SECRET)
+    restarted.put("version/0.0.0", "2")
+    assert reader.fetch("version/0.0.0") == b"2"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    rdzv = Rendezvous.serve(job="tls", secret=SECRET, tls=StoreTLS(certfile=str(cert), keyfile=str(key)))
+    peer = Rendezvous.connect("127.0.0.1", rdzv.port, job="tls", secret=SECRET, tls=StoreTLS(cafile=str(cert)))
+    rdzv.mark_consumed(2)
+    peer.wait_consumed(2, timeout=5)
+    with pytest.raises(StoreError, match="is not a megarefit rendezvous"):  # plain TCP to a TLS store
+        KeyValueStore("127.0.0.1", rdzv.port, SECRET, 2.0, connect_timeout=1.0)
+    with pytest.raises(StoreError, match="CERTIFICATE_VERIFY_FAILED"):  # a CA that did not sign it
+        Rendezvous.connect("127.0.0.1", rdzv.port, job="tls", secret=SECRET, tls=StoreTLS())
