@@ -83,7 +83,7 @@ def test_dead_peer_fails_naming_it():
     list(receiver.run_refit_cycle(1))
     group.kill(1)
     receiver.timeout = 10
-    with pytest.raises(TransferError, match=r"peer 'megarefit-trainer-1-0-0' \(rank \(tp=1, pp=0, ep=0\)\).*bytes \["):
+    with pytest.raises(TransferError, match=r"peer 'megarefit-trainer-1-0-0' \(trainer rank 1\.0\.0 as tp\.pp\.ep\).*bytes \["):
         list(receiver.run_refit_cycle(1))
     rdzv.mark_consumed(1)
     with pytest.raises(RuntimeError, match="worker 1"):

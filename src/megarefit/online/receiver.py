@@ -60,6 +60,7 @@ from megarefit.transport.cuda_ipc import IpcMode, IpcSources
 from megarefit.transport.execute import run_value_step, slots, torch_dtype
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import DIRECT_MIN_BYTES, InFlight, NixlTransport
+from megarefit.transport.nixl_agent import TransferError
 
 
 class VersionMismatchError(MegarefitError):
@@ -645,9 +646,10 @@ class RefitReceiver:
             self.rendezvous.store.add(self.rendezvous.prefix + arena_key("seq", self.replica_group, self.name), 1)
             self._serving = True
         self._consumer_done()  # the previous cycle's tensors may still be read by queued device work
-        self.transport.execute(prepared, self._buffers, timeout=self.timeout)
-        if self._verifier is not None:
-            self._verifier.pull(manifests, self.timeout)
+        with self._naming_the_job(version):
+            self.transport.execute(prepared, self._buffers, timeout=self.timeout)
+            if self._verifier is not None:
+                self._verifier.pull(manifests, self.timeout)
         t_quant = time.perf_counter()
         if plan.quantize:  # blocks that straddle trainer shards: quantized here, after the pull (one launch on a GPU)
             if self._quantizer is None:
@@ -672,6 +674,21 @@ class RefitReceiver:
             lap("verify")
         cold = before != self._setup_count()
         return plan, prepared, got, seconds, cold
+
+    @contextlib.contextmanager
+    def _naming_the_job(self, version: int | None, streamed: bool = False) -> Iterator[None]:
+        """A failed transfer names this receiver's job, rendezvous and version, and what to do."""
+        try:
+            yield
+        except TransferError as exc:
+            store = self.rendezvous.store
+            raise TransferError(
+                f"receiver {self.name!r} of job {self.rendezvous.job!r} (rendezvous {store.host}:{store.port}), "
+                f"pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
+                "have died or re-registered its memory: check that process, restart it if needed, then refit "
+                "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
+                             "refit completes" if streamed else "nothing pulled in this attempt was handed over")
+            ) from exc
 
     # ---- the cycle -----------------------------------------------------------
     def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -886,7 +903,8 @@ class RefitReceiver:
         if self._verifier is not None:
             self._verifier.pull(manifests, self.timeout)
             check = functools.partial(self._check_group, manifests, (ranks, seq, got, version))
-        pull_s = yield from self._stream_groups(stream, prepared, check)
+        with self._naming_the_job(version, streamed=True):
+            pull_s = yield from self._stream_groups(stream, prepared, check)
         seconds["pull"] = pull_s
         lap.restart()
         try:

@@ -701,5 +701,6 @@ class NixlTransport:
     def _describe(pulls: _SourcePulls, what: str) -> str:
         first = ", ".join(f"{op.src.name} bytes [{op.src_byte_offset}, {op.src_byte_offset + op.nbytes})"
                           for op in pulls.ops[:3])
-        return (f"READ from peer {pulls.agent!r} (rank {pulls.rank}) of {len(pulls.ops)} ops "
+        rank = f"{pulls.rank.tp}.{pulls.rank.pp}.{pulls.rank.ep}"
+        return (f"READ from peer {pulls.agent!r} (trainer rank {rank} as tp.pp.ep) of {len(pulls.ops)} ops "
                 f"({sum(op.nbytes for op in pulls.ops)} bytes): {what}; first ops: {first}")
