@@ -344,7 +344,7 @@ class RefitReceiver:
                 return seq, versions
             if time.monotonic() > deadline:
                 raise StaleVersionError(f"trainer ranks still writing their weights after {self.timeout:.1f} s "
-                                        f"(inside Publisher.updating, or an update that raised): "
+                                        f"(inside Publisher.updating, or an update that raised; {self._where()}): "
                                         + ", ".join(str(tuple(r)) for r in writing))
             time.sleep(0.001)
 
@@ -365,7 +365,8 @@ class RefitReceiver:
                 detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
                 want = f"version {version}" if version is not None else "one common version"
                 raise VersionMismatchError(f"trainer ranks do not publish {want} after {self.timeout:.1f} s: "
-                                           f"{detail}")
+                                           f"{detail} (ranks as (tp, pp, ep): their versions; {self._where()}); "
+                                           "publish it from every rank, or ask for the version they serve")
             time.sleep(0.005)
             seen = self.rendezvous.versions(ranks)
 
@@ -675,16 +676,19 @@ class RefitReceiver:
         cold = before != self._setup_count()
         return plan, prepared, got, seconds, cold
 
+    def _where(self) -> str:
+        """This receiver's job and rendezvous, for error messages."""
+        store = self.rendezvous.store
+        return f"receiver {self.name!r}, job {self.rendezvous.job!r}, rendezvous {store.host}:{store.port}"
+
     @contextlib.contextmanager
     def _naming_the_job(self, version: int | None, streamed: bool = False) -> Iterator[None]:
         """A failed transfer names this receiver's job, rendezvous and version, and what to do."""
         try:
             yield
         except TransferError as exc:
-            store = self.rendezvous.store
             raise TransferError(
-                f"receiver {self.name!r} of job {self.rendezvous.job!r} (rendezvous {store.host}:{store.port}), "
-                f"pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
+                f"{self._where()}, pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
                 "have died or re-registered its memory: check that process, restart it if needed, then refit "
                 "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
                              "refit completes" if streamed else "nothing pulled in this attempt was handed over")
