@@ -459,3 +459,4 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._rdzv.store.close()

@@ -27,6 +27,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,9 +40,11 @@ from megarefit.online.store_server import (
     HELLO_MAX,
     NONCE_BYTES,
     PROTOCOL,
+    TLS_PREAMBLE,
     Channel,
     ProtocolError,
     check_secret,
+    checked_wait,
     decode,
     encode,
     hello_json,
@@ -79,9 +82,14 @@ def _seconds(timeout: timedelta | float | None, default: float) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks, got = [], 0
     while got < n:
+        if deadline is not None:  # the handshake: one deadline, however slowly a peer trickles bytes
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the handshake did not finish in time")
+            sock.settimeout(left)
         chunk = sock.recv(min(n - got, 1 << 22))
         if not chunk:
             raise ConnectionError("the store closed the connection")
@@ -90,11 +98,11 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_frame(sock: socket.socket, limit: int) -> bytes:
-    n = int.from_bytes(_recv_exactly(sock, 4), "big")
+def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
+    n = int.from_bytes(_recv_exactly(sock, 4, deadline), "big")
     if n > limit:
         raise ProtocolError(f"a frame of {n} bytes (at most {limit} here)")
-    return _recv_exactly(sock, n)
+    return _recv_exactly(sock, n, deadline)
 
 
 def _send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -111,10 +119,13 @@ class _Connection:
         except OSError as exc:
             raise StoreError(f"cannot reach the rendezvous at {where}: {exc}") from None
         try:
+            deadline = time.monotonic() + connect_timeout
             if tls is not None:
+                if _recv_exactly(sock, len(TLS_PREAMBLE), deadline) != TLS_PREAMBLE:
+                    raise ProtocolError("it does not serve TLS (StoreTLS given here)")
                 sock = tls.client_context().wrap_socket(sock, server_hostname=tls.server_hostname or host)
-            self.channel = self._handshake(sock, secret, where)
-        except (ProtocolError, OSError, ssl.SSLError) as exc:
+            self.channel = self._handshake(sock, secret, where, deadline)
+        except (ProtocolError, OSError, ssl.SSLError, RecursionError) as exc:
             sock.close()
             raise StoreError(f"the server at {where} is not a megarefit rendezvous of this job ({exc}); "
                              "check host, port and TLS settings") from None
@@ -125,8 +136,8 @@ class _Connection:
         self.sock = sock
 
     @staticmethod
-    def _handshake(sock: socket.socket, secret: bytes, where: str) -> Channel:
-        hello = hello_json(_recv_frame(sock, HELLO_MAX), ("protocol", "nonce"))
+    def _handshake(sock: socket.socket, secret: bytes, where: str, deadline: float) -> Channel:
+        hello = hello_json(_recv_frame(sock, HELLO_MAX, deadline), ("protocol", "nonce"))
         if hello.get("protocol") != PROTOCOL:
             raise ProtocolError(f"it speaks {hello.get('protocol', hello.get('error'))!r}, not {PROTOCOL!r}")
         server_nonce, client_nonce = bytes.fromhex(hello["nonce"]), os.urandom(NONCE_BYTES)
@@ -134,7 +145,7 @@ class _Connection:
             raise ProtocolError("a handshake nonce of the wrong length")
         _send_frame(sock, json.dumps({"nonce": client_nonce.hex(),
                                       "proof": proof(secret, "client", server_nonce, client_nonce).hex()}).encode())
-        answer = hello_json(_recv_frame(sock, HELLO_MAX), ("proof",))
+        answer = hello_json(_recv_frame(sock, HELLO_MAX, deadline), ("proof",))
         if "error" in answer:
             raise StoreError(f"the rendezvous at {where} refused this process: {answer['error']} (every process "
                              "of the job needs the same secret: secret= or $MEGAREFIT_JOB_SECRET)")
@@ -190,11 +201,13 @@ class KeyValueStore:
         conn = self._connection()
         try:
             head, out = conn.request(header, values, wait + self.connect_timeout)
-        except (ProtocolError, OSError) as exc:
+        except BaseException as exc:  # the answer may still come: this connection cannot be used again
             self._local.conn = None
             conn.close()
-            raise StoreError(f"the rendezvous at {self.host}:{self.port} failed during {header['op']!r}: "
-                             f"{exc}") from None
+            if isinstance(exc, (ProtocolError, OSError)):
+                raise StoreError(f"the rendezvous at {self.host}:{self.port} failed during {header['op']!r}: "
+                                 f"{exc}") from None
+            raise
         if "error" in head:
             raise StoreError(f"the rendezvous at {self.host}:{self.port} refused {header['op']!r}: {head['error']}")
         return head, out
@@ -225,7 +238,11 @@ class KeyValueStore:
             server.kill()
             why = server.stderr.read().strip() if server.stderr else ""
             raise StoreError(f"cannot serve the rendezvous on {host}:{port}: {why or 'the server exited'}")
-        client = cls(host, int(line), key, timeout, tls=tls)
+        try:
+            client = cls(host, int(line), key, timeout, tls=tls)
+        except BaseException:
+            server.kill()  # nothing of ours may keep the port
+            raise
         client._server = server  # its stdin pipe stays open while this process lives
         return client
 
@@ -240,6 +257,10 @@ class KeyValueStore:
         return self.multi_get([key])[0]
 
     def _get(self, keys: list[str], seconds: float) -> list[bytes] | None:
+        try:
+            seconds = checked_wait(seconds)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
         head, values = self._call({"op": "get", "keys": list(keys), "timeout": seconds}, wait=seconds)
         if head.get("found") is not True:
             return None
@@ -257,7 +278,7 @@ class KeyValueStore:
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (0 if absent); the new value."""
         value = self._call({"op": "add", "key": key, "amount": int(amount)})[0].get("value")
-        if not isinstance(value, int):
+        if type(value) is not int:
             raise StoreError(f"the rendezvous at {self.host}:{self.port} answered a non-integer counter")
         return value
 

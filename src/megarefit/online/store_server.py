@@ -17,8 +17,10 @@ numbers its messages (a frame replayed, reordered or moved to another connection
 tag), and a handshake frame larger than :data:`HELLO_MAX` bytes or not finished within the
 handshake timeout closes the connection. Pending (not yet authenticated) connections are
 capped: past the cap the oldest pending one is dropped, so idle connections cannot keep the
-job's members out. TLS (``--certfile`` / ``--keyfile``) encrypts the wire; the handshake
-runs inside it.
+job's members out. TLS (``--certfile`` / ``--keyfile``) encrypts the wire: the server sends
+:data:`TLS_PREAMBLE` in plain, then both sides start TLS, and the handshake runs inside it
+(TLS starts inside the connection's handshake window, so pending TLS connections are capped
+and timed out like any other).
 
 Run as a script by :meth:`megarefit.online.store.KeyValueStore.serve`:
 ``python store_server.py HOST PORT [--certfile F --keyfile F]``, the job secret as hex on
@@ -50,6 +52,8 @@ HELLO_MAX = 4096  # bytes of a handshake frame (before authentication)
 FRAME_MAX = 1 << 30  # bytes of an authenticated frame (manifests of large models are tens of MB)
 HANDSHAKE_TIMEOUT = 10.0  # seconds
 MAX_PENDING = 256  # connections not yet authenticated; past it the oldest is dropped
+MAX_WAIT = 86400.0  # seconds a blocking read may wait
+TLS_PREAMBLE = b"MRSTLS1\n"  # a TLS store's first (plain) bytes: the client starts TLS after them
 OPS = ("set", "get", "add", "check", "delete")
 
 
@@ -123,7 +127,7 @@ def decode(body: bytes) -> tuple[dict[str, Any], list[bytes]]:
     n = int.from_bytes(body[:4], "big")
     try:
         header = json.loads(body[4:4 + n])
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise ProtocolError("a message header that is not JSON") from None
     sizes = header.get("sizes") if isinstance(header, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 0 for s in sizes):
@@ -145,7 +149,7 @@ def hello_json(data: bytes, fields: tuple[str, ...]) -> dict[str, str]:
         ProtocolError: anything else."""
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise ProtocolError("a handshake frame that is not JSON") from None
     if isinstance(obj, dict) and isinstance(obj.get("error"), str):
         return {"error": obj["error"]}
@@ -158,6 +162,16 @@ def hello_json(data: bytes, fields: tuple[str, ...]) -> dict[str, str]:
     except ValueError:
         raise ProtocolError("a handshake field that is not hex") from None
     return obj
+
+
+def checked_wait(seconds: Any) -> float:
+    """A blocking read's timeout: a finite number of seconds in [0, :data:`MAX_WAIT`].
+
+    Raises:
+        ValueError: anything else (NaN would spin the server, infinity overflows sockets)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_WAIT:
+        raise ValueError(f"timeout {seconds!r}: give a finite number of seconds from 0 to {MAX_WAIT:.0f}")
+    return float(seconds)
 
 
 class Table:
@@ -185,18 +199,25 @@ class Table:
         return [self._data[k] for k in keys]
 
     async def apply(self, header: dict[str, Any], values: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
-        """One request: the response's header and values."""
+        """One request: the response's header and values.
+
+        Raises:
+            ValueError: a malformed request (unknown operation, a timeout that is not a finite
+                number of seconds up to :data:`MAX_WAIT`, an amount that is not an integer)."""
         op = header.get("op")
         if op == "set":
             self._data[str(header["key"])] = values[0]
             self._notify()
             return {}, []
         if op == "get":
-            found = await self.get([str(k) for k in header["keys"]], float(header["timeout"]))
+            found = await self.get([str(k) for k in header["keys"]], checked_wait(header["timeout"]))
             return ({"found": False}, []) if found is None else ({"found": True}, found)
         if op == "add":
             key = str(header["key"])
-            value = int(self._data.get(key, b"0")) + int(header["amount"])
+            amount = header["amount"]
+            if type(amount) is not int:
+                raise ValueError(f"amount {amount!r} is not an integer")
+            value = int(self._data.get(key, b"0")) + amount
             self._data[key] = str(value).encode()
             self._notify()
             return {"value": value}, []
@@ -204,7 +225,7 @@ class Table:
             return {"value": all(str(k) in self._data for k in header["keys"])}, []
         if op == "delete":
             return {"value": self._data.pop(str(header["key"]), None) is not None}, []
-        raise ProtocolError(f"unknown operation {op!r}; known: {list(OPS)}")
+        raise ValueError(f"unknown operation {op!r}; known: {list(OPS)}")
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
@@ -222,8 +243,9 @@ class StoreServer:
     """Serves one :class:`Table` to clients that prove the job secret."""
 
     def __init__(self, secret: bytes, *, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-                 max_pending: int = MAX_PENDING):
+                 max_pending: int = MAX_PENDING, tls: ssl.SSLContext | None = None):
         self.secret = check_secret(secret)
+        self.tls = tls  # TLS starts inside each connection's handshake window, after admission
         self.table = Table()
         self.handshake_timeout = handshake_timeout
         self.max_pending = max_pending
@@ -234,6 +256,8 @@ class StoreServer:
         write_frame(writer, json.dumps({"protocol": PROTOCOL, "nonce": server_nonce.hex()}).encode())
         await writer.drain()
         answer = hello_json(await read_frame(reader, HELLO_MAX), ("nonce", "proof"))
+        if "nonce" not in answer or "proof" not in answer:
+            raise ProtocolError("a client's handshake without nonce and proof")
         client_nonce = bytes.fromhex(answer["nonce"])
         if len(client_nonce) != NONCE_BYTES or not hmac.compare_digest(
                 bytes.fromhex(answer["proof"]), proof(self.secret, "client", server_nonce, client_nonce)):
@@ -252,20 +276,33 @@ class StoreServer:
             oldest.close()
         self._pending[id(writer)] = writer
 
+    async def _open(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:
+        """TLS (if served) and the secret handshake of a new connection. TLS starts after the
+        plain :data:`TLS_PREAMBLE`, which the client awaits before its ClientHello: reading is
+        paused first, so no TLS byte is read as plain data."""
+        if self.tls is not None:
+            writer.transport.pause_reading()
+            writer.write(TLS_PREAMBLE)
+            await writer.start_tls(self.tls)
+        return await self._handshake(reader, writer)
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection: admitted as pending, authenticated within the handshake timeout,
+        then served request by request. Whatever a peer sends ends at most its own connection."""
         self._admit(writer)
         try:
-            channel = await asyncio.wait_for(self._handshake(reader, writer), self.handshake_timeout)
+            channel = await asyncio.wait_for(self._open(reader, writer), self.handshake_timeout)
             self._pending.pop(id(writer), None)
             while True:
                 header, values = decode(channel.open(await read_frame(reader, FRAME_MAX)))
                 try:
                     response = await self.table.apply(header, values)
-                except (KeyError, IndexError, TypeError, ValueError) as exc:  # a malformed request
-                    response = {"error": f"malformed {header.get('op')!r} request: {type(exc).__name__}"}, []
+                except Exception as exc:  # noqa: BLE001 - a malformed request: answered, the server goes on
+                    response = {"error": f"malformed {header.get('op')!r} request: {type(exc).__name__}: "
+                                         f"{str(exc)[:200]}"}, []
                 write_frame(writer, channel.seal(encode(*response)))
                 await writer.drain()
-        except (ProtocolError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+        except Exception:  # noqa: BLE001 - a peer's bad frame, a dropped or timed-out connection
             pass
         except asyncio.CancelledError:  # the server shuts down: this connection ends with it
             pass
@@ -285,15 +322,27 @@ def _tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
 async def serve(host: str, port: int, secret: bytes, tls: ssl.SSLContext | None,
                 started: threading.Event | None = None, box: list | None = None) -> None:
     """Serve until cancelled; the bound port goes to ``box`` and ``started`` is set."""
-    store = StoreServer(secret)
-    server = await asyncio.start_server(store.handle, host, port, ssl=tls, backlog=1024,
-                                        ssl_handshake_timeout=HANDSHAKE_TIMEOUT if tls is not None else None)
+    store = StoreServer(secret, tls=tls)
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)  # nothing a peer does is logged
+    server = await asyncio.start_server(store.handle, host, port, backlog=128)
     if box is not None:
         box.append(server.sockets[0].getsockname()[1])
     if started is not None:
         started.set()
     async with server:
         await server.serve_forever()
+
+
+def _raise_file_limit() -> None:
+    """The soft limit on open files up to the hard one: many idle connections must not starve accept."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def main() -> int:
@@ -303,9 +352,12 @@ def main() -> int:
     parser.add_argument("--certfile")
     parser.add_argument("--keyfile")
     args = parser.parse_args()
+    _raise_file_limit()
     try:
         secret = check_secret(bytes.fromhex(sys.stdin.readline().strip()))
         tls = _tls(args.certfile, args.keyfile)
+        if tls is not None and sys.version_info < (3, 11):
+            raise ValueError("TLS needs Python 3.11 or later (asyncio's StreamWriter.start_tls)")
     except (ValueError, OSError, ssl.SSLError) as exc:
         print(f"cannot serve: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -317,8 +369,10 @@ def main() -> int:
     def announce() -> None:
         started.wait()
         print(box[0], flush=True)
+        quiet = os.open(os.devnull, os.O_WRONLY)  # nobody reads the pipe from now on: a full one would block
+        os.dup2(quiet, 2)
         sys.stdin.read()  # returns when the serving process closes the pipe (it exited)
-        loop.call_soon_threadsafe(task.cancel)
+        os._exit(0)  # at once, whatever connections are open (Python 3.12+ would wait for them to close)
 
     threading.Thread(target=announce, daemon=True).start()
     try:
