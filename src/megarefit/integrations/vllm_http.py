@@ -14,11 +14,13 @@ after each training step::
     POST /finish_weight_update {v}  finalizes, acknowledges v   ------------> wait_receivers(v) returns
     POST /resume                    serves version v (GET /weight_info == "v")
 
-vLLM ends an update when ``/update_weights`` fails; megarefit's engine then gives every
-layer its previous weights back, so the server stays healthy on its previous version and
-:class:`RefitHTTPError` carries the server's error text (see docs/http.md). Only the
-standard library is used: a trainer or controller process needs neither vLLM nor
-``requests``.
+vLLM ends an update when ``/update_weights`` fails; megarefit's engine then puts every
+layer's previous weights back and says so in its error text (:data:`PREVIOUS_KEPT`): the
+controller resumes the server on its previous version and raises :class:`RefitHTTPError`.
+Where the engine could not put them all back (:data:`MIXED`), or its state is unknown (no
+answer, another backend), the server is left paused and the error says so
+(``RefitHTTPError.resumed`` is False; see docs/http.md). Only the standard library is used:
+a trainer or controller process needs neither vLLM nor ``requests``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from typing import Any
 
 from megarefit.errors import MegarefitError
 
+# What megarefit's engine appends to a failed update's error text (vLLM returns it as the response body)
+PREVIOUS_KEPT = "[megarefit: previous weights kept]"  # the previous version is whole: it may be served again
+MIXED = "[megarefit: mixed weights]"  # a mix of versions: the engine refuses to run the model until an update completes
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's /pause?mode=...
+
 
 class RefitHTTPError(MegarefitError):
     """A weight-transfer route of the vLLM server answered with an error (or not at all).
@@ -39,12 +46,38 @@ class RefitHTTPError(MegarefitError):
         step: the route, e.g. ``"update_weights"``.
         status: the HTTP status (``None``: no answer: the server is down or timed out).
         body: the server's response text (vLLM puts the exception there).
+        version: the weight version the failed refit asked for (``None``: not a refit).
+        state: the server's weights afterwards: ``"previous"`` (its previous version, whole),
+            ``"mixed"`` (the engine refuses to run the model) or ``"unknown"``.
+        resumed: whether :meth:`VllmHttpRefit.refit` resumed the server (only on ``"previous"``).
+        paused: whether the server is left paused (by :meth:`VllmHttpRefit.refit`'s ``/pause``).
+        served: the server's ``GET /weight_info`` after the failure (``None``: not asked or no answer).
     """
 
-    def __init__(self, step: str, status: int | None, body: str) -> None:
+    def __init__(self, step: str, status: int | None, body: str, *, version: int | None = None,
+                 state: str = "unknown", resumed: bool = False, served: str | None = None,
+                 paused: bool = False) -> None:
         self.step, self.status, self.body = step, status, body
+        self.version, self.state, self.resumed, self.served, self.paused = version, state, resumed, served, paused
         where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"vLLM /{step} failed ({where}): {body.strip()[:2000]}")
+        super().__init__(f"vLLM /{step} failed ({where}): {body.strip()[:2000]}{self._outcome()}")
+
+    def _outcome(self) -> str:
+        if self.version is None:
+            return ""
+        outcome = {"previous": "was not installed", "mixed": "was installed only in part"}
+        asked = f"weight version {self.version} {outcome.get(self.state, 'may or may not be installed')}"
+        if self.state == "previous":
+            held = f"its previous weights (GET /weight_info: {self.served!r})"
+            then = ("it was resumed" if self.resumed else "it is still paused: POST /resume to serve them"
+                    if self.paused else "it serves them")
+            return f" -- {asked}; the server holds {held} whole and {then}; refit again to install {self.version}"
+        why = ("its engine could not put the previous weights back and refuses to run the model"
+               if self.state == "mixed" else "its weights are unknown (no answer, or a backend that does not say)")
+        where = ("The server is left PAUSED (requests wait or get HTTP 503 'engine_paused')" if self.paused
+                 else "Keep requests away from it")
+        return (f" -- {asked}; {why}. {where}: refit again (VllmHttpRefit.refit({self.version}) resumes it on "
+                "success), or restart it")
 
 
 class VllmHttpRefit:
@@ -54,6 +87,14 @@ class VllmHttpRefit:
         base_url: the server, e.g. ``"http://10.0.0.5:8000"``.
         timeout: seconds to wait for one HTTP answer (a pull of a large model is one
             ``/update_weights`` call: leave room for it).
+        mode: vLLM's ``/pause`` mode for requests in flight when a refit starts: ``"abort"``
+            (the default: they end, with what they generated so far), ``"wait"`` (the pause waits
+            until they finish on the old weights) or ``"keep"`` (they are frozen and go on with
+            the new weights after ``/resume``: one request may then mix versions). While paused,
+            new requests wait (vLLM 0.32) or get a retryable HTTP 503 ``engine_paused`` (vLLM 0.33).
+
+    Raises:
+        MegarefitError: an unknown ``mode``.
 
     Example (after ``Rendezvous.serve`` on the trainer side)::
 
@@ -62,9 +103,12 @@ class VllmHttpRefit:
         refit.refit(version)                        # after every optimizer step
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 600.0, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise MegarefitError(f"pause mode {mode!r}: vLLM's /pause takes one of {PAUSE_MODES}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.mode = mode
 
     def _call(self, method: str, route: str, body: dict[str, Any] | None = None,
               query: str = "") -> dict[str, Any]:
@@ -91,24 +135,25 @@ class VllmHttpRefit:
     def refit(self, version: int, *, pause: bool = True, timeout: float | None = None, draft: bool = False) -> float:
         """One weight update to ``version``; returns its seconds (pause to resume).
 
-        ``pause``: ``/pause`` before (in-flight requests are aborted, the prefix cache is
-        cleared, so no cached prefix of the old weights is served) and ``/resume`` after,
-        also after a failed update (the server then serves its previous version).
-        ``timeout``: seconds the workers wait for ``version`` to be published (default:
-        ``init``'s). ``draft``: the server runs MTP speculative decoding
-        (``--speculative-config '{"method": "mtp", ...}'``): after the target model, refit its
-        draft model too, in the same pause (``/start_draft_weight_update`` ->
-        ``/update_weights`` -> ``/finish_weight_update``; the trainers must publish their MTP
-        layers, Megatron ``mtp_num_layers``).
+        ``pause``: ``/pause?mode=...`` before (``mode`` of the constructor; the prefix cache is
+        cleared, so no cached prefix of the old weights is served) and ``/resume`` after. After a
+        failure the server is resumed only when its engine says it holds its previous weights
+        whole (:data:`PREVIOUS_KEPT`); otherwise it is left paused. ``timeout``: seconds the
+        workers wait for ``version`` to be published (default: ``init``'s). ``draft``: the server
+        runs MTP speculative decoding (``--speculative-config '{"method": "mtp", ...}'``): after
+        the target model, refit its draft model too, in the same pause
+        (``/start_draft_weight_update`` -> ``/update_weights`` -> ``/finish_weight_update``; the
+        trainers must publish their MTP layers, Megatron ``mtp_num_layers``).
 
         Raises:
-            RefitHTTPError: naming the route that failed and the server's error text (a failed
-                draft update names ``start_draft_weight_update`` or ``update_weights (draft model)``: the
-                target model then holds ``version`` and the draft model its previous one).
+            RefitHTTPError: naming the route that failed, the server's error text, ``version``,
+                the server's state afterwards (``state``, ``resumed``, ``served``) and what to do. A
+                failed draft update names ``start_draft_weight_update`` or ``update_weights (draft
+                model)``: the target model then holds ``version``.
         """
         t0 = time.perf_counter()
         if pause:
-            self._call("POST", "pause")
+            self._call("POST", "pause", query=f"?mode={self.mode}")
         info: dict[str, Any] = {"version": int(version)}
         if timeout is not None:
             info["timeout"] = float(timeout)
@@ -122,16 +167,28 @@ class VllmHttpRefit:
                         raise
                     raise RefitHTTPError("update_weights (draft model)", exc.status, exc.body) from None
                 self._call("POST", "finish_weight_update", {"weight_version": str(version)})
-        except RefitHTTPError:
-            if pause:  # the server holds its previous version: serve it again, report the failure
-                try:
-                    self._call("POST", "resume")
-                except RefitHTTPError:
-                    pass
-            raise
+        except RefitHTTPError as exc:
+            raise self._failed(exc, int(version), pause) from None
         if pause:
             self._call("POST", "resume")
         return time.perf_counter() - t0
+
+    def _failed(self, exc: RefitHTTPError, version: int, paused: bool) -> RefitHTTPError:
+        """``exc`` with the server's state: resumed only where the engine kept its previous weights."""
+        state = "mixed" if MIXED in exc.body else "previous" if PREVIOUS_KEPT in exc.body else "unknown"
+        resumed = False
+        if paused and state == "previous":
+            try:
+                self._call("POST", "resume")
+                resumed = True
+            except RefitHTTPError:
+                pass
+        try:
+            served = self.weight_version()
+        except RefitHTTPError:
+            served = None
+        return RefitHTTPError(exc.step, exc.status, exc.body, version=version, state=state, resumed=resumed,
+                              served=served, paused=paused and not resumed)
 
     def weight_version(self) -> str | None:
         """``GET /weight_info``: the version set by the last ``/finish_weight_update``."""

