@@ -130,3 +130,21 @@ def test_a_missing_vllm_internal_fails_loudly(monkeypatch):
         owned_experts(torch.nn.Sequential(experts))
     experts.register_buffer("_expert_map", torch.tensor([0, -1]), persistent=False)
     assert owned_experts(torch.nn.Sequential(experts)) == {0}
+
+
+def test_eplb_on_with_no_readable_placement_is_refused():
+    """An engine running EPLB whose placement megarefit cannot read (an internal renamed): a
+    sharded expert-parallel refit is refused, never planned by the computed placement. vLLM's
+    own ParallelConfig (EPLB is CUDA-only there, so switched on after construction)."""
+    import vllm
+    from vllm.config import ParallelConfig
+
+    from megarefit.integrations.vllm import eplb_checked
+    from megarefit.integrations.vllm_install import VllmVersionError
+
+    config = ParallelConfig(enable_expert_parallel=True)
+    eplb_checked(config, None)  # no EPLB: the computed placement is vLLM's own
+    object.__setattr__(config, "enable_eplb", True)
+    eplb_checked(config, ((0, 1),))
+    with pytest.raises(VllmVersionError, match=rf"vLLM {vllm.__version__}: EPLB is enabled but megarefit found no"):
+        eplb_checked(config, None)

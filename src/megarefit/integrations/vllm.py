@@ -68,7 +68,9 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.integrations.vllm_http import MIXED, PREVIOUS_KEPT
 from megarefit.integrations.vllm_install import (
+    TESTED_VLLM,
     PreviousWeights,
+    VllmVersionError,
     direct_candidates,
     draft_shared,
     eplb_placement,
@@ -79,6 +81,7 @@ from megarefit.integrations.vllm_install import (
     routed_experts,
     vllm_internal,
     vllm_target_of,
+    vllm_version,
 )
 from megarefit.online.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.rendezvous import SECRET_ENV, Rendezvous
@@ -166,6 +169,8 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
         if model is None or parallel_config is None:
             raise MegarefitError("a sharded refit needs the live vLLM model and its parallel config")
         target = vllm_target_of(model, parallel_config, physical_to_logical, draft)
+        if target.expert_parallel:
+            eplb_checked(parallel_config, physical_to_logical)
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout, secret=secret), name=name,
@@ -331,11 +336,31 @@ class _UpdateWindow:
     version: int | None = None  # the version update_weights installed (or, once it failed, asked for)
 
 
+def eplb_checked(parallel_config: Any, placement: tuple[tuple[int, ...], ...] | None) -> None:
+    """Refuse a sharded expert-parallel refit whose engine runs EPLB while no placement could be
+    read: writing experts by the computed placement would put the wrong ones in slots.
+
+    Raises:
+        VllmVersionError: ``enable_eplb`` is set and neither the runner's ``eplb_state`` nor any
+            MoE layer's ``eplb_state.logical_to_physical_map`` was found (renamed in this vLLM)."""
+    enabled = vllm_internal(parallel_config, "enable_eplb", "to know whether experts follow EPLB", "ParallelConfig")
+    if enabled and placement is None:
+        raise VllmVersionError(f"vLLM {vllm_version()}: EPLB is enabled but megarefit found no EPLB placement "
+                               "(the model runner's eplb_state, or a MoE layer's eplb_state.logical_to_physical_map): "
+                               f"an internal was renamed; tested with vllm{TESTED_VLLM}. Refusing a sharded refit "
+                               "that would write experts into the wrong slots")
+
+
 def _follow_eplb(receiver: RefitReceiver, model: torch.nn.Module, parallel_config: Any,
                  placement: tuple[tuple[int, ...], ...] | None) -> None:
     """A sharded expert-parallel receiver takes the worker's current EPLB placement before a
-    cycle (re-planning when it changed: :meth:`RefitReceiver.set_target`)."""
+    cycle (re-planning when it changed: :meth:`RefitReceiver.set_target`).
+
+    Raises:
+        VllmVersionError: see :func:`eplb_checked`."""
     target = receiver.target
+    if target is not None and target.expert_parallel:
+        eplb_checked(parallel_config, placement)
     if target is None or not target.expert_parallel:
         return
     if placement is not None or target.physical_to_logical is not None:

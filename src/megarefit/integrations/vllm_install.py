@@ -498,7 +498,8 @@ def routed_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool, 
             use_ep = vllm_internal(module, "use_ep", why, "RoutedExperts")
             expert_map = vllm_internal(module, "_expert_map", why, "RoutedExperts")
         elif "_expert_map" in module.__dict__.get("_buffers", {}):  # a routed-experts layer of another class
-            use_ep, expert_map = getattr(module, "use_ep", False), module._expert_map
+            use_ep = vllm_internal(module, "use_ep", "to find the experts this worker holds")
+            expert_map = module._expert_map
         else:
             continue
         out.append((module, bool(use_ep), expert_map if isinstance(expert_map, torch.Tensor) else None))
@@ -607,6 +608,6 @@ def draft_shared(model: torch.nn.Module) -> frozenset[str]:
         tuple("." + s for s in _DRAFT_SHARED)))
 
 
-__all__ = ["PreviousWeights", "VllmVersionError", "check_shards", "draft_shared", "engine_expert_map", "eplb_placement",
+__all__ = ["TESTED_VLLM", "PreviousWeights", "VllmVersionError", "check_shards", "draft_shared", "engine_expert_map", "eplb_placement",
            "host_budget", "install_shards", "model_format_params", "quiet_reload", "reload_api", "routed_experts",
            "vllm_internal", "vllm_target_of", "vllm_version"]
