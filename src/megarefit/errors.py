@@ -45,6 +45,11 @@ class ShapeMismatchError(MegarefitError):
     """A tensor's shape (or dtype) differs from what the config and layout imply."""
 
 
+class UnverifiedMegatronError(MegarefitError):
+    """A Megatron-Core version, or a config flag value, megarefit has not verified
+    (:mod:`megarefit.specs.megatron_core` lists the verified ones)."""
+
+
 class LayoutError(MegarefitError):
     """Parallel sizes are invalid for the model, or ranks are missing / extra."""
 

@@ -97,6 +97,14 @@ class GPTArch:
     #                                                    beta_slow), HF rope_type "yarn" with truncate=False
 
 
+def megatron_series() -> tuple[int, int]:
+    """(major, minor) of the installed ``megatron.core`` (imported)."""
+    import megatron.core
+
+    major, minor = megatron.core.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 # --------------------------------------------------------------------------- CPU patches
 _PATCHED = False
 
@@ -155,6 +163,10 @@ def _patch_mla() -> type:
     for name in ("TELinear", "TEColumnParallelLinear"):
         if not isinstance(getattr(mla, name, None), type):
             setattr(mla, name, type(f"_No{name}", (), {}))
+    if not isinstance(getattr(mla, "Linear", None), type):  # 0.17+ imports it only with TE
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        mla.Linear = Linear
     if _MLA_ATTENTION is None:
         class MLADotProductAttention(DotProductAttention):
             def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
@@ -403,6 +415,8 @@ def _mla_config_kwargs(arch: GPTArch) -> dict[str, Any]:
         kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=arch.dsa_indexer_heads,
                       dsa_indexer_head_dim=arch.dsa_indexer_head_dim, dsa_indexer_topk=arch.dsa_indexer_topk,
                       dsa_indexer_loss_coeff=0.0)
+        if megatron_series() >= (0, 19):  # GLM-5's indexer ropes interleaved pairs (HF rope_interleave), as
+            kwargs["dsa_indexer_rope_interleaved"] = True  # Megatron-Bridge sets it; earlier releases always did
     return kwargs
 
 
@@ -443,7 +457,12 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, A
         # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        variant = getattr(config, "experimental_attention_variant", None)
+        config.experimental_attention_variant = None  # 0.19 asserts none; DSA is put in below, as upstream's TE spec
+        try:
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        finally:
+            config.experimental_attention_variant = variant
         if mla_attention is not None:
             for layer_spec in spec.layer_specs:
                 layer_spec.submodules.self_attention.submodules.core_attention = mla_attention

@@ -21,6 +21,7 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import SourceLayout
+from megarefit.specs.megatron_core import MegatronCore
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.shards import resolve_layer_spec
 from megarefit.plan import Plan
@@ -178,7 +179,7 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     t0 = time.perf_counter()
     plan_megatron_to_hf.cache_clear()
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
-                              num_layers=dims.num_layers)
+                              num_layers=dims.num_layers, megatron=MegatronCore.from_dict(per_rank[0]["megatron"]))
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in shards.items()})
     plan = plan_megatron_to_hf(dims, layout, "float32")
     check_shapes(plan, shards)

@@ -23,7 +23,7 @@ from megarefit.demo.megatron_cpu import (
     init_parallel,
     perturb_parameters_,
 )
-from megarefit.integrations.megatron import local_named_parameters, refit_tensors
+from megarefit.integrations.megatron import local_named_parameters, megatron_core_of, refit_tensors
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
     classifier against the spec table, run the forward pass.
 
     Returns ``{case.key: {"coord": (tp, pp, ep), "params": {...}, "logits": tensor | None,
-    "problems": [classifier disagreements], "build_s": s, "forward_s": s}}`` for ranks of
+    "problems": [classifier disagreements], "build_s": s, "forward_s": s, "megatron": MegatronCore
+    record (dict)}}`` for ranks of
     the first data-parallel replica; other ranks return ``{}`` entries.
     """
     apply_cpu_patches()  # before the first megatron import, so its import-time warnings are filtered
@@ -119,13 +120,15 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
             out[case.key] = {}
             continue
         dims = ModelDims.from_hf_config(case.hf_config)
+        megatron = megatron_core_of(model)
         problems = [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=case.pp, layer_spec="local",
-                                                                     overrides=HARNESS_MODULE_MODES)
+                                                                     overrides=HARNESS_MODULE_MODES, megatron=megatron)
                     if not c.ok]
         coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                  ps.get_expert_model_parallel_rank())
         out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
-                         "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1}
+                         "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1,
+                         "megatron": megatron.to_dict()}
     return out
 
 
@@ -159,7 +162,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     host, port, job = rendezvous
     rdzv = Rendezvous.connect(host, port, job=job)
     pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp, ep=case.ep,
-                    rendezvous=rdzv)
+                    rendezvous=rdzv, megatron=megatron_core_of(model))
     out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     for v in range(1, versions + 1):
         if v > 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from megarefit.specs import FAMILIES
+from megarefit.specs.megatron_core import MegatronCore
 from megarefit.specs.table import canonical_name
 
 
@@ -37,4 +38,23 @@ def local_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in refit_tensors(model).items()}
 
 
-__all__ = ["local_named_parameters", "refit_tensors"]
+def megatron_core_of(model: torch.nn.Module, *, assume: str | None = None) -> MegatronCore:
+    """The Megatron-Core record of ``model`` (a ``GPTModel`` / ``MambaModel``, possibly wrapped): the
+    imported ``megatron.core.__version__`` and the layout flags of its ``config``, for
+    ``Publisher(..., megatron=...)``. ``assume``: a verified version to read an unverified one as.
+
+    Raises:
+        UnverifiedMegatronError: the version is not verified (and no ``assume``).
+    """
+    import megatron.core
+
+    config = getattr(model, "config", None)
+    while config is None and hasattr(model, "module"):
+        model = model.module
+        config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} has no Megatron config (.config): pass a Megatron-Core model")
+    return MegatronCore.from_config(megatron.core.__version__, config, assume=assume)
+
+
+__all__ = ["local_named_parameters", "megatron_core_of", "refit_tensors"]

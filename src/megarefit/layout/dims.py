@@ -10,6 +10,7 @@ from typing import Any
 
 from megarefit.errors import ConfigError, LayoutError, MegarefitError, UnsupportedModelError
 from megarefit.specs import FamilySpec, family_for_config, get_family
+from megarefit.specs.megatron_core import REFERENCE, MegatronCore
 from megarefit.specs.table import Condition
 
 DEFAULT_VOCAB_DIVISOR = 128
@@ -235,9 +236,14 @@ class ModelDims:
         }
         return table[symbol]
 
-    def conditions(self, pp: int) -> frozenset[Condition]:
-        """Spec-table conditions that hold for this model at pipeline size ``pp``."""
-        out = set()
+    def conditions(self, pp: int, megatron: MegatronCore = REFERENCE) -> frozenset[Condition]:
+        """Spec-table conditions that hold for this model at pipeline size ``pp``, trained on
+        ``megatron`` (its release's layout facts; default megarefit's reference layout).
+
+        Raises:
+            UnverifiedMegatronError: ``megatron`` is not a verified version.
+        """
+        out = set(megatron.facts())
         if self.qkv_bias:
             out.add(Condition.QKV_BIAS)
         if self.proj_bias:
@@ -260,6 +266,16 @@ class ModelDims:
             out.add(Condition.QK_NORM)
         if self.index_n_heads:
             out.add(Condition.DSA_INDEXER)
+        return frozenset(out)
+
+    def megatron_features(self, mtp_layers: int = 0) -> frozenset[str]:
+        """What this model has of :data:`megarefit.specs.megatron_core.Feature` (which config flags
+        matter), with ``mtp_layers`` MTP layers trained."""
+        out = {"any"}
+        for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", self.index_n_heads),
+                                 ("mtp", mtp_layers), ("shared_experts", self.shared_expert_ffn)):
+            if present:
+                out.add(feature)
         return frozenset(out)
 
     def layer_kind(self, layer: int) -> str:

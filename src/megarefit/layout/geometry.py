@@ -309,6 +309,26 @@ def piece_boxes(p: Piece, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
     return Box.rows(src_shape, p.src_start, p.length), Box.rows(dst_shape, p.dst_start, p.length)
 
 
+def check_source(dims: ModelDims, layout: SourceLayout) -> tuple[ParamSpec, ...]:
+    """The spec-table rows the trainer's ranks hold, once ``layout`` is checked against the model.
+
+    Raises:
+        LayoutError: tp/pp/ep/etp or the expert layout do not fit the model; more MTP layers
+            trained than the HF config stores.
+        UnverifiedMegatronError: the trainer's Megatron-Core version, or a config flag that
+            matters for this model, is one megarefit has not verified (see
+            :meth:`~megarefit.specs.megatron_core.MegatronCore.check`).
+    """
+    dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
+    layout.megatron.check(dims.megatron_features(layout.mtp_layers), expert_layout=layout.expert_layout,
+                          model=dims.family)
+    dims.check_expert_layout(layout.expert_layout)
+    if layout.mtp_layers > dims.mtp_layers:
+        raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
+                          f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")
+    return dims.spec.rows(dims.conditions(layout.pp, layout.megatron), layout.layer_spec, layout.expert_layout)
+
+
 def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dict[str, SourceTensor]]:
     """Every Megatron parameter each rank holds under ``layout``, with local shapes.
 
@@ -317,13 +337,8 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
     (global expert = ``ep_rank * num_experts / ep + local``). Non-expert tensors
     are replicated over ``ep`` ranks.
     """
-    dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
-    dims.check_expert_layout(layout.expert_layout)
-    rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
+    rows = check_source(dims, layout)
     per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
-    if layout.mtp_layers > dims.mtp_layers:
-        raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
-                          f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")
     out: dict[RankCoord, dict[str, SourceTensor]] = {}
     for rank in layout.ranks():
         first, last = rank.pp == 0, rank.pp == layout.pp - 1

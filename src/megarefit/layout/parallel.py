@@ -25,6 +25,7 @@ from itertools import product
 from typing import NamedTuple
 
 from megarefit.errors import LayoutError
+from megarefit.specs.megatron_core import REFERENCE, MegatronCore
 from megarefit.specs.table import ExpertLayout, LayerSpec
 
 
@@ -116,6 +117,10 @@ class SourceLayout:
         etp: expert tensor parallel size (Megatron's ``expert_tensor_parallel_size``):
             ``tp`` (0 means "same as tp") or 1.
         expert_layout: how routed experts are stored (see ``ExpertLayout``).
+        mtp_layers: Megatron ``mtp_num_layers`` (multi-token-prediction layers on the last stage).
+        megatron: the trainer's Megatron-Core version and layout flags, which decide parameter
+            names and layouts that moved between releases (default: megarefit's reference
+            layout, megatron-core 0.16.1; the Publisher records the trainer's own).
     """
 
     tp: int
@@ -126,7 +131,8 @@ class SourceLayout:
     layer_spec: LayerSpec = "local"
     etp: int = 0
     expert_layout: ExpertLayout = "sequential"
-    mtp_layers: int = 0  # Megatron mtp_num_layers: multi-token-prediction layers on the last stage
+    mtp_layers: int = 0
+    megatron: MegatronCore = REFERENCE
 
     def __post_init__(self) -> None:
         if self.etp == 0:
@@ -147,12 +153,15 @@ class SourceLayout:
             raise LayoutError(f"mtp_layers must be a non-negative integer, got {self.mtp_layers!r}")
         if self.layer_spec not in ("local", "te"):
             raise LayoutError(f"layer_spec must be 'local' or 'te', got {self.layer_spec!r}")
+        if not isinstance(self.megatron, MegatronCore):
+            raise LayoutError(f"megatron must be a MegatronCore record, got {self.megatron!r}")
 
     @classmethod
     def build(cls, *, tp: int, pp: int, ep: int = 1, padded_vocab_size: int, num_layers: int,
               first_stage_layers: int | None = None, last_stage_layers: int | None = None,
               layer_spec: LayerSpec = "local", etp: int | None = None,
-              expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0) -> SourceLayout:
+              expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
+              megatron: MegatronCore = REFERENCE) -> SourceLayout:
         """Split ``num_layers`` over ``pp`` stages the way Megatron-Core does.
 
         Without ``first_stage_layers`` / ``last_stage_layers`` (Megatron's
@@ -189,7 +198,7 @@ class SourceLayout:
         per = rest // middle if middle else 0
         stages = tuple(fixed.get(i, per) for i in range(pp))
         return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec, tp if etp is None else etp, expert_layout,
-                   mtp_layers)
+                   mtp_layers, megatron)
 
     @property
     def num_layers(self) -> int:
@@ -234,16 +243,21 @@ class SourceLayout:
     def with_expert_layout(self, expert_layout: ExpertLayout) -> SourceLayout:
         return dataclasses.replace(self, expert_layout=expert_layout)
 
+    def with_megatron(self, megatron: MegatronCore) -> SourceLayout:
+        return dataclasses.replace(self, megatron=megatron)
+
     def to_dict(self) -> dict[str, object]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "padded_vocab_size": self.padded_vocab_size,
                 "stage_layers": list(self.stage_layers), "layer_spec": self.layer_spec, "etp": self.etp,
-                "expert_layout": self.expert_layout, "mtp_layers": self.mtp_layers}
+                "expert_layout": self.expert_layout, "mtp_layers": self.mtp_layers,
+                "megatron": self.megatron.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> SourceLayout:
         return cls(d["tp"], d["pp"], d["ep"], d["padded_vocab_size"], tuple(d["stage_layers"]),  # type: ignore[arg-type]
                    d["layer_spec"], d.get("etp", 0), d.get("expert_layout", "sequential"),  # type: ignore[arg-type]
-                   d.get("mtp_layers", 0))  # type: ignore[arg-type]
+                   d.get("mtp_layers", 0),  # type: ignore[arg-type]
+                   MegatronCore.from_dict(d["megatron"]) if "megatron" in d else REFERENCE)  # type: ignore[arg-type]
 
 
 def virtual_stage(pp_rank: int, vp_stage: int, pp: int) -> int:

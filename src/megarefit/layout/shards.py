@@ -51,7 +51,7 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
     check_ranks(layout, names)
     expected_ranks = set(layout.ranks())
     given = {RankCoord(*r): list(v) for r, v in names.items() if RankCoord(*r) in expected_ranks}
-    spec, conds = dims.spec, dims.conditions(layout.pp)
+    spec, conds = dims.spec, dims.conditions(layout.pp, layout.megatron)
     names_all = [(rank, n) for rank, ns in given.items() for n in ns]
 
     def fits(spelling: LayerSpec) -> bool:

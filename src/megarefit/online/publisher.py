@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -43,6 +44,7 @@ from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
+from megarefit.specs.megatron_core import REFERENCE, MegatronCore
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.checksum import checksum_numel, matrix_shape, tensor_checksum
 from megarefit.transport.checksum_kernel import BoxSums
@@ -68,6 +70,16 @@ def _most_common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     return max(counts, key=counts.__getitem__)
 
 
+def _trainer_megatron(megatron: MegatronCore | None) -> MegatronCore:
+    """``megatron``, else the ``megatron.core`` this process imported (flags not read), else
+    megarefit's reference layout (tensors that did not come from Megatron-Core)."""
+    if megatron is not None:
+        return megatron
+    if "megatron.core" in sys.modules:
+        return MegatronCore.detect()
+    return REFERENCE
+
+
 class Publisher:
     """Serves one trainer rank's parameters; see the module docstring.
 
@@ -90,6 +102,12 @@ class Publisher:
     in flight and refuse (``ParamSyncPendingError``) if one was not dispatched: call
     :func:`megarefit.online.param_sync.finish_param_sync` on every data-parallel rank after the step.
 
+    ``megatron``: the trainer's Megatron-Core and the config flags that decide layouts, recorded in
+    the manifest (``MegatronCore.from_config(megatron.core.__version__, model.config)``, or
+    :func:`megarefit.integrations.megatron.megatron_core_of`). Default: the ``megatron.core`` this
+    process imported, flags unread (enough where no flag of that release matters for the model);
+    without one, megarefit's reference layout (megatron-core 0.16.1's names).
+
     ``ipc`` (default on): CUDA storages served are also exported for CUDA IPC (PyTorch's
     reduction; :mod:`~megarefit.transport.cuda_ipc`), so a receiver on the same GPU (colocated
     RL) reads them by device copies instead of NIXL through the host. If PyTorch cannot
@@ -100,6 +118,8 @@ class Publisher:
             exactly what the spec table and layout place on this rank.
         ShapeMismatchError: a parameter's shape differs from the layout's, or is
             not contiguous.
+        UnverifiedMegatronError: the trainer's Megatron-Core version, or a config flag that
+            matters for this model, is not one megarefit has verified.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], hf_config: Any, *, rank: tuple[int, int, int],
@@ -109,7 +129,7 @@ class Publisher:
                  etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
                  vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
                  quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
-                 ddp: Any = None, checksums: bool = False, ipc: bool = True):
+                 ddp: Any = None, checksums: bool = False, ipc: bool = True, megatron: MegatronCore | None = None):
         if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
             rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
             pp *= vpp
@@ -119,7 +139,8 @@ class Publisher:
         self.quantization = resolve_quantization(quantization, cfg)
         self.layout = self._build_layout(tp, pp, ep, etp, vocab_divisor=make_vocab_size_divisible_by,
                                          first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
-                                         layer_spec=layer_spec, expert_layout=expert_layout, mtp_layers=mtp_layers)
+                                         layer_spec=layer_spec, expert_layout=expert_layout, mtp_layers=mtp_layers,
+                                         megatron=_trainer_megatron(megatron))
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = self._check_params()
         self.dtype = _dtype_name(_most_common_dtype(self.params.values()))
@@ -153,7 +174,7 @@ class Publisher:
 
     def _build_layout(self, tp: int, pp: int, ep: int, etp: int | None, *, vocab_divisor: int,
                       first_stage_layers: int | None, last_stage_layers: int | None, layer_spec: LayerSpec,
-                      expert_layout: ExpertLayout, mtp_layers: int) -> SourceLayout:
+                      expert_layout: ExpertLayout, mtp_layers: int, megatron: MegatronCore) -> SourceLayout:
         """The trainer's source layout (``pp`` counts virtual stages), checked against the model's
         dims; ``self.rank`` must be one of its coordinates.
 
@@ -165,7 +186,7 @@ class Publisher:
             tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, vocab_divisor),
             num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
             last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
-            mtp_layers=mtp_layers)
+            mtp_layers=mtp_layers, megatron=megatron)
         if self.rank not in set(layout.ranks()):
             raise LayoutError(f"rank {self.rank} is not a coordinate of Megatron's process grid for tp={tp} "
                               f"ep={ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks are tied; "

@@ -37,6 +37,7 @@ from megarefit.errors import LayoutError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.geometry import (
     ExpertWeights,
+    check_source,
     fused_boxes,
     fused_shapes,
     grouped_boxes,
@@ -154,17 +155,13 @@ def _layout_stages(dims: ModelDims, layout: SourceLayout, part: ModelPart = "all
     Raises:
         LayoutError: tp/pp/ep do not fit the model; an unknown part; ``"draft"`` where the
             trainers' MTP layers are not the HF config's (see :func:`check_draft_layers`).
+        UnverifiedMegatronError: see :func:`~megarefit.layout.geometry.check_source`.
     """
-    dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
-    dims.check_expert_layout(layout.expert_layout)
-    if layout.mtp_layers > dims.mtp_layers:
-        raise LayoutError(f"the trainer has mtp_layers={layout.mtp_layers} but the HF config stores "
-                          f"{dims.mtp_layers} (num_nextn_predict_layers): nowhere to put the MTP layers")
+    rows = check_source(dims, layout)
     if part not in MODEL_PARTS:
         raise LayoutError(f"model part {part!r}: expected one of {MODEL_PARTS}")
     if part == "draft":
         check_draft_layers(dims, layout)
-    rows = dims.spec.rows(dims.conditions(layout.pp), layout.layer_spec, layout.expert_layout)
     stages = [_stage_rows(dims, layout, rows, p) for p in range(layout.pp)]
     if part != "all":
         stages = [[s for s in stage if (s[0].stage is Stage.MTP) == (part == "draft")] for stage in stages]

@@ -94,17 +94,28 @@ _I = _L + "core_attention.indexer."
 _HI = _H + "indexer."
 DI = frozenset({Condition.Q_LORA, Condition.DSA_INDEXER})
 
-_ROT = ("index_head_dim", "qk_rope")  # Megatron [nope; rope] per indexer head, HF [rope; nope]
+_ROT = ("index_head_dim", "qk_rope")  # Megatron [nope; rope] per indexer head up to 0.18, HF [rope; nope]
+
+
+def _indexer_rows(fact: Condition, rotate: tuple[str, str] | None) -> tuple[ParamSpec, ...]:
+    """The DSA indexer's rows where release fact ``fact`` holds (heads rotated by ``rotate``)."""
+    di = DI | {fact}
+    return (
+        ParamSpec(_I + "linear_wq_b.weight", R.REPLICATED, (_HI + "wq_b.weight",), ("index_q", "q_lora"),
+                  requires=di, linear=True, head_rotate=rotate),
+        ParamSpec(_I + "linear_wk.weight", R.REPLICATED, (_HI + "wk.weight",), ("index_head_dim", "hidden"),
+                  requires=di, head_rotate=rotate),
+        ParamSpec(_I + "k_norm.weight", R.REPLICATED, (_HI + "k_norm.weight",), ("index_head_dim",), requires=di,
+                  head_rotate=rotate),
+        ParamSpec(_I + "k_norm.bias", R.REPLICATED, (_HI + "k_norm.bias",), ("index_head_dim",), requires=di,
+                  head_rotate=rotate),
+    )
+
 
 DSA_INDEXER = (
-    ParamSpec(_I + "linear_wq_b.weight", R.REPLICATED, (_HI + "wq_b.weight",), ("index_q", "q_lora"), requires=DI,
-              linear=True, head_rotate=_ROT),
-    ParamSpec(_I + "linear_wk.weight", R.REPLICATED, (_HI + "wk.weight",), ("index_head_dim", "hidden"), requires=DI,
-              head_rotate=_ROT),
-    ParamSpec(_I + "k_norm.weight", R.REPLICATED, (_HI + "k_norm.weight",), ("index_head_dim",), requires=DI,
-              head_rotate=_ROT),
-    ParamSpec(_I + "k_norm.bias", R.REPLICATED, (_HI + "k_norm.bias",), ("index_head_dim",), requires=DI,
-              head_rotate=_ROT),
+    # megatron-core up to 0.18 ropes the last qk_rope dims of a head, 0.19 the first (as HF)
+    *_indexer_rows(Condition.DSA_ROPE_LAST, _ROT),
+    *_indexer_rows(Condition.DSA_ROPE_FIRST, None),
     ParamSpec(_I + "linear_weights_proj.weight", R.REPLICATED, (_HI + "weights_proj.weight",),
               ("index_heads", "hidden"), requires=DI),
 )

@@ -10,6 +10,7 @@ decoder, as layer ``num_hidden_layers + i``::
     eh_proj.weight                             ->  eh_proj.weight            [hidden, 2*hidden]  column-parallel
     final_layernorm.weight                     ->  shared_head.norm.weight   [hidden]
     transformer_layer.<decoder-layer param>    ->  <same HF name as in a decoder layer>
+    (mtp_model_layer.<...> from megatron-core 0.17 on)
 
 ``eh_proj`` reads ``cat(enorm(embedding), hnorm(hidden))`` in both; block-FP8
 checkpoints keep it unquantized (vLLM's drafters hold it as a plain ``nn.Linear``). The MTP block
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megarefit.specs.table import MTP_PREFIX, ParamSpec, Role
+from megarefit.specs.table import MTP_PREFIX, Condition, ParamSpec, Role
 
 _M = MTP_PREFIX + "{layer}."
 _H = "model.layers.{layer}."
@@ -38,10 +39,15 @@ MTP_OWN = (
 )
 
 
+MTP_INNER = (("transformer_layer.", Condition.MTP_TRANSFORMER_LAYER), ("mtp_model_layer.", Condition.MTP_MODEL_LAYER))
+"""The MTP layer's decoder layer, as each Megatron-Core release names it (0.16; 0.17+)."""
+
+
 def mtp_rows(entries: tuple[ParamSpec, ...]) -> tuple[ParamSpec, ...]:
     """MTP rows for a family whose table is ``entries``: the MTP-only tensors, and every
-    decoder-layer row again under ``mtp.layers.{layer}.transformer_layer.``."""
-    layer = [dataclasses.replace(r, megatron=r.megatron.replace("decoder.layers.{layer}.",
-                                                                 _M + "transformer_layer.", 1))
-             for r in entries if r.megatron.startswith("decoder.layers.{layer}.")]
+    decoder-layer row again under ``mtp.layers.{layer}.transformer_layer.`` (megatron-core 0.16)
+    and ``mtp.layers.{layer}.mtp_model_layer.`` (0.17+)."""
+    layer = [dataclasses.replace(r, megatron=r.megatron.replace("decoder.layers.{layer}.", _M + inner, 1),
+                                 requires=r.requires | {fact})
+             for inner, fact in MTP_INNER for r in entries if r.megatron.startswith("decoder.layers.{layer}.")]
     return MTP_OWN + tuple(layer)

@@ -36,6 +36,7 @@ _M = _H + "mixer."
 R = Role
 C = Condition
 _NORM = (_H + "norm.weight",)
+_CONV = ((".", C.MAMBA_CONV_MODULE), ("_", C.MAMBA_CONV_PARAMS))
 
 
 def _mamba_rows() -> tuple[ParamSpec, ...]:
@@ -46,11 +47,14 @@ def _mamba_rows() -> tuple[ParamSpec, ...]:
                   layer_kind=k),
         ParamSpec(_L + "mixer.in_proj.weight", R.SEGMENTED, (_M + "in_proj.weight",), ("mamba_in", "hidden"),
                   layer_kind=m, segments=("mamba_inner", "mamba_inner", "mamba_gs", "mamba_gs", "mamba_heads")),
-        ParamSpec(_L + "mixer.conv1d.weight", R.SEGMENTED, (_M + "conv1d.weight",),
-                  ("mamba_conv", "one", "conv_kernel"),
-                  layer_kind=m, segments=("mamba_inner", "mamba_gs", "mamba_gs"), linear=False),
-        ParamSpec(_L + "mixer.conv1d.bias", R.SEGMENTED, (_M + "conv1d.bias",), ("mamba_conv",),
-                  layer_kind=m, segments=("mamba_inner", "mamba_gs", "mamba_gs")),
+        # megatron-core up to 0.18: an nn.Conv1d module; 0.19: plain parameters (same shapes)
+        *(ParamSpec(_L + f"mixer.conv1d{sep}weight", R.SEGMENTED, (_M + "conv1d.weight",),
+                    ("mamba_conv", "one", "conv_kernel"), requires=frozenset({fact}),
+                    layer_kind=m, segments=("mamba_inner", "mamba_gs", "mamba_gs"), linear=False)
+          for sep, fact in _CONV),
+        *(ParamSpec(_L + f"mixer.conv1d{sep}bias", R.SEGMENTED, (_M + "conv1d.bias",), ("mamba_conv",),
+                    requires=frozenset({fact}), layer_kind=m, segments=("mamba_inner", "mamba_gs", "mamba_gs"))
+          for sep, fact in _CONV),
         *(ParamSpec(_L + f"mixer.{p}", R.COLUMN, (_M + p,), ("mamba_heads",), layer_kind=m)
           for p in ("A_log", "D", "dt_bias")),
         ParamSpec(_L + "mixer.norm.weight", R.COLUMN, (_M + "norm.weight",), ("mamba_inner",), layer_kind=m),

@@ -193,6 +193,13 @@ class Condition(str, Enum):
     QK_NORM = "qk_norm"  # per-head q/k RMSNorm (Qwen3; GLM-4.5 when use_qk_norm)
     ROUTER_BIAS = "router_bias"  # router has a score-correction bias (DeepSeek-V3 noaux_tc)
     DSA_INDEXER = "dsa_indexer"  # every layer's attention carries a DSA lightning indexer (GLM-5)
+    # Megatron-Core release facts (megarefit.specs.megatron_core.RELEASES says which hold where)
+    MTP_TRANSFORMER_LAYER = "mtp_transformer_layer"  # 0.16: mtp.layers.{i}.transformer_layer.*
+    MTP_MODEL_LAYER = "mtp_model_layer"  # 0.17+: mtp.layers.{i}.mtp_model_layer.*
+    DSA_ROPE_LAST = "dsa_rope_last"  # up to 0.18: a DSA indexer head is [nope; rope]
+    DSA_ROPE_FIRST = "dsa_rope_first"  # 0.19+: [rope; nope], as HF
+    MAMBA_CONV_MODULE = "mamba_conv_module"  # up to 0.18: mixer.conv1d.weight / .bias (an nn.Conv1d)
+    MAMBA_CONV_PARAMS = "mamba_conv_params"  # 0.19+: mixer.conv1d_weight / conv1d_bias
 
 
 # Dimension symbols allowed in ParamSpec.shape; ModelDims.size() resolves them.
@@ -457,7 +464,10 @@ class FamilySpec:
         return hits[0]
 
 
-_EXCLUSIVE = {frozenset({Condition.UNTIED, Condition.TIED_COPY})}
+_EXCLUSIVE = {frozenset({Condition.UNTIED, Condition.TIED_COPY}),
+              frozenset({Condition.MTP_TRANSFORMER_LAYER, Condition.MTP_MODEL_LAYER}),
+              frozenset({Condition.DSA_ROPE_LAST, Condition.DSA_ROPE_FIRST}),
+              frozenset({Condition.MAMBA_CONV_MODULE, Condition.MAMBA_CONV_PARAMS})}
 
 
 def _exclusive(a: ParamSpec, b: ParamSpec) -> bool:

@@ -1,0 +1,236 @@
+"""Megatron-Core releases as data: which layout facts hold on each, which config flags matter.
+
+Parameter names and layouts move between Megatron-Core releases. Each fact that differs is
+a :class:`~megarefit.specs.table.Condition` that spec-table rows require, and each release
+(:class:`MegatronRelease`) lists the facts that hold on it::
+
+    fact                     0.16  0.17  0.18  0.19   what differs
+    mtp_transformer_layer     x                        mtp.layers.{i}.transformer_layer.*
+    mtp_model_layer                 x     x     x      mtp.layers.{i}.mtp_model_layer.*
+    dsa_rope_last             x     x     x            DSA indexer head [nope; rope] (HF: [rope; nope])
+    dsa_rope_first                              x      DSA indexer head [rope; nope], as HF
+    mamba_conv_module         x     x     x            mixer.conv1d.weight / .bias  (an nn.Conv1d)
+    mamba_conv_params                           x      mixer.conv1d_weight / conv1d_bias
+    legacy GroupedMLP         x                        mlp.experts.weight1 / weight2 (removed in 0.17)
+
+A release also names the ``TransformerConfig`` flags (:class:`ConfigFlag`) whose value changes
+the layout or the function a model computes (fused or interleaved weights, muP scaling, the DSA
+indexer's RoPE): megarefit translates the values it has verified and refuses the others.
+
+:class:`MegatronCore` is one trainer's record, the version and those flags' values, as the
+Publisher writes it into its manifest. A version that no release lists as verified is refused,
+naming the verified ones; ``assume`` reads it as one of them, explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from megarefit.errors import MegarefitError, UnverifiedMegatronError
+from megarefit.specs.table import Condition
+
+Feature = Literal["any", "moe", "mla", "dsa", "mtp", "shared_experts"]
+"""Which models a :class:`ConfigFlag` matters for: every model, or those with routed experts,
+multi-latent attention, a DSA indexer, multi-token prediction, or shared experts."""
+
+ASSUME_ENV = "MEGAREFIT_ASSUME_MEGATRON"
+"""Environment variable read by :meth:`MegatronCore.detect`: a verified version to read an
+unverified installed one as (``MEGAREFIT_ASSUME_MEGATRON=0.19.2`` for a 0.19.3 trainer)."""
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """A ``TransformerConfig`` attribute whose value changes what megarefit must do.
+
+    Attributes:
+        name: the attribute (``dsa_indexer_rope_interleaved``).
+        verified: values megarefit translates exactly (proved by forward equivalence).
+        feature: the models it matters for (:data:`Feature`).
+        why: what another value would change, for the error message.
+    """
+
+    name: str
+    verified: tuple[Any, ...]
+    feature: Feature
+    why: str
+
+
+@dataclass(frozen=True)
+class MegatronRelease:
+    """One Megatron-Core release series (``"0.19"``) as megarefit knows it.
+
+    Attributes:
+        series: ``"major.minor"``.
+        verified: exact versions whose layouts CI checks against real Megatron-Core.
+        facts: the layout facts (conditions) that hold on this series.
+        flags: the config flags that matter on this series.
+        grouped_mlp: legacy ``GroupedMLP`` (``moe_grouped_gemm`` without TE) exists.
+    """
+
+    series: str
+    verified: tuple[str, ...]
+    facts: frozenset[Condition]
+    flags: tuple[ConfigFlag, ...] = ()
+    grouped_mlp: bool = False
+
+
+_C = Condition
+_FLAGS_017 = (
+    ConfigFlag("mla_down_proj_fusion", (False,), "mla",
+               "fuses linear_q_down_proj and linear_kv_down_proj into one weight, which no spec row reads"),
+    ConfigFlag("mtp_use_repeated_layer", (False,), "mtp", "shares one MTP layer across depths"),
+    ConfigFlag("use_mup", (False,), "any", "scales embeddings, attention and logits (muP): not the HF model's "
+                                           "function"),
+)
+_FLAGS_018 = _FLAGS_017 + (
+    ConfigFlag("moe_single_grouped_weight", (False,), "moe", "stacks every local expert into one weight"),
+    ConfigFlag("moe_single_grouped_bias", (False,), "moe", "stacks every local expert's bias into one tensor"),
+    ConfigFlag("moe_mlp_glu_interleave_size", (None,), "moe",
+               "interleaves gate and up rows in blocks inside expert linear_fc1 (same names and shapes: "
+               "translating it as [gate; up] would be silently wrong)"),
+)
+_FLAGS_019 = _FLAGS_018 + (
+    ConfigFlag("dsa_indexer_rope_interleaved", (True,), "dsa",
+               "False ropes the indexer's half-split pairs, GLM-5 (HF rope_interleave) interleaved pairs: set it "
+               "True, as Megatron-Bridge does for GLM-5"),
+    ConfigFlag("dsa_indexer_rotate_activation", (True,), "dsa", "drops the indexer's Hadamard rotation"),
+    ConfigFlag("dsa_indexer_scoring_relu", (True,), "dsa", "drops the ReLU on the indexer's scores"),
+    ConfigFlag("moe_shared_expert_glu_interleave_size", (None,), "shared_experts",
+               "interleaves gate and up rows in blocks inside the shared expert's linear_fc1"),
+    ConfigFlag("use_grouped_gemm_for_shared_expert", (False,), "shared_experts",
+               "builds the shared expert as a grouped GEMM"),
+)
+_LATE_DSA = frozenset({_C.MTP_MODEL_LAYER, _C.DSA_ROPE_LAST, _C.MAMBA_CONV_MODULE})
+
+RELEASES: tuple[MegatronRelease, ...] = (
+    MegatronRelease("0.16", ("0.16.1",), frozenset({_C.MTP_TRANSFORMER_LAYER, _C.DSA_ROPE_LAST,
+                                                    _C.MAMBA_CONV_MODULE}), grouped_mlp=True),
+    MegatronRelease("0.17", ("0.17.1",), _LATE_DSA, _FLAGS_017),
+    MegatronRelease("0.18", ("0.18.2",), _LATE_DSA, _FLAGS_018),
+    MegatronRelease("0.19", ("0.19.2",), frozenset({_C.MTP_MODEL_LAYER, _C.DSA_ROPE_FIRST, _C.MAMBA_CONV_PARAMS}),
+                    _FLAGS_019),
+)
+VERIFIED_VERSIONS: tuple[str, ...] = tuple(v for r in RELEASES for v in r.verified)
+REFERENCE_VERSION = "0.16.1"
+"""megarefit's reference layout: what a :class:`~megarefit.layout.SourceLayout` names unless told."""
+
+
+def release_of(version: str) -> MegatronRelease:
+    """The release a verified ``version`` belongs to.
+
+    Raises:
+        UnverifiedMegatronError: ``version`` is not in :data:`VERIFIED_VERSIONS`.
+    """
+    for rel in RELEASES:
+        if version in rel.verified:
+            return rel
+    raise UnverifiedMegatronError(
+        f"megatron-core {version} is not a version megarefit has verified; verified: {list(VERIFIED_VERSIONS)}. "
+        f"Run a verified one, or read it as one explicitly (MegatronCore(..., assume='0.19.2'), "
+        f"{ASSUME_ENV}=0.19.2, or --assume-megatron 0.19.2) if you know its layouts are that version's")
+
+
+@dataclass(frozen=True)
+class MegatronCore:
+    """A trainer's Megatron-Core: its version and the config flags that decide layouts.
+
+    Attributes:
+        version: ``megatron.core.__version__`` of the trainer.
+        flags: ``(name, value)`` of every :class:`ConfigFlag` of the release, read from the
+            model's ``TransformerConfig``; ``None`` when not read (then a model a flag matters
+            for is refused by :meth:`check`).
+        assume: a verified version to read ``version`` as (explicit opt-in for unverified
+            patch releases); ``None``: ``version`` itself must be verified.
+    """
+
+    version: str = REFERENCE_VERSION
+    flags: tuple[tuple[str, Any], ...] | None = ()
+    assume: str | None = None
+
+    @property
+    def release(self) -> MegatronRelease:
+        """Raises :class:`UnverifiedMegatronError` (see :func:`release_of`)."""
+        return release_of(self.assume or self.version)
+
+    @classmethod
+    def from_config(cls, version: str, config: Any, *, assume: str | None = None) -> MegatronCore:
+        """Read the release's flags from a ``TransformerConfig`` (or any object with those attributes;
+        a missing attribute reads as the first verified value, Megatron's default).
+
+        Raises:
+            UnverifiedMegatronError: see :attr:`release`.
+        """
+        rel = release_of(assume or version)
+        flags = tuple((f.name, getattr(config, f.name, f.verified[0])) for f in rel.flags)
+        return cls(version, flags, assume)
+
+    @classmethod
+    def detect(cls, config: Any = None) -> MegatronCore:
+        """The ``megatron.core`` this process has imported (flags from ``config`` when given; else
+        not read), honouring :data:`ASSUME_ENV`.
+
+        Raises:
+            UnverifiedMegatronError: megatron.core is not imported, or its version is unverified.
+        """
+        import sys
+
+        core = sys.modules.get("megatron.core")
+        if core is None:
+            raise UnverifiedMegatronError("megatron.core is not imported in this process: pass megatron="
+                                          "MegatronCore(version, ...) naming the trainer's version")
+        assume = os.environ.get(ASSUME_ENV) or None
+        if config is not None:
+            return cls.from_config(core.__version__, config, assume=assume)
+        release_of(assume or core.__version__)
+        return cls(core.__version__, None, assume)
+
+    def facts(self) -> frozenset[Condition]:
+        return self.release.facts
+
+    def check(self, features: frozenset[str], *, expert_layout: str = "sequential", model: str = "") -> None:
+        """Refuse what this release cannot hand megarefit exactly, for a model with ``features``
+        (:data:`Feature` values; ``"any"`` is implied).
+
+        Raises:
+            UnverifiedMegatronError: the version is unverified; a flag that matters for the model
+                holds an unverified value, or was not read; legacy ``GroupedMLP`` asked of a
+                release without it.
+        """
+        rel = self.release
+        where = f"megatron-core {self.version}" + (f" (read as {self.assume})" if self.assume else "")
+        if expert_layout == "legacy_grouped" and not rel.grouped_mlp:
+            raise UnverifiedMegatronError(f"{where}: legacy GroupedMLP (expert_layout='legacy_grouped') was "
+                                          "removed in megatron-core 0.17; use 'sequential' or 'te_grouped'")
+        wanted = [f for f in rel.flags if f.feature in features | {"any"}]
+        if wanted and self.flags is None:
+            raise UnverifiedMegatronError(
+                f"{where}: the flags {[f.name for f in wanted]} change how {model or 'this model'} is laid out, and "
+                "were not read; pass megatron=MegatronCore.from_config(megatron.core.__version__, model.config)")
+        values = dict(self.flags or ())
+        for flag in wanted:
+            value = values.get(flag.name, flag.verified[0])
+            if value not in flag.verified:
+                raise UnverifiedMegatronError(
+                    f"{where}: {flag.name}={value!r} is refused for {model or 'this model'}: it {flag.why}; "
+                    f"verified: {list(flag.verified)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "flags": None if self.flags is None else [list(f) for f in self.flags],
+                "assume": self.assume}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MegatronCore:
+        """Raises :class:`~megarefit.errors.MegarefitError` on a malformed record."""
+        flags = data.get("flags")
+        if not isinstance(data.get("version"), str) or not (flags is None or isinstance(flags, list)):
+            raise MegarefitError(f"malformed megatron-core record {str(data)[:200]}")
+        return cls(data["version"], None if flags is None else tuple((str(k), v) for k, v in flags),
+                   data.get("assume"))
+
+
+REFERENCE = MegatronCore()
+
+__all__ = ["ASSUME_ENV", "REFERENCE", "REFERENCE_VERSION", "RELEASES", "VERIFIED_VERSIONS", "ConfigFlag",
+           "Feature", "MegatronCore", "MegatronRelease", "UnverifiedMegatronError", "release_of"]
