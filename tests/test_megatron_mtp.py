@@ -18,7 +18,9 @@ pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
 from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.demo.megatron_cpu import harness_megatron  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
+from megarefit.specs.megatron_core import REFERENCE, MegatronCore  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megatron_jobs import mtp_layout_job  # noqa: E402
 from test_megatron_mla_glm import _config  # noqa: E402
@@ -49,7 +51,7 @@ def test_mtp_layout_matches_real_megatron(built, fam, tp, pp):
     ranks = built[f"{fam}-tp{tp}-pp{pp}"]
     dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp),
-                                num_layers=dims.num_layers, mtp_layers=1)
+                                num_layers=dims.num_layers, mtp_layers=1, megatron=harness_megatron())
     want = source_tensors(dims, layout)
     assert set(ranks) == set(want)
     for coord, got in ranks.items():
@@ -61,21 +63,26 @@ def test_mtp_layout_matches_real_megatron(built, fam, tp, pp):
 
 
 @pytest.mark.parametrize("fam", ["deepseek", "glm"])
-def test_mtp_shards_round_trip(fam):
+@pytest.mark.parametrize("version,inner", [("0.16.1", "transformer_layer"), ("0.19.2", "mtp_model_layer")])
+def test_mtp_shards_round_trip(fam, version, inner):
     """Random HF tensors (layer num_layers = the MTP layer) -> Megatron shards with an MTP
-    layer -> HF, bit-exact, at tp=2 pp=2 ep=2 and both layer specs."""
+    layer -> HF, bit-exact, at tp=2 pp=2 ep=2 and both layer specs, under the MTP layer's name in
+    megatron-core 0.16 (``transformer_layer``) and 0.17+ (``mtp_model_layer``)."""
     from megarefit.planner import plan_hf_to_megatron
 
     cfg = _configs()[fam]
     dims = ModelDims.from_hf_config(cfg)
+    megatron = MegatronCore.verified(version)
     layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=dims.num_layers,
                                 mtp_layers=1)
     g = torch.Generator().manual_seed(1)
     hf = {r.name: torch.randn(m.shape, generator=g) for r, m in plan_hf_to_megatron(dims, layout, "float32").sources.items()}
     assert f"model.layers.{dims.num_layers}.eh_proj.weight" in hf
     for spec in ("local", "te"):
-        shards = megarefit.hf_to_megatron(hf, cfg, tp=2, pp=2, ep=2, layer_spec=spec, mtp_layers=1)
-        back = megarefit.megatron_to_hf(shards, cfg, tp=2, pp=2, ep=2)
+        shards = megarefit.hf_to_megatron(hf, cfg, tp=2, pp=2, ep=2, layer_spec=spec, mtp_layers=1, megatron=megatron)
+        mtp = {n.split(".")[3] for n in shards[(0, 1, 0)] if n.startswith("mtp.layers.0.") and n.count(".") > 4}
+        assert mtp == {inner}, mtp
+        back = megarefit.megatron_to_hf(shards, cfg, tp=2, pp=2, ep=2, megatron=megatron)
         assert back.keys() == hf.keys() and all(torch.equal(back[k], v) for k, v in hf.items())
     with pytest.raises(megarefit.errors.UnexpectedParameterError, match="pass mtp_layers=1"):
-        megarefit.hf_to_megatron(hf, cfg)
+        megarefit.hf_to_megatron(hf, cfg, megatron=megatron)

@@ -25,6 +25,7 @@ from megarefit.errors import (
     UnexpectedParameterError,
 )
 from megarefit.layout import RankCoord, SourceLayout
+from megarefit.specs.megatron_core import MegatronCore
 from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.layout.shards import check_ranks, resolve_layer_spec
 from megarefit.plan import Plan
@@ -147,7 +148,8 @@ def _infer_etp(dims: ModelDims, tensors: Mapping[RankCoord, Mapping[str, torch.T
 
 def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
                    etp: int | None = None, make_vocab_size_divisible_by: int | None = None,
-                   quantization: str | Fp8Format | None = "auto") -> dict[str, torch.Tensor]:
+                   quantization: str | Fp8Format | None = "auto",
+                   megatron: MegatronCore | None = None) -> dict[str, torch.Tensor]:
     """Translate Megatron-Core shards to full HF checkpoint tensors.
 
     Args:
@@ -166,6 +168,9 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
             ``per_block_cast_to_fp8``; each shard is quantized on its own block grid
             where the blocks allow (as a trainer would), the rest after assembly
             (:func:`~megarefit.quant.planning.plan_fp8`); ``"none"``: the shards' dtype.
+        megatron: the Megatron-Core that made the shards (its release names MTP and Mamba
+            conv parameters and lays out the DSA indexer; see
+            :mod:`megarefit.specs.megatron_core`); default :meth:`MegatronCore.in_process`.
 
     The norm spelling (local / Transformer-Engine spec) and the expert layout
     (SequentialMLP / TE grouped) are detected from the names.
@@ -184,6 +189,7 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
         MissingParameterError / UnexpectedParameterError: names differ from the layout.
         ShapeMismatchError: a shard's shape or dtype disagrees with the config.
         UnsupportedQuantizationError: a quantization method megarefit does not produce.
+        UnverifiedMegatronError: ``megatron`` is not verified for this model.
     """
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
@@ -198,7 +204,8 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     mtp = {i for params in tensors.values() for n in params if (i := dims.spec.layer_index(n, Stage.MTP)) is not None}
     base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
                               make_vocab_size_divisible_by), num_layers=dims.num_layers,
-                              etp=etp, mtp_layers=max(mtp) + 1 if mtp else 0, **_stage_split(dims, tensors, pp))
+                              etp=etp, mtp_layers=max(mtp) + 1 if mtp else 0, **_stage_split(dims, tensors, pp),
+                              megatron=megatron or MegatronCore.in_process())
     check_ranks(base, tensors)
     tensors = {r: v for r, v in tensors.items() if r in set(base.ranks())}  # copies Megatron's grid lacks
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
@@ -216,7 +223,7 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
                    expert_layout: ExpertLayout = "sequential",
                    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
                    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                   mtp_layers: int = 0) -> dict[RankCoord, dict[str, torch.Tensor]]:
+                   mtp_layers: int = 0, megatron: MegatronCore | None = None) -> dict[RankCoord, dict[str, torch.Tensor]]:
     """Translate full HF checkpoint tensors to Megatron-Core shards: the exact inverse of
     :func:`megatron_to_hf`.
 
@@ -234,10 +241,12 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     is accepted and ignored. ``mtp_layers`` (Megatron ``mtp_num_layers``) builds that
     many multi-token-prediction layers from HF layers ``num_layers + i``; the copies
     of the embedding and head some checkpoints keep there (``embed_tokens``,
-    ``shared_head.head``) are accepted and ignored.
+    ``shared_head.head``) are accepted and ignored. ``megatron``: the Megatron-Core the shards
+    are for (default :meth:`MegatronCore.in_process`), whose release names some parameters.
 
     Raises:
         LayoutError: tp/pp/ep do not fit the config.
+        UnverifiedMegatronError: ``megatron`` is not verified for this model.
         MissingParameterError / UnexpectedParameterError: HF names differ from the config's.
         ShapeMismatchError: an HF tensor's shape or dtype disagrees with the config.
     """
@@ -254,7 +263,7 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(
         tp, make_vocab_size_divisible_by), num_layers=dims.num_layers, first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
-        mtp_layers=mtp_layers)
+        mtp_layers=mtp_layers, megatron=megatron or MegatronCore.in_process())
     plan = plan_hf_to_megatron(dims, layout, _model_dtype({None: state}))
     expected = {ref.name for ref in plan.sources}
     if expected - state.keys():

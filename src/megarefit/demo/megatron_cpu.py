@@ -5,7 +5,8 @@ own Megatron model is :mod:`megarefit.integrations.megatron`): every rank is a s
 process (see :func:`run_workers`) talking over a gloo process group, so
 tensor (TP) and pipeline (PP) parallelism can be exercised without GPUs.
 
-CPU recipe (verified with megatron-core 0.16.1):
+CPU recipe (verified with megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2; where releases differ,
+the code says which does what):
 
 * gloo default process group; ``parallel_state.initialize_model_parallel(tp, pp)``;
 * ``use_cpu_initialization=True`` and fp32 params: Megatron initialises the
@@ -35,12 +36,14 @@ import torch
 import torch.distributed as dist
 
 from megarefit.integrations.megatron import refit_tensors
+from megarefit.specs.megatron_core import MegatronCore
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
 __all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm",
-           "forward_logits", "gpt_arch_from_hf", "init_parallel", "perturb_parameters_"]
+           "forward_logits", "gpt_arch_from_hf", "harness_flags", "harness_megatron", "init_parallel",
+           "megatron_series", "perturb_parameters_"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,32 @@ def megatron_series() -> tuple[int, int]:
 
     major, minor = megatron.core.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+def harness_flags() -> dict[str, Any]:
+    """The layout flags this harness sets beyond Megatron-Core's defaults, on the installed release:
+    from 0.19 ``dsa_indexer_rope_interleaved=True`` (GLM-5's indexer ropes interleaved pairs, HF
+    ``rope_interleave``, as Megatron-Bridge sets it; earlier releases always did)."""
+    return {"dsa_indexer_rope_interleaved": True} if megatron_series() >= (0, 19) else {}
+
+
+def harness_megatron() -> MegatronCore:
+    """The :class:`~megarefit.specs.megatron_core.MegatronCore` record of the models this harness
+    builds with the installed ``megatron.core`` (its version, :func:`harness_flags`, the config
+    classes' defaults otherwise); a built model's own record is ``integrations.megatron.megatron_core_of(model)``.
+
+    Raises:
+        UnverifiedMegatronError: the installed version is not verified.
+    """
+    import dataclasses
+    import types
+
+    import megatron.core
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
+              if f.default is not dataclasses.MISSING}
+    return MegatronCore.from_config(megatron.core.__version__, types.SimpleNamespace(**{**config, **harness_flags()}))
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -415,8 +444,7 @@ def _mla_config_kwargs(arch: GPTArch) -> dict[str, Any]:
         kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=arch.dsa_indexer_heads,
                       dsa_indexer_head_dim=arch.dsa_indexer_head_dim, dsa_indexer_topk=arch.dsa_indexer_topk,
                       dsa_indexer_loss_coeff=0.0)
-        if megatron_series() >= (0, 19):  # GLM-5's indexer ropes interleaved pairs (HF rope_interleave), as
-            kwargs["dsa_indexer_rope_interleaved"] = True  # Megatron-Bridge sets it; earlier releases always did
+        kwargs.update(harness_flags())
     return kwargs
 
 

@@ -21,7 +21,7 @@ import torch
 
 from megarefit.errors import ClassificationError, MegarefitError
 from megarefit.layout.dims import ModelDims
-from megarefit.specs.megatron_core import REFERENCE, MegatronCore
+from megarefit.specs.megatron_core import MegatronCore
 from megarefit.specs.table import FamilySpec, LayerSpec, ParallelMode, Role, canonical_name
 
 P = ParallelMode
@@ -108,7 +108,7 @@ def module_mode(cls_name: str, attr: str, overrides: Mapping[str, ParallelMode] 
 def classify_model(model: torch.nn.Module, dims: ModelDims, *, pp: int = 1, layer_spec: LayerSpec | None = None,
                    family: FamilySpec | None = None,
                    overrides: Mapping[str, ParallelMode] | None = None,
-                   megatron: MegatronCore = REFERENCE) -> list[ParamClass]:
+                   megatron: MegatronCore | None = None) -> list[ParamClass]:
     """Classify every parameter of ``model`` (one rank's Megatron-Core module).
 
     Args:
@@ -118,12 +118,13 @@ def classify_model(model: torch.nn.Module, dims: ModelDims, *, pp: int = 1, laye
         family: table to check against (default: ``dims.family``'s).
         overrides: parallel mode for custom modules, keyed by parameter name,
             ``"Class.attr"`` or class name; takes precedence over the class table.
-        megatron: the Megatron-Core that built ``model`` (its release names some parameters).
+        megatron: the Megatron-Core that built ``model`` (its release names some parameters);
+            default: :meth:`MegatronCore.in_process`.
 
     Returns one :class:`ParamClass` per parameter, in ``named_parameters()`` order.
     """
     fam = family or dims.spec
-    conds = dims.conditions(pp, megatron)
+    conds = dims.conditions(pp, MegatronCore.in_process() if megatron is None else megatron)
     modules = dict(model.named_modules())
     out = []
     for raw, param in model.named_parameters():

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -44,7 +43,7 @@ from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
-from megarefit.specs.megatron_core import REFERENCE, MegatronCore
+from megarefit.specs.megatron_core import MegatronCore
 from megarefit.specs.table import LayerSpec, canonical_name
 from megarefit.transport.checksum import checksum_numel, matrix_shape, tensor_checksum
 from megarefit.transport.checksum_kernel import BoxSums
@@ -68,16 +67,6 @@ def _most_common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     for p in tensors:
         counts[p.dtype] = counts.get(p.dtype, 0) + 1
     return max(counts, key=counts.__getitem__)
-
-
-def _trainer_megatron(megatron: MegatronCore | None) -> MegatronCore:
-    """``megatron``, else the ``megatron.core`` this process imported (flags not read), else
-    megarefit's reference layout (tensors that did not come from Megatron-Core)."""
-    if megatron is not None:
-        return megatron
-    if "megatron.core" in sys.modules:
-        return MegatronCore.detect()
-    return REFERENCE
 
 
 class Publisher:
@@ -140,7 +129,7 @@ class Publisher:
         self.layout = self._build_layout(tp, pp, ep, etp, vocab_divisor=make_vocab_size_divisible_by,
                                          first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                                          layer_spec=layer_spec, expert_layout=expert_layout, mtp_layers=mtp_layers,
-                                         megatron=_trainer_megatron(megatron))
+                                         megatron=megatron or MegatronCore.in_process())
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = self._check_params()
         self.dtype = _dtype_name(_most_common_dtype(self.params.values()))

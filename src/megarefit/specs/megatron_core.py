@@ -138,15 +138,15 @@ class MegatronCore:
 
     Attributes:
         version: ``megatron.core.__version__`` of the trainer.
-        flags: ``(name, value)`` of every :class:`ConfigFlag` of the release, read from the
-            model's ``TransformerConfig``; ``None`` when not read (then a model a flag matters
-            for is refused by :meth:`check`).
+        flags: ``(name, value)`` of the release's :class:`ConfigFlag` s, as read from the
+            model's ``TransformerConfig``; a flag not listed (or ``None``: none read) is refused
+            by :meth:`check` for a model it matters for.
         assume: a verified version to read ``version`` as (explicit opt-in for unverified
             patch releases); ``None``: ``version`` itself must be verified.
     """
 
-    version: str = REFERENCE_VERSION
-    flags: tuple[tuple[str, Any], ...] | None = ()
+    version: str
+    flags: tuple[tuple[str, Any], ...] | None = None
     assume: str | None = None
 
     @property
@@ -157,14 +157,24 @@ class MegatronCore:
     @classmethod
     def from_config(cls, version: str, config: Any, *, assume: str | None = None) -> MegatronCore:
         """Read the release's flags from a ``TransformerConfig`` (or any object with those attributes;
-        a missing attribute reads as the first verified value, Megatron's default).
+        a missing attribute stays unread).
 
         Raises:
             UnverifiedMegatronError: see :attr:`release`.
         """
         rel = release_of(assume or version)
-        flags = tuple((f.name, getattr(config, f.name, f.verified[0])) for f in rel.flags)
+        flags = tuple((f.name, getattr(config, f.name)) for f in rel.flags if hasattr(config, f.name))
         return cls(version, flags, assume)
+
+    @classmethod
+    def verified(cls, version: str) -> MegatronCore:
+        """A trainer on verified ``version`` with every flag of its release at the first verified
+        value (what ``megarefit plan --megatron-version`` plans for).
+
+        Raises:
+            UnverifiedMegatronError: see :func:`release_of`.
+        """
+        return cls(version, tuple((f.name, f.verified[0]) for f in release_of(version).flags))
 
     @classmethod
     def detect(cls, config: Any = None) -> MegatronCore:
@@ -186,6 +196,14 @@ class MegatronCore:
         release_of(assume or core.__version__)
         return cls(core.__version__, None, assume)
 
+    @classmethod
+    def in_process(cls) -> MegatronCore:
+        """:meth:`detect` where this process imported ``megatron.core``; else :data:`REFERENCE`
+        (tensors that did not come from Megatron-Core are read in megarefit's reference layout)."""
+        import sys
+
+        return cls.detect() if "megatron.core" in sys.modules else REFERENCE
+
     def facts(self) -> frozenset[Condition]:
         return self.release.facts
 
@@ -204,13 +222,15 @@ class MegatronCore:
             raise UnverifiedMegatronError(f"{where}: legacy GroupedMLP (expert_layout='legacy_grouped') was "
                                           "removed in megatron-core 0.17; use 'sequential' or 'te_grouped'")
         wanted = [f for f in rel.flags if f.feature in features | {"any"}]
-        if wanted and self.flags is None:
-            raise UnverifiedMegatronError(
-                f"{where}: the flags {[f.name for f in wanted]} change how {model or 'this model'} is laid out, and "
-                "were not read; pass megatron=MegatronCore.from_config(megatron.core.__version__, model.config)")
         values = dict(self.flags or ())
+        unread = [f.name for f in wanted if f.name not in values]
+        if unread:
+            raise UnverifiedMegatronError(
+                f"{where}: the config flags {unread} decide how {model or 'this model'} is laid out, and were not "
+                "read; pass megatron=megatron_core_of(model) (megarefit.integrations.megatron) or "
+                "MegatronCore.from_config(megatron.core.__version__, model.config)")
         for flag in wanted:
-            value = values.get(flag.name, flag.verified[0])
+            value = values[flag.name]
             if value not in flag.verified:
                 raise UnverifiedMegatronError(
                     f"{where}: {flag.name}={value!r} is refused for {model or 'this model'}: it {flag.why}; "
@@ -230,7 +250,7 @@ class MegatronCore:
                    data.get("assume"))
 
 
-REFERENCE = MegatronCore()
+REFERENCE = MegatronCore(REFERENCE_VERSION, ())
 
 __all__ = ["ASSUME_ENV", "REFERENCE", "REFERENCE_VERSION", "RELEASES", "VERIFIED_VERSIONS", "ConfigFlag",
            "Feature", "MegatronCore", "MegatronRelease", "UnverifiedMegatronError", "release_of"]
