@@ -20,8 +20,10 @@ from conftest import hf_model_from, tiny_config  # noqa: E402
 from megarefit.integrations.hf import hf_logits  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
+from megarefit.demo.megatron_cpu import harness_megatron  # noqa: E402
 
 pytestmark = pytest.mark.megatron
+MEGATRON = harness_megatron()  # the installed megatron-core, with the harness's layout flags
 
 FAMILIES = {"llama": "Llama-3.1-8B", "qwen2": "Qwen2.5-0.5B", "qwen3": "Qwen3-0.6B"}
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
@@ -60,7 +62,7 @@ def test_megatron_logits_equal_hf_logits(runs, key, tmp_path):
     cfg = _config(fam)
     run = runs[key]
     assert run["problems"] == []  # classifier agrees with the table on every rank
-    hf = megarefit.megatron_to_hf(run["shards"], cfg, tp=tp, pp=pp)
+    hf = megarefit.megatron_to_hf(run["shards"], cfg, tp=tp, pp=pp, megatron=MEGATRON)
     if cfg.get("tie_word_embeddings"):
         assert "lm_head.weight" not in hf
     model = _hf_model_from(hf, cfg, tmp_path)
@@ -76,7 +78,8 @@ def test_round_trip_of_live_shards_is_exact(runs):
     vocab padding rows (random in a live model), which come back zero."""
     cfg = _config("qwen3")
     shards = runs["qwen3-tp2-pp1"]["shards"]
-    again = megarefit.hf_to_megatron(megarefit.megatron_to_hf(shards, cfg, tp=2), cfg, tp=2)
+    again = megarefit.hf_to_megatron(megarefit.megatron_to_hf(shards, cfg, tp=2, megatron=MEGATRON), cfg, tp=2,
+                                     megatron=MEGATRON)
     assert again.keys() == shards.keys()
     real_rows = {(0, 0, 0): 128, (1, 0, 0): 250 - 128}  # padded vocab 256 over tp=2
     for rank, params in shards.items():
@@ -95,7 +98,7 @@ def test_naive_gated_concat_breaks_logits(runs, tmp_path):
     (the mistake DESIGN.md warns about) must be caught by the logits comparison."""
     cfg = _config("llama")
     run = runs["llama-tp2-pp1"]
-    hf = dict(megarefit.megatron_to_hf(run["shards"], cfg, tp=2))
+    hf = dict(megarefit.megatron_to_hf(run["shards"], cfg, tp=2, megatron=MEGATRON))
     fc1 = torch.cat([run["shards"][(t, 0, 0)]["decoder.layers.0.mlp.linear_fc1.weight"] for t in range(2)])
     hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"] = fc1.chunk(2)
     got = hf_logits(_hf_model_from(hf, cfg, tmp_path), TOKENS)

@@ -13,6 +13,7 @@ pytest.importorskip("megatron.core")
 
 import megarefit  # noqa: E402
 from conftest import real_config  # noqa: E402
+from megarefit.demo.megatron_cpu import harness_megatron, megatron_series  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from reference import moe_hf_state  # noqa: E402
 
@@ -24,6 +25,20 @@ CFG = real_config("Qwen3-30B-A3B") | {"hidden_size": 64, "num_attention_heads": 
                                       "num_experts_per_tok": 2}
 
 
+@pytest.mark.skipif(megatron_series() < (0, 17), reason="megatron-core 0.16 has GroupedMLP (tested below)")
+def test_legacy_grouped_is_refused_where_megatron_removed_it():
+    """megatron-core 0.17 removed GroupedMLP: megarefit refuses to plan it for such a trainer."""
+    from megatron.core.transformer.moe import experts
+
+    assert not hasattr(experts, "GroupedMLP")
+    dims = megarefit.ModelDims.from_hf_config(CFG)
+    layout = megarefit.SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=1,
+                                          expert_layout="legacy_grouped", megatron=harness_megatron())
+    with pytest.raises(megarefit.errors.UnverifiedMegatronError, match="GroupedMLP .* removed in megatron-core 0.17"):
+        megarefit.plan_hf_to_megatron(dims, layout, "float32")
+
+
+@pytest.mark.skipif(megatron_series() >= (0, 17), reason="GroupedMLP was removed in megatron-core 0.17")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_grouped_mlp_layout(tp):
     import grouped_jobs

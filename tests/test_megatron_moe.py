@@ -20,8 +20,10 @@ from conftest import hf_model_from, real_config  # noqa: E402
 from megarefit.integrations.hf import hf_logits, save_checkpoint  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase, trainer_job  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
+from megarefit.demo.megatron_cpu import harness_megatron  # noqa: E402
 
 pytestmark = pytest.mark.megatron
+MEGATRON = harness_megatron()  # the installed megatron-core, with the harness's layout flags
 
 TOKENS = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(11))
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -57,7 +59,7 @@ def test_moe_logits_equal_hf(runs, key, tmp_path):
     cfg, run = _config(family), runs[key]
     assert run["problems"] == []
     assert set(run["shards"]) == {(t, 0, e) for t in range(tp) for e in range(ep)}
-    hf = megarefit.megatron_to_hf(run["shards"], cfg, tp=tp, ep=ep)
+    hf = megarefit.megatron_to_hf(run["shards"], cfg, tp=tp, ep=ep, megatron=MEGATRON)
     want = run["logits"][..., :250]
     got = hf_logits(hf_model_from(hf, cfg, tmp_path), TOKENS)
     assert (got - want).abs().max().item() < 1e-4
@@ -68,7 +70,7 @@ def test_expert_numbering_matters(runs, tmp_path):
     """Negative control: dropping the expert-parallel offset (naming ep rank 1's local
     experts 0..E/ep-1 again) must break the logits comparison."""
     cfg, run = _config("mixtral"), runs["mixtral-tp1-ep2"]
-    hf = megarefit.megatron_to_hf(run["shards"], cfg, ep=2)
+    hf = megarefit.megatron_to_hf(run["shards"], cfg, ep=2, megatron=MEGATRON)
     per_ep = 2
     for layer in range(2):
         for local in range(per_ep):

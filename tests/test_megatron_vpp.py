@@ -19,6 +19,7 @@ from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.layout import virtual_stage  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megatron_jobs import vpp_layout_job  # noqa: E402
+from megarefit.demo.megatron_cpu import harness_megatron  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -29,7 +30,8 @@ def test_vpp_chunks_are_virtual_stages(tied):
     pp, vpp = 2, 2
     per_rank = run_workers(vpp_layout_job, world_size=2, args=(cfg, pp, vpp), timeout=600)
     dims = ModelDims.from_hf_config(cfg)
-    layout = SourceLayout.build(tp=1, pp=pp * vpp, padded_vocab_size=dims.padded_vocab_size(1), num_layers=8)
+    layout = SourceLayout.build(tp=1, pp=pp * vpp, padded_vocab_size=dims.padded_vocab_size(1), num_layers=8,
+                                megatron=harness_megatron())
     want = source_tensors(dims, layout)
     seen = set()
     for chunks in per_rank:

@@ -463,6 +463,7 @@ def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
     if arch.kv_lora_rank:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+
         mla_attention = _patch_mla()
         config_cls = MLATransformerConfig
         kwargs.update(_mla_config_kwargs(arch))
@@ -592,6 +593,11 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
     gpt_oss = _gpt_oss_arch(get) if dims.family == "gpt_oss" else {}
     if (dims.proj_bias or dims.mlp_bias) and not gpt_oss:
         raise MegarefitError("the CPU harness builds no linear biases besides QKV (add_bias_linear=False)")
+    if dims.kv_lora_rank and not dims.q_lora_rank and megatron_series() >= (0, 19):
+        raise MegarefitError(
+            "megatron-core 0.19 builds MLA without q_lora_rank (and with kv_layernorm) only with a Q norm fused "
+            "into linear_q_proj (Transformer Engine; its QKNormConfigResolver), which HF's q_proj does not have: "
+            "the CPU harness cannot build this config on 0.19 (0.16-0.18 can)")
     if (get("n_group") or 1) > 1:
         raise MegarefitError("group-limited routing differs between Megatron and HF unless topk/group_topk == 2; "
                              "use n_group=1 for the CPU harness")
