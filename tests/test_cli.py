@@ -488,3 +488,27 @@ def test_name_map_says_where_glm5_rows_are_rotated_and_a_bridge_copy_disagrees(c
                             for k, v in wq_b.items() if k not in ("other_kind", "other_hf")})
     (diff,) = compare([with_other(entry, "ReplicatedMapping", entry.hf)])
     assert diff.what == "transform" and "straight copy" in diff.other
+
+
+def test_plan_follows_the_trainers_megatron_core(capsys, tmp_path):
+    """`--megatron-version` picks the release's names: megatron-core 0.19 lays the GLM-5 indexer out
+    as HF does (no per-head rotation), 0.18 does not, and MTP layers are `mtp_model_layer` from 0.17;
+    a version megarefit has not verified is refused, naming the verified ones."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(json.loads((CONFIG_DIR / "GLM-5.json").read_text()) | {"num_hidden_layers": 2}))
+    base = ["name-map", "--config", str(cfg), "--format", "json", "--mtp-layers", "1"]
+    entries = {}
+    for version in ("0.16.1", "0.18.2", "0.19.2"):
+        assert main(base + ["--megatron-version", version]) == 0
+        entries[version] = json.loads(capsys.readouterr().out)["entries"]
+
+    def names(version, words=""):
+        return {e["megatron"] for e in entries[version] if words in json.dumps(e)}
+
+    assert names("0.16.1", ".transformer_layer.") and not names("0.16.1", ".mtp_model_layer.")
+    assert names("0.18.2", ".mtp_model_layer.") and not names("0.18.2", ".transformer_layer.")
+    assert "decoder.layers.0.self_attention.core_attention.indexer.linear_wk.weight" in names("0.18.2", "rotated")
+    assert not names("0.19.2", "rotated")
+    assert main(base + ["--megatron-version", "0.20.0"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0.20.0 is not a version megarefit has verified" in out and "0.19.2" in out

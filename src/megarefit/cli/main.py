@@ -14,6 +14,7 @@ from rich.table import Table
 
 import megarefit
 from megarefit.errors import MegarefitError
+from megarefit.specs.megatron_core import VERIFIED_VERSIONS, MegatronCore
 
 
 def _mb(n: int) -> str:
@@ -71,8 +72,24 @@ def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
     layout = SourceLayout.build(tp=args.tp, pp=args.pp, ep=args.ep, padded_vocab_size=padded,
                                 num_layers=dims.num_layers, first_stage_layers=args.first_stage_layers,
                                 last_stage_layers=args.last_stage_layers, layer_spec=args.layer_spec,
-                                etp=args.etp, expert_layout=args.expert_layout, mtp_layers=args.mtp_layers)
+                                etp=args.etp, expert_layout=args.expert_layout, mtp_layers=args.mtp_layers,
+                                megatron=MegatronCore.verified(args.megatron_version or _installed_megatron()))
     return cfg, dims, layout, padded
+
+
+def _installed_megatron() -> str:
+    """The installed megatron-core's version (not imported).
+
+    Raises:
+        MegarefitError: none is installed (then ``--megatron-version`` must say which).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        raise MegarefitError("megatron-core is not installed here: say which the trainer runs with "
+                             f"--megatron-version (verified: {', '.join(VERIFIED_VERSIONS)})") from None
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -113,7 +130,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     experts = (f", {dims.num_experts} experts (etp={layout.etp}, {layout.expert_layout})"
                if dims.num_experts else "")
     console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
-                  f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}")
+                  f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}, "
+                  f"megatron-core {layout.megatron.version}")
     if target is not None:
         console.print(_target_line(target, dims))
     console.print(plan_table(plan, per_rank=args.per_rank))
@@ -582,6 +600,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-divisible-by", type=positive_int, default=128, help="make_vocab_size_divisible_by")
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="Megatron mtp_num_layers: multi-token-prediction layers on the last stage (default 0)")
+    p.add_argument("--megatron-version", metavar="VERSION",
+                   help=f"the trainer's megatron-core, whose release names and lays out some parameters; its "
+                        f"config flags are taken at their verified values (verified: {', '.join(VERIFIED_VERSIONS)}; "
+                        "default: the megatron-core installed here)")
 
 
 def main(argv: list[str] | None = None) -> int:

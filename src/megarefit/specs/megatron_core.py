@@ -128,8 +128,8 @@ def release_of(version: str) -> MegatronRelease:
             return rel
     raise UnverifiedMegatronError(
         f"megatron-core {version} is not a version megarefit has verified; verified: {list(VERIFIED_VERSIONS)}. "
-        f"Run a verified one, or read it as one explicitly (MegatronCore(..., assume='0.19.2'), "
-        f"{ASSUME_ENV}=0.19.2, or --assume-megatron 0.19.2) if you know its layouts are that version's")
+        f"Run a verified one, or read it as one explicitly (MegatronCore(..., assume='0.19.2') or "
+        f"{ASSUME_ENV}=0.19.2) if you know its layouts are that version's")
 
 
 @dataclass(frozen=True)
