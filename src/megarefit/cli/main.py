@@ -423,7 +423,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     experts = f", {plan.layout.expert_layout} experts" if result.dims.num_experts else ""
     model_class = "MambaModel" if result.dims.layer_pattern else "GPTModel"
     console.print(f"trainer: real Megatron-Core {model_class}, tp={args.tp} pp={args.pp} ep={args.ep} "
-                  f"etp={plan.layout.etp}{experts} on gloo (CPU, fp32); "
+                  f"etp={plan.layout.etp}{experts} on gloo (CPU, fp32), megatron-core {plan.layout.megatron.version}; "
                   f"target: HF transformers {result.config['architectures'][0]}")
     console.print(plan_table(plan, per_rank=True))
     times = Table(title="refit stages")

@@ -1,0 +1,23 @@
+"""megatron-core 0.17.1 and 0.18.2 in CI where their layouts differ from both 0.16.1 and 0.19.2:
+the MTP layer renamed ``mtp_model_layer`` (0.17), the DSA indexer still ``[nope; rope]`` per head
+with the new MTP name (GLM-5 demo on 0.18.2), Nemotron-H's Mamba stack moved to
+``models/hybrid`` (0.18). See ``megatron_releases.py`` for how each release is installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_releases import run_demo, run_tests
+
+pytestmark = pytest.mark.megatron
+
+
+def test_mtp_tests_pass_on_0_17():
+    summary = run_tests("0.17.1", ["tests/test_megatron_mtp.py"])
+    assert " passed" in summary and "failed" not in summary, summary
+
+
+@pytest.mark.parametrize("config,layout", [("GLM-5.json", ("--tp", "1", "--ep", "2")),
+                                           ("NVIDIA-Nemotron-3-Nano-30B-A3B.json", ())])
+def test_demo_passes_on_0_18(config, layout):
+    run_demo("0.18.2", config, *layout)
