@@ -193,8 +193,8 @@ class MegatronCore:
         assume = os.environ.get(ASSUME_ENV) or None
         if config is not None:
             return cls.from_config(core.__version__, config, assume=assume)
-        release_of(assume or core.__version__)
-        return cls(core.__version__, None, assume)
+        rel = release_of(assume or core.__version__)
+        return cls(core.__version__, None if rel.flags else (), assume)  # a release without flags has none to read
 
     @classmethod
     def in_process(cls) -> MegatronCore:
