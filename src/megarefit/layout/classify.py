@@ -60,6 +60,8 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("MambaMixer", "D"): P.COLUMN,
     ("MambaMixer", "dt_bias"): P.COLUMN,
     ("Conv1d", "*"): P.COLUMN,
+    ("MambaMixer", "conv1d_weight"): P.COLUMN,  # megatron-core 0.19: the conv as plain parameters
+    ("MambaMixer", "conv1d_bias"): P.COLUMN,
     ("ExtendedRMSNorm", "weight"): P.COLUMN,
     # learned attention-sink logits (softmax_type="learnable", gpt-oss): one per local head
     ("DotProductAttention", "softmax_offset"): P.COLUMN,

@@ -118,13 +118,15 @@ REFERENCE_VERSION = "0.16.1"
 
 
 def release_of(version: str) -> MegatronRelease:
-    """The release a verified ``version`` belongs to.
+    """The release a verified ``version`` belongs to (a local label, ``0.19.2+b0df788``, is ignored:
+    megatron-core 0.18+ append the git HEAD of the work tree it is installed in).
 
     Raises:
         UnverifiedMegatronError: ``version`` is not in :data:`VERIFIED_VERSIONS`.
     """
+    public = version.split("+", 1)[0]  # 0.18+ append "+<git HEAD>" when installed inside a git work tree
     for rel in RELEASES:
-        if version in rel.verified:
+        if public in rel.verified:
             return rel
     raise UnverifiedMegatronError(
         f"megatron-core {version} is not a version megarefit has verified; verified: {list(VERIFIED_VERSIONS)}. "
