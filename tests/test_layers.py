@@ -51,25 +51,3 @@ def test_the_check_finds_a_private_import(tmp_path, monkeypatch):
     (pkg / "a" / "high.py").write_text("from megarefit.a.low import _helper\n")
     monkeypatch.setitem(globals(), "SRC", pkg)
     assert private_imports() == ["megarefit.a.high: from megarefit.a.low import _helper"]
-
-
-def test_old_import_paths_warn_and_give_the_moved_module():
-    import importlib
-    import sys
-    import warnings
-
-    from megarefit.compat import MOVED
-
-    for old, new in MOVED.items():
-        sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new), old
-        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from megarefit.planner import source_tensors
-    from megarefit.layout.geometry import source_tensors as moved
-
-    assert source_tensors is moved and any("megarefit.layout.geometry" in str(w.message) for w in caught)

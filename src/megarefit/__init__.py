@@ -10,7 +10,6 @@ Public API::
     megarefit.name_map(dims, layout) -> [NameMapEntry]   (Megatron -> HF names; compare with Bridge)
 """
 
-from megarefit.compat import install as _install_moved_modules
 from megarefit.errors import MegarefitError
 from megarefit.layout import Box, RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims
@@ -20,8 +19,6 @@ from megarefit.planner.namemap import NameMapEntry, name_map
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 from megarefit.translate import hf_to_megatron, megatron_to_hf
 from megarefit.transport.execute import RefitStats, run_refit_cycle
-
-_install_moved_modules()  # old import paths (megarefit.publisher, ...) for one release
 
 __version__ = "0.2.0"
 
