@@ -50,6 +50,12 @@ class UnverifiedMegatronError(MegarefitError):
     (:mod:`megarefit.specs.megatron_core` lists the verified ones)."""
 
 
+class DependencyError(MegarefitError):
+    """An installed package megarefit calls cannot be used as installed (e.g. a torchvision
+    built for another torch makes transformers' model classes fail to import); the message
+    names the package, both versions and the command that fixes it."""
+
+
 class LayoutError(MegarefitError):
     """Parallel sizes are invalid for the model, or ranks are missing / extra."""
 

