@@ -28,8 +28,9 @@ def test_real_megatron_tests_pass_on_0_19():
     assert " passed" in summary and "failed" not in summary, summary
 
 
-@pytest.mark.parametrize("config,layout", [("GLM-5.json", ("--tp", "1", "--ep", "2")),
-                                           ("DeepSeek-V3.json", ("--tp", "1", "--ep", "2")),
-                                           ("Qwen3-30B-A3B.json", ("--tp", "1", "--ep", "2"))])
+# GLM-5 end to end through the demo (the DSA indexer layout changed in 0.19); Qwen3-MoE and
+# DeepSeek-V3 at tp 1 ep 2 on 0.19 are the child's test_megatron_moe / test_megatron_mla_glm
+# cases above, left out here for the suite's time (`megarefit demo` passes on both)
+@pytest.mark.parametrize("config,layout", [("GLM-5.json", ("--tp", "1", "--ep", "2"))])
 def test_demo_passes_on_0_19(config, layout):
     run_demo(VERSION, config, *layout)
