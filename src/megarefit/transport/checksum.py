@@ -13,19 +13,34 @@ bit on any device)::
 The position weights catch swapped elements, not only changed ones. A receiver pulls boxes
 of a trainer's tensor (:class:`~megarefit.plan.CopyOp` ``src_box``): a box spanning whole
 rows is checked against those rows' sums, a box spanning every row against its columns'
-sums (every box of the column-, row- and vocab-parallel layouts); any other box (and a
-source addressed through a view of another shape) is counted as unchecked.
+sums (every box of the column-, row- and vocab-parallel layouts).
+
+Legacy GroupedMLP experts (roles ``grouped_expert_fc1`` / ``grouped_expert_fc2``) hold the
+``E`` local experts back to back whatever their stored 2-D shape says, and a plan pulls one
+expert's gate, up or down block at a time. Their sums are taken per expert, as a batch of
+``E`` matrices (the plan's view of the tensor, :func:`sum_frame`)::
+
+    weight1 stored [h, E*2F] = memory [E, h, 2F]:  expert e is x_e[h, 2F]
+    weight2 stored [E*F, h]  = memory [E, F, h]:   expert e is x_e[F, h]
+    sums: [row_sums(x_0) .. row_sums(x_{E-1})]  then  [col_sums(x_0) .. col_sums(x_{E-1})]
+
+so an expert's gate (every row of ``x_e``, columns ``[0, F)``) is checked against its
+columns' sums. Every other tensor is one matrix (``E = 1``). A box that is neither whole
+rows nor every row of one matrix cannot be checked (:func:`box_kind` returns ``None``; a
+receiver refuses such a plan before it pulls, :class:`UncheckableBoxError`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.plan import CopyOp
+from megarefit.specs import Role
 
 MODULUS = 65521  # the largest prime below 2**16: weights 1..65521
 _CHUNK = 1 << 24  # elements per partial product (bounds the temporary int tensors)
@@ -37,6 +52,31 @@ class ChecksumMismatchError(MegarefitError):
     tensor, rank, rows or columns, the target and the sums."""
 
 
+class UncheckableBoxError(MegarefitError):
+    """``verify_checksums=True`` was asked of a plan with a box no published sum covers (not
+    whole rows, nor every row, of the matrix its source is summed as): names the source
+    tensors, ranks, boxes and why. Raised before any byte is pulled."""
+
+
+class SumFrame(NamedTuple):
+    """How a served tensor is summed: ``batch`` matrices ``[rows, cols]`` back to back in its
+    memory (``batch`` > 1 only for legacy GroupedMLP experts: one matrix per local expert)."""
+
+    batch: int
+    rows: int
+    cols: int
+
+    @property
+    def numel(self) -> int:
+        """int64 values of the tensor's checksum: ``batch * (rows + cols)``."""
+        return self.batch * (self.rows + self.cols)
+
+    @property
+    def view(self) -> tuple[int, ...]:
+        """The shape boxes of a batched tensor are addressed in: ``(batch, rows, cols)``."""
+        return (self.batch, self.rows, self.cols)
+
+
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """``(R, C)``: the ``[rows, columns]`` a tensor of ``shape`` is summed as (elements)."""
     if len(shape) == 0:
@@ -44,10 +84,21 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def checksum_numel(shape: Sequence[int]) -> int:
-    """int64 values of one tensor's checksum: ``R + C``."""
-    rows, cols = matrix_shape(shape)
-    return rows + cols
+def sum_frame(shape: Sequence[int], role: str = "", experts: int = 1) -> SumFrame:
+    """The frame a served tensor of stored ``shape`` and manifest ``role`` is summed in, on a
+    rank holding ``experts`` local experts: a legacy GroupedMLP tensor as ``experts`` matrices
+    (``weight1`` stored ``[h, E*2F]`` as ``E x [h, 2F]``, ``weight2`` stored ``[E*F, h]`` as
+    ``E x [F, h]``: the plan's view of it), every other tensor as one ``matrix_shape``."""
+    if experts > 1 and role == Role.GROUPED_EXPERT_FC1.value and len(shape) == 2 and shape[1] % experts == 0:
+        return SumFrame(experts, shape[0], shape[1] // experts)
+    if experts > 1 and role == Role.GROUPED_EXPERT_FC2.value and len(shape) == 2 and shape[0] % experts == 0:
+        return SumFrame(experts, shape[0] // experts, shape[1])
+    return SumFrame(1, *matrix_shape(shape))
+
+
+def checksum_numel(shape: Sequence[int], role: str = "", experts: int = 1) -> int:
+    """int64 values of one tensor's checksum (:func:`sum_frame`'s ``numel``)."""
+    return sum_frame(shape, role, experts).numel
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
@@ -80,45 +131,74 @@ def col_sums(x: torch.Tensor, first_row: int = 0) -> torch.Tensor:
     return out
 
 
-def tensor_checksum(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A served tensor's checksum: ``[R + C]`` int64, row sums then column sums (written
-    into ``out`` when given)."""
-    rows, cols = matrix_shape(t.shape)
-    x = t.detach().reshape(rows, cols)
+def frame_entries(t: torch.Tensor, frame: SumFrame, at: int = 0) -> list[tuple[torch.Tensor, int, int, int]]:
+    """``t``'s matrices as :class:`~megarefit.transport.checksum_kernel.BoxSums` entries
+    ``(x[rows, cols], row_out, col_out, 0)`` writing its checksum at ``at`` of the output."""
+    b, rows, cols = frame
+    x = t.detach().reshape(b, rows, cols)
+    return [(x[e], at + e * rows, at + b * rows + e * cols, 0) for e in range(b)]
+
+
+def tensor_checksum(t: torch.Tensor, out: torch.Tensor | None = None, frame: SumFrame | None = None) -> torch.Tensor:
+    """A served tensor's checksum in ``frame`` (default: one matrix): ``[frame.numel]`` int64,
+    every matrix's row sums, then every matrix's column sums (written into ``out`` when given)."""
+    frame = frame or SumFrame(1, *matrix_shape(t.shape))
     if out is None:
-        out = torch.empty(rows + cols, dtype=torch.int64, device=t.device)
-    out[:rows] = row_sums(x)
-    out[rows:] = col_sums(x)
+        out = torch.empty(frame.numel, dtype=torch.int64, device=t.device)
+    for x, row_out, col_out, _ in frame_entries(t, frame):
+        out[row_out:row_out + frame.rows] = row_sums(x)
+        out[col_out:col_out + frame.cols] = col_sums(x)
     return out
 
 
-def box_kind(op: CopyOp, shape: Sequence[int]) -> tuple[str, int, int, int] | None:
-    """How ``op``'s source box can be checked: ``("rows", first, rows, cols)`` (it spans whole
-    rows of the source of stored ``shape``: checksum entries ``first..first + rows``),
-    ``("cols", first, rows, cols)`` (it spans every row: entries ``first..first + cols``, after
-    the rows), or ``None`` (neither, or a source addressed through a view). ``rows, cols``:
-    the box as a ``[rows, cols]`` matrix in source order."""
-    if op.src_view is not None:
-        return None
+def _plain_kind(offsets: Sequence[int], lengths: Sequence[int], shape: Sequence[int]
+                ) -> tuple[str, int, int, int] | None:
+    """:func:`box_kind` for a box of a tensor of ``shape`` summed as one matrix."""
     n_rows, n_cols = matrix_shape(shape)
     if len(shape) == 0:
         return "rows", 0, 1, 1
-    box = op.src_box
-    lead, length = box.lengths[:-1], box.lengths[-1]
-    if length == n_cols:  # whole rows: consecutive when every leading dim but the first is whole
-        if tuple(lead[1:]) != tuple(shape[1:-1]):
+    lead, lead_shape = tuple(lengths[:-1]), tuple(shape[:-1])
+    if lengths[-1] == n_cols:  # whole rows: consecutive when, after leading 1s and one dim, every dim is whole
+        k = 0
+        while k < len(lead) - 1 and lead[k] == 1:
+            k += 1
+        if lead[k + 1:] != lead_shape[k + 1:]:
             return None
-        first = box.offsets[0] * math.prod(shape[1:-1]) if len(shape) > 1 else 0
-        return "rows", first, box.numel // n_cols, n_cols
-    if tuple(lead) == tuple(shape[:-1]):  # every row, some columns
-        return "cols", n_rows + box.offsets[-1], n_rows, length
+        first = sum(o * math.prod(lead_shape[i + 1:]) for i, o in enumerate(offsets[:-1]))
+        return "rows", first, math.prod(lead), n_cols
+    if lead == lead_shape:  # every row, some columns
+        return "cols", n_rows + offsets[-1], n_rows, lengths[-1]
     return None
 
 
-def box_sums(op: CopyOp, shape: Sequence[int], data: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
+def box_kind(op: CopyOp, shape: Sequence[int], frame: SumFrame | None = None) -> tuple[str, int, int, int] | None:
+    """How ``op``'s source box can be checked, its source stored as ``shape`` and summed in
+    ``frame`` (default: one matrix): ``("rows", first, rows, cols)`` (it spans whole rows of
+    the matrices: checksum entries ``first..first + rows``), ``("cols", first, rows, cols)``
+    (it spans every row of one matrix: entries ``first..first + cols``, after the rows), or
+    ``None`` (neither; or a box addressed in a shape that is not the frame's). ``rows, cols``:
+    the box as a ``[rows, cols]`` matrix in source order."""
+    frame = frame or SumFrame(1, *matrix_shape(shape))
+    coords = op.src_view if op.src_view is not None else tuple(shape)
+    box = op.src_box
+    if frame.batch == 1:
+        return _plain_kind(box.offsets, box.lengths, coords) if matrix_shape(coords) == frame[1:] else None
+    if tuple(coords) != frame.view:
+        return None
+    b, rows, cols = frame
+    (e, r0, c0), (ne, nr, nc) = box.offsets, box.lengths
+    if nc == cols and (ne == 1 or nr == rows):  # whole rows, of one expert or of consecutive whole experts
+        return "rows", e * rows + r0, ne * nr, cols
+    if ne == 1 and nr == rows:  # every row of one expert, some columns
+        return "cols", b * rows + e * cols + c0, rows, nc
+    return None
+
+
+def box_sums(op: CopyOp, shape: Sequence[int], data: torch.Tensor, frame: SumFrame | None = None
+             ) -> tuple[str, int, torch.Tensor] | None:
     """``(kind, first, sums)`` of a pulled box (``data`` shaped as ``op.src_box``) as
     :func:`box_kind` says it can be checked (torch arithmetic), or ``None``."""
-    kind = box_kind(op, shape)
+    kind = box_kind(op, shape, frame)
     if kind is None:
         return None
     what, first, rows, cols = kind
@@ -126,5 +206,5 @@ def box_sums(op: CopyOp, shape: Sequence[int], data: torch.Tensor) -> tuple[str,
     return what, first, row_sums(x) if what == "rows" else col_sums(x)
 
 
-__all__ = ["MODULUS", "ChecksumMismatchError", "box_kind", "box_sums", "checksum_numel", "col_sums", "matrix_shape", "row_sums",
-           "tensor_checksum"]
+__all__ = ["MODULUS", "ChecksumMismatchError", "SumFrame", "UncheckableBoxError", "box_kind", "box_sums",
+           "checksum_numel", "col_sums", "frame_entries", "matrix_shape", "row_sums", "sum_frame", "tensor_checksum"]
