@@ -45,7 +45,7 @@ from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.megatron_core import MegatronCore
 from megarefit.specs.table import LayerSpec, canonical_name
-from megarefit.transport.checksum import checksum_numel, matrix_shape, tensor_checksum
+from megarefit.transport.checksum import frame_entries, sum_frame, tensor_checksum
 from megarefit.transport.checksum_kernel import BoxSums
 from megarefit.transport.cuda_ipc import export_storages
 from megarefit.transport.manifest import Manifest, TensorEntry
@@ -149,7 +149,7 @@ class Publisher:
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
         self.agent.register(served)
-        self.checksums = self._checksum_buffer(served) if checksums else None
+        self.checksums = self._checksum_buffer(served, entries) if checksums else None
         self.ipc = self._export_ipc(served) if ipc else ()
         self.manifest = self._build_manifest(name, entries)
         self.last_quantize_s = 0.0
@@ -252,25 +252,28 @@ class Publisher:
         return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
                         quantization=quant, checksums=sums, ipc=self.ipc)
 
-    def _checksum_buffer(self, served: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    def _checksum_buffer(self, served: list[torch.Tensor], entries: list[TensorEntry]
+                         ) -> tuple[torch.Tensor, Callable[[], None]]:
         """One registered int64 buffer holding every served tensor's checksum back to back (in
-        manifest order, on the device of the first), and what fills it: one fused pass over
-        every served tensor (:class:`~megarefit.transport.checksum_kernel.BoxSums`; per tensor
-        where the tensors span devices)."""
-        sizes = [checksum_numel(t.shape) for t in served]
-        flat = torch.zeros(sum(sizes), dtype=torch.int64, device=served[0].device)
+        manifest order, on the device of the first; legacy GroupedMLP tensors summed per local
+        expert, :func:`~megarefit.transport.checksum.sum_frame`), and what fills it: one fused
+        pass over every served tensor (:class:`~megarefit.transport.checksum_kernel.BoxSums`;
+        per tensor where the tensors span devices)."""
+        experts = self.dims.num_experts // self.layout.ep if self.dims.num_experts else 1
+        frames = [sum_frame(t.shape, e.role, experts) for t, e in zip(served, entries, strict=True)]
+        flat = torch.zeros(sum(f.numel for f in frames), dtype=torch.int64, device=served[0].device)
         self.agent.register([flat])
-        entries, at = [], 0
-        for t, n in zip(served, sizes):
-            rows, cols = matrix_shape(t.shape)
-            entries.append((t.detach().view(rows, cols), at, at + rows, 0))
-            at += n
+        boxes, starts, at = [], [], 0
+        for t, f in zip(served, frames):
+            boxes += frame_entries(t, f, at)
+            starts.append(at)
+            at += f.numel
         if all(t.device == flat.device for t in served):
-            return flat, BoxSums(entries, flat)
+            return flat, BoxSums(boxes, flat)
 
         def per_tensor() -> None:
-            for (x, at, _, _), t in zip(entries, served):
-                flat[at:at + checksum_numel(t.shape)].copy_(tensor_checksum(t))
+            for t, f, start in zip(served, frames, starts):
+                flat[start:start + f.numel].copy_(tensor_checksum(t, frame=f))
 
         return flat, per_tensor
 

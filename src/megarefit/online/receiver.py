@@ -96,7 +96,8 @@ class CycleStats:
     peak_extra_bytes: int = 0  # receiver memory held at once for the pull: arena or ring, plus scratch (bytes)
     groups: int = 1  # groups handed over one after the other (streamed)
     checked_bytes: int = 0  # verify_checksums: bytes whose boxes were checked against the trainers' checksums
-    unchecked_bytes: int = 0  # verify_checksums: bytes of boxes no published sum covers (neither rows nor columns)
+    unchecked_bytes: int = 0  # always 0: verify_checksums refuses a plan with a box no published sum covers
+    checked_boxes: int = 0  # verify_checksums: boxes (plan ops) checked, every one the cycle pulled
     direct_bytes: int = 0  # streamed with ``direct``: bytes READ straight into the consumer's tensors
     ipc_bytes: int = 0  # bytes copied from trainer ranks on this GPU through CUDA IPC (part of ``wire_bytes``)
     ipc_ranks: int = 0  # trainer ranks read through CUDA IPC
@@ -195,7 +196,9 @@ class RefitReceiver:
             publishes (``Publisher(checksums=True)``; :mod:`~megarefit.online.integrity`) on
             this receiver's device, before the box is handed over; a mismatch raises
             :class:`~megarefit.transport.checksum.ChecksumMismatchError` (streamed, after
-            earlier groups were handed over: :class:`TornUpdateError`, not retried).
+            earlier groups were handed over: :class:`TornUpdateError`, not retried). A plan
+            with a box no published sum covers is refused before anything is pulled
+            (:class:`~megarefit.transport.checksum.UncheckableBoxError`).
         direct: streamed only: ``{target name: the consumer's tensor}`` to READ straight into
             (same shape and dtype, contiguous, on ``device``; e.g. an HF model's own parameters,
             or a vLLM parameter whose live bytes equal its checkpoint-format shard). Those
@@ -248,7 +251,7 @@ class RefitReceiver:
                                        progress_thread=replica_group is not None,  # replicas READ from it
                                        ipc=ipc)
         self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
-        self._verified = (0, 0)  # (checked, unchecked) bytes of the last cycle
+        self._verified = (0, 0)  # (checked bytes, checked boxes) of the last cycle
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.timeout = timeout
         self.retries = retries
@@ -639,6 +642,8 @@ class RefitReceiver:
         with _gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
             plan, _ = self._plan_for(manifests)
             self._check_manifests(plan, manifests)
+            if self._verifier is not None:  # every box covered by a published sum, before a byte moves
+                self._verifier.require(plan, manifests)
             lap("plan")
             self.transport.connect(manifests, metadata)
             prepared = self.transport.prepare(plan, manifests, self._buffers)
@@ -736,7 +741,7 @@ class RefitReceiver:
         self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
                                 arena_bytes, prepared.scratch_bytes, prepared.descriptors, retries,
                                 peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._verified[0],
-                                unchecked_bytes=self._verified[1], ipc_bytes=prepared.ipc_bytes,
+                                checked_boxes=self._verified[1], ipc_bytes=prepared.ipc_bytes,
                                 ipc_ranks=len(self.transport.ipc.ranks))
         staging = plan.staging
         for ref, tensor in self._buffers.items():
@@ -836,7 +841,7 @@ class RefitReceiver:
         stream = self._stream
         assert stream is not None and self._verifier is not None
         try:
-            checked, unchecked = self._verifier.verify(stream.groups[k].plan, stream.buffers[k], manifests, fence[2])
+            checked, boxes = self._verifier.verify(stream.groups[k].plan, stream.buffers[k], manifests, fence[2])
         except ChecksumMismatchError as exc:
             try:
                 self._fence_end(*fence)
@@ -846,7 +851,7 @@ class RefitReceiver:
                 raise
             raise TornUpdateError(f"{exc}; {k} earlier group(s) were already handed over, so the consumer holds a mix of "
                                   "versions: it must not serve until a refit cycle completes", retryable=False) from exc
-        self._verified = (self._verified[0] + checked, self._verified[1] + unchecked)
+        self._verified = (self._verified[0] + checked, self._verified[1] + boxes)
         return True
 
     def _stream_groups(self, stream: _Stream, prepared: list, check: Callable[[int], bool] | None = None
@@ -895,6 +900,8 @@ class RefitReceiver:
         with _gc_paused(), plan_threads():
             plan, _ = self._plan_for(manifests)
             self._check_manifests(plan, manifests)
+            if self._verifier is not None:  # every box covered by a published sum, before a byte moves
+                self._verifier.require(plan, manifests)
             lap("plan")
             self.transport.connect(manifests, metadata)
             prepared = self._prepare_stream(plan, manifests)
@@ -930,7 +937,7 @@ class RefitReceiver:
                                 dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
                                 install="streamed", peak_extra_bytes=stream.nbytes + scratch,
                                 groups=len(stream.groups), checked_bytes=self._verified[0],
-                                unchecked_bytes=self._verified[1],
+                                checked_boxes=self._verified[1],
                                 direct_bytes=sum(self._direct[r.name].numel() * self._direct[r.name].element_size()
                                                  for r in stream.direct),
                                 ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks))
