@@ -2,8 +2,9 @@
 
 The sums are checked against a plain-Python reference over each element's raw bits (an
 independent implementation: no torch reductions, no chunking), and end to end with real
-NIXL agents: every box of a refit is checked (or counted unchecked), bytes changed behind
-the trainer's back are a named error before anything is handed over.
+NIXL agents: every box of a refit is checked (``checked_boxes`` equals the plan's op count),
+bytes changed behind the trainer's back are a named error before anything is handed over.
+Fused and grouped experts, and plans refused up front: tests/test_checksums_fused.py.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def test_box_sums_equal_the_published_slice_and_a_python_reference(shape, dtype,
     published = tensor_checksum(t)
     assert published.tolist() == _reference(t)
     rows_box = data.draw(st.booleans())
-    if rows_box:  # whole rows: a range of the first dim, every later dim whole
-        a = data.draw(st.integers(0, shape[0] - 1))
-        b = data.draw(st.integers(a + 1, shape[0]))
-        box = Box((a,) + (0,) * (len(shape) - 1), (b - a,) + tuple(shape[1:]))
+    if rows_box:  # whole rows: one index of each dim before k, a range of dim k, every later dim whole
+        k = data.draw(st.integers(0, max(0, len(shape) - 2)))
+        lead = [data.draw(st.integers(0, n - 1)) for n in shape[:k]]
+        a = data.draw(st.integers(0, shape[k] - 1))
+        b = data.draw(st.integers(a + 1, shape[k]))
+        box = Box(tuple(lead) + (a,) + (0,) * (len(shape) - k - 1), (1,) * k + (b - a,) + tuple(shape[k + 1:]))
     else:  # every row, a range of columns
         a = data.draw(st.integers(0, shape[-1] - 1))
         b = data.draw(st.integers(a + 1, shape[-1]))
@@ -140,6 +143,19 @@ def _job(config, target_name):
     return job, rdzv, pubs
 
 
+def _plan_ops(config, target) -> int:
+    """How many boxes a receiver of ``target`` pulls from the tp=2 trainers of ``_job``."""
+    from megarefit import ModelDims, SourceLayout
+    from megarefit.planner import plan_megatron_to_hf
+    from megarefit.targets import plan_megatron_to_vllm
+
+    dims = ModelDims.from_hf_config(config("Llama-3.1-8B", num_hidden_layers=4))
+    layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
+    plan = plan_megatron_to_hf(dims, layout) if target is None else plan_megatron_to_vllm(dims, layout, "bfloat16",
+                                                                                           target)
+    return len(plan.ops)
+
+
 @pytest.mark.parametrize("target_name", ["hf", "vllm-tp4"])
 @pytest.mark.parametrize("budget", [None, 200_000])
 def test_every_box_is_checked_and_a_changed_byte_is_named(config, target_name, budget):
@@ -158,6 +174,7 @@ def test_every_box_is_checked_and_a_changed_byte_is_named(config, target_name, b
     assert [n for n, _ in got] == [n for n, _ in want]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
     assert rx.stats.checked_bytes == rx.stats.bytes_moved and rx.stats.unchecked_bytes == 0
+    assert rx.stats.checked_boxes == _plan_ops(config, target) > 0
     # row 0 of each rank's served o_proj shard changes behind the trainers' backs (no publish)
     for p in pubs:
         p.params["decoder.layers.0.self_attention.linear_proj.weight"].view(torch.uint8)[0] ^= 4
