@@ -3,11 +3,11 @@
 ``RefitReceiver(verify_checksums=True)`` with ``Publisher(checksums=True)`` trainers: each
 cycle READs every rank's checksum block (:mod:`megarefit.transport.checksum`: row and column
 sums of each served tensor, rewritten inside the rank's seqlock by every publish; about
-``8 * (R + C)`` bytes per ``[R, C]`` tensor) and, on the receiver's device, recomputes the
+``8 * (R + C)`` bytes per ``[R, C]`` matrix) and, on the receiver's device, recomputes the
 sums of each op's box from the bytes that landed in the arena or ring, before any of them is
-handed over. Legacy GroupedMLP experts are summed per expert (:func:`~megarefit.transport.
-checksum.sum_frame`), so every box a plan pulls from them is one expert's whole rows or
-columns. A plan with a box no published sum covers is refused before any byte moves
+handed over. Legacy GroupedMLP experts are summed per expert
+(:func:`~megarefit.transport.checksum.sum_frame`), so every box a plan pulls from them is
+one expert's whole rows or columns. A plan with a box no published sum covers is refused before any byte moves
 (:class:`~megarefit.transport.checksum.UncheckableBoxError`): no box is left out silently.
 """
 
