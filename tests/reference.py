@@ -488,3 +488,37 @@ def with_mtp_layer(cfg: dict, hf: dict[str, torch.Tensor], seed: int = 1) -> dic
     for leaf, shape in (("enorm", (h,)), ("hnorm", (h,)), ("eh_proj", (h, 2 * h)), ("shared_head.norm", (h,))):
         out[f"model.layers.{n}.{leaf}.weight"] = torch.randn(shape, generator=g)
     return out
+
+
+def unshard(shards: dict, like: dict[str, torch.Tensor], shard) -> dict[str, torch.Tensor]:
+    """The HF tensors (names, shapes and dtypes of ``like``) whose Megatron shards are ``shards``,
+    for ``shard(hf) -> {rank: {name: tensor}}``, one of this module's sharding references with its
+    arguments bound: ``shard`` runs on tensors holding each HF element's own position (1, 2, ...),
+    so each shard element says which HF element it is (0: vocab padding). No inverse layout is
+    written twice. Every element of ``like`` must be found, every rank's names must be ``shard``'s,
+    and the copies of one element (tp / ep replicas, a tied output layer) must agree.
+
+    Raises:
+        AssertionError: a missing or extra name, a shape mismatch, replicas that disagree, an
+            element no shard holds."""
+    ids, n = {}, 1
+    for name, t in like.items():
+        ids[name] = torch.arange(n, n + t.numel(), dtype=torch.float64).reshape(t.shape)
+        n += t.numel()
+    assert n < 2**53, "positions past float64's exact integers"
+    flat = torch.full((n,), math.nan, dtype=torch.float64)
+    for rank, tagged in shard(ids).items():
+        assert tagged.keys() == shards[rank].keys(), (rank, sorted(tagged.keys() ^ shards[rank].keys()))
+        for name, tag in tagged.items():
+            got = shards[rank][name]
+            assert tuple(got.shape) == tuple(tag.shape), (rank, name, tuple(got.shape), tuple(tag.shape))
+            where, values = tag.reshape(-1).long(), got.detach().reshape(-1).double()
+            where, values = where[where > 0], values[where > 0]
+            old = flat[where]
+            known = ~old.isnan()
+            assert torch.equal(old[known], values[known]), f"{name} on rank {rank}: copies of one element disagree"
+            flat[where] = values
+    out = {name: flat[i.long()].to(like[name].dtype) for name, i in ids.items()}
+    missing = [name for name, i in ids.items() if flat[i.long()].isnan().any()]
+    assert not missing, f"HF elements no shard holds: {missing}"
+    return out

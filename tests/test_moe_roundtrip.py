@@ -4,12 +4,15 @@ GroupedMLP layouts, dense layers mixed in), and the two directions are exact inv
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megarefit
-from reference import moe_hf_state, moe_reference_shards
+from reference import moe_hf_state, moe_reference_shards, reference_hf_state, reference_shards, unshard
 
 
 @st.composite
@@ -44,6 +47,10 @@ def test_moe_matches_reference_and_round_trips(case, seed):
     back = megarefit.megatron_to_hf(ref, cfg, tp=tp, pp=pp, ep=ep, etp=etp)
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], v) for k, v in hf.items())
+    # the end-to-end tests' oracle (reference.unshard) inverts the reference sharder exactly
+    undone = unshard(ref, hf, functools.partial(moe_reference_shards, cfg=cfg, family=family, tp=tp, pp=pp, ep=ep,
+                                                etp=etp, layout=layout))
+    assert all(torch.equal(undone[k], v) for k, v in hf.items())
     shards = megarefit.hf_to_megatron(hf, cfg, tp=tp, pp=pp, ep=ep, etp=etp, expert_layout=layout)
     # the reference fills the whole tp x pp x ep grid; with etp=1 < tp Megatron forms only part of it
     assert shards.keys() <= ref.keys() and (etp != 1 or tp == 1 or ep == 1) <= (shards.keys() == ref.keys())
@@ -76,3 +83,33 @@ def test_receiver_owning_some_experts_gets_only_their_ops():
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], v) for k, v in want.items())
         assert {op.src.rank.ep for op in plan.ops if ".experts." in op.dst.name} == {0, 1, 2}  # experts 1,2 | 5
+
+
+def test_unshard_finds_a_moved_element():
+    """reference.unshard (the end-to-end tests' oracle) on a tied dense model at tp 2, pp 2: the
+    reference's own shards give the HF tensors back; a shard with two rows swapped gives them
+    swapped; a tied output-layer copy that differs from the embedding, an extra or missing name
+    and a wrong shape are refused."""
+    cfg = {"hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 2,
+           "intermediate_size": 8, "num_hidden_layers": 2, "vocab_size": 30, "tie_word_embeddings": True}
+    hf = reference_hf_state(cfg, "qwen3")
+    shard = functools.partial(reference_shards, cfg=cfg, tp=2, pp=2)
+    shards = shard(hf)
+    assert all(torch.equal(unshard(shards, hf, shard)[k], v) for k, v in hf.items())
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    moved = {r: dict(s) for r, s in shards.items()}
+    moved[(1, 0, 0)][qkv] = moved[(1, 0, 0)][qkv][[1, 0, *range(2, len(moved[(1, 0, 0)][qkv]))]]
+    got = unshard(moved, hf, shard)
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.q_proj.weight"])
+    copy = {r: dict(s) for r, s in shards.items()}
+    copy[(0, 1, 0)]["output_layer.weight"] = copy[(0, 1, 0)]["output_layer.weight"] + 1
+    with pytest.raises(AssertionError, match="copies of one element disagree"):
+        unshard(copy, hf, shard)
+    extra = {r: dict(s) for r, s in shards.items()}
+    extra[(0, 0, 0)]["decoder.layers.0.bogus"] = torch.zeros(1)
+    with pytest.raises(AssertionError, match="bogus"):
+        unshard(extra, hf, shard)
+    short = {r: dict(s) for r, s in shards.items()}
+    short[(0, 0, 0)][qkv] = short[(0, 0, 0)][qkv][:-1]
+    with pytest.raises(AssertionError, match="linear_qkv"):
+        unshard(short, hf, shard)
