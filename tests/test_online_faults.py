@@ -7,6 +7,7 @@ pulls them. Each bad input must raise a clear error before any tensor is yielded
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import pytest
@@ -14,12 +15,11 @@ import torch
 
 pytest.importorskip("nixl")
 
-import megarefit  # noqa: E402
 from megarefit.errors import MissingParameterError, ShapeMismatchError  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
-from reference import reference_hf_state, reference_shards  # noqa: E402
+from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
 
 _JOBS = iter(range(10**6))
 
@@ -160,13 +160,17 @@ def test_restarted_trainer_with_the_same_agent_name(served):
     list(receiver.run_refit_cycle(1))
     # rank 1 restarts: new memory, new NIXL agent under the same name, new weights
     old = pubs[(1, 0, 0)]
-    fresh = {n: (t * 2).contiguous() for n, t in shards[(1, 0, 0)].items()}
+    # its TP-split shards change; what every TP rank holds whole (norms) stays in sync with rank 0, as in training
+    fresh = {n: t.clone() if torch.equal(t, shards[(0, 0, 0)][n]) else (t * 2).contiguous()
+             for n, t in shards[(1, 0, 0)].items()}
     pubs[(1, 0, 0)] = Publisher(fresh, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv, agent_name=old.agent.name)
     for p in pubs.values():
         p.publish(2)
     got = dict(receiver.run_refit_cycle(2))
-    want = megarefit.megatron_to_hf({(0, 0, 0): shards[(0, 0, 0)], (1, 0, 0): fresh}, cfg, tp=2)
-    assert all(torch.equal(got[k], v) for k, v in want.items())
+    want = unshard({(0, 0, 0): shards[(0, 0, 0)], (1, 0, 0): fresh}, hf, functools.partial(reference_shards, cfg=cfg,
+                                                                                              tp=2, pp=1))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    assert not torch.equal(got["model.layers.0.mlp.down_proj.weight"], hf["model.layers.0.mlp.down_proj.weight"])
     assert receiver.counters["remote_agents"] == 3 and receiver.counters["plans_built"] == 1
 
 
