@@ -133,20 +133,73 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     Megatron forward (relative error and cosine).
 
     Raises:
-        MegarefitError: the config or layout is unsupported (``te_grouped`` experts included).
+        MegarefitError: the config or layout is unsupported (``te_grouped`` experts included),
+            or this install cannot build it (transformers without its ``model_type``, a hybrid
+            config without triton); all before any process starts.
         RuntimeError: a trainer worker failed (its traceback is included).
     """
+    from megarefit.demo.trainer_jobs import TrainerCase
+    from megarefit.integrations.hf import hf_logits
+
+    setup = prepare_demo(config, tp=tp, pp=pp, ep=ep, etp=etp, expert_layout=expert_layout, shrink=shrink)
+    dims, cfg = setup.dims, setup.cfg
+    tokens = torch.randint(0, dims.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    stages: dict[str, float] = {}
+    status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
+    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, setup.etp, expert_layout)
+    shards, megatron_logits, megatron = _train(case, stages)
+    status("plan: building and validating the slice plan")
+    plain_plan, plan, fmt = _plan(setup, shards, megatron, quantization, stages)
+    pulled = shards
+    if fmt is not None:
+        status("trainers: quantizing their shards to block FP8 where the blocks allow")
+        t0 = time.perf_counter()
+        pulled = quantize_sources(plan, shards, fmt)
+        stages["trainer-side FP8 quantization"] = time.perf_counter() - t0
+    stats = RefitStats()
+    model, report = _refit(setup.hf_cfg, plan, pulled, fmt, stats, status, stages)
+    status("check: HF forward vs Megatron forward")
+    t0 = time.perf_counter()
+    got = hf_logits(model, tokens)
+    stages["HF forward"] = time.perf_counter() - t0
+    want = megatron_logits[..., :dims.vocab_size]
+    diff, cosine = (got - want).abs().max().item(), torch.cosine_similarity(got.flatten(), want.flatten(), 0).item()
+    reference = None
+    if fmt is not None:
+        status("check: against the same weights quantized whole")
+        ref = _whole_tensor_fp8_logits(setup.hf_cfg, plain_plan, shards, fmt, where_quantized(plan), tokens)
+        reference = (got - ref).abs().max().item()
+    where = where_quantized(plan) if fmt is not None else {}
+    return DemoResult(cfg, dims, plan, stats, diff, want.abs().max().item(), len(report.loaded), stages, fmt, where,
+                      cosine, plain_plan.nbytes, setup.notes, reference)
+
+
+@dataclass(frozen=True)
+class DemoSetup:
+    """What :func:`prepare_demo` checked: the trainers' config, the HF model's config (the same,
+    or with the ``model_type`` transformers builds the architecture as), dims, expert TP and notes."""
+
+    cfg: dict[str, Any]
+    hf_cfg: dict[str, Any]
+    dims: ModelDims
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    notes: list[str]
+
+
+def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None,
+                 expert_layout: str = "sequential", shrink: bool = True) -> DemoSetup:
+    """Load (and shrink) ``config`` and check everything the demo needs before any process starts.
+
+    Raises:
+        MegarefitError: the config, layout or expert layout is unsupported, the model would not
+            fit in RAM, transformers cannot build the architecture, or a package the trainers
+            import is missing (each in one line naming the fix).
+    """
     from megarefit.demo.shrink import shrink_config
-    from megarefit.demo.trainer_jobs import TrainerCase, check_buildable, trainer_job
-    from megarefit.demo.workers import run_workers
-    from megarefit.integrations.hf import (
-        build_hf_model,
-        hf_logits,
-        install_weights,
-        load_through_checkpoint,
-        needs_conversion,
-    )
-    from megarefit.translate import check_shapes
+    from megarefit.demo.trainer_jobs import check_buildable, is_hybrid
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
     notes: list[str] = []
@@ -160,71 +213,116 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     check_buildable(cfg, tp)  # fail early on what the CPU harness cannot build
     check_expert_layout(expert_layout, dims)
     check_memory(dims, tp, pp)
-    vocab = dims.vocab_size
-    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    stages: dict[str, float] = {}
+    if is_hybrid(cfg):
+        check_triton()
+    hf_cfg = hf_buildable_config(cfg, notes)
+    return DemoSetup(cfg, hf_cfg, dims, tp, pp, ep, etp, notes)
 
-    status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
+
+def check_triton() -> None:
+    """Raise :class:`MegarefitError` when ``triton`` does not import: Megatron-Core's
+    ``mamba_mixer`` (the hybrid configs' ``MambaModel``) imports it at module level, though the
+    CPU harness runs none of its kernels (the SSD scan runs in torch)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise MegarefitError(f"the hybrid Mamba demo needs triton ({exc}): Megatron-Core's mamba_mixer imports it "
+                             "(the CPU demo runs none of its kernels); pip install triton") from None
+
+
+def hf_buildable_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """``cfg`` as transformers builds it: unchanged when transformers knows its ``model_type``;
+    else with the ``model_type`` of its architecture (``architectures[0]``, e.g. Kimi-K2's
+    ``kimi_k2`` ships DeepSeek-V3's code and is built as ``deepseek_v3``), said in ``notes``.
+
+    Raises:
+        DependencyError: transformers' model classes do not import in this install.
+        MegarefitError: transformers has neither the ``model_type`` nor the architecture.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from megarefit.integrations.hf import auto_model_class
+
+    auto_model_class()  # a broken install is one line here, not a traceback after the trainers ran
+    model_type = cfg.get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES:
+        return cfg
+    arch = (cfg.get("architectures") or [None])[0]
+    same = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == arch and t in CONFIG_MAPPING_NAMES]
+    if len(same) != 1:
+        raise MegarefitError(f"transformers {transformers.__version__} has no model_type {model_type!r} and no "
+                             f"single model type for its architecture {arch!r}: the demo cannot build the HF model "
+                             "(`megarefit plan` plans this config from shapes alone)")
+    notes.append(f"HF model built as model_type {same[0]} ({arch}): transformers {transformers.__version__} has no "
+                 f"{model_type}, whose checkpoints ship that architecture's code")
+    return cfg | {"model_type": same[0]}
+
+
+def _train(case: Any, stages: dict[str, float]) -> tuple[dict, torch.Tensor, dict]:
+    """Run the trainer processes: (shards by rank coordinate, Megatron logits, their
+    megatron-core record); the seconds go to ``stages``.
+
+    Raises:
+        RuntimeError: a worker failed, or the trainers' parameters disagree with the spec table."""
+    from megarefit.demo.trainer_jobs import trainer_job
+    from megarefit.demo.workers import run_workers
+
     t0 = time.perf_counter()
-    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, etp, expert_layout)
-    per_rank = [r["demo"] for r in run_workers(trainer_job, world_size=tp * pp * ep, args=([case],)) if r["demo"]]
+    world = case.tp * case.pp * case.ep
+    per_rank = [r["demo"] for r in run_workers(trainer_job, world_size=world, args=([case],)) if r["demo"]]
     stages["trainer (spawn, build, forward)"] = time.perf_counter() - t0
-    shards = {tuple(r["coord"]): r["params"] for r in per_rank}
-    megatron_logits = next(r["logits"] for r in per_rank if r["logits"] is not None)
     problems = [p for r in per_rank for p in r["problems"]]
     if problems:
         raise RuntimeError("classifier disagrees with the spec table:\n" + "\n".join(problems))
+    shards = {tuple(r["coord"]): r["params"] for r in per_rank}
+    logits = next(r["logits"] for r in per_rank if r["logits"] is not None)
+    return shards, logits, per_rank[0]["megatron"]
 
-    status("plan: building and validating the slice plan")
+
+def _plan(setup: DemoSetup, shards: dict, megatron: dict, quantization: str,
+          stages: dict[str, float]) -> tuple[Plan, Plan, Any]:
+    """(the plain fp32 plan, the plan refit: FP8 or the same, the FP8 format or ``None``),
+    checked against the trainers' shards."""
+    from megarefit.translate import check_shapes
+
     t0 = time.perf_counter()
     plan_megatron_to_hf.cache_clear()
-    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
-                              num_layers=dims.num_layers, megatron=MegatronCore.from_dict(per_rank[0]["megatron"]))
+    dims = setup.dims
+    base = SourceLayout.build(tp=setup.tp, pp=setup.pp, ep=setup.ep, etp=setup.etp,
+                              padded_vocab_size=dims.padded_vocab_size(setup.tp), num_layers=dims.num_layers,
+                              megatron=MegatronCore.from_dict(megatron))
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in shards.items()})
-    plan = plan_megatron_to_hf(dims, layout, "float32")
-    check_shapes(plan, shards)
-    unquantized_bytes = plan.nbytes
-    fmt = resolve_quantization(quantization, cfg)
-    plain_plan, plain_shards = plan, shards
-    if fmt is not None:
-        plan = plan_fp8(plan, fmt)
+    plain = plan_megatron_to_hf(dims, layout, "float32")
+    check_shapes(plain, shards)
+    fmt = resolve_quantization(quantization, setup.cfg)
+    plan = plan_fp8(plain, fmt) if fmt is not None else plain
     stages["plan + validate"] = time.perf_counter() - t0
-    if fmt is not None:
-        status("trainers: quantizing their shards to block FP8 where the blocks allow")
-        t0 = time.perf_counter()
-        shards = quantize_sources(plan, shards, fmt)
-        stages["trainer-side FP8 quantization"] = time.perf_counter() - t0
+    return plain, plan, fmt
 
-    model = build_hf_model(cfg)
+
+def _refit(hf_cfg: dict[str, Any], plan: Plan, shards: dict, fmt: Any, stats: RefitStats,
+           status: Callable[[str], None], stages: dict[str, float]) -> tuple[torch.nn.Module, Any]:
+    """One refit cycle into a fresh HF model (through a checkpoint where transformers fuses the
+    per-expert tensors itself): (the model, the install report)."""
+    from megarefit.integrations.hf import build_hf_model, install_weights, load_through_checkpoint, needs_conversion
+
+    model = build_hf_model(hf_cfg)
     names = [r.name for r in plan.targets if r not in plan.staging and not r.name.endswith("_scale_inv")]
     convert = needs_conversion(model, names)
     status("refit: streaming weights into an HF transformers model" + (
         " (through a checkpoint: transformers fuses the per-expert tensors itself)" if convert else ""))
     t0 = time.perf_counter()
-    stats = RefitStats()
     weights = run_refit_cycle(plan, LocalTransport(shards), stats=stats)
     if fmt is not None:  # the HF model computes in fp32: dequantize each FP8 weight with its block scales
         weights = iter(dequantize_state(dict(weights), fmt, torch.float32).items())
     if convert:
-        model, report = load_through_checkpoint(cfg, weights)
+        model, report = load_through_checkpoint(hf_cfg, weights)
     else:
         report = install_weights(model, weights)
     stages["refit cycle (pull + install)"] = time.perf_counter() - t0
-
-    status("check: HF forward vs Megatron forward")
-    t0 = time.perf_counter()
-    got = hf_logits(model, tokens)
-    stages["HF forward"] = time.perf_counter() - t0
-    want = megatron_logits[..., :vocab]
-    diff = (got - want).abs().max().item()
-    cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
-    reference = None
-    if fmt is not None:
-        status("check: against the same weights quantized whole")
-        ref = _whole_tensor_fp8_logits(cfg, plain_plan, plain_shards, fmt, where_quantized(plan), tokens)
-        reference = (got - ref).abs().max().item()
-    return DemoResult(cfg, dims, plan, stats, diff, want.abs().max().item(), len(report.loaded), stages, fmt,
-                      where_quantized(plan) if fmt is not None else {}, cosine, unquantized_bytes, notes, reference)
+    return model, report
 
 
 def _whole_tensor_fp8_logits(cfg: dict[str, Any], plan: Plan, shards: dict, fmt: Any, where: dict[str, str],
