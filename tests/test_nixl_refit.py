@@ -2,12 +2,15 @@
 
 Two real Megatron-Core trainer processes (TP=2) publish their live shards; the
 receiver (this process) pulls three versions while the trainers change their
-weights between versions. Each version's bytes must equal ``megatron_to_hf`` of
-the shards the trainers snapshotted for that version; warm cycles register and
+weights between versions. Each version's bytes must equal the HF tensors the
+independent reference sharder (tests/reference.py) gives back from the shards the
+trainers snapshotted for that version; warm cycles register and
 prepare nothing new. A second pair of trainers is used to kill a peer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -15,8 +18,8 @@ import torch
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
-import megarefit  # noqa: E402
 from conftest import tiny_config  # noqa: E402
+from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
@@ -50,10 +53,12 @@ def live():
     return cfg, received, stats, counters, snapshots, trainers
 
 
-def test_each_version_is_bit_identical_to_megatron_to_hf(live):
+def test_each_version_is_bit_identical_to_the_reference(live):
     cfg, received, _, _, snapshots, _ = live
+    shard = functools.partial(reference_shards, cfg=cfg, tp=2, pp=1)
     for v in range(1, VERSIONS + 1):
-        want = megarefit.megatron_to_hf(snapshots[v], cfg, tp=2)
+        dtype = next(iter(snapshots[v][(0, 0, 0)].values())).dtype
+        want = unshard(snapshots[v], reference_hf_state(cfg, "qwen3", dtype=dtype), shard)
         assert received[v].keys() == want.keys()
         for name, tensor in want.items():
             assert torch.equal(received[v][name], tensor), (v, name)
