@@ -6,7 +6,7 @@ source, strided on the destination. Run on a GPU machine from the repo root:
 
     python benchmarks/bench_box_copies.py [--config tests/data/configs/Qwen3-8B.json] [--tp 2] [--layers 36]
 
-Times (CUDA events, best of ``--repeat``) for the same bytes: one contiguous ``copy_``; the boxes
+Times (CUDA events, every one of ``--repeat`` warm calls; median (min-max) shown) for the same bytes: one contiguous ``copy_``; the boxes
 through :class:`~megarefit.transport.boxcopy.BoxCopies` (one batched Triton launch); one
 ``copy_`` per box (PyTorch's strided copy kernel); and, where CuPy is installed,
 ``cudaMemcpy2DAsync`` per box (the copy engines' strided path). ``--from-json FILE`` prints
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,25 +27,40 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _time(fn, repeat: int) -> float:
+def _time(fn, repeat: int) -> list[float]:
+    """Seconds of each of ``repeat`` warm calls (CUDA events, after one cold call)."""
     fn()
     torch.cuda.synchronize()
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
         b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return best
+        times.append(a.elapsed_time(b) / 1e3)
+    return times
 
 
 def table(r: dict) -> str:
-    """One run's heading and markdown table (as printed, and as docs/benchmarks.md shows it)."""
+    """One run's heading and markdown table (as printed, and as docs/benchmarks.md shows it):
+    median (min-max) where the record has every call's time (``samples``), else the best
+    (older records)."""
+    if "samples" in r:
+        med = {k: statistics.median(v) for k, v in r["samples"].items()}
+        base = med["plain contiguous copy_"]
+        head = (f"median (min-max) of {len(r['samples']['plain contiguous copy_'])} warm calls, {r.get('date', '')}; "
+                "ratio: median over median")
+        lines = [f"machine: {r['machine']}", (f"{r['config']}, {r['layers']} layers, tp={r['tp']}: {r['boxes']} "
+                 f"row-parallel boxes, {r['bytes'] / 1e9:.3f} GB; {head}"), "",
+                 "| path | ms | GB/s (median) | vs one contiguous copy |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {m * 1e3:.2f} ({min(r['samples'][k]) * 1e3:.2f}-{max(r['samples'][k]) * 1e3:.2f}) | "
+                  f"{r['bytes'] / m / 1e9:.0f} | {base / m:.2f}x |" for k, m in med.items()]
+        return "\n".join(lines)
     base = r["seconds"]["plain contiguous copy_"]
     lines = [f"machine: {r['machine']}", (f"{r['config']}, {r['layers']} layers, tp={r['tp']}: {r['boxes']} row-parallel "
-             f"boxes, {r['bytes'] / 1e9:.3f} GB"), "", "| path | s | GB/s | vs contiguous |", "|---|---:|---:|---:|"]
+             f"boxes, {r['bytes'] / 1e9:.3f} GB; best of the warm calls (no per-call times recorded)"), "",
+             "| path | s | GB/s | vs contiguous |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {s:.5f} | {r['bytes'] / s / 1e9:.0f} | {base / s:.2f}x |" for name, s in r["seconds"].items()]
     return "\n".join(lines)
 
@@ -98,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
     for d, s in pairs:  # every path wrote the same boxes: check the last one's result
         assert torch.equal(d, s)
-    result = {"machine": machine(), "config": Path(ns.config).stem, "tp": ns.tp, "layers": ns.layers,
-              "boxes": len(pairs), "bytes": nbytes, "seconds": rows}
+    result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "config": Path(ns.config).stem, "tp": ns.tp,
+              "layers": ns.layers, "boxes": len(pairs), "bytes": nbytes,
+              "seconds": {k: statistics.median(v) for k, v in rows.items()}, "samples": rows}
     print(table(result))
     if ns.json:
         with open(ns.json, "a", encoding="utf-8") as f:

@@ -189,7 +189,7 @@ def nccl_broadcast_job(index: int, world_size: int, port: int, nbytes: int, buck
 
 
 def main() -> None:
-    from megarefit.demo.bench import bench_config, best_of, machine
+    from megarefit.demo.bench import bench_config, machine, time_each
     from megarefit.demo.workers import start_workers
     from megarefit.online import RefitReceiver
     from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
@@ -223,9 +223,11 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this case in the JSON line")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     ap.add_argument("--from-json", help="print the table of recorded results (a --json file) and exit")
+    ap.add_argument("--summary", choices=["nixl", "fp8", "targets"],
+                    help="with --from-json: one sentence (see recorded_summary), not the table")
     ns = ap.parse_args()
     if ns.from_json:
-        print_recorded(ns.from_json)
+        print(recorded_summary(ns.from_json, ns.summary)) if ns.summary else print_recorded(ns.from_json)
         return
     if ns.receiver_threads:
         torch.set_num_threads(ns.receiver_threads)
@@ -286,7 +288,8 @@ def main() -> None:
         rdzv.port, len(layout.ranks()), ns.device, ns.cycles)).join(timeout=600)
     src = torch.ones(raw_bytes, dtype=torch.uint8, device=ns.device)
     dst = torch.empty_like(src)
-    copy_best, copy_median = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
+    copy_times = time_each(lambda: dst.copy_(src), ns.cycles, ns.device)
+    copy_best, copy_median = min(copy_times), statistics.median(copy_times)
     nccl = []
     if ns.device.startswith("cuda") and ns.nccl_bucket and torch.cuda.device_count() >= 2:
         nccl, = start_workers(nccl_broadcast_job, world_size=2, args=(
@@ -353,6 +356,8 @@ def main() -> None:
                                 "arena_bytes": stats.arena_bytes, "scratch_bytes": stats.scratch_bytes,
                                 "cold": cycles[0][0], "warm_seconds": stats.seconds, "quantization": ns.quantization,
                                 "trainer_quantize_s": max(q[0] for q in quant), "machine": machine(),
+                                "samples": {"warm": warm, "pull": pull, "read": read, "raw": raw_times,
+                                            "nccl": list(nccl), "copy": copy_times},
                                 "date": time.strftime("%Y-%m-%d")}) + "\n")
 
 
@@ -367,22 +372,87 @@ def case_name(r: dict) -> str:
     return name + (f" -> {r['target']}" if r["target"].startswith("vLLM") else "")
 
 
+def _med(r: dict, key: str) -> float | None:
+    """Median seconds of path ``key`` (warm, pull, raw, nccl, copy) in a record: from every
+    recorded cycle where the record has them; else the recorded median (warm) or, for a
+    baseline whose cycles were not recorded, its best (older records: a stricter baseline)."""
+    if "samples" in r:
+        return statistics.median(r["samples"][key]) if r["samples"].get(key) else None
+    return {"warm": r["warm_median"], "pull": r["warm_seconds"]["pull"], "raw": r["raw_best"],
+            "nccl": r.get("nccl_best"), "copy": r["copy_best"]}[key]
+
+
+def _spread(r: dict, key: str) -> str:
+    ts = r.get("samples", {}).get(key)
+    return f"{statistics.median(ts) * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})" if ts else \
+        f"{_med(r, key) * 1e3:.1f}"
+
+
+def load_recorded(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def print_recorded(path: str) -> None:
-    """The table of a ``--json`` file (``benchmarks/run_refit_gpu.sh`` writes one line per case)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    machines = sorted({r.get("machine", "not recorded in this file (see the text)") for r in rows})
+    """The table of a ``--json`` file (``benchmarks/run_refit_gpu.sh`` writes one line per case):
+    medians, and min-max where every cycle was recorded; ratios are baseline over refit."""
+    rows = load_recorded(path)
+    machines = sorted({f"{r['machine']}, {r['date']}" if "machine" in r else
+                       "not recorded in this file (see the text)" for r in rows})
     print("machine: " + "; ".join(machines) + "\n")
+    if all("samples" in r for r in rows):
+        n = min(len(r["samples"]["warm"]) for r in rows)
+        print(f"ms: median (min-max) of {n}+ warm cycles; ratios: median baseline / median refit\n")
+    else:
+        print("ms: the warm cycle's median; raw NIXL, NCCL: best of the cycles (their other cycles were not "
+              "recorded); ratios: that baseline / the refit's median\n")
     print("| case | GB placed | READ descriptors | scratch MB (of arena) | warm ms | pull ms | raw NIXL ms | NCCL ms "
-          "| **warm vs raw** | pull vs raw | NCCL vs raw | cold s |")
+          "| **warm vs raw NIXL** | pull vs raw NIXL | raw NIXL vs NCCL | cold s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        raw, pull, nccl = r["raw_best"], r["warm_seconds"]["pull"], r.get("nccl_best")
+        raw, warm, pull, nccl = _med(r, "raw"), _med(r, "warm"), _med(r, "pull"), _med(r, "nccl")
         scratch = f"{r['scratch_bytes'] / 1e6:.0f}" if r["scratch_bytes"] >= 1e6 else f"{r['scratch_bytes'] / 1e6:.1f}"
-        nccl_ms, nccl_ratio = (f"{nccl * 1e3:.1f}", f"{raw / nccl:.2f}x") if nccl else ("-", "-")
+        nccl_ms, nccl_ratio = (_spread(r, "nccl"), f"{nccl / raw:.2f}x") if nccl else ("-", "-")
         print(f"| {case_name(r)} | {r['bytes'] / 1e9:.2f} | {r['descriptors']} | {scratch} "
-              f"({100 * r['scratch_bytes'] / r['arena_bytes']:.1f}%) | {r['warm_best'] * 1e3:.1f} | {pull * 1e3:.1f} | "
-              f"{raw * 1e3:.1f} | {nccl_ms} | **{raw / r['warm_best']:.2f}x** | {raw / pull:.2f}x | {nccl_ratio} | "
+              f"({100 * r['scratch_bytes'] / r['arena_bytes']:.1f}%) | {_spread(r, 'warm')} | {_spread(r, 'pull')} | "
+              f"{_spread(r, 'raw')} | {nccl_ms} | **{raw / warm:.2f}x** | {raw / pull:.2f}x | {nccl_ratio} | "
               f"{r['cold']:.3f} |")
+
+
+def recorded_summary(path: str, what: str = "nixl") -> str:
+    """One sentence for the README from one recorded run: ``nixl``, the warm cycle against a
+    raw NIXL READ of the same bytes (dense, MoE, legacy GroupedMLP apart) and NCCL; ``fp8``,
+    FP8 against bf16 per layout; ``targets``, a vLLM-sharded worker against full HF tensors."""
+    rows = load_recorded(path)
+    bf16 = [r for r in rows if r.get("quantization", "none") == "none"]
+    gpu = rows[0]["machine"].rsplit("GPU ", 1)[-1]
+    when = f"median of {min(len(r['samples']['warm']) for r in rows)} warm cycles, two {gpu} GPUs, {rows[0]['date']}"
+
+    def span(rs: list[dict]) -> str:
+        v = [_med(r, "raw") / _med(r, "warm") for r in rs]
+        return f"{min(v):.2f}x" if f"{min(v):.2f}" == f"{max(v):.2f}" else f"{min(v):.2f}-{max(v):.2f}x"
+
+    if what == "fp8":
+        pairs = [(r, b) for r in rows for b in bf16 if r.get("quantization") == "fp8"
+                 and case_name(b) + ", FP8" == case_name(r)]
+        return "An FP8 refit takes " + ", ".join(f"{_med(r, 'warm') / _med(b, 'warm'):.2f}x ({case_name(b)})"
+                                                 for r, b in pairs) + f" of the bf16 refit's time ({when})."
+    if what == "targets":
+        out = []
+        for r in bf16:
+            full = [b for b in bf16 if not b["target"].startswith("vLLM") and r["target"].startswith("vLLM")
+                    and case_name(b) == case_name(r).split(" -> ")[0]]
+            if full:
+                out.append(f"{case_name(r)}: {_med(r, 'warm') * 1e3:.1f} ms per warm refit vs "
+                           f"{_med(full[0], 'warm') * 1e3:.1f} ms for full HF tensors")
+        return "; ".join(out) + f" ({when})."
+    dense = [r for r in bf16 if r["ep"] == 1 and r["etp"] == r["tp"] and not r["config"].endswith("A3B")]
+    legacy = [r for r in bf16 if r["expert_layout"] == "legacy_grouped"]
+    moe = [r for r in bf16 if r not in dense and r not in legacy]
+    nccl = [_med(r, "raw") / _med(r, "nccl") for r in bf16 if _med(r, "nccl")]
+    text = (f"A warm refit cycle over NIXL runs at {span(dense)} (dense), {span(moe)} (MoE, vLLM-sharded targets "
+            f"included) and {span(legacy)} (legacy GroupedMLP) of a raw NIXL READ of the same bytes ({when})")
+    return text + (f"; an NCCL broadcast of those bytes runs at {min(nccl):.2f}-{max(nccl):.2f}x of the raw READ"
+                   if nccl else "") + "."
 
 
 def plan_target(ns: argparse.Namespace):
