@@ -21,20 +21,18 @@ from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.online.stream import budget_for  # noqa: E402
-from megarefit.translate import megatron_to_hf  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
 
 def test_queued_copies_finish_before_the_ring_is_reused(config):
     cfg = config("Llama-3.1-8B", num_hidden_layers=6, hidden_size=256, intermediate_size=512)
-    shards = {r: {n: t.to("cuda") for n, t in s.items()}
-              for r, s in reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1).items()}
+    want = reference_hf_state(cfg, "llama")  # what the independent reference sharder shards below
+    shards = {r: {n: t.to("cuda") for n, t in s.items()} for r, s in reference_shards(want, cfg, tp=2, pp=1).items()}
     rdzv = Rendezvous.serve(job="stream-gpu")
     pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"stream-gpu-{r[0]}")
             for r, s in shards.items()]
     for p in pubs:
         p.publish(1)
-    want = megatron_to_hf({r: {n: t.cpu() for n, t in s.items()} for r, s in shards.items()}, cfg, tp=2)
     layer = sum(t.numel() * t.element_size() for n, t in want.items() if ".layers.0." in n)
     outside = sum(t.numel() * t.element_size() for n, t in want.items() if ".layers." not in n)
     ring = max(3 * layer // 2, outside // 2 + layer)  # each layer more than half the ring
