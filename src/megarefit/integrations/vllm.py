@@ -553,217 +553,225 @@ class MegarefitUpdateInfo:
     timeout: float | None = None
 
 
-def _make_engine_class():
-    base = _engine_base()
+# The methods of MegarefitWeightTransferEngine; _make_engine_class puts them on vLLM's base class
+# once vLLM is imported (this module imports without vLLM).
+class _EngineLifecycle:
+    """vLLM ``WeightTransferEngine`` that pulls Megatron shards over NIXL with megarefit.
 
-    class MegarefitWeightTransferEngine(base):  # type: ignore[misc, valid-type]
-        """vLLM ``WeightTransferEngine`` that pulls Megatron shards over NIXL with megarefit.
+    It follows vLLM's update lifecycle (``/start_weight_update`` -> ``/update_weights``
+    -> ``/finish_weight_update`` over HTTP, or the same ``LLM`` methods):
 
-        It follows vLLM's update lifecycle (``/start_weight_update`` -> ``/update_weights``
-        -> ``/finish_weight_update`` over HTTP, or the same ``LLM`` methods):
+    * ``start_weight_update`` opens the update: vLLM's layerwise reload (staged pulls;
+      a streamed pull opens and finalizes it per attempt, as a torn cycle is installed
+      again) and the CPU experts' reload fix-up. Raises if an update is already open.
+    * ``update_weights`` pulls one weight version and loads it into the open reload.
+    * ``finish_weight_update`` finalizes the reload and only then acknowledges the
+      version to the trainers (``Publisher.wait_receivers`` returns after it).
 
-        * ``start_weight_update`` opens the update: vLLM's layerwise reload (staged pulls;
-          a streamed pull opens and finalizes it per attempt, as a torn cycle is installed
-          again) and the CPU experts' reload fix-up. Raises if an update is already open.
-        * ``update_weights`` pulls one weight version and loads it into the open reload.
-        * ``finish_weight_update`` finalizes the reload and only then acknowledges the
-          version to the trainers (``Publisher.wait_receivers`` returns after it).
+    Never a mix: vLLM's reload writes each layer's new weights into its live tensors as soon
+    as the layer is complete, so as it opens, the engine keeps every layer's previous
+    tensors and state in host memory (``keep_previous`` bytes of ``init_info``, reused across
+    updates; ``kept_bytes`` / ``keep_seconds`` in ``last_report``:
+    :class:`~megarefit.integrations.vllm_install.PreviousWeights`). vLLM ends the update when
+    ``update_weights`` raises, and so does the engine: it drops what vLLM buffered, puts the
+    kept layers back and finalizes the reload. A pull that fails before writing (version not
+    published in time, version skew, a dead trainer) or an install that fails midway (a
+    :class:`PartialUpdateError`, a torn streamed cycle) thus leaves the engine on its previous
+    version, healthy; the error's message ends with ``[megarefit: previous weights kept]``
+    and the version. Where a written layer was not kept (over ``keep_previous``), or finalizing
+    fails, the message says ``[megarefit: mixed weights]`` and the model refuses to run (its
+    ``forward`` and ``compute_logits`` raise) until an update completes. A second
+    ``update_weights`` in one update is refused: finish, then start another.
 
-        Never a mix: vLLM's reload writes each layer's new weights into its live tensors as soon
-        as the layer is complete, so as it opens, the engine keeps every layer's previous
-        tensors and state in host memory (``keep_previous`` bytes of ``init_info``, reused across
-        updates; ``kept_bytes`` / ``keep_seconds`` in ``last_report``:
-        :class:`~megarefit.integrations.vllm_install.PreviousWeights`). vLLM ends the update when
-        ``update_weights`` raises, and so does the engine: it drops what vLLM buffered, puts the
-        kept layers back and finalizes the reload. A pull that fails before writing (version not
-        published in time, version skew, a dead trainer) or an install that fails midway (a
-        :class:`PartialUpdateError`, a torn streamed cycle) thus leaves the engine on its previous
-        version, healthy; the error's message ends with ``[megarefit: previous weights kept]``
-        and the version. Where a written layer was not kept (over ``keep_previous``), or finalizing
-        fails, the message says ``[megarefit: mixed weights]`` and the model refuses to run (its
-        ``forward`` and ``compute_logits`` raise) until an update completes. A second
-        ``update_weights`` in one update is refused: finish, then start another.
+    Draft (MTP) models (``supports_draft_weight_update``): ``/start_draft_weight_update``
+    (``LLM.start_draft_weight_update``) points the engine's ``model`` at the worker's MTP
+    drafter (vLLM's ``set_weight_update_target``) for one update. The engine then pulls
+    the trainers' MTP layers only (Megatron ``mtp.layers.i`` -> ``model.layers.{N+i}``;
+    full HF tensors into the drafter's ``load_weights``, or, sharded, the drafter's own
+    shards: ``VllmTarget(draft=True)``) through a second receiver, built at the first
+    draft update. The drafter's embedding and head are the target model's (vLLM shares
+    them): the target's update refreshes them. From the first draft update on,
+    ``Publisher.wait_receivers`` also waits for the draft receiver, so refit the draft
+    model at every version.
+    """
 
-        Draft (MTP) models (``supports_draft_weight_update``): ``/start_draft_weight_update``
-        (``LLM.start_draft_weight_update``) points the engine's ``model`` at the worker's MTP
-        drafter (vLLM's ``set_weight_update_target``) for one update. The engine then pulls
-        the trainers' MTP layers only (Megatron ``mtp.layers.i`` -> ``model.layers.{N+i}``;
-        full HF tensors into the drafter's ``load_weights``, or, sharded, the drafter's own
-        shards: ``VllmTarget(draft=True)``) through a second receiver, built at the first
-        draft update. The drafter's embedding and head are the target model's (vLLM shares
-        them): the target's update refreshes them. From the first draft update on,
-        ``Publisher.wait_receivers`` also waits for the draft receiver, so refit the draft
-        model at every version.
-        """
+    init_info_cls = MegarefitInitInfo
+    update_info_cls = MegarefitUpdateInfo
+    supports_draft_weight_update = True
 
-        init_info_cls = MegarefitInitInfo
-        update_info_cls = MegarefitUpdateInfo
-        supports_draft_weight_update = True
+    def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
+        if getattr(self, "window", None) is not None:
+            raise MegarefitError("init_weight_transfer_engine during an open weight update: finish it first")
+        self._close_receivers()  # initialized again (new trainers or options): the old receivers go
+        self.init_info = init_info
+        self.receiver = self._make_receiver(getattr(self, "model", None), draft=False)
+        self.draft_receiver: RefitReceiver | None = None  # built at the first draft update
+        self.default_timeout = init_info.timeout
+        self.last_report: dict[str, Any] | None = None
+        self.window: _UpdateWindow | None = None
+        _budget(init_info.keep_previous)  # checked now, measured at each update
+        self.previous = PreviousWeights(0)  # host copies, reused across updates
 
-        def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
-            if getattr(self, "window", None) is not None:
-                raise MegarefitError("init_weight_transfer_engine during an open weight update: finish it first")
-            self._close_receivers()  # initialized again (new trainers or options): the old receivers go
-            self.init_info = init_info
-            self.receiver = self._make_receiver(getattr(self, "model", None), draft=False)
-            self.draft_receiver: RefitReceiver | None = None  # built at the first draft update
-            self.default_timeout = init_info.timeout
-            self.last_report: dict[str, Any] | None = None
-            self.window: _UpdateWindow | None = None
-            _budget(init_info.keep_previous)  # checked now, measured at each update
-            self.previous = PreviousWeights(0)  # host copies, reused across updates
+    def _make_receiver(self, model: torch.nn.Module | None, draft: bool) -> RefitReceiver:
+        info = self.init_info
+        placement = eplb_placement(model=model) if info.sharded and model is not None else None
+        return _receiver(info.host, info.port, info.job, info.timeout, getattr(self.parallel_config, "rank", 0),
+                         model, info.sharded, self.parallel_config, info.memory_budget, info.verify_checksums,
+                         info.transport, info.secret, placement, draft)
 
-        def _make_receiver(self, model: torch.nn.Module | None, draft: bool) -> RefitReceiver:
-            info = self.init_info
-            placement = eplb_placement(model=model) if info.sharded and model is not None else None
-            return _receiver(info.host, info.port, info.job, info.timeout, getattr(self.parallel_config, "rank", 0),
-                             model, info.sharded, self.parallel_config, info.memory_budget, info.verify_checksums,
-                             info.transport, info.secret, placement, draft)
+    def _drafting(self) -> bool:
+        """vLLM retargeted this update to the worker's MTP draft model (``start_draft_weight_update``
+        -> ``set_weight_update_target``): the engine's ``model`` is not the one it was built with."""
+        default = getattr(self, "_default_model", None)
+        return default is not None and self.model is not default
 
-        def _drafting(self) -> bool:
-            """vLLM retargeted this update to the worker's MTP draft model (``start_draft_weight_update``
-            -> ``set_weight_update_target``): the engine's ``model`` is not the one it was built with."""
-            default = getattr(self, "_default_model", None)
-            return default is not None and self.model is not default
+    def start_weight_update(self) -> None:
+        if getattr(self, "receiver", None) is None:
+            raise MegarefitError("start_weight_update before init_weight_transfer_engine")
+        if self.window is not None:
+            raise MegarefitError("a weight update is already open: call finish_weight_update first")
+        draft = self._drafting()
+        if draft and self.draft_receiver is None:  # the trainers' Publisher.wait_receivers waits for it from now on
+            self.draft_receiver = self._make_receiver(self.model, draft=True)
+        receiver = self.draft_receiver if draft else self.receiver
+        assert receiver is not None
+        stack = contextlib.ExitStack()
+        stack.enter_context(_cpu_moe_reload(self.model))
+        staged = receiver.memory_budget is None
+        workers = getattr(self.parallel_config, "world_size", 1)  # workers that may share this host
+        self.previous.budget = _budget(self.init_info.keep_previous, workers)
+        self.previous.begin()
+        try:
+            if staged:
+                reload_api().initialize_layerwise_reload(self.model)
+                self.previous.track(self.model)
+        except BaseException as exc:
+            self._close(_UpdateWindow(stack, staged, receiver, draft), failed=exc)
+            raise
+        self.window = _UpdateWindow(stack, staged, receiver, draft)
 
-        def start_weight_update(self) -> None:
-            if getattr(self, "receiver", None) is None:
-                raise MegarefitError("start_weight_update before init_weight_transfer_engine")
-            if self.window is not None:
-                raise MegarefitError("a weight update is already open: call finish_weight_update first")
-            draft = self._drafting()
-            if draft and self.draft_receiver is None:  # the trainers' Publisher.wait_receivers waits for it from now on
-                self.draft_receiver = self._make_receiver(self.model, draft=True)
-            receiver = self.draft_receiver if draft else self.receiver
-            assert receiver is not None
-            stack = contextlib.ExitStack()
-            stack.enter_context(_cpu_moe_reload(self.model))
-            staged = receiver.memory_budget is None
-            workers = getattr(self.parallel_config, "world_size", 1)  # workers that may share this host
-            self.previous.budget = _budget(self.init_info.keep_previous, workers)
-            self.previous.begin()
-            try:
-                if staged:
-                    reload_api().initialize_layerwise_reload(self.model)
-                    self.previous.track(self.model)
-            except BaseException as exc:
-                self._close(_UpdateWindow(stack, staged, receiver, draft), failed=exc)
+    def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
+        window = self.window
+        if window is None:
+            raise MegarefitError("update_weights outside a weight update: call start_weight_update first")
+        if window.version is not None:
+            self._close(window)  # a complete update: served from now on
+            raise MegarefitError(f"weight version {window.version} was installed in this update already; it "
+                                 "is now served (vLLM ends an update on an error): start another update for "
+                                 "the next version")
+        receiver = window.receiver
+        receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
+        try:
+            if receiver.target is not None and receiver.target.expert_parallel:
+                _follow_eplb(receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
+            load_s = _refit_into(receiver, update_info.version, self.model, self.model_config,
+                                 self._load_full(window), reload_open=window.reload_open,
+                                 shared=draft_shared(self.model) if window.draft else frozenset(),
+                                 previous=self.previous)
+        except BaseException as exc:
+            window.version = update_info.version
+            self._close(window, failed=exc)  # vLLM ends the update: the previous weights go back
+            raise
+        stats = receiver.stats
+        assert stats is not None
+        window.version = stats.version
+        self.last_report = {**_cycle_report(receiver, load_s), "kept_bytes": self.previous.kept_bytes,
+                            "keep_seconds": self.previous.seconds}
+
+    def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
+        api = reload_api()
+
+        def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            if not window.reload_open:  # streamed: one reload per attempt
+                api.initialize_layerwise_reload(self.model)
+                self.previous.track(self.model)
+            with _mtp_loads(window.draft):
+                self.model.load_weights(weights)
+            if not window.reload_open:
+                api.finalize_layerwise_reload(self.model, self.model_config)
+
+        return load_full
+
+    def _close(self, window: _UpdateWindow, failed: BaseException | None = None) -> None:
+        """End ``window``: finalize the reload, undo the CPU fix-up. A complete update is acknowledged
+        to the trainers and served. After ``failed``, the previous weights go back
+        (:class:`~megarefit.integrations.vllm_install.PreviousWeights`) and ``failed``'s message
+        says whether the model holds them whole or a mix, which it then refuses to run."""
+        self.window = None
+        lost: list[str] | str = []
+        try:
+            if failed is not None:
+                lost = self.previous.restore()
+            if window.reload_open or failed is not None:  # layers that got nothing: their live tensors go back
+                with quiet_reload(failed is not None):
+                    reload_api().finalize_layerwise_reload(self.model, self.model_config)
+            if _is_cpu():
+                _cpu_fixups(self.model)
+        except BaseException as exc:
+            lost = f"{type(exc).__name__}: {exc}"
+            if failed is None:
+                failed = exc
                 raise
-            self.window = _UpdateWindow(stack, staged, receiver, draft)
+        finally:
+            window.stack.close()
+            if failed is not None:
+                self._after_failure(window, failed, lost)
+        if failed is None and window.version is not None:
+            window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
+            _serve_model(self.model)
+            if not window.draft:
+                self.served = window.version  # named in the next failure's message
 
-        def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
-            window = self.window
-            if window is None:
-                raise MegarefitError("update_weights outside a weight update: call start_weight_update first")
-            if window.version is not None:
-                self._close(window)  # a complete update: served from now on
-                raise MegarefitError(f"weight version {window.version} was installed in this update already; it "
-                                     "is now served (vLLM ends an update on an error): start another update for "
-                                     "the next version")
-            receiver = window.receiver
-            receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
-            try:
-                if receiver.target is not None and receiver.target.expert_parallel:
-                    _follow_eplb(receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
-                load_s = _refit_into(receiver, update_info.version, self.model, self.model_config,
-                                     self._load_full(window), reload_open=window.reload_open,
-                                     shared=draft_shared(self.model) if window.draft else frozenset(),
-                                     previous=self.previous)
-            except BaseException as exc:
-                window.version = update_info.version
-                self._close(window, failed=exc)  # vLLM ends the update: the previous weights go back
-                raise
-            stats = receiver.stats
-            assert stats is not None
-            window.version = stats.version
-            self.last_report = {**_cycle_report(receiver, load_s), "kept_bytes": self.previous.kept_bytes,
-                                "keep_seconds": self.previous.seconds}
+    def _after_failure(self, window: _UpdateWindow, failed: BaseException, lost: list[str] | str) -> None:
+        """Refuse to run a mixed model; tell the state in ``failed``'s message."""
+        what = "its draft model's" if window.draft else "weight"
+        version = "the trainers' current" if window.version is None else window.version
+        previous = getattr(self, "served", None)
+        previous = "the checkpoint it started from" if previous is None else f"version {previous}"
+        if lost:
+            why = lost if isinstance(lost, str) else (f"layers {lost[:3]} ({len(lost)}) were written and not kept "
+                                                      f"within keep_previous={self.previous.budget} bytes")
+            _refuse_model(self.model, f"update to {what} version {version} failed midway: {why}")
+        if _refusing(self.model):
+            _tell_state(failed, f"{MIXED} {what} version {version} was not installed whole and the previous "
+                                f"weights could not all be put back ({why if lost else 'an earlier failure'}): "
+                                "the engine refuses to run the model; keep it paused and refit again "
+                                "(a completed update serves again)")
+        else:
+            _tell_state(failed, f"{PREVIOUS_KEPT} {what} version {version} was not installed; the engine holds "
+                                f"{previous} whole and may serve it (/resume)")
 
-        def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
-            api = reload_api()
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
 
-            def load_full(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-                if not window.reload_open:  # streamed: one reload per attempt
-                    api.initialize_layerwise_reload(self.model)
-                    self.previous.track(self.model)
-                with _mtp_loads(window.draft):
-                    self.model.load_weights(weights)
-                if not window.reload_open:
-                    api.finalize_layerwise_reload(self.model, self.model_config)
+    def finish_weight_update(self) -> None:
+        window = self.window
+        if window is None:
+            raise MegarefitError("finish_weight_update without start_weight_update")
+        self._close(window)
 
-            return load_full
+    def _close_receivers(self) -> None:
+        """Stop the receivers' heartbeats: trainers' ``wait_receivers`` drop them once their lease ends."""
+        for receiver in (getattr(self, "receiver", None), getattr(self, "draft_receiver", None)):
+            if receiver is not None:
+                receiver.close()
+        self.receiver = None  # type: ignore[assignment]
+        self.draft_receiver = None
 
-        def _close(self, window: _UpdateWindow, failed: BaseException | None = None) -> None:
-            """End ``window``: finalize the reload, undo the CPU fix-up. A complete update is acknowledged
-            to the trainers and served. After ``failed``, the previous weights go back
-            (:class:`~megarefit.integrations.vllm_install.PreviousWeights`) and ``failed``'s message
-            says whether the model holds them whole or a mix, which it then refuses to run."""
-            self.window = None
-            lost: list[str] | str = []
-            try:
-                if failed is not None:
-                    lost = self.previous.restore()
-                if window.reload_open or failed is not None:  # layers that got nothing: their live tensors go back
-                    with quiet_reload(failed is not None):
-                        reload_api().finalize_layerwise_reload(self.model, self.model_config)
-                if _is_cpu():
-                    _cpu_fixups(self.model)
-            except BaseException as exc:
-                lost = f"{type(exc).__name__}: {exc}"
-                if failed is None:
-                    failed = exc
-                    raise
-            finally:
-                window.stack.close()
-                if failed is not None:
-                    self._after_failure(window, failed, lost)
-            if failed is None and window.version is not None:
-                window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
-                _serve_model(self.model)
-                if not window.draft:
-                    self.served = window.version  # named in the next failure's message
+    def shutdown(self) -> None:
+        if getattr(self, "window", None) is not None:
+            self._close(self.window, failed=MegarefitError("shut down during an open weight update"))
+        self._close_receivers()
 
-        def _after_failure(self, window: _UpdateWindow, failed: BaseException, lost: list[str] | str) -> None:
-            """Refuse to run a mixed model; tell the state in ``failed``'s message."""
-            what = "its draft model's" if window.draft else "weight"
-            version = "the trainers' current" if window.version is None else window.version
-            previous = getattr(self, "served", None)
-            previous = "the checkpoint it started from" if previous is None else f"version {previous}"
-            if lost:
-                why = lost if isinstance(lost, str) else (f"layers {lost[:3]} ({len(lost)}) were written and not kept "
-                                                          f"within keep_previous={self.previous.budget} bytes")
-                _refuse_model(self.model, f"update to {what} version {version} failed midway: {why}")
-            if _refusing(self.model):
-                _tell_state(failed, f"{MIXED} {what} version {version} was not installed whole and the previous "
-                                    f"weights could not all be put back ({why if lost else 'an earlier failure'}): "
-                                    "the engine refuses to run the model; keep it paused and refit again "
-                                    "(a completed update serves again)")
-            else:
-                _tell_state(failed, f"{PREVIOUS_KEPT} {what} version {version} was not installed; the engine holds "
-                                    f"{previous} whole and may serve it (/resume)")
 
-        def update_weights(self, update_info: dict[str, Any]) -> None:
-            self.receive_weights(self.parse_update_info(update_info))
+def _make_engine_class() -> type:
+    """``MegarefitWeightTransferEngine``: :class:`_EngineLifecycle` on vLLM's ``WeightTransferEngine``
+    (built on first use, as importing vLLM is slow and optional)."""
 
-        def finish_weight_update(self) -> None:
-            window = self.window
-            if window is None:
-                raise MegarefitError("finish_weight_update without start_weight_update")
-            self._close(window)
+    class MegarefitWeightTransferEngine(_EngineLifecycle, _engine_base()):  # type: ignore[misc]
+        __doc__ = _EngineLifecycle.__doc__
 
-        def _close_receivers(self) -> None:
-            """Stop the receivers' heartbeats: trainers' ``wait_receivers`` drop them once their lease ends."""
-            for receiver in (getattr(self, "receiver", None), getattr(self, "draft_receiver", None)):
-                if receiver is not None:
-                    receiver.close()
-            self.receiver = None  # type: ignore[assignment]
-            self.draft_receiver = None
-
-        def shutdown(self) -> None:
-            if getattr(self, "window", None) is not None:
-                self._close(self.window, failed=MegarefitError("shut down during an open weight update"))
-            self._close_receivers()
-
+    MegarefitWeightTransferEngine.__qualname__ = "MegarefitWeightTransferEngine"
     return MegarefitWeightTransferEngine
 
 
