@@ -6,7 +6,8 @@ source, strided on the destination. Run on a GPU machine from the repo root:
 
     python benchmarks/bench_box_copies.py [--config tests/data/configs/Qwen3-8B.json] [--tp 2] [--layers 36]
 
-Times (CUDA events, every one of ``--repeat`` warm calls; median (min-max) shown) for the same bytes: one contiguous ``copy_``; the boxes
+Times (CUDA events, every one of ``--repeat`` warm calls; median (min-max) shown) for the same
+bytes: one contiguous ``copy_``; the boxes
 through :class:`~megarefit.transport.boxcopy.BoxCopies` (one batched Triton launch); one
 ``copy_`` per box (PyTorch's strided copy kernel); and, where CuPy is installed,
 ``cudaMemcpy2DAsync`` per box (the copy engines' strided path). ``--from-json FILE`` prints

@@ -107,8 +107,8 @@ def table(rows: list[dict]) -> str:
     """The markdown table of one case (as printed, and as docs/benchmarks.md shows it): the warm
     cycles' median (and best); ratio: the plain copy's best (its other cycles were not
     recorded) over the path's median."""
-    lines = ["| path | warm ms median (best) | GB/s (median) | vs plain copy | cold s | open s | extra GPU MB (measured) "
-             "| equal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| path | warm ms median (best) | GB/s (median) | vs plain copy | cold s | open s "
+             "| extra GPU MB (measured) | equal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         med = r.get("median_s") or r["best_s"]
         lines.append(f"| {r['path']} | {med * 1e3:.1f} ({r['best_s'] * 1e3:.1f}) | {r['bytes'] / med / 1e9:.0f} "

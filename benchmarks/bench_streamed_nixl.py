@@ -97,8 +97,9 @@ def table(rows: list[dict]) -> str:
     the warm cycles' median (and best); ratios: the raw READ's best (its other cycles were not
     recorded) over the median, the median over the staged row's median."""
     staged = next((r["median_s"] for r in rows if r["install"] == "staged"), rows[0]["staged_best_s"])
-    lines = [("| install | budget | groups | warm ms median (best) | GB/s (median) | vs raw NIXL READ | vs staged | pull ms "
-              "| extra MB (counted) | extra MB (measured) | equal |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [("| install | budget | groups | warm ms median (best) | GB/s (median) | vs raw NIXL READ | vs staged "
+              "| pull ms | extra MB (counted) | extra MB (measured) | equal |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         measured = "-" if r["measured_peak_extra_bytes"] is None else f"{r['measured_peak_extra_bytes'] / 1e6:.0f}"
         b = r["budget"]
@@ -125,7 +126,8 @@ def checksum_summary(path: str) -> str:
             train.append(r["trainer_checksum_s"] / (r["trainer_served_bytes"] / 1e9) * 1e3)
     gpu = rows[0]["machine"].rsplit("GPU ", 1)[-1]
     return (f"Verifying checksums adds {min(recv):.1f}-{max(recv):.1f} ms per GB to a receiver's warm cycle and "
-            f"{min(train):.1f}-{max(train):.1f} ms per GB served to each trainer publish (median cycles, two {gpu} GPUs).")
+            f"{min(train):.1f}-{max(train):.1f} ms per GB served to each trainer publish (median cycles, "
+            f"two {gpu} GPUs).")
 
 
 def describe(r: dict) -> str:

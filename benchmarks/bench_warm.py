@@ -51,11 +51,11 @@ def table(records: list[dict]) -> str:
              "| case | GB | " + " | ".join(paths) + f" | **refit vs {BASE}** | refit vs `_foreach_copy_` | "
              "refit vs per-shard loop |", "|---|---:|" + "---:|" * (len(paths) + 3)]
     for r in records:
-        s = r["samples"]
-        lines.append(f"| {_case(r)} | {r['bytes'] / 1e9:.2f} | " + " | ".join(_fmt(s[p]) for p in paths)
-                     + f" | **{ratio(r, 'megarefit warm refit'):.2f}x** | "
-                     f"{statistics.median(s['_foreach_copy_ of the shards']) / statistics.median(s['megarefit warm refit']):.2f}x | "
-                     f"{statistics.median(s['copy_ per shard (Python loop)']) / statistics.median(s['megarefit warm refit']):.2f}x |")
+        s = {k: statistics.median(v) for k, v in r["samples"].items()}
+        refit = s["megarefit warm refit"]
+        lines.append(f"| {_case(r)} | {r['bytes'] / 1e9:.2f} | " + " | ".join(_fmt(r["samples"][p]) for p in paths)
+                     + f" | **{s[BASE] / refit:.2f}x** | {s['_foreach_copy_ of the shards'] / refit:.2f}x | "
+                     f"{s['copy_ per shard (Python loop)'] / refit:.2f}x |")
     return "\n".join(lines)
 
 
@@ -112,7 +112,8 @@ def measure(ns: argparse.Namespace) -> dict:
         samples[name] = time_each(fn, ns.repeat, ns.device)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "device": ns.device, "config": Path(ns.config).stem, "layers": dims.num_layers, "tp": ns.tp,
-            "ep": ns.ep, "bytes": plan.nbytes, "ops": len(plan.ops), "shards": len(src), "shard_bytes": src_bytes, "samples": samples}
+            "ep": ns.ep, "bytes": plan.nbytes, "ops": len(plan.ops), "shards": len(src), "shard_bytes": src_bytes,
+            "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:
