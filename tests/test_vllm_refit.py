@@ -18,6 +18,7 @@ same in bf16, with bf16 trainers (the CPU harness in bfloat16) and a bf16 engine
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -29,13 +30,13 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
-import megarefit  # noqa: E402
 from megarefit.integrations.hf import save_checkpoint  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import VersionMismatchError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
+from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
 from vllm_helpers import EXT, PROMPT_TEXT, e2e_config, initial_checkpoint, same_generation  # noqa: E402
 from vllm_helpers import hf_generate as _hf_generate  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402
@@ -127,8 +128,10 @@ def _hf_model(cfg, shards, tmp_path):
     offline -- an independent path from the NIXL refit into vLLM."""
     import transformers
 
-    save_checkpoint(tmp_path, cfg, megarefit.megatron_to_hf(shards, cfg, tp=2))
-    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    like = hf_checkpoint_state(cfg, tmp_path / "like")  # HF's own names and shapes (save_pretrained)
+    hf = unshard(shards, like, functools.partial(reference_shards, cfg=cfg, tp=2, pp=1))  # no megarefit layout code
+    save_checkpoint(tmp_path / "hf", cfg, hf)
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
 
 
 def _assert_same(vllm_out, hf_out):

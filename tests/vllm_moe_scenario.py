@@ -52,18 +52,32 @@ def config(moe_intermediate_size: int, gpt_oss: bool = False, nemotron_h: bool =
         "intermediate_size": 96, "bos_token_id": 0, "eos_token_id": 1}
 
 
+def sharder(cfg: dict, ranks: list, tp: int, ep: int, gpt_oss: bool, nemotron_h: bool):
+    """The independent reference sharding (tests/reference.py) of the trainers' Megatron models
+    (local spec, SequentialMLP experts, pp 1): ``hf -> {rank: shards}``."""
+    import functools
+
+    from reference import gpt_oss_reference_shards, moe_reference_shards, nemotron_h_reference_shards
+
+    if nemotron_h:
+        return functools.partial(nemotron_h_reference_shards, cfg=cfg, ranks=ranks, tp=tp, ep=ep)
+    if gpt_oss:
+        return functools.partial(gpt_oss_reference_shards, cfg=cfg, ranks=ranks, tp=tp, pp=1, ep=ep)
+    return functools.partial(moe_reference_shards, cfg=cfg, family="qwen3_moe", tp=tp, pp=1, ep=ep, etp=1)
+
+
 def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False,
          engine_sharded: bool = False, gpt_oss: bool = False, nemotron_h: bool = False) -> dict:
     import vllm
     from vllm.config import WeightTransferConfig
 
-    import megarefit
     from conftest import hf_model_from
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
     from megarefit.demo.workers import start_workers
     from megarefit.integrations.vllm import register
     from megarefit.online.rendezvous import Rendezvous
+    from reference import hf_checkpoint_state, unshard
     from vllm_helpers import EXT, PROMPTS, hf_generate, same_generation, vllm_generate
 
     register()
@@ -112,11 +126,12 @@ def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed
         out["vllm"]["2"] = vllm_generate(llm)
         rdzv.mark_consumed(2)
 
-        for v in (1, 2):  # independent path: offline translation of the snapshots, HF's own loader
+        for v in (1, 2):  # independent path: the snapshots undone by the reference sharder, HF's own loader
             ranks = [(t, 0, 0) for t in range(tp)] if ep == 1 else [(0, 0, e) for e in range(ep)]
             shards = {r: torch.load(snap / f"v{v}-tp{r[0]}-pp0-ep{r[2]}.pt") for r in ranks}
-            out["hf"][str(v)] = hf_generate(hf_model_from(megarefit.megatron_to_hf(shards, cfg, tp=tp, ep=ep), cfg,
-                                                          work / f"hf{v}"))
+            hf = unshard(shards, hf_checkpoint_state(cfg, work / f"like{v}"), sharder(cfg, ranks, tp, ep, gpt_oss,
+                                                                                        nemotron_h))
+            out["hf"][str(v)] = hf_generate(hf_model_from(hf, cfg, work / f"hf{v}"))
         return out
     finally:
         rdzv.mark_consumed(1)
