@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -267,7 +268,7 @@ def run_server(ns: argparse.Namespace) -> None:
     """Replace this process with the vLLM server; :data:`CPU_SERVER_ENV` fills what is unset."""
     env = {**CPU_SERVER_ENV, **os.environ}
     cmd = server_command(ns.model, ns.host, ns.port)
-    print("+ " + " ".join(f"{k}={env[k]}" for k in CPU_SERVER_ENV) + " " + " ".join(cmd[1:]), flush=True)
+    print("+ " + " ".join(f"{k}={env[k]}" for k in CPU_SERVER_ENV) + " python " + shlex.join(cmd[1:]), flush=True)
     os.execve(sys.executable, cmd, env)
 
 

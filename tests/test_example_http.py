@@ -29,16 +29,19 @@ from reference import reference_shards  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_http.py"
+sys.path.insert(0, str(EXAMPLE.parent))
+import rl_http  # noqa: E402  (the example's prompts and rollout length)
 STEPS = 2
 
 
 def hf_from_shards(shards: dict, cfg: dict, tp: int) -> dict[str, torch.Tensor]:
     """The HF state whose :func:`reference_shards` are ``shards`` (``{(t, 0, 0): {name: tensor}}``)."""
-    names = [n for n in _hf_shapes(cfg)]
-    probe = {n: torch.zeros(s, dtype=torch.float64, requires_grad=True) for n, s in _hf_shapes(cfg).items()}
-    mapped = reference_shards(probe, cfg, tp=tp, pp=1)
-    ones = sum((t * 1.0).sum() for r in mapped for t in mapped[r].values())
-    counts = torch.autograd.grad(ones, [probe[n] for n in names], retain_graph=True, allow_unused=True)
+    shapes = _hf_shapes(cfg)
+    names = list(shapes)
+    probe = {n: torch.zeros(s, dtype=torch.float64, requires_grad=True) for n, s in shapes.items()}
+    mapped = reference_shards(probe, cfg, tp=tp, pp=1)  # linear in probe: its transpose is autograd's
+    total = sum(t.sum() for r in mapped for t in mapped[r].values())
+    counts = torch.autograd.grad(total, [probe[n] for n in names], retain_graph=True, allow_unused=True)
     dot = sum((mapped[r][n] * shards[r][n].double()).sum() for r in mapped for n in mapped[r])
     sums = torch.autograd.grad(dot, [probe[n] for n in names], allow_unused=True)
     hf = {}
@@ -46,7 +49,7 @@ def hf_from_shards(shards: dict, cfg: dict, tp: int) -> dict[str, torch.Tensor]:
         assert c is not None and bool((c > 0).all()), f"{n}: not every element reaches the shards"
         hf[n] = (s / c).float()
     again = reference_shards(hf, cfg, tp=tp, pp=1)
-    reach = reference_shards({n: torch.ones(s) for n, s in _hf_shapes(cfg).items()}, cfg, tp=tp, pp=1)
+    reach = reference_shards({n: torch.ones(s) for n, s in shapes.items()}, cfg, tp=tp, pp=1)
     for r in again:  # forward again: exactly the shards, but for the vocabulary's padding rows
         assert again[r].keys() == shards[r].keys(), (sorted(again[r]), sorted(shards[r]))
         for n in again[r]:
@@ -108,9 +111,6 @@ def test_the_demo_trains_and_refits_every_step(demo):
 
 @pytest.mark.parametrize("step", range(1, STEPS + 1))
 def test_the_server_serves_the_trainers_weights_after_each_step(demo, step, tmp_path):
-    sys.path.insert(0, str(EXAMPLE.parent))
-    import rl_http
-
     work, log, _ = demo
     cfg = json.loads((work / "config.json").read_text())
     shards = {(t, 0, 0): torch.load(work / "out" / f"step{step}-tp{t}.pt") for t in range(2)}
