@@ -1,9 +1,9 @@
 """Streamed refits (``RefitReceiver(memory_budget=...)``), with real NIXL agents (UCX loopback).
 
 A streamed receiver pulls groups of whole layers through one bounded ring and hands each group
-over as it lands. Its tensors must equal, bit for bit, what a staged receiver hands over and
-what the offline translator gives for the same shards (an independent path: no NIXL, no
-ring), with a budget under 10% of the share; the receiver's extra memory (ring + scratch, as
+over as it lands. Its tensors must equal, bit for bit, what a staged receiver hands over and,
+for a whole-model receiver, the HF tensors the reference sharder sharded (block-FP8: as vLLM's
+own quantizer makes them), with a budget under 10% of the share; the receiver's extra memory (ring + scratch, as
 it counts it and as its ring and scratch tensors measure) stays within the budget.
 """
 
@@ -22,9 +22,9 @@ from megarefit.online.receiver import TornUpdateError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.online.stream import MemoryBudgetError  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
-from megarefit.translate import megatron_to_hf  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
 from reference import moe_hf_state, moe_reference_shards, reference_hf_state, reference_shards  # noqa: E402
+from reference import vllm_fp8_checkpoint  # noqa: E402
 
 _JOBS = iter(range(10**6))
 LAYERS = 32  # a layer is ~3% of the share: a budget under 10% holds a ring of two layers
@@ -54,9 +54,9 @@ def _cases(config):
     moe = moe_config("Qwen3-30B-A3B", num_hidden_layers=LAYERS, mlp_only_layers=[])
     moe_hf = moe_hf_state(moe, "qwen3_moe")
     return {
-        "dense-hf": (dense, reference_shards(hf, dense, tp=2, pp=1), 2, 1, None, None),
-        "dense-vllm-tp2": (dense, reference_shards(hf, dense, tp=2, pp=1), 2, 1, VllmTarget(2, 1), None),
-        "moe-ep2": (moe, moe_reference_shards(moe_hf, moe, "qwen3_moe", tp=1, pp=1, ep=2, etp=1), 1, 2, None, None),
+        "dense-hf": (dense, hf, 2, 1, None, None),
+        "dense-vllm-tp2": (dense, hf, 2, 1, VllmTarget(2, 1), None),
+        "moe-ep2": (moe, moe_hf, 1, 2, None, None),
         "dense-fp8": (config("Llama-3.1-8B", num_hidden_layers=2 * LAYERS, hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64), None, 2, 1, None, "fp8"),
     }
@@ -64,9 +64,11 @@ def _cases(config):
 
 @pytest.mark.parametrize("case", ["dense-hf", "dense-vllm-tp2", "moe-ep2", "dense-fp8"])
 def test_streamed_equals_staged_and_the_offline_translation(config, case):
-    cfg, shards, tp, ep, target, quantization = _cases(config)[case]
-    if shards is None:  # FP8: 128x128 blocks need larger dims
-        shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=tp, pp=1)
+    cfg, hf, tp, ep, target, quantization = _cases(config)[case]
+    if hf is None:  # FP8: 128x128 blocks need larger dims
+        hf = reference_hf_state(cfg, "llama")
+    shards = (moe_reference_shards(hf, cfg, "qwen3_moe", tp=tp, pp=1, ep=ep, etp=1) if ep > 1
+              else reference_shards(hf, cfg, tp=tp, pp=1))
     job, rdzv, pubs = _serve(cfg, shards, tp, ep, quantization)
     staged = RefitReceiver(rdzv, name=f"{job}-staged", timeout=60, target=target)
     for p in pubs:
@@ -85,8 +87,9 @@ def test_streamed_equals_staged_and_the_offline_translation(config, case):
         ring = streamed._stream
         measured = ring.ring.numel() + streamed.transport._scratch.numel()
         assert stats.peak_extra_bytes == measured <= budget < 0.1 * share
-    if target is None:  # the offline translator of the same shards: no NIXL, no ring
-        offline = megatron_to_hf(shards, cfg, tp=tp, ep=ep, quantization=quantization)
+    if target is None:  # the model the shards were made from: no NIXL, no ring, no megarefit layout code
+        offline = hf if quantization is None else vllm_fp8_checkpoint(
+            hf, {n for n in hf if n.endswith("_proj.weight")})  # every attention / MLP projection, 128x128 blocks
         assert {n for n, _ in got} == set(offline)
         for name, t in got:
             assert torch.equal(t.view(torch.uint8), offline[name].view(torch.uint8)), name
