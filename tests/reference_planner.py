@@ -4,9 +4,10 @@ compare the columnar planner (:mod:`megarefit.planner.megatron_to_hf`) against, 
 
 It imports nothing of megarefit's layout geometry, planner or targets. From megarefit it takes
 the family's name table (rows: Megatron pattern, role name, HF names, shape symbols, through
-``ModelDims``), the config's sizes (``ModelDims``), the trainer's sizes (``SourceLayout``'s
-fields) and the plan's data types and op constructors (``make_op`` / ``merge_ops``: byte
-offsets and merging are the plan's encoding, not geometry). Megatron-Core's conventions::
+``ModelDims.spec``), the config's sizes and layer kinds (``ModelDims``), the trainer's sizes
+(``SourceLayout``'s fields), the plain ``Box`` / ``RankCoord`` tuples and the plan's data types
+and op constructors (``make_op`` / ``merge_ops``: byte offsets and merging are the plan's
+encoding, not geometry). Megatron-Core's conventions::
 
     ranks        tp fastest: stage-local rank r is tp rank r % tp, expert ep rank (r // etp) % ep
     column       rank r holds rows [r*n/tp, (r+1)*n/tp)       row: columns, the same
