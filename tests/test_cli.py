@@ -203,13 +203,36 @@ def test_plan_for_one_vllm_worker(capsys):
     assert "485 ops (485 contiguous sliced pulls, 0 scratch copies), 17.64 GB" in out
 
 
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_one_worker_of_tp1_pulls_the_whole_model_in_its_format(quantization, capsys):
+    """One vLLM worker at tp=1 holds every weight: it pulls 100% of the model, FP8 bytes against
+    the model's FP8 bytes (not against its bf16 size: once 57.6%)."""
+    rc = main(["plan", "--config", str(CONFIG_DIR / "Qwen3-8B.json"), "--tp", "2", "--vllm-tp", "1",
+               "--quantization", quantization])
+    out = capsys.readouterr().out
+    pulled = re.search(r"this worker pulls ([\d,.]+ GB) of the model's ([\d,.]+ GB) in the same format \(([\d.]+)%\)",
+                       out)
+    assert rc == 0 and pulled and pulled[1] == pulled[2] and pulled[3] == "100.0", out
+    wire = re.search(r"([\d,.]+ GB) on the wire vs", out)
+    assert (wire[1] == pulled[1]) if quantization == "fp8" else wire is None, out
+
+
 def test_bench_reports_the_ratio(capsys):
-    """`megarefit bench` on CPU: a warm refit of a 2-layer Qwen3 and the plain copy of the
-    same bytes, from one run (no speed asserted; the numbers must be there)."""
+    """`megarefit bench` on CPU: a warm refit of a 2-layer Qwen3 and the baseline copy of the
+    same bytes, from one run (no speed asserted): two timing rows (best and median seconds,
+    GB/s, a ratio "N.NNx"), the baseline at 1.00x and the refit's ratio = baseline best / refit best
+    as printed."""
     rc = main(["bench", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--layers", "2", "--repeat", "2",
                "--device", "cpu"])
     out = capsys.readouterr().out
-    assert rc == 0 and "plain copy (preallocated)" in out and "megarefit warm refit" in out and "x" in out
+    cell = r"\s*│\s*"
+    rows = re.findall(rf"^│\s*(\S.*?){cell}(\d+\.\d{{4}}){cell}(\d+\.\d{{4}}){cell}\d+\.\d{cell}(\d+\.\d\d)x\s*│$",
+                      out, re.MULTILINE)
+    assert rc == 0 and len(rows) == 2, out
+    (base, base_best, base_median, base_ratio), = [r for r in rows if not r[0].startswith("megarefit")]
+    (refit, best, median, ratio), = [r for r in rows if r[0].startswith("megarefit warm refit")]
+    assert base_ratio == "1.00" and float(best) <= float(median) and float(base_best) <= float(base_median), out
+    assert float(ratio) == pytest.approx(float(base_best) / float(best), rel=0.02, abs=0.011), out
 
 
 BENCH = ["bench", "--config", str(CONFIG_DIR / "Qwen3-0.6B.json"), "--layers", "2", "--repeat", "2", "--device", "cpu"]
@@ -399,6 +422,8 @@ def test_demo_expert_layouts_it_cannot_build_are_refused_before_any_process(argv
     (["bench", "--config", "Qwen3-0.6B.json", "--device", "foo"], "unknown device 'foo': use cpu or cuda[:N]"),
     (["demo", "--seq", "0"], "--seq: must be a positive integer, got '0'"),
     (["demo", "--versions", "-1"], "--versions: must be a positive integer"),
+    (["plan", "--config", "Qwen3-8B.json", "--svg", "x.bogus"], "cannot draw 'x.bogus': the file's suffix picks the "
+     "format, one of .svg, .png, .pdf"),
 ])
 def test_bad_arguments_are_one_clear_error_before_any_work(argv, message, capsys):
     argv = [str(CONFIG_DIR / a) if a.endswith(".json") and not a.startswith("/") else a for a in argv]
@@ -439,6 +464,28 @@ def test_tables_are_not_cut_when_piped(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "…" not in proc.stdout
     assert "decoder.layers.47.mlp.experts.linear_fc1.weight127" in proc.stdout
+
+
+def test_plan_tables_keep_whole_headers_when_piped():
+    """`megarefit plan | less`: no terminal, no COLUMNS: every header and value whole (not `pp sta…`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "plan", "--config", str(CONFIG_DIR / "Qwen3-8B.json"),
+                           "--tp", "2", "--pp", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "…" not in proc.stdout, proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if "ranks" in line)
+    assert re.findall(r"┃\s*([^┃]+?)\s*(?=┃)", header) == ["pp stage", "ranks", "layers", "ops", "contiguous",
+                                                           "scratch", "bytes"], header
+    assert re.search(r"│\s+0 │\s+2 │\s+18 │\s+325 │\s+289 │\s+36 │ 4.09 GB - 4.10 GB │", proc.stdout), proc.stdout
+
+
+@pytest.mark.parametrize("path", ["[bold]x.json", "pip install 'megarefit[nixl]'/config.json"])
+def test_errors_keep_bracketed_text(path, capsys, tmp_path):
+    """Error text is printed as text, not rich markup: `[bold]` and `megarefit[nixl]` stay."""
+    missing = tmp_path / path
+    assert main(["plan", "--config", str(missing)]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(missing) in lines[0] and "does not exist" in lines[0], lines
 
 
 def test_plan_draws_which_rank_feeds_which_worker(tmp_path, capsys):

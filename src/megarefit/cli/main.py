@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import megarefit
@@ -145,9 +146,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         console.print(_fp8_line(fp8_weight_count(plan), [q.reason for q in plan.quantize], fmt, plan.nbytes,
                                 unquantized_bytes, args.dtype))
     if target is not None:
-        full = plan_megatron_to_hf(dims, layout, args.dtype).nbytes
-        console.print(f"this worker pulls {_mb(plan.nbytes)} of the model's {_mb(full)} "
-                      f"({100 * plan.nbytes / full:.1f}%)")
+        console.print(_share_line(plan.nbytes, _whole_model_bytes(dims, layout, args.dtype, fmt)))
     timing = f"planned + validated in {plan_s:.3f} s"
     if meta_s is not None:
         timing += f"; executed on meta tensors in {meta_s:.3f} s"
@@ -155,11 +154,30 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(plan.to_json())
-        console.print(f"plan written to {args.json}")
+        console.print(f"plan written to {escape(args.json)}")
     if args.svg:
         _picture(args, plan, target, dims, layout, fmt)
-        console.print(f"picture written to {args.svg}")
+        console.print(f"picture written to {escape(args.svg)}")
     return 0
+
+
+def _whole_model_bytes(dims: Any, layout: Any, dtype: str, fmt: Any) -> int:
+    """Bytes of the whole model as full HF tensors in the refit's format: ``dtype``, or block FP8
+    (weights + scales, the rest in ``dtype``) when ``fmt`` is an FP8 format."""
+    from megarefit.planner import plan_megatron_to_hf
+
+    full = plan_megatron_to_hf(dims, layout, dtype)
+    if fmt is None:
+        return full.nbytes
+    from megarefit.quant.planning import plan_fp8
+
+    return plan_fp8(full, fmt).nbytes
+
+
+def _share_line(worker_bytes: int, model_bytes: int) -> str:
+    """One worker's pull against the whole model, both in the same format (bytes)."""
+    return (f"this worker pulls {_mb(worker_bytes)} of the model's {_mb(model_bytes)} in the same format "
+            f"({100 * worker_bytes / model_bytes:.1f}%)")
 
 
 PLAN_COLUMNS = ("tp", "pp", "ep", "layers", "ops", "contiguous", "scratch", "bytes", "scratch_bytes")
@@ -266,7 +284,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shards = random_shards(plan, device, getattr(torch, plan.dtype))
     result = bench_refit(plan, device=device, repeat=args.repeat, shards=shards)
-    console.print(f"machine: {machine()}")
+    console.print(f"machine: {escape(machine())}")
     what = _target_line(target, dims) if target is not None else "target: full HF tensors"
     console.print(f"{dims.family}, {dims.num_layers} layers, trainer tp={args.tp} ep={args.ep}, {args.dtype} on "
                   f"{device}; {what}; {_mb(result.bytes)}, {result.ops} ops")
@@ -418,13 +436,13 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
                           quantization=args.quantization, shrink=args.shrink, status=lambda msg: status.update(msg))
     plan, stats = result.plan, result.stats
     for note in result.notes:
-        console.print(f"config: {note}")
+        console.print(f"config: {escape(note)}")
     console.print(_model_line(result.dims, plan.layout.padded_vocab_size))
     experts = f", {plan.layout.expert_layout} experts" if result.dims.num_experts else ""
     model_class = "MambaModel" if result.dims.layer_pattern else "GPTModel"
     console.print(f"trainer: real Megatron-Core {model_class}, tp={args.tp} pp={args.pp} ep={args.ep} "
                   f"etp={plan.layout.etp}{experts} on gloo (CPU, fp32), megatron-core {plan.layout.megatron.version}; "
-                  f"target: HF transformers {result.config['architectures'][0]}")
+                  f"target: HF transformers {escape(str(result.config['architectures'][0]))}")
     console.print(plan_table(plan, per_rank=True))
     times = Table(title="refit stages")
     times.add_column("stage")
@@ -456,7 +474,7 @@ def _fp8_line(weights: int, receiver: list[str], fmt: Any, nbytes: int, unquanti
     line = (f"block FP8 {fmt.block[0]}x{fmt.block[1]}{' (UE8M0 scales)' if fmt.ue8m0 else ''}: {weights} weights, "
             f"{weights - len(receiver)} quantized on the trainers, {len(receiver)} on the receiver")
     if receiver:
-        line += f" (e.g. {receiver[0]})"
+        line += f" (e.g. {escape(receiver[0])})"
     return line + f"; {_mb(nbytes)} on the wire vs {_mb(unquantized)} in {dtype} ({nbytes / unquantized:.2f}x)"
 
 
@@ -493,6 +511,17 @@ def output_path(value: str) -> str:
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {value!r}: directory {str(parent)!r} does not exist")
     return value
+
+
+def picture_path(value: str) -> str:
+    """argparse type: :func:`output_path` whose suffix names a picture format the plot writes."""
+    from megarefit.cli.picture import check_picture_path
+
+    try:
+        check_picture_path(value)
+    except MegarefitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return output_path(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -543,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-execute-meta", dest="execute_meta", action="store_false",
                       help="the default: validation only")
     plan.add_argument("--json", metavar="FILE", type=output_path, help="write the serialized plan")
-    plan.add_argument("--svg", metavar="FILE", type=output_path,
+    plan.add_argument("--svg", metavar="FILE", type=picture_path,
                       help="draw bytes per trainer rank and receiver (every vLLM worker with --vllm-tp), and which "
                            "are strided, as SVG/PNG/PDF by the suffix (needs matplotlib: megarefit[bench])")
     _add_vllm_args(plan)
@@ -606,13 +635,27 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                         "default: the megatron-core installed here)")
 
 
+PIPE_WIDTH = 10_000  # columns of a console that is not a terminal: no table is cut
+
+
+def stdout_console() -> Console:
+    """The console the commands print to: a terminal's own width; in a pipe or a log (no
+    terminal), :data:`PIPE_WIDTH` columns, so tables keep whole headers and names. Long lines
+    are never wrapped (they stay greppable)."""
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(soft_wrap=True, width=PIPE_WIDTH)
+    return console
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(soft_wrap=True)  # long lines stay greppable in logs
+    console = stdout_console()
     try:
         return args.func(args, console)
     except (MegarefitError, OSError) as exc:  # bad input: one line, no traceback
-        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        # the message is text, not markup: `pip install 'megarefit[nixl]'` keeps its brackets
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
 
 

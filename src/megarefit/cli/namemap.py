@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from megarefit.layout import RankCoord
@@ -39,16 +40,15 @@ def name_map_table(entries: list[NameMapEntry], *, bridge: bool) -> Table:
     for e in entries:
         role = f"{e.role} ({e.parallel})" + (" tied copy, not exported" if e.duplicate else "") + (
             f"; {e.transform}" if e.transform else "")
-        row = [e.megatron, ranks_text(e.ranks), role, _hf_text(e.hf)]
+        row = [escape(e.megatron), ranks_text(e.ranks), escape(role), escape(_hf_text(e.hf))]
         if bridge:
-            row += [e.other_kind or "[red]none[/]", "[red]no[/]" if e.megatron in bad else "yes"]
+            row += [escape(e.other_kind) if e.other_kind else "[red]none[/]",
+                    "[red]no[/]" if e.megatron in bad else "yes"]
         table.add_row(*row)
     return table
 
 
 def cmd_name_map(args: argparse.Namespace, console: Console, config: Any, dims: Any, layout: Any) -> int:
-    if not console.is_terminal:  # logs and pipes: full names on one line each, greppable
-        console = Console(width=240, soft_wrap=True)
     entries = name_map(dims, layout)
     report = NameMapReport(dims.family, layout.to_dict(), entries)
     if args.from_bridge:
@@ -63,7 +63,7 @@ def cmd_name_map(args: argparse.Namespace, console: Console, config: Any, dims: 
             for col in ("Megatron pattern", "HF pattern(s)", "mapping"):
                 patterns.add_column(col, overflow="fold")
             for p in bridge_patterns(config):
-                patterns.add_row(p.megatron, "\n".join(p.hf), p.kind)
+                patterns.add_row(escape(p.megatron), escape("\n".join(p.hf)), escape(p.kind))
             console.print(patterns)
     if args.format == "json":
         print(report.to_json())
@@ -75,7 +75,7 @@ def cmd_name_map(args: argparse.Namespace, console: Console, config: Any, dims: 
             if report.disagreements:
                 console.print(f"[bold red]{len(report.disagreements)} disagreement(s) with Megatron-Bridge:[/]")
                 for d in report.disagreements:
-                    console.print(f"  {d}")
+                    console.print(f"  {escape(str(d))}")
             else:
                 console.print("megarefit's table and Megatron-Bridge agree on every parameter.")
     return 1 if report.disagreements else 0

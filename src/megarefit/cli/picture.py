@@ -5,9 +5,12 @@ of them are strided (through scratch), as two heat maps (matplotlib, ``pip insta
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from megarefit.errors import MegarefitError
+
+FORMATS = ("svg", "png", "pdf")  # file suffixes draw() writes (matplotlib picks the format by the suffix)
 
 
 def bytes_matrix(plans: Sequence[Any]) -> tuple[list[str], list[list[int]], list[list[int]]]:
@@ -21,11 +24,20 @@ def bytes_matrix(plans: Sequence[Any]) -> tuple[list[str], list[list[int]], list
     return labels, pulled, strided
 
 
+def check_picture_path(path: str) -> None:
+    """Raise :class:`MegarefitError` unless ``path``'s suffix is one of :data:`FORMATS`."""
+    if Path(path).suffix.lower().removeprefix(".") not in FORMATS:
+        raise MegarefitError(f"cannot draw {path!r}: the file's suffix picks the format, one of "
+                             f"{', '.join('.' + f for f in FORMATS)}")
+
+
 def draw(path: str, plans: Sequence[Any], receivers: Sequence[str], title: str) -> None:
     """Write the picture of ``plans`` (one per receiver, labelled ``receivers``) to ``path``.
 
     Raises:
-        MegarefitError: matplotlib is not installed (names the extra to install)."""
+        MegarefitError: ``path``'s suffix is not one of :data:`FORMATS`, or matplotlib is not
+            installed (names the extra to install)."""
+    check_picture_path(path)
     try:
         import matplotlib
 
@@ -57,4 +69,4 @@ def draw(path: str, plans: Sequence[Any], receivers: Sequence[str], title: str) 
     plt.close(fig)
 
 
-__all__ = ["bytes_matrix", "draw"]
+__all__ = ["FORMATS", "bytes_matrix", "check_picture_path", "draw"]
