@@ -79,7 +79,7 @@ def _measure(rdzv, ns: argparse.Namespace, label: str, cycles: int, *, install: 
     s = rx.stats
     model_bytes = sum(t.numel() * t.element_size() for t in model.values()) if install else 0
     row = {"path": label, "cycles": cycles, "cold_s": times[0], "best_s": min(times[1:] or times),
-           "median_s": statistics.median(times[1:] or times), "bytes": s.bytes_moved, "ipc_bytes": s.ipc_bytes,
+           "median_s": statistics.median(times[1:] or times), "samples": times[1:], "bytes": s.bytes_moved, "ipc_bytes": s.ipc_bytes,
            "ipc_ranks": s.ipc_ranks, "install": s.install, "groups": s.groups, "warm_seconds": s.seconds,
            "peak_extra_bytes": torch.cuda.max_memory_allocated(ns.device) - base - model_bytes,
            "counted_extra_bytes": s.peak_extra_bytes,
@@ -91,12 +91,13 @@ def _measure(rdzv, ns: argparse.Namespace, label: str, cycles: int, *, install: 
     return row
 
 
-def _plain_copy(nbytes: int, ns: argparse.Namespace, best_of) -> float:
-    """Best seconds of ``dst.copy_(src)`` of ``nbytes`` on the device (freed after)."""
+def _plain_copy(nbytes: int, ns: argparse.Namespace, time_each) -> list[float]:
+    """Seconds of each of ``ns.cycles`` warm ``dst.copy_(src)`` of ``nbytes`` on the device,
+    one contiguous copy each (freed after)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=ns.device)
     dst = torch.empty_like(src)
-    best, _ = best_of(lambda: dst.copy_(src), ns.cycles, ns.device)
-    return best  # src and dst are freed on return; the caller empties the cache
+    dst.copy_(src)  # cold
+    return time_each(lambda: dst.copy_(src), ns.cycles, ns.device)  # freed on return; the caller empties the cache
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -107,14 +108,21 @@ def table(rows: list[dict]) -> str:
     """The markdown table of one case (as printed, and as docs/benchmarks.md shows it): the warm
     cycles' median (and best); ratio: the plain copy's best (its other cycles were not
     recorded) over the path's median."""
-    lines = ["| path | warm ms median (best) | GB/s (median) | vs plain copy | cold s | open s "
+    lines = ["| path | warm ms median (min-max, or best) | GB/s (median) | vs plain copy | cold s | open s "
              "| extra GPU MB (measured) | equal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         med = r.get("median_s") or r["best_s"]
-        lines.append(f"| {r['path']} | {med * 1e3:.1f} ({r['best_s'] * 1e3:.1f}) | {r['bytes'] / med / 1e9:.0f} "
-                     f"| {r['copy_best_s'] / med:.2f}x | {r.get('cold_s', 0):.3f} "
+        ms = (f"{med * 1e3:.1f} ({min(r['samples']) * 1e3:.1f}-{max(r['samples']) * 1e3:.1f})" if r.get("samples")
+              else f"{med * 1e3:.1f} ({r['best_s'] * 1e3:.1f})")
+        lines.append(f"| {r['path']} | {ms} | {r['bytes'] / med / 1e9:.0f} "
+                     f"| {_copy(r) / med:.2f}x | {r.get('cold_s', 0):.3f} "
                      f"| {r.get('open_s', 0):.3f} | {r.get('peak_extra_bytes', 0) / 1e6:.0f} | {r.get('equal', '-')} |")
     return "\n".join(lines)
+
+
+def _copy(r: dict) -> float:
+    """The baseline's seconds: the plain copy's median where every copy was recorded, else its best."""
+    return r.get("copy_median_s") or r["copy_best_s"]
 
 
 def summary(path: str) -> str:
@@ -123,14 +131,15 @@ def summary(path: str) -> str:
     rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
     def span(path_name: str) -> str:
-        v = [r["copy_best_s"] / r["median_s"] for r in rows if r["path"] == path_name]
+        v = [_copy(r) / r["median_s"] for r in rows if r["path"] == path_name]
         return f"{min(v):.2f}-{max(v):.2f}x"
 
     gpu = rows[0]["machine"].rsplit("GPU ", 1)[-1]
     return (f"On one {gpu} a warm CUDA IPC pull runs at {span('CUDA IPC, staged (pull only)')} of one plain device "
             f"copy of the same bytes, pull + install into the model at {span('CUDA IPC, staged + install')} "
             f"(streamed straight into the model: {span('CUDA IPC, streamed (auto budget), direct into the model')}; "
-            f"median warm cycle against the copy's best).")
+            + ("median warm cycle against the copy's median, " + rows[0]["date"] if "copy_median_s" in rows[0]
+               else "median warm cycle against the copy's best") + ").")
 
 
 def describe(r: dict) -> str:
@@ -172,7 +181,7 @@ def _print_recorded(path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     from bench_nixl import _setup, trainer
 
-    from megarefit.demo.bench import bench_config, best_of, machine
+    from megarefit.demo.bench import bench_config, machine, time_each
     from megarefit.demo.workers import start_workers
     from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
@@ -193,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     rdzv = Rendezvous.serve(job="bench")
     group = start_workers(trainer, world_size=ranks, args=(rdzv.port, cfg, args))
     rdzv.store.wait([f"bench/quantize/{r}" for r in range(ranks)], timedelta(seconds=900))
-    copy_best = _plain_copy(plan.nbytes, ns, best_of)
+    copy_times = _plain_copy(plan.nbytes, ns, time_each)
+    copy_best = min(copy_times)
     torch.cuda.empty_cache()
     staged: dict = {}
     rows = [_measure(rdzv, ns, "CUDA IPC, staged (pull only)", ns.cycles, install=False, keep=staged,
@@ -223,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     target = (f"vLLM worker 0 of tp={ns.vllm_tp}" + (" EP" if ns.vllm_ep else "")) if ns.vllm_tp else "full HF tensors"
     head = {"machine": machine(), "label": ns.label, "config": Path(ns.config).stem, "layers": dims.num_layers,
             "tp": layout.tp, "ep": layout.ep, "etp": layout.etp, "expert_layout": layout.expert_layout,
-            "ranks": ranks, "target": target, "device": ns.device, "copy_best_s": copy_best}
+            "ranks": ranks, "target": target, "device": ns.device, "copy_best_s": copy_best,
+            "copy_median_s": statistics.median(copy_times), "date": time.strftime("%Y-%m-%d")}
     rows = [{**head, **r} for r in rows]
-    rows.append({**head, "path": "plain device copy, same bytes", "best_s": copy_best, "bytes": rows[0]["bytes"]})
+    rows.append({**head, "path": "plain device copy, same bytes", "best_s": copy_best,
+                 "median_s": statistics.median(copy_times), "samples": copy_times, "bytes": rows[0]["bytes"]})
     print(describe(rows[0]) + "\n\n" + table(rows), flush=True)
     print("warm stage seconds (staged):", {k: round(v, 5) for k, v in rows[0]["warm_seconds"].items()})
     print(f"copies per cycle: {rows[0]['copies']}; storages opened: {rows[0]['storages_opened']}")
