@@ -253,7 +253,8 @@ def main() -> None:
                                 "cold": per_cycle[0], "warm_best": min(warm), "warm_median": statistics.median(warm),
                                 "raw_best": best_raw, "nccl_best": min(nccl) if nccl else None,
                                 "descriptors": [r["descriptors"] for r in results], "machine": machine(),
-                                "date": time.strftime("%Y-%m-%d")}) + "\n")
+                                "date": time.strftime("%Y-%m-%d"),
+                                "samples": {"warm": warm, "raw": list(raw_cycle), "nccl": list(nccl or [])}}) + "\n")
 
 
 if __name__ == "__main__":
