@@ -20,6 +20,7 @@ server serving its last version.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -36,12 +37,12 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
-import megarefit  # noqa: E402
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.integrations.hf import save_checkpoint  # noqa: E402
 from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
 from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -174,8 +175,10 @@ def served(tmp_path_factory):
 def _hf(cfg, shards, tmp_path):
     import transformers
 
-    save_checkpoint(tmp_path, cfg, megarefit.megatron_to_hf(shards, cfg, tp=2))
-    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    like = hf_checkpoint_state(cfg, tmp_path / "like")  # HF's own names and shapes (save_pretrained)
+    hf = unshard(shards, like, functools.partial(reference_shards, cfg=cfg, tp=2, pp=1))  # no megarefit layout code
+    save_checkpoint(tmp_path / "hf", cfg, hf)
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
 
 
 def test_the_comparison_works_on_this_server(served):
