@@ -127,14 +127,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.format != "table":
         _print_rows(plan, args.format, plan_s)
         return 0
-    console.print(_model_line(dims, padded))
-    experts = (f", {dims.num_experts} experts (etp={layout.etp}, {layout.expert_layout})"
-               if dims.num_experts else "")
-    console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
-                  f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}, "
-                  f"megatron-core {layout.megatron.version}")
-    if target is not None:
-        console.print(_target_line(target, dims))
+    _print_plan_header(console, args, dims, padded, layout, target)
     console.print(plan_table(plan, per_rank=args.per_rank))
     s = plan.summary()
     console.print(f"{s['sources']} Megatron tensors -> {s['targets']} {'vLLM' if target else 'HF'} tensors; "
@@ -178,6 +171,19 @@ def _share_line(worker_bytes: int, model_bytes: int) -> str:
     """One worker's pull against the whole model, both in the same format (bytes)."""
     return (f"this worker pulls {_mb(worker_bytes)} of the model's {_mb(model_bytes)} in the same format "
             f"({100 * worker_bytes / model_bytes:.1f}%)")
+
+
+def _print_plan_header(console: Console, args: argparse.Namespace, dims: Any, padded: int, layout: Any,
+                       target: Any) -> None:
+    """``megarefit plan``'s first lines: the model, the trainer layout and the vLLM worker (if any)."""
+    console.print(_model_line(dims, padded))
+    experts = (f", {dims.num_experts} experts (etp={layout.etp}, {layout.expert_layout})"
+               if dims.num_experts else "")
+    console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
+                  f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}, "
+                  f"megatron-core {layout.megatron.version}")
+    if target is not None:
+        console.print(_target_line(target, dims))
 
 
 PLAN_COLUMNS = ("tp", "pp", "ep", "layers", "ops", "contiguous", "scratch", "bytes", "scratch_bytes")
@@ -531,28 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="real Megatron-Core -> HF refit on CPU, with a logits check")
-    demo.add_argument("--config", help="HF config.json, or a directory holding one (default: a small "
-                                       "Qwen3-architecture config); a large config is shrunk to a CPU-sized model "
-                                       "of the same architecture")
-    demo.add_argument("--tp", type=positive_int, default=2, help="trainer tensor-parallel size (default 2)")
-    demo.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
-    demo.add_argument("--ep", type=positive_int, default=1,
-                      help="trainer expert-parallel size, MoE configs (default 1; tp*pp*ep processes)")
-    demo.add_argument("--etp", type=positive_int, help="expert tensor-parallel size: 1 or tp (default: tp; 1 for experts with biases)")
-    demo.add_argument("--expert-layout", choices=["sequential", "legacy_grouped", "te_grouped"], default="sequential",
-                      help="Megatron experts module, MoE configs: sequential (SequentialMLP, default) or "
-                           "legacy_grouped (GroupedMLP); te_grouped needs Transformer Engine (GPU)")
-    demo.add_argument("--no-shrink", dest="shrink", action="store_false",
-                      help="build the config as given (default: shrink configs too large for a CPU demo)")
-    demo.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence in the logits check")
-    demo.add_argument("--transport", choices=["local", "nixl"], default="local",
-                      help="local: in-process shards (default); nixl: trainers serve live shards over NIXL")
-    demo.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                      help="refit target: HF transformers (default) or a real vLLM engine (needs --transport nixl)")
-    demo.add_argument("--versions", type=positive_int, default=2, help="weight versions to refit with --transport nixl")
-    demo.add_argument("--quantization", choices=["none", "fp8"], default="none",
-                      help="fp8: block-FP8 refit (trainer-side where blocks allow), logits compared within FP8 "
-                           "tolerance")
+    _add_demo_args(demo)
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser("plan", help="build and validate a refit plan from shapes alone")
@@ -593,6 +578,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="table (default) or json (layout and one entry per Megatron parameter)")
     names.set_defaults(func=cmd_name_map)
     return parser
+
+
+def _add_demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="HF config.json, or a directory holding one (default: a small "
+                                    "Qwen3-architecture config); a large config is shrunk to a CPU-sized model "
+                                    "of the same architecture")
+    p.add_argument("--tp", type=positive_int, default=2, help="trainer tensor-parallel size (default 2)")
+    p.add_argument("--pp", type=positive_int, default=1, help="trainer pipeline-parallel size (default 1)")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="trainer expert-parallel size, MoE configs (default 1; tp*pp*ep processes)")
+    p.add_argument("--etp", type=positive_int, help="expert tensor-parallel size: 1 or tp (default: tp; 1 for experts with biases)")
+    p.add_argument("--expert-layout", choices=["sequential", "legacy_grouped", "te_grouped"], default="sequential",
+                   help="Megatron experts module, MoE configs: sequential (SequentialMLP, default) or "
+                        "legacy_grouped (GroupedMLP); te_grouped needs Transformer Engine (GPU)")
+    p.add_argument("--no-shrink", dest="shrink", action="store_false",
+                   help="build the config as given (default: shrink configs too large for a CPU demo)")
+    p.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence in the logits check")
+    p.add_argument("--transport", choices=["local", "nixl"], default="local",
+                   help="local: in-process shards (default); nixl: trainers serve live shards over NIXL")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="refit target: HF transformers (default) or a real vLLM engine (needs --transport nixl)")
+    p.add_argument("--versions", type=positive_int, default=2, help="weight versions to refit with --transport nixl")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: block-FP8 refit (trainer-side where blocks allow), logits compared within FP8 "
+                        "tolerance")
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
