@@ -69,3 +69,13 @@ def test_the_hybrid_demo_without_triton_names_the_fix(capsys, monkeypatch):
     assert main(["demo", "--config", str(CONFIG_DIR / "NVIDIA-Nemotron-3-Nano-30B-A3B.json")]) == 2
     lines = _one_line(capsys)
     assert len(lines) == 1 and "needs triton" in lines[0] and "pip install triton" in lines[0], lines
+
+
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B.json", "NVIDIA-Nemotron-3-Nano-30B-A3B.json"])
+def test_the_live_demo_refuses_moe_and_hybrid_configs_in_one_line(name, capsys):
+    """`demo --transport nixl` shrinks configs like the local demo, and builds dense trainers only:
+    an MoE or hybrid config is one line before any process (an MoE one once failed after the
+    trainers ran, at the HF install)."""
+    assert main(["demo", "--transport", "nixl", "--engine", "hf", "--config", str(CONFIG_DIR / name)]) == 2
+    lines = _one_line(capsys)
+    assert len(lines) == 1 and "--transport nixl builds dense GPT trainers only" in lines[0], lines

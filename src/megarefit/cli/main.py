@@ -402,7 +402,9 @@ def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
                              "builds dense trainers only")
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
-                               status=lambda msg: status.update(msg))
+                               shrink=args.shrink, status=lambda msg: status.update(msg))
+    for note in result.notes:
+        console.print(f"config: {escape(note)}")
     console.print(_model_line(result.dims, result.dims.padded_vocab_size(args.tp)))
     console.print(f"trainer: real Megatron-Core, tp={args.tp} pp={args.pp}, publishing live shards over NIXL "
                   f"(UCX); engine: {args.engine}; startup {result.startup_s['trainers + engine start']:.1f} s")

@@ -48,6 +48,7 @@ class LiveResult:
     cycles: list[LiveCycle] = field(default_factory=list)
     initial_tokens: list[list[int]] = field(default_factory=list)
     startup_s: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what shrinking the config changed (demo/shrink.py)
 
     @property
     def passed(self) -> bool:
@@ -71,7 +72,7 @@ def greedy(model: torch.nn.Module, max_tokens: int) -> list[list[int]]:
 
 
 def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm", tp: int = 2, pp: int = 1,
-                  versions: int = 2, max_tokens: int = 8,
+                  versions: int = 2, max_tokens: int = 8, shrink: bool = True,
                   status: Callable[[str], None] = lambda _: None) -> LiveResult:
     """Run the live demo; see the module docstring.
 
@@ -88,12 +89,22 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
     from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.translate import megatron_to_hf
 
+    from megarefit.demo.shrink import shrink_config
+    from megarefit.errors import MegarefitError
+
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
+    notes: list[str] = []
+    if shrink:  # like the local demo: a CPU-sized model of the same architecture
+        cfg, notes = shrink_config(cfg)
     dims = ModelDims.from_hf_config(cfg)
+    if dims.num_experts or dims.layer_pattern:
+        raise MegarefitError(f"--transport nixl builds dense GPT trainers only; this {dims.family} config has "
+                             f"{'experts' if dims.num_experts else 'Mamba layers'}: run it with the default "
+                             "--transport local")
     dims.check_layout(tp, pp)
     gpt_arch_from_hf(cfg, tp=tp)
     check_memory(dims, tp, pp)
-    result = LiveResult(engine, dims)
+    result = LiveResult(engine, dims, notes=notes)
     work = Path(tempfile.mkdtemp(prefix="megarefit-demo-"))
     (work / "snapshots").mkdir()
     job = f"demo-{os.getpid()}"
