@@ -1,13 +1,18 @@
-"""An independent export planner: one Python object per source tensor and per op, its shard
-geometry written here from Megatron-Core's layout conventions, for tests/test_plan_columns.py to
-compare the columnar planner (:mod:`megarefit.planner.megatron_to_hf`) against, op for op.
+"""An independent export planner and vLLM worker layout, for tests/test_plan_columns.py to
+compare megarefit's planners against, op for op.
 
-It imports nothing of megarefit's layout geometry, planner or targets. From megarefit it takes
-the family's name table (rows: Megatron pattern, role name, HF names, shape symbols, through
-``ModelDims.spec``), the config's sizes and layer kinds (``ModelDims``), the trainer's sizes
-(``SourceLayout``'s fields), the plain ``Box`` / ``RankCoord`` tuples and the plan's data types
-and op constructors (``make_op`` / ``merge_ops``: byte offsets and merging are the plan's
-encoding, not geometry). Megatron-Core's conventions::
+It reads the model's sizes from the HF config dict and takes the trainer's layout as plain
+ints (:class:`Layout`); its name table and shard geometry are written here from
+Megatron-Core's and vLLM's conventions. From megarefit it takes only the plan's output format:
+``TensorRef`` / ``TensorMeta`` / ``CopyOp``, their ``Box`` and ``RankCoord`` fields (named
+through :mod:`megarefit.plan.ops`), ``make_op`` (byte offsets of a box) and ``merge_ops``
+(joining continuing ops). Nothing of ``megarefit.layout``'s dims, ``megarefit.specs``,
+``megarefit.planner`` or ``megarefit.targets`` is imported.
+
+Covered: Llama / Qwen2 / Qwen3 (dense), Qwen3-MoE and Mixtral (routed experts in all three
+Megatron expert layouts), both layer specs, any tp / pp / ep / etp, tied embeddings. Not
+covered (no comparison here): MLA / DSA (DeepSeek, GLM), gpt-oss's fused experts, Mamba,
+MTP, FP8 receiver staging in vLLM targets. Megatron-Core's conventions::
 
     ranks        tp fastest: stage-local rank r is tp rank r % tp, expert ep rank (r // etp) % ep
     column       rank r holds rows [r*n/tp, (r+1)*n/tp)       row: columns, the same
@@ -16,26 +21,120 @@ encoding, not geometry). Megatron-Core's conventions::
     gated mlp    rank r holds [gate_r; up_r]
     experts      ep rank e holds experts [e*E/ep, (e+1)*E/ep), split over etp like the dense roles
     legacy grouped  weight1 [h, E_l*2F/etp] = per expert [gate_r^T | up_r^T]; weight2 [E_l*F/etp, h]
-    gpt-oss fused   HF [E, in, out] per expert (gate / up interleaved on the last dim), Megatron [out, in]
+
+vLLM's (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py, fused_moe)::
+
+    QKVParallelLinear     rank t: [q heads t*H/T..; kv head t // (T/G)] when T >= G (kv replicated),
+                          else [q heads t*H/T..; kv heads t*G/T..]; k and v alike
+    MergedColumnParallel  [gate_t; up_t]             RowParallelLinear: columns [t*n/T, (t+1)*n/T)
+    VocabParallelEmbedding / ParallelLMHead: vocab padded to a multiple of 64, rows split over T
+    FusedMoE              w13 [E_l, 2F/Tm, h] = [gate_t; up_t] per slot, w2 [E_l, h, F/Tm];
+                          EP (Tm = 1): rank t holds E//T experts (+1 for t < E % T), linearly placed
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import NamedTuple
 
-from megarefit import Box, ModelDims, RankCoord, SourceLayout
-from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, merge_ops, validate_plan
+from megarefit.plan import CopyOp, TensorMeta, TensorRef, itemsize, make_op, merge_ops
+from megarefit.plan.ops import Box, RankCoord  # the plan's coordinate types (CopyOp / TensorRef fields)
 
-ROWS_SPLIT = {"column", "vocab", "qkv", "gated_mlp", "expert_gated_mlp", "expert_column", "segmented",
-              "expert_gate_up_fused", "grouped_expert_fc2"}  # split on dim 0 over tp (etp for experts)
-COLS_SPLIT = {"row", "expert_row", "expert_row_fused", "grouped_expert_fc1"}  # split on dim 1
-FUSED = {"expert_gate_up_fused", "expert_row_fused", "expert_replicated_fused"}
-GROUPED = {"grouped_expert_fc1", "grouped_expert_fc2"}
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 
-def _is_expert(role: str) -> bool:
-    return role.startswith(("expert_", "grouped_expert_"))
+class Layout(NamedTuple):
+    """A trainer layout as plain values."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    padded_vocab: int
+    stage_layers: tuple[int, ...]
+    layer_spec: str = "local"  # or "te"
+    expert_layout: str = "sequential"  # or "te_grouped", "legacy_grouped"
+
+
+class Row(NamedTuple):
+    megatron: str  # with {layer} / {expert}
+    role: str
+    hf: tuple[str, ...]  # with {layer} / {expert}
+    shape: tuple[int, ...]  # unsplit (vocab padded); legacy grouped: one expert's block as stored
+
+
+class Model:
+    """The sizes an HF config dict gives (KeyError: a family this reference does not cover)."""
+
+    def __init__(self, cfg: dict):
+        self.family = FAMILIES[cfg["architectures"][0]]
+        self.hidden, self.heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        self.groups = cfg.get("num_key_value_heads") or self.heads
+        self.head_dim = cfg.get("head_dim") or self.hidden // self.heads
+        self.ffn, self.vocab, self.layers = cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+        self.tied = cfg.get("tie_word_embeddings", False)
+        self.experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        self.moe_ffn = cfg.get("moe_intermediate_size", self.ffn) if self.family == "qwen3_moe" else self.ffn
+        self.qkv_bias = self.family == "qwen2" or bool(cfg.get("attention_bias"))
+        self.proj_bias = self.family != "qwen2" and bool(cfg.get("attention_bias"))
+        self.mlp_bias = self.family == "llama" and bool(cfg.get("mlp_bias"))
+        self.qk_norm = self.family in ("qwen3", "qwen3_moe")
+        self._dense = set(cfg.get("mlp_only_layers") or ())
+        self._step = cfg.get("decoder_sparse_step") or 1
+
+    def is_moe(self, layer: int) -> bool:
+        if self.family == "mixtral":
+            return True
+        return self.family == "qwen3_moe" and layer not in self._dense and (layer + 1) % self._step == 0
+
+
+def layer_rows(m: Model, layout: Layout, moe: bool) -> list[Row]:
+    """One decoder layer's tensors, in the order the replicated ones are read round-robin."""
+    L, H, h, d = "decoder.layers.{layer}.", "model.layers.{layer}.", m.hidden, m.head_dim
+    te, A = layout.layer_spec == "te", H + "self_attn."
+    qkv = (A + "q_proj.", A + "k_proj.", A + "v_proj.")
+    rows = [Row(L + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"), "replicated",
+                (H + "input_layernorm.weight",), (h,)),
+            Row(L + "self_attention.linear_qkv.weight", "qkv", tuple(n + "weight" for n in qkv),
+                ((m.heads + 2 * m.groups) * d, h)),
+            Row(L + "self_attention.linear_proj.weight", "row", (A + "o_proj.weight",), (h, m.heads * d))]
+    if m.qkv_bias:
+        rows.insert(2, Row(L + "self_attention.linear_qkv.bias", "qkv", tuple(n + "bias" for n in qkv),
+                           ((m.heads + 2 * m.groups) * d,)))
+    if m.proj_bias:
+        rows.append(Row(L + "self_attention.linear_proj.bias", "replicated", (A + "o_proj.bias",), (h,)))
+    if m.qk_norm:
+        rows += [Row(L + f"self_attention.{x}_layernorm.weight", "replicated", (A + f"{x}_norm.weight",), (d,))
+                 for x in "qk"]
+    post = H + "post_attention_layernorm.weight"
+    if not moe:
+        M = H + "mlp."
+        rows.append(Row(L + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"), "replicated",
+                        (post,), (h,)))
+        rows.append(Row(L + "mlp.linear_fc1.weight", "gated", (M + "gate_proj.weight", M + "up_proj.weight"),
+                        (2 * m.ffn, h)))
+        if m.mlp_bias:
+            rows.append(Row(L + "mlp.linear_fc1.bias", "gated", (M + "gate_proj.bias", M + "up_proj.bias"),
+                            (2 * m.ffn,)))
+        rows.append(Row(L + "mlp.linear_fc2.weight", "row", (M + "down_proj.weight",), (h, m.ffn)))
+        if m.mlp_bias:
+            rows.append(Row(L + "mlp.linear_fc2.bias", "replicated", (M + "down_proj.bias",), (h,)))
+        return rows
+    block = H + ("block_sparse_moe." if m.family == "mixtral" else "mlp.")
+    g, u, dn = (block + "experts.{expert}." + p + ".weight" for p in (
+        ("w1", "w3", "w2") if m.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")))
+    E, f = L + "mlp.experts.", m.moe_ffn
+    fc1, fc2 = {"sequential": (E + "local_experts.{expert}.linear_fc1.weight",
+                               E + "local_experts.{expert}.linear_fc2.weight"),
+                "te_grouped": (E + "linear_fc1.weight{expert}", E + "linear_fc2.weight{expert}"),
+                "legacy_grouped": (E + "weight1", E + "weight2")}[layout.expert_layout]
+    legacy = layout.expert_layout == "legacy_grouped"
+    return rows + [Row(L + "pre_mlp_layernorm.weight", "replicated", (post,), (h,)),
+                   Row(L + "mlp.router.weight", "replicated", (block + "gate.weight",), (m.experts, h)),
+                   Row(fc1, "grouped_fc1" if legacy else "expert_gated", (g, u), (h, 2 * f) if legacy else (2 * f, h)),
+                   Row(fc2, "grouped_fc2" if legacy else "expert_row", (dn,), (f, h) if legacy else (h, f))]
 
 
 def _rows(shape, start, n) -> Box:
@@ -46,12 +145,16 @@ def _full(shape) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 
 
+def _is_expert(role: str) -> bool:
+    return role.startswith(("expert_", "grouped_"))
+
+
 class _Geometry:
     """Shapes and row runs of one model under one trainer layout."""
 
-    def __init__(self, dims: ModelDims, layout: SourceLayout):
-        self.dims, self.layout = dims, layout
-        self.per_ep = dims.num_experts // layout.ep if dims.num_experts else 0
+    def __init__(self, m: Model, layout: Layout):
+        self.m, self.layout = m, layout
+        self.per_ep = m.experts // layout.ep if m.experts else 0
         n = math.lcm(layout.tp, layout.etp * layout.ep)  # the (tp, ep) pairs of one stage
         self.pairs = sorted({(r % layout.tp, (r // layout.etp) % layout.ep) for r in range(n)})
 
@@ -61,68 +164,53 @@ class _Geometry:
     def dense_ep(self, tp: int) -> int:  # the copy of a dense shard read: stage-local rank r = tp
         return (tp // self.layout.etp) % self.layout.ep
 
-    def split(self, spec) -> int:
-        return self.layout.etp if _is_expert(spec.role.value) else self.layout.tp
+    def split(self, row: Row) -> int:
+        return self.layout.etp if _is_expert(row.role) else self.layout.tp
 
-    def whole(self, spec) -> tuple[int, ...]:  # at tp 1, vocab padded (grouped: one expert's block)
-        return tuple(self.dims.size(s, padded_vocab=self.layout.padded_vocab_size) for s in spec.shape)
+    def view(self, row: Row) -> tuple[int, ...]:  # legacy grouped: [E_l, h, 2F/etp] / [E_l, F/etp, h]
+        (a, b), etp = row.shape, self.layout.etp
+        return (self.per_ep, a, b // etp) if row.role == "grouped_fc1" else (self.per_ep, a // etp, b)
 
-    def view(self, spec) -> tuple[int, ...]:  # legacy grouped: [E_l, h, 2F/etp] / [E_l, F/etp, h]
-        a, b = self.whole(spec)
-        etp = self.layout.etp
-        return (self.per_ep, a, b // etp) if spec.role.value == "grouped_expert_fc1" else (self.per_ep, a // etp, b)
-
-    def local(self, spec) -> tuple[int, ...]:
-        role, shape, k = spec.role.value, self.whole(spec), self.split(spec)
-        if role in GROUPED:
-            e, a, b = self.view(spec)
-            return (a, e * b) if role == "grouped_expert_fc1" else (e * a, b)
-        if role in ROWS_SPLIT:
+    def local(self, row: Row) -> tuple[int, ...]:
+        shape, k = row.shape, self.split(row)
+        if row.role.startswith("grouped_"):
+            e, a, b = self.view(row)
+            return (a, e * b) if row.role == "grouped_fc1" else (e * a, b)
+        if row.role in ("vocab", "qkv", "gated", "expert_gated"):
             return (shape[0] // k,) + shape[1:]
-        return (shape[0], shape[1] // k) if role in COLS_SPLIT else shape
+        return (shape[0], shape[1] // k) if row.role in ("row", "expert_row") else shape
 
-    def hf_shapes(self, spec) -> list[tuple[int, ...]]:
-        role, shape, d = spec.role.value, self.whole(spec), self.dims
-        if role == "qkv":
-            q, kv = d.num_attention_heads * d.head_dim, d.num_query_groups * d.head_dim
-            return [(q,) + shape[1:], (kv,) + shape[1:], (kv,) + shape[1:]]
-        if role in ("gated_mlp", "expert_gated_mlp"):
+    def hf_shapes(self, row: Row) -> list[tuple[int, ...]]:
+        shape, m = row.shape, self.m
+        if row.role == "qkv":
+            return [(m.heads * m.head_dim,) + shape[1:]] + [(m.groups * m.head_dim,) + shape[1:]] * 2
+        if row.role in ("gated", "expert_gated"):
             return [(shape[0] // 2,) + shape[1:]] * 2
-        if role == "grouped_expert_fc1":
+        if row.role == "grouped_fc1":
             return [(shape[1] // 2, shape[0])] * 2
-        if role == "grouped_expert_fc2":
+        if row.role == "grouped_fc2":
             return [(shape[1], shape[0])]
-        return [(d.vocab_size,) + shape[1:]] if role == "vocab" else [shape]
+        return [(m.vocab,) + shape[1:]] if row.role == "vocab" else [shape]
 
-    def runs(self, spec, names, r: int) -> list[tuple[str, int, int, int, bool]]:
+    def runs(self, row: Row, names, r: int) -> list[tuple[str, int, int, int, bool]]:
         """``(HF name, local start, HF start, length, columns)`` of TP rank ``r``'s local tensor."""
-        role, shape, k = spec.role.value, self.whole(spec), self.split(spec)
+        role, shape, k = row.role, row.shape, self.split(row)
         r = r if k > 1 else 0
         n = shape[0] // k
-        if role == "replicated" and spec.head_rotate:  # Megatron head [nope; rope] -> HF [rope; nope]
-            head, rope = (self.dims.size(s) for s in spec.head_rotate)
-            return [x for h in range(0, shape[0], head)
-                    for x in ((names[0], h + head - rope, h, rope, False), (names[0], h, h + rope, head - rope, False))]
         if role == "replicated":
             return [(names[0], 0, 0, shape[0], False)]
-        if role == "column":
-            return [(names[0], 0, r * n, n, False)]
         if role in ("row", "expert_row"):
             return [(names[0], 0, r * (shape[1] // k), shape[1] // k, True)]
         if role == "vocab":
-            keep = min(n, self.dims.vocab_size - r * n)
+            keep = min(n, self.m.vocab - r * n)
             return [(names[0], 0, r * n, keep, False)] if keep > 0 else []
-        if role in ("gated_mlp", "expert_gated_mlp"):
+        if role in ("gated", "expert_gated"):
             return [(names[0], 0, r * n // 2, n // 2, False), (names[1], n // 2, r * n // 2, n // 2, False)]
-        if role == "qkv":
-            return self._qkv(names, r * n, (r + 1) * n)
-        sizes = [self.dims.size(s) for s in (spec.segments or spec.shape[:1])]  # segmented, expert_column
-        return [(names[0], sum(sizes[:i]) // k, sum(sizes[:i]) + r * size // k, size // k, False)
-                for i, size in enumerate(sizes)]
+        return self._qkv(names, r * n, (r + 1) * n)
 
     def _qkv(self, names, lo: int, hi: int) -> list[tuple[str, int, int, int, bool]]:
-        d, g = self.dims.head_dim, self.dims.num_query_groups
-        hq = self.dims.num_attention_heads // g
+        d, g = self.m.head_dim, self.m.groups
+        hq = self.m.heads // g
         out = []
         for row in range(lo, hi):  # one run per row, joined below
             group, at = divmod(row, (hq + 2) * d)
@@ -135,155 +223,231 @@ class _Geometry:
         return out
 
 
-def _stage(spec) -> str:
-    if spec.megatron.startswith("mtp.layers."):
-        return "mtp"
-    if "{layer}" in spec.megatron:
-        return "layer"
-    return "first" if spec.megatron.startswith("embedding.") else "last"
-
-
 def _tensors(g: _Geometry):
     """``(rank, Megatron name, row, global layer, global expert, duplicate)`` of every tensor each rank
-    holds, in ``named_parameters()`` order: stage p holds its ``stage_layers[p]`` layers, the first
-    the embedding, the last the final norm, output layer and MTP layers (HF layer ``num_layers + i``,
-    after a kept-in-sync embedding copy on a last stage that is not the first)."""
-    dims, layout = g.dims, g.layout
-    rows = dims.spec.rows(dims.conditions(layout.pp, layout.megatron), layout.layer_spec, layout.expert_layout)
+    holds: stage p holds its ``stage_layers[p]`` layers, the first the embedding, the last the final
+    norm and output layer (a kept-in-sync embedding copy when tied and the last is not the first)."""
+    m, layout = g.m, g.layout
+    vocab = ("vocab", (layout.padded_vocab, m.hidden))
+    embed = Row("embedding.word_embeddings.weight", vocab[0], ("model.embed_tokens.weight",), vocab[1])
     for p in range(layout.pp):
         first, last = p == 0, p == layout.pp - 1
-        parts = [("first", [None])] if first else []
-        parts.append(("layer", range(layout.stage_layers[p])))
-        if last:
-            parts += [("last", [None]), ("mtp", range(layout.mtp_layers))]
         for t, e in g.pairs:
             rank = RankCoord(t, p, e)
-            for stage, layers in parts:
-                if stage == "mtp" and layout.mtp_layers and not first:
-                    for row in (r for r in rows if _stage(r) == "first"):
-                        yield rank, row.megatron_name(), row, None, None, True
-                for local in layers:
-                    glob = None if local is None else (
-                        dims.num_layers + local if stage == "mtp" else sum(layout.stage_layers[:p]) + local)
-                    for row in rows:
-                        if _stage(row) != stage or row.layer_kind not in (None, None if glob is None
-                                                                           else dims.layer_kind(glob)):
-                            continue
-                        if "{expert}" in row.megatron:
-                            for i in range(g.per_ep):
-                                yield rank, row.megatron_name(local, i), row, glob, e * g.per_ep + i, row.duplicate
-                        else:
-                            yield rank, row.megatron_name(local), row, glob, None, row.duplicate
+            if first:
+                yield rank, embed.megatron, embed, None, None, False
+            for local in range(layout.stage_layers[p]):
+                glob = sum(layout.stage_layers[:p]) + local
+                for row in layer_rows(m, layout, m.is_moe(glob)):
+                    if "{expert}" in row.megatron:
+                        for i in range(g.per_ep):
+                            yield rank, row.megatron.format(layer=local, expert=i), row, glob, e * g.per_ep + i, False
+                    else:
+                        yield rank, row.megatron.format(layer=local), row, glob, None, False
+            if last:
+                norm = Row("decoder.final_layernorm.weight", "replicated", ("model.norm.weight",), (m.hidden,))
+                yield rank, norm.megatron, norm, None, None, False
+                if not m.tied or not first:
+                    head = Row("output_layer.weight", vocab[0], ("model.embed_tokens.weight" if m.tied
+                                                                 else "lm_head.weight",), vocab[1])
+                    yield rank, head.megatron, head, None, None, m.tied
 
 
-def reference_megatron_to_hf(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
-                             experts: frozenset[int] | None = None) -> Plan:
-    """``plan_megatron_to_hf`` from :class:`_Geometry`: targets in first-seen order, ops merged per
-    target (the same sources, targets and ops, as sets, as the columnar planner)."""
-    g = _Geometry(dims, layout)
+def reference_megatron_to_hf(cfg: dict, layout: Layout, dtype: str = "bfloat16",
+                             experts: frozenset[int] | None = None):
+    """The export plan's ``(sources, targets, ops)``: ops merged per target (the same sources,
+    targets and ops, as sets, as megarefit's planner)."""
+    g = _Geometry(Model(cfg), layout)
     tensors = list(_tensors(g))
-    sources = {TensorRef(rank, name): TensorMeta(g.local(row), row.dtype or dtype)
-               for rank, name, row, *_ in tensors}
+    sources = {TensorRef(rank, name): TensorMeta(g.local(row), dtype) for rank, name, row, *_ in tensors}
     targets: dict[TensorRef, TensorMeta] = {}
     by_target: dict[TensorRef, list[CopyOp]] = defaultdict(list)
     replicas: dict[int, int] = defaultdict(int)  # replicated tensors read round-robin over tp, per stage
 
-    def emit(tdtype, src, sshape, sbox, name, hshape, dbox, stored=None, **kw):
+    def emit(src, sshape, sbox, name, hshape, dbox, **kw):
         dst = TensorRef(None, name)
-        targets.setdefault(dst, TensorMeta(hshape, tdtype, storage_shape=stored))
-        by_target[dst].append(make_op(src, sshape, sbox, dst, hshape, dbox, itemsize(tdtype), **kw))
+        targets.setdefault(dst, TensorMeta(hshape, dtype))
+        by_target[dst].append(make_op(src, sshape, sbox, dst, hshape, dbox, itemsize(dtype), **kw))
 
     for rank, name, row, layer, expert, duplicate in tensors:
-        role, src, tdtype = row.role.value, TensorRef(rank, name), row.dtype or dtype
-        if duplicate or (not _is_expert(role) and rank.ep != g.dense_ep(rank.tp)):
+        src = TensorRef(rank, name)
+        if duplicate or (not _is_expert(row.role) and rank.ep != g.dense_ep(rank.tp)):
             continue  # a kept-in-sync copy; a dense tensor's copy on another ep rank
         if experts is not None and expert is not None and expert not in experts:
             continue
-        if _is_expert(role) and layout.etp == 1 and layout.tp > 1:
+        if _is_expert(row.role) and layout.etp == 1 and layout.tp > 1:
             tps = g.expert_tps(rank.ep)
             if rank.tp != tps[0]:
                 continue  # whole experts on every tp rank: spread over the tp ranks that exist
-            if role not in GROUPED:
-                rank = RankCoord(tps[expert % len(tps)], rank.pp, rank.ep)
-                src = TensorRef(rank, name)
-        if role in GROUPED:
-            _grouped(g, src, row, layer, experts, tdtype, sources, emit)
-        elif role in FUSED:
-            if role == "expert_replicated_fused" and layout.etp > 1 and rank.tp != g.expert_tps(rank.ep)[0]:
-                continue  # whole on every expert-tp rank: read from the first
-            _fused(g, src, row, layer, expert, experts, tdtype, emit)
-        else:
-            if role == "replicated":
-                if rank.tp != 0:
-                    continue
-                k = replicas[rank.pp] % layout.tp
-                replicas[rank.pp] += 1
-                src = TensorRef(RankCoord(k, rank.pp, g.dense_ep(k)), name)
-            names, local = row.hf_names(layer, expert), g.local(row)
-            shapes = dict(zip(names, g.hf_shapes(row)))
-            for hf_name in names:
-                targets.setdefault(TensorRef(None, hf_name), TensorMeta(shapes[hf_name], tdtype))
-            for hf_name, s, d, n, cols in g.runs(row, names, src.rank.tp):
-                shape = shapes[hf_name]
-                sbox, dbox = (_full(local), Box((0, d), (shape[0], n))) if cols else (_rows(local, s, n),
-                                                                                     _rows(shape, d, n))
-                emit(tdtype, src, local, sbox, hf_name, shape, dbox)
+            if not row.role.startswith("grouped_"):
+                src = TensorRef(RankCoord(tps[expert % len(tps)], rank.pp, rank.ep), name)
+        if row.role.startswith("grouped_"):
+            _grouped(g, src, row, layer, experts, dtype, sources, emit)
+            continue
+        if row.role == "replicated":
+            if rank.tp != 0:
+                continue
+            k = replicas[rank.pp] % layout.tp
+            replicas[rank.pp] += 1
+            src = TensorRef(RankCoord(k, rank.pp, g.dense_ep(k)), name)
+        names, local = [n.format(layer=layer, expert=expert) for n in row.hf], g.local(row)
+        shapes = dict(zip(names, g.hf_shapes(row)))
+        for hf_name in names:
+            targets.setdefault(TensorRef(None, hf_name), TensorMeta(shapes[hf_name], dtype))
+        for hf_name, s, d, n, cols in g.runs(row, names, src.rank.tp):
+            shape = shapes[hf_name]
+            sbox, dbox = ((_full(local), Box((0, d), (shape[0], n))) if cols
+                          else (_rows(local, s, n), _rows(shape, d, n)))
+            emit(src, local, sbox, hf_name, shape, dbox)
     ops = [op for ref in targets for op in merge_ops(by_target[ref], sources, targets)]
-    plan = Plan("megatron_to_hf", dims, layout, dtype, sources, targets, tuple(ops),
-                digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
-                          None if experts is None else sorted(experts)))
-    validate_plan(plan)
-    return plan
+    return sources, targets, ops
 
 
-def _grouped(g: _Geometry, src, row, layer, experts, tdtype, sources, emit) -> None:
+def _grouped(g: _Geometry, src, row, layer, experts, dtype, sources, emit) -> None:
     """Legacy GroupedMLP: local expert j of the view is [gate_r^T | up_r^T] (weight1) or down_r^T
     (weight2, ``down_r`` = ``down_proj[:, r*F_l:(r+1)*F_l]``): transposed copies."""
     view, rank = g.view(row), src.rank
-    sources[src] = TensorMeta(view, tdtype, storage_shape=g.local(row))
+    sources[src] = TensorMeta(view, dtype, storage_shape=g.local(row))
     r = rank.tp if g.layout.etp > 1 else 0
     hf_shape = g.hf_shapes(row)[0]
     for j in range(view[0]):
         e = rank.ep * g.per_ep + j
         if experts is not None and e not in experts:
             continue
-        names = row.hf_names(layer, e)
-        if row.role.value == "grouped_expert_fc1":
+        names = [n.format(layer=layer, expert=e) for n in row.hf]
+        if row.role == "grouped_fc1":
             h, f = view[1], view[2] // 2
             for k in range(2):
-                emit(tdtype, src, view, Box((j, 0, k * f), (1, h, f)), names[k], hf_shape, _rows(hf_shape, r * f, f),
+                emit(src, view, Box((j, 0, k * f), (1, h, f)), names[k], hf_shape, _rows(hf_shape, r * f, f),
                      transpose=True, src_view=True)
         else:
             f, h = view[1], view[2]
-            emit(tdtype, src, view, Box((j, 0, 0), (1, f, h)), names[0], hf_shape, Box((0, r * f), (h, f)),
+            emit(src, view, Box((j, 0, 0), (1, f, h)), names[0], hf_shape, Box((0, r * f), (h, f)),
                  transpose=True, src_view=True)
 
 
-def _fused(g: _Geometry, src, row, layer, expert, experts, tdtype, emit) -> None:
-    """gpt-oss: expert ``expert``'s Megatron [out, in] weight (or bias) into the HF tensor holding
-    every owned expert, [E, in, out] (gate_up viewed [E, h, f, 2]: gate at even, up at odd columns)."""
-    dims, role = g.dims, row.role.value
-    owned = sorted(range(dims.num_experts) if experts is None else (e for e in experts if e < dims.num_experts))
-    slot, local, whole = owned.index(expert), g.local(row), g.whole(row)
-    stored = (len(owned),) + (whole[::-1] if len(whole) == 2 else whole)
-    view = stored[:-1] + (stored[-1] // 2, 2) if role == "expert_gate_up_fused" else stored
-    r, matrix = (src.rank.tp if g.layout.etp > 1 else 0), len(local) == 2
-    if role == "expert_gate_up_fused":
-        f = local[0] // 2
-        lead = ((slot, 0), (1, local[1])) if matrix else ((slot,), (1,))
-        copies = [(_rows(local, k * f, f), Box(lead[0] + (r * f, k), lead[1] + (f, 1)), matrix) for k in range(2)]
-    elif role == "expert_row_fused":
-        h, f = local
-        copies = [(_full(local), Box((slot, r * f, 0), (1, f, h)), True)]
+# ---- one vLLM worker's parameters, from vLLM's weight loaders
+
+class Piece(NamedTuple):
+    hf_name: str
+    hf_box: Box  # the part of the HF tensor
+    param_box: Box  # where it lands in the vLLM parameter
+
+
+class Param(NamedTuple):
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+class Refused(Exception):
+    """The model does not split over the worker's groups (vLLM would fail to build it)."""
+
+
+def _div(n: int, k: int, what: str) -> int:
+    if n % k:
+        raise Refused(f"{what}={n} over {k}")
+    return n // k
+
+
+def _stack(parts, lead=()) -> Param:
+    """Rows ``[first, first+n)`` of each HF ``(name, shape, first, n)`` stacked on the first non-slot dim."""
+    at, pieces = 0, []
+    for name, shape, first, n in parts:
+        rest = tuple(shape[1:])
+        place = Box(lead + (at,) + (0,) * len(rest), (1,) * len(lead) + (n,) + rest)
+        pieces.append(Piece(name, _rows(shape, first, n), place))
+        at += n
+    return Param((at,) + tuple(parts[0][1][1:]), tuple(pieces))
+
+
+def _cols(name, shape, T, t) -> Param:
+    n = _div(shape[1], T, name)
+    return Param((shape[0], n), (Piece(name, Box((0, t * n), (shape[0], n)), _full((shape[0], n))),))
+
+
+def worker_experts(cfg: dict, tp: int, rank: int, expert_parallel: bool) -> list[int] | None:
+    """vLLM's linear EP placement (``determine_expert_map``); ``None``: no EP, every expert."""
+    n = Model(cfg).experts
+    if not n or not expert_parallel or tp == 1:
+        return None
+    base, extra = divmod(n, tp)
+    start, count = rank * base + min(rank, extra), base + (rank < extra)
+    if not count:
+        raise Refused(f"EP rank {rank} of {tp} holds none of {n} experts")
+    return list(range(start, start + count))
+
+
+def vllm_params(cfg: dict, T: int, t: int, expert_parallel: bool = False) -> dict[str, Param]:
+    """Worker ``t`` of ``T``'s parameters (vLLM's names, local shapes, HF pieces).
+
+    Raises:
+        Refused: heads, kv heads, ffn or experts do not split over the worker's groups."""
+    m = Model(cfg)
+    h, d = m.hidden, m.head_dim
+    slots = worker_experts(cfg, T, t, expert_parallel)
+    Tm, tm = (1, 0) if slots is not None else (T, t)
+    slots = slots if slots is not None else list(range(m.experts))
+    padded = -(-m.vocab // 64) * 64  # vLLM's pad_vocab_size
+    per = padded // T
+    start, stop = t * per, min((t + 1) * per, m.vocab)
+
+    def vocab(name):
+        n = max(stop - start, 0)  # a rank past the real vocab holds padding only
+        return Param((per, h), (Piece(name, _rows((m.vocab, h), start, n), _rows((per, h), 0, n)),) if n else ())
+
+    heads = _div(m.heads, T, "num_attention_heads")
+    if T >= m.groups:
+        kv_n, kv_at = 1, t // _div(T, m.groups, "tp over num_key_value_heads")
     else:
-        per = local[::-1] if matrix else local
-        copies = [(_full(local), Box((slot,) + (0,) * len(per), (1,) + per), matrix)]
-    for sbox, dbox, tr in copies:
-        emit(tdtype, src, local, sbox, row.hf_names(layer)[0], view, dbox, None if view == stored else stored,
-             transpose=tr, dst_view=view != stored)
+        kv_n = _div(m.groups, T, "num_key_value_heads")
+        kv_at = t * kv_n
+    out = {"model.embed_tokens.weight": vocab("model.embed_tokens.weight")}
+    for layer in range(m.layers):
+        H = f"model.layers.{layer}."
+        A = H + "self_attn."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[H + norm + ".weight"] = Param((h,), (Piece(H + norm + ".weight", _full((h,)), _full((h,))),))
+        for kind in ("weight", "bias") if m.qkv_bias else ("weight",):
+            rest = (h,) if kind == "weight" else ()
+            q = [(A + "q_proj." + kind, (m.heads * d,) + rest, t * heads * d, heads * d)]
+            kv = [(A + p + kind, (m.groups * d,) + rest, kv_at * d, kv_n * d) for p in ("k_proj.", "v_proj.")]
+            out[A + "qkv_proj." + kind] = _stack(q + kv)
+        out[A + "o_proj.weight"] = _cols(A + "o_proj.weight", (h, m.heads * d), T, t)
+        whole = [A + "o_proj.bias"] * m.proj_bias + [A + "q_norm.weight", A + "k_norm.weight"] * m.qk_norm
+        out.update((n, Param((k,), (Piece(n, _full((k,)), _full((k,))),))) for n, k in
+                   zip(whole, [h] * m.proj_bias + [d, d] * m.qk_norm))
+        if m.is_moe(layer):
+            out.update(_fused_moe(m, layer, slots, Tm, tm))
+            continue
+        M, f = H + "mlp.", _div(m.ffn, T, "intermediate_size")
+        for kind in ("weight", "bias") if m.mlp_bias else ("weight",):
+            rest = (h,) if kind == "weight" else ()
+            out[M + "gate_up_proj." + kind] = _stack([(M + p + kind, (m.ffn,) + rest, t * f, f)
+                                                      for p in ("gate_proj.", "up_proj.")])
+        out[M + "down_proj.weight"] = _cols(M + "down_proj.weight", (h, m.ffn), T, t)
+        if m.mlp_bias:
+            out[M + "down_proj.bias"] = Param((h,), (Piece(M + "down_proj.bias", _full((h,)), _full((h,))),))
+    out["model.norm.weight"] = Param((h,), (Piece("model.norm.weight", _full((h,)), _full((h,))),))
+    if not m.tied:
+        out["lm_head.weight"] = vocab("lm_head.weight")
+    return out
 
 
-# ---- vLLM targets: the per-object re-targeting of an HF plan (before targets/vllm_columns.py)
+def _fused_moe(m: Model, layer: int, slots: list[int], Tm: int, tm: int) -> dict[str, Param]:
+    """The router (ReplicatedLinear) and FusedMoE's w13 / w2 of one MoE layer."""
+    B = f"model.layers.{layer}." + ("block_sparse_moe." if m.family == "mixtral" else "mlp.")
+    g, u, dn = ("w1", "w3", "w2") if m.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    h, F = m.hidden, m.moe_ffn
+    f = _div(F, Tm, "moe_intermediate_size")
+    w13 = [p for j, e in enumerate(slots) for p in _stack(
+        [(f"{B}experts.{e}.{x}.weight", (F, h), tm * f, f) for x in (g, u)], lead=(j,)).pieces]
+    w2 = [Piece(f"{B}experts.{e}.{dn}.weight", Box((0, tm * f), (h, f)), Box((j, 0, 0), (1, h, f)))
+          for j, e in enumerate(slots)]
+    return {B + "gate.weight": Param((m.experts, h), (Piece(B + "gate.weight", _full((m.experts, h)),
+                                                            _full((m.experts, h))),)),
+            B + "experts.routed_experts.w13_weight": Param((len(slots), 2 * f, h), tuple(w13)),
+            B + "experts.routed_experts.w2_weight": Param((len(slots), h, f), tuple(w2))}
+
 
 def _intersect(a: Box, b: Box) -> Box | None:
     offsets, lengths = [], []
@@ -308,46 +472,35 @@ def _source_part(op: CopyOp, part: Box) -> Box:
     return Box(lead + (s0 + p1 - d1, s1 + p0 - d0), (1,) * len(lead) + (n1, n0))
 
 
-def _placed(piece, part: Box) -> Box:
+def _placed(piece: Piece, part: Box) -> Box:
     """Where ``part`` (a sub-box of ``piece.hf_box``) lands in the parameter."""
     k = len(piece.param_box.offsets) - len(piece.hf_box.offsets)  # leading expert-slot dims
     return Box(piece.param_box.offsets[:k] + tuple(p + i - h for p, i, h in zip(
         piece.param_box.offsets[k:], part.offsets, piece.hf_box.offsets)), (1,) * k + part.lengths)
 
 
-def reference_retarget(hf_plan: Plan, typed: dict, produced: set, dtype: str, steps: list, digest: str) -> Plan:
-    """plan_megatron_to_vllm's loop as it was: every HF op of every piece, one object each."""
-    by_hf = hf_plan.ops_by_target
+def reference_retarget(hf, params: dict[str, Param], dtype: str = "bfloat16"):
+    """The worker plan's ``(targets, ops)`` from the HF plan ``hf`` = ``(sources, targets, ops)``:
+    every HF op that lands on a piece, cut to it and placed; rows no HF element lands in (vocab
+    padding) are ``zero_fill``."""
+    sources, _, hf_ops = hf
+    by_hf = defaultdict(list)
+    for op in hf_ops:
+        by_hf[op.dst.name].append(op)
     targets: dict[TensorRef, TensorMeta] = {}
     ops: list[CopyOp] = []
-    for name, (param, pdtype) in typed.items():
-        dst = TensorRef(None, name)
-        shape = param.shape
-        meta = hf_plan.targets[TensorRef(None, param.pieces[0].hf_name)] if param.pieces else None
-        tdtype = pdtype or (meta.dtype if meta is not None else dtype)
-        if name in produced:
-            targets[dst] = TensorMeta(shape, tdtype)
-            continue
-        written, mine = 0, []
+    for name, param in params.items():
+        dst, mine, written = TensorRef(None, name), [], 0
         for piece in param.pieces:
-            for op in by_hf[TensorRef(None, piece.hf_name)]:
+            for op in by_hf[piece.hf_name]:
                 part = _intersect(op.dst_box, piece.hf_box)
-                if part is None:
-                    continue
-                src_shape = hf_plan.sources[op.src].shape
-                mine.append(make_op(op.src, src_shape, _source_part(op, part), dst, shape, _placed(piece, part),
-                                    op.itemsize, transpose=op.transpose, src_view=op.src_view is not None))
-                written += part.numel
-        ops += merge_ops(mine, hf_plan.sources, {dst: TensorMeta(shape, tdtype)})
-        zero = ()
-        total = 1
-        for n in shape:
-            total *= n
-        if written < total:  # vocab padding rows past vocab_size (the only part no HF element lands in)
-            filled = sum(p.param_box.lengths[0] for p in param.pieces)
-            zero = (Box.rows(shape, filled, shape[0] - filled),)
-        targets[dst] = TensorMeta(shape, tdtype, zero)
-    plan = Plan("megatron_to_vllm", hf_plan.dims, hf_plan.layout, dtype, hf_plan.sources, targets, tuple(ops),
-                digest, tuple(steps))
-    validate_plan(plan)
-    return plan
+                if part is not None:
+                    mine.append(make_op(op.src, sources[op.src].shape, _source_part(op, part), dst, param.shape,
+                                        _placed(piece, part), op.itemsize, transpose=op.transpose,
+                                        src_view=op.src_view is not None))
+                    written += math.prod(part.lengths)
+        ops += merge_ops(mine, sources, {dst: TensorMeta(param.shape, dtype)})
+        filled = sum(p.param_box.lengths[0] for p in param.pieces)
+        zero = (_rows(param.shape, filled, param.shape[0] - filled),) if written < math.prod(param.shape) else ()
+        targets[dst] = TensorMeta(param.shape, dtype, zero)
+    return targets, ops

@@ -56,21 +56,27 @@ def test_fp8_quantizer_launches_on_the_tensors_device():
     assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale.cpu(), want_scale)
 
 
+def expected(hf: dict[str, torch.Tensor], quantization: str | None) -> dict[str, torch.Tensor]:
+    """What the receiver must hold: the HF state the shards were cut from, or its block-FP8
+    checkpoint made by vLLM's own quantizer (every attention / MLP projection, 128x128 blocks)."""
+    from reference import vllm_fp8_checkpoint
+
+    return hf if quantization is None else vllm_fp8_checkpoint(hf, {n for n in hf if n.endswith("_proj.weight")})
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_receiver_on_a_non_current_device(config, quantization):
     pytest.importorskip("nixl")
     from megarefit.online import RefitReceiver
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
-    from megarefit.translate import megatron_to_hf
     from reference import reference_hf_state, reference_shards
 
     cfg = config("Qwen3-0.6B")
     hf = reference_hf_state(cfg, "qwen3")
     shards = {r: {n: t.to("cuda:0").contiguous() for n, t in s.items()}
               for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
-    want = megatron_to_hf({r: {n: t.cpu() for n, t in s.items()} for r, s in shards.items()}, cfg, tp=2,
-                          quantization=quantization)
+    want = expected(hf, quantization)
     job = f"guard-{quantization}"
     rdzv = Rendezvous.serve(job=job)
     pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
@@ -95,20 +101,19 @@ def test_streamed_receiver_on_a_non_current_device(config, quantization):
     from megarefit.online import RefitReceiver
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
-    from megarefit.translate import megatron_to_hf
     from reference import reference_hf_state, reference_shards
 
     cfg = config("Qwen3-0.6B")
     hf = reference_hf_state(cfg, "qwen3")
     cpu_shards = reference_shards(hf, cfg, tp=2, pp=1)
-    want = megatron_to_hf(cpu_shards, cfg, tp=2, quantization=quantization)
+    want = expected(hf, quantization)
     shards = {r: {n: t.to("cuda:0").contiguous() for n, t in s.items()} for r, s in cpu_shards.items()}
     job = f"guard-streamed-{quantization}"
     rdzv = Rendezvous.serve(job=job)
     pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
                       quantization=quantization) for r, s in shards.items()]
     on_current = torch.cuda.memory_allocated(0)
-    share = sum(t.numel() * t.element_size() for t in megatron_to_hf(cpu_shards, cfg, tp=2).values())  # bf16
+    share = sum(t.numel() * t.element_size() for t in hf.values())  # bf16
     receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1", memory_budget=int(0.6 * share))
     for version in (1, 2):
         for p in pubs:

@@ -1,31 +1,43 @@
-"""The columnar export planner against the per-object planner it replaced
-(tests/reference_planner.py): same sources, targets and ops (as sets), over random
-dense and MoE models, trainer layouts and receiver expert sets; plus the tables' own
-contracts (single rows == the materialized mapping, ops grouped by target)."""
+"""The columnar export planner against an independent planner (tests/reference_planner.py,
+which reads the HF config and plain layout ints and shares no geometry with megarefit):
+same sources, targets and ops (as sets), over random dense and MoE models, trainer layouts
+and receiver expert sets; one vLLM worker's plan against vLLM's own shard conventions
+restated there; plus the tables' own contracts (single rows == the materialized mapping,
+ops grouped by target)."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import pytest
 from conftest import real_config
-from hypothesis import HealthCheck, assume, given, reject, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from moe_cases import moe_config
-from reference_planner import reference_megatron_to_hf
-from test_plan import dims_and_layout
+from reference_planner import Layout, Refused, reference_megatron_to_hf, reference_retarget, vllm_params, worker_experts
 
-from megarefit import ModelDims, SourceLayout
+from megarefit import ModelDims, Plan, SourceLayout
 from megarefit.errors import LayoutError
 from megarefit.plan.table import OpTable, TensorTable
 from megarefit.planner.megatron_to_hf import plan_export
-from megarefit.quant.fp8 import UnsupportedQuantizationError
 
 
-def assert_same_plan(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
+def plain(layout: SourceLayout) -> Layout:
+    """The test boundary: megarefit's layout as the reference's plain ints."""
+    return Layout(layout.tp, layout.pp, layout.ep, layout.etp, layout.padded_vocab_size, tuple(layout.stage_layers),
+                  layout.layer_spec, layout.expert_layout)
+
+
+def reference_plan(cfg: dict, dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
+                   experts: frozenset[int] | None = None) -> Plan:
+    """The reference's sources, targets and ops as a Plan (for its summary, and the FP8 step)."""
+    sources, targets, ops = reference_megatron_to_hf(cfg, plain(layout), dtype, experts)
+    return Plan("megatron_to_hf", dims, layout, dtype, sources, targets, tuple(ops), "reference")
+
+
+def assert_same_plan(cfg: dict, dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                      experts: frozenset[int] | None = None) -> None:
-    ref = reference_megatron_to_hf(dims, layout, dtype, experts)
+    ref = reference_plan(cfg, dims, layout, dtype, experts)
     new = plan_export(dims, layout, dtype, experts)
     assert isinstance(new.ops, OpTable) and isinstance(new.sources, TensorTable)
     assert dict(new.sources) == dict(ref.sources)
@@ -40,37 +52,44 @@ def assert_same_plan(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat
     assert new.nbytes == ref.nbytes
 
 
-def dense_case():
+@st.composite
+def dense_case(draw):
     """test_plan.py's dense models and layouts (Llama / Qwen2 / Qwen3, tp, pp, vocab padding,
-    biases, tied embeddings, both layer specs), with no expert set."""
-    return dims_and_layout().map(lambda case: (*case, None))
+    biases, tied embeddings, both layer specs), with no expert set; the config dict too."""
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    pp = draw(st.sampled_from([1, 2, 4]))
+    groups = tp * draw(st.integers(1, 3))
+    cfg = {"architectures": [draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]))],
+           "hidden_size": draw(st.integers(1, 64)), "num_attention_heads": groups * draw(st.integers(1, 4)),
+           "num_key_value_heads": groups, "head_dim": draw(st.integers(1, 16)),
+           "intermediate_size": tp * draw(st.integers(1, 50)), "num_hidden_layers": pp * draw(st.integers(1, 3)),
+           "vocab_size": draw(st.integers(1, 5000)), "tie_word_embeddings": draw(st.booleans()),
+           "attention_bias": draw(st.booleans()), "mlp_bias": draw(st.booleans())}
+    dims = ModelDims.from_hf_config(cfg)
+    padded = dims.padded_vocab_size(tp, draw(st.sampled_from([1, 8, 128])))
+    layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=padded, num_layers=dims.num_layers,
+                                layer_spec=draw(st.sampled_from(["local", "te"])))
+    return cfg, dims, layout, None
 
 
 @st.composite
 def moe_case(draw):
-    name = draw(st.sampled_from(["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "DeepSeek-V3", "GLM-4.5-Air", "GLM-5",
-                                 "gpt-oss-120b"]))
+    """Qwen3-MoE (a dense first layer) and Mixtral: the MoE families the reference restates
+    (MLA / DSA / gpt-oss's fused experts are compared against real checkpoints elsewhere)."""
+    name = draw(st.sampled_from(["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1"]))
     tp, ep = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
     pp = draw(st.sampled_from([1, 2]))
     etp = draw(st.sampled_from([1, tp]))
     n_exp = ep * draw(st.integers(1, 3))
     extra = {"num_hidden_layers": pp * draw(st.integers(1, 2))}
-    extra |= {"num_experts": n_exp} if name == "Qwen3-30B-A3B" else (
-        {"num_local_experts": n_exp} if name in ("Mixtral-8x7B-v0.1", "gpt-oss-120b") else {"n_routed_experts": n_exp})
-    if name == "gpt-oss-120b":
-        extra["layer_types"] = ["full_attention"] * extra["num_hidden_layers"]
-    mtp = 0
-    if name in ("DeepSeek-V3", "GLM-4.5-Air", "GLM-5") and draw(st.booleans()):
-        mtp = 1
-        extra["num_nextn_predict_layers"] = 1
+    extra |= {"num_experts": n_exp} if name == "Qwen3-30B-A3B" else {"num_local_experts": n_exp}
     if name != "Mixtral-8x7B-v0.1":
         extra["num_key_value_heads"] = 4  # divisible by every tp drawn
-    if name == "gpt-oss-120b":
-        etp = 1  # Megatron-Core: biased experts only at etp 1
-    dims = ModelDims.from_hf_config(moe_config(name, **extra))
+    cfg = moe_config(name, **extra)
+    dims = ModelDims.from_hf_config(cfg)
     try:
         layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab_size=dims.padded_vocab_size(tp),
-                                    num_layers=dims.num_layers, mtp_layers=mtp,
+                                    num_layers=dims.num_layers,
                                     expert_layout=draw(st.sampled_from(["sequential", "te_grouped", "legacy_grouped"])),
                                     layer_spec=draw(st.sampled_from(["local", "te"])))
         dims.check_layout(tp, pp, ep, etp)
@@ -78,28 +97,30 @@ def moe_case(draw):
     except LayoutError:
         reject()  # a layout Megatron-Core cannot build: not a draw
     experts = draw(st.none() | st.frozensets(st.integers(0, n_exp - 1)))
-    return dims, layout, experts
+    return cfg, dims, layout, experts
 
 
 @settings(max_examples=60, deadline=None)
 @given(dense_case(), st.sampled_from(["bfloat16", "float32"]))
 def test_dense_plans_match_the_reference(case, dtype):
-    dims, layout, experts = case
-    assert_same_plan(dims, layout, dtype, experts)
+    cfg, dims, layout, experts = case
+    assert_same_plan(cfg, dims, layout, dtype, experts)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(moe_case())
 def test_moe_plans_match_the_reference(case):
-    assert_same_plan(*case[:2], "bfloat16", case[2])
+    cfg, dims, layout, experts = case
+    assert_same_plan(cfg, dims, layout, "bfloat16", experts)
 
 
-def test_real_deepseek_v3_matches_the_reference():
-    """All 61 layers, 256 experts, MTP, DeepSeek's bf16-only tensors: tp 2, ep 4, pp 1."""
-    dims = ModelDims.from_hf_config(real_config("DeepSeek-V3"))
-    layout = SourceLayout.build(tp=2, pp=1, ep=4, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
-                                num_layers=dims.num_layers, expert_layout="te_grouped", mtp_layers=1)
-    assert_same_plan(dims, layout, experts=frozenset(range(0, 256, 5)))
+def test_real_qwen3_moe_matches_the_reference():
+    """All 48 layers, 128 experts (a sample received): tp 2, ep 4, pp 2, TE grouped experts."""
+    cfg = real_config("Qwen3-30B-A3B")
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=2, ep=4, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=dims.num_layers, expert_layout="te_grouped", layer_spec="te")
+    assert_same_plan(cfg, dims, layout, experts=frozenset(range(0, 128, 5)))
 
 
 def test_single_rows_agree_with_the_materialized_tables():
@@ -129,13 +150,15 @@ def test_first_layer_targets_come_before_later_layers():
         assert experts == list(range(dims.num_experts))
 
 
-def assert_same_fp8_plan(dims: ModelDims, layout: SourceLayout, fmt, experts: frozenset[int] | None = None) -> None:
+def assert_same_fp8_plan(cfg: dict, dims: ModelDims, layout: SourceLayout, fmt,
+                         experts: frozenset[int] | None = None) -> None:
+    """megarefit's FP8 step on both plans: what it is given (the HF plan) is what is compared."""
     from megarefit.quant.planning import _plan_fp8_ops, plan_fp8
 
-    ref = _plan_fp8_ops(reference_megatron_to_hf(dims, layout, "bfloat16", experts), fmt)
+    ref = _plan_fp8_ops(reference_plan(cfg, dims, layout, "bfloat16", experts), fmt)
     new = plan_fp8(plan_export(dims, layout, "bfloat16", experts), fmt)
     assert isinstance(new.ops, OpTable)
-    assert list(new.sources.items()) == list(ref.sources.items()) or dict(new.sources) == dict(ref.sources)
+    assert dict(new.sources) == dict(ref.sources)
     assert dict(new.targets) == dict(ref.targets)
     assert Counter(new.ops) == Counter(ref.ops)
     assert {q.weight: q for q in new.quantize} == {q.weight: q for q in ref.quantize}  # reasons included
@@ -149,22 +172,30 @@ def test_fp8_plans_match_the_reference(case, block, ue8m0):
     that split shards every way (some trainer-, some receiver-quantized, the fix point)."""
     from megarefit.quant import Fp8Format
 
-    if case[0].family == "gpt_oss":  # vLLM serves gpt-oss in bf16 / MXFP4: block FP8 is refused
-        from megarefit.quant.planning import plan_fp8
-
-        with pytest.raises(UnsupportedQuantizationError, match="gpt_oss: block FP8 is not produced"):
-            plan_fp8(plan_export(case[0], case[1], "bfloat16", case[2]), Fp8Format(block, ue8m0))
-        return
-    assert_same_fp8_plan(case[0], case[1], Fp8Format(block, ue8m0), case[2])
+    cfg, dims, layout, experts = case
+    assert_same_fp8_plan(cfg, dims, layout, Fp8Format(block, ue8m0), experts)
 
 
-def test_real_deepseek_v3_fp8_matches_the_reference():
+def test_gpt_oss_block_fp8_is_refused():
+    """vLLM serves gpt-oss in bf16 / MXFP4: block FP8 is refused."""
+    from megarefit.quant import Fp8Format
+    from megarefit.quant.fp8 import UnsupportedQuantizationError
+    from megarefit.quant.planning import plan_fp8
+
+    dims = ModelDims.from_hf_config(moe_config("gpt-oss-120b"))
+    layout = SourceLayout.build(tp=1, pp=1, padded_vocab_size=dims.padded_vocab_size(1), num_layers=dims.num_layers)
+    with pytest.raises(UnsupportedQuantizationError, match="gpt_oss: block FP8 is not produced"):
+        plan_fp8(plan_export(dims, layout), Fp8Format((4, 4)))
+
+
+def test_real_qwen3_moe_fp8_matches_the_reference():
     from megarefit.quant import Fp8Format
 
-    dims = ModelDims.from_hf_config(real_config("DeepSeek-V3"))
+    cfg = real_config("Qwen3-30B-A3B")
+    dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=2, pp=1, ep=8, padded_vocab_size=dims.padded_vocab_size(2),
-                                num_layers=dims.num_layers, mtp_layers=1)
-    assert_same_fp8_plan(dims, layout, Fp8Format((128, 128)), experts=frozenset(range(0, 256, 7)))
+                                num_layers=dims.num_layers)
+    assert_same_fp8_plan(cfg, dims, layout, Fp8Format((128, 128)), experts=frozenset(range(0, 128, 7)))
 
 
 def test_fp8_mixed_plan_matches_the_reference():
@@ -180,82 +211,67 @@ def test_fp8_mixed_plan_matches_the_reference():
     dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=2)
     fmt = Fp8Format((4, 4))
-    assert_same_fp8_plan(dims, layout, fmt)
+    assert_same_fp8_plan(cfg, dims, layout, fmt)
     where = where_quantized(plan_fp8(plan_export(dims, layout), fmt))
     assert "off the 4-row block grid" in where["model.layers.0.self_attn.q_proj.weight"]
     assert where["model.layers.1.mlp.gate_proj.weight"] == where["model.layers.1.mlp.down_proj.weight"] == "trainer"
 
 
-def _reference_vllm_plan(dims, layout, target, fmt=None):
-    """plan_megatron_to_vllm's steps on the per-object planners (tests/reference_planner.py)."""
-    from reference_planner import reference_retarget
+def _reference_vllm_plan(cfg: dict, layout: SourceLayout, tp: int, rank: int, ep: bool):
+    """One vLLM worker's ``(HF sources, targets, ops)`` from the reference alone: its HF plan
+    for the worker's experts, re-targeted onto vLLM's parameters as vLLM's loaders shard them.
 
-    from megarefit.plan import digest_of
-    from megarefit.quant.planning import _plan_fp8_ops
-    from megarefit.targets.vllm import worker_experts, worker_params
+    Raises:
+        Refused: the model does not split over the worker's groups."""
+    params = vllm_params(cfg, tp, rank, ep)
+    experts = worker_experts(cfg, tp, rank, ep)
+    hf = reference_megatron_to_hf(cfg, plain(layout), "bfloat16", None if experts is None else frozenset(experts))
+    return (hf[0], *reference_retarget(hf, params))
 
-    hf_plan = reference_megatron_to_hf(dims, layout, "bfloat16", worker_experts(dims, target))
-    if fmt is not None:
-        hf_plan = _plan_fp8_ops(hf_plan, fmt)
-    typed, steps, produced, _ = worker_params(dims, target, hf_plan, fmt)
-    return reference_retarget(hf_plan, typed, produced, "bfloat16", steps,
-                              digest_of("megatron_to_vllm", hf_plan.digest, target))
+
+def assert_same_vllm_plan(cfg: dict, dims: ModelDims, layout: SourceLayout, tp: int, rank: int, ep: bool) -> None:
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+
+    target = VllmTarget(tp, rank, expert_parallel=ep)
+    try:
+        sources, targets, ops = _reference_vllm_plan(cfg, layout, tp, rank, ep)
+    except Refused:  # the worker's groups do not split this model: the planner refuses it too
+        with pytest.raises(LayoutError):
+            plan_megatron_to_vllm(dims, layout, "bfloat16", target)
+        return
+    new = plan_megatron_to_vllm(dims, layout, "bfloat16", target)
+    assert isinstance(new.ops, OpTable)
+    assert dict(new.sources) == sources
+    assert dict(new.targets) == targets
+    assert Counter(new.ops) == Counter(ops)  # merges included
+    assert not new.quantize and new.nbytes == sum(op.numel * op.itemsize for op in ops)
 
 
 @st.composite
 def vllm_case(draw):
-    from megarefit.targets import VllmTarget
-
-    if draw(st.booleans()):
-        case = draw(dense_case())
-    else:
-        case = draw(moe_case())
-        # gpt-oss's vLLM targets: vLLM's own loader and a restated one (test_vllm_moe_target.py)
-        assume(case[0].family != "gpt_oss")
-    dims, layout, _ = case
+    """Dense, Qwen3-MoE and Mixtral models (what the reference restates vLLM's layout for: not
+    MLA / DSA, gpt-oss or Mamba, nor FP8 staging -- tests/test_vllm_target.py and
+    test_vllm_moe_target.py check those against vLLM's own loaders), any vLLM tp, rank, EP."""
+    cfg, dims, layout, _ = draw(dense_case() if draw(st.booleans()) else moe_case())
     tp = draw(st.sampled_from([1, 2, 4]))
-    rank = draw(st.integers(0, tp - 1))
-    ep = bool(dims.num_experts) and draw(st.booleans())
-    return dims, layout, VllmTarget(tp, rank, expert_parallel=ep)
+    return cfg, dims, layout, tp, draw(st.integers(0, tp - 1)), bool(dims.num_experts) and draw(st.booleans())
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(vllm_case(), st.sampled_from([None, (4, 4), (8, 8)]))
-def test_vllm_plans_match_the_reference(case, block):
+@given(vllm_case())
+def test_vllm_plans_match_the_reference(case):
     """One vLLM worker's plan (fused qkv / gate_up, FusedMoE slots, EP expert sets, vocab
-    padding, FP8 scales and receiver staging) against the per-object re-targeting."""
-    from megarefit.errors import MegarefitError
-    from megarefit.quant import Fp8Format
-    from megarefit.targets import plan_megatron_to_vllm
-
-    dims, layout, target = case
-    fmt = None if block is None else Fp8Format(block)
-    try:
-        ref = _reference_vllm_plan(dims, layout, target, fmt)
-    except MegarefitError as exc:  # the worker's groups do not split this model (or FP8 off vLLM's grid):
-        with pytest.raises(type(exc), match=re.escape(str(exc))):  # the planner refuses it the same way
-            plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
-        return
-    new = plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
-    assert isinstance(new.ops, OpTable)
-    # the target model's plan reads no MTP layer (vLLM loads those into its draft model)
-    assert dict(new.sources) == {r: m for r, m in ref.sources.items() if not r.name.startswith("mtp.layers.")}
-    assert list(new.targets.items()) == list(ref.targets.items())
-    assert list(new.ops) == list(ref.ops)  # same ops in the same order (merges included)
-    assert new.quantize == ref.quantize and new.nbytes == ref.nbytes
-    assert new.summary()["total"] == ref.summary()["total"]
+    padding) against the reference's."""
+    assert_same_vllm_plan(*case)
 
 
 def test_real_qwen3_moe_vllm_worker_matches_the_reference():
-    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
-
-    dims = ModelDims.from_hf_config(real_config("Qwen3-30B-A3B") | {"num_hidden_layers": 4})
+    cfg = real_config("Qwen3-30B-A3B") | {"num_hidden_layers": 4}
+    dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=2, pp=1, ep=2, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
                                 num_layers=4, expert_layout="te_grouped")
-    for target in (VllmTarget(4, 1), VllmTarget(2, 1, expert_parallel=True)):
-        ref = _reference_vllm_plan(dims, layout, target)
-        new = plan_megatron_to_vllm(dims, layout, "bfloat16", target)
-        assert list(new.targets.items()) == list(ref.targets.items()) and list(new.ops) == list(ref.ops)
+    assert_same_vllm_plan(cfg, dims, layout, 4, 1, False)
+    assert_same_vllm_plan(cfg, dims, layout, 2, 1, True)
 
 
 def test_a_piece_of_an_unplanned_hf_tensor_is_named():
