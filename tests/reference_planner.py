@@ -9,13 +9,17 @@ through :mod:`megarefit.plan.ops`), ``make_op`` (byte offsets of a box) and ``me
 (joining continuing ops). Nothing of ``megarefit.layout``'s dims, ``megarefit.specs``,
 ``megarefit.planner`` or ``megarefit.targets`` is imported.
 
-Covered: Llama / Qwen2 / Qwen3 (dense), Qwen3-MoE and Mixtral (routed experts in all three
-Megatron expert layouts), both layer specs, any tp / pp / ep / etp, tied embeddings. Not
-covered (no comparison here): MLA / DSA (DeepSeek, GLM), gpt-oss's fused experts, Mamba,
-MTP, FP8 receiver staging in vLLM targets. Megatron-Core's conventions::
+Export plans: Llama / Qwen2 / Qwen3 (dense), Qwen3-MoE, Mixtral, DeepSeek-V3 (MLA with
+q_lora_rank) and GLM-4.5 (routed experts in all three Megatron expert layouts, shared experts,
+the router's fp32 score-correction bias), both layer specs, any tp / pp / ep / etp, tied
+embeddings. vLLM worker layouts (:func:`vllm_params`): the dense families, Qwen3-MoE and
+Mixtral. Not restated (no comparison here): MTP layers, GLM-5's DSA indexer, gpt-oss's fused
+experts, Mamba (Nemotron-H), MLA's vLLM layout and FP8 receiver staging in vLLM targets.
+Megatron-Core's conventions::
 
     ranks        tp fastest: stage-local rank r is tp rank r % tp, expert ep rank (r // etp) % ep
     column       rank r holds rows [r*n/tp, (r+1)*n/tp)       row: columns, the same
+    replicated   whole on every rank; read round-robin over a stage's tp ranks (megarefit's read policy)
     vocab        rows split over the padded vocab; rows >= vocab_size are padding
     qkv          per query group g: [q_g (hq*d rows); k_g (d); v_g (d)], then split by rows
     gated mlp    rank r holds [gate_r; up_r]
@@ -42,7 +46,9 @@ from megarefit.plan import CopyOp, TensorMeta, TensorRef, itemsize, make_op, mer
 from megarefit.plan.ops import Box, RankCoord  # the plan's coordinate types (CopyOp / TensorRef fields)
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+            "DeepseekV3ForCausalLM": "deepseek_v3", "Glm4MoeForCausalLM": "glm4_moe"}
+VLLM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")  # those vllm_params restates
 
 
 class Layout(NamedTuple):
@@ -63,6 +69,7 @@ class Row(NamedTuple):
     role: str
     hf: tuple[str, ...]  # with {layer} / {expert}
     shape: tuple[int, ...]  # unsplit (vocab padded); legacy grouped: one expert's block as stored
+    dtype: str | None = None  # None: the model's
 
 
 class Model:
@@ -75,25 +82,41 @@ class Model:
         self.head_dim = cfg.get("head_dim") or self.hidden // self.heads
         self.ffn, self.vocab, self.layers = cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
         self.tied = cfg.get("tie_word_embeddings", False)
-        self.experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        self.moe_ffn = cfg.get("moe_intermediate_size", self.ffn) if self.family == "qwen3_moe" else self.ffn
+        self.experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+        self.moe_ffn = self.ffn if self.family == "mixtral" else cfg.get("moe_intermediate_size", self.ffn)
+        self.shared = self.moe_ffn * (cfg.get("n_shared_experts") or 0)  # HF: one MLP of n_shared * moe_ffn
+        self.router_bias = self.family == "glm4_moe" or cfg.get("topk_method") == "noaux_tc"
         self.qkv_bias = self.family == "qwen2" or bool(cfg.get("attention_bias"))
-        self.proj_bias = self.family != "qwen2" and bool(cfg.get("attention_bias"))
+        self.proj_bias = self.family not in ("qwen2", "glm4_moe") and bool(cfg.get("attention_bias"))
         self.mlp_bias = self.family == "llama" and bool(cfg.get("mlp_bias"))
-        self.qk_norm = self.family in ("qwen3", "qwen3_moe")
+        self.qk_norm = self.family in ("qwen3", "qwen3_moe") or (self.family == "glm4_moe" and cfg.get("use_qk_norm"))
+        self.mla = {k: cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                        "v_head_dim")} if self.family == "deepseek_v3" else None
+        if self.mla and not self.mla["q_lora_rank"]:
+            raise KeyError("MLA without q_lora_rank")  # not restated here
         self._dense = set(cfg.get("mlp_only_layers") or ())
         self._step = cfg.get("decoder_sparse_step") or 1
+        self._first_dense, self._freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
 
     def is_moe(self, layer: int) -> bool:
         if self.family == "mixtral":
             return True
+        if self.family in ("deepseek_v3", "glm4_moe"):
+            return layer >= self._first_dense and layer % self._freq == 0
         return self.family == "qwen3_moe" and layer not in self._dense and (layer + 1) % self._step == 0
 
 
 def layer_rows(m: Model, layout: Layout, moe: bool) -> list[Row]:
     """One decoder layer's tensors, in the order the replicated ones are read round-robin."""
-    L, H, h, d = "decoder.layers.{layer}.", "model.layers.{layer}.", m.hidden, m.head_dim
-    te, A = layout.layer_spec == "te", H + "self_attn."
+    return (_mla if m.mla else _attention)(m, layout.layer_spec == "te") + (
+        _experts(m, layout.expert_layout) if moe else _mlp(m, layout.layer_spec == "te"))
+
+
+L, H = "decoder.layers.{layer}.", "model.layers.{layer}."
+
+
+def _attention(m: Model, te: bool) -> list[Row]:
+    h, d, A = m.hidden, m.head_dim, H + "self_attn."
     qkv = (A + "q_proj.", A + "k_proj.", A + "v_proj.")
     rows = [Row(L + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"), "replicated",
                 (H + "input_layernorm.weight",), (h,)),
@@ -108,33 +131,65 @@ def layer_rows(m: Model, layout: Layout, moe: bool) -> list[Row]:
     if m.qk_norm:
         rows += [Row(L + f"self_attention.{x}_layernorm.weight", "replicated", (A + f"{x}_norm.weight",), (d,))
                  for x in "qk"]
-    post = H + "post_attention_layernorm.weight"
-    if not moe:
-        M = H + "mlp."
-        rows.append(Row(L + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"), "replicated",
-                        (post,), (h,)))
-        rows.append(Row(L + "mlp.linear_fc1.weight", "gated", (M + "gate_proj.weight", M + "up_proj.weight"),
-                        (2 * m.ffn, h)))
-        if m.mlp_bias:
-            rows.append(Row(L + "mlp.linear_fc1.bias", "gated", (M + "gate_proj.bias", M + "up_proj.bias"),
-                            (2 * m.ffn,)))
-        rows.append(Row(L + "mlp.linear_fc2.weight", "row", (M + "down_proj.weight",), (h, m.ffn)))
-        if m.mlp_bias:
-            rows.append(Row(L + "mlp.linear_fc2.bias", "replicated", (M + "down_proj.bias",), (h,)))
-        return rows
-    block = H + ("block_sparse_moe." if m.family == "mixtral" else "mlp.")
-    g, u, dn = (block + "experts.{expert}." + p + ".weight" for p in (
+    return rows
+
+
+def _mla(m: Model, te: bool) -> list[Row]:
+    """DeepSeek-V3's MLA: the local spec splits the down-projections over tp (column), TE keeps
+    them whole and fuses the two norms into the up-projections."""
+    c, h, S, A = m.mla, m.hidden, L + "self_attention.", H + "self_attn."
+    q_lora, kv_lora, nope, rope, v = (c[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                     "qk_rope_head_dim", "v_head_dim"))
+    down = "replicated" if te else "column"
+    return [Row(L + "input_layernorm.weight", "replicated", (H + "input_layernorm.weight",), (h,)),
+            Row(S + "linear_q_down_proj.weight", down, (A + "q_a_proj.weight",), (q_lora, h)),
+            Row(S + ("linear_q_up_proj.layer_norm_weight" if te else "q_layernorm.weight"), "replicated",
+                (A + "q_a_layernorm.weight",), (q_lora,)),
+            Row(S + "linear_q_up_proj.weight", "column", (A + "q_b_proj.weight",), (m.heads * (nope + rope), q_lora)),
+            Row(S + "linear_kv_down_proj.weight", down, (A + "kv_a_proj_with_mqa.weight",), (kv_lora + rope, h)),
+            Row(S + ("linear_kv_up_proj.layer_norm_weight" if te else "kv_layernorm.weight"), "replicated",
+                (A + "kv_a_layernorm.weight",), (kv_lora,)),
+            Row(S + "linear_kv_up_proj.weight", "column", (A + "kv_b_proj.weight",), (m.heads * (nope + v), kv_lora)),
+            Row(S + "linear_proj.weight", "row", (A + "o_proj.weight",), (h, m.heads * v))]
+
+
+def _mlp(m: Model, te: bool) -> list[Row]:
+    h, M = m.hidden, H + "mlp."
+    rows = [Row(L + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"), "replicated",
+                (H + "post_attention_layernorm.weight",), (h,)),
+            Row(L + "mlp.linear_fc1.weight", "gated", (M + "gate_proj.weight", M + "up_proj.weight"), (2 * m.ffn, h))]
+    if m.mlp_bias:
+        rows.append(Row(L + "mlp.linear_fc1.bias", "gated", (M + "gate_proj.bias", M + "up_proj.bias"), (2 * m.ffn,)))
+    rows.append(Row(L + "mlp.linear_fc2.weight", "row", (M + "down_proj.weight",), (h, m.ffn)))
+    if m.mlp_bias:
+        rows.append(Row(L + "mlp.linear_fc2.bias", "replicated", (M + "down_proj.bias",), (h,)))
+    return rows
+
+
+def _experts(m: Model, expert_layout: str) -> list[Row]:
+    """An MoE layer's norm, router (and its fp32 score-correction bias), routed and shared experts."""
+    h, f, B = m.hidden, m.moe_ffn, H + ("block_sparse_moe." if m.family == "mixtral" else "mlp.")
+    g, u, dn = (B + "experts.{expert}." + p + ".weight" for p in (
         ("w1", "w3", "w2") if m.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")))
-    E, f = L + "mlp.experts.", m.moe_ffn
+    E = L + "mlp.experts."
     fc1, fc2 = {"sequential": (E + "local_experts.{expert}.linear_fc1.weight",
                                E + "local_experts.{expert}.linear_fc2.weight"),
                 "te_grouped": (E + "linear_fc1.weight{expert}", E + "linear_fc2.weight{expert}"),
-                "legacy_grouped": (E + "weight1", E + "weight2")}[layout.expert_layout]
-    legacy = layout.expert_layout == "legacy_grouped"
-    return rows + [Row(L + "pre_mlp_layernorm.weight", "replicated", (post,), (h,)),
-                   Row(L + "mlp.router.weight", "replicated", (block + "gate.weight",), (m.experts, h)),
-                   Row(fc1, "grouped_fc1" if legacy else "expert_gated", (g, u), (h, 2 * f) if legacy else (2 * f, h)),
-                   Row(fc2, "grouped_fc2" if legacy else "expert_row", (dn,), (f, h) if legacy else (h, f))]
+                "legacy_grouped": (E + "weight1", E + "weight2")}[expert_layout]
+    legacy = expert_layout == "legacy_grouped"
+    rows = [Row(L + "pre_mlp_layernorm.weight", "replicated", (H + "post_attention_layernorm.weight",), (h,)),
+            Row(L + "mlp.router.weight", "replicated", (B + "gate.weight",), (m.experts, h))]
+    if m.router_bias:
+        rows.append(Row(L + "mlp.router.expert_bias", "replicated", (B + "gate.e_score_correction_bias",),
+                        (m.experts,), "float32"))
+    rows += [Row(fc1, "grouped_fc1" if legacy else "expert_gated", (g, u), (h, 2 * f) if legacy else (2 * f, h)),
+             Row(fc2, "grouped_fc2" if legacy else "expert_row", (dn,), (f, h) if legacy else (h, f))]
+    if m.shared:
+        S = B + "shared_experts."
+        rows += [Row(L + "mlp.shared_experts.linear_fc1.weight", "gated",
+                     (S + "gate_proj.weight", S + "up_proj.weight"), (2 * m.shared, h)),
+                 Row(L + "mlp.shared_experts.linear_fc2.weight", "row", (S + "down_proj.weight",), (h, m.shared))]
+    return rows
 
 
 def _rows(shape, start, n) -> Box:
@@ -176,7 +231,7 @@ class _Geometry:
         if row.role.startswith("grouped_"):
             e, a, b = self.view(row)
             return (a, e * b) if row.role == "grouped_fc1" else (e * a, b)
-        if row.role in ("vocab", "qkv", "gated", "expert_gated"):
+        if row.role in ("vocab", "qkv", "gated", "expert_gated", "column"):
             return (shape[0] // k,) + shape[1:]
         return (shape[0], shape[1] // k) if row.role in ("row", "expert_row") else shape
 
@@ -199,6 +254,8 @@ class _Geometry:
         n = shape[0] // k
         if role == "replicated":
             return [(names[0], 0, 0, shape[0], False)]
+        if role == "column":
+            return [(names[0], 0, r * n, n, False)]
         if role in ("row", "expert_row"):
             return [(names[0], 0, r * (shape[1] // k), shape[1] // k, True)]
         if role == "vocab":
@@ -259,15 +316,15 @@ def reference_megatron_to_hf(cfg: dict, layout: Layout, dtype: str = "bfloat16",
     targets and ops, as sets, as megarefit's planner)."""
     g = _Geometry(Model(cfg), layout)
     tensors = list(_tensors(g))
-    sources = {TensorRef(rank, name): TensorMeta(g.local(row), dtype) for rank, name, row, *_ in tensors}
+    sources = {TensorRef(rank, name): TensorMeta(g.local(row), row.dtype or dtype) for rank, name, row, *_ in tensors}
     targets: dict[TensorRef, TensorMeta] = {}
     by_target: dict[TensorRef, list[CopyOp]] = defaultdict(list)
     replicas: dict[int, int] = defaultdict(int)  # replicated tensors read round-robin over tp, per stage
 
-    def emit(src, sshape, sbox, name, hshape, dbox, **kw):
+    def emit(src, sshape, sbox, name, hshape, dbox, tdtype=dtype, **kw):
         dst = TensorRef(None, name)
-        targets.setdefault(dst, TensorMeta(hshape, dtype))
-        by_target[dst].append(make_op(src, sshape, sbox, dst, hshape, dbox, itemsize(dtype), **kw))
+        targets.setdefault(dst, TensorMeta(hshape, tdtype))
+        by_target[dst].append(make_op(src, sshape, sbox, dst, hshape, dbox, itemsize(tdtype), **kw))
 
     for rank, name, row, layer, expert, duplicate in tensors:
         src = TensorRef(rank, name)
@@ -293,12 +350,12 @@ def reference_megatron_to_hf(cfg: dict, layout: Layout, dtype: str = "bfloat16",
         names, local = [n.format(layer=layer, expert=expert) for n in row.hf], g.local(row)
         shapes = dict(zip(names, g.hf_shapes(row)))
         for hf_name in names:
-            targets.setdefault(TensorRef(None, hf_name), TensorMeta(shapes[hf_name], dtype))
+            targets.setdefault(TensorRef(None, hf_name), TensorMeta(shapes[hf_name], row.dtype or dtype))
         for hf_name, s, d, n, cols in g.runs(row, names, src.rank.tp):
             shape = shapes[hf_name]
             sbox, dbox = ((_full(local), Box((0, d), (shape[0], n))) if cols
                           else (_rows(local, s, n), _rows(shape, d, n)))
-            emit(src, local, sbox, hf_name, shape, dbox)
+            emit(src, local, sbox, hf_name, shape, dbox, row.dtype or dtype)
     ops = [op for ref in targets for op in merge_ops(by_target[ref], sources, targets)]
     return sources, targets, ops
 
@@ -381,8 +438,11 @@ def vllm_params(cfg: dict, T: int, t: int, expert_parallel: bool = False) -> dic
     """Worker ``t`` of ``T``'s parameters (vLLM's names, local shapes, HF pieces).
 
     Raises:
-        Refused: heads, kv heads, ffn or experts do not split over the worker's groups."""
+        Refused: heads, kv heads, ffn or experts do not split over the worker's groups.
+        KeyError: a family outside :data:`VLLM_FAMILIES`."""
     m = Model(cfg)
+    if m.family not in VLLM_FAMILIES:
+        raise KeyError(f"{m.family}: no vLLM layout restated here")
     h, d = m.hidden, m.head_dim
     slots = worker_experts(cfg, T, t, expert_parallel)
     Tm, tm = (1, 0) if slots is not None else (T, t)

@@ -11,10 +11,11 @@ from collections import Counter
 
 import pytest
 from conftest import real_config
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, assume, given, reject, settings
 from hypothesis import strategies as st
 from moe_cases import moe_config
-from reference_planner import Layout, Refused, reference_megatron_to_hf, reference_retarget, vllm_params, worker_experts
+from reference_planner import (VLLM_FAMILIES, Layout, Refused, reference_megatron_to_hf, reference_retarget,
+                               vllm_params, worker_experts)
 
 from megarefit import ModelDims, Plan, SourceLayout
 from megarefit.errors import LayoutError
@@ -74,15 +75,18 @@ def dense_case(draw):
 
 @st.composite
 def moe_case(draw):
-    """Qwen3-MoE (a dense first layer) and Mixtral: the MoE families the reference restates
-    (MLA / DSA / gpt-oss's fused experts are compared against real checkpoints elsewhere)."""
-    name = draw(st.sampled_from(["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1"]))
+    """Qwen3-MoE (a dense first layer), Mixtral, DeepSeek-V3 (MLA), GLM-4.5 (shared experts, router
+    bias): the MoE families the reference restates (not MTP, GLM-5's DSA indexer or gpt-oss's
+    fused experts: tests/test_megatron_mtp.py, test_deepseek_glm.py and test_gpt_oss.py check
+    those against real Megatron-Core and HF models)."""
+    name = draw(st.sampled_from(["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "DeepSeek-V3", "GLM-4.5-Air"]))
     tp, ep = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
     pp = draw(st.sampled_from([1, 2]))
     etp = draw(st.sampled_from([1, tp]))
     n_exp = ep * draw(st.integers(1, 3))
     extra = {"num_hidden_layers": pp * draw(st.integers(1, 2))}
-    extra |= {"num_experts": n_exp} if name == "Qwen3-30B-A3B" else {"num_local_experts": n_exp}
+    extra |= {"num_experts": n_exp} if name == "Qwen3-30B-A3B" else (
+        {"num_local_experts": n_exp} if name == "Mixtral-8x7B-v0.1" else {"n_routed_experts": n_exp})
     if name != "Mixtral-8x7B-v0.1":
         extra["num_key_value_heads"] = 4  # divisible by every tp drawn
     cfg = moe_config(name, **extra)
@@ -112,6 +116,16 @@ def test_dense_plans_match_the_reference(case, dtype):
 def test_moe_plans_match_the_reference(case):
     cfg, dims, layout, experts = case
     assert_same_plan(cfg, dims, layout, "bfloat16", experts)
+
+
+def test_real_deepseek_v3_matches_the_reference():
+    """All 61 layers, 256 experts (a sample received), MLA, shared experts, the fp32 router bias:
+    tp 2, ep 4, pp 1 (MTP left out: not restated by the reference)."""
+    cfg = real_config("DeepSeek-V3") | {"num_nextn_predict_layers": 0}
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=1, ep=4, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=dims.num_layers, expert_layout="te_grouped")
+    assert_same_plan(cfg, dims, layout, experts=frozenset(range(0, 256, 5)))
 
 
 def test_real_qwen3_moe_matches_the_reference():
@@ -253,6 +267,7 @@ def vllm_case(draw):
     MLA / DSA, gpt-oss or Mamba, nor FP8 staging -- tests/test_vllm_target.py and
     test_vllm_moe_target.py check those against vLLM's own loaders), any vLLM tp, rank, EP."""
     cfg, dims, layout, _ = draw(dense_case() if draw(st.booleans()) else moe_case())
+    assume(dims.family in VLLM_FAMILIES)
     tp = draw(st.sampled_from([1, 2, 4]))
     return cfg, dims, layout, tp, draw(st.integers(0, tp - 1)), bool(dims.num_experts) and draw(st.booleans())
 
