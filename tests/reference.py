@@ -360,15 +360,34 @@ def _gpt_oss_experts(prefix: str, ws: dict, slots: list[int], moe_T: int, moe_r:
             prefix + "routed_experts.w2_bias": bias if moe_r == 0 else torch.zeros_like(bias)}
 
 
-def vllm_fp8_checkpoint(hf: dict[str, torch.Tensor], names: set[str] | frozenset[str]) -> dict[str, torch.Tensor]:
-    """A block-FP8 checkpoint made by vLLM's own quantizer (``per_block_cast_to_fp8``): each
-    weight in ``names`` becomes ``weight`` + ``weight_scale_inv``; the rest pass through."""
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+def block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's block-FP8 recipe restated (``vllm.utils.deep_gemm.per_block_cast_to_fp8``, for
+    machines without vLLM; tests/test_fp8.py checks it against vLLM's bit for bit): per
+    ``block`` x ``block`` tile, scale = max(amax, 1e-4) / 448, ``w * (1 / scale)`` cast to e4m3."""
+    m, n = w.shape
+    padded = torch.zeros(-(-m // block) * block, -(-n // block) * block, dtype=w.dtype, device=w.device)
+    padded[:m, :n] = w
+    tiles = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    scale = tiles.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / torch.finfo(torch.float8_e4m3fn).max
+    q = (tiles * (1.0 / scale)).to(torch.float8_e4m3fn).view_as(padded)[:m, :n].contiguous()
+    return q, scale.view(tiles.shape[0], tiles.shape[2])
+
+
+def vllm_fp8_checkpoint(hf: dict[str, torch.Tensor], names: set[str] | frozenset[str], *,
+                        quantize=None) -> dict[str, torch.Tensor]:
+    """A block-FP8 checkpoint made by vLLM's own quantizer (``per_block_cast_to_fp8``), or by
+    ``quantize`` (e.g. :func:`block_fp8` where vLLM is not installed): each weight in ``names``
+    becomes ``weight`` + ``weight_scale_inv``; the rest pass through."""
+    if quantize is None:
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+        def quantize(w):
+            return per_block_cast_to_fp8(w, [128, 128])
 
     out = {}
     for name, w in hf.items():
         if name in names:
-            out[name], out[name + "_scale_inv"] = per_block_cast_to_fp8(w, [128, 128])
+            out[name], out[name + "_scale_inv"] = quantize(w)
         else:
             out[name] = w
     return out

@@ -59,9 +59,10 @@ def test_fp8_quantizer_launches_on_the_tensors_device():
 def expected(hf: dict[str, torch.Tensor], quantization: str | None) -> dict[str, torch.Tensor]:
     """What the receiver must hold: the HF state the shards were cut from, or its block-FP8
     checkpoint made by vLLM's own quantizer (every attention / MLP projection, 128x128 blocks)."""
-    from reference import vllm_fp8_checkpoint
+    from reference import block_fp8, vllm_fp8_checkpoint  # no vLLM on the GPU machines
 
-    return hf if quantization is None else vllm_fp8_checkpoint(hf, {n for n in hf if n.endswith("_proj.weight")})
+    return hf if quantization is None else vllm_fp8_checkpoint(hf, {n for n in hf if n.endswith("_proj.weight")},
+                                                                 quantize=block_fp8)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

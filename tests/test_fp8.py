@@ -311,3 +311,18 @@ def test_fp8_draft_targets_carry_vllms_own_quantized_blocks(tmp_path):
                 want[p.param_box.slices()] = want_hf[p.hf_name][p.hf_box.slices()].reshape(p.param_box.lengths)
             assert torch.equal(_dequantized(got[name], got.get(name + "_scale_inv") if name in fp8 else None),
                                want), (name, rank)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (1, 129)])
+def test_reference_block_fp8_is_vllms_quantizer(shape):
+    """tests/reference.py's block_fp8 (the GPU tests' expectation, where vLLM is not installed)
+    equals vLLM's own ``per_block_cast_to_fp8`` bit for bit, padded edges and tiny blocks included."""
+    per_block_cast_to_fp8 = pytest.importorskip("vllm.utils.deep_gemm").per_block_cast_to_fp8
+    from reference import block_fp8
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(torch.bfloat16)
+    w[:128, :128] = 0.0  # a whole zero tile: its scale is the 1e-4 clamp's
+    w[-1, -1] = 300.0
+    ours, theirs = block_fp8(w), per_block_cast_to_fp8(w, [128, 128])
+    assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8))
+    assert torch.equal(ours[1], theirs[1])
