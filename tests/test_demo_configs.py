@@ -62,13 +62,14 @@ def test_a_model_type_transformers_cannot_build_is_one_line(capsys, monkeypatch)
     assert "architecture 'DeepseekV3ForCausalLM'" in lines[0] and "Traceback" not in lines[0], lines
 
 
-def test_the_hybrid_demo_without_triton_names_the_fix(capsys, monkeypatch):
-    """Megatron-Core's mamba_mixer imports triton: without it (hidden here) the Nemotron-H demo
-    is one line naming `pip install triton`, before any trainer process."""
-    monkeypatch.setitem(sys.modules, "triton", None)
+@pytest.mark.parametrize("module", ["triton", "einops"])
+def test_the_hybrid_demo_without_triton_or_einops_names_the_fix(module, capsys, monkeypatch):
+    """Megatron-Core's Mamba layers import triton and einops: without one (hidden here) the
+    Nemotron-H demo is one line naming `pip install <it>`, before any trainer process."""
+    monkeypatch.setitem(sys.modules, module, None)
     assert main(["demo", "--config", str(CONFIG_DIR / "NVIDIA-Nemotron-3-Nano-30B-A3B.json")]) == 2
     lines = _one_line(capsys)
-    assert len(lines) == 1 and "needs triton" in lines[0] and "pip install triton" in lines[0], lines
+    assert len(lines) == 1 and f"needs {module}" in lines[0] and f"pip install {module}" in lines[0], lines
 
 
 @pytest.mark.parametrize("name", ["Qwen3-30B-A3B.json", "NVIDIA-Nemotron-3-Nano-30B-A3B.json"])

@@ -220,14 +220,15 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
 
 
 def check_triton() -> None:
-    """Raise :class:`MegarefitError` when ``triton`` does not import: Megatron-Core's
-    ``mamba_mixer`` (the hybrid configs' ``MambaModel``) imports it at module level, though the
-    CPU harness runs none of its kernels (the SSD scan runs in torch)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise MegarefitError(f"the hybrid Mamba demo needs triton ({exc}): Megatron-Core's mamba_mixer imports it "
-                             "(the CPU demo runs none of its kernels); pip install triton") from None
+    """Raise :class:`MegarefitError` when ``triton`` or ``einops`` does not import: Megatron-Core's
+    ``mamba_mixer`` (the hybrid configs' ``MambaModel``) needs both, though the CPU harness runs
+    none of triton's kernels (the SSD scan runs in torch)."""
+    for name in ("triton", "einops"):
+        try:
+            __import__(name)
+        except ImportError as exc:
+            raise MegarefitError(f"the hybrid Mamba demo needs {name} ({exc}): Megatron-Core's Mamba layers import "
+                                 f"it; pip install {name} (or pip install 'megarefit[demo]')") from None
 
 
 def hf_buildable_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -251,6 +252,8 @@ def hf_buildable_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]
         return cfg
     arch = (cfg.get("architectures") or [None])[0]
     same = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == arch and t in CONFIG_MAPPING_NAMES]
+    if len(same) > 1:  # several types share the class (deepseek_v3, sarvam_mla): the one whose config it names
+        same = [t for t in same if arch and CONFIG_MAPPING_NAMES[t] == arch.replace("ForCausalLM", "Config")]
     if len(same) != 1:
         raise MegarefitError(f"transformers {transformers.__version__} has no model_type {model_type!r} and no "
                              f"single model type for its architecture {arch!r}: the demo cannot build the HF model "
