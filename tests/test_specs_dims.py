@@ -73,3 +73,18 @@ def test_uneven_pipeline_split_is_inferred(config):
     assert "decoder.layers.1.mlp.linear_fc2.weight" in shards[(1, 2, 0)]
     back = megarefit.megatron_to_hf(shards, cfg, tp=2, pp=3)
     assert back.keys() == hf.keys() and all(torch.equal(back[k], v) for k, v in hf.items())
+
+
+def test_legacy_grouped_stored_shape_and_view_are_inverses():
+    """The one home of GroupedMLP's storage fact (layout.geometry): the checksum frame reads a
+    stored tensor back into the [E_local, a, b] view local_shape stored it from."""
+    from megarefit.layout.geometry import grouped_stored_shape, grouped_view_of
+    from megarefit.specs import Role
+
+    for role in (Role.GROUPED_EXPERT_FC1, Role.GROUPED_EXPERT_FC2):
+        for view in [(1, 8, 6), (4, 16, 12), (3, 5, 7)]:
+            assert grouped_view_of(role, grouped_stored_shape(role, view), view[0]) == view
+    assert grouped_stored_shape(Role.GROUPED_EXPERT_FC1, (4, 16, 12)) == (16, 48)
+    assert grouped_stored_shape(Role.GROUPED_EXPERT_FC2, (4, 6, 16)) == (24, 16)
+    assert grouped_view_of(Role.GROUPED_EXPERT_FC1, (16, 50), 4) is None  # not E blocks
+    assert grouped_view_of(Role.COLUMN, (16, 48), 4) is None

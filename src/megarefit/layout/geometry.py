@@ -108,11 +108,29 @@ def view_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[
     return (per_ep, a // layout.etp, b)
 
 
+def grouped_stored_shape(role: Role, view: tuple[int, int, int]) -> tuple[int, int]:
+    """The 2-D shape legacy GroupedMLP stores its ``[E_local, a, b]`` view as (Megatron-Core's
+    ``GroupedMLP``): ``weight1`` ``[h, E_local*2F/etp]``, ``weight2`` ``[E_local*F/etp, h]``;
+    :func:`grouped_view_of` is its inverse."""
+    e, a, b = view
+    return (a, e * b) if role is Role.GROUPED_EXPERT_FC1 else (e * a, b)
+
+
+def grouped_view_of(role: Role, stored: tuple[int, ...], experts: int) -> tuple[int, int, int] | None:
+    """The ``[E_local, a, b]`` view of a legacy GroupedMLP tensor stored as ``stored`` with
+    ``experts`` local experts (the inverse of :func:`grouped_stored_shape`); ``None`` for any
+    other role, or a shape that does not divide into ``experts`` blocks."""
+    if role is Role.GROUPED_EXPERT_FC1 and len(stored) == 2 and stored[1] % experts == 0:
+        return (experts, stored[0], stored[1] // experts)
+    if role is Role.GROUPED_EXPERT_FC2 and len(stored) == 2 and stored[0] % experts == 0:
+        return (experts, stored[0] // experts, stored[1])
+    return None
+
+
 @lru_cache(maxsize=4096)
 def local_shape(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[int, ...]:
-    if spec.role.is_grouped:  # stored 2-D: weight1 [h, E_local*2F/etp], weight2 [E_local*F/etp, h]
-        e, a, b = view_shape(spec, dims, layout)  # type: ignore[misc]
-        return (a, e * b) if spec.role is Role.GROUPED_EXPERT_FC1 else (e * a, b)
+    if spec.role.is_grouped:
+        return grouped_stored_shape(spec.role, view_shape(spec, dims, layout))  # type: ignore[arg-type]
     shape = global_shape(spec, dims, layout)
     mode, split = spec.role.parallel_mode, _split(spec, layout)
     dim = {ParallelMode.COLUMN: 0, ParallelMode.ROW: 1}.get(mode)
@@ -380,4 +398,4 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
 
 
 __all__ = ["ExpertWeights", "Piece", "SourceTensor", "fused_boxes", "fused_shapes", "global_shape", "grouped_boxes",
-           "grouped_pieces", "hf_shapes", "local_shape", "piece_boxes", "pieces", "source_tensors", "view_shape"]
+           "grouped_pieces", "grouped_stored_shape", "grouped_view_of", "hf_shapes", "local_shape", "piece_boxes", "pieces", "source_tensors", "view_shape"]

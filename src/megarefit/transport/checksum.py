@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from megarefit.errors import MegarefitError
+from megarefit.layout.geometry import grouped_view_of
 from megarefit.plan import CopyOp
 from megarefit.specs import Role
 
@@ -84,16 +85,16 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
+_GROUPED = frozenset({Role.GROUPED_EXPERT_FC1.value, Role.GROUPED_EXPERT_FC2.value})
+
+
 def sum_frame(shape: Sequence[int], role: str = "", experts: int = 1) -> SumFrame:
     """The frame a served tensor of stored ``shape`` and manifest ``role`` is summed in, on a
     rank holding ``experts`` local experts: a legacy GroupedMLP tensor as ``experts`` matrices
-    (``weight1`` stored ``[h, E*2F]`` as ``E x [h, 2F]``, ``weight2`` stored ``[E*F, h]`` as
-    ``E x [F, h]``: the plan's view of it), every other tensor as one ``matrix_shape``."""
-    if experts > 1 and role == Role.GROUPED_EXPERT_FC1.value and len(shape) == 2 and shape[1] % experts == 0:
-        return SumFrame(experts, shape[0], shape[1] // experts)
-    if experts > 1 and role == Role.GROUPED_EXPERT_FC2.value and len(shape) == 2 and shape[0] % experts == 0:
-        return SumFrame(experts, shape[0] // experts, shape[1])
-    return SumFrame(1, *matrix_shape(shape))
+    (the plan's ``[E, a, b]`` view of it, :func:`megarefit.layout.geometry.grouped_view_of`),
+    every other tensor as one ``matrix_shape``."""
+    view = grouped_view_of(Role(role), tuple(shape), experts) if experts > 1 and role in _GROUPED else None
+    return SumFrame(*view) if view is not None else SumFrame(1, *matrix_shape(shape))
 
 
 def checksum_numel(shape: Sequence[int], role: str = "", experts: int = 1) -> int:
