@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import real_config
+from dense_cases import dense_config
 from megarefit import ModelDims, Plan, SourceLayout, plan_hf_to_megatron, plan_megatron_to_hf, validate_plan
 from megarefit.errors import LayoutError, PlanValidationError
 from megarefit.layout import Box
@@ -19,13 +20,7 @@ from megarefit.layout import Box
 def dims_and_layout(draw):
     tp = draw(st.sampled_from([1, 2, 4, 8]))
     pp = draw(st.sampled_from([1, 2, 4]))
-    groups = tp * draw(st.integers(1, 3))
-    cfg = {"architectures": [draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]))],
-           "hidden_size": draw(st.integers(1, 64)), "num_attention_heads": groups * draw(st.integers(1, 4)),
-           "num_key_value_heads": groups, "head_dim": draw(st.integers(1, 16)),
-           "intermediate_size": tp * draw(st.integers(1, 50)), "num_hidden_layers": pp * draw(st.integers(1, 3)),
-           "vocab_size": draw(st.integers(1, 5000)), "tie_word_embeddings": draw(st.booleans()),
-           "attention_bias": draw(st.booleans()), "mlp_bias": draw(st.booleans())}
+    cfg = draw(dense_config(tp, pp))
     dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=dims.padded_vocab_size(tp, draw(st.sampled_from([1, 8, 128]))),
                                 num_layers=dims.num_layers, layer_spec=draw(st.sampled_from(["local", "te"])))

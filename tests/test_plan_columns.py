@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 from conftest import real_config
+from dense_cases import dense_config
 from hypothesis import HealthCheck, assume, given, reject, settings
 from hypothesis import strategies as st
 from moe_cases import moe_config
@@ -59,13 +60,7 @@ def dense_case(draw):
     biases, tied embeddings, both layer specs), with no expert set; the config dict too."""
     tp = draw(st.sampled_from([1, 2, 4, 8]))
     pp = draw(st.sampled_from([1, 2, 4]))
-    groups = tp * draw(st.integers(1, 3))
-    cfg = {"architectures": [draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]))],
-           "hidden_size": draw(st.integers(1, 64)), "num_attention_heads": groups * draw(st.integers(1, 4)),
-           "num_key_value_heads": groups, "head_dim": draw(st.integers(1, 16)),
-           "intermediate_size": tp * draw(st.integers(1, 50)), "num_hidden_layers": pp * draw(st.integers(1, 3)),
-           "vocab_size": draw(st.integers(1, 5000)), "tie_word_embeddings": draw(st.booleans()),
-           "attention_bias": draw(st.booleans()), "mlp_bias": draw(st.booleans())}
+    cfg = draw(dense_config(tp, pp))
     dims = ModelDims.from_hf_config(cfg)
     padded = dims.padded_vocab_size(tp, draw(st.sampled_from([1, 8, 128])))
     layout = SourceLayout.build(tp=tp, pp=pp, padded_vocab_size=padded, num_layers=dims.num_layers,
