@@ -82,6 +82,8 @@ class GPTArch:
     qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
     v_head_dim: int = 0
     mtp_layers: int = 0  # Megatron mtp_num_layers (multi-token prediction on the last stage)
+    first_stage_layers: int | None = None  # Megatron num_layers_in_first_pipeline_stage (uneven pipeline)
+    last_stage_layers: int | None = None  # Megatron num_layers_in_last_pipeline_stage
     dtype: str = "float32"  # parameters and activations: "float32" or "bfloat16" (Megatron's bf16=True)
     # DSA lightning indexer (GLM-5; 0 heads: none): experimental_attention_variant="dsa"
     dsa_indexer_heads: int = 0
@@ -469,6 +471,8 @@ def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
         kwargs.update(_mla_config_kwargs(arch))
     if arch.mtp_layers:
         kwargs["mtp_num_layers"] = arch.mtp_layers
+    kwargs.update(num_layers_in_first_pipeline_stage=arch.first_stage_layers,
+                  num_layers_in_last_pipeline_stage=arch.last_stage_layers)
     if vp_stage is not None:
         kwargs["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
     config = config_cls(**kwargs)

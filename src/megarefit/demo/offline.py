@@ -21,8 +21,8 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import SourceLayout
-from megarefit.specs.megatron_core import MegatronCore
 from megarefit.layout.dims import ModelDims, load_hf_config
+from megarefit.layout.megatron_model import check_stated
 from megarefit.layout.shards import resolve_layer_spec
 from megarefit.plan import Plan
 from megarefit.planner import plan_megatron_to_hf
@@ -147,9 +147,9 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     stages: dict[str, float] = {}
     status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
     case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, setup.etp, expert_layout)
-    shards, megatron_logits, megatron = _train(case, stages)
+    shards, megatron_logits, read = _train(case, stages)
     status("plan: building and validating the slice plan")
-    plain_plan, plan, fmt = _plan(setup, shards, megatron, quantization, stages)
+    plain_plan, plan, fmt = _plan(setup, shards, read, quantization, stages)
     pulled = shards
     if fmt is not None:
         status("trainers: quantizing their shards to block FP8 where the blocks allow")
@@ -263,12 +263,13 @@ def hf_buildable_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]
     return cfg | {"model_type": same[0]}
 
 
-def _train(case: Any, stages: dict[str, float]) -> tuple[dict, torch.Tensor, dict]:
-    """Run the trainer processes: (shards by rank coordinate, Megatron logits, their
-    megatron-core record); the seconds go to ``stages``.
+def _train(case: Any, stages: dict[str, float]) -> tuple[dict, torch.Tensor, SourceLayout]:
+    """Run the trainer processes: (shards by rank coordinate, Megatron logits, the layout every
+    rank read from Megatron as ``Publisher.from_megatron`` does); the seconds go to ``stages``.
 
     Raises:
-        RuntimeError: a worker failed, or the trainers' parameters disagree with the spec table."""
+        RuntimeError: a worker failed, the trainers' parameters disagree with the spec table, or
+            the ranks read different layouts or coordinates other than their own."""
     from megarefit.demo.trainer_jobs import trainer_job
     from megarefit.demo.workers import run_workers
 
@@ -281,13 +282,22 @@ def _train(case: Any, stages: dict[str, float]) -> tuple[dict, torch.Tensor, dic
         raise RuntimeError("classifier disagrees with the spec table:\n" + "\n".join(problems))
     shards = {tuple(r["coord"]): r["params"] for r in per_rank}
     logits = next(r["logits"] for r in per_rank if r["logits"] is not None)
-    return shards, logits, per_rank[0]["megatron"]
+    read = {SourceLayout.from_dict(r["read"]["layout"]) for r in per_rank}
+    if len(read) != 1 or any(tuple(r["read"]["rank"]) != tuple(r["coord"]) for r in per_rank):
+        raise RuntimeError(f"the trainer ranks read {len(read)} layouts from Megatron, at ranks "
+                           f"{[r['read']['rank'] for r in per_rank]} (their coordinates: {list(shards)})")
+    return shards, logits, read.pop()
 
 
-def _plan(setup: DemoSetup, shards: dict, megatron: dict, quantization: str,
+def _plan(setup: DemoSetup, shards: dict, read: SourceLayout, quantization: str,
           stages: dict[str, float]) -> tuple[Plan, Plan, Any]:
     """(the plain fp32 plan, the plan refit: FP8 or the same, the FP8 format or ``None``),
-    checked against the trainers' shards."""
+    checked against the trainers' shards. The layout is the one the trainers ``read`` from
+    Megatron (``Publisher.from_megatron``), which must equal the one stated by hand (the demo's
+    sizes, the spelling and expert layout found from the shards' names).
+
+    Raises:
+        LayoutError: the read and the stated layout differ (naming each field)."""
     from megarefit.translate import check_shapes
 
     t0 = time.perf_counter()
@@ -295,8 +305,9 @@ def _plan(setup: DemoSetup, shards: dict, megatron: dict, quantization: str,
     dims = setup.dims
     base = SourceLayout.build(tp=setup.tp, pp=setup.pp, ep=setup.ep, etp=setup.etp,
                               padded_vocab_size=dims.padded_vocab_size(setup.tp), num_layers=dims.num_layers,
-                              megatron=MegatronCore.from_dict(megatron))
+                              megatron=read.megatron)
     layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in shards.items()})
+    check_stated(read, layout)
     plain = plan_megatron_to_hf(dims, layout, "float32")
     check_shapes(plain, shards)
     fmt = resolve_quantization(quantization, setup.cfg)

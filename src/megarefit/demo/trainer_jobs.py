@@ -23,7 +23,7 @@ from megarefit.demo.megatron_cpu import (
     init_parallel,
     perturb_parameters_,
 )
-from megarefit.integrations.megatron import local_named_parameters, megatron_core_of, refit_tensors
+from megarefit.integrations.megatron import local_named_parameters, megatron_core_of
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
     Returns ``{case.key: {"coord": (tp, pp, ep), "params": {...}, "logits": tensor | None,
     "problems": [classifier disagreements], "build_s": s, "forward_s": s, "megatron": MegatronCore
-    record (dict)}}`` for ranks of
+    record (dict), "read": {"rank", "layout"}: what ``Publisher.from_megatron`` reads}}`` for ranks of
     the first data-parallel replica; other ranks return ``{}`` entries.
     """
     apply_cpu_patches()  # before the first megatron import, so its import-time warnings are filtered
@@ -105,6 +105,7 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
     from megarefit.layout.classify import classify_model
     from megarefit.layout.dims import ModelDims
+    from megarefit.layout.megatron_model import read_chunks
 
     out: dict[str, Any] = {}
     for case in cases:
@@ -126,9 +127,11 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
                     if not c.ok]
         coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                  ps.get_expert_model_parallel_rank())
+        read = read_chunks(model, dims)[0]  # what Publisher.from_megatron reads
         out[case.key] = {"coord": coord, "params": local_named_parameters(model), "logits": logits,
                          "problems": problems, "build_s": t1 - t0, "forward_s": t2 - t1,
-                         "megatron": megatron.to_dict()}
+                         "megatron": megatron.to_dict(), "read": {"rank": tuple(read.rank),
+                                                                  "layout": read.layout.to_dict()}}
     return out
 
 
@@ -137,7 +140,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
                         snapshot_dir: str | None = None) -> dict[str, Any]:
     """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
 
-    Builds the case's GPTModel, wraps its parameters in a :class:`~megarefit.online.publisher.Publisher`
+    Builds the case's GPTModel, serves it through ``Publisher.from_megatron``
     (registered once), then for v = 1..versions: (v > 1) changes every weight in
     place as an optimizer step would, runs the forward pass, snapshots the
     shards, publishes version v, and waits until a receiver marks v consumed.
@@ -161,8 +164,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
         return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     host, port, job = rendezvous
     rdzv = Rendezvous.connect(host, port, job=job)
-    pub = Publisher(refit_tensors(model), case.hf_config, rank=coord, tp=case.tp, pp=case.pp, ep=case.ep,
-                    rendezvous=rdzv, megatron=megatron_core_of(model))
+    pub = Publisher.from_megatron(model, case.hf_config, rendezvous=rdzv)  # the layout read from Megatron
     out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     for v in range(1, versions + 1):
         if v > 1:

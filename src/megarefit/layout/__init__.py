@@ -5,6 +5,8 @@
   (a trainer's TP/PP/EP/ETP layout);
 * :mod:`~megarefit.layout.geometry`: where each row of a sharded tensor lands in the HF
   tensors (pieces, grouped-expert boxes, local / view / HF shapes, every rank's tensors);
+* :mod:`~megarefit.layout.megatron_model`: a live Megatron-Core model's layout, read from Megatron
+  (``parallel_state``, ``TransformerConfig``), or stated by hand (:func:`source_layout`);
 * :mod:`~megarefit.layout.shards`: a set of shard names checked against a layout;
 * :mod:`~megarefit.layout.classify`: roles of a live Megatron model, checked three ways.
 """

@@ -1,7 +1,9 @@
 """Online refit: trainer ranks publish, receivers pull live shards between RL steps.
 
 * :mod:`~megarefit.online.rendezvous`: the store where ranks publish manifests and versions;
-* :mod:`~megarefit.online.publisher`: :class:`Publisher`, the trainer side (one per Megatron rank);
+* :mod:`~megarefit.online.publisher`: :class:`Publisher`, the trainer side (``Publisher.from_megatron(model, ...)``
+  on every Megatron rank);
+* :mod:`~megarefit.online.served`: the buffers a Publisher serves besides the live parameters (FP8, snapshot, checksums);
 * :mod:`~megarefit.online.param_sync`: checks that a rank's published tensors are its live parameters;
 * :mod:`~megarefit.online.receiver`: :class:`RefitReceiver`, discover / version fence / pull / hand over;
 * :mod:`~megarefit.online.stream`: streamed refits (``memory_budget``): layer groups through a two-slot ring;
@@ -9,10 +11,10 @@
 * :mod:`~megarefit.online.replica`: :class:`ReplicaReceiver`, fan-out from a receiver that has a version.
 """
 
-from megarefit.online.publisher import Publisher
+from megarefit.online.publisher import Publisher, PublisherGroup
 from megarefit.online.receiver import CycleStats, RefitReceiver, StaleVersionError, VersionMismatchError
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.online.replica import ReplicaReceiver
 
-__all__ = ["CycleStats", "Publisher", "RefitReceiver", "Rendezvous", "ReplicaReceiver", "StaleVersionError",
+__all__ = ["CycleStats", "Publisher", "PublisherGroup", "RefitReceiver", "Rendezvous", "ReplicaReceiver", "StaleVersionError",
            "VersionMismatchError"]

@@ -1,9 +1,10 @@
 """Publisher (trainer side): serve a rank's live shards over NIXL, no gather, no copy.
 
-Each Megatron rank wraps its parameters once::
+Each Megatron rank wraps its model once; Megatron itself says where the rank sits
+(``parallel_state``, each chunk's ``TransformerConfig``; see
+:mod:`megarefit.layout.megatron_model`)::
 
-    pub = Publisher(dict(model.named_parameters()), hf_config, rank=(tp_rank, pp_rank, 0),
-                    tp=tp, pp=pp, rendezvous=Rendezvous.connect(host, port, secret=job_secret))
+    pub = Publisher.from_megatron(model, hf_config, rendezvous=Rendezvous.connect(host, port, job=job))
     ...
     optimizer.step()
     pub.publish(version=step)          # after every optimizer step; registers nothing new
@@ -24,29 +25,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
-from megarefit.layout import ExpertLayout, RankCoord, SourceLayout, virtual_stage
-from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
+from megarefit.layout import RankCoord, SourceLayout
+from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
+from megarefit.layout.megatron_model import check_stated, read_chunks
 from megarefit.online.param_sync import check_param_sync
 from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.served import checksum_buffer, fp8_buffers, refresh_snapshot, snapshot_buffers
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format, resolve_quantization
+from megarefit.quant.fp8 import Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
-from megarefit.specs.megatron_core import MegatronCore
-from megarefit.specs.table import LayerSpec, canonical_name
-from megarefit.transport.checksum import frame_entries, sum_frame, tensor_checksum
-from megarefit.transport.checksum_kernel import BoxSums
+from megarefit.specs.table import canonical_name
 from megarefit.transport.cuda_ipc import export_storages
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
@@ -70,11 +69,15 @@ def _most_common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
 
 
 class Publisher:
-    """Serves one trainer rank's parameters; see the module docstring.
+    """Serves one trainer rank's parameters (one model chunk); see the module docstring.
 
-    With Megatron's interleaved pipeline (``vpp > 1``), publish each model chunk with its
-    own Publisher: ``rank=(tp_rank, pp_rank, ep_rank)``, ``vp_stage=c``; it serves stage
-    ``virtual_stage(pp_rank, c, pp)`` of a ``pp * vpp``-stage pipeline.
+    Build it with :meth:`from_megatron`, which reads the layout from Megatron. The constructor is
+    the explicit form: ``params`` (Megatron's local names, e.g. :func:`refit_tensors` of the model),
+    the rank's coordinate ``rank = (tp rank, stage, ep rank)`` and the whole trainer's ``layout``
+    (a :class:`~megarefit.layout.SourceLayout`, e.g. from
+    :func:`~megarefit.layout.megatron_model.source_layout`). With Megatron's interleaved pipeline
+    (``vpp > 1``) ``layout.pp`` counts ``pp * vpp`` virtual stages and chunk ``c`` of pipeline rank
+    ``p`` is stage ``virtual_stage(p, c, pp)``, one Publisher per chunk (:class:`PublisherGroup`).
 
     ``snapshot=True`` (asynchronous RL): receivers read a registered copy of the rank's
     shards that every ``publish`` refreshes from the live parameters at device-copy speed
@@ -85,17 +88,12 @@ class Publisher:
     succeeds, but the NIC faults at transfer time): a Publisher serving CUDA tensors
     while ``PYTORCH_CUDA_ALLOC_CONF`` enables expandable segments warns.
 
-    ``ddp``: the rank's Megatron-Core ``DistributedDataParallel`` model chunk(s). With the
-    distributed optimizer and ``overlap_param_gather``, parameters are whole again only
-    after the next forward's all-gather; ``publish`` / ``updating`` then wait for gathers
-    in flight and refuse (``ParamSyncPendingError``) if one was not dispatched: call
+    ``ddp``: the rank's Megatron-Core ``DistributedDataParallel`` model chunk(s) (found by
+    :meth:`from_megatron` in the wrappers). With the distributed optimizer and
+    ``overlap_param_gather``, parameters are whole again only after the next forward's
+    all-gather; ``publish`` / ``updating`` then wait for gathers in flight and refuse
+    (``ParamSyncPendingError``) if one was not dispatched: call
     :func:`megarefit.online.param_sync.finish_param_sync` on every data-parallel rank after the step.
-
-    ``megatron``: the trainer's Megatron-Core and the config flags that decide layouts, recorded in
-    the manifest (``MegatronCore.from_config(megatron.core.__version__, model.config)``, or
-    :func:`megarefit.integrations.megatron.megatron_core_of`). Default: the ``megatron.core`` this
-    process imported, flags unread (enough where no flag of that release matters for the model);
-    without one, megarefit's reference layout (megatron-core 0.16.1's names).
 
     ``ipc`` (default on): CUDA storages served are also exported for CUDA IPC (PyTorch's
     reduction; :mod:`~megarefit.transport.cuda_ipc`), so a receiver on the same GPU (colocated
@@ -103,33 +101,24 @@ class Publisher:
     export them, a warning says so and receivers use NIXL.
 
     Raises (at construction):
+        LayoutError: ``layout`` does not fit the model, or ``rank`` is not in its grid.
         MissingParameterError / UnexpectedParameterError: the parameters are not
             exactly what the spec table and layout place on this rank.
         ShapeMismatchError: a parameter's shape differs from the layout's, or is
             not contiguous.
-        UnverifiedMegatronError: the trainer's Megatron-Core version, or a config flag that
-            matters for this model, is not one megarefit has verified.
+        UnverifiedMegatronError: the trainer's Megatron-Core version (``layout.megatron``), or a
+            config flag that matters for this model, is not one megarefit has verified.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], hf_config: Any, *, rank: tuple[int, int, int],
-                 tp: int, pp: int, ep: int = 1, rendezvous: Rendezvous, layer_spec: LayerSpec = "local",
-                 make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
-                 first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                 etp: int | None = None, expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
-                 vpp: int = 1, vp_stage: int = 0, agent_name: str | None = None,
+                 layout: SourceLayout, rendezvous: Rendezvous, agent_name: str | None = None,
                  quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
-                 ddp: Any = None, checksums: bool = False, ipc: bool = True, megatron: MegatronCore | None = None):
-        if vpp > 1:  # interleaved pipeline: this chunk is one stage of a pp*vpp-stage pipeline
-            rank = (rank[0], virtual_stage(rank[1], vp_stage, pp), rank[2])
-            pp *= vpp
+                 ddp: Any = None, checksums: bool = False, ipc: bool = True):
         self.rank = RankCoord(*rank)
         cfg = load_hf_config(hf_config)
         self.dims = ModelDims.from_hf_config(cfg)
         self.quantization = resolve_quantization(quantization, cfg)
-        self.layout = self._build_layout(tp, pp, ep, etp, vocab_divisor=make_vocab_size_divisible_by,
-                                         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
-                                         layer_spec=layer_spec, expert_layout=expert_layout, mtp_layers=mtp_layers,
-                                         megatron=megatron or MegatronCore.in_process())
+        self.layout = self._check_layout(layout)
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = self._check_params()
         self.dtype = _dtype_name(_most_common_dtype(self.params.values()))
@@ -138,12 +127,12 @@ class Publisher:
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.quantization is not None:
             plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
-            self.fp8 = self._fp8_buffers([ref.name for ref in fp8_sources(plan, self.rank)])
+            self.fp8 = fp8_buffers(self.params, [ref.name for ref in fp8_sources(plan, self.rank)], self.quantization)
         # snapshot: receivers read a registered copy that publish() refreshes, never the live
         # parameters (training goes on during the pull: one-step off-policy RL)
         self.snapshot: dict[str, torch.Tensor] = {}
         if snapshot:
-            self.snapshot = self._snapshot_buffers([n for n in expected if n not in self.fp8])
+            self.snapshot = snapshot_buffers(self.params, [n for n in expected if n not in self.fp8])
         entries, served = self._served_entries(expected)
         self._warn_expandable_segments(served)
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
@@ -161,25 +150,56 @@ class Publisher:
         self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
-    def _build_layout(self, tp: int, pp: int, ep: int, etp: int | None, *, vocab_divisor: int,
-                      first_stage_layers: int | None, last_stage_layers: int | None, layer_spec: LayerSpec,
-                      expert_layout: ExpertLayout, mtp_layers: int, megatron: MegatronCore) -> SourceLayout:
-        """The trainer's source layout (``pp`` counts virtual stages), checked against the model's
-        dims; ``self.rank`` must be one of its coordinates.
+    @classmethod
+    def from_megatron(cls, model: torch.nn.Module | Sequence[torch.nn.Module], hf_config: Any, *,
+                      rendezvous: Rendezvous, layout: SourceLayout | None = None,
+                      **options: Any) -> Publisher | PublisherGroup:
+        """Serve this rank's Megatron-Core model, its layout read from Megatron itself.
+
+        ``model``: the rank's model (``GPTModel`` / ``MambaModel``), or its list of model chunks
+        with an interleaved pipeline (Megatron's ``model`` list, virtual-stage order); each may
+        be wrapped in Megatron-Core ``DistributedDataParallel`` / ``Float16Module`` or torch DDP.
+        Read from ``megatron.core.parallel_state`` and each chunk's ``TransformerConfig``: TP/PP/EP/
+        ETP/VPP ranks and sizes, the (uneven) stage split as Megatron builds it, ``mtp_num_layers``,
+        the padded vocab (``model.vocab_size``), the layer spec and expert layout (from the
+        parameter names), and the Megatron-Core version and layout flags
+        (:mod:`megarefit.layout.megatron_model`). ``layout``: a statement of what the caller
+        expects, checked against what was read. ``options``: the constructor's ``agent_name``,
+        ``quantization``, ``snapshot``, ``checksums``, ``ipc``.
+
+        Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for several.
+
+        Raises:
+            LayoutError: Megatron's parallel state is not initialized; config and process grid
+                disagree; the model's layers or vocab do not fit ``hf_config``; ``layout`` differs
+                from the model's (naming each field, stated vs read).
+            TypeError: ``model`` is not a Megatron-Core model.
+            and what the constructor raises.
+        """
+        cfg = load_hf_config(hf_config)
+        chunks = read_chunks(model, ModelDims.from_hf_config(cfg))
+        check_stated(chunks[0].layout, layout)
+        pubs = [cls(c.params, cfg, rank=c.rank, layout=c.layout, rendezvous=rendezvous,
+                    ddp=options.pop("ddp", None) or c.ddp, **options) for c in chunks]
+        return pubs[0] if len(pubs) == 1 else PublisherGroup(pubs)
+
+    def _check_layout(self, layout: SourceLayout) -> SourceLayout:
+        """``layout`` checked against the model's dims; ``self.rank`` must be one of its coordinates.
 
         Raises:
             LayoutError: the layout does not fit the model, or ``self.rank`` is not in its grid.
         """
-        self.dims.check_layout(tp, pp, ep, etp)
-        layout = SourceLayout.build(
-            tp=tp, pp=pp, ep=ep, padded_vocab_size=self.dims.padded_vocab_size(tp, vocab_divisor),
-            num_layers=self.dims.num_layers, first_stage_layers=first_stage_layers,
-            last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
-            mtp_layers=mtp_layers, megatron=megatron)
+        if not isinstance(layout, SourceLayout):
+            raise LayoutError(f"layout must be a SourceLayout (megarefit.layout.megatron_model.source_layout builds "
+                              f"one), got {type(layout).__name__}")
+        self.dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
+        if layout.num_layers != self.dims.num_layers or layout.padded_vocab_size < self.dims.vocab_size:
+            raise LayoutError(f"layout holds {layout.num_layers} layers and {layout.padded_vocab_size} vocab rows; "
+                              f"the HF config has {self.dims.num_layers} layers and vocab_size={self.dims.vocab_size}")
         if self.rank not in set(layout.ranks()):
-            raise LayoutError(f"rank {self.rank} is not a coordinate of Megatron's process grid for tp={tp} "
-                              f"ep={ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks are tied; "
-                              f"publish from the ranks {[tuple(r) for r in layout.ranks()]} only)")
+            raise LayoutError(f"rank {self.rank} is not a coordinate of Megatron's process grid for tp={layout.tp} "
+                              f"pp={layout.pp} ep={layout.ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks "
+                              f"are tied; publish from the ranks {[tuple(r) for r in layout.ranks()]} only)")
         return layout
 
     def _check_params(self) -> dict[str, SourceTensor]:
@@ -254,63 +274,11 @@ class Publisher:
 
     def _checksum_buffer(self, served: list[torch.Tensor], entries: list[TensorEntry]
                          ) -> tuple[torch.Tensor, Callable[[], None]]:
-        """One registered int64 buffer holding every served tensor's checksum back to back (in
-        manifest order, on the device of the first; legacy GroupedMLP tensors summed per local
-        expert, :func:`~megarefit.transport.checksum.sum_frame`), and what fills it: one fused
-        pass over every served tensor (:class:`~megarefit.transport.checksum_kernel.BoxSums`;
-        per tensor where the tensors span devices)."""
+        """The registered checksum buffer of the served tensors and what fills it (:func:`checksum_buffer`)."""
         experts = self.dims.num_experts // self.layout.ep if self.dims.num_experts else 1
-        frames = [sum_frame(t.shape, e.role, experts) for t, e in zip(served, entries, strict=True)]
-        flat = torch.zeros(sum(f.numel for f in frames), dtype=torch.int64, device=served[0].device)
+        flat, fill = checksum_buffer(served, entries, experts)
         self.agent.register([flat])
-        boxes, starts, at = [], [], 0
-        for t, f in zip(served, frames):
-            boxes += frame_entries(t, f, at)
-            starts.append(at)
-            at += f.numel
-        if all(t.device == flat.device for t in served):
-            return flat, BoxSums(boxes, flat)
-
-        def per_tensor() -> None:
-            for t, f, start in zip(served, frames, starts):
-                flat[start:start + f.numel].copy_(tensor_checksum(t, frame=f))
-
-        return flat, per_tensor
-
-    def _fp8_buffers(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """FP8 weights and float32 scales of ``names`` as views of one arena each (per device),
-        back to back in layout order: registered once, and consecutive pulls of a receiver
-        coalesce into few large descriptors."""
-        assert self.quantization is not None
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for device in {self.params[n].device for n in names}:
-            mine = [n for n in names if self.params[n].device == device]
-            shapes = {n: (tuple(self.params[n].shape), self.quantization.scale_shape(tuple(self.params[n].shape)))
-                      for n in mine}
-            weights = torch.empty(sum(math.prod(w) for w, _ in shapes.values()), dtype=FP8_DTYPE, device=device)
-            scales = torch.empty(sum(math.prod(s) for _, s in shapes.values()), dtype=torch.float32, device=device)
-            at_w = at_s = 0
-            for n in mine:
-                w, s = shapes[n]
-                out[n] = (weights[at_w:at_w + math.prod(w)].view(w), scales[at_s:at_s + math.prod(s)].view(s))
-                at_w, at_s = at_w + math.prod(w), at_s + math.prod(s)
-        return {n: out[n] for n in names}
-
-    def _snapshot_buffers(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """One contiguous buffer per (device, dtype) holding a copy of each of ``names``,
-        filled now; registered once like the FP8 arenas."""
-        out: dict[str, torch.Tensor] = {}
-        groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
-        for n in names:
-            groups.setdefault((self.params[n].device, self.params[n].dtype), []).append(n)
-        for (device, dtype), group in groups.items():
-            flat = torch.empty(sum(self.params[n].numel() for n in group), dtype=dtype, device=device)
-            at = 0
-            for n in group:
-                out[n] = flat[at:at + self.params[n].numel()].view(self.params[n].shape)
-                out[n].copy_(self.params[n].detach())
-                at += self.params[n].numel()
-        return out
+        return flat, fill
 
     @property
     def counters(self):
@@ -386,14 +354,7 @@ class Publisher:
         for device in devices:  # the step's kernels must have landed before the rank is declared stable
             torch.cuda.synchronize(device)
         if self.snapshot:  # live -> the registered copy receivers read (device-copy speed)
-            names = list(self.snapshot)
-            dst, src = [self.snapshot[n] for n in names], [self.params[n].detach() for n in names]
-            if dst[0].is_cuda:
-                torch._foreach_copy_(dst, src)
-                torch.cuda.synchronize(dst[0].device)
-            else:
-                for d, x in zip(dst, src):
-                    d.copy_(x)
+            refresh_snapshot(self.snapshot, self.params)
         if self._quantize is not None:  # the new weights into the registered FP8 buffers (one launch on a GPU)
             t0 = time.perf_counter()
             self._quantize()
@@ -407,3 +368,45 @@ class Publisher:
             if self.checksums[0].is_cuda:
                 torch.cuda.synchronize(self.checksums[0].device)
             self.last_checksum_s = time.perf_counter() - t0
+
+
+class PublisherGroup:
+    """The Publishers of one rank's model chunks (interleaved pipeline: one per virtual stage),
+    driven together: what :meth:`Publisher.from_megatron` returns for several chunks.
+
+    ``publish`` / ``updating`` / ``wait_receivers`` act on every chunk; a receiver reads each
+    chunk as its own (virtual-stage) rank. ``publishers[c]`` is chunk ``c``'s Publisher.
+    """
+
+    def __init__(self, publishers: Sequence[Publisher]):
+        if not publishers:
+            raise ValueError("a PublisherGroup needs at least one Publisher")
+        self.publishers = list(publishers)
+
+    def __iter__(self) -> Iterator[Publisher]:
+        return iter(self.publishers)
+
+    def __len__(self) -> int:
+        return len(self.publishers)
+
+    @property
+    def layout(self) -> SourceLayout:
+        return self.publishers[0].layout
+
+    def publish(self, version: int) -> None:
+        """:meth:`Publisher.publish` on every chunk, in order."""
+        for pub in self.publishers:
+            pub.publish(version)
+
+    @contextlib.contextmanager
+    def updating(self, version: int) -> Iterator[None]:
+        """:meth:`Publisher.updating` around the block for every chunk (all marked writing first)."""
+        with contextlib.ExitStack() as stack:
+            for pub in self.publishers:
+                stack.enter_context(pub.updating(version))
+            yield
+
+    def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
+        """:meth:`Publisher.wait_receivers` (the receivers acknowledge a version for every rank at once)."""
+        return self.publishers[0].wait_receivers(version, timeout=timeout, lease=lease)
+

@@ -1,0 +1,80 @@
+"""Worker body for tests/test_from_megatron.py (module level so spawn can import it): real
+Megatron-Core models on CPU, their layout read back by ``Publisher.from_megatron``'s reader."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model: the HF config, Megatron's sizes, and what the arch adds (uneven stages, MTP)."""
+
+    key: str
+    cfg: dict
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int = 1
+    arch: tuple[tuple[str, Any], ...] = ()  # GPTArch fields to replace
+
+
+def _chunks(case: Case) -> list[torch.nn.Module]:
+    arch = dataclasses.replace(gpt_arch_from_hf(case.cfg, tp=case.tp), **dict(case.arch))
+    if case.vpp == 1:
+        return [build_gpt_model(arch, seed=0)]
+    return [build_gpt_model(arch, seed=0, vp_stage=c) for c in range(case.vpp)]
+
+
+def _read(model: Any, cfg: dict) -> dict[str, Any]:
+    from megarefit.layout.dims import ModelDims
+    from megarefit.layout.megatron_model import read_chunks
+
+    try:
+        chunks = read_chunks(model, ModelDims.from_hf_config(cfg))
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"ranks": [tuple(c.rank) for c in chunks], "layouts": [c.layout.to_dict() for c in chunks],
+            "ddp": [c.ddp is not None for c in chunks],
+            "names": [sorted(c.params) for c in chunks]}
+
+
+def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tuple[str, int, str]) -> dict[str, Any]:
+    """Per case: build every chunk of this rank under Megatron's parallel state and read its layout.
+    Also: the same model behind wrappers, with a wrong hf_config, with a missing chunk, under a
+    process grid it was not built for, and a PublisherGroup serving the VPP case's chunks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megarefit.layout.megatron_model import refit_tensors
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        init_parallel(rank=rank, world_size=world_size, master_port=port, tp=case.tp, pp=case.pp, ep=case.ep,
+                      etp=case.etp, vpp=case.vpp)
+        chunks = _chunks(case)
+        out[case.key] = _read(chunks if case.vpp > 1 else chunks[0], case.cfg)
+        out[case.key]["params"] = [{n: t.detach().clone() for n, t in refit_tensors(c).items()} for c in chunks]
+        if case.key == "dense-tp2":
+            model = chunks[0]
+            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+            out["wrapped-ddp"] = _read(ddp, case.cfg)
+            out["wrong-hf-config"] = _read(model, {**case.cfg, "num_hidden_layers": case.cfg["num_hidden_layers"] + 2})
+            init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
+            out["wrong-grid"] = _read(model, case.cfg)
+        if case.vpp > 1:
+            out["one-chunk-of-two"] = _read(chunks[0], case.cfg)
+            host, port_, job = rdzv
+            group = Publisher.from_megatron(chunks, case.cfg, rendezvous=Rendezvous.connect(host, port_, job=job),
+                                            agent_name=None)
+            out["group"] = {"type": type(group).__name__, "ranks": [tuple(p.rank) for p in group]}
+            group.publish(1)
+            group.publishers[0].rendezvous.wait_consumed(1)
+    return out

@@ -1,0 +1,135 @@
+"""``Publisher.from_megatron``: the layout read from real Megatron-Core models on CPU (two gloo
+processes) equals the layout stated by hand (``source_layout``) and gives the same plan; the ranks
+the processes read are exactly the layout's process grid; a model that disagrees with a stated
+layout, its hf_config or Megatron's process grid is refused, naming the mismatch.
+
+Cases: dense at TP=2, MoE at TP=2 EP=2 with expert-TP 1, an uneven pipeline (first stage 1 layer
+of 4), an interleaved pipeline (PP=2 x VPP=2, served as a ``PublisherGroup`` and pulled by a real
+receiver; expected tensors from the reference sharder, not from megarefit), DeepSeek-V3 MLA + MoE
+with one MTP layer at PP=2, and the dense model behind Megatron-Core's DDP wrapper. The families
+the demo builds are read the same way by every ``megarefit demo`` run (demo/offline.py checks
+the read layout against the stated one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("nixl")
+
+from conftest import tiny_config  # noqa: E402
+from from_megatron_jobs import Case, read_job  # noqa: E402
+from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.demo.megatron_cpu import harness_megatron  # noqa: E402
+from megarefit.demo.workers import start_workers  # noqa: E402
+from megarefit.errors import LayoutError  # noqa: E402
+from megarefit.layout.geometry import source_tensors  # noqa: E402
+from megarefit.layout.megatron_model import check_stated, source_layout  # noqa: E402
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.planner import plan_megatron_to_hf  # noqa: E402
+from moe_cases import moe_config  # noqa: E402
+from reference import reference_shards, unshard  # noqa: E402
+from test_megatron_mla_glm import _config  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+DENSE = tiny_config("Qwen3-0.6B", num_hidden_layers=4)
+MTP = {**_config("deepseek"), "num_nextn_predict_layers": 1, "num_hidden_layers": 4}
+CASES = [
+    Case("dense-tp2", {**DENSE, "num_hidden_layers": 2}, tp=2),
+    Case("moe-tp2-ep2-etp1", moe_config("Qwen3-30B-A3B"), tp=2, ep=2, etp=1),
+    Case("uneven-pp2", DENSE, pp=2, arch=(("first_stage_layers", 1),)),
+    Case("vpp", DENSE, pp=2, vpp=2),
+    Case("mtp-pp2", MTP, pp=2, arch=(("mtp_layers", 1),)),
+]
+# the same models stated by hand
+STATED = {
+    "dense-tp2": dict(tp=2), "moe-tp2-ep2-etp1": dict(tp=2, ep=2, etp=1), "uneven-pp2": dict(pp=2, first_stage_layers=1),
+    "vpp": dict(pp=2, vpp=2), "mtp-pp2": dict(pp=2, mtp_layers=1),
+}
+JOB = "from-megatron"
+
+
+@pytest.fixture(scope="module")
+def read():
+    """Both processes' results, and the VPP group's pull through a real receiver."""
+    rdzv = Rendezvous.serve(job=JOB)
+    group = start_workers(read_job, world_size=2, args=(CASES, ("127.0.0.1", rdzv.port, JOB)))
+    try:
+        pulled = dict(RefitReceiver(rdzv, name=f"{JOB}-receiver", timeout=600).run_refit_cycle(1))
+        pulled = {n: t.clone() for n, t in pulled.items()}
+        rdzv.mark_consumed(1)
+    finally:
+        per_rank = group.join(900)
+    return per_rank, pulled
+
+
+def _case(key: str) -> Case:
+    return next(c for c in CASES if c.key == key)
+
+
+@pytest.mark.parametrize("key", list(STATED))
+def test_read_layout_is_the_stated_one(read, key):
+    per_rank, _ = read
+    case = _case(key)
+    results = [r[key] for r in per_rank]
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    layouts = {SourceLayout.from_dict(d) for r in results for d in r["layouts"]}
+    assert len(layouts) == 1, layouts  # every chunk of every rank reads one layout
+    got = layouts.pop()
+    assert got.megatron == harness_megatron()
+    stated = source_layout(case.cfg, megatron=harness_megatron(), **STATED[key])
+    check_stated(got, stated)  # raises naming each differing field
+    dims = ModelDims.from_hf_config(case.cfg)
+    assert plan_megatron_to_hf(dims, got, "float32") == plan_megatron_to_hf(dims, stated, "float32")
+    ranks = [tuple(rank) for r in results for rank in r["ranks"]]
+    assert sorted(ranks) == sorted(tuple(r) for r in stated.ranks())  # each coordinate exactly once
+    want = source_tensors(dims, stated)
+    for r in results:
+        for rank, names in zip(r["ranks"], r["names"]):
+            assert set(names) == set(want[tuple(rank)]), rank
+
+
+def test_ddp_wrapper_is_seen_through(read):
+    per_rank, _ = read
+    for r in per_rank:
+        assert r["wrapped-ddp"]["layouts"] == r["dense-tp2"]["layouts"]
+        assert r["wrapped-ddp"]["ranks"] == r["dense-tp2"]["ranks"]
+        assert r["wrapped-ddp"]["ddp"] == [True] and r["dense-tp2"]["ddp"] == [False]
+
+
+def test_a_model_that_disagrees_is_refused(read):
+    per_rank, _ = read
+    for r in per_rank:
+        assert r["wrong-hf-config"]["error"].startswith("LayoutError: config.num_layers=2 but the HF config has 4")
+        assert "config.tensor_model_parallel_size=2 but parallel_state says 1" in r["wrong-grid"]["error"]
+        assert "got 1 model chunk(s); Megatron's virtual pipeline size is 2" in r["one-chunk-of-two"]["error"]
+
+
+def test_a_stated_layout_that_differs_is_refused(read):
+    per_rank, _ = read
+    got = SourceLayout.from_dict(per_rank[0]["moe-tp2-ep2-etp1"]["layouts"][0])
+    stated = source_layout(_case("moe-tp2-ep2-etp1").cfg, tp=2, ep=2, megatron=got.megatron)  # etp left at tp
+    with pytest.raises(LayoutError, match=r"etp: stated 2, the model has 1"):
+        check_stated(got, stated)
+    with pytest.raises(LayoutError, match=r"tp: stated 1, the model has 2.*padded_vocab_size"):
+        check_stated(got, dataclasses.replace(stated, tp=1, etp=1, padded_vocab_size=got.padded_vocab_size + 1))
+
+
+def test_vpp_chunks_are_served_as_one_group(read):
+    """Each process's two chunks: one PublisherGroup of two Publishers at virtual stages p and
+    p + 2; a receiver pulls all four stages and gets the HF tensors the reference sharder puts
+    the chunks' parameters back into."""
+    per_rank, pulled = read
+    assert [r["group"] for r in per_rank] == [{"type": "PublisherGroup", "ranks": [(0, 0, 0), (0, 2, 0)]},
+                                             {"type": "PublisherGroup", "ranks": [(0, 1, 0), (0, 3, 0)]}]
+    shards = {tuple(rank): params for r in per_rank for rank, params in zip(r["vpp"]["ranks"], r["vpp"]["params"])}
+    want = unshard(shards, pulled, lambda hf: reference_shards(hf, DENSE, tp=1, pp=4))
+    assert pulled.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(pulled[name], t), name
