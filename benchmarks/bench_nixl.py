@@ -87,8 +87,7 @@ def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict,
     else:
         params = {n: torch.randn(s, generator=g, device=device, dtype=dtype) for n, s in shapes.items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job="bench")
-    pub = Publisher(params, cfg, rank=coord, tp=layout.tp, pp=1, ep=layout.ep, etp=layout.etp,
-                    expert_layout=layout.expert_layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}",
+    pub = Publisher(params, cfg, rank=coord, layout=layout, rendezvous=rdzv, agent_name=f"bench-trainer-{index}",
                     quantization=args["quantization"], checksums=bool(args.get("checksums")))
     nbytes = (args["raw_bytes"][index] if args.get("raw_bytes")  # bench_multi.py: the most any receiver reads here
               else plan.summary()["per_rank"].get(coord, {"bytes": 0})["bytes"])

@@ -24,6 +24,7 @@ import megarefit
 from megarefit.online import RefitReceiver
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.online.publisher import Publisher
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,8 @@ def main() -> None:
         job = f"gpu-{i}"
         ensure_job_secret()  # the trainer processes started below inherit it
         rdzv = Rendezvous.serve(job=job)
-        pubs = [Publisher(s, cfg, rank=r, tp=args.tp, pp=1, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}")
+        pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=args.tp, pp=1), rendezvous=rdzv,
+                          agent_name=f"{job}-t{r[0]}")
                 for r, s in shards.items()]
         receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=60, device=dst_dev)
         times = []

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _trainers(cfg: dict, ns: argparse.Namespace):
     from megarefit.demo.bench import layout_for
     from megarefit.layout.geometry import source_tensors
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
@@ -44,8 +45,8 @@ def _trainers(cfg: dict, ns: argparse.Namespace):
     for rank, tensors in source_tensors(dims, layout).items():
         shards = {n: torch.randn(t.shape, generator=g, device=ns.trainer_device).to(torch.bfloat16)
                   for n, t in tensors.items()}
-        pubs.append(Publisher(shards, cfg, rank=rank, tp=ns.tp, pp=1, ep=ns.ep, rendezvous=rdzv,
-                              agent_name=f"bench-streamed-t{rank.tp}-e{rank.ep}", quantization=None))
+        pubs.append(Publisher(shards, cfg, rank=rank, layout=source_layout(cfg, tp=ns.tp, pp=1, ep=ns.ep),
+                              rendezvous=rdzv, agent_name=f"bench-streamed-t{rank.tp}-e{rank.ep}", quantization=None))
     for p in pubs:
         p.publish(1)
     return rdzv, pubs

@@ -70,20 +70,13 @@ CPU_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1",  # enables vLLM's weight-transfer
 
 
 def megarefit_publisher(model: Any, hf_config: dict, host: str, port: int, job: str) -> Any:
-    """This Megatron rank's Publisher of ``model`` (a Megatron-Core ``GPTModel`` chunk) against
-    the job's rendezvous: registered once, then ``publish(version)`` after every step."""
-    from megatron.core import parallel_state as ps
-
-    from megarefit.integrations.megatron import megatron_core_of, refit_tensors
+    """This Megatron rank's Publisher of ``model`` (a Megatron-Core ``GPTModel``, or the rank's list of
+    model chunks, possibly wrapped in DDP) against the job's rendezvous: registered once, then
+    ``publish(version)`` after every step. The layout (TP/PP/EP ranks and sizes, stage split, layer
+    spec, expert layout, vocab padding, Megatron-Core version) is read from Megatron itself."""
     from megarefit.online.publisher import Publisher
 
-    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_expert_model_parallel_rank())
-    # a Transformer-Engine layer spec, TE-grouped experts, uneven pipeline stages: pass layer_spec="te",
-    # expert_layout=..., first_stage_layers=... as the trainer builds its model
-    return Publisher(refit_tensors(model), hf_config, rank=rank, tp=ps.get_tensor_model_parallel_world_size(),
-                     pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-                     rendezvous=Rendezvous.connect(host, port, job=job), megatron=megatron_core_of(model))
+    return Publisher.from_megatron(model, hf_config, rendezvous=Rendezvous.connect(host, port, job=job))
 
 
 def connect(servers: list[VllmHttpRefit], host: str, port: int, job: str, **init_info: Any) -> None:

@@ -21,6 +21,7 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     from megarefit.layout import SourceLayout
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
@@ -32,8 +33,8 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     params = {n: torch.ones(t.shape, dtype=torch.float32, device=device)
               for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
-    pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{index}",
-                    snapshot=mode == "snapshot")
+    pub = Publisher(params, cfg, rank=coord, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                    agent_name=f"{job}-trainer-{index}", snapshot=mode == "snapshot")
     pub.publish(1)
     rng = random.Random(index)
     pause = write_s / max(1, len(params))
@@ -101,6 +102,7 @@ def static_trainer_job(index: int, world_size: int, master_port: int, rdzv_port:
     from megarefit.layout import SourceLayout
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
@@ -111,7 +113,8 @@ def static_trainer_job(index: int, world_size: int, master_port: int, rdzv_port:
     device = devices[index % len(devices)]
     params = {n: torch.full(t.shape, value, device=device) for n, t in source_tensors(dims, layout)[coord].items()}
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
-    pub = Publisher(params, cfg, rank=coord, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{tp_rank}")
+    pub = Publisher(params, cfg, rank=coord, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                    agent_name=f"{job}-trainer-{tp_rank}")
     pub.publish(version)
     rdzv.store.wait([rdzv.prefix + "stop"])
     return {}

@@ -102,7 +102,6 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from megarefit.integrations.megatron import refit_tensors
     from megarefit.online.param_sync import ParamSyncPendingError, finish_param_sync
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
@@ -127,8 +126,7 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
     pub = None
     if rank == 0:
         rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
-        pub = Publisher(refit_tensors(ddp), cfg, rank=(0, 0, 0), tp=1, pp=1, rendezvous=rdzv, ddp=ddp,
-                        agent_name=f"{job}-trainer")
+        pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer")  # finds the DDP wrapper
         out["stale_before"] = any(not torch.equal(d, e) for d, e in zip(buffers, expected))
         try:
             pub.publish(2)

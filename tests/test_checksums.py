@@ -128,6 +128,7 @@ _JOBS = iter(range(10**6))
 
 def _job(config, target_name):
     pytest.importorskip("nixl")
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
@@ -136,8 +137,8 @@ def _job(config, target_name):
     shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
     job = f"sums-{target_name}-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv,
-                      agent_name=f"{job}-t{r[0]}", checksums=True) for r, s in shards.items()]
+    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1),
+                      rendezvous=rdzv, agent_name=f"{job}-t{r[0]}", checksums=True) for r, s in shards.items()]
     for p in pubs:
         p.publish(1)
     return job, rdzv, pubs

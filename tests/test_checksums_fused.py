@@ -105,9 +105,9 @@ def _serve(cfg, shards, *, tp, ep, etp, expert_layout, layer_spec="local"):
     _, layout = _layout(cfg, tp=tp, ep=ep, etp=etp, expert_layout=expert_layout, layer_spec=layer_spec)
     job = f"sums-fused-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.contiguous().clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r), tp=tp,
-                      pp=1, ep=ep, etp=etp, expert_layout=expert_layout, layer_spec=layer_spec, rendezvous=rdzv,
-                      agent_name=f"{job}-t{r.tp}{r.ep}", checksums=True) for r in layout.ranks()]
+    pubs = [Publisher({n: t.contiguous().clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r),
+                      layout=layout, rendezvous=rdzv, agent_name=f"{job}-t{r.tp}{r.ep}", checksums=True)
+            for r in layout.ranks()]
     for p in pubs:
         p.publish(1)
     return job, rdzv, pubs

@@ -69,6 +69,7 @@ def expected(hf: dict[str, torch.Tensor], quantization: str | None) -> dict[str,
 def test_receiver_on_a_non_current_device(config, quantization):
     pytest.importorskip("nixl")
     from megarefit.online import RefitReceiver
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
@@ -80,8 +81,8 @@ def test_receiver_on_a_non_current_device(config, quantization):
     want = expected(hf, quantization)
     job = f"guard-{quantization}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
-                      quantization=quantization) for r, s in shards.items()]
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{job}-{r[0]}", quantization=quantization) for r, s in shards.items()]
     receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1")
     for version in (1, 2):  # cold, then warm (prepared READs and kernels reused)
         for p in pubs:
@@ -100,6 +101,7 @@ def test_streamed_receiver_on_a_non_current_device(config, quantization):
     process allocates nothing on ``cuda:0``."""
     pytest.importorskip("nixl")
     from megarefit.online import RefitReceiver
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
@@ -111,8 +113,8 @@ def test_streamed_receiver_on_a_non_current_device(config, quantization):
     shards = {r: {n: t.to("cuda:0").contiguous() for n, t in s.items()} for r, s in cpu_shards.items()}
     job = f"guard-streamed-{quantization}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}",
-                      quantization=quantization) for r, s in shards.items()]
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{job}-{r[0]}", quantization=quantization) for r, s in shards.items()]
     on_current = torch.cuda.memory_allocated(0)
     share = sum(t.numel() * t.element_size() for t in hf.values())  # bf16
     receiver = RefitReceiver(rdzv, name=f"{job}-recv", timeout=30, device="cuda:1", memory_budget=int(0.6 * share))

@@ -57,6 +57,7 @@ def test_fp8_refit_with_gpu_trainers_and_receiver(config):
     pytest.importorskip("nixl")
     import megarefit
     from megarefit.online import RefitReceiver
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.quant import quantized_weight_names, scale_name
     from megarefit.online.rendezvous import Rendezvous
@@ -66,8 +67,9 @@ def test_fp8_refit_with_gpu_trainers_and_receiver(config):
     hf = reference_hf_state(cfg, "qwen3", dtype=torch.bfloat16)
     shards = reference_shards(hf, cfg, tp=2, pp=1)
     rdzv = Rendezvous.serve(job="fp8-gpu")
-    pubs = [Publisher({n: t.cuda().contiguous() for n, t in s.items()}, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv,
-                      agent_name=f"fp8-gpu-t{r[0]}", quantization="fp8") for r, s in shards.items()]
+    pubs = [Publisher({n: t.cuda().contiguous() for n, t in s.items()}, cfg, rank=r,
+                      layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv, agent_name=f"fp8-gpu-t{r[0]}",
+                      quantization="fp8") for r, s in shards.items()]
     for p in pubs:
         p.publish(1)
     assert all(p._quantize.fused for p in pubs)

@@ -83,6 +83,7 @@ def test_killed_receiver_is_named_then_dropped_after_its_lease():
     import time
 
     from handover_jobs import receiver_job
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import RendezvousTimeout
     from reference import reference_hf_state, reference_shards
@@ -91,7 +92,8 @@ def test_killed_receiver_is_named_then_dropped_after_its_lease():
     rdzv = Rendezvous.serve(job=job)
     hf = reference_hf_state(CFG, "qwen3")
     shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, CFG, tp=2, pp=1).items()}
-    pubs = [Publisher(s, CFG, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}")
+    pubs = [Publisher(s, CFG, rank=r, layout=source_layout(CFG, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{job}-trainer-{r[0]}")
             for r, s in shards.items()]
     for p in pubs:
         p.publish(1)

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
@@ -31,7 +32,8 @@ def test_gpu_memory_over_nixl(config, src, dst):
               for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
     job = f"gpu-{src}-{dst}".replace(":", "")
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-{r[0]}")
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{job}-{r[0]}")
             for r, s in shards.items()]
     assert {e.mem for e in pubs[0].manifest.tensors} == {"VRAM" if src == "cuda" else "DRAM"}
     for p in pubs:

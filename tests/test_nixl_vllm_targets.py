@@ -44,9 +44,8 @@ def test_two_sharded_receivers_over_nixl(family, expert_parallel, tmp_path):
                                 num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
     job = f"vllm-targets-{family}-{int(expert_parallel)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r), tp=tp, pp=1, ep=ep,
-                      etp=etp, layer_spec=layer_spec, expert_layout=expert_layout, rendezvous=rdzv,
-                      agent_name=f"{job}-trainer-{r.tp}-{r.ep}") for r in layout.ranks()]
+    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r),
+                      layout=layout, rendezvous=rdzv, agent_name=f"{job}-trainer-{r.tp}-{r.ep}") for r in layout.ranks()]
     for p in pubs:
         p.publish(1)
     full = sum(t.numel() * t.element_size() for t in hf.values())
@@ -89,9 +88,9 @@ def test_fp8_refit_over_nixl(head_dim, tmp_path):
                                 num_layers=dims.num_layers, expert_layout="te_grouped")
     job = f"fp8-{head_dim}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r), tp=tp, pp=1, ep=ep,
-                      etp=1, expert_layout="te_grouped", rendezvous=rdzv, agent_name=f"{job}-trainer-{r.tp}-{r.ep}",
-                      quantization="fp8") for r in layout.ranks()]
+    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r),
+                      layout=layout, rendezvous=rdzv,
+                      agent_name=f"{job}-trainer-{r.tp}-{r.ep}", quantization="fp8") for r in layout.ranks()]
     registrations = [p.counters["registrations"] for p in pubs]
     for p in pubs:
         p.publish(1)
@@ -161,9 +160,8 @@ def test_a_receiver_follows_eplb_placements_between_cycles(tmp_path):
                                 num_layers=dims.num_layers, layer_spec=layer_spec, expert_layout=expert_layout)
     job = "vllm-eplb"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r), tp=tp, pp=1, ep=ep,
-                      etp=etp, layer_spec=layer_spec, expert_layout=expert_layout, rendezvous=rdzv,
-                      agent_name=f"{job}-trainer-{r.tp}-{r.ep}") for r in layout.ranks()]
+    pubs = [Publisher({n: t.clone() for n, t in shards[tuple(r)].items()}, cfg, rank=tuple(r),
+                      layout=layout, rendezvous=rdzv, agent_name=f"{job}-trainer-{r.tp}-{r.ep}") for r in layout.ranks()]
     placements = [[[0, 1, 2, 3, 0, 1]], [[3, 3, 2, 0, 1, 2]], [[0, 1, 2, 3, 0, 1]]]  # 4 logical, 2 redundant
     receiver = RefitReceiver(rdzv, name=f"{job}-vllm-1", timeout=10,
                              target=VllmTarget(2, 1, expert_parallel=True, physical_to_logical=placements[0]))

@@ -18,6 +18,7 @@ pytest.importorskip("nixl")
 from megarefit.errors import MissingParameterError, ShapeMismatchError  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
 from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
 
@@ -42,7 +43,8 @@ def served(config):
     shards = {r: {n: t.clone() for n, t in s.items()} for r, s in shards.items()}  # own, contiguous memory
     job = f"faults-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = {r: Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}")
+    pubs = {r: Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                         agent_name=f"{job}-trainer-{r[0]}")
             for r, s in shards.items()}
     receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=2)
     yield cfg, hf, shards, rdzv, pubs, receiver
@@ -105,8 +107,8 @@ def test_missing_rank_times_out_naming_it(config):
     cfg = config("Llama-3.1-8B")
     shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
     rdzv = Rendezvous.serve(job="lonely")
-    Publisher({n: t.clone() for n, t in shards[(0, 0, 0)].items()}, cfg, rank=(0, 0, 0), tp=2, pp=1,
-              rendezvous=rdzv, agent_name="lonely-0")
+    Publisher({n: t.clone() for n, t in shards[(0, 0, 0)].items()}, cfg, rank=(0, 0, 0),
+              layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv, agent_name="lonely-0")
     with pytest.raises(RendezvousTimeout, match=r"no manifest .*ranks \[.1\.0\.0.\]"):
         next(RefitReceiver(rdzv, name="lonely-receiver", timeout=1).run_refit_cycle())
 
@@ -117,12 +119,12 @@ def test_publisher_rejects_wrong_parameters(config):
     params = {n: t.clone() for n, t in shards[(1, 0, 0)].items()}
     rdzv = Rendezvous.serve(job="wrong")
     with pytest.raises(MissingParameterError, match=r"rank \(tp=1, pp=0, ep=0\) lacks .*output_layer"):
-        Publisher({k: v for k, v in params.items() if k != "output_layer.weight"}, cfg, rank=(1, 0, 0), tp=2, pp=1,
-                  rendezvous=rdzv)
+        Publisher({k: v for k, v in params.items() if k != "output_layer.weight"}, cfg, rank=(1, 0, 0),
+                  layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv)
     bad = dict(params, **{"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(64, 96)})
     with pytest.raises(ShapeMismatchError, match=r"linear_fc2\.weight on rank \(tp=1, pp=0, ep=0\): expected "
                                                  r"contiguous \(64, 48\)"):
-        Publisher(bad, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv)
+        Publisher(bad, cfg, rank=(1, 0, 0), layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv)
 
 
 def test_publisher_rejects_a_rank_megatron_does_not_form():
@@ -132,7 +134,7 @@ def test_publisher_rejects_a_rank_megatron_does_not_form():
            "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 20,
            "num_local_experts": 4, "intermediate_size": 4, "tie_word_embeddings": False}
     with pytest.raises(LayoutError, match=r"rank \(tp=1, pp=0, ep=0\) is not a coordinate.*\[\(0, 0, 0\), \(1, 0, 1\)\]"):
-        Publisher({}, cfg, rank=(1, 0, 0), tp=2, pp=1, ep=2, etp=1, rendezvous=None)
+        Publisher({}, cfg, rank=(1, 0, 0), layout=source_layout(cfg, tp=2, pp=1, ep=2, etp=1), rendezvous=None)
 
 
 def test_layout_change_invalidates_the_cache(served, config):
@@ -144,7 +146,8 @@ def test_layout_change_invalidates_the_cache(served, config):
     # the trainer re-shards to tp=1 under the same job: rank (0, 0, 0) republishes
     hf2 = reference_hf_state(cfg, "llama", seed=5)
     single = {n: t.clone() for n, t in reference_shards(hf2, cfg, tp=1, pp=1)[(0, 0, 0)].items()}
-    pub = Publisher(single, cfg, rank=(0, 0, 0), tp=1, pp=1, rendezvous=rdzv, agent_name=f"{rdzv.prefix}tp1")
+    pub = Publisher(single, cfg, rank=(0, 0, 0), layout=source_layout(cfg, tp=1, pp=1), rendezvous=rdzv,
+                    agent_name=f"{rdzv.prefix}tp1")
     pub.publish(2)
     got = dict(receiver.run_refit_cycle(2))
     assert got.keys() == hf2.keys() and all(torch.equal(got[k], v) for k, v in hf2.items())
@@ -163,7 +166,8 @@ def test_restarted_trainer_with_the_same_agent_name(served):
     # its TP-split shards change; what every TP rank holds whole (norms) stays in sync with rank 0, as in training
     fresh = {n: t.clone() if torch.equal(t, shards[(0, 0, 0)][n]) else (t * 2).contiguous()
              for n, t in shards[(1, 0, 0)].items()}
-    pubs[(1, 0, 0)] = Publisher(fresh, cfg, rank=(1, 0, 0), tp=2, pp=1, rendezvous=rdzv, agent_name=old.agent.name)
+    pubs[(1, 0, 0)] = Publisher(fresh, cfg, rank=(1, 0, 0), layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                                agent_name=old.agent.name)
     for p in pubs.values():
         p.publish(2)
     got = dict(receiver.run_refit_cycle(2))
@@ -185,8 +189,8 @@ def _moe_served(layout: str):
     shards = moe_reference_shards(hf, cfg, "mixtral", tp=2, pp=1, ep=2, etp=2, layout=layout)
     job = f"faults-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=2, pp=1, ep=2, rendezvous=rdzv,
-                      expert_layout=layout,
+    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r,
+                      layout=source_layout(cfg, tp=2, pp=1, ep=2, expert_layout=layout), rendezvous=rdzv,
                       agent_name=f"{job}-trainer-{r[0]}-{r[2]}") for r, s in shards.items()]
     return hf, rdzv, pubs, job
 
@@ -291,8 +295,9 @@ def test_interleaved_pipeline_chunks_publish_as_virtual_stages(config):
     for pp_rank in range(2):
         for chunk in range(2):
             params = {n: t.clone() for n, t in shards[(0, virtual_stage(pp_rank, chunk, 2), 0)].items()}
-            pubs.append(Publisher(params, cfg, rank=(0, pp_rank, 0), tp=1, pp=2, vpp=2, vp_stage=chunk,
-                                  rendezvous=rdzv, agent_name=f"{job}-{pp_rank}-{chunk}"))
+            pubs.append(Publisher(params, cfg, rank=(0, virtual_stage(pp_rank, chunk, 2), 0),
+                                  layout=source_layout(cfg, tp=1, pp=2, vpp=2), rendezvous=rdzv,
+                                  agent_name=f"{job}-{pp_rank}-{chunk}"))
     assert sorted(p.rank.pp for p in pubs) == [0, 1, 2, 3]
     for p in pubs:
         p.publish(1)
@@ -386,8 +391,8 @@ def test_snapshot_publisher_serves_the_published_copy(config):
     shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
     job = f"faults-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = {r: Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}",
-                         snapshot=True) for r, s in shards.items()}
+    pubs = {r: Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                         agent_name=f"{job}-trainer-{r[0]}", snapshot=True) for r, s in shards.items()}
     receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=2)
     for p in pubs.values():
         assert not {e.addr for e in p.manifest.tensors} & {t.data_ptr() for t in p.params.values()}

@@ -12,6 +12,7 @@ pytest.importorskip("nixl")
 
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
@@ -22,7 +23,8 @@ def trainers(config):
     hf = reference_hf_state(cfg, "llama")
     shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
     rdzv = Rendezvous.serve(job="replica")
-    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"replica-trainer-{r[0]}")
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"replica-trainer-{r[0]}")
             for r, s in shards.items()]
     return hf, shards, rdzv, pubs
 

@@ -17,6 +17,7 @@ pytest.importorskip("nixl")
 from megarefit.errors import MegarefitError  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.rendezvous import SECRET_ENV, RecordAuthenticationError, Rendezvous  # noqa: E402
 from megarefit.transport.manifest import FORMAT, Manifest, ManifestError  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
@@ -32,7 +33,8 @@ def job(config):
     shards = {r: {n: t.clone() for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
     name = f"sec-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=name, secret="the-job-secret-of-this-test")
-    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{name}-{r[0]}")
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{name}-{r[0]}")
             for r, s in shards.items()]
     for p in pubs:
         p.publish(1)

@@ -18,6 +18,7 @@ pytest.importorskip("nixl")
 
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.receiver import TornUpdateError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.online.stream import MemoryBudgetError  # noqa: E402
@@ -33,8 +34,8 @@ LAYERS = 32  # a layer is ~3% of the share: a budget under 10% holds a ring of t
 def _serve(cfg, shards, tp, ep=1, quantization=None):
     job = f"stream-{next(_JOBS)}"
     rdzv = Rendezvous.serve(job=job)
-    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, tp=tp, pp=1, ep=ep, rendezvous=rdzv,
-                      agent_name=f"{job}-t{'.'.join(map(str, r))}", quantization=quantization)
+    pubs = [Publisher({n: t.clone() for n, t in s.items()}, cfg, rank=r, layout=source_layout(cfg, tp=tp, pp=1, ep=ep),
+                      rendezvous=rdzv, agent_name=f"{job}-t{'.'.join(map(str, r))}", quantization=quantization)
             for r, s in shards.items()]
     return job, rdzv, pubs
 

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.online.stream import budget_for  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
@@ -29,7 +30,8 @@ def test_queued_copies_finish_before_the_ring_is_reused(config):
     want = reference_hf_state(cfg, "llama")  # what the independent reference sharder shards below
     shards = {r: {n: t.to("cuda") for n, t in s.items()} for r, s in reference_shards(want, cfg, tp=2, pp=1).items()}
     rdzv = Rendezvous.serve(job="stream-gpu")
-    pubs = [Publisher(s, cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"stream-gpu-{r[0]}")
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"stream-gpu-{r[0]}")
             for r, s in shards.items()]
     for p in pubs:
         p.publish(1)

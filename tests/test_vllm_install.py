@@ -94,6 +94,7 @@ def _streamed_cases(tmp) -> tuple[dict, list]:
     """Trainer Publishers (this process, NIXL) serving version 1 of a dense Qwen3 and a Qwen3-MoE
     (``LAYERS`` layers), and the worker job's cases: ``(config, HF tensors A, vLLM expert
     parallel, (host, port, job))``."""
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
@@ -102,8 +103,8 @@ def _streamed_cases(tmp) -> tuple[dict, list]:
         cfg, hf_a, shards, trainer = _case(key, tmp)
         job = f"streamed-tp2-{key}"
         rdzv = Rendezvous.serve(job=job)
-        pubs += [Publisher(s, cfg, rank=r, pp=1, rendezvous=rdzv, agent_name=f"{job}-{'.'.join(map(str, r))}",
-                           **trainer) for r, s in shards.items()]
+        pubs += [Publisher(s, cfg, rank=r, layout=source_layout(cfg, **trainer), rendezvous=rdzv,
+                           agent_name=f"{job}-{'.'.join(map(str, r))}") for r, s in shards.items()]
         for p in pubs[-len(shards):]:
             p.publish(1)
         cases[key] = (cfg, hf_a, expert_parallel, ("127.0.0.1", rdzv.port, job))

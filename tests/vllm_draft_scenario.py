@@ -70,6 +70,7 @@ def main(work: Path) -> dict:
     from conftest import hf_model_from
     from megarefit.integrations.hf import save_checkpoint
     from megarefit.integrations.vllm import register
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online import Publisher
     from megarefit.online.rendezvous import Rendezvous
     from vllm_helpers import hf_generate, vllm_generate
@@ -83,7 +84,7 @@ def main(work: Path) -> dict:
     rdzv = Rendezvous.serve(job=job)
     params = {r: {k: t.clone() for k, t in s.items()}
               for r, s in megarefit.hf_to_megatron(states[1], cfg, tp=2, mtp_layers=1).items()}
-    pubs = [Publisher(params[r], cfg, rank=r, tp=2, pp=1, mtp_layers=1, rendezvous=rdzv,
+    pubs = [Publisher(params[r], cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1, mtp_layers=1), rendezvous=rdzv,
                       agent_name=f"{job}-trainer-{r[0]}") for r in sorted(params)]
     llm = vllm.LLM(model=str(work / "ckpt"), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                    max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
@@ -141,6 +142,7 @@ def main_http(work: Path) -> dict:
     from conftest import hf_model_from
     from megarefit.integrations.hf import save_checkpoint
     from megarefit.integrations.vllm_http import VllmHttpRefit
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online import Publisher
     from megarefit.online.rendezvous import Rendezvous
     from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
@@ -154,8 +156,9 @@ def main_http(work: Path) -> dict:
     job = "vllm-draft-http"
     rdzv = Rendezvous.serve(job=job)
     params = megarefit.hf_to_megatron(states[1], cfg, tp=2, mtp_layers=1)
-    pubs = [Publisher({k: t.clone() for k, t in params[r].items()}, cfg, rank=r, tp=2, pp=1, mtp_layers=1,
-                      rendezvous=rdzv, agent_name=f"{job}-trainer-{r[0]}") for r in sorted(params)]
+    pubs = [Publisher({k: t.clone() for k, t in params[r].items()}, cfg, rank=r,
+                      layout=source_layout(cfg, tp=2, pp=1, mtp_layers=1), rendezvous=rdzv,
+                      agent_name=f"{job}-trainer-{r[0]}") for r in sorted(params)]
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")

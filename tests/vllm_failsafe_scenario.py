@@ -79,6 +79,7 @@ def main(work: Path) -> dict:
 
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.integrations.vllm import register
+    from megarefit.layout.megatron_model import source_layout
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
@@ -96,7 +97,8 @@ def main(work: Path) -> dict:
     job = "vllm-failsafe"
     rdzv = Rendezvous.serve(job=job)
     live = {r: {n: t.clone() for n, t in s.items()} for r, s in shards[1].items()}
-    pubs = [Publisher(live[r], cfg, rank=r, tp=2, pp=1, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}") for r in live]
+    pubs = [Publisher(live[r], cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{job}-t{r[0]}") for r in live]
 
     def publish(version: int, content: int) -> None:
         for pub in pubs:
