@@ -42,6 +42,7 @@ def _read(model: Any, cfg: dict) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"ranks": [tuple(c.rank) for c in chunks], "layouts": [c.layout.to_dict() for c in chunks],
             "ddp": [c.ddp is not None for c in chunks],
+            "dtypes": sorted({str(t.dtype) for c in chunks for t in c.params.values()}),
             "names": [sorted(c.params) for c in chunks]}
 
 
@@ -50,6 +51,7 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
     Also: the same model behind wrappers, with a wrong hf_config, with a missing chunk, under a
     process grid it was not built for, and a PublisherGroup serving the VPP case's chunks."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
 
     from megarefit.layout.megatron_model import refit_tensors
     from megarefit.online.publisher import Publisher
@@ -64,7 +66,9 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
         out[case.key]["params"] = [{n: t.detach().clone() for n, t in refit_tensors(c).items()} for c in chunks]
         if case.key == "dense-tp2":
             model = chunks[0]
-            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+            model.config.bf16 = True  # Float16Module casts the model to bf16 (Megatron: DDP(Float16Module(model)))
+            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(),
+                                          Float16Module(model.config, model))
             out["wrapped-ddp"] = _read(ddp, case.cfg)
             out["wrong-hf-config"] = _read(model, {**case.cfg, "num_hidden_layers": case.cfg["num_hidden_layers"] + 2})
             init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)

@@ -6,7 +6,7 @@ layout, its hf_config or Megatron's process grid is refused, naming the mismatch
 Cases: dense at TP=2, MoE at TP=2 EP=2 with expert-TP 1, an uneven pipeline (first stage 1 layer
 of 4), an interleaved pipeline (PP=2 x VPP=2, served as a ``PublisherGroup`` and pulled by a real
 receiver; expected tensors from the reference sharder, not from megarefit), DeepSeek-V3 MLA + MoE
-with one MTP layer at PP=2, and the dense model behind Megatron-Core's DDP wrapper. The families
+with one MTP layer at PP=2, and the dense model behind Megatron-Core's DDP and Float16Module. The families
 the demo builds are read the same way by every ``megarefit demo`` run (demo/offline.py checks
 the read layout against the stated one).
 """
@@ -95,9 +95,12 @@ def test_read_layout_is_the_stated_one(read, key):
             assert set(names) == set(want[tuple(rank)]), rank
 
 
-def test_ddp_wrapper_is_seen_through(read):
+def test_ddp_and_float16_wrappers_are_seen_through(read):
+    """Megatron's own nesting, DDP(Float16Module(model)): the same layout and ranks as the bare
+    model, the DDP wrapper kept for the param-gather check, the bf16 parameters served."""
     per_rank, _ = read
     for r in per_rank:
+        assert r["wrapped-ddp"]["dtypes"] == ["torch.bfloat16"]
         assert r["wrapped-ddp"]["layouts"] == r["dense-tp2"]["layouts"]
         assert r["wrapped-ddp"]["ranks"] == r["dense-tp2"]["ranks"]
         assert r["wrapped-ddp"]["ddp"] == [True] and r["dense-tp2"]["ddp"] == [False]
