@@ -41,7 +41,7 @@ def _read(model: Any, cfg: dict) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the test asserts on the message
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"ranks": [tuple(c.rank) for c in chunks], "layouts": [c.layout.to_dict() for c in chunks],
-            "ddp": [c.ddp is not None for c in chunks],
+            "ddp": [c.ddp is not None for c in chunks], "replica": [c.replica for c in chunks],
             "dtypes": sorted({str(t.dtype) for c in chunks for t in c.params.values()}),
             "names": [sorted(c.params) for c in chunks]}
 
@@ -71,8 +71,14 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
                                           Float16Module(model.config, model))
             out["wrapped-ddp"] = _read(ddp, case.cfg)
             out["wrong-hf-config"] = _read(model, {**case.cfg, "num_hidden_layers": case.cfg["num_hidden_layers"] + 2})
-            init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
+            init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)  # dp=2
             out["wrong-grid"] = _read(model, case.cfg)
+            single = build_gpt_model(gpt_arch_from_hf(case.cfg, tp=1), seed=0)
+            out["dp2"] = _read(single, case.cfg)
+            if rank == 1:  # the data-parallel copy: checked, served by rank 0 (nothing published here)
+                host, port_, job = rdzv
+                empty = Publisher.from_megatron(single, case.cfg, rendezvous=Rendezvous.connect(host, port_, job=job))
+                out["dp2"]["publisher"] = (type(empty).__name__, empty.serving, len(empty))
         if case.vpp > 1:
             out["one-chunk-of-two"] = _read(chunks[0], case.cfg)
             host, port_, job = rdzv

@@ -110,6 +110,16 @@ def test_ddp_and_float16_wrappers_are_seen_through(read):
         assert r["wrapped-ddp"]["ddp"] == [True] and r["dense-tp2"]["ddp"] == [False]
 
 
+def test_one_process_per_coordinate_serves(read):
+    """At dp=2 both processes read rank (0, 0, 0); the data-parallel copy (rank 1) gets an empty
+    PublisherGroup: nothing of its own is published for the coordinate rank 0 serves."""
+    per_rank, _ = read
+    assert [r["dp2"]["ranks"] for r in per_rank] == [[(0, 0, 0)], [(0, 0, 0)]]
+    assert [r["dp2"]["replica"] for r in per_rank] == [[False], [True]]
+    assert per_rank[1]["dp2"]["publisher"] == ("PublisherGroup", False, 0)
+    assert all(r[key]["replica"] == [False] * len(r[key]["ranks"]) for r in per_rank for key in STATED)
+
+
 def test_a_model_that_disagrees_is_refused(read):
     per_rank, _ = read
     for r in per_rank:

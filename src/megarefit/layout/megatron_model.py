@@ -53,6 +53,8 @@ class MegatronChunk:
         params: :func:`refit_tensors` of the unwrapped chunk (live tensors, Megatron's names).
         ddp: the Megatron-Core ``DistributedDataParallel`` wrapper, or ``None``.
         vp_stage: the chunk's virtual pipeline stage (``None`` without an interleaved pipeline).
+        replica: this process repeats another's shard (a data-parallel copy: expert-data-parallel
+            rank > 0), which serves it; one process per coordinate serves.
     """
 
     rank: RankCoord
@@ -60,6 +62,7 @@ class MegatronChunk:
     params: Mapping[str, torch.Tensor] = dataclasses.field(repr=False)
     ddp: Any = dataclasses.field(default=None, repr=False)
     vp_stage: int | None = None
+    replica: bool = False
 
 
 def refit_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -122,6 +125,7 @@ class ParallelState:
     tp_rank: int
     pp_rank: int
     ep_rank: int
+    edp_rank: int = 0  # expert-data-parallel rank: > 0 on the data-parallel copies of a (tp, pp, ep) shard
 
     @classmethod
     def read(cls) -> ParallelState:
@@ -139,7 +143,7 @@ class ParallelState:
                    ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
                    vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
                    tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                   ep_rank=ps.get_expert_model_parallel_rank())
+                   ep_rank=ps.get_expert_model_parallel_rank(), edp_rank=ps.get_expert_data_parallel_rank())
 
     def check_config(self, config: Any) -> None:
         """Refuse a ``TransformerConfig`` whose parallel sizes differ from the process grid.
@@ -275,7 +279,7 @@ def read_chunk(model: torch.nn.Module, dims: ModelDims, state: ParallelState, in
     spelling, experts = _spelling(dims, layout, rank, [c for n in params if (c := canonical_name(n)) is not None])
     layout = dataclasses.replace(layout, layer_spec=spelling, expert_layout=experts)
     _check_layers(inner, layout, rank.pp)
-    return MegatronChunk(rank, layout, params, ddp, vp)
+    return MegatronChunk(rank, layout, params, ddp, vp, replica=state.edp_rank > 0)
 
 
 def read_chunks(model_or_chunks: torch.nn.Module | Sequence[torch.nn.Module], dims: ModelDims) -> list[MegatronChunk]:

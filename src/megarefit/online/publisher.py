@@ -167,7 +167,11 @@ class Publisher:
         expects, checked against what was read. ``options``: the constructor's ``agent_name``,
         ``quantization``, ``snapshot``, ``checksums``, ``ipc``.
 
-        Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for several.
+        Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for
+        several. One process per rank coordinate serves it: on the data-parallel copies
+        (Megatron's expert-data-parallel rank > 0, which covers dense data and context parallelism)
+        the model is read and checked the same way, and an empty ``PublisherGroup`` comes back whose
+        ``publish`` / ``updating`` only mark the step (``serving`` is ``False``).
 
         Raises:
             LayoutError: Megatron's parallel state is not initialized; config and process grid
@@ -179,9 +183,12 @@ class Publisher:
         cfg = load_hf_config(hf_config)
         chunks = read_chunks(model, ModelDims.from_hf_config(cfg))
         check_stated(chunks[0].layout, layout)
-        pubs = [cls(c.params, cfg, rank=c.rank, layout=c.layout, rendezvous=rendezvous,
-                    ddp=options.pop("ddp", None) or c.ddp, **options) for c in chunks]
-        return pubs[0] if len(pubs) == 1 else PublisherGroup(pubs)
+        if chunks[0].replica:  # a data-parallel copy: the coordinate's first copy serves these bytes
+            return PublisherGroup([], rendezvous, chunks[0].layout)
+        ddp = options.pop("ddp", None)
+        pubs = [cls(c.params, cfg, rank=c.rank, layout=c.layout, rendezvous=rendezvous, ddp=ddp or c.ddp, **options)
+                for c in chunks]
+        return pubs[0] if len(pubs) == 1 else PublisherGroup(pubs, rendezvous, chunks[0].layout)
 
     def _check_layout(self, layout: SourceLayout) -> SourceLayout:
         """``layout`` checked against the model's dims; ``self.rank`` must be one of its coordinates.
@@ -284,6 +291,11 @@ class Publisher:
     def counters(self):
         return self.agent.counters
 
+    @property
+    def serving(self) -> bool:
+        """Always ``True`` (a :class:`PublisherGroup` on a data-parallel copy is not)."""
+        return True
+
     def publish(self, version: int) -> None:
         """Announce that the weights now hold ``version`` (call after the optimizer step).
 
@@ -372,26 +384,28 @@ class Publisher:
 
 class PublisherGroup:
     """The Publishers of one rank's model chunks (interleaved pipeline: one per virtual stage),
-    driven together: what :meth:`Publisher.from_megatron` returns for several chunks.
+    driven together: what :meth:`Publisher.from_megatron` returns for several chunks, and (empty,
+    ``serving`` false) on a data-parallel copy, whose bytes another process serves.
 
     ``publish`` / ``updating`` / ``wait_receivers`` act on every chunk; a receiver reads each
     chunk as its own (virtual-stage) rank. ``publishers[c]`` is chunk ``c``'s Publisher.
     """
 
-    def __init__(self, publishers: Sequence[Publisher]):
-        if not publishers:
-            raise ValueError("a PublisherGroup needs at least one Publisher")
+    def __init__(self, publishers: Sequence[Publisher], rendezvous: Rendezvous, layout: SourceLayout):
         self.publishers = list(publishers)
+        self.rendezvous = rendezvous
+        self.layout = layout
+
+    @property
+    def serving(self) -> bool:
+        """Whether this process serves any bytes (``False`` on a data-parallel copy)."""
+        return bool(self.publishers)
 
     def __iter__(self) -> Iterator[Publisher]:
         return iter(self.publishers)
 
     def __len__(self) -> int:
         return len(self.publishers)
-
-    @property
-    def layout(self) -> SourceLayout:
-        return self.publishers[0].layout
 
     def publish(self, version: int) -> None:
         """:meth:`Publisher.publish` on every chunk, in order."""
@@ -407,6 +421,5 @@ class PublisherGroup:
             yield
 
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
-        """:meth:`Publisher.wait_receivers` (the receivers acknowledge a version for every rank at once)."""
-        return self.publishers[0].wait_receivers(version, timeout=timeout, lease=lease)
-
+        """:meth:`Publisher.wait_receivers` (receivers acknowledge a version for every rank at once)."""
+        return self.rendezvous.wait_receivers(version, timeout=timeout, lease=lease)
