@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,13 +38,19 @@ from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
 from megarefit.layout.megatron_model import check_stated, read_chunks
 from megarefit.online.param_sync import check_param_sync
 from megarefit.online.rendezvous import Rendezvous
-from megarefit.online.served import checksum_buffer, fp8_buffers, refresh_snapshot, snapshot_buffers
+from megarefit.online.served import (
+    checksum_buffer,
+    export_ipc,
+    fp8_buffers,
+    refresh_snapshot,
+    snapshot_buffers,
+    warn_expandable_segments,
+)
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.table import canonical_name
-from megarefit.transport.cuda_ipc import export_storages
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
@@ -134,12 +138,13 @@ class Publisher:
         if snapshot:
             self.snapshot = snapshot_buffers(self.params, [n for n in expected if n not in self.fp8])
         entries, served = self._served_entries(expected)
-        self._warn_expandable_segments(served)
+        warn_expandable_segments(served, f"rank {self.rank}")
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name)
         self.agent.register(served)
         self.checksums = self._checksum_buffer(served, entries) if checksums else None
-        self.ipc = self._export_ipc(served) if ipc else ()
+        self.ipc = export_ipc(served + ([self.checksums[0]] if self.checksums is not None else []),
+                              f"rank {self.rank}") if ipc else ()
         self.manifest = self._build_manifest(name, entries)
         self.last_quantize_s = 0.0
         self.last_checksum_s = 0.0  # seconds the last publish spent computing checksums
@@ -248,26 +253,6 @@ class Publisher:
                 entries.append(_entry(name, t.spec.role.value, tensor, gshape))
                 served.append(tensor)
         return entries, served
-
-    def _warn_expandable_segments(self, served: list[torch.Tensor]) -> None:
-        """Warn (at the caller of ``Publisher(...)``) when CUDA tensors are served while PyTorch's
-        allocator uses expandable segments (VMM memory: RDMA NICs fault on it at transfer time)."""
-        if any(t.is_cuda for t in served) and "expandable_segments:true" in (
-                os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower():
-            warnings.warn(f"rank {self.rank}: serving CUDA memory allocated with expandable_segments; NIXL "
-                          "registration of VMM-mapped memory succeeds but RDMA NICs fault at transfer time. "
-                          "Unset expandable_segments for the trainer, or serve through CUDA IPC only.", stacklevel=3)
-
-    def _export_ipc(self, served: list[torch.Tensor]) -> tuple:
-        """CUDA IPC records of the served storages and the checksum block (none for host memory);
-        a warning and none where PyTorch cannot export them."""
-        tensors = served + ([self.checksums[0]] if self.checksums is not None else [])
-        try:
-            return export_storages(tensors)
-        except RuntimeError as exc:
-            warnings.warn(f"rank {self.rank}: cannot export CUDA IPC handles ({exc}); receivers on this GPU "
-                          "read over NIXL", stacklevel=3)
-            return ()
 
     def _build_manifest(self, agent_name: str, entries: list[TensorEntry]) -> Manifest:
         """The rank's manifest: ``entries`` with the agent's registered region of each (-1 if none)."""

@@ -4,7 +4,8 @@
   device, re-filled by every publish;
 * snapshot copies (:func:`snapshot_buffers`): one contiguous copy per (device, dtype) that every
   publish refreshes from the live parameters (training may write during a pull);
-* checksums (:func:`checksum_buffer`): one int64 buffer holding every served tensor's checksum.
+* checksums (:func:`checksum_buffer`): one int64 buffer holding every served tensor's checksum;
+* CUDA IPC handles of what is served (:func:`export_ipc`), for receivers on the same GPU.
 
 Buffers are laid out back to back in layout order, so consecutive pulls of a receiver coalesce
 into few large NIXL descriptors.
@@ -13,6 +14,8 @@ into few large NIXL descriptors.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -20,7 +23,30 @@ import torch
 from megarefit.quant.fp8 import FP8_DTYPE, Fp8Format
 from megarefit.transport.checksum import frame_entries, sum_frame, tensor_checksum
 from megarefit.transport.checksum_kernel import BoxSums
+from megarefit.transport.cuda_ipc import export_storages
 from megarefit.transport.manifest import TensorEntry
+
+
+def warn_expandable_segments(served: Sequence[torch.Tensor], who: str) -> None:
+    """Warn (at the caller of ``Publisher(...)``) when CUDA tensors are served while PyTorch's
+    allocator uses expandable segments (VMM memory: RDMA NICs fault on it at transfer time)."""
+    if any(t.is_cuda for t in served) and "expandable_segments:true" in (
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower():
+        warnings.warn(f"{who}: serving CUDA memory allocated with expandable_segments; NIXL "
+                      "registration of VMM-mapped memory succeeds but RDMA NICs fault at transfer time. "
+                      "Unset expandable_segments for the trainer, or serve through CUDA IPC only.", stacklevel=3)
+
+
+def export_ipc(tensors: Sequence[torch.Tensor], who: str) -> tuple:
+    """CUDA IPC records of the storages of ``tensors`` (none for host memory,
+    :func:`~megarefit.transport.cuda_ipc.export_storages`); a warning and none where PyTorch
+    cannot export them (receivers on the same GPU then read over NIXL)."""
+    try:
+        return export_storages(list(tensors))
+    except RuntimeError as exc:
+        warnings.warn(f"{who}: cannot export CUDA IPC handles ({exc}); receivers on this GPU "
+                      "read over NIXL", stacklevel=3)
+        return ()
 
 
 def fp8_buffers(params: Mapping[str, torch.Tensor], names: Sequence[str],
@@ -93,4 +119,5 @@ def checksum_buffer(served: Sequence[torch.Tensor], entries: Sequence[TensorEntr
     return flat, per_tensor
 
 
-__all__ = ["checksum_buffer", "fp8_buffers", "refresh_snapshot", "snapshot_buffers"]
+__all__ = ["checksum_buffer", "export_ipc", "fp8_buffers", "refresh_snapshot", "snapshot_buffers",
+           "warn_expandable_segments"]
