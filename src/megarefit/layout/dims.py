@@ -2,44 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megarefit.errors import ConfigError, LayoutError, MegarefitError, UnsupportedModelError
+from megarefit.errors import LayoutError, MegarefitError
+from megarefit.layout.hf_dims import load_hf_config, read_hf_dims
 from megarefit.specs import FamilySpec, family_for_config, get_family
 from megarefit.specs.megatron_core import REFERENCE, MegatronCore
 from megarefit.specs.table import Condition
 
 DEFAULT_VOCAB_DIVISOR = 128
 """Megatron's default ``--make-vocab-size-divisible-by``."""
-
-
-def load_hf_config(config: str | os.PathLike[str] | Mapping[str, Any] | Any) -> Mapping[str, Any] | Any:
-    """Accept a ``config.json`` path, a directory holding one, a dict, or a ``PretrainedConfig``.
-
-    Raises:
-        ConfigError: the path does not exist or cannot be read, or holds no JSON object.
-    """
-    if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"HF config {path!r} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"HF config {path!r} cannot be read: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"HF config {path!r} is not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"HF config {path!r} holds a JSON {type(data).__name__}, not an object")
-        return data
-    return config
 
 
 @dataclass(frozen=True)
@@ -109,83 +83,7 @@ class ModelDims:
             MegarefitError: a required key is missing.
         """
         cfg = load_hf_config(hf_config)
-        fam = family or family_for_config(cfg)
-        get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
-
-        def need(key: str) -> int:
-            value = get(key)
-            if value is None:
-                raise MegarefitError(f"HF config for family {fam.name} lacks {key!r}")
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise MegarefitError(f"HF config for family {fam.name}: {key} must be a positive integer, got "
-                                     f"{value!r}")
-            return value
-
-        heads = need("num_attention_heads")
-        hidden = need("hidden_size")
-        groups = get("num_key_value_heads")
-        if groups is None:
-            groups = heads  # MHA, as HF reads a config without the key
-        elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or heads % groups:
-            raise MegarefitError(f"HF config for family {fam.name}: num_key_value_heads must be a positive divisor of "
-                                 f"num_attention_heads ({heads}), got {groups!r}")
-
-        def flag(rule: bool | str) -> bool:
-            return bool(get(rule, False)) if isinstance(rule, str) else rule
-
-        tie = get("tie_word_embeddings")
-        moe: dict[str, Any] = {}
-        if fam.experts_key is not None and get(fam.experts_key):
-            experts = int(get(fam.experts_key))
-            moe_ffn = int(get(fam.moe_ffn_key)) if fam.moe_ffn_key else 0
-            layers = need("num_hidden_layers")
-            dense = set()
-            if fam.first_dense_key and get(fam.first_dense_key):
-                dense |= set(range(int(get(fam.first_dense_key))))
-            if fam.mlp_only_key and get(fam.mlp_only_key):
-                dense |= {int(i) for i in get(fam.mlp_only_key)}
-            if fam.sparse_step_key and get(fam.sparse_step_key):
-                step = int(get(fam.sparse_step_key))
-                dense |= {i for i in range(layers) if (i + 1) % step}
-            if isinstance(fam.router_bias, tuple):
-                bias = get(fam.router_bias[0]) == fam.router_bias[1]
-            else:
-                bias = fam.router_bias
-            shared = int(get(fam.shared_experts_key) or 0) if fam.shared_experts_key else 0
-            moe = {"num_experts": experts, "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn": shared * moe_ffn,
-                   "router_bias": bool(bias), "dense_layers": tuple(sorted(dense))}
-        if fam.mla:
-            moe.update(q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=need("kv_lora_rank"),
-                       qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
-                       v_head_dim=need("v_head_dim"))
-        if fam.mtp_key is not None:
-            moe["mtp_layers"] = int(get(fam.mtp_key) or 0)
-        if fam.hybrid:
-            moe.update(_hybrid_dims(fam.name, get, need))
-            if fam.shared_ffn_key and moe.get("shared_expert_ffn"):
-                moe["shared_expert_ffn"] = int(get(fam.shared_ffn_key)) * int(get(fam.shared_experts_key) or 1)
-        if fam.dsa_indexer:
-            moe.update(index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"))
-            if not moe.get("q_lora_rank"):
-                raise UnsupportedModelError(f"HF config for family {fam.name}: the DSA indexer reads the low-rank "
-                                            "query; a config without q_lora_rank is not supported")
-            _refuse_shared_indexers(fam.name, get("indexer_types"))
-        return cls(
-            family=fam.name,
-            num_layers=need("num_hidden_layers"),
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            head_dim=int(get("head_dim") or hidden // heads),
-            ffn_hidden_size=need("intermediate_size"),
-            vocab_size=need("vocab_size"),
-            tie_word_embeddings=fam.tie_word_embeddings_default if tie is None else bool(tie),
-            qkv_bias=flag(fam.qkv_bias),
-            proj_bias=flag(fam.proj_bias),
-            mlp_bias=flag(fam.mlp_bias),
-            qk_norm=flag(fam.qk_norm),
-            **moe,
-        )
+        return cls(**read_hf_dims(cfg, family or family_for_config(cfg)))
 
     @property
     def spec(self) -> FamilySpec:
@@ -354,44 +252,4 @@ class ModelDims:
 
 
 _KINDS = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
-_BLOCK_TYPES = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}  # HF layers_block_type -> letter
 _HYBRID_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel")
-
-
-def _hybrid_dims(family: str, get: Any, need: Any) -> dict[str, Any]:
-    """A hybrid Mamba2 config's pattern and Mamba dims (HF NemotronH keys: ``hybrid_override_pattern``
-    or the ``layers_block_type`` list, ``mamba_num_heads``, ``mamba_head_dim``, ``n_groups``,
-    ``ssm_state_size``, ``conv_kernel``).
-
-    Raises:
-        UnsupportedModelError: no pattern, an unknown block type, or Mamba projections with biases.
-    """
-    pattern = get("hybrid_override_pattern")
-    if not pattern and get("layers_block_type"):
-        kinds = list(get("layers_block_type"))
-        unknown = sorted(set(kinds) - set(_BLOCK_TYPES))
-        if unknown:
-            raise UnsupportedModelError(f"HF config for family {family}: layers_block_type {unknown} unknown; "
-                                        f"known: {sorted(_BLOCK_TYPES)}")
-        pattern = "".join(_BLOCK_TYPES[k] for k in kinds)
-    if not pattern:
-        raise UnsupportedModelError(f"HF config for family {family} has no hybrid_override_pattern / "
-                                    "layers_block_type")
-    if get("mamba_proj_bias") or get("use_bias"):
-        raise UnsupportedModelError(f"HF config for family {family}: Mamba projections with biases are not "
-                                    "built by Megatron-Core's MambaMixer (bias must be False)")
-    return {"layer_pattern": str(pattern), "mamba_heads": need("mamba_num_heads"),
-            "mamba_head_dim": need("mamba_head_dim"), "mamba_groups": need("n_groups"),
-            "mamba_state": need("ssm_state_size"), "conv_kernel": need("conv_kernel")}
-
-
-def _refuse_shared_indexers(family: str, indexer_types: Any) -> None:
-    """GLM-5.1+ ``indexer_types``: a ``"shared"`` layer has no indexer weights of its own (it
-    reuses the previous ``"full"`` layer's top-k); the spec table gives every layer one."""
-    shared = [i for i, kind in enumerate(indexer_types or ()) if kind != "full"]
-    if shared:
-        raise UnsupportedModelError(
-            f"HF config for family {family}: indexer_types marks layers {shared[:8]}"
-            f"{' ...' if len(shared) > 8 else ''} "
-            f"as {indexer_types[shared[0]]!r} (no indexer weights of their own); megarefit translates configs whose "
-            "layers all have their own indexer ('full') only")

@@ -1,0 +1,215 @@
+"""Reading :class:`~megarefit.layout.dims.ModelDims` fields out of an HF config.
+
+:func:`load_hf_config` accepts the forms a user holds (path, directory, dict,
+``PretrainedConfig``); :func:`read_hf_dims` turns one into ``ModelDims`` keyword
+arguments, one reader per model feature (attention, MoE, MLA, MTP, hybrid Mamba2,
+DSA indexer), each applied when the family's spec says the feature exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from megarefit.errors import ConfigError, MegarefitError, UnsupportedModelError
+from megarefit.specs import FamilySpec
+
+BLOCK_TYPES = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+"""HF ``layers_block_type`` entry -> hybrid layer-pattern letter."""
+
+
+def load_hf_config(config: str | os.PathLike[str] | Mapping[str, Any] | Any) -> Mapping[str, Any] | Any:
+    """Accept a ``config.json`` path, a directory holding one, a dict, or a ``PretrainedConfig``.
+
+    Raises:
+        ConfigError: the path does not exist or cannot be read, or holds no JSON object.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"HF config {path!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"HF config {path!r} cannot be read: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"HF config {path!r} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"HF config {path!r} holds a JSON {type(data).__name__}, not an object")
+        return data
+    return config
+
+
+class HFConfigReader:
+    """Typed access to one family's HF config (a mapping or an attribute object)."""
+
+    def __init__(self, cfg: Mapping[str, Any] | Any, family: FamilySpec) -> None:
+        self.cfg = cfg
+        self.family = family
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The raw value of ``key``, or ``default`` when absent."""
+        if isinstance(self.cfg, Mapping):
+            return self.cfg.get(key, default)
+        return getattr(self.cfg, key, default)
+
+    def need(self, key: str) -> int:
+        """``key``'s value, a positive integer.
+
+        Raises:
+            MegarefitError: the key is missing or not a positive integer.
+        """
+        value = self.get(key)
+        if value is None:
+            raise MegarefitError(f"HF config for family {self.family.name} lacks {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise MegarefitError(f"HF config for family {self.family.name}: {key} must be a positive integer, got "
+                                 f"{value!r}")
+        return value
+
+    def flag(self, rule: bool | str) -> bool:
+        """A spec flag rule: a constant, or the name of a config key read as a bool (absent: False)."""
+        return bool(self.get(rule, False)) if isinstance(rule, str) else rule
+
+
+def read_hf_dims(cfg: Mapping[str, Any] | Any, fam: FamilySpec) -> dict[str, Any]:
+    """``ModelDims`` keyword arguments (all fields) read from HF config ``cfg`` of family ``fam``.
+
+    Raises:
+        UnsupportedModelError: the config uses a feature megarefit does not translate.
+        MegarefitError: a required key is missing or not a positive integer.
+    """
+    r = HFConfigReader(cfg, fam)
+    heads, hidden, groups = _attention_heads(r)
+    out: dict[str, Any] = {}
+    if fam.experts_key is not None and r.get(fam.experts_key):
+        out.update(_moe_dims(r))
+    if fam.mla:
+        out.update(q_lora_rank=int(r.get("q_lora_rank") or 0), kv_lora_rank=r.need("kv_lora_rank"),
+                   qk_nope_head_dim=r.need("qk_nope_head_dim"), qk_rope_head_dim=r.need("qk_rope_head_dim"),
+                   v_head_dim=r.need("v_head_dim"))
+    if fam.mtp_key is not None:
+        out["mtp_layers"] = int(r.get(fam.mtp_key) or 0)
+    if fam.hybrid:
+        out.update(hybrid_dims(fam.name, r.get, r.need))
+        if fam.shared_ffn_key and out.get("shared_expert_ffn"):
+            out["shared_expert_ffn"] = int(r.get(fam.shared_ffn_key)) * int(r.get(fam.shared_experts_key) or 1)
+    if fam.dsa_indexer:
+        out.update(_dsa_dims(r, out))
+    out.update(_common_dims(r, heads, hidden, groups))
+    return out
+
+
+def _attention_heads(r: HFConfigReader) -> tuple[int, int, int]:
+    """``(num_attention_heads, hidden_size, num_query_groups)``; the groups default to the heads (MHA)."""
+    heads = r.need("num_attention_heads")
+    hidden = r.need("hidden_size")
+    groups = r.get("num_key_value_heads")
+    if groups is None:
+        groups = heads  # MHA, as HF reads a config without the key
+    elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or heads % groups:
+        raise MegarefitError(f"HF config for family {r.family.name}: num_key_value_heads must be a positive divisor "
+                             f"of num_attention_heads ({heads}), got {groups!r}")
+    return heads, hidden, groups
+
+
+def _common_dims(r: HFConfigReader, heads: int, hidden: int, groups: int) -> dict[str, Any]:
+    """Every family's fields: layers, hidden, heads and query groups, FFN, vocab, ties and biases."""
+    fam = r.family
+    tie = r.get("tie_word_embeddings")
+    return {
+        "family": fam.name,
+        "num_layers": r.need("num_hidden_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "head_dim": int(r.get("head_dim") or hidden // heads),
+        "ffn_hidden_size": r.need("intermediate_size"),
+        "vocab_size": r.need("vocab_size"),
+        "tie_word_embeddings": fam.tie_word_embeddings_default if tie is None else bool(tie),
+        "qkv_bias": r.flag(fam.qkv_bias),
+        "proj_bias": r.flag(fam.proj_bias),
+        "mlp_bias": r.flag(fam.mlp_bias),
+        "qk_norm": r.flag(fam.qk_norm),
+    }
+
+
+def _moe_dims(r: HFConfigReader) -> dict[str, Any]:
+    """Routed and shared experts, the router bias and which layers stay dense."""
+    fam, get = r.family, r.get
+    experts = int(get(fam.experts_key))
+    moe_ffn = int(get(fam.moe_ffn_key)) if fam.moe_ffn_key else 0
+    layers = r.need("num_hidden_layers")
+    dense = set()
+    if fam.first_dense_key and get(fam.first_dense_key):
+        dense |= set(range(int(get(fam.first_dense_key))))
+    if fam.mlp_only_key and get(fam.mlp_only_key):
+        dense |= {int(i) for i in get(fam.mlp_only_key)}
+    if fam.sparse_step_key and get(fam.sparse_step_key):
+        step = int(get(fam.sparse_step_key))
+        dense |= {i for i in range(layers) if (i + 1) % step}
+    if isinstance(fam.router_bias, tuple):
+        bias = get(fam.router_bias[0]) == fam.router_bias[1]
+    else:
+        bias = fam.router_bias
+    shared = int(get(fam.shared_experts_key) or 0) if fam.shared_experts_key else 0
+    return {"num_experts": experts, "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn": shared * moe_ffn,
+            "router_bias": bool(bias), "dense_layers": tuple(sorted(dense))}
+
+
+def _dsa_dims(r: HFConfigReader, read: Mapping[str, Any]) -> dict[str, Any]:
+    """The DSA lightning indexer (GLM-5); ``read`` holds the fields read so far (the MLA ranks)."""
+    name = r.family.name
+    out = {"index_n_heads": r.need("index_n_heads"), "index_head_dim": r.need("index_head_dim")}
+    if not read.get("q_lora_rank"):
+        raise UnsupportedModelError(f"HF config for family {name}: the DSA indexer reads the low-rank "
+                                    "query; a config without q_lora_rank is not supported")
+    refuse_shared_indexers(name, r.get("indexer_types"))
+    return out
+
+
+def hybrid_dims(family: str, get: Any, need: Any) -> dict[str, Any]:
+    """A hybrid Mamba2 config's pattern and Mamba dims (HF NemotronH keys: ``hybrid_override_pattern``
+    or the ``layers_block_type`` list, ``mamba_num_heads``, ``mamba_head_dim``, ``n_groups``,
+    ``ssm_state_size``, ``conv_kernel``).
+
+    Raises:
+        UnsupportedModelError: no pattern, an unknown block type, or Mamba projections with biases.
+    """
+    pattern = get("hybrid_override_pattern")
+    if not pattern and get("layers_block_type"):
+        kinds = list(get("layers_block_type"))
+        unknown = sorted(set(kinds) - set(BLOCK_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"HF config for family {family}: layers_block_type {unknown} unknown; "
+                                        f"known: {sorted(BLOCK_TYPES)}")
+        pattern = "".join(BLOCK_TYPES[k] for k in kinds)
+    if not pattern:
+        raise UnsupportedModelError(f"HF config for family {family} has no hybrid_override_pattern / "
+                                    "layers_block_type")
+    if get("mamba_proj_bias") or get("use_bias"):
+        raise UnsupportedModelError(f"HF config for family {family}: Mamba projections with biases are not "
+                                    "built by Megatron-Core's MambaMixer (bias must be False)")
+    return {"layer_pattern": str(pattern), "mamba_heads": need("mamba_num_heads"),
+            "mamba_head_dim": need("mamba_head_dim"), "mamba_groups": need("n_groups"),
+            "mamba_state": need("ssm_state_size"), "conv_kernel": need("conv_kernel")}
+
+
+def refuse_shared_indexers(family: str, indexer_types: Any) -> None:
+    """GLM-5.1+ ``indexer_types``: a ``"shared"`` layer has no indexer weights of its own (it
+    reuses the previous ``"full"`` layer's top-k); the spec table gives every layer one."""
+    shared = [i for i, kind in enumerate(indexer_types or ()) if kind != "full"]
+    if shared:
+        raise UnsupportedModelError(
+            f"HF config for family {family}: indexer_types marks layers {shared[:8]}"
+            f"{' ...' if len(shared) > 8 else ''} "
+            f"as {indexer_types[shared[0]]!r} (no indexer weights of their own); megarefit translates configs whose "
+            "layers all have their own indexer ('full') only")
+
+
+__all__ = ["BLOCK_TYPES", "HFConfigReader", "hybrid_dims", "load_hf_config", "read_hf_dims", "refuse_shared_indexers"]
