@@ -13,7 +13,8 @@ from megarefit.errors import LayoutError, MissingParameterError, UnexpectedParam
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.geometry import source_tensors
 from megarefit.layout.parallel import RankCoord, SourceLayout
-from megarefit.specs.table import LAYER_SPECS, LayerSpec
+from megarefit.specs import FamilySpec
+from megarefit.specs.table import LAYER_SPECS, Condition, LayerSpec
 
 
 def check_ranks(layout: SourceLayout, ranks: Iterable[tuple[int, int, int]]) -> None:
@@ -53,7 +54,23 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
     given = {RankCoord(*r): list(v) for r, v in names.items() if RankCoord(*r) in expected_ranks}
     spec, conds = dims.spec, dims.conditions(layout.pp, layout.megatron)
     names_all = [(rank, n) for rank, ns in given.items() for n in ns]
+    chosen = _layer_spec_of(spec, conds, names_all, layout.layer_spec)
+    resolved = layout.with_layer_spec(chosen)
+    expert_layout = _expert_layout_of(spec, conds, names_all, chosen)
+    if expert_layout is not None:
+        resolved = resolved.with_expert_layout(expert_layout)
+    _check_names_per_rank(layout, source_tensors(dims, resolved), given)
+    return resolved
 
+
+def _layer_spec_of(spec: FamilySpec, conds: frozenset[Condition], names_all: list[tuple[RankCoord, str]],
+                   preferred: LayerSpec) -> LayerSpec:
+    """The layer spec whose spelling explains every name (``preferred`` when both do).
+
+    Raises:
+        UnknownParameterError: a name no spelling explains.
+        UnexpectedParameterError: the names mix the two spellings.
+    """
     def fits(spelling: LayerSpec) -> bool:
         try:
             for rank, n in names_all:
@@ -79,7 +96,16 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
                     break
         raise UnexpectedParameterError("shards mix local-spec and Transformer-Engine-spec names: "
                                        + "; ".join(examples))
-    chosen: LayerSpec = layout.layer_spec if layout.layer_spec in candidates else candidates[0]
+    return preferred if preferred in candidates else candidates[0]
+
+
+def _expert_layout_of(spec: FamilySpec, conds: frozenset[Condition], names_all: list[tuple[RankCoord, str]],
+                      chosen: LayerSpec) -> str | None:
+    """The one expert layout the names use (None without experts).
+
+    Raises:
+        UnexpectedParameterError: the names mix expert layouts.
+    """
     expert_layouts: dict[str, str] = {}
     for rank, n in names_all:
         row = spec.match(n, conds, chosen, rank=rank).spec
@@ -88,11 +114,17 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
     if len(expert_layouts) > 1:
         raise UnexpectedParameterError("shards mix expert layouts: "
                                        + "; ".join(f"{where} is {lay}" for lay, where in sorted(expert_layouts.items())))
-    resolved = layout.with_layer_spec(chosen)
-    if expert_layouts:
-        resolved = resolved.with_expert_layout(next(iter(expert_layouts)))
-    expected = source_tensors(dims, resolved)
-    for rank in sorted(expected_ranks):
+    return next(iter(expert_layouts), None)
+
+
+def _check_names_per_rank(layout: SourceLayout, expected: Mapping[RankCoord, Iterable[str]],
+                          given: Mapping[RankCoord, list[str]]) -> None:
+    """Raise unless each rank of ``layout`` holds exactly its ``expected`` names.
+
+    Raises:
+        MissingParameterError / UnexpectedParameterError: naming the tensor and rank.
+    """
+    for rank in sorted(layout.ranks()):
         want, have = set(expected[rank]), set(given[rank])
         if want - have:
             first = sorted(want - have)
@@ -107,7 +139,6 @@ def resolve_layer_spec(dims: ModelDims, layout: SourceLayout,
                 f"rank {rank} holds {len(first)} parameter(s) the layout does not place there, e.g. {first[:3]} "
                 f"(stage {rank.pp} of pp={layout.pp} has {layout.stage_layers[rank.pp]} local layers)"
             )
-    return resolved
 
 
 __all__ = ["check_ranks", "resolve_layer_spec"]
