@@ -194,7 +194,25 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     cfg = load_hf_config(hf_config)
     dims = ModelDims.from_hf_config(cfg)
     fmt = resolve_quantization(quantization, cfg)
-    tensors = normalize_shards(shards)
+    layout, tensors = _layout_of_shards(dims, normalize_shards(shards), tp, pp, ep, etp,
+                                        make_vocab_size_divisible_by, megatron)
+    plan = plan_megatron_to_hf(dims, layout, _model_dtype(tensors))
+    check_shapes(plan, tensors)
+    return _pull_hf(plan, tensors, fmt)
+
+
+def _layout_of_shards(dims: ModelDims, tensors: dict[RankCoord, dict[str, torch.Tensor]], tp: int, pp: int, ep: int,
+                      etp: int | None, divisible_by: int | None,
+                      megatron: MegatronCore | None) -> tuple[SourceLayout, dict[RankCoord, dict[str, torch.Tensor]]]:
+    """The layout the shards show at sizes ``tp x pp x ep`` (expert TP, vocab padding, uneven
+    stages, MTP layers, layer spec and expert layout read from them when not given; ``megatron``
+    default :meth:`MegatronCore.in_process`), and the shards of the ranks Megatron's grid forms.
+
+    Raises:
+        LayoutError: a rank is missing or outside the grid, or the sizes do not fit the config.
+        UnknownParameterError / MissingParameterError / UnexpectedParameterError: see
+            :func:`~megarefit.layout.shards.resolve_layer_spec`.
+    """
     outside = sorted(r for r in tensors if not (r.tp < tp and r.pp < pp and r.ep < ep))
     if outside or not tensors:
         raise LayoutError(f"shards for tp={tp} pp={pp} ep={ep}: " + (
@@ -202,15 +220,17 @@ def megatron_to_hf(shards: Shards, hf_config: Any, *, tp: int = 1, pp: int = 1, 
     etp = _infer_etp(dims, tensors, tp) if etp is None else etp
     dims.check_layout(tp, pp, ep, etp)
     mtp = {i for params in tensors.values() for n in params if (i := dims.spec.layer_index(n, Stage.MTP)) is not None}
-    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp,
-                              make_vocab_size_divisible_by), num_layers=dims.num_layers,
-                              etp=etp, mtp_layers=max(mtp) + 1 if mtp else 0, **_stage_split(dims, tensors, pp),
-                              megatron=megatron or MegatronCore.in_process())
+    base = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(dims, tensors, tp, divisible_by),
+                              num_layers=dims.num_layers, etp=etp, mtp_layers=max(mtp) + 1 if mtp else 0,
+                              **_stage_split(dims, tensors, pp), megatron=megatron or MegatronCore.in_process())
     check_ranks(base, tensors)
     tensors = {r: v for r, v in tensors.items() if r in set(base.ranks())}  # copies Megatron's grid lacks
-    layout = resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()})
-    plan = plan_megatron_to_hf(dims, layout, _model_dtype(tensors))
-    check_shapes(plan, tensors)
+    return resolve_layer_spec(dims, base, {r: list(p) for r, p in tensors.items()}), tensors
+
+
+def _pull_hf(plan: Plan, tensors: dict[RankCoord, dict[str, torch.Tensor]],
+             fmt: Fp8Format | None) -> dict[str, torch.Tensor]:
+    """Run ``plan`` in process on the shards' device, FP8-quantized when ``fmt`` is given."""
     device = next(t for params in tensors.values() for t in params.values()).device
     if fmt is not None:  # as the trainers would: FP8 shards where blocks allow, the rest quantized after the pull
         plan = plan_fp8(plan, fmt)
@@ -254,17 +274,40 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
     dims = ModelDims.from_hf_config(cfg)
     etp = dims.default_etp(tp) if etp is None else etp
     dims.check_layout(tp, pp, ep, etp)
+    state = _hf_tensors_to_plan(dims, hf_state)
+    layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(
+        tp, make_vocab_size_divisible_by), num_layers=dims.num_layers, first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
+        mtp_layers=mtp_layers, megatron=megatron or MegatronCore.in_process())
+    plan = plan_hf_to_megatron(dims, layout, _model_dtype({None: state}))
+    _check_hf_names(dims, plan, state, mtp_layers)
+    check_shapes(plan, {None: state})
+    out: dict[RankCoord, dict[str, torch.Tensor]] = defaultdict(dict)
+    device = next(iter(state.values())).device
+    for ref, tensor in materialize(plan, LocalTransport({None: state}), device=device):
+        out[ref.rank][ref.name] = tensor
+    return dict(out)
+
+
+def _hf_tensors_to_plan(dims: ModelDims, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf_state`` less the copies megarefit ignores: a tied model's ``lm_head.weight`` and the
+    embedding and head copies some checkpoints keep in their MTP layers."""
     state = dict(hf_state)
     if dims.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for i in range(dims.num_layers, dims.num_layers + dims.mtp_layers):
         for copy in ("embed_tokens.weight", "shared_head.head.weight"):
             state.pop(f"model.layers.{i}.{copy}", None)
-    layout = SourceLayout.build(tp=tp, pp=pp, ep=ep, padded_vocab_size=dims.padded_vocab_size(
-        tp, make_vocab_size_divisible_by), num_layers=dims.num_layers, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers, layer_spec=layer_spec, etp=etp, expert_layout=expert_layout,
-        mtp_layers=mtp_layers, megatron=megatron or MegatronCore.in_process())
-    plan = plan_hf_to_megatron(dims, layout, _model_dtype({None: state}))
+    return state
+
+
+def _check_hf_names(dims: ModelDims, plan: Plan, state: Mapping[str, torch.Tensor], mtp_layers: int) -> None:
+    """Raise unless ``state`` holds exactly the HF names ``plan`` reads.
+
+    Raises:
+        MissingParameterError / UnexpectedParameterError: naming examples (and an MTP layer
+            one ``mtp_layers`` too few would leave unread).
+    """
     expected = {ref.name for ref in plan.sources}
     if expected - state.keys():
         missing = sorted(expected - state.keys())
@@ -276,9 +319,3 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp: 
                 f"{mtp_layers + 1} to build it, or drop it)" if mtp else "")
         raise UnexpectedParameterError(f"HF state has {len(extra)} tensor(s) the {dims.family} table does not "
                                        f"expect, e.g. {extra[:3]}{hint}")
-    check_shapes(plan, {None: state})
-    out: dict[RankCoord, dict[str, torch.Tensor]] = defaultdict(dict)
-    device = next(iter(state.values())).device
-    for ref, tensor in materialize(plan, LocalTransport({None: state}), device=device):
-        out[ref.rank][ref.name] = tensor
-    return dict(out)
