@@ -54,29 +54,48 @@ def validate_plan(plan: PlanFields) -> None:
     Raises:
         PlanValidationError: naming the op / target and what is wrong.
     """
+    checks, target_rows, targets = _suspects(plan)
+    for op, src, dst in checks:
+        _check_op(op, src, dst)
+    produced = plan.produced
+    lookup = getattr(plan.targets, "lookup", None)  # a columnar table: name only these refs' rows
+    _check_quantize_steps(plan, lookup)
+    _check_transforms(plan, lookup)
+    if target_rows is None:
+        by_target = plan.ops_by_target if targets else {}
+        target_rows = [(ref, plan.targets[ref], by_target.get(ref, ())) for ref in targets]
+    for ref, meta, writers in target_rows:
+        _check_cover(ref, meta, writers, produced)
+
+
+_OpCheck = tuple[CopyOp, "TensorMeta | None", "TensorMeta | None"]
+_TargetRow = tuple[TensorRef, TensorMeta, tuple[CopyOp, ...]]
+
+
+def _suspects(plan: PlanFields) -> tuple[list[_OpCheck], list[_TargetRow] | None, list[TensorRef]]:
+    """What the column checks cannot prove: ``(ops with their source and target metas, target
+    rows with their writers or None, target refs whose rows are still to be gathered)``. Every
+    op and target when a tensor is undeclared (the per-op checks then name it)."""
     table = plan.ops if isinstance(plan.ops, OpTable) else None
     try:
         cols = plan.columns
     except KeyError:  # an undeclared tensor: the per-op checks name it
         checks = [(op, plan.sources.get(op.src), plan.targets.get(op.dst)) for op in plan.ops]
-        target_rows: list[tuple[TensorRef, TensorMeta, tuple[CopyOp, ...]]] | None = None
-        targets: list[TensorRef] = list(plan.targets)
-    else:
-        bad_ops, odd = vectorized_checks(cols)
-        if table is not None:  # single rows of the tables: no names formatted for the rest
-            checks = [(table[i], table.sources.meta(int(cols.src_id[i])), table.targets.meta(int(cols.dst_id[i])))
-                      for i in bad_ops.tolist()]
-            target_rows = _odd_targets(table, odd)
-            targets = []
-        else:
-            checks = [(op, plan.sources.get(op.src), plan.targets.get(op.dst))
-                      for op in (plan.ops[i] for i in bad_ops.tolist())]
-            names = list(plan.targets)
-            targets, target_rows = [names[i] for i in odd.tolist()], None
-    for op, src, dst in checks:
-        _check_op(op, src, dst)
-    produced = plan.produced
-    lookup = getattr(plan.targets, "lookup", None)  # a columnar table: name only these refs' rows
+        return checks, None, list(plan.targets)
+    bad_ops, odd = vectorized_checks(cols)
+    if table is not None:  # single rows of the tables: no names formatted for the rest
+        checks = [(table[i], table.sources.meta(int(cols.src_id[i])), table.targets.meta(int(cols.dst_id[i])))
+                  for i in bad_ops.tolist()]
+        return checks, _odd_targets(table, odd), []
+    checks = [(op, plan.sources.get(op.src), plan.targets.get(op.dst))
+              for op in (plan.ops[i] for i in bad_ops.tolist())]
+    names = list(plan.targets)
+    return checks, None, [names[i] for i in odd.tolist()]
+
+
+def _check_quantize_steps(plan: PlanFields, lookup: Any) -> None:
+    """Every quantize step's staging, float8 weight and float32 block scales are declared with
+    matching shapes."""
     quantized = lookup([r for q in plan.quantize for r in (q.staging, q.weight, q.scale)]) if lookup else plan.targets
     for step in plan.quantize:
         staging, weight, scale = (quantized.get(r) for r in (step.staging, step.weight, step.scale))
@@ -88,25 +107,26 @@ def validate_plan(plan: PlanFields) -> None:
             raise PlanValidationError(f"quantize step for {step.weight}: staging {staging.shape} -> float8 "
                                       f"{weight.dtype} {weight.shape} and float32 scales {scale.dtype} {scale.shape} "
                                       f"(expected {want_scale})")
-    _check_transforms(plan, lookup)
-    if target_rows is None:
-        by_target = plan.ops_by_target if targets else {}
-        target_rows = [(ref, plan.targets[ref], by_target.get(ref, ())) for ref in targets]
-    for ref, meta, writers in target_rows:
-        if ref in produced:
-            if writers:
-                raise PlanValidationError(f"target {ref}: written by ops and by its quantize / value step")
-            continue
-        entries = [(op.dst_box, str(op.src)) for op in writers] + [(b, "zero fill") for b in meta.zero_fill]
-        for b, who in entries:
-            if not b.within(meta.shape):
-                raise PlanValidationError(f"target {ref}: box {b} from {who} outside shape {meta.shape}")
-        _check_disjoint(ref, entries)
-        covered = sum(b.numel for b, _ in entries)
-        if covered != meta.numel:
-            raise PlanValidationError(
-                f"target {ref}: ops cover {covered} of {meta.numel} elements (shape {meta.shape})"
-            )
+
+
+def _check_cover(ref: TensorRef, meta: TensorMeta, writers: tuple[CopyOp, ...],
+                 produced: Mapping[TensorRef, QuantizeStep]) -> None:
+    """Target ``ref`` is written exactly once per element: by its quantize / value step, or by
+    its ops' boxes plus its ``zero_fill`` boxes, in bounds, disjoint, covering it."""
+    if ref in produced:
+        if writers:
+            raise PlanValidationError(f"target {ref}: written by ops and by its quantize / value step")
+        return
+    entries = [(op.dst_box, str(op.src)) for op in writers] + [(b, "zero fill") for b in meta.zero_fill]
+    for b, who in entries:
+        if not b.within(meta.shape):
+            raise PlanValidationError(f"target {ref}: box {b} from {who} outside shape {meta.shape}")
+    _check_disjoint(ref, entries)
+    covered = sum(b.numel for b, _ in entries)
+    if covered != meta.numel:
+        raise PlanValidationError(
+            f"target {ref}: ops cover {covered} of {meta.numel} elements (shape {meta.shape})"
+        )
 
 
 def _check_transforms(plan: PlanFields, lookup: Any) -> None:
@@ -126,7 +146,7 @@ def _check_transforms(plan: PlanFields, lookup: Any) -> None:
                                       "(expected the same shape, float32)")
 
 
-def _odd_targets(table: Any, odd: Any) -> list[tuple[TensorRef, TensorMeta, tuple[CopyOp, ...]]]:
+def _odd_targets(table: Any, odd: Any) -> list[_TargetRow]:
     """``(ref, meta, ops writing it)`` for target rows ``odd`` of a columnar plan: single rows
     when they are few, the whole materialized plan when they are many (cheaper per op)."""
     rows = odd.tolist()
