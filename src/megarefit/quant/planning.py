@@ -88,33 +88,9 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
 
 def _plan_fp8_ops(plan: Plan, fmt: Fp8Format) -> Plan:
     """:func:`plan_fp8` op by op (plans built as objects: vLLM targets, JSON)."""
-    names = quantized_weight_names(plan.dims)
     by_target = plan.ops_by_target
-    quantized = [t for t in plan.targets if t.name in names]
-    reasons: dict[TensorRef, str] = {}  # source -> why it cannot be quantized where it lives
-    for t in quantized:
-        for op in by_target[t]:
-            why = misaligned(op, plan.sources[op.src].shape, plan.targets[t].shape, fmt)
-            if why is not None:
-                reasons.setdefault(op.src, why)
-    trainer = {t for t in quantized if not any(op.src in reasons for op in by_target[t])}
-    while True:  # a source some receiver-side target reads must stay in the model dtype
-        bf16 = {op.src for t in quantized if t not in trainer for op in by_target[t]}
-        moved = {t for t in trainer if any(op.src in bf16 for op in by_target[t])}
-        if not moved:
-            break
-        for t in moved:
-            src = next(op.src for op in by_target[t] if op.src in bf16)
-            reasons.setdefault(src, f"{src.name} on rank {src.rank} also feeds a receiver-quantized tensor")
-        trainer -= moved
-    fp8_sources = {op.src for t in trainer for op in by_target[t]}
-    sources: dict[TensorRef, TensorMeta] = {}
-    for ref, meta in plan.sources.items():
-        if ref in fp8_sources:
-            sources[ref] = TensorMeta(meta.shape, "float8_e4m3fn")
-            sources[scale_ref(ref)] = TensorMeta(fmt.scale_shape(meta.shape), "float32")
-        else:
-            sources[ref] = meta
+    trainer, quantized, reasons = _where_to_quantize(plan, fmt)
+    sources = _fp8_source_metas(plan, fmt, {op.src for t in trainer for op in by_target[t]})
     targets: dict[TensorRef, TensorMeta] = {}
     ops: list[CopyOp] = []
     steps: list[QuantizeStep] = []
@@ -147,6 +123,45 @@ def _plan_fp8_ops(plan: Plan, fmt: Fp8Format) -> Plan:
                digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps))
     validate_plan(out)
     return out
+
+
+def _where_to_quantize(plan: Plan, fmt: Fp8Format
+                       ) -> tuple[set[TensorRef], list[TensorRef], dict[TensorRef, str]]:
+    """``(trainer-quantized targets, every quantized target, source -> why it cannot be
+    quantized where it lives)``: a target is quantized on the trainers when every op writing it
+    is block-aligned and none of its sources also feeds a receiver-quantized target."""
+    names = quantized_weight_names(plan.dims)
+    by_target = plan.ops_by_target
+    quantized = [t for t in plan.targets if t.name in names]
+    reasons: dict[TensorRef, str] = {}  # source -> why it cannot be quantized where it lives
+    for t in quantized:
+        for op in by_target[t]:
+            why = misaligned(op, plan.sources[op.src].shape, plan.targets[t].shape, fmt)
+            if why is not None:
+                reasons.setdefault(op.src, why)
+    trainer = {t for t in quantized if not any(op.src in reasons for op in by_target[t])}
+    while True:  # a source some receiver-side target reads must stay in the model dtype
+        bf16 = {op.src for t in quantized if t not in trainer for op in by_target[t]}
+        moved = {t for t in trainer if any(op.src in bf16 for op in by_target[t])}
+        if not moved:
+            break
+        for t in moved:
+            src = next(op.src for op in by_target[t] if op.src in bf16)
+            reasons.setdefault(src, f"{src.name} on rank {src.rank} also feeds a receiver-quantized tensor")
+        trainer -= moved
+    return trainer, quantized, reasons
+
+
+def _fp8_source_metas(plan: Plan, fmt: Fp8Format, fp8: set[TensorRef]) -> dict[TensorRef, TensorMeta]:
+    """``plan``'s sources with each of ``fp8`` served as float8_e4m3fn plus its float32 ``_scale_inv``."""
+    sources: dict[TensorRef, TensorMeta] = {}
+    for ref, meta in plan.sources.items():
+        if ref in fp8:
+            sources[ref] = TensorMeta(meta.shape, "float8_e4m3fn")
+            sources[scale_ref(ref)] = TensorMeta(fmt.scale_shape(meta.shape), "float32")
+        else:
+            sources[ref] = meta
+    return sources
 
 
 def fp8_sources(plan: Plan, rank: RankCoord) -> list[TensorRef]:
