@@ -40,9 +40,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import hmac
-import os
-import secrets
 import threading
 import time
 import warnings
@@ -51,49 +48,17 @@ from collections.abc import Iterable
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
+from megarefit.online.rendezvous_receivers import ReceiverRegistry
+from megarefit.online.rendezvous_records import (
+    SECRET_ENV,
+    RecordAuthenticationError,
+    RecordCodec,
+    RendezvousTimeout,
+    ensure_job_secret,
+    resolve_secret,
+)
 from megarefit.online.store import KeyValueStore, StoreTLS
-from megarefit.online.store_server import check_secret
 from megarefit.transport.manifest import Manifest
-
-
-class RendezvousTimeout(MegarefitError, TimeoutError):
-    """A key did not appear in time (a trainer rank that never published, or died)."""
-
-
-class RecordAuthenticationError(MegarefitError):
-    """A rendezvous record is unsigned, signed with another job's secret (or forged), or an older
-    record written again (replayed); nothing was done with it. Names the key and the fix."""
-
-
-SECRET_ENV = "MEGAREFIT_JOB_SECRET"
-_FORMAT = b"mr1"
-_MAX_COUNTER_DIGITS = 20
-
-
-def ensure_job_secret() -> str:
-    """``$MEGAREFIT_JOB_SECRET``, set to a new random secret first if unset: for a launcher that
-    starts the job's processes itself on this host (they inherit it), e.g. the demo and the
-    benchmarks. A multi-host job sets the variable (or passes ``secret=``) on every host."""
-    return os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
-
-
-def _resolve_secret(secret: bytes | str | None, *, serving: bool) -> tuple[bytes, bool]:
-    """(the job secret, whether it was generated): ``secret``, else ``$MEGAREFIT_JOB_SECRET``,
-    else (serving side only) a new random one.
-
-    Raises:
-        MegarefitError: a connecting side has neither (names the fix)."""
-    if secret is None:
-        secret = os.environ.get(SECRET_ENV) or None
-    if secret is None:
-        if not serving:
-            raise MegarefitError(f"no job secret: pass secret= (the serving side's Rendezvous.secret) to "
-                                 f"Rendezvous.connect, or set {SECRET_ENV} for every process of the job")
-        return secrets.token_hex(32).encode(), True
-    try:
-        return check_secret(secret), False
-    except ValueError as exc:
-        raise MegarefitError(str(exc)) from None
 
 
 def _rank_key(rank: RankCoord) -> str:
@@ -108,10 +73,9 @@ class Rendezvous:
         self.store = store
         self.job = job
         self.prefix = f"megarefit/{job}/"
-        self._secret, _ = _resolve_secret(secret, serving=False)
-        # key -> the highest n this thread read (older ones are replays). Per thread: another
-        # thread may verify, later, a record it fetched before this thread read a newer one.
-        self._reads = threading.local()
+        self._secret, _ = resolve_secret(secret, serving=False)
+        self._codec = RecordCodec(job, self._secret)  # signs and verifies (replays refused per thread)
+        self._registry = ReceiverRegistry(self)  # receivers/, beat/, acked/
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
@@ -137,7 +101,7 @@ class Rendezvous:
         Raises:
             MegarefitError: the secret is shorter than 16 bytes.
             StoreError: the address cannot be bound or the TLS files cannot be read."""
-        key, generated = _resolve_secret(secret, serving=True)
+        key, generated = resolve_secret(secret, serving=True)
         if generated:
             warnings.warn(f"no job secret given: generated one (Rendezvous.secret). Pass it to every trainer and "
                           f"receiver of job {job!r} (Rendezvous.connect(..., secret=...), or {SECRET_ENV}) the way "
@@ -156,7 +120,7 @@ class Rendezvous:
             MegarefitError: no secret given, or one shorter than 16 bytes (names the fix).
             StoreError: the store cannot be reached, refused the secret, or is not a megarefit
                 rendezvous of this job."""
-        key, _ = _resolve_secret(secret, serving=False)
+        key, _ = resolve_secret(secret, serving=False)
         return cls(KeyValueStore(host, port, key, timeout, tls=tls), job, key)
 
     @property
@@ -165,15 +129,9 @@ class Rendezvous:
         return self._secret.decode("utf-8", "surrogateescape")
 
     # ---- signed records ------------------------------------------------------
-    def _mac(self, key: str, n: bytes, payload: bytes) -> bytes:
-        msg = b"\0".join([self.job.encode(), key.encode(), n, payload])
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
-
     def seal(self, key: str, payload: bytes | str) -> bytes:
         """The signed record of ``payload`` under full key ``key`` (``prefix + ...``)."""
-        payload = payload.encode() if isinstance(payload, str) else bytes(payload)
-        n = str(self.store.add(self.prefix + "clock", 1)).encode()
-        return b":".join([_FORMAT, self._mac(key, n, payload), n, payload])
+        return self._codec.seal(key, self.store.add(self.prefix + "clock", 1), payload)
 
     def unseal(self, key: str, record: bytes) -> bytes:
         """The payload of a signed record read under full key ``key``.
@@ -181,23 +139,7 @@ class Rendezvous:
         Raises:
             RecordAuthenticationError: unsigned, malformed, signed with another secret, or older
                 than a record already read under this key."""
-        parts = bytes(record).split(b":", 3)
-        if (len(parts) != 4 or parts[0] != _FORMAT or len(parts[1]) != 64 or not parts[2].isdigit()
-                or len(parts[2]) > _MAX_COUNTER_DIGITS):
-            raise RecordAuthenticationError(
-                f"record {key!r} is not a signed megarefit record ({len(record)} bytes): written by another "
-                "program or another megarefit version; nothing was done with it")
-        if not hmac.compare_digest(parts[1], self._mac(key, parts[2], parts[3])):
-            raise RecordAuthenticationError(
-                f"record {key!r} has a wrong signature: written with another job secret, or forged; check that "
-                f"every process of job {self.job!r} uses the same secret ({SECRET_ENV}); nothing was done with it")
-        n = int(parts[2])
-        latest = self._reads.__dict__.setdefault("latest", {})
-        if n < latest.get(key, 0):
-            raise RecordAuthenticationError(
-                f"record {key!r} is older than one already read under that key (replayed); nothing was done with it")
-        latest[key] = n
-        return parts[3]
+        return self._codec.unseal(key, record)
 
     def put(self, key: str, payload: bytes | str) -> None:
         """Write a signed record under ``key`` (relative to the job prefix)."""
@@ -347,48 +289,33 @@ class Rendezvous:
         self._wait([f"consumed/{int(version)}"], timeout, f"receiver consumed version {version}")
         self.fetch(f"consumed/{int(version)}")
 
-    # ---- receivers: registration, leases, acknowledgements -------------------
+    # ---- receivers: registration, leases, acknowledgements (rendezvous_receivers.py) ----
     def register_receiver(self, rid: str) -> None:
         """Add receiver ``rid`` to the registry (again after a restart: listed once) and beat."""
-        self.join("receivers", rid)
-        self.heartbeat(rid)
+        self._registry.register_receiver(rid)
 
     def heartbeat(self, rid: str) -> None:
-        self.store.add(self.prefix + f"beat/{rid}", 1)
+        self._registry.heartbeat(rid)
 
     def acknowledge(self, rid: str, version: int) -> None:
         """Receiver ``rid`` installed ``version`` (and no longer reads older bytes)."""
-        self.put(f"acked/{rid}", str(int(version)))
+        self._registry.acknowledge(rid, version)
 
     def receivers(self) -> list[str]:
         """Registered receiver ids, in registration order."""
-        return self.members("receivers")
+        return self._registry.members("receivers")
 
     def join(self, registry: str, member: str) -> list[str]:
         """Add ``member`` to the append-only list ``registry`` (once, however often it joins:
         a restarted process keeps its place); the members in joining order."""
-        members = self.members(registry)
-        if member not in members:
-            i = self.store.add(self.prefix + f"{registry}/n", 1)
-            self.put(f"{registry}/{i}", member)
-            members = self.members(registry)
-        return members
+        return self._registry.join(registry, member)
 
     def members(self, registry: str) -> list[str]:
         """The members of ``registry`` in joining order (see :meth:`join`)."""
-        n = self.store.add(self.prefix + f"{registry}/n", 0)
-        out: list[str] = []
-        for i in range(1, n + 1):
-            if not self.store.check([self.prefix + f"{registry}/{i}"]):  # a slot taken, not yet written
-                continue
-            member = self.fetch(f"{registry}/{i}").decode()
-            if member not in out:
-                out.append(member)
-        return out
+        return self._registry.members(registry)
 
     def acked(self, rid: str) -> int | None:
-        key = f"acked/{rid}"
-        return int(self.fetch(key)) if self.store.check([self.prefix + key]) else None
+        return self._registry.acked(rid)
 
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
         """Block until every live registered receiver acknowledged ``version`` (or later).
@@ -401,29 +328,7 @@ class Rendezvous:
             RendezvousTimeout: after ``timeout`` seconds, naming each live receiver that has
                 not acknowledged and the version it last acknowledged.
         """
-        start = time.monotonic()
-        seen: dict[str, tuple[int, float]] = {}  # rid -> (beat counter, when it last moved)
-        while True:
-            now = time.monotonic()
-            state: dict[str, str] = {}
-            pending: list[str] = []
-            for rid in self.receivers():
-                beat = self.store.add(self.prefix + f"beat/{rid}", 0)
-                if rid not in seen or seen[rid][0] != beat:
-                    seen[rid] = (beat, now)
-                acked = self.acked(rid)
-                if acked is not None and acked >= version:
-                    state[rid] = "acked"
-                elif now - seen[rid][1] > lease:
-                    state[rid] = "dropped"
-                else:
-                    pending.append(f"{rid} (last acknowledged {acked})")
-            if not pending:
-                return state
-            if now - start > timeout:
-                raise RendezvousTimeout(f"receivers did not acknowledge version {version} after {timeout:.1f} s: "
-                                        + ", ".join(pending))
-            time.sleep(0.01)
+        return self._registry.wait_receivers(version, timeout=timeout, lease=lease)
 
 
 _LIVE: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
@@ -460,3 +365,7 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=5)
         self._rdzv.store.close()
+
+
+__all__ = ["SECRET_ENV", "Heartbeat", "RecordAuthenticationError", "Rendezvous", "RendezvousTimeout",
+           "ensure_job_secret"]
