@@ -38,8 +38,9 @@ def pytest_configure(config: pytest.Config) -> None:
                                 + '. Install the test extra: pip install torch==2.13.0 -e ".[test]"')
 
 
-# The two xdist workers take whole modules in collection order, each the next one when it is
-# free: modules that take minutes (vLLM engines and servers, child runs on other megatron-core
+# The two xdist workers take whole modules in collection order (pyproject: --no-loadscope-reorder,
+# else xdist puts the modules with the most tests first), each the next one when it is free:
+# modules that take minutes (vLLM engines and servers, child runs on other megatron-core
 # releases) go first, so no worker is left running one alone at the end (measured: --durations).
 SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17_0_18.py", "test_vllm_http.py",
               "test_vllm_failsafe.py", "test_cli.py", "test_vllm_refit_families.py", "test_vllm_draft.py",
