@@ -1,0 +1,173 @@
+"""The version fence: which ranks serve, which version, and whether a pull read it whole.
+
+A pull is bracketed by two reads of every trainer rank's update sequence and version (a
+seqlock; ``Publisher.updating`` makes a rank's sequence odd while it writes)::
+
+    start   discover the ranks' manifests, wait until no sequence is odd, wait for the version
+    ...     the bytes are read (the pipeline)
+    end     read the sequences and versions again: a rank that moved past the version or whose
+            sequence changed wrote during the pull -> StaleVersionError (``retryable`` where a
+            new pull can succeed); streamed, after tensors were handed over -> TornUpdateError
+
+The fence reads only the rendezvous: it moves no bytes and holds no memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megarefit.layout import RankCoord
+from megarefit.online.cycle import StaleVersionError, TornUpdateError, VersionMismatchError
+from megarefit.online.rendezvous import Rendezvous
+from megarefit.transport.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class FenceStart:
+    """What the fence read before the bytes: every rank's manifest and NIXL metadata, the ranks
+    in order, their update sequences (all even) and the common version; ``asked``: the version
+    the caller asked for (``None``: whatever every rank serves)."""
+
+    manifests: dict[RankCoord, Manifest]
+    metadata: dict[RankCoord, bytes]
+    ranks: list[RankCoord]
+    seq: dict[RankCoord, int]
+    version: int
+    asked: int | None
+
+
+def _no_lap(stage: str) -> None:
+    """A lap that records nothing."""
+
+
+class VersionFence:
+    """The version fence of receiver ``name`` (see the module docstring); it remembers the
+    ranks it discovered last, so a warm cycle reads only their manifests."""
+
+    def __init__(self, rendezvous: Rendezvous, name: str):
+        self.rendezvous = rendezvous
+        self.name = name
+        self.manifests: dict[RankCoord, Manifest] = {}  # the last discovery's
+
+    def where(self) -> str:
+        """This receiver's job and rendezvous, for error messages."""
+        store = self.rendezvous.store
+        return f"receiver {self.name!r}, job {self.rendezvous.job!r}, rendezvous {store.host}:{store.port}"
+
+    def discover(self, timeout: float) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes], tuple | None]:
+        """Every rank's manifest and metadata, and their (sequences, versions) read with them
+        (``None`` if not all there yet).
+
+        Raises:
+            RendezvousTimeout: a rank published no manifest within ``timeout`` seconds."""
+        manifests, metadata, state = self.rendezvous.manifests_and_state(self.manifests.keys() or None,
+                                                                         timeout=timeout)
+        first = manifests[min(manifests)]
+        if set(manifests) != set(first.layout.ranks()):  # a new layout: rediscover every rank
+            manifests, metadata, state = self.rendezvous.manifests_and_state(first.layout.ranks(), timeout=timeout)
+        self.manifests = manifests
+        return manifests, metadata, state
+
+    def wait_stable(self, ranks: list[RankCoord], timeout: float, first: tuple | None = None
+                    ) -> tuple[dict[RankCoord, int], dict[RankCoord, int | None]]:
+        """Every rank's update sequence once none is odd (no rank inside ``updating``), and the
+        versions read with them (``first``: a read already made, used before reading again).
+
+        Raises:
+            StaleVersionError: a rank still writing after ``timeout`` seconds (names it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seq, versions = first if first is not None else self.rendezvous.state(ranks)
+            first = None
+            writing = sorted(r for r, n in seq.items() if n % 2)
+            if not writing:
+                return seq, versions
+            if time.monotonic() > deadline:
+                raise StaleVersionError(f"trainer ranks still writing their weights after {timeout:.1f} s "
+                                        f"(inside Publisher.updating, or an update that raised; {self.where()}): "
+                                        + ", ".join(str(tuple(r)) for r in writing))
+            time.sleep(0.001)
+
+    def wait_version(self, ranks: list[RankCoord], version: int | None, seen: dict[RankCoord, int | None],
+                     timeout: float) -> tuple[int, bool]:
+        """The common version (``version`` if given; ``seen``: the versions just read) and whether
+        it had to be waited for.
+
+        Raises:
+            VersionMismatchError: no common (or not the asked) version after ``timeout`` seconds;
+                names each rank's version."""
+        deadline = time.monotonic() + timeout
+        waited = False
+        while True:
+            values = set(seen.values())
+            if version is None and len(values) == 1 and None not in values:
+                return values.pop(), waited  # type: ignore[return-value]
+            if version is not None and values == {version}:
+                return version, waited
+            waited = True
+            if time.monotonic() > deadline:
+                detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
+                want = f"version {version}" if version is not None else "one common version"
+                raise VersionMismatchError(f"trainer ranks do not publish {want} after {timeout:.1f} s: "
+                                           f"{detail} (ranks as (tp, pp, ep): their versions; {self.where()}); "
+                                           "publish it from every rank, or ask for the version they serve")
+            time.sleep(0.005)
+            seen = self.rendezvous.versions(ranks)
+
+    def start(self, version: int | None, timeout: float, lap: Callable[[str], None] = _no_lap) -> FenceStart:
+        """Discover the ranks, read their update sequences once none is writing (the seqlock,
+        before the bytes) and wait for the version (``lap``: called after ``"discover"`` and
+        ``"version"``).
+
+        Raises:
+            RendezvousTimeout / StaleVersionError / VersionMismatchError: see the methods above;
+            StaleVersionError (retryable) also when the ranks changed while waiting."""
+        manifests, metadata, state = self.discover(timeout)
+        lap("discover")
+        ranks = sorted(manifests)
+        seq, seen = self.wait_stable(ranks, timeout, state)  # seqlock: read before the bytes (with the generations)
+        got, waited = self.wait_version(ranks, version, seen, timeout)
+        if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
+            manifests, metadata, _ = self.discover(timeout)
+            if sorted(manifests) != ranks:
+                raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
+        lap("version")
+        return FenceStart(manifests, metadata, ranks, seq, got, version)
+
+    def end(self, start: FenceStart) -> None:
+        """Re-read versions and update sequences after the bytes landed.
+
+        Raises:
+            StaleVersionError: a rank moved past ``start.version`` (``retryable`` if no version
+                was asked for) or wrote during the pull (``retryable``)."""
+        ranks, seq, got = start.ranks, start.seq, start.version
+        seq_after, after = self.rendezvous.state(ranks)  # seqlock: read after the bytes landed
+        moved = {r: v for r, v in after.items() if v != got}
+        if moved:
+            raise StaleVersionError(f"ranks moved past version {got} during the pull: "
+                                    + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(moved.items())),
+                                    retryable=start.asked is None)
+        rewritten = sorted(r for r in ranks if seq_after[r] != seq[r])
+        if rewritten:
+            raise StaleVersionError(f"ranks wrote their weights during the pull of version {got} (update sequence "
+                                    "moved): " + ", ".join(f"{tuple(r)} {seq[r]} -> {seq_after[r]}" for r in rewritten),
+                                    retryable=True)
+
+    def torn(self, start: FenceStart, handed: int) -> TornUpdateError | None:
+        """The end fence of a streamed cycle that handed ``handed`` groups over: the
+        :class:`TornUpdateError` to report (its cause: the StaleVersionError :meth:`end`
+        raised; as retryable as that), or ``None`` when the cycle read one version whole."""
+        try:
+            self.end(start)
+        except StaleVersionError as exc:
+            error = TornUpdateError(f"{exc}; {handed} groups were already handed over, so the consumer "
+                                    "holds a mix of versions: it must not serve until a refit cycle completes",
+                                    retryable=exc.retryable)
+            error.__cause__ = exc
+            return error
+        return None
+
+
+__all__ = ["FenceStart", "VersionFence"]

@@ -1,0 +1,307 @@
+"""One refit cycle, staged or streamed, run over the receiver's parts.
+
+The pipeline asks the fence (:mod:`~megarefit.online.fence`) what to pull, the plan cache
+(:mod:`~megarefit.online.plan_cache`) how, and the receiver memory
+(:mod:`~megarefit.online.receiver_memory`) where, then moves the bytes with the transport::
+
+    staged     fence start -> plan -> prepare -> pull all (+ FP8 / value steps) -> fence end
+               -> checksums -> hand every target over (views of the arena); a rank that wrote
+               during the pull: pulled again, up to ``retries`` times
+    streamed   fence start -> plan -> prepare groups -> per group: land (+ zero fills, FP8 /
+               value steps) -> checksums -> hand over, the next group's READs already posted
+               where its ring bytes differ -> fence end after the last group (TornUpdateError)
+
+``direct`` targets (streamed) land in the consumer's own tensors and are not handed over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Generator, Iterator
+
+import torch
+
+from megarefit.errors import MegarefitError
+from megarefit.online.arena import arena_key, publish_arena
+from megarefit.online.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
+from megarefit.online.fence import FenceStart, VersionFence
+from megarefit.online.integrity import ChecksumVerifier
+from megarefit.online.plan_cache import PlanCache
+from megarefit.online.receiver_memory import ReceiverMemory, StreamRing
+from megarefit.plan import Plan
+from megarefit.plan.columns import plan_threads
+from megarefit.transport.checksum import ChecksumMismatchError
+from megarefit.transport.execute import run_value_step, torch_dtype
+from megarefit.transport.nixl import InFlight, NixlTransport
+from megarefit.transport.nixl_agent import TransferError
+
+
+class CyclePipeline:
+    """Runs refit cycles (see the module docstring) and keeps the last one's :class:`CycleStats`.
+
+    Args:
+        fence / plans / memory / transport: the receiver's parts (one set per receiver).
+        verifier: checks every pulled box against the trainers' checksums, or ``None``.
+        replica_group: the arena is served to replicas of this group (staged only), or ``None``.
+        timeout: seconds to wait for manifests, versions and transfers (may be changed between cycles).
+    """
+
+    def __init__(self, fence: VersionFence, plans: PlanCache, memory: ReceiverMemory, transport: NixlTransport, *,
+                 verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0):
+        self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
+        self.verifier = verifier
+        self.replica_group = replica_group
+        self.timeout = timeout
+        self.stats: CycleStats | None = None
+        self._verified = (0, 0)  # (checked bytes, checked boxes) of the last cycle
+        self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The transport's counters and ``plans_built``."""
+        return {**self.transport.counters, "plans_built": self.plans.plans_built}
+
+    def _setup_count(self) -> tuple[int, int, int]:
+        """Plans built, transfer requests and registrations so far: a cycle that changes them is cold."""
+        return self.plans.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"]
+
+    @contextlib.contextmanager
+    def naming_the_job(self, version: int | None, streamed: bool = False) -> Iterator[None]:
+        """A failed transfer names this receiver's job, rendezvous and version, and what to do."""
+        try:
+            yield
+        except TransferError as exc:
+            raise TransferError(
+                f"{self.fence.where()}, pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
+                "have died or re-registered its memory: check that process, restart it if needed, then refit "
+                "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
+                             "refit completes" if streamed else "nothing pulled in this attempt was handed over")
+            ) from exc
+
+    def _plan(self, start: FenceStart, lap: Callable[[str], None]) -> Plan:
+        """The cycle's plan, its memory allocated (a new plan, or memory released), the manifests
+        checked against it (and the checksums' cover), the ranks connected."""
+        plan, new = self.plans.plan_for(start.manifests)
+        if new or not self.memory.holds:  # release() freed the memory of the current plan: allocate again
+            self.memory.allocate(plan, start.manifests)
+        self.plans.check_manifests(plan, start.manifests)
+        if self.verifier is not None:  # every box covered by a published sum, before a byte moves
+            self.verifier.require(plan, start.manifests)
+        lap("plan")
+        self.transport.connect(start.manifests, start.metadata)
+        return plan
+
+    # ---- staged ----------------------------------------------------------------
+    def staged(self, version: int | None, retries: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """A staged cycle: pulled (again, up to ``retries`` times, while a rank wrote during the
+        pull) and fenced whole, then every target yielded as a view of the arena.
+
+        Raises:
+            StaleVersionError: still rejected after ``retries`` pulls, or not retryable.
+            (and what the fence, plan cache, memory and transport raise)"""
+        attempt = 0
+        while True:
+            try:
+                plan, prepared, got, seconds, cold = self._pull(version)
+                break
+            except StaleVersionError as exc:
+                if not exc.retryable or attempt >= retries:
+                    raise
+                attempt += 1
+        if self.replica_group is not None:  # the arena holds version `got` whole: serve it
+            publish_arena(self.fence.rendezvous, self.replica_group, self.fence.name, self.memory.arenas,
+                          self.memory.layout, got, self.transport.nixl.metadata)
+            self._bump_replica_seq()
+            self._serving = False
+        model_bytes, arena_bytes = self.memory.sizes
+        self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
+                                arena_bytes, prepared.scratch_bytes, prepared.descriptors, attempt,
+                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._verified[0],
+                                checked_boxes=self._verified[1], ipc_bytes=prepared.ipc_bytes,
+                                ipc_ranks=len(self.transport.ipc.ranks))
+        staging = plan.staging
+        for ref, tensor in self.memory.buffers.items():
+            if ref not in staging:
+                yield ref.name, tensor
+
+    def _bump_replica_seq(self) -> None:
+        """Move the arena's seqlock counter for the replicas (odd: being rewritten)."""
+        rdzv = self.fence.rendezvous
+        rdzv.store.add(rdzv.prefix + arena_key("seq", self.replica_group, self.fence.name), 1)
+
+    def _pull(self, version: int | None) -> tuple[Plan, object, int, dict[str, float], bool]:
+        """One attempt: discover, fence, plan, pull into the arena, re-check (raises
+        StaleVersionError, ``retryable`` where a new attempt can succeed)."""
+        lap = Laps()
+        seconds = lap.seconds
+        before = self._setup_count()
+        start = self.fence.start(version, self.timeout, lap)
+        with gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
+            plan = self._plan(start, lap)
+            prepared = self.transport.prepare(plan, start.manifests, self.memory.buffers)
+            lap("prepare")
+        if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
+            self._bump_replica_seq()
+            self._serving = True
+        self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
+        with self.naming_the_job(version):
+            self.transport.execute(prepared, self.memory.buffers, timeout=self.timeout)
+            if self.verifier is not None:
+                self.verifier.pull(start.manifests, self.timeout)
+        quant_s = self._after_pull(plan)
+        lap("pull")
+        seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
+        if plan.quantize:
+            seconds["pull.quantize"] = quant_s
+        self.fence.end(start)
+        lap("fence")
+        if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
+            self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
+            lap("verify")
+        cold = before != self._setup_count()
+        return plan, prepared, start.version, seconds, cold
+
+    def _after_pull(self, plan: Plan) -> float:
+        """The receiver-side steps of a staged pull: FP8 blocks that straddle trainer shards
+        (one launch on a GPU) and value steps (vLLM's Mamba A = -exp(A_log)); their seconds."""
+        t_quant = time.perf_counter()
+        buffers = self.memory.buffers
+        if plan.quantize:
+            self.memory.quantizer(plan)()
+        for t in plan.transforms:
+            run_value_step(t, buffers[t.staging], buffers[t.target])
+        if plan.quantize and self.memory.device.type == "cuda":
+            torch.cuda.synchronize(self.memory.device)
+        return time.perf_counter() - t_quant
+
+    # ---- streamed --------------------------------------------------------------
+    def streamed(self, version: int | None, torn: list[TornUpdateError] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A streamed cycle (``memory_budget``): each group is pulled into the ring and its
+        tensors handed over before the next group is pulled; the versions and update sequences
+        are checked again after the last group. ``torn``: a torn cycle is appended there and
+        the iterator ends normally (the consumer finishes its install, e.g. vLLM's reload)
+        instead of raising.
+
+        Raises:
+            TornUpdateError: a rank moved on or wrote during the cycle, after tensors were handed over.
+            (and what the staged cycle raises before the first tensor)"""
+        lap = Laps()
+        before = self._setup_count()
+        start = self.fence.start(version, self.timeout, lap)
+        with gc_paused(), plan_threads():
+            plan = self._plan(start, lap)
+            prepared = self.memory.prepare_stream(plan, start.manifests)
+            stream = self.memory.stream
+            assert stream is not None
+            lap("prepare")
+        cold = before != self._setup_count()
+        self._verified = (0, 0)
+        check = None
+        if self.verifier is not None:
+            self.verifier.pull(start.manifests, self.timeout)
+            check = functools.partial(self._check_group, start)
+        with self.naming_the_job(version, streamed=True):
+            lap.seconds["pull"] = yield from self._stream_groups(stream, prepared, check)
+        lap.restart()
+        error = self.fence.torn(start, len(stream.groups))
+        if error is not None:
+            if torn is None:
+                raise error
+            torn.append(error)
+            return
+        lap("fence")
+        self.stats = self._streamed_stats(plan, stream, prepared, start.version, cold, lap.seconds)
+
+    def _streamed_stats(self, plan: Plan, stream: StreamRing, prepared: list, got: int, cold: bool,
+                        seconds: dict[str, float]) -> CycleStats:
+        scratch = self.transport.scratch_allocated
+        model_bytes = sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
+                          if r not in plan.staging)
+        return CycleStats(got, cold, seconds, plan.nbytes, model_bytes, sum(p.wire_bytes for p in prepared),
+                          dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
+                          install="streamed", peak_extra_bytes=stream.nbytes + scratch,
+                          groups=len(stream.groups), checked_bytes=self._verified[0],
+                          checked_boxes=self._verified[1], direct_bytes=self.memory.direct_bytes(),
+                          ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks))
+
+    def _finish_group(self, k: int) -> None:
+        """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),
+        run its receiver-side FP8 steps, and wait for them on a GPU."""
+        stream = self.memory.stream
+        assert stream is not None
+        group, bufs = stream.groups[k], stream.buffers[k]
+        for ref, meta in group.plan.targets.items():
+            for box in meta.zero_fill:
+                bufs[ref][box.slices()].zero_()
+        for t in group.plan.transforms:
+            run_value_step(t, bufs[t.staging], bufs[t.target])
+        if not group.plan.quantize:
+            return
+        self.memory.group_quantizer(k)()
+        if self.memory.device.type == "cuda":
+            torch.cuda.synchronize(self.memory.device)
+
+    def _land(self, k: int, flight: InFlight | None, prepared: list) -> None:
+        """Group ``k`` in the ring, finished: its READs (posted by ``flight``, else now) waited
+        for, its zero fills and FP8 steps run."""
+        if flight is None:
+            self.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
+            flight = self.transport.start(prepared[k])
+        self.transport.wait(flight, timeout=self.timeout)
+        self._finish_group(k)
+
+    def _check_group(self, start: FenceStart, k: int) -> bool:
+        """Verify streamed group ``k`` against the checksums; ``False`` (stop checking: the
+        end fence reports the cycle torn) when a mismatch comes from a rank that wrote.
+
+        Raises:
+            ChecksumMismatchError: group 0 differs (nothing handed over yet).
+            TornUpdateError: a later group differs, and no rank wrote (not retried)."""
+        stream = self.memory.stream
+        assert stream is not None and self.verifier is not None
+        try:
+            checked, boxes = self.verifier.verify(stream.groups[k].plan, stream.buffers[k], start.manifests,
+                                                  start.version)
+        except ChecksumMismatchError as exc:
+            if self.fence.torn(start, k) is not None:
+                return False
+            if k == 0:
+                raise
+            raise TornUpdateError(f"{exc}; {k} earlier group(s) were already handed over, so the consumer holds a mix of "
+                                  "versions: it must not serve until a refit cycle completes", retryable=False) from exc
+        self._verified = (self._verified[0] + checked, self._verified[1] + boxes)
+        return True
+
+    def _stream_groups(self, stream: StreamRing, prepared: list, check: Callable[[int], bool] | None = None
+                       ) -> Generator[tuple[str, torch.Tensor], None, float]:
+        """Hand over each group's tensors in turn; group ``k + 1``'s READs are posted before
+        group ``k`` is handed over when their ring bytes differ (they move while the consumer
+        installs group ``k``), else after. Returns the seconds spent pulling (waiting for
+        READs, placing, FP8 steps), not installing."""
+        pull_s, flight = 0.0, None
+        groups = stream.groups
+        try:
+            for k, (group, bufs) in enumerate(zip(groups, stream.buffers)):
+                t_pull = time.perf_counter()
+                self._land(k, flight, prepared)
+                flight = None
+                if check is not None and not check(k):
+                    check = None
+                if k + 1 < len(groups) and not groups[k + 1].overlaps(group):
+                    self.memory.wait_consumer()  # group k + 1 lands where group k - 1 was: its copies must be done
+                    flight = self.transport.start(prepared[k + 1])
+                pull_s += time.perf_counter() - t_pull
+                for ref, tensor in bufs.items():
+                    if ref not in group.plan.staging and ref not in stream.direct:
+                        yield ref.name, tensor  # valid until the next item is requested
+        finally:
+            if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
+                with contextlib.suppress(MegarefitError):
+                    self.transport.wait(flight, timeout=self.timeout)
+        return pull_s
+
+
+__all__ = ["CyclePipeline"]

@@ -1,0 +1,150 @@
+"""A receiver's plans: one per trainer layout and placement, built once, checked against manifests.
+
+Planning reads only shapes (the manifests' dims, layout, dtype and FP8 format) and what the
+receiver pulls (a vLLM worker's :class:`~megarefit.targets.VllmTarget`, or full HF tensors:
+``part`` and ``experts``); it never touches memory or the wire::
+
+    key = (dims, layout, dtype, FP8 format, target, part)
+    same as the current plan's           -> the current plan               (not new)
+    seen before (EPLB moved experts back) -> that plan, no planning again  (new)
+    else                                  -> planned, cached               (new, plans_built + 1)
+
+Each cycle's manifests are checked against the plan (every tensor the plan reads is
+published with its shape, dtype and bytes), again only when their memory digests change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megarefit.errors import LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
+from megarefit.layout import RankCoord
+from megarefit.plan import Plan
+from megarefit.planner import plan_megatron_to_hf
+from megarefit.planner.megatron_to_hf import ModelPart
+from megarefit.quant.fp8 import Fp8Format
+from megarefit.quant.planning import plan_fp8
+from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+from megarefit.transport.execute import torch_dtype
+from megarefit.transport.manifest import Manifest
+
+
+def _common(manifests: dict[RankCoord, Manifest]) -> Manifest:
+    """The first rank's manifest, once every rank agrees with it on dims, layout and quantization.
+
+    Raises:
+        LayoutError: a rank disagrees (names both ranks and the values)."""
+    first = manifests[min(manifests)]
+    for rank, m in manifests.items():
+        if m.dims != first.dims or m.layout != first.layout:
+            raise LayoutError(f"rank {rank} publishes dims/layout {m.layout.to_dict()} that differ from rank "
+                              f"{first.rank}'s {first.layout.to_dict()}")
+        if m.quantization != first.quantization:
+            raise LayoutError(f"rank {rank} publishes quantization {m.quantization}, rank {first.rank} "
+                              f"{first.quantization}")
+    return first
+
+
+class PlanCache:
+    """The plans of one receiver (see the module docstring).
+
+    Args:
+        target: the vLLM worker whose shards are pulled, or ``None`` (full HF tensors).
+        part: which full HF tensors (``"all"``, ``"model"``, ``"draft"``; ``"all"`` with a target).
+        experts: the global routed experts pulled (full HF tensors only); ``None``: all.
+        hf_planner: plans full HF tensors (``plan_megatron_to_hf``'s signature).
+    """
+
+    def __init__(self, target: VllmTarget | None, part: ModelPart = "all", experts: frozenset[int] | None = None,
+                 hf_planner: Callable[..., Plan] = plan_megatron_to_hf):
+        self.target = target
+        self.part: ModelPart = part
+        self.experts = experts
+        self.plans_built = 0
+        self._hf_planner = hf_planner
+        self._plan: Plan | None = None
+        self._fmt: Fp8Format | None = None
+        self._plans: dict[tuple, Plan] = {}  # per (dims, layout, dtype, FP8 format, vLLM target): placements seen
+        self._checked: tuple[str, ...] = ()  # the memory digests the current plan was checked against
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current plan (the last cycle's), or ``None`` before the first or after :meth:`invalidate`."""
+        return self._plan
+
+    def invalidate(self) -> None:
+        """The next :meth:`plan_for` returns its plan as new (from the cache if seen before)."""
+        self._plan = None
+
+    def follow(self, target: VllmTarget) -> bool:
+        """Plan for ``target`` from the next cycle on; returns whether it changed.
+
+        Raises:
+            MegarefitError: this cache plans full HF tensors (no vLLM target to follow)."""
+        if self.target is None:
+            raise MegarefitError("this receiver pulls full HF tensors: it has no vLLM target to change")
+        if target == self.target:
+            return False
+        self.target = target
+        self._plan = None  # the next cycle plans this placement (or takes its plan from self._plans)
+        return True
+
+    def plan_for(self, manifests: dict[RankCoord, Manifest]) -> tuple[Plan, bool]:
+        """The plan for the layout the ranks publish, and whether it is new (not the current plan).
+
+        Raises:
+            LayoutError: the ranks disagree on dims, layout or quantization."""
+        first = _common(manifests)
+        dtype = first.model_dtype  # per-tensor dtypes (fp32 router bias, float8 shards) checked by check_manifests
+        fmt = None if first.quantization is None else Fp8Format(*first.quantization)
+        plan = self._plan
+        if plan is not None and (plan.dims, plan.layout, plan.dtype, self._fmt) == (first.dims, first.layout, dtype,
+                                                                                   fmt):
+            return plan, False
+        key = (first.dims, first.layout, dtype, fmt, self.target, self.part)
+        cached = self._plans.get(key)  # a placement seen before (EPLB moves experts back and forth)
+        if cached is not None:
+            plan = cached
+        elif self.target is not None:
+            plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
+        else:
+            plan = self._hf_planner(first.dims, first.layout, dtype, self.experts, part=self.part)
+            if fmt is not None:
+                plan = plan_fp8(plan, fmt)
+        if cached is None:
+            self._plans[key] = plan
+            self.plans_built += 1
+        self._fmt = fmt
+        self._plan = plan
+        self._checked = ()
+        return plan, True
+
+    def check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
+        """Every source tensor ``plan`` reads is published with its shape, dtype and bytes
+        (checked again only when a rank's memory digest changes).
+
+        Raises:
+            MissingParameterError: a rank does not publish a tensor the plan reads (names both).
+            ShapeMismatchError: a rank publishes it with another shape, dtype or byte count."""
+        key = tuple(manifests[r].memory_digest for r in sorted(manifests))
+        if key == self._checked:
+            return
+        entries = {r: m.by_name() for r, m in manifests.items()}
+        read = {op.src for op in plan.ops}
+        for ref, meta in plan.sources.items():
+            if ref not in read:
+                continue  # e.g. experts another receiver owns
+            entry = entries[ref.rank].get(ref.name)
+            if entry is None:
+                raise MissingParameterError(f"trainer rank {ref.rank} does not publish {ref.name} "
+                                            f"(agent {manifests[ref.rank].agent!r})")
+            if tuple(entry.shape) != (meta.storage_shape or meta.shape) or entry.dtype != meta.dtype:
+                raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {ref.name} as {entry.dtype} "
+                                         f"{tuple(entry.shape)}, plan expects {meta.dtype} {meta.storage_shape or meta.shape}")
+            if entry.nbytes != meta.numel * torch_dtype(meta.dtype).itemsize:
+                raise ShapeMismatchError(f"trainer rank {ref.rank} publishes {entry.nbytes} bytes for {ref.name}, "
+                                         f"expected {meta.numel * torch_dtype(meta.dtype).itemsize}")
+        self._checked = key
+
+
+__all__ = ["PlanCache"]
