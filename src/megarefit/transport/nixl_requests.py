@@ -1,0 +1,427 @@
+"""Building NIXL READ requests for a plan (:class:`~megarefit.transport.nixl.NixlTransport`'s parts).
+
+* :class:`RequestBuilder`: per source rank, the direct descriptors (large runs straight into
+  their targets) and the gathered waves (small and strided runs through scratch, see
+  :mod:`~megarefit.transport.gather`), their descriptor lists and prepared READ requests;
+* :class:`Scratch`: the receiver's registered scratch for gathered runs (it only grows);
+* :class:`PreparedPlan` / :class:`SourcePulls`: the prepared requests of one plan, per source rank;
+  :func:`release_requests` releases them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from megarefit.layout import RankCoord
+from megarefit.plan import CopyOp, Plan, TensorRef
+from megarefit.transport.boxcopy import BoxCopies
+from megarefit.transport.cuda_ipc import DeviceCopies
+from megarefit.transport.gather import Piece, plan_waves
+from megarefit.transport.local import part_views
+from megarefit.transport.manifest import Manifest
+from megarefit.transport.nixl_agent import NixlAgent, TransferError, mem_type
+
+DIRECT_MIN_BYTES = 16 << 20
+"""A pull (after coalescing) smaller than this is gathered through scratch instead of
+READ into its target directly. Measured on an H200 pair (docs/benchmarks.md): a refit's
+direct READs of uneven 1-50 MB pieces ran at 0.67-0.89x of a one-descriptor READ's rate
+with a 1 MiB threshold and 0.98-0.99x with 16 MiB, and the warm cycle went from
+0.83-0.87x to 0.91-0.96x of raw NIXL on every layout tried; placing the gathered bytes is a
+device copy at ~2 TB/s."""
+MAX_DIRECT = 512
+"""At most this many direct descriptors per source rank (the largest pulls); the rest are
+gathered. Measured on an H200 pair: 1024 descriptors per trainer READ at raw speed,
+4096 at 0.5-0.7x (docs/benchmarks.md)."""
+GAP_BYTES = 256 << 10
+"""Gathered pieces of one registered region at most this far apart are read as one run."""
+SCRATCH_FRACTION = 0.05
+SCRATCH_MIN_BYTES = 64 << 20
+"""Default scratch budget: ``max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * target bytes)``,
+split over the source ranks; a rank whose gathered runs do not fit its share reads them
+in waves through two halves (ping-pong)."""
+
+
+@dataclass
+class Wave:
+    handle: Any
+    place: BoxCopies
+    nbytes: int
+    descriptors: int
+
+
+@dataclass
+class SourcePulls:
+    rank: RankCoord
+    agent: str
+    ops: list[CopyOp]
+    handle: Any = None  # the direct READs (None: everything is gathered)
+    waves: list[Wave] = field(default_factory=list)
+    descriptors: int = 0
+    wire_bytes: int = 0  # bytes the READs move (gathered runs include their gaps)
+    scratch_bytes: int = 0  # this rank's scratch (one or two halves)
+    remote: list[tuple[int, int]] = field(default_factory=list)  # every descriptor's remote (address, bytes)
+    dlists: tuple[Any, ...] = ()
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def source_run(plan: Plan, op: CopyOp) -> tuple[int, int]:
+    """Flat elements ``[first, stop)`` of the op's source that hold its source box."""
+    if op.kind == "contiguous":
+        return op.src_offset, op.src_offset + op.numel
+    strides = contiguous_strides(op.src_view or plan.sources[op.src].shape)
+    last = op.src_offset + sum((n - 1) * st for n, st in zip(op.src_box.lengths, strides))
+    return op.src_offset, last + 1
+
+
+def coalesce(items: list[tuple[tuple[int, int, int], tuple[int, int, int], int, int | None, CopyOp]]
+              ) -> list[tuple[tuple[int, int, int], tuple[int, int, int], list[CopyOp]]]:
+    """Join consecutive ``(remote, local, remote region, local region, op)`` pulls whose
+    remote and local runs both continue each other inside one registered region on each
+    side (e.g. an expert's gate, up and down pulls when the trainer's tensors and the
+    receiver's targets are laid out back to back): fewer, larger descriptors, the same
+    bytes. Region ``-1`` / ``None`` (unknown) never joins. Returns (remote, local, ops)."""
+    out: list[tuple[tuple[int, int, int], tuple[int, int, int], list[CopyOp]]] = []
+    last = (-1, None)
+    for r, l, rr, lr, op in sorted(items, key=lambda i: (i[2], i[0][0])):  # trainer memory order
+        if (out and rr >= 0 and lr is not None and (rr, lr) == last and out[-1][0][0] + out[-1][0][1] == r[0]
+                and out[-1][1][0] + out[-1][1][1] == l[0]):
+            pr, pl, ops = out[-1]
+            out[-1] = ((pr[0], pr[1] + r[1], r[2]), (pl[0], pl[1] + l[1], l[2]), ops + [op])
+        else:
+            out.append((r, l, [op]))
+        last = (rr, lr)
+    return out
+
+
+class RankLayout(NamedTuple):
+    """One source rank's pulls: direct ``(remote, local, ops)`` groups, gathered ops, their source runs."""
+
+    direct: list[tuple[tuple[int, int, int], tuple[int, int, int], list[CopyOp]]]
+    gathered: list[CopyOp]
+    pieces: list[Piece]
+    rdev: int
+
+
+def local_memory(buffers: Mapping[Any, torch.Tensor]) -> tuple[str, int]:
+    """The NIXL memory type and device id of the receiver's buffers (``("DRAM", 0)`` for none).
+
+    Raises:
+        TransferError: the buffers span several memories.
+    """
+    local_mem = {mem_type(t) for t in buffers.values()}
+    if len(local_mem) > 1:
+        raise TransferError(f"receiver buffers span memory types {sorted(local_mem)}; keep them on one device")
+    (lmem, ldev), = local_mem or {("DRAM", 0)}
+    return lmem, ldev
+
+
+def ops_by_rank(plan: Plan, manifests: Mapping[RankCoord, Manifest],
+                 skip: frozenset[RankCoord] = frozenset()) -> dict[RankCoord, SourcePulls]:
+    """The plan's ops grouped per source rank (plan order kept), one :class:`SourcePulls` each;
+    ranks in ``skip`` (read through CUDA IPC) left out."""
+    by_rank: dict[RankCoord, SourcePulls] = {}
+    for op in plan.ops:
+        rank = op.src.rank
+        assert rank is not None
+        if rank in skip:
+            continue
+        pulls = by_rank.get(rank)
+        if pulls is None:
+            pulls = by_rank[rank] = SourcePulls(rank, manifests[rank].agent, [])
+        pulls.ops.append(op)
+    return by_rank
+
+
+@dataclass
+class PreparedPlan:
+    """Prepared transfer requests for one plan against one set of source memories."""
+
+    key: tuple[str, ...]
+    per_source: list[SourcePulls]
+    local: DeviceCopies | None = None  # the ops of ranks read through CUDA IPC
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one cycle moves: every READ (each direct pull, plus each gathered run whole,
+        gaps between its pieces included) and every CUDA IPC copy."""
+        return sum(p.wire_bytes for p in self.per_source) + self.ipc_bytes
+
+    @property
+    def ipc_bytes(self) -> int:
+        """Bytes copied from ranks read through CUDA IPC."""
+        return 0 if self.local is None else self.local.nbytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Receiver scratch memory the plan uses (bytes), reused every cycle."""
+        return sum(p.scratch_bytes for p in self.per_source)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(p.descriptors for p in self.per_source)
+
+
+def describe_pulls(pulls: SourcePulls, what: str) -> str:
+    """An error text naming the peer, the trainer rank, its first ops and their byte ranges."""
+    first = ", ".join(f"{op.src.name} bytes [{op.src_byte_offset}, {op.src_byte_offset + op.nbytes})"
+                      for op in pulls.ops[:3])
+    rank = f"{pulls.rank.tp}.{pulls.rank.pp}.{pulls.rank.ep}"
+    return (f"READ from peer {pulls.agent!r} (trainer rank {rank} as tp.pp.ep) of {len(pulls.ops)} ops "
+            f"({sum(op.nbytes for op in pulls.ops)} bytes): {what}; first ops: {first}")
+
+
+def post_read(nixl: NixlAgent, pulls: SourcePulls, handle: Any) -> None:
+    """Post the prepared READ ``handle`` of ``pulls`` on ``nixl``'s agent.
+
+    Raises:
+        TransferError: the READ could not be posted (names the peer and its first tensors)."""
+    try:
+        nixl.agent.transfer(handle)
+    except Exception as exc:  # nixl raises its own error types per failure
+        raise TransferError(describe_pulls(pulls, f"could not post READ: {exc!r}")) from exc
+    nixl.counters["posts"] += 1
+
+
+def release_requests(prepared: Iterable[PreparedPlan], blocks: Iterable[tuple[Any, ...]]) -> None:
+    """Release every request and descriptor list of ``prepared`` and of the block reads ``blocks``
+    (failures ignored: the peer may be gone)."""
+    for pulls in (p for plan in prepared for p in plan.per_source):
+        for handle in (pulls.handle, *(w.handle for w in pulls.waves), *pulls.dlists):
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.release()
+    for handles in blocks:
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                handle.release()
+
+
+class Scratch:
+    """The receiver's scratch for gathered runs: one uint8 tensor registered with ``nixl``,
+    beside the target buffers; it only grows until :meth:`release`."""
+
+    def __init__(self, nixl: NixlAgent):
+        self.nixl = nixl
+        self.tensor: torch.Tensor | None = None
+
+    @property
+    def allocated(self) -> int:
+        """Bytes allocated (and registered)."""
+        return 0 if self.tensor is None else self.tensor.numel()
+
+    def release(self) -> int:
+        """Deregister and free the scratch; bytes freed."""
+        if self.tensor is None:
+            return 0
+        freed = self.tensor.numel()
+        self.nixl.deregister([self.tensor])
+        self.tensor = None
+        return freed
+
+    def ensure(self, scratch_bytes: int, device: torch.device, local: tuple[str, int],
+                        check: bool) -> None:
+        """(Re)allocate and register the scratch beside the buffers when it is too small or on
+        another device; with ``check``, it must be in the buffers' memory ``local``.
+
+        Raises:
+            TransferError: the scratch's memory differs from the buffers'.
+        """
+        if scratch_bytes and (self.tensor is None or self.tensor.numel() < scratch_bytes
+                              or self.tensor.device != device):
+            self.tensor = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)  # beside the buffers
+            self.nixl.register([self.tensor])
+        if scratch_bytes and mem_type(self.tensor) != local and check:
+            raise TransferError(f"scratch memory {mem_type(self.tensor)} differs from the buffers' {local}")
+
+
+class PullSettings(Protocol):
+    """The transport's tuning the builder reads at each prepare (callers may change it between)."""
+
+    direct_min_bytes: int
+    max_direct: int
+    gap_bytes: int
+    scratch_budget: int | None
+
+
+class RequestBuilder:
+    """Builds the prepared READ requests of plans: addresses from the manifests and the target
+    buffers, descriptors into the buffers or ``scratch``, requests on ``nixl``'s agent.
+    ``remote_name(manifest)``: the connected agent name of a source (raises if not connected)."""
+
+    def __init__(self, nixl: NixlAgent, scratch: Scratch, settings: PullSettings,
+                 remote_name: Callable[[Manifest], str]):
+        self.nixl, self.scratch, self.settings, self.remote_name = nixl, scratch, settings, remote_name
+
+    def build(self, key: tuple[str, ...], plans: Iterable[Plan], buffers: Iterable[Mapping[TensorRef, torch.Tensor]],
+              manifests: Mapping[RankCoord, Manifest], remote: Mapping[RankCoord, Manifest],
+              skip: frozenset[RankCoord], every: list[torch.Tensor]) -> list[PreparedPlan]:
+        """One :class:`PreparedPlan` per plan (its ranks in ``remote``; ``skip`` left out), all
+        sharing one scratch sized for the largest; ``every``: all target buffers (registered).
+
+        Raises:
+            TransferError: buffers on several devices, or a rank serving from several.
+        """
+        lmem, ldev = local_memory({i: t for i, t in enumerate(every)})
+        device = every[0].device if every else torch.device("cpu")
+        # pass 1: per plan and rank, the direct descriptors and the gathered waves (addresses only)
+        passes, need = [], 0
+        for plan, bufs in zip(plans, buffers):
+            by_rank = ops_by_rank(plan, remote, skip)
+            layouts = {rank: self.rank_layout(plan, pulls, manifests[rank], bufs, ldev)
+                       for rank, pulls in sorted(by_rank.items())}
+            waves_of, scratch_bytes = self.waves_per_rank(layouts, bufs)
+            passes.append((plan, bufs, by_rank, layouts, waves_of))
+            need = max(need, scratch_bytes)
+        self.scratch.ensure(need, device, (lmem, ldev), bool(every))
+        # pass 2: descriptor lists, requests and the placement of each wave
+        return [self.prepare_plan(key, *one, manifests, lmem, ldev) for one in passes]
+
+    def prepare_plan(self, key: tuple[str, ...], plan: Plan, buffers: Mapping[TensorRef, torch.Tensor],
+                       by_rank: dict[RankCoord, SourcePulls], layouts: dict[RankCoord, RankLayout],
+                       waves_of: dict[RankCoord, tuple[list, int]], manifests: Mapping[RankCoord, Manifest],
+                       lmem: str, ldev: int) -> PreparedPlan:
+        """One plan's descriptor lists, requests and wave placements (scratch from offset 0)."""
+        prepared = PreparedPlan(key, [])
+        base = 0
+        for rank, pulls in sorted(by_rank.items()):
+            waves, half = waves_of[rank]
+            remote, local, spans, places = self.descriptors(plan, layouts[rank], waves, half, base, buffers, ldev)
+            base += half * min(2, len(waves))
+            pulls.scratch_bytes = half * min(2, len(waves))
+            rmem = manifests[rank].by_name()[pulls.ops[0].src.name].mem
+            self.make_requests(pulls, manifests[rank], remote, local, spans, places, (rmem, lmem),
+                                bool(layouts[rank].direct))
+            prepared.per_source.append(pulls)
+        return prepared
+
+    def rank_layout(self, plan: Plan, pulls: SourcePulls, manifest: Manifest,
+                     buffers: Mapping[TensorRef, torch.Tensor], ldev: int) -> RankLayout:
+        """One source rank's pulls split into direct descriptors (the largest coalesced contiguous
+        runs, at most ``max_direct`` of at least ``direct_min_bytes``, in trainer order) and gathered
+        ops with their source runs as :class:`Piece` s (addresses only).
+
+        Raises:
+            TransferError: the rank serves its tensors from several memories.
+        """
+        rank = pulls.rank
+        entries = manifest.by_name()
+        remote_mem = {(entries[op.src.name].mem, entries[op.src.name].dev) for op in pulls.ops}
+        if len(remote_mem) > 1:
+            raise TransferError(f"trainer rank {rank} serves tensors from several memories {sorted(remote_mem)}; "
+                                "a rank must keep its published tensors on one device")
+        rdev = next(iter(remote_mem))[1]
+        items = []
+        for op in pulls.ops:
+            if op.kind == "contiguous":
+                r = (entries[op.src.name].addr + op.src_byte_offset, op.nbytes, rdev)
+                l_addr = buffers[op.dst].data_ptr() + op.dst_byte_offset
+                items.append((r, (l_addr, op.nbytes, ldev), entries[op.src.name].region,
+                              self.nixl.region(l_addr, op.nbytes), op))
+        groups = sorted(coalesce(items), key=lambda g: -g[0][1])
+        cut = sum(1 for g in groups[:self.settings.max_direct] if g[0][1] >= self.settings.direct_min_bytes)
+        direct = sorted(groups[:cut], key=lambda g: g[0][0])  # the largest, in trainer order
+        small = {id(op) for g in groups[cut:] for op in g[2]}
+        gathered = [op for op in pulls.ops if op.kind != "contiguous" or id(op) in small]
+        pieces = []
+        for i, op in enumerate(gathered):
+            first, stop = source_run(plan, op)
+            e = entries[op.src.name]
+            pieces.append(Piece(e.region, e.addr + first * op.itemsize, (stop - first) * op.itemsize, i))
+        return RankLayout(direct, gathered, pieces, rdev)
+
+    def waves_per_rank(self, layouts: Mapping[RankCoord, RankLayout], buffers: Mapping[TensorRef, torch.Tensor]
+                    ) -> tuple[dict[RankCoord, tuple[list, int]], int]:
+        """(rank -> (gathered waves, scratch half size), total scratch bytes): the scratch budget is
+        shared by the ranks that gather; a rank whose runs do not fit its share reads them in
+        waves through two halves."""
+        budget = self.settings.scratch_budget
+        if budget is None:
+            total = sum(b.numel() * b.element_size() for b in buffers.values())
+            budget = max(SCRATCH_MIN_BYTES, int(SCRATCH_FRACTION * total))
+        share = budget // max(1, sum(1 for v in layouts.values() if v.pieces))
+        waves_of: dict[RankCoord, tuple[list, int]] = {}  # rank -> (waves, half size)
+        scratch_bytes = 0
+        for rank, layout in layouts.items():
+            pieces = layout.pieces
+            waves = plan_waves(pieces, cap=share, gap=self.settings.gap_bytes) if pieces else []
+            if len(waves) > 1:  # does not fit in one go: two halves, reused
+                waves = plan_waves(pieces, cap=max(1, share // 2), gap=self.settings.gap_bytes)
+            half = -(-max((w.nbytes for w in waves), default=0) // 256) * 256
+            waves_of[rank] = (waves, half)
+            scratch_bytes += half * min(2, len(waves))
+        return waves_of, scratch_bytes
+
+    def descriptors(self, plan: Plan, layout: RankLayout, waves: list, half: int, base: int,
+                     buffers: Mapping[TensorRef, torch.Tensor], ldev: int
+                     ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], list[tuple[int, int]], list]:
+        """(remote descriptors, local descriptors, request spans, wave placements) of one rank:
+        its direct pulls first (one span), then each wave's runs into its scratch half (starting
+        at scratch byte ``base``), each with (copies placing the wave, bytes, descriptors)."""
+        direct, gathered, pieces, rdev = layout
+        remote = [g[0] for g in direct]
+        local = [g[1] for g in direct]
+        spans = [(0, len(remote))] if remote else []
+        places = []
+        for w, wave in enumerate(waves):
+            at = base + (w % 2) * half
+            first = len(remote)
+            pairs = []
+            for run in wave.runs:
+                remote.append((run.addr, run.nbytes, rdev))
+                local.append((self.scratch.tensor.data_ptr() + at + run.slot, run.nbytes, ldev))  # type: ignore[union-attr]
+                for i, off in run.pieces:
+                    pairs.append(self.placement(plan, gathered[i], pieces[i].nbytes, at + run.slot + off, buffers))
+            spans.append((first, len(remote)))
+            places.append((BoxCopies(pairs), wave.nbytes, len(remote) - first))
+        return remote, local, spans, places
+
+    def make_requests(self, pulls: SourcePulls, manifest: Manifest, remote: list[tuple[int, int, int]],
+                       local: list[tuple[int, int, int]], spans: list[tuple[int, int]], places: list,
+                       mems: tuple[str, str], direct: bool) -> None:
+        """Prepare the rank's remote and local descriptor lists (memory types ``mems``) and one READ
+        request per span into ``pulls``: the direct one (if ``direct``) and one per wave."""
+        rmem, lmem = mems
+        pulls.descriptors, pulls.wire_bytes = len(remote), sum(n for _, n, _ in remote)
+        pulls.remote = [(a, n) for a, n, _ in remote]
+        agent = self.nixl.agent
+        rh = agent.prep_xfer_dlist(self.remote_name(manifest), remote, rmem)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
+        pulls.dlists = (lh, rh)
+        self.nixl.counters["dlists"] += 2
+        handles = []
+        for lo, hi in spans:
+            idx = list(range(lo, hi))
+            handles.append(agent.make_prepped_xfer("READ", lh, idx, rh, idx))
+            self.nixl.counters["xfers"] += 1
+        if direct:
+            pulls.handle = handles.pop(0)
+        pulls.waves = [Wave(h, place, nbytes, n) for h, (place, nbytes, n) in zip(handles, places)]
+
+    def placement(self, plan: Plan, op: CopyOp, nbytes: int, at: int, buffers: Mapping[TensorRef, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination view, scratch view) of a gathered op whose source run starts at
+        scratch byte ``at``."""
+        assert self.scratch.tensor is not None
+        out = buffers[op.dst]
+        flat = self.scratch.tensor[at: at + nbytes].view(out.dtype)
+        if op.kind == "contiguous":
+            return out.view(-1)[op.dst_offset: op.dst_offset + op.numel], flat
+        part = flat.as_strided(op.src_box.lengths, contiguous_strides(op.src_view or plan.sources[op.src].shape))
+        return part_views(op, part, out)
+
+
+__all__ = ["DIRECT_MIN_BYTES", "GAP_BYTES", "MAX_DIRECT", "SCRATCH_FRACTION", "SCRATCH_MIN_BYTES", "PreparedPlan",
+           "PullSettings", "RankLayout", "RequestBuilder", "Scratch", "SourcePulls", "Wave", "coalesce",
+           "contiguous_strides", "describe_pulls", "local_memory", "ops_by_rank", "post_read", "release_requests", "source_run"]
