@@ -47,7 +47,9 @@ in waves through two halves (ping-pong)."""
 
 
 @dataclass
-class Wave:
+class PreparedWave:
+    """One wave of gathered runs: its READ request, the copies placing it, its bytes and descriptors."""
+
     handle: Any
     place: BoxCopies
     nbytes: int
@@ -56,11 +58,13 @@ class Wave:
 
 @dataclass
 class SourcePulls:
+    """One source rank's ops and their prepared READs (direct request, gathered waves, descriptor lists)."""
+
     rank: RankCoord
     agent: str
     ops: list[CopyOp]
     handle: Any = None  # the direct READs (None: everything is gathered)
-    waves: list[Wave] = field(default_factory=list)
+    waves: list[PreparedWave] = field(default_factory=list)
     descriptors: int = 0
     wire_bytes: int = 0  # bytes the READs move (gathered runs include their gaps)
     scratch_bytes: int = 0  # this rank's scratch (one or two halves)
@@ -407,7 +411,7 @@ class RequestBuilder:
             self.nixl.counters["xfers"] += 1
         if direct:
             pulls.handle = handles.pop(0)
-        pulls.waves = [Wave(h, place, nbytes, n) for h, (place, nbytes, n) in zip(handles, places)]
+        pulls.waves = [PreparedWave(h, place, nbytes, n) for h, (place, nbytes, n) in zip(handles, places)]
 
     def placement(self, plan: Plan, op: CopyOp, nbytes: int, at: int, buffers: Mapping[TensorRef, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,5 +427,5 @@ class RequestBuilder:
 
 
 __all__ = ["DIRECT_MIN_BYTES", "GAP_BYTES", "MAX_DIRECT", "SCRATCH_FRACTION", "SCRATCH_MIN_BYTES", "PreparedPlan",
-           "PullSettings", "RankLayout", "RequestBuilder", "Scratch", "SourcePulls", "Wave", "coalesce",
+           "PullSettings", "RankLayout", "RequestBuilder", "Scratch", "SourcePulls", "PreparedWave", "coalesce",
            "contiguous_strides", "describe_pulls", "local_memory", "ops_by_rank", "post_read", "release_requests", "source_run"]
