@@ -34,6 +34,11 @@ replayed raises :class:`RecordAuthenticationError` and nothing acts on it. Heart
 registry counters are plain store counters (the store itself admits only holders of the
 secret, and authenticates every message: :mod:`~megarefit.online.store`).
 docs/security.md says what this protects and what it does not.
+
+Parts: the record codec, the job secret and the errors are
+:mod:`~megarefit.online.rendezvous_records`; receiver registration, leases and
+acknowledgements are :mod:`~megarefit.online.rendezvous_receivers` (:class:`Rendezvous`
+delegates to both; its names stay importable from here).
 """
 
 from __future__ import annotations
