@@ -45,13 +45,14 @@ def job(rank: int, world_size: int, port: int, cases: list[TrainerCase], classif
 def mtp_layout_job(rank: int, world_size: int, port: int, configs: dict[str, dict],
                    layouts: list[tuple[int, int]]) -> dict[str, Any]:
     """Build each config with one multi-token-prediction layer at each (tp, pp); return this
-    rank's coordinate, parameter shapes and classifier problems (MTP forward needs labels,
-    so no logits)."""
+    rank's coordinate, parameter shapes, classifier problems (MTP forward needs labels,
+    so no logits) and the rank and layout ``Publisher.from_megatron`` reads."""
     from megatron.core import parallel_state as ps
 
     from megarefit.layout.classify import classify_model
     from megarefit.layout.dims import ModelDims
     from megarefit.integrations.megatron import local_named_parameters
+    from megarefit.layout.megatron_model import read_chunks
 
     out: dict[str, Any] = {}
     for key, cfg in configs.items():
@@ -64,7 +65,8 @@ def mtp_layout_job(rank: int, world_size: int, port: int, configs: dict[str, dic
                 "coord": coord,
                 "shapes": {n: tuple(t.shape) for n, t in local_named_parameters(model).items()},
                 "problems": [f"{c.name}: {c.problem}" for c in classify_model(model, dims, pp=pp, layer_spec="local")
-                             if not c.ok]}
+                             if not c.ok],
+                "read": [(tuple(c.rank), c.layout.to_dict()) for c in read_chunks(model, dims)]}  # from_megatron's
     return out
 
 

@@ -11,6 +11,8 @@ forward needs labels and transformers ignores MTP layers, so this is a layout ch
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from megarefit.demo.megatron_cpu import harness_megatron  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.specs.megatron_core import REFERENCE, MegatronCore  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
+from megarefit.layout.megatron_model import check_stated  # noqa: E402
 from megatron_jobs import mtp_layout_job  # noqa: E402
 from test_megatron_mla_glm import _config  # noqa: E402
 
@@ -57,6 +60,10 @@ def test_mtp_layout_matches_real_megatron(built, fam, tp, pp):
     for coord, got in ranks.items():
         assert got["problems"] == []
         assert got["shapes"] == {n: t.shape for n, t in want[coord].items()}, coord
+        [(rank, read)] = got["read"]  # what Publisher.from_megatron reads: this rank, the stated layout
+        read = SourceLayout.from_dict(read)
+        assert rank == coord and read.megatron.version == layout.megatron.version
+        check_stated(read, dataclasses.replace(layout, megatron=read.megatron))  # raises naming a field
     last = ranks[(0, pp - 1, 0)]["shapes"]
     assert "mtp.layers.0.eh_proj.weight" in last and last["mtp.layers.0.eh_proj.weight"] == (64 // tp, 128)
     assert "embedding.word_embeddings.weight" in last  # PP=2: the MTP block keeps its own synced copy
