@@ -263,7 +263,7 @@ def _fitting_budget(served, plan) -> int:
 def test_memory_ring_within_its_budget_and_release_returns_the_bytes_it_frees(served):
     manifests = _manifests(served)
     plan, _ = PlanCache(None).plan_for(manifests)
-    budget = 4 * _fitting_budget(served, plan)  # room for the scratch the gathered pulls need
+    budget = _fitting_budget(served, plan)  # the budget named: room for the scratch the gathered pulls need too
     transport = _transport("ring")
     memory = ReceiverMemory(transport, CPU, budget)
     memory.allocate(plan, manifests)
@@ -271,7 +271,9 @@ def test_memory_ring_within_its_budget_and_release_returns_the_bytes_it_frees(se
     assert stream is not None and not memory.buffers and len(stream.groups) > 2
     assert [ref.name for g in stream.groups for ref in g.plan.targets] == [ref.name for ref in plan.targets]
     assert {ref.name for ref in plan.targets} == served.hf.keys()  # every target once, in plan order
-    assert not any(a.overlaps(b) for a, b in zip(stream.groups, stream.groups[1:]))
+    # consecutive groups share ring bytes only where the ring cannot hold both (a ring of about one layer)
+    assert all(not a.overlaps(b) or a.nbytes + b.nbytes > stream.nbytes
+               for a, b in zip(stream.groups, stream.groups[1:]))
     transport.connect(manifests, _metadata(served))
     prepared = memory.prepare_stream(plan, manifests)
     assert len(prepared) == len(stream.groups) and memory.stream.budget == budget
@@ -336,7 +338,7 @@ def test_pipeline_staged_cycle_pulls_again_after_a_write_and_gives_up_past_its_r
 
 def test_pipeline_streamed_cycle_hands_groups_over_and_reports_a_torn_one(served):
     plan, _ = PlanCache(None).plan_for(_manifests(served))
-    budget = 4 * _fitting_budget(served, plan)
+    budget = _fitting_budget(served, plan)
     pipe = _pipeline(served, "streamed", memory_budget=budget)
     v = _publish_all(served)
     got = {n: t.clone() for n, t in pipe.streamed(v)}

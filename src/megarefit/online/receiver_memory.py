@@ -29,6 +29,7 @@ from megarefit.online.stream import (
     StreamGroup,
     budget_for,
     default_memory_budget,
+    ring_needed,
     stream_groups,
 )
 from megarefit.plan import Plan, TensorRef, digest_of
@@ -37,6 +38,7 @@ from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import DIRECT_MIN_BYTES, NixlTransport
+from megarefit.transport.nixl_requests import GatherSizes
 
 
 @dataclass
@@ -173,12 +175,14 @@ class ReceiverMemory:
         scratch budget READ straight into the ring (no scratch).
 
         Raises:
-            MemoryBudgetError: the largest layer does not fit the ring (says which budget would)."""
+            MemoryBudgetError: the largest layer does not fit the ring (names a budget a streamed
+                refit completes with, the scratch its gathered pulls can need included: see
+                :meth:`fitting_budget`)."""
         self.arenas, self.buffers = {}, {}
         budget = default_memory_budget(plan) if self.memory_budget == "auto" else int(self.memory_budget)
         if self._scratch_given is None:
             self.transport.scratch_budget = budget // SCRATCH_SHARE
-        self.transport.direct_min_bytes = min(DIRECT_MIN_BYTES, max(ALIGN, self.transport.scratch_budget // 4))
+        self.transport.direct_min_bytes = _direct_min(self.transport.scratch_budget)
         scratch = self.transport.scratch_budget if scratch is None else scratch
         ring_bytes = (budget - scratch) // ALIGN * ALIGN
         direct = self.direct_refs(plan)
@@ -189,7 +193,7 @@ class ReceiverMemory:
             need = exc.ring_bytes_needed
             raise MemoryBudgetError(f"{exc}: memory_budget={budget} (a ring of {ring_bytes} bytes beside "
                                     f"{scratch} bytes of scratch) is too small; use memory_budget >= "
-                                    f"{max(budget_for(need), need + scratch + ALIGN)}, 'auto', or None "
+                                    f"{self.fitting_budget(plan, need, scratch)}, 'auto', or None "
                                     "for a staged refit", need) from None
         if self.stream is not None:  # a new plan or a re-cut ring: the old ring goes
             self.transport.release([self.stream.ring])
@@ -202,23 +206,52 @@ class ReceiverMemory:
     def prepare_stream(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> list:
         """The groups' prepared READs, with the ring and the scratch together within the budget: a
         gathered run that cannot be split may need more scratch than its share of the budget; then
-        the ring is cut again, smaller (once per plan: prepared requests are cached).
+        the ring is cut again, smaller, beside the scratch measured, and if the new groups need more
+        again, beside the most any groups can need (:meth:`scratch_bound`); once per plan: prepared
+        requests are cached.
 
         Raises:
-            MemoryBudgetError: the scratch the pulls need leaves no room for the largest layer."""
+            MemoryBudgetError: the scratch the pulls need leaves no room for the largest layer
+                (names a budget that fits, as :meth:`ring_for`)."""
         stream = self.stream
         assert stream is not None
-        for _ in range(3):
+        for attempt in range(3):
             prepared = self.transport.prepare_groups([g.plan for g in stream.groups], manifests, stream.buffers)
             scratch = self.transport.scratch_allocated
             if stream.nbytes + scratch <= stream.budget:
                 return prepared
             if scratch >= stream.budget:
                 break
+            if attempt:  # the new groups' pulls need more again: cut for the most any groups can need, if it fits
+                most = max(scratch, self.scratch_bound(GatherSizes.of(plan, stream.direct), stream.budget))
+                if (stream.budget - most) // ALIGN * ALIGN >= ring_needed(plan, stream.direct):
+                    scratch = most
             self.stream = stream = self.ring_for(plan, scratch)
+        fits = self.fitting_budget(plan, ring_needed(plan, stream.direct), scratch)
         raise MemoryBudgetError(f"memory_budget={stream.budget}: the gathered pulls need {scratch} bytes of scratch "
-                                f"beside a ring of {stream.nbytes} bytes; use a larger memory_budget, "
+                                f"beside a ring of {stream.nbytes} bytes; use memory_budget >= {fits}, "
                                 "'auto', or None for a staged refit")
+
+    def scratch_bound(self, sizes: GatherSizes, budget: int) -> int:
+        """The most scratch (bytes) the gathered pulls of any groups of the plan of ``sizes`` can
+        need under memory budget ``budget`` (its scratch budget and direct-READ threshold)."""
+        scratch_budget = budget // SCRATCH_SHARE if self._scratch_given is None else self._scratch_given
+        return sizes.scratch_bound(scratch_budget, direct_min_bytes=_direct_min(scratch_budget),
+                                   max_direct=self.transport.max_direct, ring_bytes=budget)
+
+    def fitting_budget(self, plan: Plan, need: int, scratch: int = 0) -> int:
+        """A memory budget (bytes) a streamed refit of ``plan`` completes with: its first ring
+        holds ``need`` bytes (the largest layer) beside the scratch budget, and so does a ring cut
+        again beside ``scratch`` or beside the most scratch the gathered pulls can need at that
+        budget (:meth:`scratch_bound`, which grows with the budget: the budget is raised step by
+        step, from the least that holds the layer, until it holds both)."""
+        sizes = GatherSizes.of(plan, self.direct_refs(plan))
+        budget = max(budget_for(need), need + max(scratch, self._scratch_given or 0) + ALIGN)
+        while True:  # non-decreasing, bounded: the bound grows by about 1/8 of the budget's growth
+            fits = max(budget, need + self.scratch_bound(sizes, budget) + ALIGN)
+            if fits == budget:
+                return budget
+            budget = fits
 
     def arena_for(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
         """Allocate the arena (per dtype) holding every target, laid out in trainer order."""
@@ -246,6 +279,12 @@ class ReceiverMemory:
         for ref, meta in plan.targets.items():
             for box in meta.zero_fill:  # never pulled (vLLM vocab padding rows): zero once
                 self.buffers[ref][box.slices()].zero_()
+
+
+def _direct_min(scratch_budget: int) -> int:
+    """A streamed receiver's direct-READ threshold: contiguous pulls of at least a quarter of its
+    scratch budget READ straight into the ring (at most :data:`DIRECT_MIN_BYTES`)."""
+    return min(DIRECT_MIN_BYTES, max(ALIGN, scratch_budget // 4))
 
 
 def _trainer_order(plan: Plan, manifests: dict[RankCoord, Manifest]):

@@ -76,6 +76,18 @@ def layer_runs(plan: Plan) -> list[tuple[int | None, list[TensorRef]]]:
     return runs
 
 
+def _sized_runs(plan: Plan, direct: frozenset[TensorRef]) -> list[tuple[int | None, list[TensorRef], int]]:
+    """:func:`layer_runs` with each run's ring bytes (``direct`` targets take none)."""
+    return [(layer, refs, sum(target_bytes(plan, r) for r in refs if r not in direct))
+            for layer, refs in layer_runs(plan)]
+
+
+def ring_needed(plan: Plan, direct: frozenset[TensorRef] = frozenset()) -> int:
+    """The ring bytes of the plan's largest layer (or of its tensors outside the layers), the
+    smallest ring :func:`stream_groups` accepts; ``direct`` targets take none."""
+    return max(run[2] for run in _sized_runs(plan, direct))
+
+
 def budget_for(ring_bytes: int) -> int:
     """The smallest memory budget whose ring holds ``ring_bytes`` once its scratch share
     (1/:data:`SCRATCH_SHARE`) is set aside (bytes)."""
@@ -159,7 +171,7 @@ def stream_groups(plan: Plan, ring_bytes: int, direct: frozenset[TensorRef] = fr
     def size(ref: TensorRef) -> int:
         return 0 if ref in direct else target_bytes(plan, ref)
 
-    runs = [(layer, refs, sum(size(r) for r in refs)) for layer, refs in layer_runs(plan)]
+    runs = _sized_runs(plan, direct)
     layer, refs, need = max(runs, key=lambda run: run[2])
     if need > ring_bytes:  # the largest names the budget that fits every run
         what = "the tensors outside the layers" if layer is None else f"layer {layer}"
@@ -182,4 +194,4 @@ def stream_groups(plan: Plan, ring_bytes: int, direct: frozenset[TensorRef] = fr
 
 
 __all__ = ["ALIGN", "SCRATCH_SHARE", "GiB", "MemoryBudgetError", "StreamGroup", "budget_for", "default_memory_budget",
-           "layer_of", "layer_runs", "stream_groups", "target_bytes"]
+           "layer_of", "layer_runs", "ring_needed", "stream_groups", "target_bytes"]

@@ -5,11 +5,14 @@
   :mod:`~megarefit.transport.gather`), their descriptor lists and prepared READ requests;
 * :class:`Scratch`: the receiver's registered scratch for gathered runs (it only grows);
 * :class:`PreparedPlan` / :class:`SourcePulls`: the prepared requests of one plan, per source rank;
-  :func:`release_requests` releases them.
+  :func:`release_requests` releases them;
+* :class:`GatherSizes`: the most scratch preparing a plan (or any group cut from it) can take,
+  known from the plan alone (no addresses), so that a memory budget can allow for it.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -210,6 +213,71 @@ def release_requests(prepared: Iterable[PreparedPlan], blocks: Iterable[tuple[An
         for handle in handles:
             with contextlib.suppress(Exception):
                 handle.release()
+
+
+def _half(cap: int, piece: int) -> int:
+    """Bytes of one scratch half whose waves are packed to ``cap`` bytes, when no gathered piece
+    is larger than ``piece`` (a run is at most ``max(cap, piece)`` bytes, placed up to 15 bytes
+    into its slot; halves are rounded up to 256 bytes)."""
+    return -(-(max(cap, piece) + 15) // 256) * 256
+
+
+@dataclass(frozen=True)
+class GatherSizes:
+    """Per source rank of one plan, the bytes of the pieces a prepare may gather through scratch
+    (addresses unknown): the largest strided op's source run, every contiguous op's bytes
+    (sorted), and how many contiguous ops write ``direct`` targets (the consumer's own tensors,
+    not the ring). :meth:`scratch_bound` mirrors :meth:`RequestBuilder.waves_per_rank`."""
+
+    strided: dict[RankCoord, int]
+    contiguous: dict[RankCoord, list[int]]
+    direct_ops: dict[RankCoord, int]
+
+    @classmethod
+    def of(cls, plan: Plan, direct: frozenset[TensorRef] = frozenset()) -> GatherSizes:
+        strided: dict[RankCoord, int] = {}
+        contiguous: dict[RankCoord, list[int]] = {}
+        direct_ops: dict[RankCoord, int] = {}
+        for op in plan.ops:
+            rank = op.src.rank
+            assert rank is not None
+            if op.kind == "contiguous":
+                contiguous.setdefault(rank, []).append(op.nbytes)
+                direct_ops[rank] = direct_ops.get(rank, 0) + (op.dst in direct)
+            else:
+                first, stop = source_run(plan, op)
+                strided[rank] = max(strided.get(rank, 0), (stop - first) * op.itemsize)
+        return cls(strided, {rank: sorted(sizes) for rank, sizes in contiguous.items()}, direct_ops)
+
+    def largest_piece(self, rank: RankCoord, direct_min_bytes: int, max_direct: int, ring_bytes: int) -> int:
+        """The largest piece ``rank`` may gather (bytes; 0: none). A contiguous op of at least
+        ``direct_min_bytes`` is READ directly unless the rank may have more than ``max_direct``
+        coalesced runs that large: each holds such an op or that many bytes of smaller ones, and
+        each lands in ``direct_min_bytes`` of a ring of ``ring_bytes`` or holds a direct target's op."""
+        sizes = self.contiguous.get(rank, [])
+        small = bisect.bisect_left(sizes, direct_min_bytes)
+        dmin = max(1, direct_min_bytes)
+        large_runs = min(len(sizes) - small + sum(sizes[:small]) // dmin,
+                         ring_bytes // dmin + self.direct_ops.get(rank, 0))
+        gathered = sizes[small - 1] if small else 0
+        if large_runs > max_direct:
+            gathered = sizes[-1]
+        return max(self.strided.get(rank, 0), gathered)
+
+    def scratch_bound(self, scratch_budget: int, *, direct_min_bytes: int, max_direct: int, ring_bytes: int) -> int:
+        """The most scratch (bytes) preparing the plan, or any sub-plan of its ops (a streamed
+        refit's group) in a ring of at most ``ring_bytes``, allocates with these settings: the
+        ranks that gather share ``scratch_budget``; each reads its pieces in one wave of its share
+        or in waves through two halves of half its share, a piece larger than that being a wave
+        of its own."""
+        ranks = self.strided.keys() | self.contiguous.keys()
+        pieces = sorted((p for rank in ranks if (p := self.largest_piece(rank, direct_min_bytes, max_direct,
+                                                                         ring_bytes))), reverse=True)
+        most = 0
+        for n in range(1, len(pieces) + 1):  # n ranks gather in a group: those with the largest pieces, at most
+            share = scratch_budget // n
+            most = max(most, sum(max(_half(share, p), 2 * _half(max(1, share // 2), p)) for p in pieces[:n]))
+        return most
 
 
 class Scratch:
@@ -426,6 +494,7 @@ class RequestBuilder:
         return part_views(op, part, out)
 
 
-__all__ = ["DIRECT_MIN_BYTES", "GAP_BYTES", "MAX_DIRECT", "SCRATCH_FRACTION", "SCRATCH_MIN_BYTES", "PreparedPlan",
-           "PullSettings", "RankLayout", "RequestBuilder", "Scratch", "SourcePulls", "PreparedWave", "coalesce",
-           "contiguous_strides", "describe_pulls", "local_memory", "ops_by_rank", "post_read", "release_requests", "source_run"]
+__all__ = ["DIRECT_MIN_BYTES", "GAP_BYTES", "MAX_DIRECT", "SCRATCH_FRACTION", "SCRATCH_MIN_BYTES", "GatherSizes",
+           "PreparedPlan", "PullSettings", "RankLayout", "RequestBuilder", "Scratch", "SourcePulls", "PreparedWave",
+           "coalesce", "contiguous_strides", "describe_pulls", "local_memory", "ops_by_rank", "post_read",
+           "release_requests", "source_run"]
