@@ -71,6 +71,17 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
                                           Float16Module(model.config, model))
             out["wrapped-ddp"] = _read(ddp, case.cfg)
             out["wrong-hf-config"] = _read(model, {**case.cfg, "num_hidden_layers": case.cfg["num_hidden_layers"] + 2})
+            from megarefit.layout.dims import ModelDims
+            from megarefit.layout.megatron_model import check_stated, read_chunks, source_layout
+
+            read = read_chunks(model, ModelDims.from_hf_config(case.cfg))[0].layout
+            for key, stated in (("stated-right", source_layout(case.cfg, tp=2)),  # no megatron=: the version
+                                ("stated-wrong", source_layout(case.cfg, tp=1))):
+                try:
+                    check_stated(read, stated)  # what from_megatron(layout=...) does before serving
+                    out[key] = None
+                except Exception as exc:  # noqa: BLE001 - the test asserts on the message
+                    out[key] = f"{type(exc).__name__}: {exc}"
             init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)  # dp=2
             out["wrong-grid"] = _read(model, case.cfg)
             single = build_gpt_model(gpt_arch_from_hf(case.cfg, tp=1), seed=0)

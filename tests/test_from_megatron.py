@@ -30,7 +30,8 @@ from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
-from megarefit.layout.megatron_model import check_stated, source_layout  # noqa: E402
+from megarefit.errors import UnverifiedMegatronError  # noqa: E402
+from megarefit.layout.megatron_model import check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.planner import plan_megatron_to_hf  # noqa: E402
@@ -45,13 +46,14 @@ MTP = {**_config("deepseek"), "num_nextn_predict_layers": 1, "num_hidden_layers"
 CASES = [
     Case("dense-tp2", {**DENSE, "num_hidden_layers": 2}, tp=2),
     Case("moe-tp2-ep2-etp1", moe_config("Qwen3-30B-A3B"), tp=2, ep=2, etp=1),
+    Case("moe-tp2-etp1", moe_config("Qwen3-30B-A3B"), tp=2, etp=1),  # tp does not divide etp * ep: both serve
     Case("uneven-pp2", DENSE, pp=2, arch=(("first_stage_layers", 1),)),
     Case("vpp", DENSE, pp=2, vpp=2),
     Case("mtp-pp2", MTP, pp=2, arch=(("mtp_layers", 1),)),
 ]
 # the same models stated by hand
 STATED = {
-    "dense-tp2": dict(tp=2), "moe-tp2-ep2-etp1": dict(tp=2, ep=2, etp=1), "uneven-pp2": dict(pp=2, first_stage_layers=1),
+    "dense-tp2": dict(tp=2), "moe-tp2-ep2-etp1": dict(tp=2, ep=2, etp=1), "moe-tp2-etp1": dict(tp=2, etp=1), "uneven-pp2": dict(pp=2, first_stage_layers=1),
     "vpp": dict(pp=2, vpp=2), "mtp-pp2": dict(pp=2, mtp_layers=1),
 }
 JOB = "from-megatron"
@@ -130,6 +132,10 @@ def test_a_model_that_disagrees_is_refused(read):
 
 def test_a_stated_layout_that_differs_is_refused(read):
     per_rank, _ = read
+    for r in per_rank:  # stated without megatron= (the version this process imported, flags unread)
+        assert r["stated-right"] is None
+        assert r["stated-wrong"].startswith("LayoutError: the stated layout disagrees with the Megatron model: tp: "
+                                            "stated 1, the model has 2")
     got = SourceLayout.from_dict(per_rank[0]["moe-tp2-ep2-etp1"]["layouts"][0])
     stated = source_layout(_case("moe-tp2-ep2-etp1").cfg, tp=2, ep=2, megatron=got.megatron)  # etp left at tp
     with pytest.raises(LayoutError, match=r"etp: stated 2, the model has 1"):
@@ -150,3 +156,26 @@ def test_vpp_chunks_are_served_as_one_group(read):
     assert pulled.keys() == want.keys()
     for name, t in want.items():
         assert torch.equal(pulled[name], t), name
+
+
+def test_fully_sharded_wrappers_are_refused():
+    class FullyShardedDataParallel(torch.nn.Module):  # Megatron FSDP's class name; its params are sub-shards
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    with pytest.raises(LayoutError, match="FullyShardedDataParallel: fully sharded data parallelism"):
+        unwrap(FullyShardedDataParallel(torch.nn.Linear(2, 2)))
+
+
+def test_an_assumed_release_reads_an_unverified_one(monkeypatch):
+    """``$MEGAREFIT_ASSUME_MEGATRON`` reaches the record from_megatron reads (as MegatronCore.detect)."""
+    model = torch.nn.Linear(2, 2)
+    model.config = MLATransformerConfig.__new__(MLATransformerConfig)  # flags read by attribute; none set
+    real = megatron.core.__version__
+    monkeypatch.setattr(megatron.core, "__version__", "0.16.9")
+    with pytest.raises(UnverifiedMegatronError, match="0.16.9"):
+        megatron_core_of(model)
+    monkeypatch.setenv("MEGAREFIT_ASSUME_MEGATRON", real)
+    assert megatron_core_of(model).assume == real
+

@@ -29,6 +29,8 @@ Megatron is imported only inside these functions (the rest of megarefit needs no
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,7 @@ from megarefit.errors import LayoutError, UnknownParameterError
 from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.layout.parallel import RankCoord, SourceLayout, virtual_stage
 from megarefit.specs import FAMILIES
-from megarefit.specs.megatron_core import MegatronCore
+from megarefit.specs.megatron_core import ASSUME_ENV, MegatronCore
 from megarefit.specs.table import LAYER_SPECS, ExpertLayout, LayerSpec, canonical_name
 
 
@@ -53,8 +55,8 @@ class MegatronChunk:
         params: :func:`refit_tensors` of the unwrapped chunk (live tensors, Megatron's names).
         ddp: the Megatron-Core ``DistributedDataParallel`` wrapper, or ``None``.
         vp_stage: the chunk's virtual pipeline stage (``None`` without an interleaved pipeline).
-        replica: this process repeats another's shard (a data-parallel copy: expert-data-parallel
-            rank > 0), which serves it; one process per coordinate serves.
+        replica: this process repeats another's shard (a data-parallel copy, :attr:`ParallelState.replica`),
+            which serves it; one process per coordinate serves.
     """
 
     rank: RankCoord
@@ -82,9 +84,19 @@ def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     """(the Megatron model inside ``model``'s wrappers, the Megatron-Core DDP wrapper or ``None``).
 
     Follows ``.module`` through Megatron-Core ``DistributedDataParallel``, ``Float16Module`` and
-    torch's DDP until a module with a Megatron ``config`` that wraps nothing."""
+    torch's DDP until a module that wraps nothing.
+
+    Raises:
+        LayoutError: a fully sharded wrapper (Megatron FSDP, torch FSDP): its parameters are
+            shards of the TP shards, not what a rank serves."""
     ddp = None
     while isinstance(getattr(model, "module", None), torch.nn.Module):
+        name = type(model).__name__
+        if "FullyShardedDataParallel" in name or "FSDP" in name or getattr(
+                getattr(model, "ddp_config", None), "use_megatron_fsdp", False):
+            raise LayoutError(f"{name}: fully sharded data parallelism splits each rank's parameters further; "
+                              "from_megatron serves whole TP/EP shards (Megatron-Core DDP, with or without the "
+                              "distributed optimizer): gather them first, or serve from a DDP model")
         if ddp is None and hasattr(model, "ddp_config"):
             ddp = model
         model = model.module
@@ -94,7 +106,7 @@ def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
 def megatron_core_of(model: torch.nn.Module, *, assume: str | None = None) -> MegatronCore:
     """The Megatron-Core record of ``model`` (a ``GPTModel`` / ``MambaModel``, possibly wrapped): the
     imported ``megatron.core.__version__`` and the layout flags of its ``config``.
-    ``assume``: a verified version to read an unverified one as.
+    ``assume``: a verified version to read an unverified one as (default ``$MEGAREFIT_ASSUME_MEGATRON``).
 
     Raises:
         TypeError: ``model`` has no Megatron ``config``.
@@ -102,6 +114,7 @@ def megatron_core_of(model: torch.nn.Module, *, assume: str | None = None) -> Me
     """
     import megatron.core
 
+    assume = assume or os.environ.get(ASSUME_ENV) or None
     return MegatronCore.from_config(megatron.core.__version__, _config_of(unwrap(model)[0]), assume=assume)
 
 
@@ -125,7 +138,7 @@ class ParallelState:
     tp_rank: int
     pp_rank: int
     ep_rank: int
-    edp_rank: int = 0  # expert-data-parallel rank: > 0 on the data-parallel copies of a (tp, pp, ep) shard
+    dp_cp_rank: int = 0  # data-parallel rank with context parallelism (Megatron's dp-cp group)
 
     @classmethod
     def read(cls) -> ParallelState:
@@ -143,7 +156,26 @@ class ParallelState:
                    ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
                    vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
                    tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                   ep_rank=ps.get_expert_model_parallel_rank(), edp_rank=ps.get_expert_data_parallel_rank())
+                   ep_rank=ps.get_expert_model_parallel_rank(),
+                   dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True))
+
+    @property
+    def replica(self) -> bool:
+        """Whether another process holds this one's ``(tp, pp, ep)`` shard first (a data-parallel copy).
+
+        Megatron's default rank order (``tp-cp-ep-dp-pp``) puts stage-local rank
+        ``r = tp_rank + tp * dp_cp_rank`` at ``(r % tp, (r // etp) % ep)``; the pairs repeat every
+        ``lcm(tp, etp * ep)`` ranks, so the first copy of each is at ``r < lcm(tp, etp * ep)``.
+
+        Raises:
+            LayoutError: this process's tp / ep ranks are not where that order puts them.
+        """
+        r = self.tp_rank + self.tp * self.dp_cp_rank
+        if (r % self.tp, (r // self.etp) % self.ep) != (self.tp_rank, self.ep_rank):
+            raise LayoutError(f"tp rank {self.tp_rank}, ep rank {self.ep_rank} at data-parallel rank {self.dp_cp_rank}: "
+                              f"not Megatron's default rank order tp-cp-ep-dp-pp (tp={self.tp}, etp={self.etp}, "
+                              f"ep={self.ep}); from_megatron reads that order only")
+        return r >= math.lcm(self.tp, self.etp * self.ep)
 
     def check_config(self, config: Any) -> None:
         """Refuse a ``TransformerConfig`` whose parallel sizes differ from the process grid.
@@ -279,7 +311,7 @@ def read_chunk(model: torch.nn.Module, dims: ModelDims, state: ParallelState, in
     spelling, experts = _spelling(dims, layout, rank, [c for n in params if (c := canonical_name(n)) is not None])
     layout = dataclasses.replace(layout, layer_spec=spelling, expert_layout=experts)
     _check_layers(inner, layout, rank.pp)
-    return MegatronChunk(rank, layout, params, ddp, vp, replica=state.edp_rank > 0)
+    return MegatronChunk(rank, layout, params, ddp, vp, replica=state.replica)
 
 
 def read_chunks(model_or_chunks: torch.nn.Module | Sequence[torch.nn.Module], dims: ModelDims) -> list[MegatronChunk]:
@@ -338,6 +370,11 @@ def check_stated(read: SourceLayout, stated: SourceLayout | None) -> None:
     """
     if stated is None or stated == read:
         return
+    if stated.megatron.flags is None and (stated.megatron.version, stated.megatron.assume) == (
+            read.megatron.version, read.megatron.assume):
+        stated = dataclasses.replace(stated, megatron=read.megatron)  # stated without flags: the version is checked
+        if stated == read:
+            return
     fields = [f.name for f in dataclasses.fields(SourceLayout)]
     wrong = [f"{f}: stated {getattr(stated, f)!r}, the model has {getattr(read, f)!r}"
              for f in fields if getattr(stated, f) != getattr(read, f)]

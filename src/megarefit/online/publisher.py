@@ -173,10 +173,11 @@ class Publisher:
         ``quantization``, ``snapshot``, ``checksums``, ``ipc``.
 
         Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for
-        several. One process per rank coordinate serves it: on the data-parallel copies
-        (Megatron's expert-data-parallel rank > 0, which covers dense data and context parallelism)
-        the model is read and checked the same way, and an empty ``PublisherGroup`` comes back whose
-        ``publish`` / ``updating`` only mark the step (``serving`` is ``False``).
+        several. One process per rank coordinate serves it (the first in Megatron's rank order,
+        :attr:`~megarefit.layout.megatron_model.ParallelState.replica`): on its data-parallel copies
+        (data and context parallel ranks repeating a ``(tp, pp, ep)`` shard) the layout is read and
+        checked the same way, and an empty ``PublisherGroup`` comes back whose ``publish`` /
+        ``updating`` do nothing (``serving`` is ``False``).
 
         Raises:
             LayoutError: Megatron's parallel state is not initialized; config and process grid
