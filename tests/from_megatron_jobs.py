@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
+from megarefit.demo.megatron_cpu import build_gpt_model, fake_grouped_gemm, gpt_arch_from_hf, init_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Case:
 
 def _chunks(case: Case) -> list[torch.nn.Module]:
     arch = dataclasses.replace(gpt_arch_from_hf(case.cfg, tp=case.tp), **dict(case.arch))
+    if arch.moe_grouped_gemm:  # Megatron's GroupedMLP (0.16) on CPU; built, never run here
+        fake_grouped_gemm()
     if case.vpp == 1:
         return [build_gpt_model(arch, seed=0)]
     return [build_gpt_model(arch, seed=0, vp_stage=c) for c in range(case.vpp)]

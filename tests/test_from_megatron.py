@@ -31,7 +31,8 @@ from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megarefit.errors import UnverifiedMegatronError  # noqa: E402
-from megarefit.layout.megatron_model import check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
+from megarefit.demo.megatron_cpu import megatron_series  # noqa: E402
+from megarefit.layout.megatron_model import agree, check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.planner import plan_megatron_to_hf  # noqa: E402
@@ -51,10 +52,14 @@ CASES = [
     Case("vpp", DENSE, pp=2, vpp=2),
     Case("mtp-pp2", MTP, pp=2, arch=(("mtp_layers", 1),)),
 ]
+if megatron_series() < (0, 17):  # GroupedMLP (gone from 0.17): stage 0 holds the dense layer 0 only, its
+    CASES.append(Case("moe-pp2-grouped", moe_config("Qwen3-30B-A3B"), pp=2,  # names cannot tell the experts
+                      arch=(("moe_grouped_gemm", True),)))
 # the same models stated by hand
 STATED = {
     "dense-tp2": dict(tp=2), "moe-tp2-ep2-etp1": dict(tp=2, ep=2, etp=1), "moe-tp2-etp1": dict(tp=2, etp=1), "uneven-pp2": dict(pp=2, first_stage_layers=1),
     "vpp": dict(pp=2, vpp=2), "mtp-pp2": dict(pp=2, mtp_layers=1),
+    "moe-pp2-grouped": dict(pp=2, expert_layout="legacy_grouped"),
 }
 JOB = "from-megatron"
 
@@ -77,7 +82,7 @@ def _case(key: str) -> Case:
     return next(c for c in CASES if c.key == key)
 
 
-@pytest.mark.parametrize("key", list(STATED))
+@pytest.mark.parametrize("key", [c.key for c in CASES])
 def test_read_layout_is_the_stated_one(read, key):
     per_rank, _ = read
     case = _case(key)
@@ -119,7 +124,7 @@ def test_one_process_per_coordinate_serves(read):
     assert [r["dp2"]["ranks"] for r in per_rank] == [[(0, 0, 0)], [(0, 0, 0)]]
     assert [r["dp2"]["replica"] for r in per_rank] == [[False], [True]]
     assert per_rank[1]["dp2"]["publisher"] == ("PublisherGroup", False, 0)
-    assert all(r[key]["replica"] == [False] * len(r[key]["ranks"]) for r in per_rank for key in STATED)
+    assert all(r[c.key]["replica"] == [False] * len(r[c.key]["ranks"]) for r in per_rank for c in CASES)
 
 
 def test_a_model_that_disagrees_is_refused(read):
@@ -156,6 +161,17 @@ def test_vpp_chunks_are_served_as_one_group(read):
     assert pulled.keys() == want.keys()
     for name, t in want.items():
         assert torch.equal(pulled[name], t), name
+
+
+def test_stages_agree_on_what_their_names_cannot_tell():
+    """A stage of dense layers fits any expert layout, one without fused norms either layer spec:
+    the stage that can tell decides for all; two that tell differently are refused, naming them."""
+    assert agree([(0, frozenset({"local", "te"}), None), (1, frozenset({"te"}), "te_grouped")]) == ("te", "te_grouped")
+    assert agree([(0, frozenset({"local", "te"}), None)]) == ("local", "sequential")
+    with pytest.raises(LayoutError, match=r"stage 0: \['local'\] / sequential; stage 1: \['local'\] / legacy_grouped"):
+        agree([(1, frozenset({"local"}), "legacy_grouped"), (0, frozenset({"local"}), "sequential")])
+    with pytest.raises(LayoutError, match="disagree on the layer spec"):
+        agree([(0, frozenset({"local"}), None), (1, frozenset({"te"}), None)])
 
 
 def test_fully_sharded_wrappers_are_refused():

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from megarefit.errors import LayoutError, UnknownParameterError
+from megarefit.errors import LayoutError, MegarefitError, UnknownParameterError
 from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
 from megarefit.layout.parallel import RankCoord, SourceLayout, virtual_stage
 from megarefit.specs import FAMILIES
@@ -65,6 +65,8 @@ class MegatronChunk:
     ddp: Any = dataclasses.field(default=None, repr=False)
     vp_stage: int | None = None
     replica: bool = False
+    fits: frozenset[str] = frozenset(LAYER_SPECS)  # layer specs the names fit (before agree())
+    experts: str | None = None  # the expert layout the names show, if any (before agree())
 
 
 def refit_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -229,19 +231,38 @@ def stage_layers(config: Any, pp: int, vpp: int) -> tuple[int, ...]:
 
 
 def _spelling(dims: ModelDims, layout: SourceLayout, rank: RankCoord,
-              names: Sequence[str]) -> tuple[LayerSpec, ExpertLayout]:
-    """The layer spec and expert layout whose spec-table rows explain every one of ``names``
-    (the first that does; local spec and sequential experts where the names fit any)."""
+              names: Sequence[str]) -> tuple[frozenset[LayerSpec], ExpertLayout | None]:
+    """(the layer specs whose spec-table rows explain every one of ``names``, the expert layout
+    those rows name or ``None``). A chunk without fused norms fits both specs, one without routed
+    experts names no expert layout: :func:`agree` settles them with the other stages. Names that
+    fit no spec leave both open (the Publisher then names the tensor that does not fit)."""
     conds = dims.conditions(layout.pp, layout.megatron)
+    fits, experts = [], set()
     for spelling in LAYER_SPECS:
         try:
             rows = [dims.spec.match(n, conds, spelling, rank=rank).spec for n in names]
         except UnknownParameterError:
             continue
-        layouts = {r.expert_layout for r in rows if r.expert_layout is not None}
-        if len(layouts) <= 1:
-            return spelling, next(iter(layouts), layout.expert_layout)
-    return layout.layer_spec, layout.expert_layout  # the Publisher names what does not fit
+        fits.append(spelling)
+        experts |= {r.expert_layout for r in rows if r.expert_layout is not None}
+    if len(experts) > 1:
+        raise LayoutError(f"rank {rank}: parameter names of several expert layouts {sorted(experts)}")
+    return frozenset(fits or LAYER_SPECS), next(iter(experts), None)
+
+
+def agree(chunks: Sequence[tuple[int, frozenset[LayerSpec], ExpertLayout | None]]) -> tuple[LayerSpec, ExpertLayout]:
+    """The one layer spec and expert layout of every ``(stage, specs that fit, expert layout or
+    None)`` (all stages of the pipeline): where no name decides, ``"local"`` / ``"sequential"``.
+
+    Raises:
+        LayoutError: two stages' names decide differently, naming them.
+    """
+    specs = frozenset(LAYER_SPECS).intersection(*(fits for _, fits, _ in chunks))
+    experts = {e for _, _, e in chunks if e is not None}
+    if not specs or len(experts) > 1:
+        seen = "; ".join(f"stage {st}: {sorted(fits)} / {e or 'no experts'}" for st, fits, e in sorted(chunks))
+        raise LayoutError(f"the pipeline stages' parameter names disagree on the layer spec or expert layout ({seen})")
+    return ("local" if "local" in specs else "te"), next(iter(experts), "sequential")
 
 
 def _stages(model: torch.nn.Module, config: Any, dims: ModelDims, state: ParallelState) -> tuple[int, ...]:
@@ -308,30 +329,60 @@ def read_chunk(model: torch.nn.Module, dims: ModelDims, state: ParallelState, in
                           mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
                           megatron=megatron_core_of(inner))
     params = refit_tensors(inner)
-    spelling, experts = _spelling(dims, layout, rank, [c for n in params if (c := canonical_name(n)) is not None])
-    layout = dataclasses.replace(layout, layer_spec=spelling, expert_layout=experts)
+    fits, experts = _spelling(dims, layout, rank, [c for n in params if (c := canonical_name(n)) is not None])
     _check_layers(inner, layout, rank.pp)
-    return MegatronChunk(rank, layout, params, ddp, vp, replica=state.replica)
+    return MegatronChunk(rank, layout, params, ddp, vp, replica=state.replica, fits=fits, experts=experts)
 
 
 def read_chunks(model_or_chunks: torch.nn.Module | Sequence[torch.nn.Module], dims: ModelDims) -> list[MegatronChunk]:
     """:func:`read_chunk` for each of the rank's model chunks (one module, or a list in
-    virtual-stage order); all of them in one layout.
+    virtual-stage order); all of them in one layout. With ``pp > 1`` a collective over Megatron's
+    pipeline-parallel group (every stage must call it): the stages agree on the layer spec and
+    expert layout (:func:`agree`: a stage without experts or fused norms cannot tell), and a
+    stage that refuses makes every stage raise, naming it.
 
     Raises:
-        LayoutError: as :func:`read_chunk`; or chunks whose layouts differ, or a list whose
-            length is not the virtual pipeline size.
+        LayoutError: as :func:`read_chunk`; another stage refused; chunks or stages whose layouts
+            differ; a list whose length is not the virtual pipeline size.
     """
     chunks = [model_or_chunks] if isinstance(model_or_chunks, torch.nn.Module) else list(model_or_chunks)
     state = ParallelState.read()
-    if len(chunks) != state.vpp:
-        raise LayoutError(f"got {len(chunks)} model chunk(s); Megatron's virtual pipeline size is {state.vpp}: pass "
-                          "every chunk of this rank, in virtual-stage order")
-    out = [read_chunk(c, dims, state, i) for i, c in enumerate(chunks)]
+    out, error = [], None
+    try:
+        if len(chunks) != state.vpp:
+            raise LayoutError(f"got {len(chunks)} model chunk(s); Megatron's virtual pipeline size is {state.vpp}: "
+                              "pass every chunk of this rank, in virtual-stage order")
+        out = [read_chunk(c, dims, state, i) for i, c in enumerate(chunks)]
+    except (LayoutError, TypeError, MegarefitError) as exc:
+        error = exc
+    seen = _pipeline_peers(state, error, [(c.rank.pp, c.fits, c.experts) for c in out])
+    spelling, experts = agree(seen)
+    out = [dataclasses.replace(c, layout=dataclasses.replace(c.layout, layer_spec=spelling, expert_layout=experts))
+           for c in out]
     for c in out[1:]:
-        if c.layout != out[0].layout:
-            raise LayoutError(f"model chunks 0 and {c.vp_stage} read as different layouts: {out[0].layout} vs {c.layout}")
+        check_stated(out[0].layout, c.layout)  # the chunks of one rank: one layout
     return out
+
+
+def _pipeline_peers(state: ParallelState, error: Exception | None,
+                    mine: list[tuple[int, frozenset[str], str | None]]) -> list[tuple[int, frozenset[str], str | None]]:
+    """Every stage's ``mine`` (this rank's alone at ``pp == 1``), gathered over Megatron's
+    pipeline-parallel group together with each stage's refusal; raises ``error`` here, and a
+    LayoutError naming the stage elsewhere, when any stage refused."""
+    peers = [(state.pp_rank, None if error is None else f"{type(error).__name__}: {error}", mine)]
+    if state.pp > 1:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        gathered: list[Any] = [None] * state.pp
+        dist.all_gather_object(gathered, peers[0], group=ps.get_pipeline_model_parallel_group())
+        peers = gathered
+    if error is not None:
+        raise error
+    refused = [(stage, why) for stage, why, _ in peers if why is not None]
+    if refused:
+        raise LayoutError(f"pipeline stage {refused[0][0]} refused its model: {refused[0][1]}")
+    return [chunk for _, _, chunks in peers for chunk in chunks]
 
 
 def source_layout(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int = 1,
@@ -382,5 +433,5 @@ def check_stated(read: SourceLayout, stated: SourceLayout | None) -> None:
                       + " (drop layout= to use the model's, or fix the statement)")
 
 
-__all__ = ["MegatronChunk", "ParallelState", "check_stated", "megatron_core_of", "read_chunk", "read_chunks",
+__all__ = ["MegatronChunk", "ParallelState", "agree", "check_stated", "megatron_core_of", "read_chunk", "read_chunks",
            "refit_tensors", "source_layout", "stage_layers", "unwrap"]
