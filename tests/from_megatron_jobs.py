@@ -4,6 +4,7 @@ Megatron-Core models on CPU, their layout read back by ``Publisher.from_megatron
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -72,6 +73,10 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
             ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(),
                                           Float16Module(model.config, model))
             out["wrapped-ddp"] = _read(ddp, case.cfg)
+            with warnings.catch_warnings(record=True) as caught:  # the same model, its DDP wrapper left out
+                warnings.simplefilter("always")
+                _read(model, case.cfg)
+            out["unwrapped-warning"] = [str(w.message) for w in caught]
             out["wrong-hf-config"] = _read(model, {**case.cfg, "num_hidden_layers": case.cfg["num_hidden_layers"] + 2})
             from megarefit.layout.dims import ModelDims
             from megarefit.layout.megatron_model import check_stated, read_chunks, source_layout

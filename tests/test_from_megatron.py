@@ -115,6 +115,8 @@ def test_ddp_and_float16_wrappers_are_seen_through(read):
         assert r["wrapped-ddp"]["layouts"] == r["dense-tp2"]["layouts"]
         assert r["wrapped-ddp"]["ranks"] == r["dense-tp2"]["ranks"]
         assert r["wrapped-ddp"]["ddp"] == [True] and r["dense-tp2"]["ddp"] == [False]
+        assert any("belong to a Megatron-Core DistributedDataParallel, which was not passed" in w
+                   for w in r["unwrapped-warning"]), r["unwrapped-warning"]
 
 
 def test_one_process_per_coordinate_serves(read):

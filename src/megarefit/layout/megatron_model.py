@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -267,7 +268,7 @@ def agree(chunks: Sequence[tuple[int, frozenset[LayerSpec], ExpertLayout | None]
 
 def _stages(model: torch.nn.Module, config: Any, dims: ModelDims, state: ParallelState) -> tuple[int, ...]:
     """Layers per (virtual) stage of ``model``'s pipeline, checked against the HF config's count."""
-    if type(model).__name__ in ("MambaModel", "HybridModel"):  # layers are hybrid pattern symbols
+    if {c.__name__ for c in type(model).__mro__} & {"MambaModel", "HybridModel"}:  # hybrid pattern symbols
         if state.pp * state.vpp > 1:
             raise LayoutError(f"{type(model).__name__} with pp={state.pp} vpp={state.vpp}: from_megatron reads hybrid "
                               "models at pp=1; describe the stages with the explicit Publisher(..., layout=...)")
@@ -279,16 +280,17 @@ def _stages(model: torch.nn.Module, config: Any, dims: ModelDims, state: Paralle
 
 
 def _vp_stage(model: torch.nn.Module, index: int, state: ParallelState) -> int | None:
-    """The chunk's virtual stage: ``model.vp_stage`` (Megatron-Core sets it), checked against its
-    position among the rank's chunks."""
+    """The chunk's virtual stage: ``model.vp_stage`` (Megatron-Core sets it), which must be its
+    position among the rank's chunks.
+
+    Raises:
+        LayoutError: no ``vp_stage`` under an interleaved pipeline, or chunks out of order."""
     if state.vpp == 1:
         return None
     vp = getattr(model, "vp_stage", None)
-    if vp is None:
-        vp = index
     if vp != index or not 0 <= vp < state.vpp:
-        raise LayoutError(f"model chunk {index} of pipeline rank {state.pp_rank} has vp_stage={vp}; pass the rank's "
-                          f"{state.vpp} chunks in virtual-stage order")
+        raise LayoutError(f"model chunk {index} of pipeline rank {state.pp_rank} has vp_stage={vp}: build each chunk "
+                          f"with vp_stage=c and pass the rank's {state.vpp} chunks in virtual-stage order")
     return vp
 
 
@@ -303,6 +305,15 @@ def _check_layers(model: torch.nn.Module, layout: SourceLayout, stage: int) -> N
         raise LayoutError(f"stage {stage} holds {len(layers)} decoder layers starting at layer "
                           f"{None if first is None else first - 1}; Megatron's config places {want} starting at "
                           f"{layout.layer_offset(stage)}")
+
+
+def _warn_unwrapped(ddp: Any, params: Mapping[str, torch.Tensor], rank: RankCoord) -> None:
+    """Warn where the parameters carry Megatron DDP's ``main_grad`` but no DDP wrapper came with
+    them: the deferred param-gather check (:mod:`megarefit.online.param_sync`) cannot run."""
+    if ddp is None and any(hasattr(p, "main_grad") for p in params.values()):
+        warnings.warn(f"rank {rank}: the parameters belong to a Megatron-Core DistributedDataParallel, which was not "
+                      "passed: with the distributed optimizer and overlap_param_gather a publish can read shards "
+                      "the next forward has not gathered yet; pass the DDP-wrapped chunk (or ddp=)", stacklevel=4)
 
 
 def read_chunk(model: torch.nn.Module, dims: ModelDims, state: ParallelState, index: int = 0) -> MegatronChunk:
@@ -331,6 +342,7 @@ def read_chunk(model: torch.nn.Module, dims: ModelDims, state: ParallelState, in
     params = refit_tensors(inner)
     fits, experts = _spelling(dims, layout, rank, [c for n in params if (c := canonical_name(n)) is not None])
     _check_layers(inner, layout, rank.pp)
+    _warn_unwrapped(ddp, params, rank)
     return MegatronChunk(rank, layout, params, ddp, vp, replica=state.replica, fits=fits, experts=experts)
 
 
