@@ -323,16 +323,10 @@ class Rendezvous:
         return self._registry.acked(rid)
 
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
-        """Block until every live registered receiver acknowledged ``version`` (or later).
-
-        A receiver whose heartbeat counter does not move for ``lease`` seconds (this
-        process's clock: no clock skew between hosts matters) is dropped as dead. Returns
-        ``{receiver id: "acked" | "dropped"}``.
-
-        Raises:
-            RendezvousTimeout: after ``timeout`` seconds, naming each live receiver that has
-                not acknowledged and the version it last acknowledged.
-        """
+        """Block until every live registered receiver acknowledged ``version`` (or later);
+        ``{receiver id: "acked" | "dropped"}`` (dead after ``lease`` seconds without a heartbeat;
+        ``RendezvousTimeout`` after ``timeout``): :meth:`ReceiverRegistry.wait_receivers
+        <megarefit.online.rendezvous_receivers.ReceiverRegistry.wait_receivers>`."""
         return self._registry.wait_receivers(version, timeout=timeout, lease=lease)
 
 
