@@ -46,7 +46,7 @@ def _read(model: Any, cfg: dict) -> dict[str, Any]:
     return {"ranks": [tuple(c.rank) for c in chunks], "layouts": [c.layout.to_dict() for c in chunks],
             "ddp": [c.ddp is not None for c in chunks], "replica": [c.replica for c in chunks],
             "dtypes": sorted({str(t.dtype) for c in chunks for t in c.params.values()}),
-            "names": [sorted(c.params) for c in chunks]}
+            "shapes": [{n: tuple(t.shape) for n, t in c.params.items()} for c in chunks]}
 
 
 def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tuple[str, int, str]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``Publisher.from_megatron``: the layout read from real Megatron-Core models on CPU (two gloo
-processes) equals the layout stated by hand (``source_layout``) and gives the same plan; the ranks
-the processes read are exactly the layout's process grid; a model that disagrees with a stated
+processes) equals the layout stated by hand (``source_layout``); the ranks the processes read are
+exactly the layout's process grid, and the parameters Megatron built on each are exactly what the
+independent reference planner places there under the read layout; a model that disagrees with a stated
 layout, its hf_config or Megatron's process grid is refused, naming the mismatch.
 
 Cases: dense at TP=2, MoE at TP=2 EP=2 with expert-TP 1, an uneven pipeline (first stage 1 layer
@@ -14,6 +15,7 @@ the read layout against the stated one).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -35,9 +37,9 @@ from megarefit.demo.megatron_cpu import megatron_series  # noqa: E402
 from megarefit.layout.megatron_model import agree, check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.planner import plan_megatron_to_hf  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
 from reference import reference_shards, unshard  # noqa: E402
+from reference_planner import Layout, reference_megatron_to_hf  # noqa: E402
 from test_megatron_mla_glm import _config  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -96,14 +98,28 @@ def test_read_layout_is_the_stated_one(read, key):
     assert {k: (v, defaults.get(k, "absent")) for k, v in got.megatron.flags if defaults.get(k, "absent") != v} == {}
     stated = source_layout(case.cfg, megatron=got.megatron, **STATED[key])
     check_stated(got, stated)  # raises naming each differing field
-    dims = ModelDims.from_hf_config(case.cfg)
-    assert plan_megatron_to_hf(dims, got, "float32") == plan_megatron_to_hf(dims, stated, "float32")
     ranks = [tuple(rank) for r in results for rank in r["ranks"]]
     assert sorted(ranks) == sorted(tuple(r) for r in stated.ranks())  # each coordinate exactly once
-    want = source_tensors(dims, stated)
-    for r in results:
-        for rank, names in zip(r["ranks"], r["names"]):
-            assert set(names) == set(want[tuple(rank)]), rank
+    built = {tuple(rank): {n: math.prod(s) for n, s in shapes.items()}
+             for r in results for rank, shapes in zip(r["ranks"], r["shapes"])}
+    assert built == _expected_sizes(case.cfg, got)
+
+
+def _expected_sizes(cfg: dict, layout: SourceLayout) -> dict[tuple, dict[str, int]]:
+    """Every rank's parameters and their elements under ``layout``, from the independent reference
+    planner (tests/reference_planner.py: Megatron's conventions restated, none of megarefit's
+    geometry; it plans legacy GroupedMLP on the [E_local, a, b] view, hence elements, not shapes);
+    MTP layers, which it does not restate, from megarefit's geometry."""
+    if layout.mtp_layers:
+        want = source_tensors(ModelDims.from_hf_config(cfg), layout)
+        return {tuple(r): {n: math.prod(t.shape) for n, t in ts.items()} for r, ts in want.items()}
+    plain = Layout(layout.tp, layout.pp, layout.ep, layout.etp, layout.padded_vocab_size, layout.stage_layers,
+                   layout.layer_spec, layout.expert_layout)
+    sources, _, _ = reference_megatron_to_hf(cfg, plain, "float32")
+    out: dict[tuple, dict[str, int]] = {}
+    for ref, meta in sources.items():
+        out.setdefault(tuple(ref.rank), {})[ref.name] = math.prod(meta.shape)
+    return out
 
 
 def test_ddp_and_float16_wrappers_are_seen_through(read):
