@@ -29,7 +29,6 @@ Megatron is imported only inside these functions (the rest of megarefit needs no
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -40,7 +39,7 @@ import torch
 
 from megarefit.errors import LayoutError, MegarefitError, UnknownParameterError
 from megarefit.layout.dims import DEFAULT_VOCAB_DIVISOR, ModelDims, load_hf_config
-from megarefit.layout.parallel import RankCoord, SourceLayout, virtual_stage
+from megarefit.layout.parallel import RankCoord, SourceLayout, pair_period, stage_pair, virtual_stage
 from megarefit.specs import FAMILIES
 from megarefit.specs.megatron_core import ASSUME_ENV, MegatronCore
 from megarefit.specs.table import LAYER_SPECS, ExpertLayout, LayerSpec, canonical_name
@@ -166,19 +165,19 @@ class ParallelState:
     def replica(self) -> bool:
         """Whether another process holds this one's ``(tp, pp, ep)`` shard first (a data-parallel copy).
 
-        Megatron's default rank order (``tp-cp-ep-dp-pp``) puts stage-local rank
-        ``r = tp_rank + tp * dp_cp_rank`` at ``(r % tp, (r // etp) % ep)``; the pairs repeat every
-        ``lcm(tp, etp * ep)`` ranks, so the first copy of each is at ``r < lcm(tp, etp * ep)``.
+        Megatron's default rank order puts stage-local rank ``r = tp_rank + tp * dp_cp_rank`` at
+        :func:`~megarefit.layout.parallel.stage_pair`; the pairs repeat every
+        :func:`~megarefit.layout.parallel.pair_period` ranks, before which each is held once.
 
         Raises:
             LayoutError: this process's tp / ep ranks are not where that order puts them.
         """
         r = self.tp_rank + self.tp * self.dp_cp_rank
-        if (r % self.tp, (r // self.etp) % self.ep) != (self.tp_rank, self.ep_rank):
+        if stage_pair(r, self.tp, self.ep, self.etp) != (self.tp_rank, self.ep_rank):
             raise LayoutError(f"tp rank {self.tp_rank}, ep rank {self.ep_rank} at data-parallel rank {self.dp_cp_rank}: "
                               f"not Megatron's default rank order tp-cp-ep-dp-pp (tp={self.tp}, etp={self.etp}, "
                               f"ep={self.ep}); from_megatron reads that order only")
-        return r >= math.lcm(self.tp, self.etp * self.ep)
+        return r >= pair_period(self.tp, self.ep, self.etp)
 
     def check_config(self, config: Any) -> None:
         """Refuse a ``TransformerConfig`` whose parallel sizes differ from the process grid.

@@ -278,12 +278,23 @@ def virtual_stage(pp_rank: int, vp_stage: int, pp: int) -> int:
     return vp_stage * pp + pp_rank
 
 
+def stage_pair(r: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """The ``(tp rank, ep rank)`` of stage-local rank ``r`` in Megatron's default rank order
+    (``tp-cp-ep-dp-pp``; expert grid ``etp-ep-edp-pp``): ``(r % tp, (r // etp) % ep)``."""
+    return r % tp, (r // etp) % ep
+
+
+def pair_period(tp: int, ep: int, etp: int) -> int:
+    """Stage-local ranks after which the ``(tp, ep)`` pairs repeat (``lcm(tp, etp * ep)``): ranks
+    ``0 .. period-1`` hold each pair once, later ones are data-parallel copies."""
+    return math.lcm(tp, etp * ep)
+
+
 @lru_cache(maxsize=256)
 def _tp_ep_pairs(tp: int, ep: int, etp: int) -> tuple[tuple[int, int], ...]:
     if ep == 1 or etp == tp:
         return tuple(product(range(tp), range(ep)))
-    n = math.lcm(tp, etp * ep)
-    return tuple(sorted({(r % tp, (r // etp) % ep) for r in range(n)}))
+    return tuple(sorted({stage_pair(r, tp, ep, etp) for r in range(pair_period(tp, ep, etp))}))
 
 
 @lru_cache(maxsize=4096)
@@ -292,4 +303,5 @@ def _expert_tps(tp: int, ep: int, etp: int, ep_rank: int) -> tuple[int, ...]:
 
 
 
-__all__ = ["Box", "ExpertLayout", "LayerSpec", "RankCoord", "SourceLayout", "virtual_stage"]
+__all__ = ["Box", "ExpertLayout", "LayerSpec", "RankCoord", "SourceLayout", "pair_period", "stage_pair",
+           "virtual_stage"]
