@@ -99,6 +99,7 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
                 out["dp2"]["publisher"] = (type(empty).__name__, empty.serving, len(empty))
         if case.vpp > 1:
             out["one-chunk-of-two"] = _read(chunks[0], case.cfg)
+            out["one-stage-refuses"] = _read(chunks if rank == 0 else chunks[0], case.cfg)  # no stage is left waiting
             host, port_, job = rdzv
             group = Publisher.from_megatron(chunks, case.cfg, rendezvous=Rendezvous.connect(host, port_, job=job),
                                             agent_name=None)

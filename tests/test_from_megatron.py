@@ -151,6 +151,8 @@ def test_a_model_that_disagrees_is_refused(read):
         assert r["wrong-hf-config"]["error"].startswith("LayoutError: config.num_layers=2 but the HF config has 4")
         assert "config.tensor_model_parallel_size=2 but parallel_state says 1" in r["wrong-grid"]["error"]
         assert "got 1 model chunk(s); Megatron's virtual pipeline size is 2" in r["one-chunk-of-two"]["error"]
+    assert per_rank[0]["one-stage-refuses"]["error"].startswith("LayoutError: pipeline rank 1 refused its model")
+    assert "got 1 model chunk(s)" in per_rank[1]["one-stage-refuses"]["error"]
 
 
 def test_a_stated_layout_that_differs_is_refused(read):

@@ -375,25 +375,48 @@ def read_chunks(model_or_chunks: torch.nn.Module | Sequence[torch.nn.Module], di
     return out
 
 
+_EXPERT_CODES: tuple[str | None, ...] = (None, "sequential", "te_grouped", "legacy_grouped")
+
+
+def _encode(error: Exception | None, mine: list[tuple[int, frozenset[str], str | None]], vpp: int) -> list[int]:
+    """``[refused, (stage, layer-spec bits, expert-layout code) per chunk]`` as plain ints (the
+    pipeline group exchanges tensors, never pickles); -1 where a refusing rank has no chunk."""
+    row = [int(error is not None)]
+    for i in range(vpp):
+        if error is None and i < len(mine):
+            stage, fits, experts = mine[i]
+            row += [stage, sum(1 << k for k, spec in enumerate(LAYER_SPECS) if spec in fits),
+                    _EXPERT_CODES.index(experts)]
+        else:
+            row += [-1, -1, -1]
+    return row
+
+
 def _pipeline_peers(state: ParallelState, error: Exception | None,
                     mine: list[tuple[int, frozenset[str], str | None]]) -> list[tuple[int, frozenset[str], str | None]]:
     """Every stage's ``mine`` (this rank's alone at ``pp == 1``), gathered over Megatron's
-    pipeline-parallel group together with each stage's refusal; raises ``error`` here, and a
-    LayoutError naming the stage elsewhere, when any stage refused."""
-    peers = [(state.pp_rank, None if error is None else f"{type(error).__name__}: {error}", mine)]
-    if state.pp > 1:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+    pipeline-parallel group as an int64 tensor per rank, with each stage's refusal; raises
+    ``error`` here, and a LayoutError naming the refusing pipeline rank elsewhere."""
+    if state.pp == 1:
+        if error is not None:
+            raise error
+        return mine
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-        gathered: list[Any] = [None] * state.pp
-        dist.all_gather_object(gathered, peers[0], group=ps.get_pipeline_model_parallel_group())
-        peers = gathered
+    group = ps.get_pipeline_model_parallel_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    row = torch.tensor(_encode(error, mine, state.vpp), dtype=torch.int64, device=device)
+    rows = [torch.empty_like(row) for _ in range(state.pp)]
+    dist.all_gather(rows, row, group=group)
     if error is not None:
         raise error
-    refused = [(stage, why) for stage, why, _ in peers if why is not None]
+    table = torch.stack(rows).cpu().tolist()
+    refused = [p for p, r in enumerate(table) if r[0]]
     if refused:
-        raise LayoutError(f"pipeline stage {refused[0][0]} refused its model: {refused[0][1]}")
-    return [chunk for _, _, chunks in peers for chunk in chunks]
+        raise LayoutError(f"pipeline rank {refused[0]} refused its model (its own error names why): this rank stops too")
+    return [(r[1 + 3 * i], frozenset(spec for k, spec in enumerate(LAYER_SPECS) if r[2 + 3 * i] >> k & 1),
+             _EXPERT_CODES[r[3 + 3 * i]]) for r in table for i in range(state.vpp)]
 
 
 def source_layout(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int = 1,
