@@ -47,7 +47,7 @@ class CycleStats:
     version: int
     cold: bool
     seconds: dict[str, float] = field(default_factory=dict)
-    bytes_moved: int = 0  # bytes the plan places (its targets' bytes)
+    bytes_moved: int = 0  # bytes the plan places (its targets' bytes); a delta cycle: the bytes it read
     model_bytes: int = 0
     wire_bytes: int = 0  # bytes the READs move (>= bytes_moved: gathered runs include the gaps between pieces)
     counters: dict[str, int] = field(default_factory=dict)
@@ -64,6 +64,12 @@ class CycleStats:
     direct_bytes: int = 0  # streamed with ``direct``: bytes READ straight into the consumer's tensors
     ipc_bytes: int = 0  # bytes copied from trainer ranks on this GPU through CUDA IPC (part of ``wire_bytes``)
     ipc_ranks: int = 0  # trainer ranks read through CUDA IPC
+    refit: str = "full"  # "full", or "delta": only the elements changed since ``delta_base`` were read
+    delta_base: int | None = None  # a delta cycle: the version the arena held before it
+    delta_reason: str = ""  # a full staged cycle: why it was not a delta (e.g. "first cycle", a version not kept)
+    delta_tensors: int = 0  # a delta cycle: source tensors patched with their changed elements
+    full_tensors: int = 0  # a delta cycle: source tensors read whole (cheaper than their delta)
+    changed_elements: int = 0  # a delta cycle: changed elements read (summed over the versions caught up)
 
 
 class Laps:

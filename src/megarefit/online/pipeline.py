@@ -26,6 +26,7 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.online.arena import arena_key, publish_arena
 from megarefit.online.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
+from megarefit.online.delta_apply import DeltaChoice, DeltaReceiver
 from megarefit.online.fence import FenceStart, VersionFence
 from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.plan_cache import PlanCache
@@ -49,8 +50,10 @@ class CyclePipeline:
     """
 
     def __init__(self, fence: VersionFence, plans: PlanCache, memory: ReceiverMemory, transport: NixlTransport, *,
-                 verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0):
+                 verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0,
+                 delta: bool = True):
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
+        self.delta = DeltaReceiver(transport, memory.device, delta and memory.memory_budget is None)
         self.verifier = verifier
         self.replica_group = replica_group
         self.timeout = timeout
@@ -86,6 +89,7 @@ class CyclePipeline:
         plan, new = self.plans.plan_for(start.manifests)
         if new or not self.memory.holds:  # release() freed the memory of the current plan: allocate again
             self.memory.allocate(plan, start.manifests)
+            self.delta.forget("a new arena")
         self.plans.check_manifests(plan, start.manifests)
         if self.verifier is not None:  # every box covered by a published sum, before a byte moves
             self.verifier.require(plan, start.manifests)
@@ -104,7 +108,7 @@ class CyclePipeline:
         attempt = 0
         while True:
             try:
-                plan, prepared, got, seconds, cold = self._pull(version)
+                plan, pulled, got, seconds, cold = self._pull(version)
                 break
             except StaleVersionError as exc:
                 if not exc.retryable or attempt >= retries:
@@ -115,16 +119,27 @@ class CyclePipeline:
                           self.memory.layout, got, self.transport.nixl.metadata)
             self._bump_replica_seq()
             self._serving = False
-        model_bytes, arena_bytes = self.memory.sizes
-        self.stats = CycleStats(got, cold, seconds, plan.nbytes, model_bytes, prepared.wire_bytes, dict(self.counters),
-                                arena_bytes, prepared.scratch_bytes, prepared.descriptors, attempt,
-                                peak_extra_bytes=arena_bytes + prepared.scratch_bytes, checked_bytes=self._verified[0],
-                                checked_boxes=self._verified[1], ipc_bytes=prepared.ipc_bytes,
-                                ipc_ranks=len(self.transport.ipc.ranks))
+        self.stats = self._staged_stats(plan, pulled, got, seconds, cold, attempt)
         staging = plan.staging
         for ref, tensor in self.memory.buffers.items():
             if ref not in staging:
                 yield ref.name, tensor
+
+    def _staged_stats(self, plan: Plan, pulled: object, got: int, seconds: dict[str, float], cold: bool,
+                      attempt: int) -> CycleStats:
+        """A staged cycle's stats; ``pulled``: its prepared plan, or the delta it applied."""
+        model_bytes, arena_bytes = self.memory.sizes
+        checks = {"checked_bytes": self._verified[0], "checked_boxes": self._verified[1]}
+        if isinstance(pulled, DeltaChoice):
+            return CycleStats(got, cold, seconds, pulled.nbytes, model_bytes, pulled.nbytes, dict(self.counters),
+                              arena_bytes, 0, sum(len(r) for r in pulled.reads.values()), attempt,
+                              peak_extra_bytes=arena_bytes + self.delta.local_bytes, refit="delta",
+                              delta_base=pulled.base, delta_tensors=len(pulled.delta), full_tensors=len(pulled.full),
+                              changed_elements=pulled.changed, **checks)
+        return CycleStats(got, cold, seconds, plan.nbytes, model_bytes, pulled.wire_bytes, dict(self.counters),
+                          arena_bytes, pulled.scratch_bytes, pulled.descriptors, attempt,
+                          peak_extra_bytes=arena_bytes + pulled.scratch_bytes, ipc_bytes=pulled.ipc_bytes,
+                          ipc_ranks=len(self.transport.ipc.ranks), delta_reason=self.delta.reason, **checks)
 
     def _bump_replica_seq(self) -> None:
         """Move the arena's seqlock counter for the replicas (odd: being rewritten)."""
@@ -132,27 +147,36 @@ class CyclePipeline:
         rdzv.store.add(rdzv.prefix + arena_key("seq", self.replica_group, self.fence.name), 1)
 
     def _pull(self, version: int | None) -> tuple[Plan, object, int, dict[str, float], bool]:
-        """One attempt: discover, fence, plan, pull into the arena, re-check (raises
-        StaleVersionError, ``retryable`` where a new attempt can succeed)."""
+        """One attempt: discover, fence, plan, pull into the arena (a delta where the arena holds
+        an older version whole and the trainers still keep the way there, else in full),
+        re-check (raises StaleVersionError, ``retryable`` where a new attempt can succeed)."""
         lap = Laps()
         seconds = lap.seconds
         before = self._setup_count()
         start = self.fence.start(version, self.timeout, lap)
         with gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
             plan = self._plan(start, lap)
-            prepared = self.transport.prepare(plan, start.manifests, self.memory.buffers)
+            pulled = self.delta.choice(self.fence.rendezvous, plan, start.manifests, start.ranks, start.version)
+            if isinstance(pulled, str):  # a full pull (why: the delta receiver's reason)
+                self.delta.reason = pulled
+                pulled = self.transport.prepare(plan, start.manifests, self.memory.buffers)
             lap("prepare")
         if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
             self._bump_replica_seq()
             self._serving = True
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
         with self.naming_the_job(version):
-            self.transport.execute(prepared, self.memory.buffers, timeout=self.timeout)
+            if isinstance(pulled, DeltaChoice):
+                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout)
+            else:
+                self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)
             if self.verifier is not None:
                 self.verifier.pull(start.manifests, self.timeout)
-        quant_s = self._after_pull(plan)
+        full = not isinstance(pulled, DeltaChoice)
+        quant_s = self._after_pull(plan) if full else 0.0
         lap("pull")
-        seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
+        if full:
+            seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
         if plan.quantize:
             seconds["pull.quantize"] = quant_s
         self.fence.end(start)
@@ -160,8 +184,9 @@ class CyclePipeline:
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
             self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
             lap("verify")
+        self.delta.hold(start.version, plan, start.manifests)
         cold = before != self._setup_count()
-        return plan, prepared, start.version, seconds, cold
+        return plan, pulled, start.version, seconds, cold
 
     def _after_pull(self, plan: Plan) -> float:
         """The receiver-side steps of a staged pull: FP8 blocks that straddle trainer shards

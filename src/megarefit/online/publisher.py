@@ -36,6 +36,7 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
 from megarefit.layout.megatron_model import check_stated, read_chunks
+from megarefit.online.delta_log import DeltaLog, DeltaOptions, DeltaStats
 from megarefit.online.param_sync import check_param_sync
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.online.served import (
@@ -72,6 +73,26 @@ def _most_common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     return max(counts, key=counts.__getitem__)
 
 
+def _checked_layout(layout: SourceLayout, dims: ModelDims, rank: RankCoord) -> SourceLayout:
+    """``layout`` checked against the model's dims; ``rank`` must be one of its coordinates.
+
+    Raises:
+        LayoutError: the layout does not fit the model, or ``rank`` is not in its grid.
+    """
+    if not isinstance(layout, SourceLayout):
+        raise LayoutError(f"layout must be a SourceLayout (megarefit.layout.megatron_model.source_layout builds "
+                          f"one), got {type(layout).__name__}")
+    dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
+    if layout.num_layers != dims.num_layers or layout.padded_vocab_size < dims.vocab_size:
+        raise LayoutError(f"layout holds {layout.num_layers} layers and {layout.padded_vocab_size} vocab rows; "
+                          f"the HF config has {dims.num_layers} layers and vocab_size={dims.vocab_size}")
+    if rank not in set(layout.ranks()):
+        raise LayoutError(f"rank {rank} is not a coordinate of Megatron's process grid for tp={layout.tp} "
+                          f"pp={layout.pp} ep={layout.ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks "
+                          f"are tied; publish from the ranks {[tuple(r) for r in layout.ranks()]} only)")
+    return layout
+
+
 class Publisher:
     """Serves one trainer rank's parameters (one model chunk); see the module docstring.
 
@@ -104,6 +125,12 @@ class Publisher:
     RL) reads them by device copies instead of NIXL through the host. If PyTorch cannot
     export them, a warning says so and receivers use NIXL.
 
+    ``delta`` (``True`` or :class:`~megarefit.online.delta_log.DeltaOptions`): every publish also
+    packs the elements that changed since the previous published version into registered host
+    slots and publishes them (:mod:`~megarefit.online.delta_log`), so receivers holding that
+    version pull only those (a delta refit). Costs a host copy of the served tensors and
+    ``keep`` slots; ``last_delta`` reports each publish's changed fraction and seconds.
+
     Raises (at construction):
         LayoutError: ``layout`` does not fit the model, or ``rank`` is not in its grid.
         MissingParameterError / UnexpectedParameterError: the parameters are not
@@ -117,12 +144,13 @@ class Publisher:
     def __init__(self, params: Mapping[str, torch.Tensor], hf_config: Any, *, rank: tuple[int, int, int],
                  layout: SourceLayout, rendezvous: Rendezvous, agent_name: str | None = None,
                  quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
-                 ddp: Any = None, checksums: bool = False, ipc: bool = True):
+                 ddp: Any = None, checksums: bool = False, ipc: bool = True,
+                 delta: bool | DeltaOptions = False):
         self.rank = RankCoord(*rank)
         cfg = load_hf_config(hf_config)
         self.dims = ModelDims.from_hf_config(cfg)
         self.quantization = resolve_quantization(quantization, cfg)
-        self.layout = self._check_layout(layout)
+        self.layout = _checked_layout(layout, self.dims, self.rank)
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
         expected = self._check_params()
         self.dtype = _dtype_name(_most_common_dtype(self.params.values()))
@@ -153,6 +181,8 @@ class Publisher:
         self.rendezvous = rendezvous
         self.writing = False  # inside updating(), or an update that raised (receivers wait)
         self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
+        self.delta = (DeltaLog(served, self.agent, rendezvous, self.rank, DeltaOptions() if delta is True else delta)
+                      if delta else None)
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
     @classmethod
@@ -170,7 +200,7 @@ class Publisher:
         parameter names), and the Megatron-Core version and layout flags
         (:mod:`megarefit.layout.megatron_model`). ``layout``: a statement of what the caller
         expects, checked against what was read. ``options``: the constructor's ``agent_name``,
-        ``quantization``, ``snapshot``, ``checksums``, ``ipc``.
+        ``quantization``, ``snapshot``, ``checksums``, ``ipc``, ``delta``.
 
         Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for
         several. One process per rank coordinate serves it (the first in Megatron's rank order,
@@ -195,25 +225,6 @@ class Publisher:
         pubs = [cls(c.params, cfg, rank=c.rank, layout=c.layout, rendezvous=rendezvous, ddp=ddp or c.ddp, **options)
                 for c in chunks]
         return pubs[0] if len(pubs) == 1 else PublisherGroup(pubs, rendezvous, chunks[0].layout)
-
-    def _check_layout(self, layout: SourceLayout) -> SourceLayout:
-        """``layout`` checked against the model's dims; ``self.rank`` must be one of its coordinates.
-
-        Raises:
-            LayoutError: the layout does not fit the model, or ``self.rank`` is not in its grid.
-        """
-        if not isinstance(layout, SourceLayout):
-            raise LayoutError(f"layout must be a SourceLayout (megarefit.layout.megatron_model.source_layout builds "
-                              f"one), got {type(layout).__name__}")
-        self.dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
-        if layout.num_layers != self.dims.num_layers or layout.padded_vocab_size < self.dims.vocab_size:
-            raise LayoutError(f"layout holds {layout.num_layers} layers and {layout.padded_vocab_size} vocab rows; "
-                              f"the HF config has {self.dims.num_layers} layers and vocab_size={self.dims.vocab_size}")
-        if self.rank not in set(layout.ranks()):
-            raise LayoutError(f"rank {self.rank} is not a coordinate of Megatron's process grid for tp={layout.tp} "
-                              f"pp={layout.pp} ep={layout.ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks "
-                              f"are tied; publish from the ranks {[tuple(r) for r in layout.ranks()]} only)")
-        return layout
 
     def _check_params(self) -> dict[str, SourceTensor]:
         """The shards the layout places on this rank (canonical name -> source tensor), checked
@@ -278,6 +289,11 @@ class Publisher:
         return self.agent.counters
 
     @property
+    def last_delta(self) -> DeltaStats | None:
+        """``delta=True``: what the last publish found and packed; else ``None``."""
+        return None if self.delta is None else self.delta.last
+
+    @property
     def serving(self) -> bool:
         """Always ``True`` (a :class:`PublisherGroup` on a data-parallel copy is not)."""
         return True
@@ -294,10 +310,11 @@ class Publisher:
                 (e.g. re-allocated by a resharding step); create a new Publisher.
         """
         self._check_moved()
-        if (self.snapshot or self._quantize is not None or self.checksums is not None) and not self.writing:
+        if (self.snapshot or self._quantize is not None or self.checksums is not None or self.delta is not None) \
+                and not self.writing:
             self.rendezvous.begin_update(self.rank)  # the served buffers are rewritten below: a seqlock
             self.writing = True
-        self._settle()
+        self._settle(version)
         if self.writing:
             self.rendezvous.end_update(self.rank, version)
             self.writing = False
@@ -323,7 +340,7 @@ class Publisher:
             self.writing = True
         yield
         self._check_moved()
-        self._settle()
+        self._settle(version)
         self.rendezvous.end_update(self.rank, version)
         self.writing = False
 
@@ -344,9 +361,9 @@ class Publisher:
                 raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
                                          "re-create the Publisher")
 
-    def _settle(self) -> None:
+    def _settle(self, version: int) -> None:
         """Finish Megatron's deferred param sync, wait for the device, refresh the snapshot,
-        re-quantize FP8 buffers."""
+        re-quantize FP8 buffers, record the delta into ``version``, fill the checksums."""
         check_param_sync(self.ddp, self.rank)
         devices = {p.device for p in self.params.values() if p.is_cuda}
         for device in devices:  # the step's kernels must have landed before the rank is declared stable
@@ -360,6 +377,8 @@ class Publisher:
             if weight.is_cuda:
                 torch.cuda.synchronize(weight.device)
             self.last_quantize_s = time.perf_counter() - t0
+        if self.delta is not None:  # what changed since the last version, packed for delta receivers
+            self.delta.record(version)
         if self.checksums is not None:  # what receivers check the pulled bytes against, inside the seqlock
             t0 = time.perf_counter()
             self.checksums[1]()

@@ -131,6 +131,11 @@ class RefitReceiver:
             (:mod:`~megarefit.transport.cuda_ipc`; colocated RL), the rest over NIXL, in one
             cycle; ``"nixl"``: every rank over NIXL; ``"ipc"``: every rank through CUDA IPC
             (:class:`~megarefit.transport.cuda_ipc.IpcError` names a rank that cannot be).
+        delta: staged only: where the arena holds an older version whole and the trainer ranks
+            publish deltas (``Publisher(delta=True)``) of every version since, pull only the
+            elements that changed, per tensor where cheaper than the tensor itself
+            (:mod:`~megarefit.online.delta_apply`); ``stats.refit`` says which ran and
+            ``stats.delta_reason`` why a cycle was full. ``False``: always full.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
@@ -139,7 +144,7 @@ class RefitReceiver:
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
                  memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
                  direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto",
-                 part: ModelPart = "all"):
+                 part: ModelPart = "all", delta: bool = True):
         _check_options(memory_budget, replica_group, experts, target, part, direct)
         self.rendezvous = rendezvous
         self.part: ModelPart = part
@@ -160,7 +165,8 @@ class RefitReceiver:
         self._plans = PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf)
         self._memory = ReceiverMemory(self.transport, self.device, memory_budget, scratch_budget, direct)
         self._pipeline = CyclePipeline(VersionFence(rendezvous, name), self._plans, self._memory, self.transport,
-                                       verifier=self._verifier, replica_group=replica_group, timeout=timeout)
+                                       verifier=self._verifier, replica_group=replica_group, timeout=timeout,
+                                       delta=delta)
 
     @property
     def plan(self) -> Plan | None:
@@ -255,6 +261,7 @@ class RefitReceiver:
             raise MegarefitError("a receiver serving a replica group keeps its arena (replicas READ it): "
                                  "release_memory() is for receivers without replica_group")
         freed = self._memory.release()
+        self._pipeline.delta.forget("memory released")
         if self._verifier is not None:
             self._verifier.forget()
         if self.device.type == "cuda":

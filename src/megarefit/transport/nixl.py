@@ -238,6 +238,10 @@ class NixlTransport:
             pulls = SourcePulls(manifest.rank, key[0], [], self._blocks[key][0])
             post_read(self.nixl, pulls, pulls.handle)
             posted.append((pulls, -1))
+        self.wait_posted(posted, timeout)
+
+    def wait_posted(self, posted: list[tuple[SourcePulls, int]], timeout: float) -> None:
+        """Wait for READs posted outside a prepared plan (raises TransferError as :meth:`wait`)."""
         flight = InFlight(PreparedPlan((), []), time.perf_counter(), posted)
         deadline = time.monotonic() + timeout
         while flight.pending:
@@ -386,5 +390,42 @@ class NixlTransport:
         return manifest.agent
 
 
+def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequence[tuple[int, int, int, str, int]]]],
+                local: torch.Tensor, *, timeout: float = 60.0) -> int:
+    """READ byte ranges of sources into ``local`` (contiguous, registered here once) over
+    ``transport``'s agent:
+    ``reads`` holds per source ``(manifest, [(remote addr, bytes, local byte offset, NIXL
+    memory type, device)])``; one request per source and memory type, made for this call and
+    released after it (the ranges of a delta refit change every cycle). Returns the bytes read.
+
+    Raises:
+        TransferError: as :meth:`NixlTransport.execute`."""
+    transport.nixl.register([local])
+    lmem, ldev = mem_type(local)
+    agent, base = transport.nixl.agent, local.data_ptr()
+    handles, posted, total = [], [], 0
+    try:
+        for manifest, ranges in reads:
+            name = transport._remote_name(manifest)
+            by: dict[tuple[str, int], list[tuple[int, int, int, str, int]]] = {}
+            for r in ranges:
+                by.setdefault((r[3], r[4]), []).append(r)
+            for (mem, dev), rs in by.items():
+                handle = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs([(base + off, n, ldev) for _, n, off, _, _ in rs], lmem),
+                    agent.get_xfer_descs([(addr, n, dev) for addr, n, _, _, _ in rs], mem), name)
+                handles.append(handle)
+                pulls = SourcePulls(manifest.rank, name, [], handle)
+                post_read(transport.nixl, pulls, handle)
+                posted.append((pulls, -1))
+                total += sum(n for _, n, _, _, _ in rs)
+        transport.wait_posted(posted, timeout)
+    finally:
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
+    return total
+
+
 __all__ = ["DIRECT_MIN_BYTES", "GAP_BYTES", "MAX_DIRECT", "SCRATCH_FRACTION", "SCRATCH_MIN_BYTES", "SCRATCH_THREADS",
-           "InFlight", "NixlTransport", "PreparedPlan"]
+           "InFlight", "NixlTransport", "PreparedPlan", "read_ranges"]

@@ -1,0 +1,311 @@
+"""The receiver side of delta refits: read the trainers' delta records, choose per tensor
+between the delta and a full read, pull, and scatter into an arena holding the older version.
+
+A staged receiver whose arena holds version ``p`` whole (the last cycle completed and was
+fenced) and is asked for ``v > p`` follows each rank's records back from ``v`` to ``p``
+(:mod:`~megarefit.online.delta_records`; at most the ``keep`` versions a trainer keeps)::
+
+    records   every rank's chain v -> ... -> p, or the reason there is none (a version no longer
+              kept, a version too large for its slot, a new layout): then the cycle is a full one
+    choose    per source tensor the plan reads: its segments' bytes plus SCATTER_BYTES per changed
+              element, against the tensor's own bytes -- the cheaper is read
+    pull      one NIXL READ per rank of byte ranges (segments, whole tensors) into one registered
+              buffer on the receiver's device
+    apply     per tensor, in version order: decode indices (or bitmap), map each source element
+              through the plan's copy ops to its target element (:func:`map_through`), scatter
+              the values; a tensor read whole is placed by the ops themselves
+
+The same bits land as a full pull would place (elements compare and move as integers of their
+width). Tensors a receiver-side step produces (FP8 blocks quantized on the receiver, value
+steps) have no trainer bytes to patch: a plan with such steps refits in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megarefit.layout import RankCoord
+from megarefit.online.delta_log import BITS
+from megarefit.online.delta_records import INDICES, DeltaRecord, DeltaSegment, decode_record, delta_key
+from megarefit.online.rendezvous import Rendezvous
+from megarefit.plan import CopyOp, Plan, TensorRef
+from megarefit.plan.ops import squeezed_lengths
+from megarefit.transport.local import op_views
+from megarefit.transport.manifest import Manifest, TensorEntry
+from megarefit.transport.nixl import NixlTransport, read_ranges
+
+SCATTER_BYTES = 2.0  # the cost of scattering one changed element, in bytes read (measured: bench_delta.py)
+
+
+def _unravel(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Row-major coordinates ``[n, len(shape)]`` of flat indices ``x`` in ``shape``."""
+    out = torch.empty((x.numel(), len(shape)), dtype=torch.int64, device=x.device)
+    for d in range(len(shape) - 1, -1, -1):
+        out[:, d] = x % shape[d]
+        x = x // shape[d]
+    return out
+
+
+def _ravel(c: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Flat row-major indices of coordinates ``c`` ``[n, len(shape)]`` in ``shape``."""
+    x = torch.zeros(c.shape[0], dtype=torch.int64, device=c.device)
+    for d, n in enumerate(shape):
+        x = x * n + c[:, d]
+    return x
+
+
+def map_through(op: CopyOp, src_shape: Sequence[int], dst_shape: Sequence[int], idx: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``op`` places source elements ``idx`` (flat, ascending, int64): the positions in
+    ``idx`` of those inside ``op.src_box`` and their flat indices in the target. ``src_shape`` /
+    ``dst_shape``: the op's view of each tensor (``src_view`` / ``dst_view``, else its shape).
+    Follows :func:`~megarefit.transport.local.op_views`: row-major order kept across boxes whose
+    lengths differ in 1-dims, a transposed op's squeezed matrix transposed."""
+    box = op.src_box
+    last = _ravel(torch.tensor([[o + n - 1 for o, n in zip(box.offsets, box.lengths)]]), src_shape)
+    a, b = torch.searchsorted(idx, torch.tensor([op.src_offset, int(last) + 1], device=idx.device)).tolist()
+    sub, pos = idx[a:b], torch.arange(a, b, device=idx.device)
+    if op.kind == "contiguous" and not op.transpose:
+        return pos, sub - op.src_offset + op.dst_offset
+    rel = _unravel(sub, src_shape) - torch.tensor(box.offsets, device=idx.device)
+    inside = ((rel >= 0) & (rel < torch.tensor(box.lengths, device=idx.device))).all(1)
+    k = _ravel(rel[inside], box.lengths)
+    if op.transpose:
+        rows, cols = squeezed_lengths(box.lengths, 2)
+        k = (k % cols) * rows + k // cols
+    dst = _unravel(k, op.dst_box.lengths) + torch.tensor(op.dst_box.offsets, device=idx.device)
+    return pos[inside], _ravel(dst, dst_shape)
+
+
+def segment_elements(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, itemsize: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed flat indices (int64, ascending) and values (integers of ``itemsize`` bytes)
+    of one segment's bytes ``raw`` (uint8)."""
+    numel = entry.nbytes // itemsize
+    if seg.format == INDICES:
+        mask = 4 * seg.count
+        idx = raw[:mask].view(torch.int32).to(torch.int64)
+    else:
+        mask = (numel + 7) // 8
+        shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
+        idx = ((raw[:mask].unsqueeze(1) >> shifts) & 1).view(-1)[:numel].nonzero().view(-1)
+    at = (mask + 7) // 8 * 8
+    return idx, raw[at:at + seg.count * itemsize].view(BITS[itemsize])
+
+
+@dataclass
+class DeltaChoice:
+    """One cycle's delta: per rank the chain of records (oldest first), and per source tensor
+    whether it is patched (``delta``) or read whole (``full``); ``reads`` per rank: byte ranges
+    ``(remote addr, nbytes, local offset, NIXL memory type, device)``; ``local``: where each
+    segment (by tensor, version, entry; version -1: the whole tensor) lands in the local
+    buffer; the bytes read and the elements changed."""
+
+    chains: dict[RankCoord, list[DeltaRecord]]
+    delta: dict[TensorRef, list[tuple[DeltaRecord, DeltaSegment]]] = field(default_factory=dict)
+    full: dict[TensorRef, TensorEntry] = field(default_factory=dict)
+    reads: dict[RankCoord, list[tuple[int, int, int, str, int]]] = field(default_factory=dict)
+    local: dict[tuple[TensorRef, int, int], int] = field(default_factory=dict)  # (tensor, version, entry) -> offset
+    nbytes: int = 0
+    changed: int = 0
+
+    @property
+    def base(self) -> int:
+        """The version the delta starts from."""
+        return min(c[0].base for c in self.chains.values() if c)
+
+
+def fetch_chains(rendezvous: Rendezvous, ranks: Sequence[RankCoord], base: int, version: int, keep: int = 16
+                 ) -> dict[RankCoord, list[DeltaRecord]] | str:
+    """Every rank's records from ``base`` to ``version``, oldest first, or why there are none
+    (a version whose record is gone: no longer kept, or too large for its slot)."""
+    chains: dict[RankCoord, list[DeltaRecord]] = {r: [] for r in ranks}
+    at = {r: version for r in ranks}
+    for _ in range(keep):
+        want = sorted(r for r in ranks if at[r] != base)
+        if not want:
+            return {r: c[::-1] for r, c in chains.items()}
+        keys = [delta_key(r, at[r]) for r in want]
+        if not rendezvous.store.check([rendezvous.prefix + k for k in keys]):
+            missing = [f"{tuple(r)} v{at[r]}" for r, k in zip(want, keys)
+                       if not rendezvous.store.check([rendezvous.prefix + k])]
+            return f"no delta record for {', '.join(missing[:3])} (not kept, or larger than its slot)"
+        for r, payload in zip(want, rendezvous.fetch_many(keys)):
+            rec = decode_record(payload)
+            if rec.version != at[r] or rec.base >= rec.version or rec.base < base:
+                return f"rank {tuple(r)}: its record of v{at[r]} starts at v{rec.base}, not on the way to v{base}"
+            chains[r].append(rec)
+            at[r] = rec.base
+    return f"more than {keep} versions between v{base} and v{version}"
+
+
+def choose(plan: Plan, manifests: Mapping[RankCoord, Manifest], chains: dict[RankCoord, list[DeltaRecord]],
+           scatter_bytes: float = SCATTER_BYTES) -> DeltaChoice:
+    """Per source tensor of ``plan``: patch it with its segments, or read it whole, whichever
+    costs fewer bytes (a changed element costing ``scatter_bytes`` more); lays out the reads."""
+    out = DeltaChoice(chains)
+    read = {ref for ref in plan.sources}
+    for rank, chain in sorted(chains.items()):
+        entries = manifests[rank].tensors
+        segs: dict[int, list[tuple[DeltaRecord, DeltaSegment]]] = {}
+        for rec in chain:
+            for seg in rec.segments:
+                segs.setdefault(seg.entry, []).append((rec, seg))
+        ranges = out.reads.setdefault(rank, [])
+        for i, pairs in sorted(segs.items()):
+            e = entries[i]
+            ref = TensorRef(rank, e.name)
+            if ref not in read:
+                continue
+            if sum(s.nbytes + scatter_bytes * s.count for _, s in pairs) < e.nbytes:
+                out.delta[ref] = pairs
+                for rec, s in pairs:
+                    out.local[(ref, rec.version, i)] = out.nbytes
+                    ranges.append((rec.addr + s.offset, s.nbytes, out.nbytes, rec.mem, rec.dev))
+                    out.nbytes += s.nbytes
+                    out.changed += s.count
+            else:
+                out.full[ref] = e
+                out.local[(ref, -1, i)] = out.nbytes
+                ranges.append((e.addr, e.nbytes, out.nbytes, e.mem, e.dev))
+                out.nbytes += (e.nbytes + 7) // 8 * 8
+    return out
+
+
+class DeltaApplier:
+    """Applies a :class:`DeltaChoice` to the arena of a staged receiver (see the module
+    docstring); remembers, per plan, the ops reading each source tensor."""
+
+    def __init__(self) -> None:
+        self._ops: dict[str, dict[TensorRef, list[CopyOp]]] = {}
+
+    def ops_of(self, plan: Plan) -> dict[TensorRef, list[CopyOp]]:
+        if plan.digest not in self._ops:
+            by: dict[TensorRef, list[CopyOp]] = {}
+            for op in plan.ops:
+                by.setdefault(op.src, []).append(op)
+            self._ops = {plan.digest: by}
+        return self._ops[plan.digest]
+
+    def apply(self, plan: Plan, choice: DeltaChoice, local: torch.Tensor,
+              buffers: Mapping[TensorRef, torch.Tensor], manifests: Mapping[RankCoord, Manifest]) -> None:
+        """Patch ``buffers`` (the arena's targets) from ``local`` (the bytes read, uint8)."""
+        ops = self.ops_of(plan)
+        for (ref, version, i), at in sorted(choice.local.items(), key=lambda kv: kv[1]):
+            entry = manifests[ref.rank].tensors[i]
+            item = entry.nbytes // max(1, _numel(entry.shape))
+            if version == -1:
+                src = local[at:at + entry.nbytes].view(BITS[item]).view(entry.shape)
+                for op in ops.get(ref, ()):
+                    dst, part = op_views(op, src, buffers[op.dst].view(BITS[item]))
+                    dst.copy_(part)
+                continue
+            seg = next(s for rec, s in choice.delta[ref] if rec.version == version)
+            idx, values = segment_elements(local[at:at + seg.nbytes], seg, entry, item)
+            for op in ops.get(ref, ()):
+                src_shape = op.src_view or plan.sources[ref].shape
+                dst_shape = op.dst_view or plan.targets[op.dst].shape
+                pos, flat = map_through(op, src_shape, dst_shape, idx)
+                buffers[op.dst].view(BITS[item]).view(-1)[flat] = values[pos]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def pull_ranges(transport: NixlTransport, manifests: Mapping[RankCoord, Manifest], choice: DeltaChoice,
+                local: torch.Tensor, timeout: float) -> int:
+    """READ every range of ``choice`` into ``local`` (uint8, registered), one request per rank
+    and memory type; the bytes read.
+
+    Raises:
+        TransferError: as :func:`~megarefit.transport.nixl.read_ranges`."""
+    return read_ranges(transport, [(manifests[r], ranges) for r, ranges in sorted(choice.reads.items()) if ranges],
+                       local, timeout=timeout)
+
+
+class DeltaReceiver:
+    """A staged receiver's delta state: the version its arena holds whole (``held``, with the
+    plan and trainer memory it was pulled under), the registered local buffer the ranges land
+    in, and why the last cycle was a full one (``reason``).
+
+    ``held`` is cleared before any pull writes the arena and set again only after a cycle was
+    fenced (and its checksums verified), so a failed cycle -- delta or full -- is followed by a
+    full one: the arena is never patched from a version it does not hold whole."""
+
+    def __init__(self, transport: NixlTransport, device: torch.device, enabled: bool = True):
+        self.transport, self.device, self.enabled = transport, device, enabled
+        self.held: tuple[int, tuple] | None = None
+        self.reason = "first cycle" if enabled else "delta=False"
+        self.local: torch.Tensor | None = None
+        self.applier = DeltaApplier()
+
+    @staticmethod
+    def key(plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> tuple:
+        return plan.digest, tuple(sorted((r, m.memory_digest) for r, m in manifests.items()))
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes of the local buffer the ranges land in (0 before the first delta cycle)."""
+        return 0 if self.local is None else self.local.numel()
+
+    def forget(self, reason: str) -> None:
+        """The arena no longer holds a version whole (``reason`` says why, in stats)."""
+        self.held = None
+        if self.enabled:
+            self.reason = reason
+
+    def hold(self, version: int, plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> None:
+        """The arena holds ``version`` whole (the cycle was fenced)."""
+        self.held = (version, self.key(plan, manifests))
+
+    def choice(self, rendezvous: Rendezvous, plan: Plan, manifests: Mapping[RankCoord, Manifest],
+               ranks: Sequence[RankCoord], version: int) -> DeltaChoice | str:
+        """The delta from the held version to ``version``, or why the cycle pulls in full;
+        clears ``held`` either way (the arena is about to be written)."""
+        held, self.held = self.held, None
+        if not self.enabled or held is None:
+            return self.reason
+        base, key = held
+        why = self._refused(plan, manifests, base, version, key)
+        if why:
+            return why
+        chains = fetch_chains(rendezvous, ranks, base, version)
+        return chains if isinstance(chains, str) else choose(plan, manifests, chains)
+
+    def _refused(self, plan: Plan, manifests: Mapping[RankCoord, Manifest], base: int, version: int,
+                 key: tuple) -> str:
+        if key != self.key(plan, manifests):
+            return "the plan or a trainer rank's memory changed"
+        if version <= base:
+            return f"v{version} asked while the arena holds v{base}"
+        if plan.quantize or plan.transforms:
+            return "the plan has receiver-side steps (FP8 blocks quantized here, value steps)"
+        if self.transport.ipc is not None and self.transport.ipc.ranks:
+            return "trainer ranks are read through CUDA IPC"
+        return ""
+
+    def pull(self, plan: Plan, choice: DeltaChoice, buffers: Mapping[TensorRef, torch.Tensor],
+             manifests: Mapping[RankCoord, Manifest], timeout: float) -> int:
+        """READ ``choice``'s ranges and patch ``buffers``; the bytes read.
+
+        Raises:
+            TransferError: as :func:`pull_ranges`."""
+        need = max(8, choice.nbytes)
+        if self.local is None or self.local.numel() < need:
+            if self.local is not None:
+                self.transport.nixl.deregister([self.local])
+            self.local = torch.empty(need + need // 4, dtype=torch.uint8, device=self.device)
+        read = pull_ranges(self.transport, manifests, choice, self.local, timeout)
+        self.applier.apply(plan, choice, self.local, buffers, manifests)
+        return read
+
+
+__all__ = ["SCATTER_BYTES", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "choose", "fetch_chains", "map_through",
+           "pull_ranges", "segment_elements"]

@@ -1,0 +1,205 @@
+"""The trainer side of delta refits: find what changed since the last published version,
+pack it into registered slots, publish a signed record per version.
+
+``Publisher(..., delta=True)`` keeps a :class:`DeltaLog` over the tensors it serves (live
+parameters, snapshot copies or FP8 buffers and scales; byte for byte what receivers read)::
+
+    mirror   a host copy of every served tensor as of the last published version (pinned when
+             the tensors are on a GPU: no second copy of the weights in GPU memory)
+    publish  inside the rank's seqlock: per tensor, the elements whose bits differ from the
+             mirror (compared on the tensor's device, the mirror streamed in chunks), packed as
+             int32 indices or a bitmap, whichever is smaller (delta_records.best_format), plus
+             the new values, into slot ``n % keep``; the mirror updated at those elements; a
+             record published under ``delta/<rank>/<version>``, the record of the version that
+             used the slot before deleted first
+
+A version whose segments do not fit the slot publishes no record (receivers then pull it in
+full, as they do when they missed more than ``keep`` versions). Elements compare as bits, so
+``-0.0`` vs ``0.0`` and NaN payloads count as changes and every received byte equals the
+trainer's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarefit.errors import MegarefitError
+from megarefit.layout import RankCoord
+from megarefit.online.delta_records import (
+    BITMAP,
+    INDICES,
+    DeltaRecord,
+    DeltaSegment,
+    best_format,
+    delta_key,
+    segment_bytes,
+)
+from megarefit.online.rendezvous import Rendezvous
+from megarefit.transport.nixl_agent import NixlAgent, mem_type
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by itemsize
+CHUNK = 1 << 25  # elements compared at once against the mirror on a GPU (bounds the temporary)
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """``keep``: versions whose deltas stay published (a receiver up to ``keep`` versions behind
+    catches up by deltas); ``capacity``: each slot's size as a fraction of the served bytes (a
+    version whose delta is larger publishes none: receivers pull it in full)."""
+
+    keep: int = 2
+    capacity: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.keep < 1 or not 0.0 < self.capacity <= 4.0:
+            raise MegarefitError(f"DeltaOptions(keep={self.keep}, capacity={self.capacity}): keep must be at least 1 "
+                                 "and capacity a fraction of the served bytes in (0, 4]")
+
+
+@dataclass
+class DeltaStats:
+    """What the last publish found: its version and base, changed elements of all served
+    elements, the bytes packed (0 when none was recorded), whether a record was published and
+    the seconds it took (comparing, packing, updating the mirror)."""
+
+    version: int
+    base: int | None
+    changed: int
+    elements: int
+    packed_bytes: int
+    recorded: bool
+    seconds: float
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width, flat (a view)."""
+    return t.detach().reshape(-1).view(BITS[t.element_size()])
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.numel(), dtype=BITS[t.element_size()], pin_memory=t.is_cuda)
+    out.copy_(bits(t))
+    return out
+
+
+def changed_elements(cur: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
+    """Flat indices (int64, ascending, on ``cur``'s device) where ``bits(cur)`` differs from
+    ``mirror`` (its host copy), compared in chunks of :data:`CHUNK` elements on a GPU."""
+    flat = bits(cur)
+    if not flat.is_cuda:
+        return (flat != mirror).nonzero().view(-1)
+    parts = []
+    for a in range(0, flat.numel(), CHUNK):
+        old = mirror[a:a + CHUNK].to(flat.device, non_blocking=True)
+        parts.append((flat[a:a + CHUNK] != old).nonzero().view(-1) + a)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=flat.device)
+
+
+def pack_bitmap(idx: torch.Tensor, numel: int) -> torch.Tensor:
+    """The bitmap of ``idx`` over ``numel`` elements: uint8 ``[ceil(numel / 8)]``, bit ``j`` of
+    byte ``b`` set when element ``8 b + j`` is in ``idx``."""
+    mask = torch.zeros((numel + 7) // 8 * 8, dtype=torch.uint8, device=idx.device)
+    mask[idx] = 1
+    shifts = torch.arange(8, dtype=torch.uint8, device=idx.device)
+    return (mask.view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
+
+
+class DeltaLog:
+    """Packs and publishes one rank's deltas (see the module docstring).
+
+    ``served``: the tensors receivers read, in manifest order (``entry`` ``i`` of a record is
+    ``served[i]``); the slots are registered with ``agent``."""
+
+    def __init__(self, served: Sequence[torch.Tensor], agent: NixlAgent, rendezvous: Rendezvous, rank: RankCoord,
+                 options: DeltaOptions):
+        self.served = list(served)
+        self.rendezvous, self.rank, self.options = rendezvous, rank, options
+        self.mirror = [_host_copy(t) for t in self.served]
+        total = sum(t.numel() * t.element_size() for t in self.served)
+        capacity = max(4096, math.ceil(options.capacity * total / 8) * 8)
+        pinned = any(t.is_cuda for t in self.served)
+        self.slots = [torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned) for _ in range(options.keep)]
+        agent.register(self.slots)
+        self.slot_version: list[int | None] = [None] * options.keep
+        self.base: int | None = None  # the version the mirror holds (None before the first publish)
+        self.count = 0  # records written
+        self.last: DeltaStats | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held: the mirror and the slots."""
+        return sum(m.numel() * m.element_size() for m in self.mirror) + sum(s.numel() for s in self.slots)
+
+    def record(self, version: int) -> DeltaStats:
+        """Find, pack and publish the delta from the last recorded version into ``version``
+        (call inside the rank's seqlock, after the served tensors hold ``version``). The first
+        call, or one whose version is not newer, only records the mirror's version."""
+        t0 = time.perf_counter()
+        base = self.base
+        if base is None or version <= base:
+            if base is not None and version < base:  # an older version re-published: start over
+                self.mirror = [_host_copy(t) for t in self.served]
+            self.base = version
+            self.last = DeltaStats(version, None, 0, self._elements(), 0, False, time.perf_counter() - t0)
+            return self.last
+        k = self.count % self.options.keep
+        if self.slot_version[k] is not None:  # its bytes are about to be rewritten: no receiver may use them
+            self.rendezvous.store.delete_key(self.rendezvous.prefix + delta_key(self.rank, self.slot_version[k]))
+            self.slot_version[k] = None
+        segments, changed = self._pack(self.slots[k])
+        used = segments[-1].offset + segments[-1].nbytes if segments else 0
+        fits = used <= self.slots[k].numel()
+        if fits:
+            mem, dev = mem_type(self.slots[k])
+            rec = DeltaRecord(version, base, self.slots[k].data_ptr(), self.slots[k].numel(), used, mem, dev,
+                              tuple(segments))
+            self.rendezvous.put(delta_key(self.rank, version), rec.encode())
+            self.slot_version[k] = version
+        self.count += 1
+        self.base = version
+        self.last = DeltaStats(version, base, changed, self._elements(), used if fits else 0, fits,
+                               time.perf_counter() - t0)
+        return self.last
+
+    def _elements(self) -> int:
+        return sum(t.numel() for t in self.served)
+
+    def _pack(self, slot: torch.Tensor) -> tuple[list[DeltaSegment], int]:
+        """Every served tensor's changed elements packed into ``slot`` (while they fit; the
+        segments of all of them are returned, so the caller sees the size needed) and the
+        mirror updated; also the count of changed elements."""
+        segments: list[DeltaSegment] = []
+        at = changed = 0
+        for i, (t, mirror) in enumerate(zip(self.served, self.mirror)):
+            idx = changed_elements(t, mirror)
+            n = idx.numel()
+            if n == 0:
+                continue
+            changed += n
+            values = bits(t)[idx]
+            fmt = best_format(n, t.numel())
+            size = segment_bytes(fmt, n, t.numel(), t.element_size())
+            if at + size <= slot.numel():
+                _write_segment(slot[at:at + size], fmt, idx, values, t.numel())
+            segments.append(DeltaSegment(i, fmt, n, at, size))
+            at += size
+            mirror[idx.cpu()] = values.cpu()
+        return segments, changed
+
+
+def _write_segment(out: torch.Tensor, fmt: int, idx: torch.Tensor, values: torch.Tensor, numel: int) -> None:
+    """One segment's bytes into ``out`` (uint8): the indices or bitmap, 8-aligned, then the values."""
+    mask = idx.to(torch.int32).view(torch.uint8) if fmt == INDICES else pack_bitmap(idx, numel)
+    assert fmt in (INDICES, BITMAP)
+    out[:mask.numel()].copy_(mask)
+    at = (mask.numel() + 7) // 8 * 8
+    raw = values.view(torch.uint8)
+    out[at:at + raw.numel()].copy_(raw)
+
+
+__all__ = ["CHUNK", "DeltaLog", "DeltaOptions", "DeltaStats", "bits", "changed_elements", "pack_bitmap"]
