@@ -272,6 +272,7 @@ class DeltaReceiver:
         held, self.held = self.held, None
         if not self.enabled or held is None:
             return self.reason
+        self.reason = "the previous cycle did not complete"  # until this one completes (hold)
         base, key = held
         why = self._refused(plan, manifests, base, version, key)
         if why:

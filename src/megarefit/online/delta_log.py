@@ -119,7 +119,7 @@ class DeltaLog:
                  options: DeltaOptions):
         self.served = list(served)
         self.rendezvous, self.rank, self.options = rendezvous, rank, options
-        self.mirror = [_host_copy(t) for t in self.served]
+        self.mirror: list[torch.Tensor] = []  # copied at the first publish
         total = sum(t.numel() * t.element_size() for t in self.served)
         capacity = max(4096, math.ceil(options.capacity * total / 8) * 8)
         pinned = any(t.is_cuda for t in self.served)
@@ -133,7 +133,8 @@ class DeltaLog:
     @property
     def nbytes(self) -> int:
         """Host bytes held: the mirror and the slots."""
-        return sum(m.numel() * m.element_size() for m in self.mirror) + sum(s.numel() for s in self.slots)
+        mirror = sum(t.numel() * t.element_size() for t in self.served)
+        return mirror + sum(s.numel() for s in self.slots)
 
     def record(self, version: int) -> DeltaStats:
         """Find, pack and publish the delta from the last recorded version into ``version``
@@ -142,8 +143,8 @@ class DeltaLog:
         t0 = time.perf_counter()
         base = self.base
         if base is None or version <= base:
-            if base is not None and version < base:  # an older version re-published: start over
-                self.mirror = [_host_copy(t) for t in self.served]
+            if base is None or version < base:  # the first version (FP8 / snapshot buffers were filled just now),
+                self.mirror = [_host_copy(t) for t in self.served]  # or an older one re-published: start over
             self.base = version
             self.last = DeltaStats(version, None, 0, self._elements(), 0, False, time.perf_counter() - t0)
             return self.last

@@ -1,0 +1,370 @@
+"""Delta refits over real NIXL (UCX loopback): trainers publish only the elements that changed,
+a staged receiver holding the previous version patches its arena with them.
+
+Oracles, none of them the delta path itself:
+
+* a second receiver of the same trainers with ``delta=False`` (a full pull through the
+  prepared-plan READs): after every delta cycle the two hold the same bytes, bit for bit;
+* :class:`~megarefit.transport.local.LocalTransport` running each plan op on unique-valued
+  sources: :func:`map_through` must send every source element where that copy put it;
+* the trainers' checksums (``verify_checksums``) over the patched arena.
+
+Layouts: dense tp=2; Qwen3-MoE tp=2 ep=2 etp=1 with legacy GroupedMLP experts (viewed and
+transposed ops) to HF tensors and to a vLLM tp=2 worker with expert parallelism; block FP8
+served by the trainers (FP8 bytes and float32 scales patched).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("nixl")
+
+from conftest import tiny_config  # noqa: E402
+from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.layout.megatron_model import source_layout  # noqa: E402
+from megarefit.online import delta_apply  # noqa: E402
+from megarefit.online.cycle import StaleVersionError  # noqa: E402
+from megarefit.online.delta_apply import map_through  # noqa: E402
+from megarefit.online.delta_log import DeltaOptions  # noqa: E402
+from megarefit.online.delta_records import (BITMAP, INDICES, DeltaRecord, DeltaRecordError,  # noqa: E402
+                                            DeltaSegment, decode_record)
+from megarefit.online.publisher import Publisher  # noqa: E402
+from megarefit.online.receiver import RefitReceiver  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.plan import Plan  # noqa: E402
+from megarefit.targets import VllmTarget  # noqa: E402
+from megarefit.transport.checksum import ChecksumMismatchError  # noqa: E402
+from megarefit.transport.local import LocalTransport  # noqa: E402
+from megarefit.transport.nixl_agent import TransferError  # noqa: E402
+from moe_cases import megatron_shards, moe_config  # noqa: E402
+from reference import hf_checkpoint_state, reference_hf_state, reference_shards  # noqa: E402
+
+_JOBS = itertools.count()
+
+
+@dataclass
+class Trainer:
+    """Publishers of one model in this process, a delta receiver and a full (reference) one."""
+
+    params: dict[tuple, dict[str, torch.Tensor]]
+    pubs: list[Publisher]
+    rdzv: Rendezvous
+    kind: str = ""
+    version: int = 0
+    receivers: dict[str, RefitReceiver] = field(default_factory=dict)
+
+    def receiver(self, name: str, **kw) -> RefitReceiver:
+        if name not in self.receivers:
+            self.receivers[name] = RefitReceiver(self.rdzv, name=f"{self.rdzv.job}-{name}", timeout=20, **kw)
+        return self.receivers[name]
+
+    def publish(self) -> int:
+        self.version += 1
+        for p in self.pubs:
+            p.publish(self.version)
+        return self.version
+
+    def change(self, density: float, seed: int) -> None:
+        """Scale about ``density`` of every parameter's elements (drawn at random) by 1 + 2**-5 (a bf16 step)."""
+        g = torch.Generator().manual_seed(seed)
+        for shard in self.params.values():
+            for t in shard.values():
+                flat = t.view(-1)
+                idx = torch.randint(flat.numel(), (max(1, int(density * flat.numel())),), generator=g).unique()
+                flat[idx] = flat[idx] * (1 + 2 ** -5)
+
+    def step(self, density: float, seed: int) -> int:
+        self.change(density, seed)
+        return self.publish()
+
+
+def pulled(receiver: RefitReceiver, version: int | None) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in receiver.run_refit_cycle(version)}
+
+
+def assert_same_bytes(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(got[name].view(torch.uint8), w.view(torch.uint8)), name
+
+
+def _dense(job: str, delta) -> Trainer:
+    cfg = tiny_config("Llama-3.1-8B")
+    hf = {k: v.to(torch.bfloat16) for k, v in reference_hf_state(cfg, "llama").items()}
+    shards = reference_shards(hf, cfg, tp=2, pp=1)
+    rdzv = Rendezvous.serve(job=job)
+    params = {r: {n: t.clone() for n, t in s.items()} for r, s in shards.items()}
+    pubs = [Publisher(params[r], cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
+                      agent_name=f"{job}-t{r[0]}", delta=delta, checksums=True) for r in params]
+    return Trainer(params, pubs, rdzv)
+
+
+def _moe(job: str, delta, *, fp8: bool = False, tmp=None) -> Trainer:
+    if fp8:
+        cfg = moe_config("Qwen3-30B-A3B", hidden_size=256, head_dim=128, moe_intermediate_size=256,
+                         intermediate_size=512)
+        expert_layout = "te_grouped"
+    else:
+        cfg, expert_layout = moe_config("Qwen3-30B-A3B"), "legacy_grouped"
+    hf = {k: v.to(torch.bfloat16) for k, v in hf_checkpoint_state(cfg, tmp, seed=3).items()}
+    shards = megatron_shards(hf, cfg, "qwen3_moe", 2, 2, 1, expert_layout, "local")
+    dims = ModelDims.from_hf_config(cfg)
+    layout = SourceLayout.build(tp=2, pp=1, ep=2, etp=1, padded_vocab_size=dims.padded_vocab_size(2),
+                                num_layers=dims.num_layers, expert_layout=expert_layout)
+    rdzv = Rendezvous.serve(job=job)
+    params = {tuple(r): {n: t.clone() for n, t in shards[tuple(r)].items()} for r in layout.ranks()}
+    pubs = [Publisher(params[r], cfg, rank=r, layout=layout, rendezvous=rdzv, agent_name=f"{job}-t{r[0]}{r[2]}",
+                      delta=delta, quantization="fp8" if fp8 else None) for r in params]
+    return Trainer(params, pubs, rdzv)
+
+
+ROOMY = DeltaOptions(keep=2, capacity=1.0)  # slots that hold even half the elements changed
+KINDS: dict[str, Callable[..., Trainer]] = {
+    "dense-tp2": lambda job, tmp: _dense(job, ROOMY),
+    "moe-grouped-ep2": lambda job, tmp: _moe(job, ROOMY, tmp=tmp),
+    "fp8-served": lambda job, tmp: _moe(job, ROOMY, fp8=True, tmp=tmp),
+}
+TARGETS = {  # receivers of each trainer: full HF tensors, and a vLLM tp=2 worker with expert parallelism
+    "dense-tp2": {"hf": None},
+    "moe-grouped-ep2": {"hf": None, "vllm-ep": VllmTarget(2, 1, expert_parallel=True)},
+    "fp8-served": {"hf": None},
+}
+
+
+def _stop(tr: Trainer) -> None:
+    """Close the receivers and drop every NIXL agent (their progress threads poll a core each)."""
+    for rx in tr.receivers.values():
+        rx.close()
+    tr.receivers.clear()
+    tr.pubs.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def trainer(request, tmp_path_factory):
+    """One trainer at a time (module scope, one parameter after the other), its receivers
+    holding its first version whole."""
+    tr = KINDS[request.param](f"delta-{request.param}", tmp_path_factory.mktemp(request.param))
+    tr.kind = request.param
+    tr.publish()
+    for name, target in TARGETS[request.param].items():
+        pulled(tr.receiver(name, target=target), tr.version)
+    yield tr
+    _stop(tr)
+
+
+@pytest.fixture
+def dense():
+    tr = _dense(f"delta-dense-{next(_JOBS)}", DeltaOptions(keep=2, capacity=1.0))
+    tr.publish()
+    pulled(tr.receiver("delta"), tr.version)
+    yield tr
+    _stop(tr)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(density=st.sampled_from([0.0005, 0.01, 0.05, 0.9]), seed=st.integers(0, 2 ** 16), steps=st.integers(1, 2))
+def test_delta_cycle_equals_full_pull(trainer, density, seed, steps):
+    """Random sparse changes over one or two versions: each receiver's delta cycle leaves its
+    arena equal to a full pull's, byte for byte; sparse changes move a fraction of the bytes,
+    dense ones (most elements changed) are read whole."""
+    for k in range(steps):
+        v = trainer.step(density, seed + k)
+    for name, target in TARGETS[trainer.kind].items():
+        rx = trainer.receiver(name, target=target)
+        got = pulled(rx, v)
+        want = pulled(trainer.receiver(f"{name}-full", target=target, delta=False), v)
+        stats, full = rx.stats, trainer.receiver(f"{name}-full").stats
+        assert (stats.refit, stats.delta_base, full.refit) == ("delta", v - steps, "full"), stats.delta_reason
+        assert_same_bytes(got, want)
+        if density <= 0.01:
+            assert stats.bytes_moved < 0.25 * full.bytes_moved and stats.delta_tensors > 0
+        if density >= 0.9:
+            assert stats.full_tensors > 0  # most elements changed: reading those tensors whole is cheaper
+
+
+def test_lost_versions_force_a_full_pull_then_deltas_resume(dense):
+    """Trainers keep two versions' deltas: a receiver three versions behind pulls in full (and
+    says why in stats); from there on it refits by deltas again."""
+    tr = dense
+    rx = tr.receiver("delta")
+    base = tr.version
+    for k in range(3):
+        tr.step(0.01, 100 + k)
+    got = pulled(rx, tr.version)
+    assert rx.stats.refit == "full" and f"no delta record for (0, 0, 0) v{base + 1}" in rx.stats.delta_reason
+    assert_same_bytes(got, pulled(tr.receiver("full", delta=False), tr.version))
+    v = tr.step(0.01, 200)
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full"), v))
+    assert rx.stats.refit == "delta" and rx.stats.delta_base == v - 1
+
+
+def test_a_delta_larger_than_its_slot_is_not_published():
+    """A version whose changed elements do not fit the slot publishes no record: receivers pull
+    it in full, naming the version; smaller ones after it are deltas again."""
+    tr = _dense(f"delta-slot-{next(_JOBS)}", DeltaOptions(keep=2, capacity=0.05))
+    try:
+        rx = tr.receiver("delta")
+        pulled(rx, tr.publish())
+        v = tr.step(0.3, 1)
+        assert not any(p.last_delta.recorded for p in tr.pubs) and tr.pubs[0].last_delta.changed > 0
+        pulled(rx, v)
+        assert rx.stats.refit == "full" and f"v{v}" in rx.stats.delta_reason
+        v = tr.step(0.001, 2)
+        assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full", delta=False), v))
+        assert rx.stats.refit == "delta"
+    finally:
+        _stop(tr)
+
+
+def test_checksums_cover_the_patched_arena(dense, monkeypatch):
+    """verify_checksums checks every box of a delta cycle against the trainers' sums; one wrong
+    patched element is caught (ChecksumMismatchError), and the next cycle is a full one."""
+    tr = dense
+    rx = tr.receiver("checked", verify_checksums=True)
+    pulled(rx, tr.version)
+    v = tr.step(0.01, 300)
+    pulled(rx, v)
+    assert rx.stats.refit == "delta" and rx.stats.checked_bytes == rx.plan.nbytes
+    real = delta_apply.DeltaApplier.apply
+
+    def corrupting(self, plan, choice, local, buffers, manifests):
+        real(self, plan, choice, local, buffers, manifests)
+        ref, pairs = next(iter(choice.delta.items()))
+        op = self.ops_of(plan)[ref][0]
+        buffers[op.dst].view(-1)[0] += 1
+
+    monkeypatch.setattr(delta_apply.DeltaApplier, "apply", corrupting)
+    v = tr.step(0.01, 301)
+    with pytest.raises(ChecksumMismatchError):
+        pulled(rx, v)
+    monkeypatch.undo()
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full", delta=False), v))
+    assert rx.stats.refit == "full" and "did not complete" in rx.stats.delta_reason
+
+
+def test_failed_delta_read_leaves_nothing_handed_over(dense, monkeypatch):
+    """A READ that fails during a delta cycle raises before any tensor is handed over; the
+    next cycle pulls in full and is exact."""
+    tr = dense
+    rx = tr.receiver("delta")
+    v = tr.step(0.01, 400)
+
+    def failing(*args, **kwargs):
+        raise TransferError("injected: the peer went away")
+
+    monkeypatch.setattr(delta_apply, "read_ranges", failing)
+    it = rx.run_refit_cycle(v)
+    with pytest.raises(TransferError, match="injected"):
+        next(it)
+    monkeypatch.undo()
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full", delta=False), v))
+    assert rx.stats.refit == "full"
+
+
+def test_a_writer_during_a_delta_pull_is_caught(dense, monkeypatch):
+    """A trainer that writes (``Publisher.updating``) while a delta cycle reads is seen by the
+    fence: asked for that version, StaleVersionError and nothing handed over; asked for the
+    latest, pulled again (in full: the arena was patched) and exact."""
+    tr = dense
+    rx = tr.receiver("delta")
+    real = delta_apply.read_ranges
+
+    def writing(*args, **kwargs):
+        monkeypatch.setattr(delta_apply, "read_ranges", real)
+        nxt = tr.version + 1
+        with AllUpdating(tr.pubs, nxt):
+            tr.change(0.01, 500 + nxt)
+        tr.version = nxt
+        return real(*args, **kwargs)
+
+    for asked in ("that version", "latest"):
+        pulled(rx, tr.version) if rx.stats.version != tr.version else None
+        v = tr.step(0.01, 600 + tr.version)
+        monkeypatch.setattr(delta_apply, "read_ranges", writing)
+        if asked == "that version":
+            with pytest.raises(StaleVersionError, match="moved past version"):
+                next(rx.run_refit_cycle(v))
+            continue
+        got = pulled(rx, None)
+        assert rx.stats.version == v + 1 and rx.stats.retries == 1 and rx.stats.refit == "full"
+        assert_same_bytes(got, pulled(tr.receiver("full", delta=False), v + 1))
+
+
+class AllUpdating:
+    """``Publisher.updating(version)`` of every publisher around a block."""
+
+    def __init__(self, pubs, version):
+        self.cms = [p.updating(version) for p in pubs]
+
+    def __enter__(self):
+        for cm in self.cms:
+            cm.__enter__()
+
+    def __exit__(self, *exc):
+        for cm in self.cms:
+            cm.__exit__(None, None, None)
+
+
+def _unique_sources(plan: Plan) -> tuple[dict, dict]:
+    """Every source of ``plan`` as int64 tensors of distinct values, and each one's first value."""
+    sources, first, at = {}, {}, 0
+    for ref, meta in plan.sources.items():
+        n = meta.numel
+        sources.setdefault(ref.rank, {})[ref.name] = torch.arange(at, at + n, dtype=torch.int64).view(
+            meta.storage_shape or meta.shape)
+        first[ref] = at
+        at += n
+    return sources, first
+
+
+@pytest.mark.parametrize("target", ["hf", "vllm-ep"])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(density=st.floats(0.001, 1.0), seed=st.integers(0, 2 ** 16))
+def test_map_through_follows_the_local_copy(trainer, target, density, seed):
+    """For every op of a real plan, the target element :func:`map_through` names for a source
+    element holds that element after LocalTransport runs the op on unique values."""
+    if target not in TARGETS[trainer.kind]:
+        pytest.skip(f"{trainer.kind} has no {target} receiver")
+    plan = trainer.receivers[target].plan
+    sources, first = _unique_sources(plan)
+    local = LocalTransport(sources)
+    targets = {}
+    for ref, ops in plan.ops_by_target.items():
+        meta = plan.targets[ref]
+        targets[ref] = torch.full(meta.storage_shape or meta.shape, -1, dtype=torch.int64)
+        local.pull(ops, targets[ref])
+    g = torch.Generator().manual_seed(seed)
+    hit = {ref: 0 for ref in targets}
+    for op in plan.ops:
+        meta = plan.sources[op.src]
+        idx = (torch.rand(meta.numel, generator=g) < density).nonzero().view(-1)
+        pos, flat = map_through(op, op.src_view or meta.shape, op.dst_view or plan.targets[op.dst].shape, idx)
+        assert torch.equal(targets[op.dst].view(-1)[flat], first[op.src] + idx[pos]), op
+        hit[op.dst] += pos.numel()
+        whole = torch.arange(meta.numel)
+        assert map_through(op, op.src_view or meta.shape, op.dst_view or plan.targets[op.dst].shape,
+                           whole)[0].numel() == op.numel
+    assert sum(hit.values()) <= sum(op.numel for op in plan.ops)
+
+
+def test_records_round_trip_and_refuse_malformed_bytes():
+    rec = DeltaRecord(7, 6, 1 << 40, 4096, 96, "DRAM", 0,
+                      (DeltaSegment(0, INDICES, 4, 0, 16), DeltaSegment(3, BITMAP, 10, 16, 80)))
+    assert decode_record(rec.encode()) == rec
+    raw = rec.encode()
+    for bad, what in [(b"XXXX" + raw[4:], "magic"), (raw[:-8], "rows"),
+                      (DeltaRecord(7, 6, 0, 64, 32, "DRAM", 0, (DeltaSegment(0, INDICES, 4, 16, 32),)).encode(),
+                       "segment"),
+                      (DeltaRecord(7, 6, 0, 64, 128, "DRAM", 0, ()).encode(), "header")]:
+        with pytest.raises(DeltaRecordError, match=what):
+            decode_record(bad)
