@@ -7,8 +7,9 @@ fenced) and is asked for ``v > p`` follows each rank's records back from ``v`` t
 
     records   every rank's chain v -> ... -> p, or the reason there is none (a version no longer
               kept, a version too large for its slot, a new layout): then the cycle is a full one
-    choose    per source tensor the plan reads: its segments' bytes plus SCATTER_BYTES per changed
-              element, against the tensor's own bytes -- the cheaper is read
+    choose    per source tensor the plan reads: the seconds to read its segments and place each
+              changed element, against the seconds to read the tensor whole -- the cheaper is read;
+              the rates are the receiver's own, measured on its last full and delta cycles
     pull      one NIXL READ per rank of byte ranges (segments, whole tensors) into one registered
               buffer on the receiver's device
     apply     per tensor, in version order: decode indices (or bitmap), map each source element
@@ -22,6 +23,7 @@ steps) have no trainer bytes to patch: a plan with such steps refits in full.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +39,9 @@ from megarefit.transport.local import op_views
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl import NixlTransport, read_ranges
 
-SCATTER_BYTES = 2.0  # the cost of scattering one changed element, in bytes read (measured: bench_delta.py)
+# The cost model's starting rates, until the receiver measured its own (bytes read per second over
+# the wire, changed elements placed per second): a changed element costs wire / scatter bytes more.
+START_RATES = {"cpu": (5e9, 5e7), "cuda": (5e10, 2e9)}
 
 
 def _unravel(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -143,9 +147,10 @@ def fetch_chains(rendezvous: Rendezvous, ranks: Sequence[RankCoord], base: int, 
 
 
 def choose(plan: Plan, manifests: Mapping[RankCoord, Manifest], chains: dict[RankCoord, list[DeltaRecord]],
-           scatter_bytes: float = SCATTER_BYTES) -> DeltaChoice:
+           scatter_bytes: float) -> DeltaChoice:
     """Per source tensor of ``plan``: patch it with its segments, or read it whole, whichever
-    costs fewer bytes (a changed element costing ``scatter_bytes`` more); lays out the reads."""
+    costs fewer bytes, a changed element costing ``scatter_bytes`` more (the receiver's wire
+    rate over its scatter rate); lays out the reads."""
     out = DeltaChoice(chains)
     read = {ref for ref in plan.sources}
     for rank, chain in sorted(chains.items()):
@@ -233,7 +238,10 @@ def pull_ranges(transport: NixlTransport, manifests: Mapping[RankCoord, Manifest
 class DeltaReceiver:
     """A staged receiver's delta state: the version its arena holds whole (``held``, with the
     plan and trainer memory it was pulled under), the registered local buffer the ranges land
-    in, and why the last cycle was a full one (``reason``).
+    in, why the last cycle was a full one (``reason``), and the cost model's ``rates``: bytes
+    per second read over the wire (measured on full and delta cycles) and changed elements per
+    second placed (delta cycles); ``learn = False`` keeps them as set. A whole delta that costs
+    more than the full pull (bytes, plus the placing in bytes' worth) is not used.
 
     ``held`` is cleared before any pull writes the arena and set again only after a cycle was
     fenced (and its checksums verified), so a failed cycle -- delta or full -- is followed by a
@@ -245,6 +253,21 @@ class DeltaReceiver:
         self.reason = "first cycle" if enabled else "delta=False"
         self.local: torch.Tensor | None = None
         self.applier = DeltaApplier()
+        wire, scatter = START_RATES["cuda" if device.type == "cuda" else "cpu"]
+        self.rates = {"wire": wire, "scatter": scatter}  # bytes / s read, changed elements / s placed
+        self.seconds: dict[str, float] = {}  # the last delta cycle's read and apply
+        self.learn = True  # fold each cycle's measured rates into ``rates`` (False: keep them as set)
+
+    def measured(self, rate: str, amount: float, seconds: float) -> None:
+        """Fold one cycle's measurement into ``rates[rate]`` (half the old, half the new), for
+        cycles large enough to time (at least a millisecond)."""
+        if self.learn and seconds >= 1e-3 and amount > 0:
+            self.rates[rate] = 0.5 * self.rates[rate] + 0.5 * amount / seconds
+
+    @property
+    def scatter_bytes(self) -> float:
+        """What placing one changed element costs, in bytes read (wire rate / scatter rate)."""
+        return self.rates["wire"] / self.rates["scatter"]
 
     @staticmethod
     def key(plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> tuple:
@@ -278,7 +301,14 @@ class DeltaReceiver:
         if why:
             return why
         chains = fetch_chains(rendezvous, ranks, base, version)
-        return chains if isinstance(chains, str) else choose(plan, manifests, chains)
+        if isinstance(chains, str):
+            return chains
+        choice = choose(plan, manifests, chains, self.scatter_bytes)
+        cost = choice.nbytes + self.scatter_bytes * choice.changed
+        if cost >= plan.nbytes:
+            return (f"the delta ({choice.nbytes} bytes, {choice.changed} changed elements) costs more than a full "
+                    f"pull ({plan.nbytes} bytes) at the measured rates")
+        return choice
 
     def _refused(self, plan: Plan, manifests: Mapping[RankCoord, Manifest], base: int, version: int,
                  key: tuple) -> str:
@@ -303,10 +333,18 @@ class DeltaReceiver:
             if self.local is not None:
                 self.transport.nixl.deregister([self.local])
             self.local = torch.empty(need + need // 4, dtype=torch.uint8, device=self.device)
+        t0 = time.perf_counter()
         read = pull_ranges(self.transport, manifests, choice, self.local, timeout)
+        t1 = time.perf_counter()
         self.applier.apply(plan, choice, self.local, buffers, manifests)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        self.measured("wire", read, t1 - t0)
+        self.measured("scatter", choice.changed, t2 - t1)
+        self.seconds = {"delta.read": t1 - t0, "delta.apply": t2 - t1}
         return read
 
 
-__all__ = ["SCATTER_BYTES", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "choose", "fetch_chains", "map_through",
+__all__ = ["START_RATES", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "choose", "fetch_chains", "map_through",
            "pull_ranges", "segment_elements"]

@@ -169,14 +169,15 @@ class CyclePipeline:
             if isinstance(pulled, DeltaChoice):
                 self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout)
             else:
+                t_read = time.perf_counter()
                 self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)
+                self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
             if self.verifier is not None:
                 self.verifier.pull(start.manifests, self.timeout)
         full = not isinstance(pulled, DeltaChoice)
         quant_s = self._after_pull(plan) if full else 0.0
         lap("pull")
-        if full:
-            seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()})
+        seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()} if full else self.delta.seconds)
         if plan.quantize:
             seconds["pull.quantize"] = quant_s
         self.fence.end(start)

@@ -37,6 +37,7 @@ import torch
 
 from megarefit.errors import LayoutError, MegarefitError
 from megarefit.online.cycle import CycleStats, StaleVersionError, TornUpdateError, VersionMismatchError
+from megarefit.online.delta_apply import DeltaReceiver
 from megarefit.online.fence import VersionFence
 from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.pipeline import CyclePipeline
@@ -181,6 +182,12 @@ class RefitReceiver:
     def stats(self) -> CycleStats | None:
         """The last completed cycle's stats, or ``None`` before the first."""
         return self._pipeline.stats
+
+    @property
+    def delta_model(self) -> DeltaReceiver:
+        """The delta refit's state and cost model (:class:`~megarefit.online.delta_apply.DeltaReceiver`:
+        ``rates``, ``learn``, ``reason``)."""
+        return self._pipeline.delta
 
     @property
     def plans_built(self) -> int:
