@@ -33,10 +33,10 @@ from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.layout.megatron_model import source_layout  # noqa: E402
 from megarefit.online import delta_apply  # noqa: E402
 from megarefit.online.cycle import StaleVersionError  # noqa: E402
-from megarefit.online.delta_apply import map_through  # noqa: E402
-from megarefit.online.delta_log import DeltaOptions  # noqa: E402
-from megarefit.online.delta_records import (BITMAP, INDICES, DeltaRecord, DeltaRecordError,  # noqa: E402
-                                            DeltaSegment, decode_record)
+from megarefit.online.delta_apply import map_through, segment_elements  # noqa: E402
+from megarefit.online.delta_log import DeltaOptions, pack_bitmap, pack_paged  # noqa: E402
+from megarefit.online.delta_records import (BITMAP, INDICES, PAGED, DeltaRecord, DeltaRecordError,  # noqa: E402
+                                            DeltaSegment, best_format, decode_record, mask_bytes, segment_bytes)
 from megarefit.online.publisher import Publisher  # noqa: E402
 from megarefit.online.receiver import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
@@ -44,6 +44,7 @@ from megarefit.plan import Plan  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
 from megarefit.transport.checksum import ChecksumMismatchError  # noqa: E402
 from megarefit.transport.local import LocalTransport  # noqa: E402
+from megarefit.transport.manifest import TensorEntry  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 from moe_cases import megatron_shards, moe_config  # noqa: E402
 from reference import hf_checkpoint_state, reference_hf_state, reference_shards  # noqa: E402
@@ -384,3 +385,28 @@ def test_records_round_trip_and_refuse_malformed_bytes():
                       (DeltaRecord(7, 6, 0, 64, 128, "DRAM", 0, ()).encode(), "header")]:
         with pytest.raises(DeltaRecordError, match=what):
             decode_record(bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(1, 3 * 65536 + 7), density=st.floats(0.0, 1.0), fmt=st.sampled_from([INDICES, BITMAP, PAGED]),
+       seed=st.integers(0, 2 ** 16))
+def test_every_format_names_the_changed_elements_exactly(numel, density, fmt, seed):
+    """Indices, bitmap and paged offsets decode to the changed elements and values packed, and
+    best_format picks the smallest of them."""
+    g = torch.Generator().manual_seed(seed)
+    idx = (torch.rand(numel, generator=g) < density).nonzero().view(-1)
+    values = torch.randint(-2 ** 15, 2 ** 15, (idx.numel(),), generator=g, dtype=torch.int16)
+    mask = {INDICES: lambda: idx.to(torch.int32).view(torch.uint8), BITMAP: lambda: pack_bitmap(idx, numel),
+            PAGED: lambda: pack_paged(idx, numel)}[fmt]()
+    assert mask.numel() == mask_bytes(fmt, idx.numel(), numel)
+    size = segment_bytes(fmt, idx.numel(), numel, 2)
+    raw = torch.zeros(size, dtype=torch.uint8)
+    raw[:mask.numel()] = mask
+    at = (mask.numel() + 7) // 8 * 8
+    raw[at:at + 2 * idx.numel()] = values.view(torch.uint8)
+    entry = TensorEntry("w", "column", "bfloat16", (numel,), (numel,), 0, 2 * numel)
+    got_idx, got_values = segment_elements(raw, DeltaSegment(0, fmt, idx.numel(), 0, size), entry, 2)
+    assert torch.equal(got_idx, idx) and torch.equal(got_values, values)
+    best = best_format(idx.numel(), numel)
+    assert mask_bytes(best, idx.numel(), numel) == min(mask_bytes(f, idx.numel(), numel)
+                                                       for f in (INDICES, BITMAP, PAGED))

@@ -31,7 +31,16 @@ import torch
 
 from megarefit.layout import RankCoord
 from megarefit.online.delta_log import BITS
-from megarefit.online.delta_records import INDICES, DeltaRecord, DeltaSegment, decode_record, delta_key
+from megarefit.online.delta_records import (
+    INDICES,
+    PAGE,
+    PAGED,
+    DeltaRecord,
+    DeltaSegment,
+    decode_record,
+    delta_key,
+    mask_bytes,
+)
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.plan.ops import squeezed_lengths
@@ -87,13 +96,17 @@ def map_through(op: CopyOp, src_shape: Sequence[int], dst_shape: Sequence[int], 
 def segment_elements(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, itemsize: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The changed flat indices (int64, ascending) and values (integers of ``itemsize`` bytes)
-    of one segment's bytes ``raw`` (uint8)."""
+    of one segment's bytes ``raw`` (uint8; :mod:`~megarefit.online.delta_records` formats)."""
     numel = entry.nbytes // itemsize
+    mask = mask_bytes(seg.format, seg.count, numel)
     if seg.format == INDICES:
-        mask = 4 * seg.count
         idx = raw[:mask].view(torch.int32).to(torch.int64)
+    elif seg.format == PAGED:
+        pages = (numel + PAGE - 1) // PAGE
+        counts = raw[:4 * pages].view(torch.int32).to(torch.int64)
+        page = torch.repeat_interleave(torch.arange(pages, device=raw.device), counts)
+        idx = page * PAGE + (raw[4 * pages:mask].view(torch.int16).to(torch.int64) % PAGE)
     else:
-        mask = (numel + 7) // 8
         shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
         idx = ((raw[:mask].unsqueeze(1) >> shifts) & 1).view(-1)[:numel].nonzero().view(-1)
     at = (mask + 7) // 8 * 8

@@ -31,8 +31,9 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
 from megarefit.online.delta_records import (
-    BITMAP,
     INDICES,
+    PAGE,
+    PAGED,
     DeltaRecord,
     DeltaSegment,
     best_format,
@@ -193,14 +194,29 @@ class DeltaLog:
         return segments, changed
 
 
+def pack_paged(idx: torch.Tensor, numel: int) -> torch.Tensor:
+    """``idx`` (ascending) as pages of :data:`~megarefit.online.delta_records.PAGE` elements:
+    int32 ``[pages]`` changed counts, then the 16-bit offsets within each page, as uint8."""
+    pages = (numel + PAGE - 1) // PAGE
+    counts = torch.bincount(idx // PAGE, minlength=pages).to(torch.int32)
+    offsets = idx % PAGE
+    offsets = (offsets - PAGE * (offsets >= PAGE // 2)).to(torch.int16)  # 0..65535 as 16 bits
+    return torch.cat([counts.view(torch.uint8), offsets.view(torch.uint8)])
+
+
 def _write_segment(out: torch.Tensor, fmt: int, idx: torch.Tensor, values: torch.Tensor, numel: int) -> None:
-    """One segment's bytes into ``out`` (uint8): the indices or bitmap, 8-aligned, then the values."""
-    mask = idx.to(torch.int32).view(torch.uint8) if fmt == INDICES else pack_bitmap(idx, numel)
-    assert fmt in (INDICES, BITMAP)
+    """One segment's bytes into ``out`` (uint8): the indices, pages or bitmap, 8-aligned, then the values."""
+    if fmt == INDICES:
+        mask = idx.to(torch.int32).view(torch.uint8)
+    elif fmt == PAGED:
+        mask = pack_paged(idx, numel)
+    else:
+        mask = pack_bitmap(idx, numel)
     out[:mask.numel()].copy_(mask)
     at = (mask.numel() + 7) // 8 * 8
     raw = values.view(torch.uint8)
     out[at:at + raw.numel()].copy_(raw)
 
 
-__all__ = ["CHUNK", "DeltaLog", "DeltaOptions", "DeltaStats", "bits", "changed_elements", "pack_bitmap"]
+__all__ = ["CHUNK", "DeltaLog", "DeltaOptions", "DeltaStats", "bits", "changed_elements", "pack_bitmap",
+           "pack_paged"]

@@ -13,9 +13,12 @@ one signed record under ``delta/<tp>.<pp>.<ep>/<version>`` (:func:`delta_key`)::
 * ``addr`` / ``capacity`` / ``used``: the slot's address in the trainer's registered memory,
   its size and the bytes this version's segments fill (bytes); ``mem``: 0 host, 1 GPU;
 * a row per tensor with at least one changed element: ``entry``, its index in the rank's
-  manifest (``Manifest.tensors``); ``format``: :data:`INDICES` (``count`` int32 flat element
-  indices, ascending) or :data:`BITMAP` (``ceil(numel / 8)`` bytes, bit ``j`` of byte ``b``
-  set when element ``8 b + j`` changed), then ``count`` values in the entry's dtype;
+  manifest (``Manifest.tensors``); ``format``: how the changed elements are named --
+  :data:`INDICES` (``count`` int32 flat element indices, ascending), :data:`BITMAP`
+  (``ceil(numel / 8)`` bytes, bit ``j`` of byte ``b`` set when element ``8 b + j`` changed) or
+  :data:`PAGED` (pages of 65536 elements: ``ceil(numel / 65536)`` int32 counts, then ``count``
+  16-bit offsets within their page, ascending) -- then, 8-aligned, ``count`` values in the
+  entry's dtype;
   ``offset`` / ``nbytes``: where the segment lies in the slot (bytes, 8-aligned).
 
 Records are parsed as fixed-width integers and checked (never unpickled):
@@ -33,7 +36,9 @@ from megarefit.layout import RankCoord
 MAGIC = b"MRD1"
 INDICES = 0  # int32 flat element indices, ascending
 BITMAP = 1  # one bit per element, little-endian within each byte
-FORMATS = {INDICES: "indices", BITMAP: "bitmap"}
+PAGED = 2  # int32 changed count per page of PAGE elements, then 16-bit offsets within the page
+FORMATS = {INDICES: "indices", BITMAP: "bitmap", PAGED: "paged"}
+PAGE = 1 << 16
 _HEADER = 8
 _ROW = 5
 _MAX_ROWS = 1 << 24
@@ -78,11 +83,19 @@ class DeltaRecord:
         return MAGIC + struct.pack(f"<{_HEADER + len(rows)}q", *head, *rows)
 
 
+def mask_bytes(fmt: int, count: int, numel: int) -> int:
+    """Bytes naming ``count`` changed of ``numel`` elements in format ``fmt``."""
+    if fmt == INDICES:
+        return 4 * count
+    if fmt == PAGED:
+        return 4 * ((numel + PAGE - 1) // PAGE) + 2 * count
+    return (numel + 7) // 8
+
+
 def segment_bytes(fmt: int, count: int, numel: int, itemsize: int) -> int:
     """Bytes of one segment (``count`` of ``numel`` elements changed, values of ``itemsize``
     bytes), rounded up to 8 so the next segment stays aligned."""
-    mask = 4 * count if fmt == INDICES else (numel + 7) // 8
-    return _align(_align(mask) + count * itemsize)
+    return _align(_align(mask_bytes(fmt, count, numel)) + count * itemsize)
 
 
 def _align(n: int) -> int:
@@ -90,12 +103,11 @@ def _align(n: int) -> int:
 
 
 def best_format(count: int, numel: int) -> int:
-    """:data:`INDICES` or :data:`BITMAP`, whichever is smaller for ``count`` changed of ``numel``
-    (the bitmap wins above one changed element in 32); tensors of 2**31 elements or more take
-    the bitmap (int32 indices cannot name them)."""
-    if numel >= 1 << 31:
-        return BITMAP
-    return INDICES if 4 * count <= (numel + 7) // 8 else BITMAP
+    """The format naming ``count`` changed of ``numel`` elements in the fewest bytes: int32
+    indices when very sparse, 16-bit offsets in pages (about 2 bytes per change) in between,
+    the bitmap above one element in 16 changed; int32 indices only below 2**31 elements."""
+    formats = [BITMAP, PAGED] + ([INDICES] if numel < 1 << 31 else [])
+    return min(formats, key=lambda f: (mask_bytes(f, count, numel), f))
 
 
 def _check(cond: bool, what: str) -> None:
@@ -129,5 +141,5 @@ def delta_key(rank: RankCoord, version: int) -> str:
     return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/{int(version)}"
 
 
-__all__ = ["BITMAP", "FORMATS", "INDICES", "DeltaRecord", "DeltaRecordError", "DeltaSegment", "best_format",
-           "decode_record", "delta_key", "segment_bytes"]
+__all__ = ["BITMAP", "FORMATS", "INDICES", "PAGE", "PAGED", "DeltaRecord", "DeltaRecordError", "DeltaSegment",
+           "best_format", "decode_record", "delta_key", "mask_bytes", "segment_bytes"]
