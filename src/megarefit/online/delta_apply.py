@@ -9,7 +9,7 @@ fenced) and is asked for ``v > p`` follows each rank's records back from ``v`` t
               kept, a version too large for its slot, a new layout): then the cycle is a full one
     choose    per source tensor the plan reads: the seconds to read its segments and place each
               changed element, against the seconds to read the tensor whole -- the cheaper is read;
-              the rates are the receiver's own, measured on its last full and delta cycles
+              the rates are the receiver's own: its reads as measured, its scatter measured once
     pull      one NIXL READ per rank of byte ranges (segments, whole tensors) into one registered
               buffer on the receiver's device
     apply     per tensor, in version order: decode indices (or bitmap), map each source element
@@ -48,9 +48,36 @@ from megarefit.transport.local import op_views
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl import NixlTransport, read_ranges
 
-# The cost model's starting rates, until the receiver measured its own (bytes read per second over
-# the wire, changed elements placed per second): a changed element costs wire / scatter bytes more.
-START_RATES = {"cpu": (5e9, 5e7), "cuda": (5e10, 2e9)}
+# The wire rate the cost model starts from (bytes read per second), until the receiver measured its
+# own on a cycle: a changed element costs wire / scatter bytes more (scatter: measure_scatter).
+START_WIRE = {"cpu": 5e9, "cuda": 5e10}
+
+
+def measure_scatter(device: torch.device, numel: int = 1 << 24, changed: int = 1 << 20) -> tuple[float, float]:
+    """Changed elements placed per second on ``device`` and the fixed seconds of one placing:
+    the best of three timed scatters of ``changed`` (then 16) sorted random elements (16-bit)
+    into a buffer of ``numel``, with the index arithmetic of :func:`map_through` (a box's
+    coordinates in and out)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.randint(numel, (changed,), generator=g).sort().values.to(device)
+    values = torch.ones(changed, dtype=torch.int16, device=device)
+    buf = torch.zeros(numel, dtype=torch.int16, device=device)
+    shape = (numel // 4096, 4096)
+
+    def best(n: int) -> float:
+        out = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            buf[_ravel(_unravel(idx[:n], shape), shape)] = values[:n]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    fixed = best(16)
+    return changed / max(best(changed) - fixed, 1e-9), fixed
 
 
 def _unravel(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -252,9 +279,10 @@ class DeltaReceiver:
     """A staged receiver's delta state: the version its arena holds whole (``held``, with the
     plan and trainer memory it was pulled under), the registered local buffer the ranges land
     in, why the last cycle was a full one (``reason``), and the cost model's ``rates``: bytes
-    per second read over the wire (measured on full and delta cycles) and changed elements per
-    second placed (delta cycles); ``learn = False`` keeps them as set. A whole delta that costs
-    more than the full pull (bytes, plus the placing in bytes' worth) is not used.
+    per second read over the wire, each tensor's fixed cost and the last full pull's seconds
+    (measured on cycles; ``learn = False`` keeps them as set), and changed elements placed per
+    second (:func:`measure_scatter`, once). A whole delta expected to take longer than the full
+    pull is not used.
 
     ``held`` is cleared before any pull writes the arena and set again only after a cycle was
     fenced (and its checksums verified), so a failed cycle -- delta or full -- is followed by a
@@ -266,20 +294,38 @@ class DeltaReceiver:
         self.reason = "first cycle" if enabled else "delta=False"
         self.local: torch.Tensor | None = None
         self.applier = DeltaApplier()
-        wire, scatter = START_RATES["cuda" if device.type == "cuda" else "cpu"]
-        self.rates = {"wire": wire, "scatter": scatter}  # bytes / s read, changed elements / s placed
+        self.rates = {"wire": START_WIRE["cuda" if device.type == "cuda" else "cpu"],  # bytes / s read
+                      "scatter": 0.0,  # changed elements / s placed (0: not yet measured)
+                      "tensor": 0.0,  # seconds each tensor of a delta costs besides its elements
+                      "full": 0.0}  # seconds the last full pull took (0: none yet)
         self.seconds: dict[str, float] = {}  # the last delta cycle's read and apply
         self.learn = True  # fold each cycle's measured rates into ``rates`` (False: keep them as set)
 
     def measured(self, rate: str, amount: float, seconds: float) -> None:
-        """Fold one cycle's measurement into ``rates[rate]`` (half the old, half the new), for
-        cycles large enough to time (at least a millisecond)."""
-        if self.learn and seconds >= 1e-3 and amount > 0:
+        """Fold a measurement into ``rates`` (half the old, half the new): ``"wire"``, ``amount``
+        bytes read in ``seconds`` (1 ms or more); ``"tensor"``, ``seconds`` per tensor;
+        ``"full"``, the seconds of a full pull."""
+        if not self.learn:
+            return
+        if rate == "wire" and seconds >= 1e-3 and amount > 0:
             self.rates[rate] = 0.5 * self.rates[rate] + 0.5 * amount / seconds
+        elif rate != "wire":
+            self.rates[rate] = seconds if not self.rates[rate] else 0.5 * self.rates[rate] + 0.5 * seconds
+
+    def estimate(self, choice: DeltaChoice) -> float:
+        """Seconds the cost model expects ``choice`` to take: its bytes read, its changed
+        elements placed, and each of its tensors' fixed cost."""
+        tensors = len(choice.delta) + len(choice.full)
+        return (choice.nbytes / self.rates["wire"] + choice.changed / self.rates["scatter"]
+                + tensors * self.rates["tensor"])
 
     @property
     def scatter_bytes(self) -> float:
-        """What placing one changed element costs, in bytes read (wire rate / scatter rate)."""
+        """What placing one changed element costs, in bytes read (wire rate / scatter rate; the
+        scatter rate measured once, by :func:`measure_scatter`, unless set)."""
+        if not self.rates["scatter"]:
+            self.rates["scatter"], fixed = measure_scatter(self.device)
+            self.rates["tensor"] = self.rates["tensor"] or 4 * fixed  # decode + a few ops, until measured
         return self.rates["wire"] / self.rates["scatter"]
 
     @staticmethod
@@ -317,10 +363,11 @@ class DeltaReceiver:
         if isinstance(chains, str):
             return chains
         choice = choose(plan, manifests, chains, self.scatter_bytes)
-        cost = choice.nbytes + self.scatter_bytes * choice.changed
-        if cost >= plan.nbytes:
-            return (f"the delta ({choice.nbytes} bytes, {choice.changed} changed elements) costs more than a full "
-                    f"pull ({plan.nbytes} bytes) at the measured rates")
+        full = self.rates["full"] or plan.nbytes / self.rates["wire"]
+        if self.estimate(choice) >= full:
+            return (f"the delta ({choice.nbytes} bytes, {choice.changed} changed elements, about "
+                    f"{self.estimate(choice) * 1e3:.1f} ms) costs more than a full pull ({plan.nbytes} bytes, "
+                    f"{full * 1e3:.1f} ms) at the measured rates")
         return choice
 
     def _refused(self, plan: Plan, manifests: Mapping[RankCoord, Manifest], base: int, version: int,
@@ -354,10 +401,11 @@ class DeltaReceiver:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self.measured("wire", read, t1 - t0)
-        self.measured("scatter", choice.changed, t2 - t1)
+        placing = choice.changed / self.rates["scatter"] if self.rates["scatter"] else 0.0
+        self.measured("tensor", 0, max(0.0, t2 - t1 - placing) / max(1, len(choice.delta) + len(choice.full)))
         self.seconds = {"delta.read": t1 - t0, "delta.apply": t2 - t1}
         return read
 
 
-__all__ = ["START_RATES", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "choose", "fetch_chains", "map_through",
+__all__ = ["START_WIRE", "measure_scatter", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "choose", "fetch_chains", "map_through",
            "pull_ranges", "segment_elements"]

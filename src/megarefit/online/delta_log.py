@@ -51,15 +51,20 @@ CHUNK = 1 << 25  # elements compared at once against the mirror on a GPU (bounds
 class DeltaOptions:
     """``keep``: versions whose deltas stay published (a receiver up to ``keep`` versions behind
     catches up by deltas); ``capacity``: each slot's size as a fraction of the served bytes (a
-    version whose delta is larger publishes none: receivers pull it in full)."""
+    version whose delta is larger publishes none: receivers pull it in full); ``slots``:
+    ``"host"`` (pinned host memory: no GPU memory, receivers read it through the host) or
+    ``"device"`` (the served tensors' GPU: ``keep * capacity`` of the served bytes in GPU memory,
+    read GPU to GPU)."""
 
     keep: int = 2
     capacity: float = 0.5
+    slots: str = "host"
 
     def __post_init__(self) -> None:
-        if self.keep < 1 or not 0.0 < self.capacity <= 4.0:
-            raise MegarefitError(f"DeltaOptions(keep={self.keep}, capacity={self.capacity}): keep must be at least 1 "
-                                 "and capacity a fraction of the served bytes in (0, 4]")
+        if self.keep < 1 or not 0.0 < self.capacity <= 4.0 or self.slots not in ("host", "device"):
+            raise MegarefitError(f"DeltaOptions(keep={self.keep}, capacity={self.capacity}, slots={self.slots!r}): keep "
+                                 "must be at least 1, capacity a fraction of the served bytes in (0, 4], slots 'host' "
+                                 "or 'device'")
 
 
 @dataclass
@@ -124,7 +129,9 @@ class DeltaLog:
         total = sum(t.numel() * t.element_size() for t in self.served)
         capacity = max(4096, math.ceil(options.capacity * total / 8) * 8)
         pinned = any(t.is_cuda for t in self.served)
-        self.slots = [torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned) for _ in range(options.keep)]
+        device = self.served[0].device if options.slots == "device" else torch.device("cpu")
+        self.slots = [torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pinned and device.type == "cpu")
+                      for _ in range(options.keep)]
         agent.register(self.slots)
         self.slot_version: list[int | None] = [None] * options.keep
         self.base: int | None = None  # the version the mirror holds (None before the first publish)
@@ -133,7 +140,7 @@ class DeltaLog:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held: the mirror and the slots."""
+        """Bytes held: the mirror (host) and the slots (host or device)."""
         mirror = sum(t.numel() * t.element_size() for t in self.served)
         return mirror + sum(s.numel() for s in self.slots)
 

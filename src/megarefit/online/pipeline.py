@@ -172,6 +172,7 @@ class CyclePipeline:
                 t_read = time.perf_counter()
                 self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)
                 self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
+                self.delta.measured("full", 0, time.perf_counter() - t_read)
             if self.verifier is not None:
                 self.verifier.pull(start.manifests, self.timeout)
         full = not isinstance(pulled, DeltaChoice)

@@ -1,0 +1,311 @@
+"""Delta refits after real optimizer steps: the changed fraction per step, and a delta cycle's
+bytes and time against a full cycle of the same version, over NIXL, trainer in its own process.
+
+Trainers (``--trainer``):
+
+* ``megatron`` (CPU): the demo model (``megarefit demo``'s default config, or ``--config``) as
+  a real Megatron-Core ``GPTModel`` in bf16, wrapped in Megatron's DDP, stepped by Megatron's
+  ``DistributedOptimizer`` (fp32 main params, Adam betas 0.9 / 0.999, no weight decay) on real
+  gradients: forward and backward of the next-token loss on random token batches. It serves
+  itself with ``Publisher.from_megatron(..., delta=True)``; each step runs inside
+  ``Publisher.updating``, so its delta is recorded in the step's seqlock.
+* ``adam`` (any device, e.g. a GPU): shards of ``--config`` at ``--tp`` (rank 0 of them), fp32
+  main params stepped by ``torch.optim.Adam`` on random gradients, then copied into the bf16
+  parameters as Megatron's optimizer does; for devices where Megatron-Core is not installed.
+
+This process is the receiver side, on ``--device``; per version it runs three staged receivers
+of the same trainer: ``full`` (``delta=False``), ``model`` (the cost model on its measured rates)
+and ``all-delta`` (every tensor patched: its rates fixed so no tensor is read whole), and checks
+that each holds the full receiver's bytes, bit for bit. Per step: changed fraction, bytes each
+moved (``stats.bytes_moved``), seconds per cycle (wall, the whole ``run_refit_cycle``), tensors
+patched / read whole, and on the trainer the step's seconds and the delta record's seconds.
+
+    python benchmarks/bench_delta.py --trainer megatron --lr 1e-6 1e-5 --steps 10 --json docs/delta_cpu.jsonl
+    python benchmarks/bench_delta.py --trainer adam --config tests/data/configs/Qwen3-8B.json --layers 4 --tp 2 \\
+        --trainer-device cuda:0 --device cuda:1 --lr 1e-6 1e-5 --steps 8 --json out.jsonl
+    python benchmarks/bench_delta.py --from-json docs/delta_cpu.jsonl [--summary]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECEIVERS = ("full", "model", "all-delta")
+
+
+@contextlib.contextmanager
+def cuda_on_cpu() -> Iterator[None]:
+    """Megatron-Core's optimizer on CPU: its ``device='cuda'`` factories make CPU tensors and
+    ``Tensor.type()`` names the CUDA type it checks for (restored afterwards)."""
+    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty", "ones", "full", "arange")}
+
+    def on_cpu(fn):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return inner
+
+    cuda, typ = torch.Tensor.cuda, torch.Tensor.type
+    for n, fn in saved.items():
+        setattr(torch, n, on_cpu(fn))
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = lambda self, *a, **k: typ(self, *a, **k) if a or k else typ(self).replace("torch.", "torch.cuda.", 1)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch, n, fn)
+        torch.Tensor.cuda, torch.Tensor.type = cuda, typ
+
+
+def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
+    """The Megatron-Core trainer: (publisher, step function running one training step)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
+    from megarefit.online.publisher import Publisher
+
+    init_parallel(rank=0, world_size=1, master_port=port, tp=1, pp=1)
+    arch = dataclasses.replace(gpt_arch_from_hf(cfg, tp=1), dtype="bfloat16")
+    model = build_gpt_model(arch, seed=0)
+    model.config.bf16 = True
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    with cuda_on_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=args["lr"], min_lr=args["lr"], bf16=True, use_distributed_optimizer=True,
+            adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
+    pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name="delta-trainer", delta=True)
+    g = torch.Generator().manual_seed(0)
+    seq, batch = args["seq"], args["batch"]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    position = torch.arange(seq)[None].expand(batch, seq)
+    model.train()
+
+    def step(version: int) -> None:
+        tokens = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=g)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(tokens[:, :-1], position, attention_mask=mask, labels=tokens[:, 1:]).float().mean().backward()
+        ddp.finish_grad_sync()
+        with pub.updating(version), cuda_on_cpu():
+            opt.step()
+
+    return pub, step
+
+
+def _adam_trainer(rdzv, cfg: dict, args: dict):
+    """The torch Adam trainer: rank 0's shards at ``tp``; (publisher, step function)."""
+    from megarefit.layout.dims import ModelDims
+    from megarefit.layout.geometry import source_tensors
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online.delta_log import DeltaOptions
+    from megarefit.online.publisher import Publisher
+
+    device = args["trainer_device"]
+    dims = ModelDims.from_hf_config(cfg)
+    layout = source_layout(cfg, tp=args["tp"], pp=1)
+    rank = layout.ranks()[0]
+    g = torch.Generator(device=device).manual_seed(0)
+    params = {n: (torch.randn(t.shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
+              for n, t in source_tensors(dims, layout)[rank].items()}
+    main = [p.float() for p in params.values()]
+    opt = torch.optim.Adam(main, lr=args["lr"], betas=(0.9, 0.999), foreach=True)
+    pub = Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name="delta-trainer",
+                    delta=DeltaOptions(slots=args["slots"]))
+    model = list(params.values())
+
+    def step(version: int) -> None:
+        for m in main:
+            m.grad = torch.randn(m.shape, generator=g, device=device) * 1e-3
+        opt.step()
+        with pub.updating(version):
+            torch._foreach_copy_(model, main)  # Megatron's main -> model copy (a cast to bf16)
+
+    return pub, step
+
+
+def trainer(_index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args: dict) -> list[dict]:
+    """The trainer process: publish version 1, then one step per version, each after every
+    receiver acknowledged the previous; per step its seconds and the delta it recorded."""
+    from megarefit.online.rendezvous import Rendezvous
+
+    torch.set_num_threads(args["threads"])
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=args["job"])
+    pub, step = _megatron_trainer(port, rdzv, cfg, args) if args["trainer"] == "megatron" else _adam_trainer(
+        rdzv, cfg, args)
+    pub.publish(1)
+    rows = []
+    for v in range(2, args["steps"] + 2):
+        pub.wait_receivers(v - 1, timeout=600)
+        t0 = time.perf_counter()
+        step(v)
+        d = pub.last_delta
+        rdzv.store.set(f"{rdzv.prefix}bench/stepped/{v}", "1")  # the receivers time from here on
+        rows.append({"version": v, "step_s": time.perf_counter() - t0, "record_s": d.seconds, "changed": d.changed,
+                     "elements": d.elements, "packed_bytes": d.packed_bytes, "recorded": d.recorded,
+                     "host_bytes": pub.delta.nbytes})
+    pub.wait_receivers(args["steps"] + 1, timeout=600)
+    return rows
+
+
+def _receivers(rdzv, device: str) -> dict:
+    from megarefit.online import RefitReceiver
+
+    out = {name: RefitReceiver(rdzv, name=f"delta-{name}", device=device, timeout=600, delta=name != "full")
+           for name in RECEIVERS}
+    out["all-delta"].delta_model.rates.update(wire=1.0, scatter=1e30)  # placing costs nothing: patch every tensor
+    out["all-delta"].delta_model.learn = False
+    return out
+
+
+def _cycle(rx, version: int, device: str) -> tuple[float, dict[str, torch.Tensor]]:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    got = dict(rx.run_refit_cycle(version))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, got
+
+
+def receive(rxs: dict, ns: argparse.Namespace) -> list[dict]:
+    """Every version through the three receivers; a row per version and receiver."""
+    rows = []
+    rdzv = rxs["full"].rendezvous
+    for v in range(1, ns.steps + 2):
+        if v > 1:  # the step is done and published: the cycles below time pulls, not the step
+            rdzv.store.wait([f"{rdzv.prefix}bench/stepped/{v}"], timeout=600)
+        want: dict[str, torch.Tensor] = {}
+        for name, rx in rxs.items():
+            seconds, got = _cycle(rx, v, ns.device)
+            if name == "full":
+                want = {k: t.clone() for k, t in got.items()}
+            same = got.keys() == want.keys() and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+                                                     for k in want)
+            s = rx.stats
+            rows.append({"version": v, "receiver": name, "cycle_s": seconds, "bytes_moved": s.bytes_moved,
+                         "refit": s.refit, "delta_tensors": s.delta_tensors, "full_tensors": s.full_tensors,
+                         "changed_elements": s.changed_elements, "reason": s.delta_reason, "identical": same,
+                         "rates": dict(rx.delta_model.rates)})
+            rx.acknowledge(v)
+    for rx in rxs.values():
+        rx.close()
+    return rows
+
+
+def summary(rows: list[dict], first: int = 3) -> list[dict]:
+    """Per (label, lr) from step ``first`` on: changed fraction, each receiver's bytes as a
+    fraction of the full cycle's and its cycle seconds (median, min-max), all identical."""
+    out = []
+    for key in sorted({(r["label"], r["lr"]) for r in rows}, key=str):
+        mine = [r for r in rows if (r["label"], r["lr"]) == key and r["version"] >= first + 1]
+        full = {r["version"]: r for r in mine if r["receiver"] == "full"}
+        row = {"label": key[0], "lr": key[1], "full_bytes": max(r["bytes_moved"] for r in full.values()), "steps": f"{first}-{max(full) - 1}",
+               "changed": [r["changed"] / r["elements"] for r in mine if r["receiver"] == "full"],
+               "full_s": [r["cycle_s"] for r in full.values()], "identical": all(r["identical"] for r in mine)}
+        for name in RECEIVERS[1:]:
+            them = [r for r in mine if r["receiver"] == name]
+            row[f"{name}_bytes"] = [r["bytes_moved"] / full[r["version"]]["bytes_moved"] for r in them]
+            row[f"{name}_s"] = [r["cycle_s"] for r in them]
+            row[f"{name}_refit"] = sorted({r["refit"] for r in them})
+        row["step_s"] = [r["step_s"] for r in mine if r["receiver"] == "full"]
+        row["record_s"] = [r["record_s"] for r in mine if r["receiver"] == "full"]
+        out.append(row)
+    return out
+
+
+def _m(xs: list[float], fmt: str = "{:.1%}") -> str:
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| trainer | full cycle bytes | lr | steps | changed | delta bytes / full (cost model) | all-delta bytes / full | full cycle "
+            "| cost-model cycle | all-delta cycle | trainer step | delta record (in the step) | bit-identical |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    ms = "{:.1f} ms"
+    for s in summary(rows):
+        to_ms = {k: [x * 1e3 for x in s[k]] for k in ("full_s", "model_s", "all-delta_s", "step_s", "record_s")}
+        lines.append(f"| {s['label']} | {s['full_bytes'] / 2**20:.1f} MiB | {s['lr']:g} | {s['steps']} | {_m(s['changed'])} | {_m(s['model_bytes'])} "
+                     f"| {_m(s['all-delta_bytes'])} | {_m(to_ms['full_s'], ms)} | {_m(to_ms['model_s'], ms)} "
+                     f"| {_m(to_ms['all-delta_s'], ms)} | {_m(to_ms['step_s'], ms)} | {_m(to_ms['record_s'], ms)} "
+                     f"| {'yes' if s['identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trainer", choices=["megatron", "adam"], default="megatron")
+    p.add_argument("--config", default=None, help="HF config.json (default: the demo's)")
+    p.add_argument("--layers", type=int, default=0, help="shrink the config to this many layers")
+    p.add_argument("--tp", type=int, default=1, help="--trainer adam: tensor-parallel size (rank 0 is served)")
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process")
+    p.add_argument("--trainer-device", default="cpu")
+    p.add_argument("--slots", choices=["host", "device"], default="host",
+                   help="--trainer adam: where the trainer packs its deltas (DeltaOptions.slots)")
+    p.add_argument("--device", default="cpu", help="the receivers' device")
+    p.add_argument("--label", default="")
+    p.add_argument("--json", help="append the rows here (JSON lines)")
+    p.add_argument("--from-json", help="print the table of recorded rows")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megarefit.demo.bench import bench_config, machine
+    from megarefit.demo.offline import default_config
+    from megarefit.demo.workers import start_workers
+    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+
+    ns = _parser().parse_args(argv)
+    if ns.from_json:
+        print(table([json.loads(line) for line in Path(ns.from_json).read_text().splitlines() if line.strip()]))
+        return 0
+    cfg = bench_config(ns.config, ns.layers) if ns.config else default_config()
+    ensure_job_secret()  # the trainer process inherits it
+    rows = []
+    for lr in ns.lr:
+        job = f"delta-{lr:g}"
+        rdzv = Rendezvous.serve(job=job)
+        args = {**{k: getattr(ns, k) for k in ("trainer", "steps", "seq", "batch", "threads", "trainer_device", "tp",
+                                               "slots")},
+                "lr": lr, "job": job}
+        rxs = _receivers(rdzv, ns.device)  # registered first: the trainer waits for each to acknowledge
+        group = start_workers(trainer, world_size=1, args=(rdzv.port, cfg, args))
+        got = receive(rxs, ns)
+        (steps,) = group.join(timeout=600)
+        by_version = {r["version"]: r for r in steps}
+        head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
+                "layers": cfg["num_hidden_layers"], "trainer_device": ns.trainer_device, "device": ns.device,
+                "date": time.strftime("%Y-%m-%d")}
+        rows += [{**head, **by_version.get(r["version"], {"step_s": 0.0, "record_s": 0.0, "changed": 0,
+                                                            "elements": 1}), **r} for r in got]
+    print(table(rows), flush=True)
+    if ns.json:
+        with open(ns.json, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
