@@ -9,9 +9,10 @@ Trainers (``--trainer``):
   gradients: forward and backward of the next-token loss on random token batches. It serves
   itself with ``Publisher.from_megatron(..., delta=True)``; each step runs inside
   ``Publisher.updating``, so its delta is recorded in the step's seqlock.
-* ``adam`` (any device, e.g. a GPU): shards of ``--config`` at ``--tp`` (rank 0 of them), fp32
-  main params stepped by ``torch.optim.Adam`` on random gradients, then copied into the bf16
-  parameters as Megatron's optimizer does; for devices where Megatron-Core is not installed.
+* ``adam`` (any device, e.g. a GPU): shards of ``--config`` at ``--tp``, one trainer process per
+  rank, fp32 main params stepped by ``torch.optim.Adam`` on random gradients, then copied into
+  the bf16 parameters as Megatron's optimizer does; for devices where Megatron-Core is not
+  installed.
 
 This process is the receiver side, on ``--device``; per version it runs three staged receivers
 of the same trainer: ``full`` (``delta=False``), ``model`` (the cost model on its measured rates)
@@ -110,8 +111,8 @@ def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
     return pub, step
 
 
-def _adam_trainer(rdzv, cfg: dict, args: dict):
-    """The torch Adam trainer: rank 0's shards at ``tp``; (publisher, step function)."""
+def _adam_trainer(index: int, rdzv, cfg: dict, args: dict):
+    """The torch Adam trainer: rank ``index``'s shards at ``tp``; (publisher, step function)."""
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
@@ -121,13 +122,13 @@ def _adam_trainer(rdzv, cfg: dict, args: dict):
     device = args["trainer_device"]
     dims = ModelDims.from_hf_config(cfg)
     layout = source_layout(cfg, tp=args["tp"], pp=1)
-    rank = layout.ranks()[0]
-    g = torch.Generator(device=device).manual_seed(0)
+    rank = layout.ranks()[index]
+    g = torch.Generator(device=device).manual_seed(index)
     params = {n: (torch.randn(t.shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
               for n, t in source_tensors(dims, layout)[rank].items()}
     main = [p.float() for p in params.values()]
     opt = torch.optim.Adam(main, lr=args["lr"], betas=(0.9, 0.999), foreach=True)
-    pub = Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name="delta-trainer",
+    pub = Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name=f"delta-trainer-{index}",
                     delta=DeltaOptions(slots=args["slots"]))
     model = list(params.values())
 
@@ -141,7 +142,7 @@ def _adam_trainer(rdzv, cfg: dict, args: dict):
     return pub, step
 
 
-def trainer(_index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args: dict) -> list[dict]:
+def trainer(index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args: dict) -> list[dict]:
     """The trainer process: publish version 1, then one step per version, each after every
     receiver acknowledged the previous; per step its seconds and the delta it recorded."""
     from megarefit.online.rendezvous import Rendezvous
@@ -149,7 +150,7 @@ def trainer(_index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args
     torch.set_num_threads(args["threads"])
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=args["job"])
     pub, step = _megatron_trainer(port, rdzv, cfg, args) if args["trainer"] == "megatron" else _adam_trainer(
-        rdzv, cfg, args)
+        index, rdzv, cfg, args)
     pub.publish(1)
     rows = []
     for v in range(2, args["steps"] + 2):
@@ -157,7 +158,7 @@ def trainer(_index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args
         t0 = time.perf_counter()
         step(v)
         d = pub.last_delta
-        rdzv.store.set(f"{rdzv.prefix}bench/stepped/{v}", "1")  # the receivers time from here on
+        rdzv.store.add(f"{rdzv.prefix}bench/stepped/{v}", 1)  # the receivers time from here on
         rows.append({"version": v, "step_s": time.perf_counter() - t0, "record_s": d.seconds, "changed": d.changed,
                      "elements": d.elements, "packed_bytes": d.packed_bytes, "recorded": d.recorded,
                      "host_bytes": pub.delta.nbytes})
@@ -190,8 +191,8 @@ def receive(rxs: dict, ns: argparse.Namespace) -> list[dict]:
     rows = []
     rdzv = rxs["full"].rendezvous
     for v in range(1, ns.steps + 2):
-        if v > 1:  # the step is done and published: the cycles below time pulls, not the step
-            rdzv.store.wait([f"{rdzv.prefix}bench/stepped/{v}"], timeout=600)
+        while v > 1 and rdzv.store.add(f"{rdzv.prefix}bench/stepped/{v}", 0) < ns.ranks:  # every rank stepped:
+            time.sleep(0.001)  # the cycles below time pulls, not the step
         want: dict[str, torch.Tensor] = {}
         for name, rx in rxs.items():
             seconds, got = _cycle(rx, v, ns.device)
@@ -271,9 +272,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _per_version(ranks: list[list[dict]]) -> dict[int, dict]:
+    """The trainer ranks' rows merged per version: counts summed, seconds the slowest rank's."""
+    out: dict[int, dict] = {}
+    for rows in ranks:
+        for r in rows:
+            m = out.setdefault(r["version"], dict(r, changed=0, elements=0, packed_bytes=0, host_bytes=0))
+            for k in ("changed", "elements", "packed_bytes", "host_bytes"):
+                m[k] += r[k]
+            for k in ("step_s", "record_s"):
+                m[k] = max(m[k], r[k])
+            m["recorded"] = m["recorded"] and r["recorded"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from megarefit.demo.bench import bench_config, machine
-    from megarefit.demo.offline import default_config
     from megarefit.demo.workers import start_workers
     from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
@@ -281,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.from_json:
         print(table([json.loads(line) for line in Path(ns.from_json).read_text().splitlines() if line.strip()]))
         return 0
-    cfg = bench_config(ns.config, ns.layers) if ns.config else default_config()
+    if ns.config:
+        cfg = bench_config(ns.config, ns.layers)
+    else:
+        from megarefit.demo.offline import default_config
+
+        cfg = default_config()
     ensure_job_secret()  # the trainer process inherits it
     rows = []
     for lr in ns.lr:
@@ -291,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                                                "slots")},
                 "lr": lr, "job": job}
         rxs = _receivers(rdzv, ns.device)  # registered first: the trainer waits for each to acknowledge
-        group = start_workers(trainer, world_size=1, args=(rdzv.port, cfg, args))
+        ns.ranks = 1 if ns.trainer == "megatron" else ns.tp
+        group = start_workers(trainer, world_size=ns.ranks, args=(rdzv.port, cfg, args))
         got = receive(rxs, ns)
-        (steps,) = group.join(timeout=600)
-        by_version = {r["version"]: r for r in steps}
+        by_version = _per_version(group.join(timeout=600))
         head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
                 "layers": cfg["num_hidden_layers"], "trainer_device": ns.trainer_device, "device": ns.device,
                 "date": time.strftime("%Y-%m-%d")}

@@ -171,8 +171,9 @@ class CyclePipeline:
             else:
                 t_read = time.perf_counter()
                 self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)
-                self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
-                self.delta.measured("full", 0, time.perf_counter() - t_read)
+                if before == self._setup_count():  # warm: the cost model learns from pulls, not set-up
+                    self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
+                    self.delta.measured("full", 0, time.perf_counter() - t_read)
             if self.verifier is not None:
                 self.verifier.pull(start.manifests, self.timeout)
         full = not isinstance(pulled, DeltaChoice)
