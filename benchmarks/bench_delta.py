@@ -129,7 +129,7 @@ def _adam_trainer(index: int, rdzv, cfg: dict, args: dict):
     main = [p.float() for p in params.values()]
     opt = torch.optim.Adam(main, lr=args["lr"], betas=(0.9, 0.999), foreach=True)
     pub = Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name=f"delta-trainer-{index}",
-                    delta=DeltaOptions(slots=args["slots"]))
+                    delta=DeltaOptions(slots=args["slots"], mirror=args["mirror"]))
     model = list(params.values())
 
     def step(version: int) -> None:
@@ -265,6 +265,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-device", default="cpu")
     p.add_argument("--slots", choices=["host", "device"], default="host",
                    help="--trainer adam: where the trainer packs its deltas (DeltaOptions.slots)")
+    p.add_argument("--mirror", choices=["host", "device"], default="host",
+                   help="--trainer adam: where the trainer keeps the last version (DeltaOptions.mirror)")
     p.add_argument("--device", default="cpu", help="the receivers' device")
     p.add_argument("--label", default="")
     p.add_argument("--json", help="append the rows here (JSON lines)")
@@ -307,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         job = f"delta-{lr:g}"
         rdzv = Rendezvous.serve(job=job)
         args = {**{k: getattr(ns, k) for k in ("trainer", "steps", "seq", "batch", "threads", "trainer_device", "tp",
-                                               "slots")},
+                                               "slots", "mirror")},
                 "lr": lr, "job": job}
         rxs = _receivers(rdzv, ns.device)  # registered first: the trainer waits for each to acknowledge
         ns.ranks = 1 if ns.trainer == "megatron" else ns.tp
         group = start_workers(trainer, world_size=ns.ranks, args=(rdzv.port, cfg, args))
         got = receive(rxs, ns)
         by_version = _per_version(group.join(timeout=600))
-        head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
+        head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "mirror": ns.mirror, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
                 "layers": cfg["num_hidden_layers"], "trainer_device": ns.trainer_device, "device": ns.device,
                 "date": time.strftime("%Y-%m-%d")}
         rows += [{**head, **by_version.get(r["version"], {"step_s": 0.0, "record_s": 0.0, "changed": 0,

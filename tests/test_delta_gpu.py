@@ -1,6 +1,7 @@
 """Delta refits with trainer parameters and receiver arena in GPU memory (skipped without CUDA).
 
-Trainer shards on ``cuda:0`` publish deltas packed in pinned host slots and in GPU slots; a
+Trainer shards on ``cuda:0`` publish deltas (mirror and slots in pinned host memory, then on the
+GPU); a
 staged receiver on the last GPU patches its arena with them (the changed-element search, the
 packing and the scatter all run on the GPUs). Oracle: a second receiver pulling every version in
 full (``delta=False``), bit for bit, and the trainers' checksums.
@@ -25,12 +26,13 @@ from reference import reference_hf_state, reference_shards  # noqa: E402
 
 @pytest.mark.parametrize("slots", ["host", "device"])
 def test_gpu_delta_equals_full_pull(config, slots):
+    """``slots``: where the deltas are packed and the last version mirrored (DeltaOptions)."""
     cfg = config("Llama-3.1-8B", num_hidden_layers=4, hidden_size=256, intermediate_size=512)
     hf = {k: v.to(torch.bfloat16) for k, v in reference_hf_state(cfg, "llama").items()}
     params = {r: {n: t.to("cuda:0") for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
     rdzv = Rendezvous.serve(job=f"delta-gpu-{slots}")
     pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv, checksums=True,
-                      agent_name=f"delta-gpu-{slots}-{r[0]}", delta=DeltaOptions(slots=slots, capacity=1.0))
+                      agent_name=f"delta-gpu-{slots}-{r[0]}", delta=DeltaOptions(slots=slots, mirror=slots, capacity=1.0))
             for r, s in params.items()]
     device = f"cuda:{torch.cuda.device_count() - 1}"
     rx = RefitReceiver(rdzv, name=f"delta-gpu-{slots}-rx", device=device, verify_checksums=True)

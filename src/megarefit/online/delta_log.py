@@ -54,17 +54,19 @@ class DeltaOptions:
     version whose delta is larger publishes none: receivers pull it in full); ``slots``:
     ``"host"`` (pinned host memory: no GPU memory, receivers read it through the host) or
     ``"device"`` (the served tensors' GPU: ``keep * capacity`` of the served bytes in GPU memory,
-    read GPU to GPU)."""
+    read GPU to GPU); ``mirror``: where the copy of the last version lives, ``"host"`` (pinned;
+    each publish streams it to the GPU to compare) or ``"device"`` (one more copy of the served
+    tensors in GPU memory; compared at memory speed)."""
 
     keep: int = 2
     capacity: float = 0.5
     slots: str = "host"
+    mirror: str = "host"
 
     def __post_init__(self) -> None:
-        if self.keep < 1 or not 0.0 < self.capacity <= 4.0 or self.slots not in ("host", "device"):
-            raise MegarefitError(f"DeltaOptions(keep={self.keep}, capacity={self.capacity}, slots={self.slots!r}): keep "
-                                 "must be at least 1, capacity a fraction of the served bytes in (0, 4], slots 'host' "
-                                 "or 'device'")
+        if self.keep < 1 or not 0.0 < self.capacity <= 4.0 or {self.slots, self.mirror} - {"host", "device"}:
+            raise MegarefitError(f"{self}: keep must be at least 1, capacity a fraction of the served bytes in (0, 4], "
+                                 "slots and mirror 'host' or 'device'")
 
 
 @dataclass
@@ -87,7 +89,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(BITS[t.element_size()])
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
+def _mirror_copy(t: torch.Tensor, where: str) -> torch.Tensor:
+    """A copy of ``t``'s bits: on its device (``where="device"``), else in (pinned) host memory."""
+    if where == "device":
+        return bits(t).clone()
     out = torch.empty(t.numel(), dtype=BITS[t.element_size()], pin_memory=t.is_cuda)
     out.copy_(bits(t))
     return out
@@ -95,9 +100,10 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 def changed_elements(cur: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
     """Flat indices (int64, ascending, on ``cur``'s device) where ``bits(cur)`` differs from
-    ``mirror`` (its host copy), compared in chunks of :data:`CHUNK` elements on a GPU."""
+    ``mirror`` (its copy; a host copy of a GPU tensor is compared in chunks of :data:`CHUNK`
+    elements)."""
     flat = bits(cur)
-    if not flat.is_cuda:
+    if mirror.device == flat.device:
         return (flat != mirror).nonzero().view(-1)
     parts = []
     for a in range(0, flat.numel(), CHUNK):
@@ -151,8 +157,8 @@ class DeltaLog:
         t0 = time.perf_counter()
         base = self.base
         if base is None or version <= base:
-            if base is None or version < base:  # the first version (FP8 / snapshot buffers were filled just now),
-                self.mirror = [_host_copy(t) for t in self.served]  # or an older one re-published: start over
+            if base is None or version < base:  # the first version (FP8 / snapshot buffers filled just now),
+                self.mirror = [_mirror_copy(t, self.options.mirror) for t in self.served]  # or an older one
             self.base = version
             self.last = DeltaStats(version, None, 0, self._elements(), 0, False, time.perf_counter() - t0)
             return self.last
@@ -197,7 +203,10 @@ class DeltaLog:
                 _write_segment(slot[at:at + size], fmt, idx, values, t.numel())
             segments.append(DeltaSegment(i, fmt, n, at, size))
             at += size
-            mirror[idx.cpu()] = values.cpu()
+            if mirror.device == idx.device:
+                mirror[idx] = values
+            else:
+                mirror[idx.cpu()] = values.cpu()
         return segments, changed
 
 
