@@ -1,9 +1,8 @@
 """Delta refits with trainer parameters and receiver arena in GPU memory (skipped without CUDA).
 
 Trainer shards on ``cuda:0`` publish deltas (mirror and slots in pinned host memory, then on the
-GPU); a
-staged receiver on the last GPU patches its arena with them (the changed-element search, the
-packing and the scatter all run on the GPUs). Oracle: a second receiver pulling every version in
+GPU); a staged receiver on the last GPU patches its arena with them (the changed-element search,
+the packing and the scatter run on the GPUs). Oracle: a second receiver pulling every version in
 full (``delta=False``), bit for bit, and the trainers' checksums.
 """
 
