@@ -171,7 +171,8 @@ def _receivers(rdzv, device: str) -> dict:
 
     out = {name: RefitReceiver(rdzv, name=f"delta-{name}", device=device, timeout=600, delta=name != "full")
            for name in RECEIVERS}
-    out["all-delta"].delta_model.rates.update(wire=1.0, scatter=1e30)  # placing costs nothing: patch every tensor
+    out["all-delta"].delta_model.rates.update(delta_wire=1e30, scatter=1e30, tensor=0.0,  # patch every tensor
+                                              full=1e30)
     out["all-delta"].delta_model.learn = False
     return out
 
@@ -204,7 +205,7 @@ def receive(rxs: dict, ns: argparse.Namespace) -> list[dict]:
             rows.append({"version": v, "receiver": name, "cycle_s": seconds, "bytes_moved": s.bytes_moved,
                          "refit": s.refit, "delta_tensors": s.delta_tensors, "full_tensors": s.full_tensors,
                          "changed_elements": s.changed_elements, "reason": s.delta_reason, "identical": same,
-                         "rates": dict(rx.delta_model.rates)})
+                         "rates": dict(rx.delta_model.rates), "seconds": dict(s.seconds)})
             rx.acknowledge(v)
     for rx in rxs.values():
         rx.close()

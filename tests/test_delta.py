@@ -68,7 +68,7 @@ class Trainer:
         8 bytes' worth, so which tensors are patched does not depend on this machine's speed."""
         if name not in self.receivers:
             rx = RefitReceiver(self.rdzv, name=f"{self.rdzv.job}-{name}", timeout=20, **kw)
-            rx.delta_model.rates.update(wire=8e9, scatter=1e9)
+            rx.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9)
             rx.delta_model.learn = False
             self.receivers[name] = rx
         return self.receivers[name]

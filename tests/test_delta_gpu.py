@@ -35,7 +35,7 @@ def test_gpu_delta_equals_full_pull(config, slots):
             for r, s in params.items()]
     device = f"cuda:{torch.cuda.device_count() - 1}"
     rx = RefitReceiver(rdzv, name=f"delta-gpu-{slots}-rx", device=device, verify_checksums=True)
-    rx.delta_model.rates.update(wire=8e9, scatter=1e9, tensor=0.0)  # patch whatever changed sparsely
+    rx.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9, tensor=0.0)  # patch whatever changed sparsely
     rx.delta_model.learn = False
     full = RefitReceiver(rdzv, name=f"delta-gpu-{slots}-full", device=device, delta=False)
     g = torch.Generator(device="cuda:0").manual_seed(0)

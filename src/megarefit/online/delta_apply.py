@@ -53,11 +53,12 @@ from megarefit.transport.nixl import NixlTransport, read_ranges
 START_WIRE = {"cpu": 5e9, "cuda": 5e10}
 
 
-def measure_scatter(device: torch.device, numel: int = 1 << 24, changed: int = 1 << 20) -> tuple[float, float]:
+def measure_scatter(device: torch.device, numel: int = 1 << 25, changed: int | None = None) -> tuple[float, float]:
     """Changed elements placed per second on ``device`` and the fixed seconds of one placing:
-    the best of three timed scatters of ``changed`` (then 16) sorted random elements (16-bit)
-    into a buffer of ``numel``, with the index arithmetic of :func:`map_through` (a box's
-    coordinates in and out)."""
+    the best of three timed scatters of ``changed`` (default 2**20 on a CPU, 2**24 on a GPU;
+    then 16) sorted random elements (16-bit) into a buffer of ``numel``, with the index
+    arithmetic of :func:`map_through` (a box's coordinates in and out)."""
+    changed = changed or (1 << 24 if device.type == "cuda" else 1 << 20)
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.randint(numel, (changed,), generator=g).sort().values.to(device)
     values = torch.ones(changed, dtype=torch.int16, device=device)
@@ -76,8 +77,7 @@ def measure_scatter(device: torch.device, numel: int = 1 << 24, changed: int = 1
             out = min(out, time.perf_counter() - t0)
         return out
 
-    fixed = best(16)
-    return changed / max(best(changed) - fixed, 1e-9), fixed
+    return changed / best(changed), best(16)
 
 
 def _unravel(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -97,27 +97,55 @@ def _ravel(c: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return x
 
 
+def _relative(idx: torch.Tensor, shape: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
+    """Row-major coordinates of flat indices ``idx`` in ``shape``, less ``offsets``: ``[n, dims]``."""
+    out = torch.empty((idx.numel(), len(shape)), dtype=torch.int64, device=idx.device)
+    x = idx
+    for d in range(len(shape) - 1, -1, -1):
+        out[:, d] = x % shape[d] - offsets[d]
+        x = x // shape[d]
+    return out
+
+
 def map_through(op: CopyOp, src_shape: Sequence[int], dst_shape: Sequence[int], idx: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where ``op`` places source elements ``idx`` (flat, ascending, int64): the positions in
     ``idx`` of those inside ``op.src_box`` and their flat indices in the target. ``src_shape`` /
     ``dst_shape``: the op's view of each tensor (``src_view`` / ``dst_view``, else its shape).
     Follows :func:`~megarefit.transport.local.op_views`: row-major order kept across boxes whose
-    lengths differ in 1-dims, a transposed op's squeezed matrix transposed."""
+    lengths differ in 1-dims, a transposed op's squeezed matrix transposed. An op reading its
+    whole source costs no host synchronization."""
     box = op.src_box
-    last = _ravel(torch.tensor([[o + n - 1 for o, n in zip(box.offsets, box.lengths)]]), src_shape)
-    a, b = torch.searchsorted(idx, torch.tensor([op.src_offset, int(last) + 1], device=idx.device)).tolist()
-    sub, pos = idx[a:b], torch.arange(a, b, device=idx.device)
+    whole = tuple(box.lengths) == tuple(src_shape)
+    if whole:
+        sub, pos = idx, torch.arange(idx.numel(), device=idx.device)
+    else:
+        last = sum(o * s for o, s in zip((o + n - 1 for o, n in zip(box.offsets, box.lengths)),
+                                         _strides(src_shape)))
+        a, b = torch.searchsorted(idx, torch.tensor([op.src_offset, last + 1], device=idx.device)).tolist()
+        sub, pos = idx[a:b], torch.arange(a, b, device=idx.device)
     if op.kind == "contiguous" and not op.transpose:
         return pos, sub - op.src_offset + op.dst_offset
-    rel = _unravel(sub, src_shape) - torch.tensor(box.offsets, device=idx.device)
-    inside = ((rel >= 0) & (rel < torch.tensor(box.lengths, device=idx.device))).all(1)
-    k = _ravel(rel[inside], box.lengths)
+    rel = _relative(sub, src_shape, box.offsets)
+    if not whole:
+        inside = torch.ones(sub.numel(), dtype=torch.bool, device=idx.device)
+        for d, n in enumerate(box.lengths):
+            inside &= (rel[:, d] >= 0) & (rel[:, d] < n)
+        rel, pos = rel[inside], pos[inside]
+    k = _ravel(rel, box.lengths)
     if op.transpose:
         rows, cols = squeezed_lengths(box.lengths, 2)
         k = (k % cols) * rows + k // cols
-    dst = _unravel(k, op.dst_box.lengths) + torch.tensor(op.dst_box.offsets, device=idx.device)
-    return pos[inside], _ravel(dst, dst_shape)
+    dst = _relative(k, op.dst_box.lengths, [-o for o in op.dst_box.offsets])
+    return pos, _ravel(dst, dst_shape)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, n = [], 1
+    for s in reversed(shape):
+        out.append(n)
+        n *= s
+    return out[::-1]
 
 
 def segment_elements(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, itemsize: int
@@ -131,11 +159,12 @@ def segment_elements(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, i
     elif seg.format == PAGED:
         pages = (numel + PAGE - 1) // PAGE
         counts = raw[:4 * pages].view(torch.int32).to(torch.int64)
-        page = torch.repeat_interleave(torch.arange(pages, device=raw.device), counts)
+        page = torch.repeat_interleave(torch.arange(pages, device=raw.device), counts, output_size=seg.count)
         idx = page * PAGE + (raw[4 * pages:mask].view(torch.int16).to(torch.int64) % PAGE)
     else:
         shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
-        idx = ((raw[:mask].unsqueeze(1) >> shifts) & 1).view(-1)[:numel].nonzero().view(-1)
+        bits = ((raw[:mask].unsqueeze(1) >> shifts) & 1).view(-1)[:numel]
+        idx = torch.nonzero_static(bits, size=seg.count).view(-1)  # the count is known: no host sync
     at = (mask + 7) // 8 * 8
     return idx, raw[at:at + seg.count * itemsize].view(BITS[itemsize])
 
@@ -231,11 +260,12 @@ class Runs:
     ends: torch.Tensor
     dst: torch.Tensor
     root: torch.Tensor
-
+    whole: bool  # the runs cover every source element: no element to leave out
     @classmethod
-    def of(cls, ops: Sequence[CopyOp], buffers: Mapping[TensorRef, torch.Tensor], bits: torch.dtype) -> Runs | None:
-        """The runs of ``ops``, or ``None`` when one is strided or transposed, or they write
-        several roots."""
+    def of(cls, ops: Sequence[CopyOp], buffers: Mapping[TensorRef, torch.Tensor], bits: torch.dtype,
+           total: int) -> Runs | None:
+        """The runs of ``ops`` (reading a source of ``total`` elements), or ``None`` when one is
+        strided or transposed, or they write several roots."""
         if not ops or any(op.kind != "contiguous" or op.transpose for op in ops):
             return None
         roots = {id(_root(buffers[op.dst])): _root(buffers[op.dst]) for op in ops}
@@ -245,16 +275,21 @@ class Runs:
         ops = sorted(ops, key=lambda op: op.src_offset)
         base = [buffers[op.dst].storage_offset() - root.storage_offset() + op.dst_offset for op in ops]
         device = root.device
+        covered = all(a.src_offset + a.numel == b.src_offset for a, b in zip(ops, ops[1:])) and ops[0].src_offset == 0
+        numel = ops[-1].src_offset + ops[-1].numel
         return cls(torch.tensor([op.src_offset for op in ops], device=device),
                    torch.tensor([op.src_offset + op.numel for op in ops], device=device),
-                   torch.tensor(base, device=device), root.reshape(-1).view(bits))
+                   torch.tensor(base, device=device), root.reshape(-1).view(bits), covered and numel == total)
 
     def scatter(self, idx: torch.Tensor, values: torch.Tensor) -> None:
         """Place changed source elements ``idx`` (ascending) with ``values`` through the runs."""
         k = (torch.searchsorted(self.starts, idx, right=True) - 1).clamp_(min=0)
-        inside = (idx >= self.starts[k]) & (idx < self.ends[k])
-        sel = inside.nonzero().view(-1)
-        self.root[(idx - self.starts[k] + self.dst[k])[sel]] = values[sel]
+        flat = idx - self.starts[k] + self.dst[k]
+        if self.whole:
+            self.root[flat] = values
+            return
+        sel = ((idx >= self.starts[k]) & (idx < self.ends[k])).nonzero().view(-1)
+        self.root[flat[sel]] = values[sel]
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
@@ -281,10 +316,10 @@ class DeltaApplier:
         return self._ops[plan.digest]
 
     def _runs_of(self, ref: TensorRef, ops: Sequence[CopyOp], buffers: Mapping[TensorRef, torch.Tensor],
-                 item: int) -> Runs | None:
+                 item: int, total: int) -> Runs | None:
         key = (ref, id(buffers), item)
         if key not in self._runs:
-            self._runs[key] = Runs.of(ops, buffers, BITS[item])
+            self._runs[key] = Runs.of(ops, buffers, BITS[item], total)
         return self._runs[key]
 
     def apply(self, plan: Plan, choice: DeltaChoice, local: torch.Tensor,
@@ -302,7 +337,7 @@ class DeltaApplier:
                 continue
             seg = next(s for rec, s in choice.delta[ref] if rec.version == version)
             idx, values = segment_elements(local[at:at + seg.nbytes], seg, entry, item)
-            runs = self._runs_of(ref, ops.get(ref, ()), buffers, item)
+            runs = self._runs_of(ref, ops.get(ref, ()), buffers, item, entry.nbytes // item)
             if runs is not None:
                 runs.scatter(idx, values)
                 continue
@@ -335,9 +370,10 @@ class DeltaReceiver:
     """A staged receiver's delta state: the version its arena holds whole (``held``, with the
     plan and trainer memory it was pulled under), the registered local buffer the ranges land
     in, why the last cycle was a full one (``reason``), and the cost model's ``rates``: bytes
-    per second read over the wire, each tensor's fixed cost and the last full pull's seconds
-    (measured on cycles; ``learn = False`` keeps them as set), and changed elements placed per
-    second (:func:`measure_scatter`, once). A whole delta expected to take longer than the full
+    per second read by full pulls and by deltas, each tensor's fixed cost and the last warm full
+    pull's seconds (measured on cycles; ``learn = False`` keeps them as set), and changed
+    elements placed per second (:func:`measure_scatter`, once). A learning receiver times one
+    warm full pull before its first delta; a whole delta expected to take longer than the full
     pull is not used.
 
     ``held`` is cleared before any pull writes the arena and set again only after a cycle was
@@ -350,7 +386,9 @@ class DeltaReceiver:
         self.reason = "first cycle" if enabled else "delta=False"
         self.local: torch.Tensor | None = None
         self.applier = DeltaApplier()
-        self.rates = {"wire": START_WIRE["cuda" if device.type == "cuda" else "cpu"],  # bytes / s read
+        wire = START_WIRE["cuda" if device.type == "cuda" else "cpu"]
+        self.rates = {"wire": wire,  # bytes / s a full pull reads
+                      "delta_wire": wire,  # bytes / s a delta reads (its slots may be in host memory)
                       "scatter": 0.0,  # changed elements / s placed (0: not yet measured)
                       "tensor": 0.0,  # seconds each tensor of a delta costs besides its elements
                       "full": 0.0}  # seconds the last full pull took (0: none yet)
@@ -358,21 +396,21 @@ class DeltaReceiver:
         self.learn = True  # fold each cycle's measured rates into ``rates`` (False: keep them as set)
 
     def measured(self, rate: str, amount: float, seconds: float) -> None:
-        """Fold a measurement into ``rates`` (half the old, half the new): ``"wire"``, ``amount``
-        bytes read in ``seconds`` (1 ms or more); ``"tensor"``, ``seconds`` per tensor;
-        ``"full"``, the seconds of a full pull."""
+        """Fold a measurement into ``rates`` (half the old, half the new): ``"wire"`` (a full
+        pull's) or ``"delta_wire"`` (a delta's), ``amount`` bytes read in ``seconds`` (1 ms or
+        more); ``"tensor"``, ``seconds`` per tensor; ``"full"``, the seconds of a warm full pull."""
         if not self.learn:
             return
-        if rate == "wire" and seconds >= 1e-3 and amount > 0:
+        if rate in ("wire", "delta_wire") and seconds >= 1e-3 and amount > 0:
             self.rates[rate] = 0.5 * self.rates[rate] + 0.5 * amount / seconds
-        elif rate != "wire":
+        elif rate not in ("wire", "delta_wire"):
             self.rates[rate] = seconds if not self.rates[rate] else 0.5 * self.rates[rate] + 0.5 * seconds
 
     def estimate(self, choice: DeltaChoice) -> float:
         """Seconds the cost model expects ``choice`` to take: its bytes read, its changed
         elements placed, and each of its tensors' fixed cost."""
         tensors = len(choice.delta) + len(choice.full)
-        return (choice.nbytes / self.rates["wire"] + choice.changed / self.rates["scatter"]
+        return (choice.nbytes / self.rates["delta_wire"] + choice.changed / self.rates["scatter"]
                 + tensors * self.rates["tensor"])
 
     @property
@@ -415,6 +453,8 @@ class DeltaReceiver:
         why = self._refused(plan, manifests, base, version, key)
         if why:
             return why
+        if self.learn and not self.rates["full"]:
+            return "no warm full pull timed yet (the cost model's baseline)"
         chains = fetch_chains(rendezvous, ranks, base, version)
         if isinstance(chains, str):
             return chains
@@ -456,7 +496,7 @@ class DeltaReceiver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        self.measured("wire", read, t1 - t0)
+        self.measured("delta_wire", read, t1 - t0)
         placing = choice.changed / self.rates["scatter"] if self.rates["scatter"] else 0.0
         self.measured("tensor", 0, max(0.0, t2 - t1 - placing) / max(1, len(choice.delta) + len(choice.full)))
         self.seconds = {"delta.read": t1 - t0, "delta.apply": t2 - t1}
