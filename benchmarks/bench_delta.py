@@ -241,7 +241,8 @@ def table(rows: list[dict]) -> str:
     head = ("| trainer | full cycle bytes | lr | steps | changed | delta bytes / full (cost model) | all-delta bytes / full | full cycle "
             "| cost-model cycle | all-delta cycle | trainer step | delta record (in the step) | bit-identical |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+    runs = sorted({(r["label"], r["machine"], r["date"]) for r in rows})
+    lines = [f"Recorded {date} on {machine} ({label})." for label, machine, date in runs] + ["", head]
     ms = "{:.1f} ms"
     for s in summary(rows):
         to_ms = {k: [x * 1e3 for x in s[k]] for k in ("full_s", "model_s", "all-delta_s", "step_s", "record_s")}
