@@ -14,7 +14,9 @@ fenced) and is asked for ``v > p`` follows each rank's records back from ``v`` t
               buffer on the receiver's device
     apply     per tensor, in version order: decode indices (or bitmap), map each source element
               through the plan's copy ops to its target element (:func:`map_through`), scatter
-              the values; a tensor read whole is placed by the ops themselves
+              the values; where the ops are contiguous runs into one arena, on a GPU, one fused
+              launch per segment does it all (:mod:`~megarefit.online.delta_kernel`); a tensor
+              read whole is placed by the ops themselves
 
 The same bits land as a full pull would place (elements compare and move as integers of their
 width). Tensors a receiver-side step produces (FP8 blocks quantized on the receiver, value
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarefit.layout import RankCoord
+from megarefit.online.delta_kernel import fused, place
 from megarefit.online.delta_log import BITS
 from megarefit.online.delta_records import (
     INDICES,
@@ -146,6 +149,21 @@ def _strides(shape: Sequence[int]) -> list[int]:
         out.append(n)
         n *= s
     return out[::-1]
+
+
+def segment_parts(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, itemsize: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """An :data:`INDICES` or :data:`PAGED` segment's parts as views of ``raw``: the names (int32
+    indices, or int16 offsets within pages), the int32 changed counts per page (``None`` for
+    indices) and the values (integers of ``itemsize`` bytes)."""
+    numel = entry.nbytes // itemsize
+    mask = mask_bytes(seg.format, seg.count, numel)
+    at = (mask + 7) // 8 * 8
+    values = raw[at:at + seg.count * itemsize].view(BITS[itemsize])
+    if seg.format == INDICES:
+        return raw[:mask].view(torch.int32), None, values
+    pages = (numel + PAGE - 1) // PAGE
+    return raw[4 * pages:mask].view(torch.int16), raw[:4 * pages].view(torch.int32), values
 
 
 def segment_elements(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, itemsize: int
@@ -336,8 +354,12 @@ class DeltaApplier:
                     dst.copy_(part)
                 continue
             seg = next(s for rec, s in choice.delta[ref] if rec.version == version)
-            idx, values = segment_elements(local[at:at + seg.nbytes], seg, entry, item)
             runs = self._runs_of(ref, ops.get(ref, ()), buffers, item, entry.nbytes // item)
+            if runs is not None and runs.root.is_cuda and fused() and seg.format in (INDICES, PAGED):
+                names, pages, values = segment_parts(local[at:at + seg.nbytes], seg, entry, item)
+                place(names, pages, values, runs.starts, runs.ends, runs.dst, runs.root)  # one fused launch
+                continue
+            idx, values = segment_elements(local[at:at + seg.nbytes], seg, entry, item)
             if runs is not None:
                 runs.scatter(idx, values)
                 continue
@@ -504,4 +526,4 @@ class DeltaReceiver:
 
 
 __all__ = ["START_WIRE", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "Runs", "choose", "fetch_chains",
-           "map_through", "measure_scatter", "pull_ranges", "segment_elements"]
+           "map_through", "measure_scatter", "pull_ranges", "segment_elements", "segment_parts"]
