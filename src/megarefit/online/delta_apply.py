@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarefit.layout import RankCoord
-from megarefit.online.delta_kernel import fused, place
+from megarefit.online.delta_kernel import fused, place, warm_up
 from megarefit.online.delta_log import BITS
 from megarefit.online.delta_records import (
     INDICES,
@@ -416,6 +416,8 @@ class DeltaReceiver:
                       "full": 0.0}  # seconds the last full pull took (0: none yet)
         self.seconds: dict[str, float] = {}  # the last delta cycle's read and apply
         self.learn = True  # fold each cycle's measured rates into ``rates`` (False: keep them as set)
+        if enabled:
+            warm_up(device)  # the fused placing compiled off the first delta cycle
 
     def measured(self, rate: str, amount: float, seconds: float) -> None:
         """Fold a measurement into ``rates`` (half the old, half the new): ``"wire"`` (a full

@@ -30,7 +30,7 @@ BLOCK = 1024
 STEPS = 20  # binary-search steps: up to 2**20 pages (2**36 elements) or runs
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["pages", "count", "runs"])  # one compile per dtype, not per size
     def _place(names, cum, pages, count, values, starts, ends, dst, runs, root,
                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_STEPS: tl.constexpr):
         j = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -63,6 +63,20 @@ if triton is not None:
         tl.store(root + at, tl.load(values + j, mask=m), mask=ok)
 
 
+def warm_up(device: torch.device) -> None:
+    """Compile the fused placing for each name format and value width on ``device`` (a GPU;
+    nothing elsewhere), so the first delta cycle does not pay for it."""
+    if triton is None or device.type != "cuda":
+        return
+    run = torch.zeros(1, dtype=torch.int64, device=device)
+    for bits in (torch.uint8, torch.int16, torch.int32):
+        values = torch.zeros(1, dtype=bits, device=device)
+        for names, pages in ((torch.zeros(1, dtype=torch.int32, device=device), None),
+                             (torch.zeros(1, dtype=torch.int16, device=device),
+                              torch.ones(1, dtype=torch.int32, device=device))):
+            place(names, pages, values, run, run + 1, run, torch.zeros(1, dtype=bits, device=device))
+
+
 def fused() -> bool:
     """Whether the fused placing is available (Triton imported)."""
     return triton is not None
@@ -90,4 +104,4 @@ def place(names: torch.Tensor, pages: torch.Tensor | None, values: torch.Tensor,
                                             N_STEPS=STEPS)
 
 
-__all__ = ["BLOCK", "fused", "place"]
+__all__ = ["BLOCK", "fused", "place", "warm_up"]
