@@ -127,19 +127,45 @@ def _adam_trainer(index: int, rdzv, cfg: dict, args: dict):
     params = {n: (torch.randn(t.shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
               for n, t in source_tensors(dims, layout)[rank].items()}
     main = [p.float() for p in params.values()]
+    if args["off_grid"]:  # as after a long run: each fp32 main parameter anywhere within its bf16 value's step
+        for m in main:
+            ulp = torch.exp2(torch.floor(torch.log2(m.abs().clamp_min(1e-30))) - 7)
+            m.add_((torch.rand(m.shape, generator=g, device=device) - 0.5) * ulp)
     opt = torch.optim.Adam(main, lr=args["lr"], betas=(0.9, 0.999), foreach=True)
     pub = Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name=f"delta-trainer-{index}",
-                    delta=DeltaOptions(slots=args["slots"], mirror=args["mirror"]))
+                    delta=DeltaOptions(slots=args["slots"], mirror=args["mirror"]),
+                    quantization=args["quantization"])
     model = list(params.values())
 
     def step(version: int) -> None:
         for m in main:
             m.grad = torch.randn(m.shape, generator=g, device=device) * 1e-3
         opt.step()
+        before = {n: (w.clone(), sc.clone()) for n, (w, sc) in pub.fp8.items()}
         with pub.updating(version):
             torch._foreach_copy_(model, main)  # Megatron's main -> model copy (a cast to bf16)
+        pub.fp8_split = fp8_split(before, pub.fp8, pub.quantization.block) if pub.fp8 else None
 
     return pub, step
+
+
+def fp8_split(before: dict, after: dict, block: tuple[int, int]) -> dict[str, int]:
+    """Of the FP8 weight elements that changed in a step: how many lie in blocks whose scale
+    changed (the whole block re-scaled) and how many crossed an e4m3 step under an unchanged
+    scale; also the blocks, and the blocks whose scale changed."""
+    out = {"in_rescaled_blocks": 0, "crossed_a_step": 0, "blocks": 0, "rescaled_blocks": 0, "elements": 0}
+    for name, (w, sc) in after.items():
+        w0, sc0 = before[name]
+        changed = w.view(torch.uint8) != w0.view(torch.uint8)
+        rescaled = sc != sc0
+        per_element = rescaled.repeat_interleave(block[0], -2)[..., :w.shape[-2], :].repeat_interleave(
+            block[1], -1)[..., :w.shape[-1]]
+        out["in_rescaled_blocks"] += int((changed & per_element).sum())
+        out["crossed_a_step"] += int((changed & ~per_element).sum())
+        out["blocks"] += sc.numel()
+        out["rescaled_blocks"] += int(rescaled.sum())
+        out["elements"] += w.numel()
+    return out
 
 
 def trainer(index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args: dict) -> list[dict]:
@@ -161,7 +187,7 @@ def trainer(index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args:
         rdzv.store.add(f"{rdzv.prefix}bench/stepped/{v}", 1)  # the receivers time from here on
         rows.append({"version": v, "step_s": time.perf_counter() - t0, "record_s": d.seconds, "changed": d.changed,
                      "elements": d.elements, "packed_bytes": d.packed_bytes, "recorded": d.recorded,
-                     "host_bytes": pub.delta.nbytes})
+                     "host_bytes": pub.delta.nbytes, "fp8": getattr(pub, "fp8_split", None)})
     pub.wait_receivers(args["steps"] + 1, timeout=600)
     return rows
 
@@ -250,7 +276,23 @@ def table(rows: list[dict]) -> str:
                      f"| {_m(s['all-delta_bytes'])} | {_m(to_ms['full_s'], ms)} | {_m(to_ms['model_s'], ms)} "
                      f"| {_m(to_ms['all-delta_s'], ms)} | {_m(to_ms['step_s'], ms)} | {_m(to_ms['record_s'], ms)} "
                      f"| {'yes' if s['identical'] else 'NO'} |")
-    return "\n".join(lines)
+    return "\n".join(lines + fp8_table(rows))
+
+
+def fp8_table(rows: list[dict], first: int = 3) -> list[str]:
+    """Where the trainers served block FP8: of the FP8 elements changed per step (from step
+    ``first`` on), the share in blocks whose scale changed, and the share of blocks re-scaled."""
+    split = [r for r in rows if r.get("fp8") and r["receiver"] == "full" and r["version"] >= first + 1]
+    if not split:
+        return []
+    out = ["", "| run | lr | FP8 elements changed | of them in re-scaled blocks | blocks re-scaled |", "|---|---|---|---|---|"]
+    for key in sorted({(r["label"], r["lr"]) for r in split}, key=str):
+        mine = [r["fp8"] for r in split if (r["label"], r["lr"]) == key]
+        changed = [(f["in_rescaled_blocks"] + f["crossed_a_step"]) / f["elements"] for f in mine]
+        rescaled = [f["in_rescaled_blocks"] / max(1, f["in_rescaled_blocks"] + f["crossed_a_step"]) for f in mine]
+        blocks = [f["rescaled_blocks"] / f["blocks"] for f in mine]
+        out.append(f"| {key[0]} | {key[1]:g} | {_m(changed)} | {_m(rescaled)} | {_m(blocks)} |")
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -267,6 +309,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-device", default="cpu")
     p.add_argument("--slots", choices=["host", "device"], default="host",
                    help="--trainer adam: where the trainer packs its deltas (DeltaOptions.slots)")
+    p.add_argument("--off-grid", action="store_true",
+                   help="--trainer adam: start each fp32 main parameter at random within its bf16 step, as after "
+                        "a long run (a fresh start sits on the bf16 grid: large elements cross it only after many steps)")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="--trainer adam: serve block FP8 (the deltas are of FP8 bytes and scales)")
     p.add_argument("--mirror", choices=["host", "device"], default="host",
                    help="--trainer adam: where the trainer keeps the last version (DeltaOptions.mirror)")
     p.add_argument("--device", default="cpu", help="the receivers' device")
@@ -281,12 +328,14 @@ def _per_version(ranks: list[list[dict]]) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for rows in ranks:
         for r in rows:
-            m = out.setdefault(r["version"], dict(r, changed=0, elements=0, packed_bytes=0, host_bytes=0))
+            m = out.setdefault(r["version"], dict(r, changed=0, elements=0, packed_bytes=0, host_bytes=0, fp8=None))
             for k in ("changed", "elements", "packed_bytes", "host_bytes"):
                 m[k] += r[k]
             for k in ("step_s", "record_s"):
                 m[k] = max(m[k], r[k])
             m["recorded"] = m["recorded"] and r["recorded"]
+            if r.get("fp8") and m is not r:
+                m["fp8"] = {k: m["fp8"][k] + r["fp8"][k] for k in r["fp8"]} if m.get("fp8") else dict(r["fp8"])
     return out
 
 
@@ -312,13 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         rdzv = Rendezvous.serve(job=job)
         args = {**{k: getattr(ns, k) for k in ("trainer", "steps", "seq", "batch", "threads", "trainer_device", "tp",
                                                "slots", "mirror")},
+                "quantization": None if ns.quantization == "none" else "fp8", "off_grid": ns.off_grid,
                 "lr": lr, "job": job}
         rxs = _receivers(rdzv, ns.device)  # registered first: the trainer waits for each to acknowledge
         ns.ranks = 1 if ns.trainer == "megatron" else ns.tp
         group = start_workers(trainer, world_size=ns.ranks, args=(rdzv.port, cfg, args))
         got = receive(rxs, ns)
         by_version = _per_version(group.join(timeout=600))
-        head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "mirror": ns.mirror, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
+        head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "mirror": ns.mirror,
+                "off_grid": ns.off_grid, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
                 "layers": cfg["num_hidden_layers"], "trainer_device": ns.trainer_device, "device": ns.device,
                 "date": time.strftime("%Y-%m-%d")}
         rows += [{**head, **by_version.get(r["version"], {"step_s": 0.0, "record_s": 0.0, "changed": 0,

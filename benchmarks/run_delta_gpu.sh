@@ -14,3 +14,8 @@ for where in ${WHERE:-device host}; do
   timeout 280 python3 benchmarks/bench_delta.py "${common[@]}" --slots "$where" --mirror "$where" \
     --label "Qwen3-8B 8 layers tp2, GPU 0 -> GPU 1, mirror + slots on $where" 2>&1 | quiet
 done
+if [[ -n "${FP8:-1}" ]]; then
+  echo "== block FP8 served, mirror and slots: device"
+  timeout 280 python3 benchmarks/bench_delta.py "${common[@]}" --slots device --mirror device --quantization fp8 \
+    --label "Qwen3-8B 8 layers tp2 block FP8, GPU 0 -> GPU 1, mirror + slots on device" 2>&1 | quiet
+fi
