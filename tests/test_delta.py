@@ -36,7 +36,8 @@ from megarefit.online.cycle import StaleVersionError  # noqa: E402
 from megarefit.online.delta_apply import map_through, segment_elements  # noqa: E402
 from megarefit.online.delta_log import DeltaOptions, pack_bitmap, pack_paged  # noqa: E402
 from megarefit.online.delta_records import (BITMAP, INDICES, PAGED, DeltaRecord, DeltaRecordError,  # noqa: E402
-                                            DeltaSegment, best_format, decode_record, mask_bytes, segment_bytes)
+                                            DeltaSegment, best_format, decode_record, epoch_key, mask_bytes,
+                                            segment_bytes)
 from megarefit.online.publisher import Publisher  # noqa: E402
 from megarefit.online.receiver import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
@@ -243,6 +244,44 @@ def test_a_delta_larger_than_its_slot_is_not_published():
         _stop(tr)
 
 
+def test_a_publish_that_fails_part_way_publishes_no_delta_after_it(dense, monkeypatch):
+    """A publish whose delta record could not be written (the rendezvous failed) leaves the
+    trainer unsure what its mirror holds: its next publish records no delta, receivers pull
+    that version in full and are exact, and deltas resume after it."""
+    tr = dense
+    rx = tr.receiver("delta")
+    real = Rendezvous.put
+
+    def failing(self, key, payload):
+        if "/epoch" not in key and key.startswith("delta/"):
+            raise OSError("injected: the rendezvous went away")
+        return real(self, key, payload)
+
+    monkeypatch.setattr(Rendezvous, "put", failing)
+    tr.change(0.01, 700)
+    with pytest.raises(OSError, match="injected"):
+        tr.pubs[0].publish(tr.version + 1)
+    monkeypatch.undo()
+    v = tr.step(0.01, 701)
+    assert not tr.pubs[0].last_delta.recorded
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full", delta=False), v))
+    assert rx.stats.refit == "full" and "no delta record for (0, 0, 0)" in rx.stats.delta_reason
+    v = tr.step(0.01, 702)
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full"), v))
+    assert rx.stats.refit == "delta"
+
+
+def test_a_restarted_trainer_is_not_chained_with_the_old_one(dense):
+    """A trainer process that starts anew writes a new delta epoch: a receiver holding a version
+    of the old process pulls in full, naming why, however the versions line up."""
+    tr = dense
+    rx = tr.receiver("delta")
+    tr.rdzv.put(epoch_key(tr.pubs[0].rank), "a-new-process")
+    v = tr.step(0.01, 800)
+    pulled(rx, v)
+    assert rx.stats.refit == "full" and "delta epoch changed" in rx.stats.delta_reason
+
+
 def test_checksums_cover_the_patched_arena(dense, monkeypatch):
     """verify_checksums checks every box of a delta cycle against the trainers' sums; one wrong
     patched element is caught (ChecksumMismatchError), and the next cycle is a full one."""
@@ -410,3 +449,44 @@ def test_every_format_names_the_changed_elements_exactly(numel, density, fmt, se
     best = best_format(idx.numel(), numel)
     assert mask_bytes(best, idx.numel(), numel) == min(mask_bytes(f, idx.numel(), numel)
                                                        for f in (INDICES, BITMAP, PAGED))
+
+
+_INTERPRETED = """
+import torch
+import megarefit.online.delta_kernel as K
+from megarefit.online.delta_log import pack_paged
+PAGE = K.PAGE
+g = torch.Generator().manual_seed(3)
+numel = 5 * PAGE + 123
+idx = (torch.rand(numel, generator=g) < 0.02).nonzero().view(-1)
+idx = idx[(idx < PAGE) | (idx >= 3 * PAGE)]  # pages 1 and 2 hold no change
+values = torch.randint(-2 ** 15, 2 ** 15, (idx.numel(),), generator=g, dtype=torch.int16)
+starts, ends = torch.tensor([0, 1000, 3 * PAGE, 4 * PAGE + 7]), torch.tensor([900, 2 * PAGE, 4 * PAGE, numel])
+dst = torch.tensor([50_000, 0, 10 * PAGE, 2 * PAGE])
+k = torch.searchsorted(starts, idx, right=True) - 1
+inside = idx < ends[k]
+want = torch.zeros(12 * PAGE, dtype=torch.int16)
+want[(idx - starts[k] + dst[k])[inside]] = values[inside]
+pages = (numel + PAGE - 1) // PAGE
+raw = pack_paged(idx, numel)
+for names, counts in ((idx.to(torch.int32), None), (raw[4 * pages:].view(torch.int16), raw[:4 * pages].view(torch.int32))):
+    root = torch.zeros_like(want)
+    K.place(names, counts, values, starts, ends, dst, root)
+    assert torch.equal(root, want), "fused placing differs from the PyTorch scatter"
+print("ok")
+"""
+
+
+def test_fused_placing_under_the_triton_interpreter():
+    """The fused placing's kernel (decode, binary searches, masked writes) run by Triton's
+    interpreter on CPU tensors writes exactly what an independent PyTorch scatter writes: runs
+    with gaps between them, pages with and without changes, indices and pages. (On a GPU the
+    same is tests/test_delta_gpu.py.)"""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -22,6 +22,8 @@ from megarefit.online.publisher import Publisher  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
+_IN_CHILD = __import__("os").environ.get("MEGAREFIT_DELTA_GPU_CHILD") == "1"
+
 
 @pytest.mark.parametrize("slots", ["host", "device"])
 def test_gpu_delta_equals_full_pull(config, slots):
@@ -38,6 +40,8 @@ def test_gpu_delta_equals_full_pull(config, slots):
     rx.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9, tensor=0.0)  # patch whatever changed sparsely
     rx.delta_model.learn = False
     full = RefitReceiver(rdzv, name=f"delta-gpu-{slots}-full", device=device, delta=False)
+    from megarefit.online.delta_kernel import fused
+    assert fused(torch.device(device))  # the receiver's warm_up checked the fused placing there
     g = torch.Generator(device="cuda:0").manual_seed(0)
     for v in range(1, 5):
         if v > 1:
@@ -63,7 +67,20 @@ def test_gpu_delta_equals_full_pull(config, slots):
 @pytest.mark.parametrize("paged", [False, True], ids=["indices", "paged"])
 def test_fused_place_equals_torch_scatter(paged):
     """The fused launch writes exactly what an independent PyTorch scatter writes: runs with gaps
-    between them (elements outside every run are left alone), pages with and without changes."""
+    between them (elements outside every run are left alone), pages with and without changes.
+    Run in a fresh process, on the first GPU it uses (in one process that used the fused placing
+    on the last GPU first, a later direct launch on GPU 0 wrote nothing here; receivers check the
+    kernel per device in ``warm_up`` and place with PyTorch ops where it fails)."""
+    import subprocess
+    import sys
+
+    if not _IN_CHILD:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                               f"{__file__}::test_fused_place_equals_torch_scatter[{'paged' if paged else 'indices'}]"],
+                              env={**__import__("os").environ, "MEGAREFIT_DELTA_GPU_CHILD": "1"}, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        return
     from megarefit.online.delta_kernel import place
     from megarefit.online.delta_log import pack_paged
     from megarefit.online.delta_records import PAGE
@@ -89,4 +106,5 @@ def test_fused_place_equals_torch_scatter(paged):
         names, counts = idx.to(torch.int32), None
     cuda = [t.cuda() if t is not None else None for t in (names, counts, values, starts, ends, dst, root)]
     place(*cuda)
+    torch.cuda.synchronize(cuda[-1].device)  # asynchronous, as the receiver's pipeline waits for it
     assert torch.equal(cuda[-1].cpu(), want)

@@ -26,25 +26,29 @@ steps) have no trainer bytes to patch: a plan with such steps refits in full.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from megarefit.layout import RankCoord
-from megarefit.online.delta_kernel import fused, place, warm_up
+from megarefit.online.delta_kernel import MAX_RUNS, fused, place, warm_up
 from megarefit.online.delta_log import BITS
 from megarefit.online.delta_records import (
     INDICES,
     PAGE,
     PAGED,
     DeltaRecord,
+    DeltaRecordError,
     DeltaSegment,
     decode_record,
     delta_key,
+    epoch_key,
     mask_bytes,
+    segment_bytes,
 )
 from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.store import StoreError
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.plan.ops import squeezed_lengths
 from megarefit.transport.local import op_views
@@ -209,28 +213,51 @@ class DeltaChoice:
         return min(c[0].base for c in self.chains.values() if c)
 
 
-def fetch_chains(rendezvous: Rendezvous, ranks: Sequence[RankCoord], base: int, version: int, keep: int = 16
-                 ) -> dict[RankCoord, list[DeltaRecord]] | str:
-    """Every rank's records from ``base`` to ``version``, oldest first, or why there are none
-    (a version whose record is gone: no longer kept, or too large for its slot)."""
+def read_epochs(rendezvous: Rendezvous, ranks: Sequence[RankCoord]) -> dict[RankCoord, str] | None:
+    """Every rank's delta epoch (:func:`~megarefit.online.delta_records.epoch_key`), read without
+    waiting, or ``None`` when a rank publishes no deltas."""
+    keys = [epoch_key(r) for r in ranks]
+    try:
+        return {r: e.decode() for r, e in zip(ranks, rendezvous.fetch_many(keys, timeout=0))}
+    except StoreError:
+        return None
+
+
+def fetch_chains(rendezvous: Rendezvous, epochs: Mapping[RankCoord, str], base: int, version: int,
+                 keep: int = 16) -> dict[RankCoord, list[DeltaRecord]] | str:
+    """Every rank's records (of its delta epoch in ``epochs``) from ``base`` to ``version``,
+    oldest first, or why there are none (a version whose record is gone: no longer kept, or too
+    large for its slot). Reads never wait: a record deleted meanwhile is a reason too."""
+    ranks = sorted(epochs)
     chains: dict[RankCoord, list[DeltaRecord]] = {r: [] for r in ranks}
     at = {r: version for r in ranks}
     for _ in range(keep):
-        want = sorted(r for r in ranks if at[r] != base)
+        want = [r for r in ranks if at[r] != base]
         if not want:
             return {r: c[::-1] for r, c in chains.items()}
-        keys = [delta_key(r, at[r]) for r in want]
-        if not rendezvous.store.check([rendezvous.prefix + k for k in keys]):
-            missing = [f"{tuple(r)} v{at[r]}" for r, k in zip(want, keys)
-                       if not rendezvous.store.check([rendezvous.prefix + k])]
-            return f"no delta record for {', '.join(missing[:3])} (not kept, or larger than its slot)"
-        for r, payload in zip(want, rendezvous.fetch_many(keys)):
+        try:
+            payloads = rendezvous.fetch_many([delta_key(r, epochs[r], at[r]) for r in want], timeout=0)
+        except StoreError:
+            return (f"no delta record for {', '.join(f'{tuple(r)} v{at[r]}' for r in want[:3])}"
+                    " (not kept, or larger than its slot)")
+        for r, payload in zip(want, payloads):
             rec = decode_record(payload)
             if rec.version != at[r] or rec.base >= rec.version or rec.base < base:
                 return f"rank {tuple(r)}: its record of v{at[r]} starts at v{rec.base}, not on the way to v{base}"
             chains[r].append(rec)
             at[r] = rec.base
     return f"more than {keep} versions between v{base} and v{version}"
+
+
+def _check_segment(seg: DeltaSegment, e: TensorEntry, rank: RankCoord) -> None:
+    """A segment must fit its manifest entry.
+
+    Raises:
+        DeltaRecordError: it names more elements than the tensor holds, or its size disagrees."""
+    item = max(1, e.nbytes // max(1, _numel(e.shape)))
+    if seg.count > e.nbytes // item or seg.nbytes != segment_bytes(seg.format, seg.count, e.nbytes // item, item):
+        raise DeltaRecordError(f"rank {tuple(rank)}: segment of {e.name} names {seg.count} elements in "
+                               f"{seg.nbytes} bytes, which does not fit the tensor's {e.nbytes} bytes")
 
 
 def choose(plan: Plan, manifests: Mapping[RankCoord, Manifest], chains: dict[RankCoord, list[DeltaRecord]],
@@ -245,6 +272,10 @@ def choose(plan: Plan, manifests: Mapping[RankCoord, Manifest], chains: dict[Ran
         segs: dict[int, list[tuple[DeltaRecord, DeltaSegment]]] = {}
         for rec in chain:
             for seg in rec.segments:
+                if seg.entry >= len(entries):
+                    raise DeltaRecordError(f"rank {tuple(rank)}: a segment of v{rec.version} names manifest entry "
+                                           f"{seg.entry} of {len(entries)}")
+                _check_segment(seg, entries[seg.entry], rank)
                 segs.setdefault(seg.entry, []).append((rec, seg))
         ranges = out.reads.setdefault(rank, [])
         for i, pairs in sorted(segs.items()):
@@ -291,6 +322,8 @@ class Runs:
             return None
         root = next(iter(roots.values()))
         ops = sorted(ops, key=lambda op: op.src_offset)
+        if any(a.src_offset + a.numel > b.src_offset for a, b in zip(ops, ops[1:])) or len(ops) > MAX_RUNS:
+            return None  # runs that overlap (one source read twice), or too many for the fused search
         base = [buffers[op.dst].storage_offset() - root.storage_offset() + op.dst_offset for op in ops]
         device = root.device
         covered = all(a.src_offset + a.numel == b.src_offset for a, b in zip(ops, ops[1:])) and ops[0].src_offset == 0
@@ -355,7 +388,7 @@ class DeltaApplier:
                 continue
             seg = next(s for rec, s in choice.delta[ref] if rec.version == version)
             runs = self._runs_of(ref, ops.get(ref, ()), buffers, item, entry.nbytes // item)
-            if runs is not None and runs.root.is_cuda and fused() and seg.format in (INDICES, PAGED):
+            if runs is not None and fused(runs.root.device) and seg.format in (INDICES, PAGED):
                 names, pages, values = segment_parts(local[at:at + seg.nbytes], seg, entry, item)
                 place(names, pages, values, runs.starts, runs.ends, runs.dst, runs.root)  # one fused launch
                 continue
@@ -404,7 +437,8 @@ class DeltaReceiver:
 
     def __init__(self, transport: NixlTransport, device: torch.device, enabled: bool = True):
         self.transport, self.device, self.enabled = transport, device, enabled
-        self.held: tuple[int, tuple] | None = None
+        self.held: tuple[int, tuple, dict | None] | None = None
+        self._epochs: dict[RankCoord, str] | None = None  # the trainers' delta epochs read by the last choice
         self.reason = "first cycle" if enabled else "delta=False"
         self.local: torch.Tensor | None = None
         self.applier = DeltaApplier()
@@ -456,33 +490,48 @@ class DeltaReceiver:
         return 0 if self.local is None else self.local.numel()
 
     def forget(self, reason: str) -> None:
-        """The arena no longer holds a version whole (``reason`` says why, in stats)."""
+        """The arena no longer holds a version whole (``reason`` says why, in stats); the cached
+        runs (views of that arena) and the landing buffer are let go."""
         self.held = None
+        self.applier = DeltaApplier()
+        if self.local is not None:
+            self.transport.nixl.deregister([self.local])
+            self.local = None
         if self.enabled:
             self.reason = reason
 
     def hold(self, version: int, plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> None:
-        """The arena holds ``version`` whole (the cycle was fenced)."""
-        self.held = (version, self.key(plan, manifests))
+        """The arena holds ``version`` whole (the cycle was fenced), as of the trainers' delta
+        epochs read when the cycle began."""
+        self.held = (version, self.key(plan, manifests), self._epochs)
 
     def choice(self, rendezvous: Rendezvous, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                ranks: Sequence[RankCoord], version: int) -> DeltaChoice | str:
         """The delta from the held version to ``version``, or why the cycle pulls in full;
         clears ``held`` either way (the arena is about to be written)."""
         held, self.held = self.held, None
-        if not self.enabled or held is None:
+        if not self.enabled:
+            return self.reason
+        self._epochs = read_epochs(rendezvous, ranks)  # before the bytes: what a held version belongs to
+        if held is None:
             return self.reason
         self.reason = "the previous cycle did not complete"  # until this one completes (hold)
-        base, key = held
+        base, key, epochs = held
         why = self._refused(plan, manifests, base, version, key)
         if why:
             return why
+        if self._epochs is None or epochs != self._epochs:
+            return ("trainer ranks publish no deltas (Publisher(delta=True))" if self._epochs is None
+                    else "a trainer rank started anew since the version held (its delta epoch changed)")
         if self.learn and not self.rates["full"]:
             return "no warm full pull timed yet (the cost model's baseline)"
-        chains = fetch_chains(rendezvous, ranks, base, version)
-        if isinstance(chains, str):
-            return chains
-        choice = choose(plan, manifests, chains, self.scatter_bytes)
+        try:
+            chains = fetch_chains(rendezvous, self._epochs, base, version)
+            if isinstance(chains, str):
+                return chains
+            choice = choose(plan, manifests, chains, self.scatter_bytes)
+        except DeltaRecordError as exc:
+            return f"a delta record was refused: {exc}"
         full = self.rates["full"] or plan.nbytes / self.rates["wire"]
         if self.estimate(choice) >= full:
             return (f"the delta ({choice.nbytes} bytes, {choice.changed} changed elements, about "
@@ -503,11 +552,13 @@ class DeltaReceiver:
         return ""
 
     def pull(self, plan: Plan, choice: DeltaChoice, buffers: Mapping[TensorRef, torch.Tensor],
-             manifests: Mapping[RankCoord, Manifest], timeout: float) -> int:
-        """READ ``choice``'s ranges and patch ``buffers``; the bytes read.
+             manifests: Mapping[RankCoord, Manifest], timeout: float, stable: Callable[[], None]) -> int:
+        """READ ``choice``'s ranges, call ``stable`` (the fence's end check: it raises when a
+        rank wrote meanwhile, so a torn read is never decoded), then patch ``buffers``; the
+        bytes read.
 
         Raises:
-            TransferError: as :func:`pull_ranges`."""
+            TransferError: as :func:`pull_ranges`; and what ``stable`` raises."""
         need = max(8, choice.nbytes)
         if self.local is None or self.local.numel() < need:
             if self.local is not None:
@@ -515,6 +566,7 @@ class DeltaReceiver:
             self.local = torch.empty(need + need // 4, dtype=torch.uint8, device=self.device)
         t0 = time.perf_counter()
         read = pull_ranges(self.transport, manifests, choice, self.local, timeout)
+        stable()
         t1 = time.perf_counter()
         self.applier.apply(plan, choice, self.local, buffers, manifests)
         if self.device.type == "cuda":
@@ -528,4 +580,4 @@ class DeltaReceiver:
 
 
 __all__ = ["START_WIRE", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "Runs", "choose", "fetch_chains",
-           "map_through", "measure_scatter", "pull_ranges", "segment_elements", "segment_parts"]
+           "map_through", "measure_scatter", "pull_ranges", "read_epochs", "segment_elements", "segment_parts"]

@@ -15,6 +15,8 @@ Each program places ``BLOCK`` changed elements ``j``:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from megarefit.cuda import kernel_device
@@ -28,6 +30,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 BLOCK = 1024
 STEPS = 20  # binary-search steps: up to 2**20 pages (2**36 elements) or runs
+MAX_RUNS = 1 << STEPS
+_broken: dict[torch.device, str] = {}  # devices where the fused placing failed its check, and why
+_checked: set[torch.device] = set()  # devices where it passed
 
 if triton is not None:
     @triton.jit(do_not_specialize=["pages", "count", "runs"])  # one compile per dtype, not per size
@@ -63,23 +68,53 @@ if triton is not None:
         tl.store(root + at, tl.load(values + j, mask=m), mask=ok)
 
 
-def warm_up(device: torch.device) -> None:
-    """Compile the fused placing for each name format and value width on ``device`` (a GPU;
-    nothing elsewhere), so the first delta cycle does not pay for it."""
+def warm_up(device: torch.device) -> bool:
+    """Compile the fused placing for each name format and value width on ``device`` and check
+    each on a known answer, so the first delta cycle neither pays for the compile nor trusts a
+    kernel that does not place correctly here; whether the fused placing is used on ``device``.
+    Anything else (no Triton, a CPU, a failed compile or a wrong answer, with a warning naming
+    it) leaves that device to the PyTorch ops."""
     if triton is None or device.type != "cuda":
-        return
-    run = torch.zeros(1, dtype=torch.int64, device=device)
-    for bits in (torch.uint8, torch.int16, torch.int32):
-        values = torch.zeros(1, dtype=bits, device=device)
-        for names, pages in ((torch.zeros(1, dtype=torch.int32, device=device), None),
-                             (torch.zeros(1, dtype=torch.int16, device=device),
-                              torch.ones(1, dtype=torch.int32, device=device))):
-            place(names, pages, values, run, run + 1, run, torch.zeros(1, dtype=bits, device=device))
+        return False
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device in _broken:
+        return False
+    if device in _checked:
+        return True
+    try:
+        for bits in (torch.uint8, torch.int16, torch.int32):
+            for paged in (False, True):
+                if not _placed_right(device, bits, paged):
+                    raise RuntimeError(f"a known placement came out wrong ({bits}, {'paged' if paged else 'indices'})")
+    except Exception as exc:  # Triton imports but cannot compile or run here: place with PyTorch ops instead
+        _broken[device] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"megarefit: the fused delta placing is not used on {device} ({_broken[device][:200]}); "
+                      "deltas are placed with PyTorch ops", stacklevel=2)
+        return False
+    _checked.add(device)
+    return True
 
 
-def fused() -> bool:
-    """Whether the fused placing is available (Triton imported)."""
-    return triton is not None
+def _placed_right(device: torch.device, bits: torch.dtype, paged: bool) -> bool:
+    """Place 3 known elements (one outside every run) and compare with the answer."""
+    idx = torch.tensor([1, 5, PAGE + 2], device=device)
+    values = torch.tensor([7, 9, 11], dtype=bits, device=device)
+    starts, ends, dst = (torch.tensor(x, device=device) for x in ([0, PAGE], [4, PAGE + 8], [10, 0]))
+    root = torch.zeros(16, dtype=bits, device=device)
+    if paged:
+        counts = torch.tensor([2, 1], dtype=torch.int32, device=device)
+        place((idx % PAGE).to(torch.int16), counts, values, starts, ends, dst, root)
+    else:
+        place(idx.to(torch.int32), None, values, starts, ends, dst, root)
+    torch.cuda.synchronize(device)
+    want = torch.zeros(16, dtype=bits)
+    want[11], want[2] = 7, 11  # element 5 lies in no run
+    return torch.equal(root.cpu(), want)
+
+
+def fused(device: torch.device) -> bool:
+    """Whether deltas are placed by the fused kernel on ``device`` (checked by :func:`warm_up`)."""
+    return device in _checked
 
 
 def place(names: torch.Tensor, pages: torch.Tensor | None, values: torch.Tensor, starts: torch.Tensor,
@@ -104,4 +139,4 @@ def place(names: torch.Tensor, pages: torch.Tensor | None, values: torch.Tensor,
                                             N_STEPS=STEPS)
 
 
-__all__ = ["BLOCK", "fused", "place", "warm_up"]
+__all__ = ["BLOCK", "MAX_RUNS", "fused", "place", "warm_up"]

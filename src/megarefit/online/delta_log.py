@@ -10,8 +10,8 @@ parameters, snapshot copies or FP8 buffers and scales; byte for byte what receiv
              mirror (compared on the tensor's device, the mirror streamed in chunks), packed as
              int32 indices or a bitmap, whichever is smaller (delta_records.best_format), plus
              the new values, into slot ``n % keep``; the mirror updated at those elements; a
-             record published under ``delta/<rank>/<version>``, the record of the version that
-             used the slot before deleted first
+             record published under ``delta/<rank>/<epoch>/<version>``, the record of the version
+             that used the slot before deleted first
 
 A version whose segments do not fit the slot publishes no record (receivers then pull it in
 full, as they do when they missed more than ``keep`` versions). Elements compare as bits, so
@@ -22,6 +22,7 @@ trainer's.
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from megarefit.online.delta_records import (
     DeltaSegment,
     best_format,
     delta_key,
+    epoch_key,
     segment_bytes,
 )
 from megarefit.online.rendezvous import Rendezvous
@@ -140,9 +142,11 @@ class DeltaLog:
                       for _ in range(options.keep)]
         agent.register(self.slots)
         self.slot_version: list[int | None] = [None] * options.keep
-        self.base: int | None = None  # the version the mirror holds (None before the first publish)
+        self.base: int | None = None  # the version the mirror holds (None: before the first publish, or unsure)
         self.count = 0  # records written
         self.last: DeltaStats | None = None
+        self.epoch = secrets.token_hex(8)  # this process's records; a restarted trainer writes a new one
+        rendezvous.put(epoch_key(rank), self.epoch)
 
     @property
     def nbytes(self) -> int:
@@ -155,8 +159,8 @@ class DeltaLog:
         (call inside the rank's seqlock, after the served tensors hold ``version``). The first
         call, or one whose version is not newer, only records the mirror's version."""
         t0 = time.perf_counter()
-        base = self.base
-        if base is None or version <= base:
+        base, self.base = self.base, None  # unsure until this record is done: a publish that fails part-way
+        if base is None or version <= base:  # leaves the next to copy the mirror anew and publish no record
             if base is None or version < base:  # the first version (FP8 / snapshot buffers filled just now),
                 self.mirror = [_mirror_copy(t, self.options.mirror) for t in self.served]  # or an older one
             self.base = version
@@ -164,7 +168,8 @@ class DeltaLog:
             return self.last
         k = self.count % self.options.keep
         if self.slot_version[k] is not None:  # its bytes are about to be rewritten: no receiver may use them
-            self.rendezvous.store.delete_key(self.rendezvous.prefix + delta_key(self.rank, self.slot_version[k]))
+            self.rendezvous.store.delete_key(self.rendezvous.prefix
+                                             + delta_key(self.rank, self.epoch, self.slot_version[k]))
             self.slot_version[k] = None
         segments, changed = self._pack(self.slots[k])
         used = segments[-1].offset + segments[-1].nbytes if segments else 0
@@ -173,9 +178,9 @@ class DeltaLog:
             mem, dev = mem_type(self.slots[k])
             rec = DeltaRecord(version, base, self.slots[k].data_ptr(), self.slots[k].numel(), used, mem, dev,
                               tuple(segments))
-            self.rendezvous.put(delta_key(self.rank, version), rec.encode())
+            self.rendezvous.put(delta_key(self.rank, self.epoch, version), rec.encode())
             self.slot_version[k] = version
-        self.count += 1
+            self.count += 1  # (a version that did not fit leaves the slot free for the next)
         self.base = version
         self.last = DeltaStats(version, base, changed, self._elements(), used if fits else 0, fits,
                                time.perf_counter() - t0)
@@ -207,6 +212,8 @@ class DeltaLog:
                 mirror[idx] = values
             else:
                 mirror[idx.cpu()] = values.cpu()
+        if slot.is_cuda:  # the slot's bytes must have landed before the record says they are there
+            torch.cuda.synchronize(slot.device)
         return segments, changed
 
 

@@ -4,7 +4,8 @@ A delta refit (:mod:`~megarefit.online.delta_log` on the trainer,
 :mod:`~megarefit.online.delta_apply` on the receiver) moves only the elements of the served
 tensors that changed between two published versions. Per version and rank the trainer packs,
 into one of ``keep`` registered slot buffers, one **segment** per changed tensor, and publishes
-one signed record under ``delta/<tp>.<pp>.<ep>/<version>`` (:func:`delta_key`)::
+one signed record under ``delta/<tp>.<pp>.<ep>/<epoch>/<version>`` (:func:`delta_key`; the epoch:
+:func:`epoch_key`)::
 
     record   b"MRD1" | int64 header [version, base, addr, capacity, used, mem, dev, rows]
              | int64 rows x [entry, format, count, offset, nbytes]
@@ -136,10 +137,18 @@ def decode_record(payload: bytes) -> DeltaRecord:
     return DeltaRecord(version, base, addr, capacity, used, "VRAM" if mem else "DRAM", dev, segments)
 
 
-def delta_key(rank: RankCoord, version: int) -> str:
-    """The rendezvous key (relative to the job prefix) of ``rank``'s delta into ``version``."""
-    return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/{int(version)}"
+def epoch_key(rank: RankCoord) -> str:
+    """The rendezvous key of ``rank``'s delta epoch: a random text each trainer process's
+    :class:`~megarefit.online.delta_log.DeltaLog` writes when it starts, so records of a process
+    that was restarted are never chained with the new one's."""
+    return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/epoch"
+
+
+def delta_key(rank: RankCoord, epoch: str, version: int) -> str:
+    """The rendezvous key (relative to the job prefix) of ``rank``'s delta into ``version``,
+    written in delta epoch ``epoch``."""
+    return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/{epoch}/{int(version)}"
 
 
 __all__ = ["BITMAP", "FORMATS", "INDICES", "PAGE", "PAGED", "DeltaRecord", "DeltaRecordError", "DeltaSegment",
-           "best_format", "decode_record", "delta_key", "mask_bytes", "segment_bytes"]
+           "best_format", "decode_record", "delta_key", "epoch_key", "mask_bytes", "segment_bytes"]

@@ -167,7 +167,8 @@ class CyclePipeline:
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
         with self.naming_the_job(version):
             if isinstance(pulled, DeltaChoice):
-                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout)
+                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout,
+                                stable=functools.partial(self.fence.end, start))
             else:
                 t_read = time.perf_counter()
                 self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)

@@ -155,10 +155,11 @@ class Rendezvous:
         like ``TCPStore.get``). Raises RecordAuthenticationError as :meth:`unseal`."""
         return self.unseal(self.prefix + key, self.store.get(self.prefix + key))
 
-    def fetch_many(self, keys: list[str]) -> list[bytes]:
-        """:meth:`fetch` of several keys in one round trip (every key must exist)."""
+    def fetch_many(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """:meth:`fetch` of several keys in one round trip (every key must exist; ``timeout``:
+        seconds to wait for them, default the store's; ``StoreError`` when they do not appear)."""
         full = [self.prefix + k for k in keys]
-        return [self.unseal(k, r) for k, r in zip(full, self.store.multi_get(full))]
+        return [self.unseal(k, r) for k, r in zip(full, self.store.multi_get(full, timeout))]
 
     @property
     def port(self) -> int:

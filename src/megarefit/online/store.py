@@ -269,10 +269,15 @@ class KeyValueStore:
                              f"{len(keys)} keys")
         return values
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        values = self._get(keys, self.timeout)
+    def multi_get(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, waiting up to ``timeout`` seconds (default: the store's) for all.
+
+        Raises:
+            StoreError: not all appeared in time."""
+        wait = self.timeout if timeout is None else timeout
+        values = self._get(keys, wait)
         if values is None:
-            raise StoreError(f"rendezvous keys {list(keys)[:4]} did not appear within {self.timeout:.1f} s")
+            raise StoreError(f"rendezvous keys {list(keys)[:4]} did not appear within {wait:.1f} s")
         return values
 
     def add(self, key: str, amount: int) -> int:
