@@ -35,36 +35,33 @@ _broken: dict[torch.device, str] = {}  # devices where the fused placing failed 
 _checked: set[torch.device] = set()  # devices where it passed
 
 if triton is not None:
+    @triton.jit
+    def _last_at_most(table, n, x, m, BLOCK_SIZE: tl.constexpr, N_STEPS: tl.constexpr):
+        """Per lane, the last index i in [0, n) with table[i] <= x (a binary search; 0 if none)."""
+        lo = tl.zeros([BLOCK_SIZE], dtype=tl.int64)
+        hi = tl.zeros([BLOCK_SIZE], dtype=tl.int64) + n
+        for _ in tl.static_range(N_STEPS):
+            active = (hi - lo) > 1
+            mid = (lo + hi) // 2
+            up = active & (tl.load(table + mid, mask=m & active, other=0) <= x)
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(active & ~up, mid, hi)
+        return lo
+
     @triton.jit(do_not_specialize=["pages", "count", "runs"])  # one compile per dtype, not per size
     def _place(names, cum, pages, count, values, starts, ends, dst, runs, root,
                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_STEPS: tl.constexpr):
         j = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         m = j < count
         if PAGED:
-            lo = tl.zeros([BLOCK_SIZE], dtype=tl.int64)
-            hi = tl.full([BLOCK_SIZE], pages, dtype=tl.int64)
-            for _ in tl.static_range(N_STEPS):
-                active = (hi - lo) > 1
-                mid = (lo + hi) // 2
-                c = tl.load(cum + mid, mask=m & active, other=0)
-                up = active & (c <= j)
-                lo = tl.where(up, mid, lo)
-                hi = tl.where(active & ~up, mid, hi)
-            element = lo * PAGE_SIZE + (tl.load(names + j, mask=m, other=0).to(tl.int64) & (PAGE_SIZE - 1))
+            page = _last_at_most(cum, pages, j, m, BLOCK_SIZE, N_STEPS)
+            element = page * PAGE_SIZE + (tl.load(names + j, mask=m, other=0).to(tl.int64) & (PAGE_SIZE - 1))
         else:
             element = tl.load(names + j, mask=m, other=0).to(tl.int64)
-        lo = tl.zeros([BLOCK_SIZE], dtype=tl.int64)
-        hi = tl.full([BLOCK_SIZE], runs, dtype=tl.int64)
-        for _ in tl.static_range(N_STEPS):
-            active = (hi - lo) > 1
-            mid = (lo + hi) // 2
-            s = tl.load(starts + mid, mask=m & active, other=0)
-            up = active & (s <= element)
-            lo = tl.where(up, mid, lo)
-            hi = tl.where(active & ~up, mid, hi)
-        start = tl.load(starts + lo, mask=m, other=0)
-        ok = m & (element >= start) & (element < tl.load(ends + lo, mask=m, other=0))
-        at = tl.load(dst + lo, mask=m, other=0) + element - start
+        k = _last_at_most(starts, runs, element, m, BLOCK_SIZE, N_STEPS)
+        start = tl.load(starts + k, mask=m, other=0)
+        ok = m & (element >= start) & (element < tl.load(ends + k, mask=m, other=0))
+        at = tl.load(dst + k, mask=m, other=0) + element - start
         tl.store(root + at, tl.load(values + j, mask=m), mask=ok)
 
 
