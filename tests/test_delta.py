@@ -180,7 +180,7 @@ def dense():
     _stop(tr)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(density=st.sampled_from([0.0005, 0.01, 0.05, "mixed", 0.9]), seed=st.integers(0, 2 ** 16),
        steps=st.integers(1, 2))
 def test_delta_cycle_equals_full_pull(trainer, density, seed, steps):
@@ -384,7 +384,7 @@ def _unique_sources(plan: Plan) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("target", ["hf", "vllm-ep"])
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(density=st.floats(0.001, 1.0), seed=st.integers(0, 2 ** 16))
 def test_map_through_follows_the_local_copy(trainer, target, density, seed):
     """For every op of a real plan, the target element :func:`map_through` names for a source
