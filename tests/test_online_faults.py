@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 
 import pytest
@@ -83,6 +84,26 @@ def test_version_moving_during_the_pull_is_caught(served):
     receiver.transport.execute = execute_then_step
     with pytest.raises(StaleVersionError, match=r"\(1, 0, 0\) -> 2"):
         next(receiver.run_refit_cycle(1))
+
+
+def test_a_version_waited_for_is_pulled_once(served):
+    """A receiver asking for a version the trainers have not published yet waits, then pulls it
+    once: the update sequences it checks after the pull are those read once the version was
+    there, not those of the wait's start (each publish moves them)."""
+    *_, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    receiver.timeout = 60
+
+    def publish_2():
+        time.sleep(0.3)
+        for p in pubs.values():
+            with p.updating(2):
+                pass
+
+    threading.Thread(target=publish_2, daemon=True).start()
+    dict(receiver.run_refit_cycle(2))
+    assert (receiver.stats.version, receiver.stats.retries) == (2, 0)
 
 
 def test_manifest_missing_a_tensor(served):

@@ -133,6 +133,11 @@ class VersionFence:
             manifests, metadata, _ = self.discover(timeout)
             if sorted(manifests) != ranks:
                 raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
+            seq, seen = self.wait_stable(ranks, timeout)  # the sequences as of that version, not of the wait's start
+            if set(seen.values()) != {got}:
+                raise StaleVersionError(f"ranks moved past version {got} while it was awaited: "
+                                        + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(seen.items())),
+                                        retryable=version is None)
         lap("version")
         return FenceStart(manifests, metadata, ranks, seq, got, version)
 
