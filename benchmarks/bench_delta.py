@@ -30,46 +30,16 @@ patched / read whole, and on the trainer the step's seconds and the delta record
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECEIVERS = ("full", "model", "all-delta")
-
-
-@contextlib.contextmanager
-def cuda_on_cpu() -> Iterator[None]:
-    """Megatron-Core's optimizer on CPU: its ``device='cuda'`` factories make CPU tensors and
-    ``Tensor.type()`` names the CUDA type it checks for (restored afterwards)."""
-    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty", "ones", "full", "arange")}
-
-    def on_cpu(fn):
-        @functools.wraps(fn)
-        def inner(*a, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return fn(*a, **k)
-        return inner
-
-    cuda, typ = torch.Tensor.cuda, torch.Tensor.type
-    for n, fn in saved.items():
-        setattr(torch, n, on_cpu(fn))
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.Tensor.type = lambda self, *a, **k: typ(self, *a, **k) if a or k else typ(self).replace("torch.", "torch.cuda.", 1)
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(torch, n, fn)
-        torch.Tensor.cuda, torch.Tensor.type = cuda, typ
 
 
 def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
@@ -79,7 +49,7 @@ def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
+    from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel, optimizer_on_cpu
     from megarefit.online.publisher import Publisher
 
     init_parallel(rank=0, world_size=1, master_port=port, tp=1, pp=1)
@@ -88,7 +58,7 @@ def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
     model.config.bf16 = True
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
-    with cuda_on_cpu():
+    with optimizer_on_cpu():
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=args["lr"], min_lr=args["lr"], bf16=True, use_distributed_optimizer=True,
             adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
@@ -105,7 +75,7 @@ def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
         opt.zero_grad()
         ddp(tokens[:, :-1], position, attention_mask=mask, labels=tokens[:, 1:]).float().mean().backward()
         ddp.finish_grad_sync()
-        with pub.updating(version), cuda_on_cpu():
+        with pub.updating(version), optimizer_on_cpu():
             opt.step()
 
     return pub, step

@@ -144,3 +144,115 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
                                           + d.numel() * d.element_size() for d in buffers)
                                       for t in pub.params.values() if t.requires_grad)
     return out
+
+
+def _step_once(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:
+    """One real training step: next-token loss on a random batch, backward, Megatron's gradient
+    sync and optimizer step (the optimizer on CPU)."""
+    from megarefit.demo.megatron_cpu import optimizer_on_cpu
+
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 9), generator=g)
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1)[None, None]
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(tokens[:, :-1], torch.arange(8)[None].expand(2, 8), attention_mask=mask,
+        labels=tokens[:, 1:]).float().mean().backward()
+    with optimizer_on_cpu():
+        ddp.finish_grad_sync()
+        opt.step()
+
+
+def _trained(cfg: dict, distributed: bool, lr: float) -> tuple[Any, Any, Any]:
+    """The demo GPT in bf16 under Megatron DDP and Megatron's Adam (the distributed optimizer, or
+    the non-distributed mixed-precision one): (model, ddp, optimizer)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megarefit.demo.megatron_cpu import optimizer_on_cpu
+
+    arch = dataclasses.replace(gpt_arch_from_hf(cfg, tp=1), dtype="bfloat16")
+    model = build_gpt_model(arch, seed=0)
+    model.config.bf16 = True
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
+    with optimizer_on_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=lr, bf16=True, use_distributed_optimizer=distributed,
+            adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
+    model.train()
+    return model, ddp, opt
+
+
+def _no_changes(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(p.numel(), dtype=torch.bool) for n, p in params.items()}
+
+
+def _add_changes(union: dict[str, torch.Tensor], before: dict[str, torch.Tensor],
+                 after: dict[str, torch.Tensor]) -> None:
+    """The oracle: mark, per tensor, the flat elements whose bits a step changed."""
+    for n, u in union.items():
+        u |= before[n].view(-1).view(torch.int16) != after[n].detach().view(-1).view(torch.int16)
+
+
+def _compare(tracker: Any, params: dict[str, torch.Tensor], union: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Per tensor: (elements the steps changed, whether the tracker found exactly those)."""
+    return {n: (int(u.sum()), torch.equal(tracker.changed(params[n]), u.nonzero().view(-1))) for n, u in union.items()}
+
+
+def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: str, cfg: dict,
+                    publish_after: list[int]) -> dict[str, Any]:
+    """Data-parallel rank ``rank`` of 2 (tp=1) trains the demo GPT with Megatron's
+    ``DistributedOptimizer`` (each rank steps its shard; the all-gather makes them whole), its
+    changes tracked by ``track_changes`` on both ranks. Rank 0 serves it with
+    ``Publisher.from_megatron(..., delta=..., tracker=...)`` and publishes version ``k + 2`` after
+    step ``publish_after[k]`` (version 1: before any step), waiting for the test's receivers.
+    Before each publish, every rank compares what the tracker found with the bits that changed
+    since the last publish (rank 1 never publishes: since the start). Then the same with
+    Megatron's non-distributed mixed-precision optimizer (the tracker against the oracle only)."""
+    from megarefit.integrations.megatron import refit_tensors
+    from megarefit.online.delta_log import DeltaOptions
+    from megarefit.online.delta_track import track_changes
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
+    out: dict[str, Any] = {"rank": rank, "distributed": [], "float16": []}
+    g = torch.Generator().manual_seed(rank)
+    model, ddp, opt = _trained(cfg, True, 1e-6)
+    tracker = track_changes(opt)
+    params = refit_tensors(model)
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+    pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer",
+                                  delta=DeltaOptions(keep=2, capacity=1.0), tracker=tracker, checksums=True)
+    version = 1
+    if pub.serving:
+        pub.publish(version)
+        pub.wait_receivers(version, timeout=120)
+        out["tracked"], out["served"] = pub.delta.tracked, len(pub.delta.served)
+    union = _no_changes(params)
+    for step in range(1, max(publish_after) + 1):
+        before = {n: p.detach().clone() for n, p in params.items()}
+        _step_once(ddp, opt, cfg, g)
+        _add_changes(union, before, params)
+        if step not in publish_after:
+            continue
+        out["distributed"].append(_compare(tracker, params, union))
+        if rank == 0:
+            union = _no_changes(params)
+        if pub.serving:
+            version += 1
+            pub.publish(version)
+            pub.wait_receivers(version, timeout=120)
+            out.setdefault("recorded", []).append(pub.last_delta.recorded)
+    torch.distributed.barrier()
+    model, ddp, opt = _trained(cfg, False, 1e-5)
+    tracker, params = track_changes(opt), refit_tensors(model)
+    union = _no_changes(params)
+    for _ in range(2):
+        before = {n: p.detach().clone() for n, p in params.items()}
+        _step_once(ddp, opt, cfg, g)
+        _add_changes(union, before, params)
+    out["float16"] = _compare(tracker, params, union)
+    return out

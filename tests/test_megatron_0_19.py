@@ -21,7 +21,8 @@ VERSION = "0.19.2"
 # test_megatron_vpp.py pass on 0.19.2 too, left out for the suite's time)
 MODULES = ["tests/test_megatron_moe.py", "tests/test_megatron_mla_glm.py", "tests/test_megatron_mtp.py",
            "tests/test_megatron_grouped.py", "tests/test_megatron_mamba.py", "tests/test_demo_families.py",
-           "tests/test_from_megatron.py"]  # Publisher.from_megatron reads parallel_state and Megatron's stage split
+           "tests/test_from_megatron.py",  # Publisher.from_megatron reads parallel_state and Megatron's stage split
+           "tests/test_delta_track.py"]  # the optimizer's main-to-model copy that delta tracking wraps
 
 
 def test_real_megatron_tests_pass_on_0_19():

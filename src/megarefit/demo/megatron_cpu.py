@@ -28,6 +28,7 @@ so the last pipeline stage returns full-vocabulary logits on every TP rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm",
            "forward_logits", "gpt_arch_from_hf", "harness_flags", "harness_megatron", "init_parallel",
-           "megatron_series", "perturb_parameters_"]
+           "megatron_series", "optimizer_on_cpu", "perturb_parameters_"]
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,47 @@ def _no_tensor_cuda() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def optimizer_on_cpu() -> Iterator[None]:
+    """Megatron-Core's optimizer and gradient sync on CPU (wrap building the optimizer, each
+    step, and from 0.19 ``finish_grad_sync``): its ``device='cuda'`` factories make CPU tensors,
+    ``Tensor.cuda()`` is a no-op, ``Tensor.type()`` names the CUDA type it checks for and
+    ``torch.cuda.current_stream()`` is a stream whose waits do nothing (all restored afterwards)."""
+    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty", "ones", "full", "arange")}
+
+    def on_cpu(fn):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return inner
+
+    cuda, typ, stream = torch.Tensor.cuda, torch.Tensor.type, torch.cuda.current_stream
+    for n, fn in saved.items():
+        setattr(torch, n, on_cpu(fn))
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = lambda self, *a, **k: typ(self, *a, **k) if a or k else typ(self).replace("torch.", "torch.cuda.", 1)
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch, n, fn)
+        torch.Tensor.cuda, torch.Tensor.type, torch.cuda.current_stream = cuda, typ, stream
+
+
+class _NoStream:
+    """What ``torch.cuda.current_stream()`` returns on CPU: CPU work is in order, waits are no-ops."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
 
 
 # --------------------------------------------------------------------------- parallel state

@@ -4,12 +4,18 @@ pack it into registered slots, publish a signed record per version.
 ``Publisher(..., delta=True)`` keeps a :class:`DeltaLog` over the tensors it serves (live
 parameters, snapshot copies or FP8 buffers and scales; byte for byte what receivers read)::
 
-    mirror   a host copy of every served tensor as of the last published version (pinned when
-             the tensors are on a GPU: no second copy of the weights in GPU memory)
-    publish  inside the rank's seqlock: per tensor, the elements whose bits differ from the
-             mirror (compared on the tensor's device, the mirror streamed in chunks), packed as
-             int32 indices or a bitmap, whichever is smaller (delta_records.best_format), plus
-             the new values, into slot ``n % keep``; the mirror updated at those elements; a
+    tracker  (``Publisher(..., tracker=track_changes(optimizer))``, delta_track): a served tensor
+             that holds a tracked parameter bit for bit (live or snapshot) takes its changed
+             elements from the tracker's bitmap, set where the optimizer's main-to-model copy
+             changed them: no mirror
+    mirror   of every other served tensor (FP8 buffers and scales, untracked parameters), as of
+             the last published version: a host copy (pinned when the tensors are on a GPU: no
+             second copy of the weights in GPU memory), or on the device
+    publish  inside the rank's seqlock: per tensor, the changed elements (the tracker's, or where
+             its bits differ from the mirror: compared on the tensor's device, the mirror
+             streamed in chunks), packed as int32 indices, 16-bit page offsets or a bitmap,
+             whichever is smaller (delta_records.best_format), plus the new values, into slot
+             ``n % keep``; the mirror updated at those elements or the tracker's bits cleared; a
              record published under ``delta/<rank>/<epoch>/<version>``, the record of the version
              that used the slot before deleted first
 
@@ -42,6 +48,7 @@ from megarefit.online.delta_records import (
     epoch_key,
     segment_bytes,
 )
+from megarefit.online.delta_track import ChangeTracker
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
@@ -130,10 +137,17 @@ class DeltaLog:
     ``served[i]``); the slots are registered with ``agent``."""
 
     def __init__(self, served: Sequence[torch.Tensor], agent: NixlAgent, rendezvous: Rendezvous, rank: RankCoord,
-                 options: DeltaOptions):
+                 options: DeltaOptions, tracker: ChangeTracker | None = None,
+                 sources: Sequence[torch.Tensor | None] | None = None):
         self.served = list(served)
         self.rendezvous, self.rank, self.options = rendezvous, rank, options
-        self.mirror: list[torch.Tensor] = []  # copied at the first publish
+        # served[i]'s changes come from the tracker where sources[i] (the live parameter it holds
+        # bit for bit) is tracked; the others are compared against a mirror
+        self.tracker = tracker
+        self.sources = [s if tracker is not None and s is not None and tracker.covers(s) else None
+                        for s in (sources or [None] * len(self.served))]
+        self.generation = tracker.generation if tracker is not None else 0
+        self.mirror: list[torch.Tensor | None] = []  # copied at the first publish
         total = sum(t.numel() * t.element_size() for t in self.served)
         capacity = max(4096, math.ceil(options.capacity * total / 8) * 8)
         pinned = any(t.is_cuda for t in self.served)
@@ -150,9 +164,14 @@ class DeltaLog:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the mirror (host) and the slots (host or device)."""
-        mirror = sum(t.numel() * t.element_size() for t in self.served)
+        """Bytes held: the mirror of the untracked tensors (host or device) and the slots (host or device)."""
+        mirror = sum(t.numel() * t.element_size() for t, s in zip(self.served, self.sources) if s is None)
         return mirror + sum(s.numel() for s in self.slots)
+
+    @property
+    def tracked(self) -> int:
+        """Served tensors whose changes come from the tracker (the rest are compared with the mirror)."""
+        return sum(s is not None for s in self.sources)
 
     def record(self, version: int) -> DeltaStats:
         """Find, pack and publish the delta from the last recorded version into ``version``
@@ -160,9 +179,11 @@ class DeltaLog:
         call, or one whose version is not newer, only records the mirror's version."""
         t0 = time.perf_counter()
         base, self.base = self.base, None  # unsure until this record is done: a publish that fails part-way
+        if self.tracker is not None and self.tracker.generation != self.generation:  # written around the tracker
+            base, self.generation = None, self.tracker.generation
         if base is None or version <= base:  # leaves the next to copy the mirror anew and publish no record
             if base is None or version < base:  # the first version (FP8 / snapshot buffers filled just now),
-                self.mirror = [_mirror_copy(t, self.options.mirror) for t in self.served]  # or an older one
+                self._restart()  # or an older one
             self.base = version
             self.last = DeltaStats(version, None, 0, self._elements(), 0, False, time.perf_counter() - t0)
             return self.last
@@ -186,6 +207,14 @@ class DeltaLog:
                                time.perf_counter() - t0)
         return self.last
 
+    def _restart(self) -> None:
+        """The served tensors as they are now are the base: mirror the untracked, clear the tracked."""
+        self.mirror = [_mirror_copy(t, self.options.mirror) if src is None else None
+                       for t, src in zip(self.served, self.sources)]
+        for src in self.sources:
+            if src is not None:
+                self.tracker.clear(src)
+
     def _elements(self) -> int:
         return sum(t.numel() for t in self.served)
 
@@ -195,8 +224,8 @@ class DeltaLog:
         mirror updated; also the count of changed elements."""
         segments: list[DeltaSegment] = []
         at = changed = 0
-        for i, (t, mirror) in enumerate(zip(self.served, self.mirror)):
-            idx = changed_elements(t, mirror)
+        for i, (t, mirror, src) in enumerate(zip(self.served, self.mirror, self.sources)):
+            idx = changed_elements(t, mirror) if src is None else self.tracker.changed(src)
             n = idx.numel()
             if n == 0:
                 continue
@@ -208,7 +237,9 @@ class DeltaLog:
                 _write_segment(slot[at:at + size], fmt, idx, values, t.numel())
             segments.append(DeltaSegment(i, fmt, n, at, size))
             at += size
-            if mirror.device == idx.device:
+            if src is not None:
+                self.tracker.clear(src)
+            elif mirror.device == idx.device:
                 mirror[idx] = values
             else:
                 mirror[idx.cpu()] = values.cpu()

@@ -37,6 +37,7 @@ from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
 from megarefit.layout.megatron_model import check_stated, read_chunks
 from megarefit.online.delta_log import DeltaLog, DeltaOptions, DeltaStats
+from megarefit.online.delta_track import ChangeTracker
 from megarefit.online.param_sync import check_param_sync
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.online.served import (
@@ -93,6 +94,12 @@ def _checked_layout(layout: SourceLayout, dims: ModelDims, rank: RankCoord) -> S
     return layout
 
 
+def _delta_sources(expected: Iterable[str], params: Mapping[str, torch.Tensor],
+                   fp8: Mapping[str, Any]) -> list[torch.Tensor | None]:
+    """Per served tensor, the live parameter it holds bit for bit (None for FP8 weights and scales)."""
+    return [s for name in expected for s in ([None, None] if name in fp8 else [params[name]])]
+
+
 class Publisher:
     """Serves one trainer rank's parameters (one model chunk); see the module docstring.
 
@@ -130,6 +137,11 @@ class Publisher:
     slots and publishes them (:mod:`~megarefit.online.delta_log`), so receivers holding that
     version pull only those (a delta refit). Costs a host copy of the served tensors and
     ``keep`` slots; ``last_delta`` reports each publish's changed fraction and seconds.
+    ``tracker`` (a :class:`~megarefit.online.delta_track.ChangeTracker`, from
+    :func:`~megarefit.online.delta_track.track_changes` of the Megatron optimizer on every
+    data-parallel rank): the changes of every parameter it tracks come from the optimizer's
+    main-to-model copy instead, so only untracked tensors (FP8 buffers, parameters the optimizer
+    does not copy) keep a mirror.
 
     Raises (at construction):
         LayoutError: ``layout`` does not fit the model, or ``rank`` is not in its grid.
@@ -145,7 +157,7 @@ class Publisher:
                  layout: SourceLayout, rendezvous: Rendezvous, agent_name: str | None = None,
                  quantization: str | Fp8Format | None = "auto", snapshot: bool = False,
                  ddp: Any = None, checksums: bool = False, ipc: bool = True,
-                 delta: bool | DeltaOptions = False):
+                 delta: bool | DeltaOptions = False, tracker: ChangeTracker | None = None):
         self.rank = RankCoord(*rank)
         cfg = load_hf_config(hf_config)
         self.dims = ModelDims.from_hf_config(cfg)
@@ -181,8 +193,8 @@ class Publisher:
         self.rendezvous = rendezvous
         self.writing = False  # inside updating(), or an update that raised (receivers wait)
         self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
-        self.delta = (DeltaLog(served, self.agent, rendezvous, self.rank, DeltaOptions() if delta is True else delta)
-                      if delta else None)
+        self.delta = (DeltaLog(served, self.agent, rendezvous, self.rank, DeltaOptions() if delta is True else delta,
+                               tracker, _delta_sources(expected, self.params, self.fp8)) if delta else None)
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
     @classmethod
@@ -200,7 +212,7 @@ class Publisher:
         parameter names), and the Megatron-Core version and layout flags
         (:mod:`megarefit.layout.megatron_model`). ``layout``: a statement of what the caller
         expects, checked against what was read. ``options``: the constructor's ``agent_name``,
-        ``quantization``, ``snapshot``, ``checksums``, ``ipc``, ``delta``.
+        ``quantization``, ``snapshot``, ``checksums``, ``ipc``, ``delta``, ``tracker``.
 
         Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for
         several. One process per rank coordinate serves it (the first in Megatron's rank order,
