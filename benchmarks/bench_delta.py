@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel, optimizer_on_cpu
+    from megarefit.online.delta_track import track_changes
     from megarefit.online.publisher import Publisher
 
     init_parallel(rank=0, world_size=1, master_port=port, tp=1, pp=1)
@@ -62,21 +64,24 @@ def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=args["lr"], min_lr=args["lr"], bf16=True, use_distributed_optimizer=True,
             adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
-    pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name="delta-trainer", delta=True)
+    tracker = track_changes(opt) if args["changes"] == "tracker" else None  # else a host mirror
+    pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name="delta-trainer", delta=True, tracker=tracker)
     g = torch.Generator().manual_seed(0)
     seq, batch = args["seq"], args["batch"]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     position = torch.arange(seq)[None].expand(batch, seq)
     model.train()
 
-    def step(version: int) -> None:
+    def step(version: int) -> float:
         tokens = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=g)
         ddp.zero_grad_buffer()
         opt.zero_grad()
         ddp(tokens[:, :-1], position, attention_mask=mask, labels=tokens[:, 1:]).float().mean().backward()
         ddp.finish_grad_sync()
         with pub.updating(version), optimizer_on_cpu():
-            opt.step()
+            t0 = time.perf_counter()
+            opt.step()  # with a tracker: its compare inside the main-to-model copy
+            return time.perf_counter() - t0
 
     return pub, step
 
@@ -87,6 +92,7 @@ def _adam_trainer(index: int, rdzv, cfg: dict, args: dict):
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
     from megarefit.online.delta_log import DeltaOptions
+    from megarefit.online.delta_track import ChangeTracker
     from megarefit.online.publisher import Publisher
 
     device = args["trainer_device"]
@@ -102,21 +108,39 @@ def _adam_trainer(index: int, rdzv, cfg: dict, args: dict):
             ulp = torch.exp2(torch.floor(torch.log2(m.abs().clamp_min(1e-30))) - 7)
             m.add_((torch.rand(m.shape, generator=g, device=device) - 0.5) * ulp)
     opt = torch.optim.Adam(main, lr=args["lr"], betas=(0.9, 0.999), foreach=True)
+    model = list(params.values())
+    tracker = None
+    if args["changes"] == "tracker":  # the main -> model copy marks what it changes: no mirror
+        tracker = ChangeTracker()
+        tracker.watch(model)
     pub = Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name=f"delta-trainer-{index}",
                     delta=DeltaOptions(slots=args["slots"], mirror=args["mirror"]),
-                    quantization=args["quantization"])
-    model = list(params.values())
+                    quantization=args["quantization"], tracker=tracker)
 
-    def step(version: int) -> None:
+    def step(version: int) -> float:
         for m in main:
             m.grad = torch.randn(m.shape, generator=g, device=device) * 1e-3
         opt.step()
         before = {n: (w.clone(), sc.clone()) for n, (w, sc) in pub.fp8.items()}
         with pub.updating(version):
-            torch._foreach_copy_(model, main)  # Megatron's main -> model copy (a cast to bf16)
+            _sync(device)
+            t0 = time.perf_counter()
+            if tracker is None:
+                torch._foreach_copy_(model, main)  # Megatron's main -> model copy (a cast to bf16)
+            else:
+                for p, m in zip(model, main):
+                    tracker.copy_(p, m)
+            _sync(device)
+            copy_s = time.perf_counter() - t0
         pub.fp8_split = fp8_split(before, pub.fp8, pub.quantization.block) if pub.fp8 else None
+        return copy_s
 
     return pub, step
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def fp8_split(before: dict, after: dict, block: tuple[int, int]) -> dict[str, int]:
@@ -152,12 +176,12 @@ def trainer(index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args:
     for v in range(2, args["steps"] + 2):
         pub.wait_receivers(v - 1, timeout=600)
         t0 = time.perf_counter()
-        step(v)
+        copy_s = step(v)
         d = pub.last_delta
         rdzv.store.add(f"{rdzv.prefix}bench/stepped/{v}", 1)  # the receivers time from here on
         rows.append({"version": v, "step_s": time.perf_counter() - t0, "record_s": d.seconds, "changed": d.changed,
                      "elements": d.elements, "packed_bytes": d.packed_bytes, "recorded": d.recorded,
-                     "host_bytes": pub.delta.nbytes, "fp8": getattr(pub, "fp8_split", None)})
+                     "host_bytes": pub.delta.nbytes, "fp8": getattr(pub, "fp8_split", None), "copy_s": copy_s})
     pub.wait_receivers(args["steps"] + 1, timeout=600)
     return rows
 
@@ -225,6 +249,8 @@ def summary(rows: list[dict], first: int = 3) -> list[dict]:
             row[f"{name}_refit"] = sorted({r["refit"] for r in them})
         row["step_s"] = [r["step_s"] for r in mine if r["receiver"] == "full"]
         row["record_s"] = [r["record_s"] for r in mine if r["receiver"] == "full"]
+        row["copy_s"] = [r.get("copy_s", float("nan")) for r in mine if r["receiver"] == "full"]
+        row["delta_bytes"] = max(r["host_bytes"] for r in mine if r["receiver"] == "full")
         out.append(row)
     return out
 
@@ -235,16 +261,20 @@ def _m(xs: list[float], fmt: str = "{:.1%}") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| trainer | full cycle bytes | lr | steps | changed | delta bytes / full (cost model) | all-delta bytes / full | full cycle "
-            "| cost-model cycle | all-delta cycle | trainer step | delta record (in the step) | bit-identical |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| cost-model cycle | all-delta cycle | trainer step | optimizer step / copy | delta record (in the step) "
+            "| trainer delta memory | bit-identical |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = sorted({(r["label"], r["machine"], r["date"]) for r in rows})
     lines = [f"Recorded {date} on {machine} ({label})." for label, machine, date in runs] + ["", head]
     ms = "{:.1f} ms"
     for s in summary(rows):
-        to_ms = {k: [x * 1e3 for x in s[k]] for k in ("full_s", "model_s", "all-delta_s", "step_s", "record_s")}
+        to_ms = {k: [x * 1e3 for x in s[k]] for k in ("full_s", "model_s", "all-delta_s", "step_s", "record_s",
+                                                       "copy_s")}
+        copy = "—" if any(math.isnan(x) for x in to_ms["copy_s"]) else _m(to_ms["copy_s"], ms)
         lines.append(f"| {s['label']} | {s['full_bytes'] / 2**20:.1f} MiB | {s['lr']:g} | {s['steps']} | {_m(s['changed'])} | {_m(s['model_bytes'])} "
                      f"| {_m(s['all-delta_bytes'])} | {_m(to_ms['full_s'], ms)} | {_m(to_ms['model_s'], ms)} "
-                     f"| {_m(to_ms['all-delta_s'], ms)} | {_m(to_ms['step_s'], ms)} | {_m(to_ms['record_s'], ms)} "
+                     f"| {_m(to_ms['all-delta_s'], ms)} | {_m(to_ms['step_s'], ms)} | {copy} "
+                     f"| {_m(to_ms['record_s'], ms)} | {s['delta_bytes'] / 2**20:.1f} MiB "
                      f"| {'yes' if s['identical'] else 'NO'} |")
     return "\n".join(lines + fp8_table(rows))
 
@@ -286,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--trainer adam: serve block FP8 (the deltas are of FP8 bytes and scales)")
     p.add_argument("--mirror", choices=["host", "device"], default="host",
                    help="--trainer adam: where the trainer keeps the last version (DeltaOptions.mirror)")
+    p.add_argument("--changes", choices=["mirror", "tracker"], default="mirror",
+                   help="how the trainer finds what changed: a mirror of the last version, or a tracker of the "
+                        "main-to-model copy (megatron: track_changes(optimizer); adam: ChangeTracker.copy_)")
     p.add_argument("--device", default="cpu", help="the receivers' device")
     p.add_argument("--label", default="")
     p.add_argument("--json", help="append the rows here (JSON lines)")
@@ -301,7 +334,7 @@ def _per_version(ranks: list[list[dict]]) -> dict[int, dict]:
             m = out.setdefault(r["version"], dict(r, changed=0, elements=0, packed_bytes=0, host_bytes=0, fp8=None))
             for k in ("changed", "elements", "packed_bytes", "host_bytes"):
                 m[k] += r[k]
-            for k in ("step_s", "record_s"):
+            for k in ("step_s", "record_s", "copy_s"):
                 m[k] = max(m[k], r[k])
             m["recorded"] = m["recorded"] and r["recorded"]
             if r.get("fp8") and m is not r:
@@ -330,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         job = f"delta-{lr:g}"
         rdzv = Rendezvous.serve(job=job)
         args = {**{k: getattr(ns, k) for k in ("trainer", "steps", "seq", "batch", "threads", "trainer_device", "tp",
-                                               "slots", "mirror")},
+                                               "slots", "mirror", "changes")},
                 "quantization": None if ns.quantization == "none" else "fp8", "off_grid": ns.off_grid,
                 "lr": lr, "job": job}
         rxs = _receivers(rdzv, ns.device)  # registered first: the trainer waits for each to acknowledge
@@ -339,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         got = receive(rxs, ns)
         by_version = _per_version(group.join(timeout=600))
         head = {"machine": machine(), "label": ns.label or ns.trainer, "slots": ns.slots, "mirror": ns.mirror,
+                "changes": ns.changes,
                 "off_grid": ns.off_grid, "lr": lr, "config": cfg.get("_name_or_path", ns.config),
                 "layers": cfg["num_hidden_layers"], "trainer_device": ns.trainer_device, "device": ns.device,
                 "date": time.strftime("%Y-%m-%d")}

@@ -462,7 +462,9 @@ idx = (torch.rand(numel, generator=g) < 0.02).nonzero().view(-1)
 idx = idx[(idx < PAGE) | (idx >= 3 * PAGE)]  # pages 1 and 2 hold no change
 values = torch.randint(-2 ** 15, 2 ** 15, (idx.numel(),), generator=g, dtype=torch.int16)
 starts, ends = torch.tensor([0, 1000, 3 * PAGE, 4 * PAGE + 7]), torch.tensor([900, 2 * PAGE, 4 * PAGE, numel])
-dst = torch.tensor([50_000, 0, 10 * PAGE, 2 * PAGE])
+dst = torch.tensor([300_000, 0, 10 * PAGE, 2 * PAGE])  # disjoint in the root: no element written twice
+spans = sorted(zip(dst.tolist(), (dst + ends - starts).tolist()))
+assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 k = torch.searchsorted(starts, idx, right=True) - 1
 inside = idx < ends[k]
 want = torch.zeros(12 * PAGE, dtype=torch.int16)

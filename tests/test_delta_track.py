@@ -133,3 +133,29 @@ def test_megatron_distributed_optimizer_deltas_equal_full_pulls():
         for found in r["distributed"] + [r["float16"]]:
             assert all(same for _, same in found.values()), {n: v for n, v in found.items() if not v[1]}
             assert sum(n for n, _ in found.values()) > 0
+
+
+_INTERPRETED = """
+import warnings
+import torch
+from megarefit.online import delta_mark
+warnings.simplefilter("error")  # a failed check warns: fail here instead
+pairs = [(torch.float16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+assert all(delta_mark.check(torch.device("cpu"), d, s) for d, s in pairs)
+print("ok")
+"""
+
+
+def test_fused_marking_under_the_triton_interpreter():
+    """The fused mark's kernel (cast, bit compare, NaN, byte packing at an unaligned start, OR into
+    bits already set, the copy) run by Triton's interpreter on CPU tensors agrees with the
+    PyTorch computation in ``delta_mark.check``. (The interpreter rounds fp32 to bf16 its own way,
+    so that pair is checked on a GPU: tests/test_delta_gpu.py.)"""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
+from megarefit.online import delta_mark
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by itemsize
 CHUNK = 1 << 24  # elements compared (or unpacked) at once: bounds the temporaries
@@ -78,6 +79,22 @@ def set_indices(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
         parts.append(flags.view(-1).nonzero().view(-1) + 8 * a)
     idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=bitmap.device)
     return idx[idx < numel] if numel % 8 else idx
+
+
+def _mark(param: torch.Tensor, source: torch.Tensor, bitmap: torch.Tensor, start: int) -> None:
+    """OR into ``bitmap`` the elements ``start ..`` of flat ``param`` whose bits a copy of
+    ``source`` (cast as ``Tensor.copy_`` casts) would change: one fused launch on a GPU
+    (:mod:`~megarefit.online.delta_mark`), else in chunks of :data:`CHUNK` elements."""
+    if delta_mark.usable(param, source):
+        delta_mark.mark(param, source, bitmap, start, copy=False)
+        return
+    old, new = _flat_bits(param), source.detach().reshape(-1)
+    for a in range(0, new.numel(), CHUNK):
+        cast = new[a:a + CHUNK].to(param.dtype)
+        changed = _flat_bits(cast) != old[start + a:start + a + cast.numel()]
+        if cast.is_floating_point():
+            changed |= cast.isnan()  # as the fused mark: a NaN is always sent
+        or_mask(bitmap, start + a, changed)
 
 
 @dataclass
@@ -142,12 +159,7 @@ class ChangeTracker:
         distributed = part.group is not None and torch.distributed.get_world_size(part.group) > 1
         bits = torch.zeros_like(part.bits) if distributed else part.bits
         for i, start, source in copies:
-            param = part.params[i]
-            old, new = _flat_bits(param), source.detach().reshape(-1)
-            for a in range(0, new.numel(), CHUNK):
-                cast = new[a:a + CHUNK].to(param.dtype)
-                changed = _flat_bits(cast) != old[start + a:start + a + cast.numel()]
-                or_mask(self._bitmap(part, i, bits), start + a, changed)
+            _mark(part.params[i], source, self._bitmap(part, i, bits), start)
         if distributed:
             torch.distributed.all_reduce(bits, group=part.group)  # disjoint bits: the sum is the union
             part.bits |= bits
@@ -158,8 +170,15 @@ class ChangeTracker:
         whose bits change (for a trainer's own main-to-model copy; ``param`` tracked, by
         :meth:`watch`, in a part without a group)."""
         part_id, i = self._where(param)
-        self.note(part_id, [(i, start, source)])
-        param.detach().view(-1)[start:start + source.numel()].copy_(source.reshape(-1))
+        part = self.parts[part_id]
+        if part.group is not None:
+            raise DeltaTrackError("copy_ is for parameters tracked without a group (each rank writes all of them)")
+        if delta_mark.usable(param, source):  # one pass: cast, compare, mark, write
+            delta_mark.mark(param, source, self._bitmap(part, i), start, copy=True)
+        else:
+            _mark(param, source, self._bitmap(part, i), start)
+            param.detach().view(-1)[start:start + source.numel()].copy_(source.reshape(-1))
+        self.steps += 1
 
     def _where(self, t: torch.Tensor) -> tuple[int, int]:
         if _key(t) not in self.index:
