@@ -356,6 +356,46 @@ def test_a_writer_during_a_delta_pull_is_caught(dense, monkeypatch):
         assert_same_bytes(got, pulled(tr.receiver("full", delta=False), v + 1))
 
 
+def test_a_streamed_receiver_patches_its_direct_targets(dense):
+    """A streamed receiver (``memory_budget``) whose MLP weights are direct (the consumer's own
+    tensors): after a whole cycle they hold its version, so the next cycles patch them with the
+    changed elements and stream only the other targets. After each cycle the consumer equals a
+    full pull, and the checksums cover the patched tensors. A streamed receiver without direct
+    targets pulls in full and says why; new direct tensors (``set_direct``) are pulled whole once."""
+    tr = dense
+    full = tr.receiver("full", delta=False)
+    want = pulled(full, tr.version)
+    model = {n: torch.zeros_like(t) for n, t in want.items()}
+    direct = {n: t for n, t in model.items() if ".mlp." in n}
+    budget = int(0.5 * sum(t.numel() * t.element_size() for t in want.values()))
+    rx = tr.receiver("streamed-direct", memory_budget=budget, direct=direct, verify_checksums=True)
+    rx.delta_model.rates["tensor"] = 0.0
+    plain = tr.receiver("streamed", memory_budget=budget)
+
+    def install(weights):
+        for name, t in weights:
+            model[name].copy_(t)
+
+    for k in range(4):
+        v = tr.version if k == 0 else tr.step(0.01, 400 + k)
+        if k == 3:  # the consumer's direct tensors replaced: they hold no version yet
+            direct = {n: torch.zeros_like(t) for n, t in direct.items()}
+            model.update(direct)
+            rx.set_direct(direct)
+        rx.refit(install, v)
+        want = pulled(full, v)
+        assert all(torch.equal(model[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want), k
+        stats = rx.stats
+        if k in (0, 3):
+            assert stats.refit == "full", stats.delta_reason
+        else:
+            assert (stats.refit, stats.delta_base) == ("delta", v - 1), stats.delta_reason
+            assert stats.delta_tensors > 0 and stats.bytes_moved < full.stats.bytes_moved
+            assert stats.checked_bytes == full.stats.bytes_moved  # patched and streamed boxes all checked
+        plain.refit(lambda w: [None for _ in w], v)
+        assert plain.stats.refit == "full" and "none of its targets is direct" in plain.stats.delta_reason
+
+
 class AllUpdating:
     """``Publisher.updating(version)`` of every publisher around a block."""
 

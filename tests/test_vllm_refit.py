@@ -252,7 +252,8 @@ def test_a_torn_streamed_refit_is_pulled_again_and_a_mix_is_never_served(tmp_pat
     on throughout (trainers publish them, both receivers verify every box): every byte of a
     whole cycle is checked, and a torn cycle's mismatches are retried, not raised. The extension
     writes directly (``direct=True``): after its first cycle, what vLLM kept byte for byte is
-    READ in place, torn cycles included."""
+    READ in place, torn cycles included. The trainers publish deltas: after a whole cycle, a sparse
+    step patches those parameters with only the changed elements, and vLLM generates as HF."""
     import json
     import subprocess
     import sys
@@ -276,6 +277,12 @@ def test_a_torn_streamed_refit_is_pulled_again_and_a_mix_is_never_served(tmp_pat
     assert mended["version"] == 3 and mended["retries"] == 0, mended
     assert "served_mix" not in result and result["refused"].startswith("PartialUpdateError"), result
     assert "holds a mix of weight versions" in result["refused"], result
+    # trainers publish deltas: after a whole cycle, a sparse step patches vLLM's direct parameters
+    # in place (the rest streams), and vLLM generates as HF with the new weights
+    again, delta = result["mended"], result["delta"]
+    assert again["refit"] == "full" and (delta["refit"], delta["delta_base"]) == ("delta", 3), (again, delta)
+    assert delta["direct_bytes"] > 0 and delta["bytes_moved"] < again["bytes_moved"], delta
+    assert delta["checked_bytes"] == again["checked_bytes"] and result["ok4"], (delta, result)
 
 
 @pytest.mark.parametrize("strategy", ["linear", "round_robin"])

@@ -52,6 +52,7 @@ def main(work: Path) -> dict:
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.integrations.vllm import register
     from megarefit.layout.megatron_model import source_layout
+    from megarefit.online.delta_log import DeltaOptions
     from megarefit.online.publisher import Publisher
     from megarefit.online.rendezvous import Rendezvous
 
@@ -61,14 +62,20 @@ def main(work: Path) -> dict:
     for v in range(4):  # version 0 is the checkpoint vLLM starts from
         torch.manual_seed(v)
         models[v] = build_hf_model(cfg).eval()
-    shards = {v: reference_shards(dict(models[v].state_dict()), cfg, tp=2, pp=1) for v in (1, 2, 3)}
+    models[4] = build_hf_model(cfg).eval()  # version 4: version 3 with 1% of each tensor's elements moved
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for (n, t), (_, w) in zip(models[4].state_dict().items(), models[3].state_dict().items()):
+            t.copy_(w)
+            t.view(-1)[torch.rand(t.numel(), generator=g) < 0.01] *= 1.5
+    shards = {v: reference_shards(dict(models[v].state_dict()), cfg, tp=2, pp=1) for v in (1, 2, 3, 4)}
     save_checkpoint(work / "ckpt", cfg, dict(models[0].state_dict()))
 
     job = "vllm-torn"
     rdzv = Rendezvous.serve(job=job)
     live = {r: {n: t.clone() for n, t in s.items()} for r, s in shards[1].items()}
     pubs = [Publisher(live[r], cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
-                      agent_name=f"{job}-t{r[0]}", checksums=True) for r in live]
+                      agent_name=f"{job}-t{r[0]}", checksums=True, delta=DeltaOptions(capacity=1.0)) for r in live]
 
     def step(version: int) -> None:
         for pub in pubs:
@@ -124,6 +131,13 @@ def main(work: Path) -> dict:
     out["gave_up"] = update(0)
     out["mended"] = update(2)  # refit again before serving: version 3 whole
     out["ok3"] = same_generation(vllm_generate(llm), hf_generate(models[3]))
+
+    # version 3 whole: what vLLM keeps in place holds it; a sparse step patches only its changed elements
+    step(4)
+    _worker(llm)._megarefit.delta_model.rates.update(tensor=0.0, wire=1e9, delta_wire=1e9, scatter=1e9, full=0.0)
+    _worker(llm)._megarefit.delta_model.learn = False  # (the choice must not depend on this machine's speed)
+    out["delta"] = update(2)
+    out["ok4"] = same_generation(vllm_generate(llm), hf_generate(models[4]))
 
     step(2)  # a torn cycle again, and this time a request comes before any refit
     tear_at_first_group(3)

@@ -190,7 +190,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "tensors": 0 if plan is None else len(plan.targets), "install": stats.install, "groups": stats.groups,
             "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries,
             "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes,
-            "direct_bytes": stats.direct_bytes, "ipc_bytes": stats.ipc_bytes, "ipc_ranks": stats.ipc_ranks}
+            "direct_bytes": stats.direct_bytes, "ipc_bytes": stats.ipc_bytes, "ipc_ranks": stats.ipc_ranks,
+            "refit": stats.refit, "delta_base": stats.delta_base, "delta_reason": stats.delta_reason}
 
 
 @torch.no_grad()

@@ -438,6 +438,7 @@ class DeltaReceiver:
     def __init__(self, transport: NixlTransport, device: torch.device, enabled: bool = True):
         self.transport, self.device, self.enabled = transport, device, enabled
         self.held: tuple[int, tuple, dict | None] | None = None
+        self._open = False  # a cycle began (choice) and was not held yet
         self._epochs: dict[RankCoord, str] | None = None  # the trainers' delta epochs read by the last choice
         self.reason = "first cycle" if enabled else "delta=False"
         self.local: torch.Tensor | None = None
@@ -492,7 +493,7 @@ class DeltaReceiver:
     def forget(self, reason: str) -> None:
         """The arena no longer holds a version whole (``reason`` says why, in stats); the cached
         runs (views of that arena) and the landing buffer are let go."""
-        self.held = None
+        self.held, self._open = None, False
         self.applier = DeltaApplier()
         if self.local is not None:
             self.transport.nixl.deregister([self.local])
@@ -504,6 +505,7 @@ class DeltaReceiver:
         """The arena holds ``version`` whole (the cycle was fenced), as of the trainers' delta
         epochs read when the cycle began."""
         self.held = (version, self.key(plan, manifests), self._epochs)
+        self._open = False
 
     def choice(self, rendezvous: Rendezvous, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                ranks: Sequence[RankCoord], version: int) -> DeltaChoice | str:
@@ -512,10 +514,12 @@ class DeltaReceiver:
         held, self.held = self.held, None
         if not self.enabled:
             return self.reason
+        if self._open:  # the last cycle began and was never held: it failed
+            self.reason = "the previous cycle did not complete"
+        self._open = True  # until this one completes (hold)
         self._epochs = read_epochs(rendezvous, ranks)  # before the bytes: what a held version belongs to
         if held is None:
             return self.reason
-        self.reason = "the previous cycle did not complete"  # until this one completes (hold)
         base, key, epochs = held
         why = self._refused(plan, manifests, base, version, key)
         if why:
@@ -552,23 +556,27 @@ class DeltaReceiver:
         return ""
 
     def pull(self, plan: Plan, choice: DeltaChoice, buffers: Mapping[TensorRef, torch.Tensor],
-             manifests: Mapping[RankCoord, Manifest], timeout: float, stable: Callable[[], None]) -> int:
+             manifests: Mapping[RankCoord, Manifest], timeout: float, stable: Callable[[], None],
+             landing: torch.Tensor | None = None) -> int:
         """READ ``choice``'s ranges, call ``stable`` (the fence's end check: it raises when a
         rank wrote meanwhile, so a torn read is never decoded), then patch ``buffers``; the
-        bytes read.
+        bytes read. ``landing``: registered uint8 memory of at least ``choice.nbytes`` bytes the
+        ranges land in (a streamed receiver's ring), else the receiver's own buffer.
 
         Raises:
             TransferError: as :func:`pull_ranges`; and what ``stable`` raises."""
         need = max(8, choice.nbytes)
-        if self.local is None or self.local.numel() < need:
-            if self.local is not None:
-                self.transport.nixl.deregister([self.local])
-            self.local = torch.empty(need + need // 4, dtype=torch.uint8, device=self.device)
+        if landing is None or landing.numel() < need:
+            if self.local is None or self.local.numel() < need:
+                if self.local is not None:
+                    self.transport.nixl.deregister([self.local])
+                self.local = torch.empty(need + need // 4, dtype=torch.uint8, device=self.device)
+            landing = self.local
         t0 = time.perf_counter()
-        read = pull_ranges(self.transport, manifests, choice, self.local, timeout)
+        read = pull_ranges(self.transport, manifests, choice, landing, timeout)
         stable()
         t1 = time.perf_counter()
-        self.applier.apply(plan, choice, self.local, buffers, manifests)
+        self.applier.apply(plan, choice, landing, buffers, manifests)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()

@@ -133,11 +133,14 @@ class VersionFence:
             manifests, metadata, _ = self.discover(timeout)
             if sorted(manifests) != ranks:
                 raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
-            seq, seen = self.wait_stable(ranks, timeout)  # the sequences as of that version, not of the wait's start
-            if set(seen.values()) != {got}:
-                raise StaleVersionError(f"ranks moved past version {got} while it was awaited: "
-                                        + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(seen.items())),
-                                        retryable=version is None)
+            while True:  # the sequences as of the version waited for, not of the wait's start
+                seq, seen = self.wait_stable(ranks, timeout)
+                if set(seen.values()) == {got}:
+                    break
+                if version is not None:
+                    raise StaleVersionError(f"ranks moved past version {got} while it was awaited: "
+                                            + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(seen.items())))
+                got, _ = self.wait_version(ranks, None, seen, timeout)  # the latest: wait for it to be common again
         lap("version")
         return FenceStart(manifests, metadata, ranks, seq, got, version)
 

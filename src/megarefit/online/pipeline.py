@@ -11,7 +11,9 @@ The pipeline asks the fence (:mod:`~megarefit.online.fence`) what to pull, the p
                value steps) -> checksums -> hand over, the next group's READs already posted
                where its ring bytes differ -> fence end after the last group (TornUpdateError)
 
-``direct`` targets (streamed) land in the consumer's own tensors and are not handed over.
+``direct`` targets (streamed) land in the consumer's own tensors and are not handed over;
+once they hold a version whole, a later cycle patches them with its delta before the groups
+stream the other targets (:mod:`~megarefit.online.delta_direct`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megarefit.errors import MegarefitError
 from megarefit.online.arena import arena_key, publish_arena
 from megarefit.online.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
 from megarefit.online.delta_apply import DeltaChoice, DeltaReceiver
+from megarefit.online.delta_direct import DirectDelta
 from megarefit.online.fence import FenceStart, VersionFence
 from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.plan_cache import PlanCache
@@ -53,7 +56,8 @@ class CyclePipeline:
                  verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0,
                  delta: bool = True):
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
-        self.delta = DeltaReceiver(transport, memory.device, delta and memory.memory_budget is None)
+        self.delta = DeltaReceiver(transport, memory.device, delta)
+        self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
         self.replica_group = replica_group
         self.timeout = timeout
@@ -222,17 +226,21 @@ class CyclePipeline:
         start = self.fence.start(version, self.timeout, lap)
         with gc_paused(), plan_threads():
             plan = self._plan(start, lap)
-            prepared = self.memory.prepare_stream(plan, start.manifests)
-            stream = self.memory.stream
-            assert stream is not None
-            lap("prepare")
-        cold = before != self._setup_count()
         self._verified = (0, 0)
         check = None
-        if self.verifier is not None:
+        if self.verifier is not None:  # read before the delta's fence check: inside the same seqlock window
             self.verifier.pull(start.manifests, self.timeout)
             check = functools.partial(self._check_group, start)
         with self.naming_the_job(version, streamed=True):
+            stream = self.memory.stream  # (allocated by _plan)
+            if stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.memory.direct, self.timeout):
+                prepared = self.direct_delta.rest_prepared(plan, stream, start.manifests)  # the rest streams
+            else:
+                with gc_paused(), plan_threads():
+                    prepared = self.memory.prepare_stream(plan, start.manifests)
+                stream = self.memory.stream  # (re-cut when the scratch needed did not fit beside it)
+            lap("prepare")
+            cold = before != self._setup_count()
             lap.seconds["pull"] = yield from self._stream_groups(stream, prepared, check)
         lap.restart()
         error = self.fence.torn(start, len(stream.groups))
@@ -242,6 +250,7 @@ class CyclePipeline:
             torn.append(error)
             return
         lap("fence")
+        self.direct_delta.hold(plan, stream, start, lap.seconds["pull"], sum(p.wire_bytes for p in prepared), cold)
         self.stats = self._streamed_stats(plan, stream, prepared, start.version, cold, lap.seconds)
 
     def _streamed_stats(self, plan: Plan, stream: StreamRing, prepared: list, got: int, cold: bool,
@@ -249,12 +258,14 @@ class CyclePipeline:
         scratch = self.transport.scratch_allocated
         model_bytes = sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
                           if r not in plan.staging)
-        return CycleStats(got, cold, seconds, plan.nbytes, model_bytes, sum(p.wire_bytes for p in prepared),
+        moved, delta = self.direct_delta.stats(plan, stream, self.memory.direct_bytes())
+        return CycleStats(got, cold, seconds, moved, model_bytes, sum(p.wire_bytes for p in prepared) + delta.pop("read"),
                           dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
                           install="streamed", peak_extra_bytes=stream.nbytes + scratch,
                           groups=len(stream.groups), checked_bytes=self._verified[0],
                           checked_boxes=self._verified[1], direct_bytes=self.memory.direct_bytes(),
-                          ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks))
+                          ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks),
+                          **delta)
 
     def _finish_group(self, k: int) -> None:
         """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),

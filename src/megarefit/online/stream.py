@@ -130,14 +130,25 @@ class StreamGroup:
 def _sub_plan(plan: Plan, refs: list[TensorRef], k: int, ring_bytes: int, salt: str = "") -> Plan:
     """``plan`` restricted to targets ``refs`` (every op writing them, the sources those read,
     their quantize and value steps); validated: it covers each of its targets exactly once."""
+    return sub_plan(plan, refs, digest_of(plan.digest, "stream", ring_bytes, k, salt))
+
+
+def sub_plan(plan: Plan, refs: list[TensorRef], digest: str) -> Plan:
+    """``plan`` restricted to targets ``refs`` (every op writing them, the sources those read,
+    their quantize and value steps), with ``digest`` (its identity in the caches: callers derive
+    it from the plan's digest and what they kept); validated: it covers each of its targets
+    exactly once.
+
+    Raises:
+        PlanError: ``refs`` are not targets of ``plan``, or the sub-plan does not validate."""
     by_target = plan.ops_by_target
     ops = tuple(op for ref in refs for op in by_target.get(ref, ()))
     targets = {ref: plan.targets[ref] for ref in refs}
     sources = {op.src: plan.sources[op.src] for op in ops}
     quantize = tuple(q for q in plan.quantize if q.weight in targets)
     transforms = tuple(t for t in plan.transforms if t.target in targets)
-    sub = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, ops,
-               digest_of(plan.digest, "stream", ring_bytes, k, salt), quantize, transforms)
+    sub = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, ops, digest, quantize,
+               transforms)
     validate_plan(sub)
     return sub
 
@@ -194,4 +205,4 @@ def stream_groups(plan: Plan, ring_bytes: int, direct: frozenset[TensorRef] = fr
 
 
 __all__ = ["ALIGN", "SCRATCH_SHARE", "GiB", "MemoryBudgetError", "StreamGroup", "budget_for", "default_memory_budget",
-           "layer_of", "layer_runs", "ring_needed", "stream_groups", "target_bytes"]
+           "layer_of", "layer_runs", "ring_needed", "stream_groups", "sub_plan", "target_bytes"]
