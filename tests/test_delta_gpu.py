@@ -127,3 +127,49 @@ def test_fused_marking_agrees_with_pytorch_on_the_gpu():
         assert all(delta_mark.check(torch.device("cuda", k), d, s) for d, s in pairs)
     p, src = torch.zeros(10, dtype=torch.bfloat16, device="cuda:0"), torch.ones(10, device="cuda:0")
     assert delta_mark.usable(p, src)
+
+
+def test_gpu_streamed_receiver_patches_its_direct_targets(config):
+    """A streamed receiver on the last GPU whose MLP weights are direct (the consumer's own GPU
+    tensors): after a whole cycle, sparse versions patch them in place (ranges landed in the
+    ring) and stream the rest; the consumer equals a full pull after each, checksums verified."""
+    cfg = config("Llama-3.1-8B", num_hidden_layers=4, hidden_size=256, intermediate_size=512)
+    hf = {k: v.to(torch.bfloat16) for k, v in reference_hf_state(cfg, "llama").items()}
+    params = {r: {n: t.to("cuda:0") for n, t in s.items()} for r, s in reference_shards(hf, cfg, tp=2, pp=1).items()}
+    rdzv = Rendezvous.serve(job="delta-gpu-streamed")
+    pubs = [Publisher(s, cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv, checksums=True,
+                      agent_name=f"delta-gpu-streamed-{r[0]}", delta=DeltaOptions(slots="device", mirror="device",
+                                                                                  capacity=1.0))
+            for r, s in params.items()]
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    for p in pubs:
+        p.publish(1)
+    full = RefitReceiver(rdzv, name="delta-gpu-streamed-full", device=device, delta=False)
+    want = {n: t.clone() for n, t in full.run_refit_cycle(1)}
+    model = {n: torch.zeros_like(t) for n, t in want.items()}
+    direct = {n: t for n, t in model.items() if ".mlp." in n}
+    rx = RefitReceiver(rdzv, name="delta-gpu-streamed-rx", device=device, verify_checksums=True, direct=direct,
+                       memory_budget=int(0.5 * sum(t.numel() * t.element_size() for t in want.values())))
+    rx.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9, tensor=0.0)
+    rx.delta_model.learn = False
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+
+    def install(weights):
+        for name, t in weights:
+            model[name].copy_(t)
+
+    for v in range(1, 5):
+        if v > 1:
+            for p, shard in zip(pubs, params.values()):
+                with p.updating(v):
+                    for t in shard.values():
+                        m = torch.rand(t.shape, generator=g, device="cuda:0") < 0.01
+                        t[m] = t[m] * (1 + 2 ** -5)
+            want = {n: t.clone() for n, t in full.run_refit_cycle(v)}
+        rx.refit(install, v)
+        assert rx.stats.refit == ("full" if v == 1 else "delta"), rx.stats.delta_reason
+        assert rx.stats.checked_bytes == full.stats.bytes_moved
+        for name, w in want.items():
+            assert torch.equal(model[name].view(torch.uint8), w.view(torch.uint8)), (v, name)
+    rx.close()
+    full.close()
