@@ -356,12 +356,14 @@ def test_a_writer_during_a_delta_pull_is_caught(dense, monkeypatch):
         assert_same_bytes(got, pulled(tr.receiver("full", delta=False), v + 1))
 
 
-def test_a_streamed_receiver_patches_its_direct_targets(dense):
+def test_a_streamed_receiver_patches_its_direct_targets(dense, monkeypatch):
     """A streamed receiver (``memory_budget``) whose MLP weights are direct (the consumer's own
     tensors): after a whole cycle they hold its version, so the next cycles patch them with the
     changed elements and stream only the other targets. After each cycle the consumer equals a
     full pull, and the checksums cover the patched tensors. A streamed receiver without direct
-    targets pulls in full and says why; new direct tensors (``set_direct``) are pulled whole once."""
+    targets pulls in full and says why; new direct tensors (``set_direct``) are pulled whole once.
+    A trainer that writes during the delta read: nothing is written, ``refit`` pulls again (in
+    full) and the consumer holds the newest version whole."""
     tr = dense
     full = tr.receiver("full", delta=False)
     want = pulled(full, tr.version)
@@ -394,6 +396,22 @@ def test_a_streamed_receiver_patches_its_direct_targets(dense):
             assert stats.checked_bytes == full.stats.bytes_moved  # patched and streamed boxes all checked
         plain.refit(lambda w: [None for _ in w], v)
         assert plain.stats.refit == "full" and "none of its targets is direct" in plain.stats.delta_reason
+    real = delta_apply.read_ranges
+
+    def writing(*args, **kwargs):  # a trainer steps while the delta's ranges are read
+        monkeypatch.setattr(delta_apply, "read_ranges", real)
+        nxt = tr.version + 1
+        with AllUpdating(tr.pubs, nxt):
+            tr.change(0.01, 700 + nxt)
+        tr.version = nxt
+        return real(*args, **kwargs)
+
+    tr.step(0.01, 650)
+    monkeypatch.setattr(delta_apply, "read_ranges", writing)
+    stats = rx.refit(install)
+    assert (stats.version, stats.retries, stats.refit) == (tr.version, 1, "full"), stats.delta_reason
+    want = pulled(full, tr.version)
+    assert all(torch.equal(model[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want)
 
 
 class AllUpdating:

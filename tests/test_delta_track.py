@@ -159,3 +159,36 @@ def test_fused_marking_under_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_copies_that_do_not_fit_and_deferred_gathers_are_refused():
+    """A tracked copy past the parameter's end raises (the fused kernel would write past it); a
+    tracker of a distributed optimizer with ``overlap_param_gather`` is refused by a Publisher
+    that cannot wait for the all-gather (no ``ddp=``): its marks would be cleared before the other
+    shards' bytes arrived."""
+    param = torch.zeros(10, dtype=torch.bfloat16)
+    tracker = ChangeTracker()
+    tracker.watch([param])
+    with pytest.raises(DeltaTrackError, match="5 elements at element 8 does not fit"):
+        tracker.copy_(param, torch.ones(5), start=8)
+    pytest.importorskip("nixl")
+    from megarefit.demo.offline import default_config
+    from megarefit.errors import MegarefitError
+    from megarefit.layout.dims import ModelDims
+    from megarefit.layout.geometry import source_tensors
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online.publisher import Publisher
+    from megarefit.online.rendezvous import Rendezvous
+
+    cfg = default_config()
+    layout = source_layout(cfg, tp=1, pp=1)
+    rank = layout.ranks()[0]
+    params = {n: torch.zeros(t.shape, dtype=torch.bfloat16)
+              for n, t in source_tensors(ModelDims.from_hf_config(cfg), layout)[rank].items()}
+    deferred = ChangeTracker()
+    deferred.watch(list(params.values()))
+    deferred.deferred_gather = True
+    rdzv = Rendezvous.serve(job="delta-track-deferred")
+    with pytest.raises(MegarefitError, match="overlap_param_gather needs ddp="):
+        Publisher(params, cfg, rank=rank, layout=layout, rendezvous=rdzv, agent_name="delta-track-deferred",
+                  delta=True, tracker=deferred)

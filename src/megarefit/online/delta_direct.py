@@ -26,7 +26,6 @@ from collections.abc import Mapping
 
 import torch
 
-from megarefit.online.cycle import StaleVersionError
 from megarefit.online.delta_apply import DeltaChoice, DeltaReceiver
 from megarefit.online.fence import FenceStart, VersionFence
 from megarefit.online.receiver_memory import StreamRing
@@ -41,29 +40,32 @@ class DirectDelta:
 
     def __init__(self, delta: DeltaReceiver, transport: NixlTransport):
         self.delta, self.transport = delta, transport
-        self._plans: tuple[tuple, Plan | None, list[Plan]] | None = None  # (key, direct sub-plan, rest plans)
+        # (key, direct sub-plan, rest plans, the direct tensors by target): once per plan and ring
+        self._plans: tuple[tuple, Plan | None, list[Plan], dict[TensorRef, torch.Tensor]] | None = None
         self.choice: DeltaChoice | None = None  # the last cycle's patch, if it was one
 
     def plans(self, plan: Plan, stream: StreamRing) -> tuple[Plan | None, list[Plan]]:
         """The direct targets' sub-plan (None: no direct target) and each group's plan without
-        them; built once per plan and ring."""
+        them; built once per plan and ring (the ring is cut again when the direct tensors change)."""
         key = (plan.digest, tuple(g.plan.digest for g in stream.groups))
         if self._plans is None or self._plans[0] != key:
             direct = [r for r in plan.targets if r in stream.direct]
             rest = [sub_plan(g.plan, [r for r in g.plan.targets if r not in stream.direct],
                              digest_of(g.plan.digest, "rest")) for g in stream.groups]
+            views = {r: t for g in stream.buffers for r, t in g.items() if r in stream.direct}
             self._plans = (key, sub_plan(plan, direct, digest_of(plan.digest, "direct", sorted(r.name for r in direct)))
-                           if direct else None, rest)
+                           if direct else None, rest, views)
         return self._plans[1], self._plans[2]
 
-    def patch(self, fence: VersionFence, plan: Plan, stream: StreamRing, start: FenceStart,
-              direct: Mapping[str, torch.Tensor], timeout: float) -> bool:
+    def patch(self, fence: VersionFence, plan: Plan, stream: StreamRing, start: FenceStart, timeout: float) -> bool:
         """Patch the direct tensors with the delta from the version they hold, if the cost model
         chooses it; whether it did (then stream :meth:`rest_prepared`). Nothing is written when it
-        did not (``delta.reason`` says why).
+        did not (``delta.reason`` says why). Call once the consumer is done with the ring (the
+        ranges land in it).
 
         Raises:
-            TransferError: a delta READ failed (nothing written)."""
+            TransferError: a delta READ failed (nothing written).
+            StaleVersionError: a rank wrote during the delta read (nothing written; ``retryable``)."""
         self.choice = None
         direct_plan, _ = self.plans(plan, stream)
         if direct_plan is None:
@@ -76,13 +78,9 @@ class DirectDelta:
         if choice.nbytes > stream.ring.numel():
             self.delta.reason = f"the delta ({choice.nbytes} bytes) does not fit the ring ({stream.ring.numel()} bytes)"
             return False
-        buffers: dict[TensorRef, torch.Tensor] = {r: direct[r.name] for r in direct_plan.targets}
-        try:
-            self.delta.pull(direct_plan, choice, buffers, start.manifests, timeout,
-                            stable=functools.partial(fence.end, start), landing=stream.ring)
-        except StaleVersionError as exc:  # fenced before a byte was written: stream this cycle in full
-            self.delta.reason = f"a trainer rank wrote during the delta read ({exc}); streamed in full"
-            return False
+        assert self._plans is not None
+        self.delta.pull(direct_plan, choice, self._plans[3], start.manifests, timeout,
+                        stable=functools.partial(fence.end, start), landing=stream.ring)
         self.choice = choice
         return True
 

@@ -67,7 +67,8 @@ def or_mask(bitmap: torch.Tensor, start: int, mask: torch.Tensor) -> None:
     n = start - lo + mask.numel()
     packed = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
     packed[start - lo:n] = mask
-    bitmap[lo // 8:lo // 8 + packed.numel() // 8] |= (packed.view(-1, 8) << _shifts(mask.device)).sum(1, dtype=torch.uint8)
+    bytes_ = (packed.view(-1, 8) << _shifts(mask.device)).sum(1, dtype=torch.uint8)
+    bitmap[lo // 8:lo // 8 + bytes_.numel()] |= bytes_
 
 
 def set_indices(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
@@ -81,10 +82,18 @@ def set_indices(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     return idx[idx < numel] if numel % 8 else idx
 
 
+def check_span(param: torch.Tensor, source: torch.Tensor, start: int) -> None:
+    """Raises DeltaTrackError unless ``source`` fits ``param``'s flat elements from ``start``."""
+    if start < 0 or start + source.numel() > param.numel():
+        raise DeltaTrackError(f"a copy of {source.numel()} elements at element {start} does not fit the parameter "
+                              f"{tuple(param.shape)} ({param.numel()} elements)")
+
+
 def _mark(param: torch.Tensor, source: torch.Tensor, bitmap: torch.Tensor, start: int) -> None:
     """OR into ``bitmap`` the elements ``start ..`` of flat ``param`` whose bits a copy of
     ``source`` (cast as ``Tensor.copy_`` casts) would change: one fused launch on a GPU
     (:mod:`~megarefit.online.delta_mark`), else in chunks of :data:`CHUNK` elements."""
+    check_span(param, source, start)
     if delta_mark.usable(param, source):
         delta_mark.mark(param, source, bitmap, start, copy=False)
         return
@@ -120,6 +129,9 @@ class ChangeTracker:
         self.index: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}  # key -> (part, param)
         self.generation = 0  # bumped by invalidate(): a publish that sees it change records no delta
         self.steps = 0
+        # a distributed optimizer with overlap_param_gather: the other shards' bytes arrive with the
+        # next forward's all-gather, so a Publisher must wait for it (ddp=): marks are cleared when read
+        self.deferred_gather = False
 
     def watch(self, params: Sequence[torch.Tensor], group: Any = None) -> int:
         """Track ``params`` (contiguous tensors); ``group``: a process group whose ranks write
@@ -173,6 +185,7 @@ class ChangeTracker:
         part = self.parts[part_id]
         if part.group is not None:
             raise DeltaTrackError("copy_ is for parameters tracked without a group (each rank writes all of them)")
+        check_span(param, source, start)
         if delta_mark.usable(param, source):  # one pass: cast, compare, mark, write
             delta_mark.mark(param, source, self._bitmap(part, i), start, copy=True)
         else:
@@ -206,9 +219,10 @@ class ChangeTracker:
 
 
 def _stepped(optimizer: Any, kind: str) -> list[torch.Tensor]:
-    """The model parameters the optimizer's main-to-model copy writes (on this rank)."""
-    groups = (optimizer.model_float16_groups + optimizer.model_fp32_groups if kind == "distributed"
-              else optimizer.float16_groups)
+    """The float16 / bf16 model parameters the optimizer's main-to-model copy writes (on this
+    rank). fp32 parameters are left out: the distributed optimizer steps them in place (their
+    "main" shard is a view of the parameter), so the copy never sees a change; they keep a mirror."""
+    groups = optimizer.model_float16_groups if kind == "distributed" else optimizer.float16_groups
     return [p for g in groups for p in g]
 
 
@@ -219,8 +233,7 @@ def _range_start(optimizer: Any, param: torch.Tensor) -> int:
 def _distributed_copies(optimizer: Any, index: dict[int, int]) -> list[tuple[int, int, torch.Tensor]]:
     """Megatron-Core ``DistributedOptimizer``: each model parameter's shard of main params and
     where it starts in the parameter (``_get_model_param_range_map(p)["param"]``)."""
-    pairs = zip(optimizer.shard_fp32_from_float16_groups + optimizer.shard_fp32_groups,
-                optimizer.model_float16_groups + optimizer.model_fp32_groups)
+    pairs = zip(optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups)
     return [(index[id(p)], _range_start(optimizer, p), main)
             for mains, params in pairs for main, p in zip(mains, params) if main.numel()]
 
@@ -250,8 +263,7 @@ def _check_trackable(optimizer: Any, version: str) -> str:
     if not callable(getattr(optimizer, "_copy_main_params_to_model_params", None)):
         raise DeltaTrackError(f"{name} has no _copy_main_params_to_model_params: not a mixed-precision "
                               "Megatron-Core optimizer, or a version megarefit has not verified; use a host mirror")
-    if all(hasattr(optimizer, a) for a in ("shard_fp32_from_float16_groups", "shard_fp32_groups",
-                                           "model_float16_groups", "model_fp32_groups",
+    if all(hasattr(optimizer, a) for a in ("shard_fp32_from_float16_groups", "model_float16_groups",
                                            "_get_model_param_range_map", "data_parallel_group", "buffers")):
         return "distributed"
     if all(hasattr(optimizer, a) for a in ("fp32_from_float16_groups", "float16_groups")):
@@ -270,11 +282,21 @@ def _megatron_version() -> str:
 
 def _install(optimizer: Any, tracker: ChangeTracker) -> None:
     kind = _check_trackable(optimizer, _megatron_version())
-    if kind == "distributed":  # every parameter of its buffers, in the same order on every data-parallel rank
-        params = [p for buf in optimizer.buffers for p in buf.params]  # (the groups hold only the rank's)
+    if kind == "distributed":  # every float16 parameter of its buffers, in one order on every data-parallel rank
+        params = [p for buf in optimizer.buffers for p in buf.params  # (the groups hold only the rank's)
+                  if p.dtype in (torch.bfloat16, torch.float16)]
         copies, group = _distributed_copies, optimizer.data_parallel_group
     else:
         params, copies, group = _stepped(optimizer, kind), _float16_copies, None
+    if not params:
+        raise DeltaTrackError(f"{type(optimizer).__name__}: no float16 / bf16 parameters to track (fp32 training "
+                              "steps its parameters in place); use Publisher(delta=True) without a tracker")
+    if any(type(p.data) is not torch.Tensor for p in params):  # e.g. Transformer Engine's Float8Tensor
+        raise DeltaTrackError(f"{type(optimizer).__name__}: FP8 model parameters (fp8 param gather) cannot be "
+                              "tracked; use Publisher(delta=True) without a tracker")
+    ddp_config = getattr(optimizer, "ddp_config", None)
+    tracker.deferred_gather |= bool(getattr(ddp_config, "use_distributed_optimizer", False)
+                                    and getattr(ddp_config, "overlap_param_gather", False))
     part_id = tracker.watch(params, group)
     index = {id(p): i for i, p in enumerate(tracker.parts[part_id].params)}
     missing = [tuple(p.shape) for p in _stepped(optimizer, kind) if id(p) not in index]
@@ -303,15 +325,22 @@ def track_changes(optimizer: Any, tracker: ChangeTracker | None = None) -> Chang
     elements copied (in chunks of :data:`CHUNK`) and holds ``ceil(numel / 8)`` bytes per
     parameter on its device.
 
+    Tracked: the float16 / bf16 parameters. fp32 parameters are stepped in place (no copy to
+    see), so a Publisher keeps a mirror of them. With the distributed optimizer's
+    ``overlap_param_gather`` the Publisher must be given the DDP model (``ddp=``, as
+    ``from_megatron`` does) so it waits for the all-gather before it reads (and clears) the marks.
+
     Raises:
         DeltaTrackError: the optimizer does not write model parameters through Megatron's
             main-to-model copy (precision-aware optimizer, MXFP8 buffer reuse, Megatron FSDP,
-            fp32 training), or it is not one megarefit has verified, naming the version.
+            fp32 training, FP8 parameters), or it is not one megarefit has verified, naming the
+            version.
     """
     tracker = tracker or ChangeTracker()
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        _install(opt, tracker)
+        if not getattr(opt, "is_stub_optimizer", False):  # (a frozen sub-model's: it copies nothing)
+            _install(opt, tracker)
     return tracker
 
 
-__all__ = ["CHUNK", "ChangeTracker", "DeltaTrackError", "or_mask", "set_indices", "track_changes"]
+__all__ = ["CHUNK", "ChangeTracker", "DeltaTrackError", "check_span", "or_mask", "set_indices", "track_changes"]

@@ -133,13 +133,15 @@ class VersionFence:
             manifests, metadata, _ = self.discover(timeout)
             if sorted(manifests) != ranks:
                 raise StaleVersionError("the trainer layout changed while waiting for a version", retryable=True)
+            deadline = time.monotonic() + timeout
             while True:  # the sequences as of the version waited for, not of the wait's start
                 seq, seen = self.wait_stable(ranks, timeout)
                 if set(seen.values()) == {got}:
                     break
-                if version is not None:
-                    raise StaleVersionError(f"ranks moved past version {got} while it was awaited: "
-                                            + ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(seen.items())))
+                moved = ", ".join(f"{tuple(r)} -> {v}" for r, v in sorted(seen.items()))
+                if version is not None or time.monotonic() > deadline:  # (the latest kept moving: try again later)
+                    raise StaleVersionError(f"ranks moved past version {got} while it was awaited: {moved}",
+                                            retryable=version is None)
                 got, _ = self.wait_version(ranks, None, seen, timeout)  # the latest: wait for it to be common again
         lap("version")
         return FenceStart(manifests, metadata, ranks, seq, got, version)

@@ -42,6 +42,20 @@ from megarefit.transport.nixl import InFlight, NixlTransport
 from megarefit.transport.nixl_agent import TransferError
 
 
+@contextlib.contextmanager
+def naming_the_job(where: str, version: int | None, streamed: bool = False) -> Iterator[None]:
+    """A failed transfer names the receiver's job and rendezvous (``where``), the version, and what to do."""
+    try:
+        yield
+    except TransferError as exc:
+        raise TransferError(
+            f"{where}, pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
+            "have died or re-registered its memory: check that process, restart it if needed, then refit "
+            "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
+                         "refit completes" if streamed else "nothing pulled in this attempt was handed over")
+        ) from exc
+
+
 class CyclePipeline:
     """Runs refit cycles (see the module docstring) and keeps the last one's :class:`CycleStats`.
 
@@ -73,19 +87,6 @@ class CyclePipeline:
     def _setup_count(self) -> tuple[int, int, int]:
         """Plans built, transfer requests and registrations so far: a cycle that changes them is cold."""
         return self.plans.plans_built, self.transport.counters["xfers"], self.transport.counters["registrations"]
-
-    @contextlib.contextmanager
-    def naming_the_job(self, version: int | None, streamed: bool = False) -> Iterator[None]:
-        """A failed transfer names this receiver's job, rendezvous and version, and what to do."""
-        try:
-            yield
-        except TransferError as exc:
-            raise TransferError(
-                f"{self.fence.where()}, pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
-                "have died or re-registered its memory: check that process, restart it if needed, then refit "
-                "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
-                             "refit completes" if streamed else "nothing pulled in this attempt was handed over")
-            ) from exc
 
     def _plan(self, start: FenceStart, lap: Callable[[str], None]) -> Plan:
         """The cycle's plan, its memory allocated (a new plan, or memory released), the manifests
@@ -169,7 +170,7 @@ class CyclePipeline:
             self._bump_replica_seq()
             self._serving = True
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
-        with self.naming_the_job(version):
+        with naming_the_job(self.fence.where(), version):
             if isinstance(pulled, DeltaChoice):
                 self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout,
                                 stable=functools.partial(self.fence.end, start))
@@ -231,9 +232,17 @@ class CyclePipeline:
         if self.verifier is not None:  # read before the delta's fence check: inside the same seqlock window
             self.verifier.pull(start.manifests, self.timeout)
             check = functools.partial(self._check_group, start)
-        with self.naming_the_job(version, streamed=True):
+        with naming_the_job(self.fence.where(), version, streamed=True):
             stream = self.memory.stream  # (allocated by _plan)
-            if stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.memory.direct, self.timeout):
+            self.memory.wait_consumer()  # a delta lands in the ring: the last cycle's copies out of it are done
+            try:
+                patched = stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.timeout)
+            except StaleVersionError as exc:  # a rank wrote during the delta read: nothing was written
+                if torn is None:
+                    raise
+                torn.append(TornUpdateError(f"{exc}; nothing was handed over", retryable=exc.retryable))
+                return
+            if patched:
                 prepared = self.direct_delta.rest_prepared(plan, stream, start.manifests)  # the rest streams
             else:
                 with gc_paused(), plan_threads():
@@ -344,4 +353,4 @@ class CyclePipeline:
         return pull_s
 
 
-__all__ = ["CyclePipeline"]
+__all__ = ["CyclePipeline", "naming_the_job"]

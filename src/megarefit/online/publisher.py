@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnexpectedParameterError
+from megarefit.errors import (LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError,
+                              UnexpectedParameterError)
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
@@ -193,6 +194,9 @@ class Publisher:
         self.rendezvous = rendezvous
         self.writing = False  # inside updating(), or an update that raised (receivers wait)
         self.ddp = [] if ddp is None else (list(ddp) if isinstance(ddp, (list, tuple)) else [ddp])
+        if delta and tracker is not None and tracker.deferred_gather and not self.ddp:
+            raise MegarefitError("a tracker of a distributed optimizer with overlap_param_gather needs ddp= (the "
+                                 "DDP model chunks): a publish must wait for the all-gather before it reads the marks")
         self.delta = (DeltaLog(served, self.agent, rendezvous, self.rank, DeltaOptions() if delta is True else delta,
                                tracker, _delta_sources(expected, self.params, self.fp8)) if delta else None)
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
