@@ -99,7 +99,7 @@ def _mark(param: torch.Tensor, source: torch.Tensor, bitmap: torch.Tensor, start
         return
     old, new = _flat_bits(param), source.detach().reshape(-1)
     for a in range(0, new.numel(), CHUNK):
-        cast = new[a:a + CHUNK].to(param.dtype)
+        cast = new[a:a + CHUNK].to(device=param.device, dtype=param.dtype)  # (main params may be offloaded)
         changed = _flat_bits(cast) != old[start + a:start + a + cast.numel()]
         if cast.is_floating_point():
             changed |= cast.isnan()  # as the fused mark: a NaN is always sent
