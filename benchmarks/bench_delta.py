@@ -45,32 +45,18 @@ RECEIVERS = ("full", "model", "all-delta")
 
 def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
     """The Megatron-Core trainer: (publisher, step function running one training step)."""
-    import dataclasses
-
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel, optimizer_on_cpu
+    from megarefit.demo.megatron_cpu import bf16_adam_trainer, init_parallel, optimizer_on_cpu
     from megarefit.online.delta_track import track_changes
     from megarefit.online.publisher import Publisher
 
     init_parallel(rank=0, world_size=1, master_port=port, tp=1, pp=1)
-    arch = dataclasses.replace(gpt_arch_from_hf(cfg, tp=1), dtype="bfloat16")
-    model = build_gpt_model(arch, seed=0)
-    model.config.bf16 = True
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
-    with optimizer_on_cpu():
-        opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=args["lr"], min_lr=args["lr"], bf16=True, use_distributed_optimizer=True,
-            adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
+    model, ddp, opt = bf16_adam_trainer(cfg, lr=args["lr"])
     tracker = track_changes(opt) if args["changes"] == "tracker" else None  # else a host mirror
     pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name="delta-trainer", delta=True, tracker=tracker)
     g = torch.Generator().manual_seed(0)
     seq, batch = args["seq"], args["batch"]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     position = torch.arange(seq)[None].expand(batch, seq)
-    model.train()
 
     def step(version: int) -> float:
         tokens = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=g)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
-from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
+from megarefit.demo.megatron_cpu import bf16_adam_trainer, build_gpt_model, gpt_arch_from_hf, init_parallel
 
 
 class Wrapper(torch.nn.Module):
@@ -162,29 +162,6 @@ def _step_once(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:
         opt.step()
 
 
-def _trained(cfg: dict, distributed: bool, lr: float) -> tuple[Any, Any, Any]:
-    """The demo GPT in bf16 under Megatron DDP and Megatron's Adam (the distributed optimizer, or
-    the non-distributed mixed-precision one): (model, ddp, optimizer)."""
-    import dataclasses
-
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from megarefit.demo.megatron_cpu import optimizer_on_cpu
-
-    arch = dataclasses.replace(gpt_arch_from_hf(cfg, tp=1), dtype="bfloat16")
-    model = build_gpt_model(arch, seed=0)
-    model.config.bf16 = True
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
-    with optimizer_on_cpu():
-        opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=lr, min_lr=lr, bf16=True, use_distributed_optimizer=distributed,
-            adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
-    model.train()
-    return model, ddp, opt
-
-
 def _no_changes(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: torch.zeros(p.numel(), dtype=torch.bool) for n, p in params.items()}
 
@@ -220,7 +197,7 @@ def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
     init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
     out: dict[str, Any] = {"rank": rank, "distributed": [], "float16": []}
     g = torch.Generator().manual_seed(rank)
-    model, ddp, opt = _trained(cfg, True, 1e-6)
+    model, ddp, opt = bf16_adam_trainer(cfg, lr=1e-6)
     tracker = track_changes(opt)
     params = refit_tensors(model)
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
@@ -247,7 +224,7 @@ def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
             pub.wait_receivers(version, timeout=120)
             out.setdefault("recorded", []).append(pub.last_delta.recorded)
     torch.distributed.barrier()
-    model, ddp, opt = _trained(cfg, False, 1e-5)
+    model, ddp, opt = bf16_adam_trainer(cfg, lr=1e-5, distributed=False)
     tracker, params = track_changes(opt), refit_tensors(model)
     union = _no_changes(params)
     for _ in range(2):

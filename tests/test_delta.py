@@ -327,22 +327,29 @@ def test_failed_delta_read_leaves_nothing_handed_over(dense, monkeypatch):
     assert rx.stats.refit == "full"
 
 
-def test_a_writer_during_a_delta_pull_is_caught(dense, monkeypatch):
-    """A trainer that writes (``Publisher.updating``) while a delta cycle reads is seen by the
-    fence: asked for that version, StaleVersionError and nothing handed over; asked for the
-    latest, pulled again (in full: the arena was patched) and exact."""
-    tr = dense
-    rx = tr.receiver("delta")
+def _stepping_during_the_read(tr: Trainer, monkeypatch, seed: int) -> Callable:
+    """A stand-in for ``delta_apply.read_ranges`` that lets the trainers step once (inside their
+    seqlock) while the delta's ranges are read, then reads (and puts the real one back)."""
     real = delta_apply.read_ranges
 
     def writing(*args, **kwargs):
         monkeypatch.setattr(delta_apply, "read_ranges", real)
         nxt = tr.version + 1
         with AllUpdating(tr.pubs, nxt):
-            tr.change(0.01, 500 + nxt)
+            tr.change(0.01, seed + nxt)
         tr.version = nxt
         return real(*args, **kwargs)
 
+    return writing
+
+
+def test_a_writer_during_a_delta_pull_is_caught(dense, monkeypatch):
+    """A trainer that writes (``Publisher.updating``) while a delta cycle reads is seen by the
+    fence: asked for that version, StaleVersionError and nothing handed over; asked for the
+    latest, pulled again (in full: the arena was patched) and exact."""
+    tr = dense
+    rx = tr.receiver("delta")
+    writing = _stepping_during_the_read(tr, monkeypatch, 500)
     for asked in ("that version", "latest"):
         pulled(rx, tr.version) if rx.stats.version != tr.version else None
         v = tr.step(0.01, 600 + tr.version)
@@ -396,18 +403,8 @@ def test_a_streamed_receiver_patches_its_direct_targets(dense, monkeypatch):
             assert stats.checked_bytes == full.stats.bytes_moved  # patched and streamed boxes all checked
         plain.refit(lambda w: [None for _ in w], v)
         assert plain.stats.refit == "full" and "none of its targets is direct" in plain.stats.delta_reason
-    real = delta_apply.read_ranges
-
-    def writing(*args, **kwargs):  # a trainer steps while the delta's ranges are read
-        monkeypatch.setattr(delta_apply, "read_ranges", real)
-        nxt = tr.version + 1
-        with AllUpdating(tr.pubs, nxt):
-            tr.change(0.01, 700 + nxt)
-        tr.version = nxt
-        return real(*args, **kwargs)
-
     tr.step(0.01, 650)
-    monkeypatch.setattr(delta_apply, "read_ranges", writing)
+    monkeypatch.setattr(delta_apply, "read_ranges", _stepping_during_the_read(tr, monkeypatch, 700))
     stats = rx.refit(install)
     assert (stats.version, stats.retries, stats.refit) == (tr.version, 1, "full"), stats.delta_reason
     want = pulled(full, tr.version)

@@ -42,7 +42,7 @@ from megarefit.specs.megatron_core import MegatronCore
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
 
-__all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "build_gpt_model", "fake_grouped_gemm",
+__all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "bf16_adam_trainer", "build_gpt_model", "fake_grouped_gemm",
            "forward_logits", "gpt_arch_from_hf", "harness_flags", "harness_megatron", "init_parallel",
            "megatron_series", "optimizer_on_cpu", "perturb_parameters_"]
 
@@ -356,6 +356,28 @@ class _NoStream:
     def wait_stream(self, stream: Any) -> None:
         pass
 
+
+
+def bf16_adam_trainer(hf_config: Any, *, lr: float, distributed: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
+    """The GPT of ``hf_config`` (tp=1) in bf16 under Megatron-Core DDP (gradients reduced in
+    fp32) and Megatron's Adam (betas 0.9 / 0.999, no weight decay, no clipping, constant ``lr``;
+    the ``DistributedOptimizer`` or, with ``distributed=False``, the non-distributed mixed-precision
+    one), built on CPU in train mode: ``(model, ddp, optimizer)``. Needs :func:`init_parallel`."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = build_gpt_model(dataclasses.replace(gpt_arch_from_hf(hf_config, tp=1), dtype="bfloat16"), seed=seed)
+    model.config.bf16 = True
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
+    with optimizer_on_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=lr, bf16=True, use_distributed_optimizer=distributed,
+            adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, clip_grad=0.0), [ddp])
+    model.train()
+    return model, ddp, opt
 
 
 # --------------------------------------------------------------------------- parallel state
