@@ -115,7 +115,8 @@ def test_megatron_distributed_optimizer_deltas_equal_full_pulls():
             want = dict(full.run_refit_cycle(version))
             assert got.keys() == want.keys()
             assert all(torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want), version
-            refits.append((delta.stats.refit, delta.stats.bytes_moved / full.stats.bytes_moved, delta.stats.delta_reason, delta.stats.retries))
+            s = delta.stats
+            refits.append((s.refit, s.bytes_moved / full.stats.bytes_moved, s.delta_reason, s.retries))
             delta.acknowledge(version)
             full.acknowledge(version)
     except Exception:
@@ -168,9 +169,12 @@ def test_copies_that_do_not_fit_and_deferred_gathers_are_refused():
     shards' bytes arrived."""
     param = torch.zeros(10, dtype=torch.bfloat16)
     tracker = ChangeTracker()
-    tracker.watch([param])
-    with pytest.raises(DeltaTrackError, match="5 elements at element 8 does not fit"):
+    tracker.watch([param], names=["decoder.final_layernorm.weight"])
+    with pytest.raises(DeltaTrackError, match=r"5 elements at element 8 does not fit parameter "
+                                              r"'decoder.final_layernorm.weight' \[10\] torch.bfloat16 on rank 0"):
         tracker.copy_(param, torch.ones(5), start=8)
+    with pytest.raises(DeltaTrackError, match=r"tensor \[3\] torch.float32 on rank 0 at .* is not tracked"):
+        tracker.changed(torch.zeros(3))
     pytest.importorskip("nixl")
     from megarefit.demo.offline import default_config
     from megarefit.errors import MegarefitError

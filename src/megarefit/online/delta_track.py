@@ -82,11 +82,12 @@ def set_indices(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     return idx[idx < numel] if numel % 8 else idx
 
 
-def check_span(param: torch.Tensor, source: torch.Tensor, start: int) -> None:
-    """Raises DeltaTrackError unless ``source`` fits ``param``'s flat elements from ``start``."""
+def check_span(param: torch.Tensor, source: torch.Tensor, start: int, label: str = "the parameter") -> None:
+    """Raises DeltaTrackError unless ``source`` fits ``param``'s flat elements from ``start``
+    (``label`` names the parameter)."""
     if start < 0 or start + source.numel() > param.numel():
-        raise DeltaTrackError(f"a copy of {source.numel()} elements at element {start} does not fit the parameter "
-                              f"{tuple(param.shape)} ({param.numel()} elements)")
+        raise DeltaTrackError(f"a copy of {source.numel()} elements at element {start} does not fit {label} "
+                              f"({param.numel()} elements): expected start + elements <= {param.numel()}")
 
 
 def _mark(param: torch.Tensor, source: torch.Tensor, bitmap: torch.Tensor, start: int) -> None:
@@ -127,20 +128,27 @@ class ChangeTracker:
     def __init__(self) -> None:
         self.parts: list[_Part] = []
         self.index: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}  # key -> (part, param)
+        self.names: dict[tuple[int, int, torch.dtype], str] = {}  # parameter names, where known (errors)
         self.generation = 0  # bumped by invalidate(): a publish that sees it change records no delta
         self.steps = 0
         # a distributed optimizer with overlap_param_gather: the other shards' bytes arrive with the
         # next forward's all-gather, so a Publisher must wait for it (ddp=): marks are cleared when read
         self.deferred_gather = False
 
-    def watch(self, params: Sequence[torch.Tensor], group: Any = None) -> int:
+    def watch(self, params: Sequence[torch.Tensor], group: Any = None, names: Sequence[str] | None = None) -> int:
         """Track ``params`` (contiguous tensors); ``group``: a process group whose ranks write
-        disjoint parts of them (Megatron's distributed-optimizer shards). Returns the part's id."""
+        disjoint parts of them (Megatron's distributed-optimizer shards); ``names``: theirs, for
+        errors. Returns the part's id.
+
+        Raises:
+            DeltaTrackError: a parameter is not contiguous (names it and the rank)."""
+        for p, n in zip(params, names or []):
+            self.names[_key(p)] = n
         params = [p for p in params if _key(p) not in self.index]
         offsets, at = [], 0
         for p in params:
             if not p.is_contiguous():
-                raise DeltaTrackError(f"parameter {tuple(p.shape)} is not contiguous: its changes cannot be tracked")
+                raise DeltaTrackError(f"{self.label(p)} is not contiguous: its changes cannot be tracked")
             offsets.append(at)
             at += (p.numel() + 7) // 8
         device = params[0].device if params else torch.device("cpu")
@@ -148,6 +156,12 @@ class ChangeTracker:
         for i, p in enumerate(params):
             self.index[_key(p)] = (len(self.parts) - 1, i)
         return len(self.parts) - 1
+
+    def label(self, t: torch.Tensor) -> str:
+        """``t``'s name (where known), shape, dtype and the process rank, for errors."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        name = self.names.get(_key(t))
+        return f"{'parameter ' + repr(name) if name else 'tensor'} {list(t.shape)} {t.dtype} on rank {rank}"
 
     @property
     def nbytes(self) -> int:
@@ -185,7 +199,7 @@ class ChangeTracker:
         part = self.parts[part_id]
         if part.group is not None:
             raise DeltaTrackError("copy_ is for parameters tracked without a group (each rank writes all of them)")
-        check_span(param, source, start)
+        check_span(param, source, start, self.label(param))
         if delta_mark.usable(param, source):  # one pass: cast, compare, mark, write
             delta_mark.mark(param, source, self._bitmap(part, i), start, copy=True)
         else:
@@ -195,7 +209,8 @@ class ChangeTracker:
 
     def _where(self, t: torch.Tensor) -> tuple[int, int]:
         if _key(t) not in self.index:
-            raise DeltaTrackError(f"tensor {tuple(t.shape)} {t.dtype} at {t.data_ptr():#x} is not tracked")
+            raise DeltaTrackError(f"{self.label(t)} at {t.data_ptr():#x} is not tracked: watch() it, or give the "
+                                  "Publisher the tracker of the optimizer that steps it")
         return self.index[_key(t)]
 
     def changed(self, t: torch.Tensor) -> torch.Tensor:
@@ -288,18 +303,20 @@ def _install(optimizer: Any, tracker: ChangeTracker) -> None:
         copies, group = _distributed_copies, optimizer.data_parallel_group
     else:
         params, copies, group = _stepped(optimizer, kind), _float16_copies, None
+    names = {id(p): n for chunk in getattr(optimizer, "model_chunks", None) or [] for n, p in chunk.named_parameters()}
     if not params:
         raise DeltaTrackError(f"{type(optimizer).__name__}: no float16 / bf16 parameters to track (fp32 training "
                               "steps its parameters in place); use Publisher(delta=True) without a tracker")
-    if any(type(p.data) is not torch.Tensor for p in params):  # e.g. Transformer Engine's Float8Tensor
-        raise DeltaTrackError(f"{type(optimizer).__name__}: FP8 model parameters (fp8 param gather) cannot be "
-                              "tracked; use Publisher(delta=True) without a tracker")
+    fp8 = [names.get(id(p)) or list(p.shape) for p in params if type(p.data) is not torch.Tensor]
+    if fp8:  # e.g. Transformer Engine's Float8Tensor
+        raise DeltaTrackError(f"{type(optimizer).__name__}: FP8 model parameters (fp8 param gather), e.g. {fp8[:3]}, "
+                              "cannot be tracked; use Publisher(delta=True) without a tracker")
     ddp_config = getattr(optimizer, "ddp_config", None)
     tracker.deferred_gather |= bool(getattr(ddp_config, "use_distributed_optimizer", False)
                                     and getattr(ddp_config, "overlap_param_gather", False))
-    part_id = tracker.watch(params, group)
+    part_id = tracker.watch(params, group, [names.get(id(p), "") for p in params])
     index = {id(p): i for i, p in enumerate(tracker.parts[part_id].params)}
-    missing = [tuple(p.shape) for p in _stepped(optimizer, kind) if id(p) not in index]
+    missing = [names.get(id(p)) or list(p.shape) for p in _stepped(optimizer, kind) if id(p) not in index]
     if missing:
         raise DeltaTrackError(f"{type(optimizer).__name__}: parameters {missing[:4]} are stepped but not in the "
                               "optimizer's buffers (or tracked twice); megarefit has not verified this layout")
