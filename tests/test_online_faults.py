@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from megarefit.errors import MissingParameterError, ShapeMismatchError  # noqa: E402
+from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
 from megarefit.online.publisher import Publisher  # noqa: E402
 from megarefit.layout.megatron_model import source_layout
@@ -451,3 +451,98 @@ def test_release_memory_frees_the_buffers_and_the_next_cycle_allocates_again(ser
         assert all(torch.equal(again[k], hf[k]) for k in hf)
     finally:
         receiver.close()
+
+
+# ---- prefetch: pulled and fenced on a thread, handed over later without pulling again ----------
+def _counting(receiver) -> list[int]:
+    """Count the receiver's full pulls (``transport.execute`` calls)."""
+    calls = [0]
+    execute = receiver.transport.execute
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return execute(*args, **kwargs)
+
+    receiver.transport.execute = counted
+    return calls
+
+
+def test_a_prefetched_version_is_handed_over_from_the_arena(served):
+    """Once fenced, the prefetch holds version 1 in the receiver's own memory: the trainers
+    then overwrite their shards (version 2), and the refit of 1 still hands over exactly the
+    reference weights of 1, without a new pull."""
+    _, hf, shards, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    calls = _counting(receiver)
+    assert receiver.prefetch(1).phase in ("pulling", "ready")
+    assert receiver.prefetch(1).version == 1  # asked again: the same prefetch
+    state = receiver._prefetch.wait(30)
+    assert (state.phase, state.pulled, state.retries, calls[0]) == ("ready", 1, 0, 1), state
+    for rank, pub in pubs.items():
+        with pub.updating(2):
+            for t in shards[rank].values():
+                t.add_(1.0)
+    got = dict(receiver.run_refit_cycle(1))
+    assert calls[0] == 1 and receiver.prefetched is None and receiver.stats.version == 1
+    assert got.keys() == hf.keys() and all(torch.equal(got[k], v) for k, v in hf.items())
+    got = dict(receiver.run_refit_cycle(2))  # nothing prefetched: pulled
+    assert calls[0] == 2 and all(torch.equal(got[k], v + 1.0) for k, v in hf.items())
+
+
+def test_a_write_during_the_prefetch_is_pulled_again_before_the_handover(served):
+    """A rank writing during the prefetch's pull is caught by the fence on the thread and
+    pulled again there (``retries``); the handed-over tensors are whole."""
+    _, hf, _, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    execute = receiver.transport.execute
+    overlaps = iter([True])
+
+    def execute_during_a_step(*args, **kwargs):
+        execute(*args, **kwargs)
+        if next(overlaps, False):
+            with pubs[(0, 0, 0)].updating(1):
+                pass
+
+    receiver.transport.execute = execute_during_a_step
+    receiver.prefetch(1)
+    state = receiver._prefetch.wait(30)
+    assert (state.phase, state.retries) == ("ready", 1), state
+    got = dict(receiver.run_refit_cycle(1))
+    assert receiver.stats.retries == 1 and all(torch.equal(got[k], v) for k, v in hf.items())
+
+
+def test_a_prefetch_returns_at_once_and_waits_for_its_version(served):
+    """``prefetch`` returns while the version is not published; the thread waits for it.
+    A prefetch that fails (never published) raises at the refit, nothing handed over;
+    a prefetch of another version is dropped and the asked one pulled."""
+    _, hf, _, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    receiver.timeout = 30
+    t0 = time.perf_counter()
+    assert receiver.prefetch(2).phase == "pulling"
+    assert time.perf_counter() - t0 < 1.0
+    for p in pubs.values():
+        p.publish(2)
+    assert receiver._prefetch.wait(30).pulled == 2
+    assert dict(receiver.run_refit_cycle(2)).keys() == hf.keys()
+    receiver.timeout = 0.3
+    receiver.prefetch(3)
+    assert receiver._prefetch.wait(30).phase == "failed"
+    assert "3" in receiver.prefetched.error
+    with pytest.raises(VersionMismatchError, match="version 3"):
+        next(receiver.run_refit_cycle(3))
+    receiver.prefetch(5)  # dropped by the refit of 2
+    receiver._prefetch.wait(30)
+    calls = _counting(receiver)
+    assert dict(receiver.run_refit_cycle(2)).keys() == hf.keys() and calls[0] == 1
+
+
+def test_a_streamed_receiver_refuses_to_prefetch(served):
+    *_, rdzv, _, receiver = served
+    streamed = RefitReceiver(rdzv, name=receiver.name + "-streamed", timeout=2, memory_budget=1 << 26)
+    with pytest.raises(MegarefitError, match="streamed .* prefetch needs a staged receiver"):
+        streamed.prefetch(1)
+    streamed.close()

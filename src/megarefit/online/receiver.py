@@ -42,6 +42,7 @@ from megarefit.online.fence import VersionFence
 from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.pipeline import CyclePipeline
 from megarefit.online.plan_cache import PlanCache
+from megarefit.online.prefetch import Prefetch, PrefetchState, refuse_streamed
 from megarefit.online.receiver_memory import ReceiverMemory, StreamRing
 from megarefit.online.rendezvous import Heartbeat, Rendezvous
 from megarefit.plan import Plan
@@ -168,6 +169,7 @@ class RefitReceiver:
         self._pipeline = CyclePipeline(VersionFence(rendezvous, name), self._plans, self._memory, self.transport,
                                        verifier=self._verifier, replica_group=replica_group, timeout=timeout,
                                        delta=delta)
+        self._prefetch: Prefetch | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -246,7 +248,9 @@ class RefitReceiver:
         self.rendezvous.acknowledge(self.name, version)
 
     def close(self) -> None:
-        """Stop the heartbeat (trainers drop this receiver once its lease expires)."""
+        """Stop the heartbeat (trainers drop this receiver once its lease expires); a prefetch in
+        flight is waited for and dropped."""
+        self._drop_prefetch()
         self._heartbeat.stop()
 
     def __del__(self) -> None:
@@ -267,6 +271,7 @@ class RefitReceiver:
         if self.replica_group is not None:
             raise MegarefitError("a receiver serving a replica group keeps its arena (replicas READ it): "
                                  "release_memory() is for receivers without replica_group")
+        self._drop_prefetch()
         freed = self._memory.release()
         self._pipeline.delta.forget("memory released")
         if self._verifier is not None:
@@ -291,13 +296,56 @@ class RefitReceiver:
         self._memory.direct = dict(tensors)
         self._plans.invalidate()  # re-planned (same plan, cached) and the ring re-cut on the next cycle
 
+    # ---- prefetch -------------------------------------------------------------
+    def prefetch(self, version: int | None = None) -> PrefetchState:
+        """Start pulling ``version`` (default: the one every rank publishes) into the arena on a
+        background thread and return at once (:mod:`~megarefit.online.prefetch`): discovery,
+        plan, pull, fence and checksums run while the consumer keeps using the tensors it holds.
+        The next :meth:`refit` / :meth:`run_refit_cycle` of that version hands the fenced arena
+        over without pulling (a prefetch that failed raises there, the consumer untouched).
+        Asked again for the same version, it returns the running prefetch's state; another
+        version drops the running one first (waiting for its READs). No memory beyond the arena.
+
+        Raises:
+            MegarefitError: a streamed receiver (``memory_budget``): it holds no whole version."""
+        if self.memory_budget is not None:
+            raise refuse_streamed(self.name)
+        running = self._prefetch
+        if running is not None and running.version == version and running.state().phase != "failed":
+            return running.state()
+        self._drop_prefetch()
+        self._prefetch = Prefetch(self._pipeline.staged(version, self.retries), version, self.device,
+                                  lambda: self._pipeline.stats, self.transport.polite)
+        return self._prefetch.state()
+
+    @property
+    def prefetched(self) -> PrefetchState | None:
+        """The prefetch not yet handed over (its phase, the version it holds), or ``None``."""
+        return None if self._prefetch is None else self._prefetch.state()
+
+    def _drop_prefetch(self) -> None:
+        running, self._prefetch = self._prefetch, None
+        if running is not None:
+            running.discard()
+
+    def _staged_cycle(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The staged cycle of ``version``: the prefetched one where it matches (taken once),
+        else a new pull (a prefetch of another version is dropped first)."""
+        running, self._prefetch = self._prefetch, None
+        if running is not None:
+            if running.matches(version):
+                return running.take()
+            running.discard()
+        return self._pipeline.staged(version, self.retries)
+
     # ---- the cycle -----------------------------------------------------------
     def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Pull ``version`` (default: the version every rank publishes) and yield HF tensors.
 
         Staged (``memory_budget=None``): everything is pulled and fenced before the first
         tensor is yielded, so a failure leaves the consumer's model untouched; the tensors are
-        views of the arena, valid until the next cycle. Streamed (``memory_budget``): each group
+        views of the arena, valid until the next cycle (a version :meth:`prefetch` ed is handed
+        over without pulling again). Streamed (``memory_budget``): each group
         of layers is yielded as it lands, as views of the ring valid only until the next
         item is requested (copy or install each before asking for the next); a rank that
         moves on during the cycle is seen after the last group (:class:`TornUpdateError`).
@@ -315,7 +363,7 @@ class RefitReceiver:
         if self.memory_budget is not None:
             yield from self._pipeline.streamed(version)
             return
-        yield from self._pipeline.staged(version, self.retries)
+        yield from self._staged_cycle(version)
 
     def refit(self, install: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
               version: int | None = None) -> CycleStats:
@@ -338,7 +386,7 @@ class RefitReceiver:
         while True:
             torn: list[TornUpdateError] = []  # streamed: a torn cycle is reported once install returned
             cycle = self._pipeline.streamed(version, torn) if self.memory_budget is not None else \
-                self.run_refit_cycle(version)
+                self._staged_cycle(version)
             try:
                 first = [next(cycle)]
             except StopIteration:

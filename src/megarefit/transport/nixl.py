@@ -66,6 +66,11 @@ all cores' OpenMP threads, next to busy-polling NIXL progress threads, collapse:
 measured on a 16-core host (Qwen3-0.6B, 4 trainers) 1.93 s with 16 threads vs
 0.024 s with 4 (docs/benchmarks.md)."""
 
+POLITE_POLL_S = 0.0002
+"""Seconds between completion polls of a background pull (:meth:`NixlTransport.polite`): a
+spinning poll holds the GIL for whole switch intervals (5 ms) against a consumer generating in
+the same process; 200 us bounds the added latency per wave."""
+
 
 @contextlib.contextmanager
 def _bounded_threads(n: int) -> Iterator[None]:
@@ -141,10 +146,22 @@ class NixlTransport:
         self._builder = RequestBuilder(self.nixl, self._scratch_memory, self, self._remote_name)
         self._blocks: dict[tuple, tuple[Any, ...]] = {}  # read_blocks: (agent, addr, nbytes, local) -> request
         self.last_seconds: dict[str, float] = {}
+        self.poll_sleep = 0.0  # seconds slept between completion polls (0: spin; see polite())
 
     @property
     def counters(self) -> Counter[str]:
         return self.nixl.counters
+
+    @contextlib.contextmanager
+    def polite(self, sleep: float = POLITE_POLL_S) -> Iterator[None]:
+        """Inside the block, waits for READs sleep ``sleep`` seconds between completion polls
+        instead of spinning (a background pull, e.g. a prefetch beside a consumer generating in
+        the same process, then leaves it the GIL and the core). Restored after."""
+        before, self.poll_sleep = self.poll_sleep, sleep
+        try:
+            yield
+        finally:
+            self.poll_sleep = before
 
     @property
     def scratch_allocated(self) -> int:
@@ -246,6 +263,8 @@ class NixlTransport:
         deadline = time.monotonic() + timeout
         while flight.pending:
             flight.poll(self.nixl.agent)
+            if flight.pending and self.poll_sleep:
+                time.sleep(self.poll_sleep)
             if flight.pending and time.monotonic() > deadline:
                 raise TransferError(describe_pulls(flight.pending[0][0], f"no completion after {timeout:.1f} s"))
 
@@ -368,6 +387,8 @@ class NixlTransport:
                 else:
                     waiting.append((pulls, w, event))
             flight.queued = waiting
+            if (flight.pending or flight.queued) and self.poll_sleep and not landed:
+                time.sleep(self.poll_sleep)
             if (flight.pending or flight.queued) and time.monotonic() > deadline:
                 who = flight.pending[0][0] if flight.pending else flight.queued[0][0]
                 raise TransferError(describe_pulls(who, f"no completion after {timeout:.1f} s"))

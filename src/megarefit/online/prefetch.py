@@ -1,0 +1,164 @@
+"""Prefetch: pull and fence the next version while the consumer keeps serving; install later.
+
+A staged refit cycle does all its network work before it hands over its first tensor:
+discover, wait for the version, plan, pull into the arena, fence (seqlock), verify
+checksums. :meth:`RefitReceiver.prefetch <megarefit.online.receiver.RefitReceiver.prefetch>`
+runs exactly that part on a background thread, so a vLLM worker keeps generating while the
+bytes arrive; the arena is the receiver's own memory, which no trainer writes, so once
+fenced it holds the version whole for as long as needed. The next ``refit`` /
+``run_refit_cycle`` of that version hands the arena over without pulling again: the pause
+around it is the consumer's install (device copies) alone::
+
+    serving ........................................|pause| install |resume ....
+    prefetch thread: wait v -> plan -> pull -> fence |
+
+A trainer rank that writes during the prefetch is seen by the fence and pulled again on the
+thread (``retries``), before anyone pauses. No extra memory: the prefetch lands in the
+staged arena the receiver holds anyway (``stats.arena_bytes``). Streamed receivers
+(``memory_budget``) hold no whole version and are refused.
+
+The thread waits on READs politely (:attr:`~megarefit.transport.nixl.NixlTransport.poll_sleep`)
+so that it does not take the GIL from a consumer generating in the same process, and on a
+GPU places pieces on a side stream of the receiver's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from megarefit.errors import MegarefitError
+
+PrefetchPhase = Literal["pulling", "ready", "failed"]
+
+
+@dataclass(frozen=True)
+class PrefetchState:
+    """What a prefetch is doing (:meth:`Prefetch.state`; plain data, JSON-ready via :meth:`as_dict`).
+
+    Attributes:
+        phase: ``"pulling"`` (on its thread), ``"ready"`` (the arena holds ``pulled`` whole and
+            fenced) or ``"failed"`` (``error`` says why; the next refit pulls afresh).
+        version: the version asked for (``None``: whatever every rank publishes).
+        pulled: the version the arena holds once ready, else ``None``.
+        seconds: from the start to ready / failed, or so far while pulling (wall seconds).
+        retries: pulls repeated because a trainer rank wrote during one.
+        error: ``"ExceptionType: message"`` of a failed prefetch, else ``None``.
+    """
+
+    phase: PrefetchPhase
+    version: int | None
+    pulled: int | None
+    seconds: float
+    retries: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Prefetch:
+    """One staged cycle whose pull runs on a daemon thread (see the module docstring).
+
+    Args:
+        cycle: the staged cycle's generator (pulls and fences at its first ``next``).
+        version: the version asked for (``None``: the current one).
+        device: where the arena lives (a CUDA device: the thread uses it, and a side stream).
+        stats: the receiver's stats once the pull is fenced (the version held, retries).
+        polite: context manager for the thread's wait (a receiver's transport polls with sleeps).
+    """
+
+    def __init__(self, cycle: Iterator[tuple[str, torch.Tensor]], version: int | None, device: torch.device,
+                 stats: Callable[[], Any], polite: Callable[[], contextlib.AbstractContextManager[None]]):
+        self.version = version
+        self._cycle, self._device, self._stats, self._polite = cycle, device, stats, polite
+        self._first: list[tuple[str, torch.Tensor]] = []
+        self._error: BaseException | None = None
+        self._pulled: int | None = None
+        self._retries = 0
+        self._t0 = time.perf_counter()
+        self._t1: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megarefit-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self._on_device(), self._polite():
+                self._first = list(itertools.islice(self._cycle, 1))  # pull + fence + verify
+                if self._device.type == "cuda":
+                    torch.cuda.current_stream(self._device).synchronize()  # the arena is whole on the device
+            stats = self._stats()
+            self._pulled, self._retries = stats.version, stats.retries
+        except BaseException as exc:  # handed to whoever takes or polls it
+            self._error = exc
+        finally:
+            self._t1 = time.perf_counter()
+            self._done.set()
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        if self._device.type != "cuda":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self._device))  # a new thread starts on device 0
+        stack.enter_context(torch.cuda.stream(torch.cuda.Stream(self._device)))  # not behind the consumer's queue
+        return stack
+
+    def state(self) -> PrefetchState:
+        """The prefetch's phase now (never blocks)."""
+        end = self._t1 if self._done.is_set() else time.perf_counter()
+        assert end is not None
+        if not self._done.is_set():
+            return PrefetchState("pulling", self.version, None, end - self._t0)
+        if self._error is not None:
+            return PrefetchState("failed", self.version, None, end - self._t0,
+                                 error=f"{type(self._error).__name__}: {self._error}")
+        return PrefetchState("ready", self.version, self._pulled, end - self._t0, self._retries)
+
+    def wait(self, timeout: float | None = None) -> PrefetchState:
+        """Block until ready or failed, at most ``timeout`` seconds; the state then."""
+        self._done.wait(timeout)
+        return self.state()
+
+    def matches(self, version: int | None) -> bool:
+        """Whether a refit of ``version`` may take this prefetch: the same version asked, or
+        ``None`` (whatever was current) -- a prefetch of ``None`` serves an explicit ``version``
+        only if it pulled that one."""
+        if version is None or version == self.version:
+            return True
+        return self._done.is_set() and self._error is None and self._pulled == version
+
+    def take(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The cycle, its first tensor included, once the pull is fenced (waits for the thread).
+
+        Raises:
+            what the pull raised (the same exception: the consumer is untouched)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return itertools.chain(self._first, self._cycle)
+
+    def discard(self) -> None:
+        """Drop it: wait for the thread (READs in flight cannot be called back), close the cycle."""
+        self._done.wait()
+        self._first = []
+        with contextlib.suppress(Exception):
+            self._cycle.close()  # type: ignore[attr-defined]
+
+
+def refuse_streamed(name: str) -> MegarefitError:
+    """The error for a prefetch asked of a streamed receiver."""
+    return MegarefitError(
+        f"receiver {name!r} is streamed (memory_budget): it holds no whole version to prefetch into; "
+        "prefetch needs a staged receiver (memory_budget=None), which holds the worker's whole share "
+        "(stats.arena_bytes)")
+
+
+__all__ = ["Prefetch", "PrefetchPhase", "PrefetchState", "refuse_streamed"]
