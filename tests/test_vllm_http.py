@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,6 +42,7 @@ from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.integrations.hf import save_checkpoint  # noqa: E402
 from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit  # noqa: E402
+from megarefit.integrations.vllm_stall import StallProbe  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
 from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
@@ -84,6 +86,78 @@ def _faulty(refit: VllmHttpRefit, version: int, flag) -> RefitHTTPError | None:
     finally:
         assert not flag.exists(), "the fault did not fire"
     return None
+
+
+def _rpc(base: str, method: str, **kwargs: str) -> list:
+    request = urllib.request.Request(f"{base}/collective_rpc", data=json.dumps({"method": method, "kwargs": kwargs}
+                                                                             ).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["results"]
+
+
+class _TokenStream:
+    """One greedy request streamed from ``/inference/v1/generate`` (vLLM's tokens-in/tokens-out
+    route, ``--enable-scale-out``) on a thread: its token ids and the ``weight_versions`` spans
+    of its final chunk."""
+
+    def __init__(self, base: str, max_tokens: int):
+        body = {"token_ids": PROMPTS[0], "stream": True, "output_mode": "tokens",
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        self.request = urllib.request.Request(f"{base}/inference/v1/generate", data=json.dumps(body).encode(),
+                                              headers={"Content-Type": "application/json"})
+        self.tokens: list[int] = []
+        self.spans = None
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with urllib.request.urlopen(self.request, timeout=300) as response:
+                for line in response:
+                    text = line.decode().strip()
+                    if text.startswith("data:") and text != "data: [DONE]":
+                        for choice in json.loads(text[5:]).get("choices") or []:
+                            self.tokens += choice.get("token_ids") or []
+                            self.spans = choice.get("weight_versions") or self.spans
+        except Exception as exc:  # noqa: BLE001 - checked by the test
+            self.error = exc
+
+    def started(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self.tokens and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def result(self):
+        self.thread.join(timeout=300)
+        return self.tokens, self.spans, self.error
+
+
+def _prefetched_refits(base, refit_to, rdzv, out, init) -> None:
+    """Version 2 (sharded), prefetched, ``/pause?mode=keep``: a request streaming across the pause
+    must carry two weight-version spans. Version 3 (full), prefetched with ``mode=abort``, asked
+    for before the trainers publish it: the server must keep generating while the prefetch waits,
+    and a streaming client's stall is reported."""
+    _rpc(base, "megarefit_prefetch", version="2")  # ready before the stream starts: the pause comes at once
+    while _rpc(base, "megarefit_prefetched")[0]["phase"] == "pulling":
+        time.sleep(0.01)
+    stream = _TokenStream(base, max_tokens=240)
+    stream.started()
+    with StallProbe(base, max_tokens=32) as probe:
+        refit_to(2, VllmHttpRefit(base, mode="keep", prefetch=True), probe=probe, consumed=False)
+    out["keep_stream"] = stream.result()
+    init(sharded=False)
+    with StallProbe(base, max_tokens=32) as probe:
+        controller = VllmHttpRefit(base, mode="abort", prefetch=True)
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=refit_to, args=(3, controller), kwargs={"probe": probe, "consumed": False})
+        thread.start()
+        time.sleep(1.0)  # the workers wait in their prefetch for version 3, the server generates
+        out["probe_before_publish"] = sum(t0 < t for t in probe.arrivals)
+        rdzv.mark_consumed(2)  # the trainers step and publish version 3
+        thread.join(timeout=300)
+        out["probe3"] = [t - t0 for t in probe.arrivals]
 
 
 def _wait_healthy(base: str, server: subprocess.Popen, log, timeout: float = 300.0) -> None:
@@ -130,9 +204,10 @@ def served(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115 - closed below
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-                               "--max-model-len", "128", "--weight-transfer-config",
+                               "--max-model-len", "256", "--enable-scale-out", "--worker-extension-cls",
+                               "megarefit.integrations.vllm.MegarefitWorkerExtension", "--weight-transfer-config",
                                json.dumps({"backend": "megarefit"})], env=env, stdout=log, stderr=subprocess.STDOUT)
-    out: dict = {"versions": {}, "acked": {}, "seconds": {}}
+    out: dict = {"versions": {}, "acked": {}, "seconds": {}, "stats": {}}
     try:
         _wait_healthy(base, server, log)
         model = str(ckpt)
@@ -140,16 +215,21 @@ def served(tmp_path_factory):
         out["initial_again"] = _completions(base, model)  # these prefixes are now in the prefix cache
         refit = VllmHttpRefit(base, mode="abort")
 
-        def refit_to(v: int) -> None:
-            out["seconds"][v] = refit.refit(v)
+        def refit_to(v: int, controller: VllmHttpRefit = refit, probe=None, consumed: bool = True) -> None:
+            out["seconds"][v] = controller.refit(v, probe=probe)
+            out["stats"][v] = controller.stats
             out["versions"][v] = refit.weight_version()
             out[v] = _completions(base, model)
             out["acked"][v] = rdzv.wait_receivers(v, timeout=60)
-            rdzv.mark_consumed(v)
+            if consumed:
+                rdzv.mark_consumed(v)
 
-        for v in (1, 2, 3):  # full, sharded, full: switched on the running server
-            refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=v == 2)
-            refit_to(v)
+        refit.init("127.0.0.1", rdzv.port, job, timeout=120.0)
+        refit_to(1)
+        init = functools.partial(refit.init, "127.0.0.1", rdzv.port, job, timeout=120.0)
+        init(sharded=True)  # switched on the running server, both ways
+        _prefetched_refits(base, refit_to, rdzv, out, init)  # 2 sharded, 3 full
+        rdzv.mark_consumed(3)
         refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True, keep_previous="auto")
         out["fault_kept"] = _faulty(refit, 4, flag)
         out["after_fault_kept"] = _completions(base, model)  # resumed: serves version 3
@@ -229,3 +309,28 @@ def test_a_mix_is_left_paused_over_http(served):
     assert (error.state, error.resumed) == ("mixed", False) and out["paused_after_mixed"], error
     assert "left PAUSED" in str(error) and "refit(4)" in str(error), str(error)
     assert out["versions"][4] == "4" and out[4] != out[3]
+
+
+def test_a_prefetched_refit_keeps_generating_and_reports_the_stall(served):
+    """Version 3 was asked for before the trainers published it: the workers waited in their
+    prefetch while the server kept streaming tokens; the pause came only once every worker held
+    version 3 fenced, so the stall a streaming client saw is the install's, not the pull's."""
+    _, out, _ = served
+    stats = out["stats"][3]
+    print(f"prefetched refits: {out['stats'][2]}\n{stats}")
+    assert out["probe_before_publish"] > 0, "no token while the prefetch waited: generation was blocked"
+    assert stats.prefetch_s >= 1.0 and stats.workers and all(w["phase"] == "ready" and w["pulled"] == 3
+                                                            for w in stats.workers), stats
+    assert stats.stall_s is not None and 0 < stats.stall_s <= stats.paused_s + 1.0, stats
+    assert stats.stall_s < stats.prefetch_s, stats
+    assert out["stats"][2].workers[0]["pulled"] == 2 and out["stats"][2].stall_s is not None
+
+
+def test_a_request_streaming_across_a_keep_refit_carries_both_versions(served):
+    """``mode="keep"``: a request in flight at the pause is frozen and goes on with version 2;
+    vLLM's ``weight_versions`` spans say which tokens came from which version."""
+    _, out, _ = served
+    tokens, spans, error = out["keep_stream"]
+    assert error is None and len(tokens) == 240, (error, len(tokens))
+    assert [s["version"] for s in spans] == ["1", "2"], spans
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 240, spans

@@ -191,7 +191,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries,
             "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes,
             "direct_bytes": stats.direct_bytes, "ipc_bytes": stats.ipc_bytes, "ipc_ranks": stats.ipc_ranks,
-            "refit": stats.refit, "delta_base": stats.delta_base, "delta_reason": stats.delta_reason}
+            "refit": stats.refit, "delta_base": stats.delta_base, "delta_reason": stats.delta_reason,
+            "prefetched": stats.prefetched, "prefetch_wait_s": stats.prefetch_wait_s}
 
 
 @torch.no_grad()
@@ -497,6 +498,33 @@ class MegarefitWorkerExtension:
             receiver.set_direct(direct_candidates(runner.get_model(), evidence))
         return _cycle_report(receiver, load_s)
 
+    def megarefit_prefetch(self, version: int | str | None = None, timeout: float | str | None = None,
+                           path: str = "auto") -> dict[str, Any]:
+        """Start pulling ``version`` (default: the trainers' current one) on a background thread
+        while the engine keeps serving, and return at once (``/collective_rpc`` with
+        ``{"method": "megarefit_prefetch", "kwargs": {"version": "5"}}`` over HTTP; strings are
+        accepted as vLLM passes them). The next update of that version -- ``/update_weights``
+        (the weight-transfer engine) or :meth:`update_weights_from_megatron` -- installs it
+        without pulling: the pause is the install alone. ``timeout`` (seconds) waits for the
+        version to be published. ``path``: which receiver, ``"engine"`` (the ``megarefit``
+        weight-transfer backend) or ``"extension"`` (:meth:`init_megarefit`); ``"auto"``: the
+        one initialized. Returns :class:`~megarefit.online.prefetch.PrefetchState` as a dict.
+
+        Raises:
+            MegarefitError: no receiver initialized, both with ``path="auto"``, or a streamed
+                receiver (``memory_budget``: it holds no whole version)."""
+        receiver = _prefetching_receiver(self, path)
+        if timeout is not None:
+            receiver.timeout = float(timeout)
+        return receiver.prefetch(None if version in (None, "") else int(version)).as_dict()
+
+    def megarefit_prefetched(self, path: str = "auto") -> dict[str, Any] | None:
+        """The prefetch not yet installed (``phase`` ``"pulling"`` / ``"ready"`` / ``"failed"``,
+        ``pulled``, ``seconds``, ``retries``, ``error``), or ``None``; never blocks, so polling it
+        does not stall generation."""
+        state = _prefetching_receiver(self, path).prefetched
+        return None if state is None else state.as_dict()
+
     def megarefit_experts(self) -> dict[str, Any]:
         """What this worker's receiver pulls: ``{"owned": sorted ids | None, "routed_layers": n,
         "ep_layers": n}`` (``None``: every expert)."""
@@ -516,6 +544,26 @@ class MegarefitWorkerExtension:
     def megarefit_counters(self) -> dict[str, int]:
         receiver: RefitReceiver | None = getattr(self, "_megarefit", None)
         return dict(receiver.counters) if receiver is not None else {}
+
+
+def _prefetching_receiver(worker: Any, path: str) -> RefitReceiver:
+    """The receiver a prefetch RPC means: the worker extension's (``init_megarefit``) or the
+    ``megarefit`` weight-transfer engine's (``init_weight_transfer_engine``)."""
+    own = getattr(worker, "_megarefit", None)
+    engine = getattr(getattr(worker, "weight_transfer_engine", None), "receiver", None)
+    found = {"extension": own, "engine": engine}
+    if path not in ("auto", *found):
+        raise MegarefitError(f"path={path!r}: give 'engine', 'extension' or 'auto'")
+    if path == "auto":
+        if own is not None and engine is not None:
+            raise MegarefitError("both the worker extension (init_megarefit) and the megarefit weight-transfer "
+                                 "engine hold a receiver: pass path='engine' or path='extension'")
+        path = "extension" if own is not None else "engine"
+    receiver = found[path]
+    if receiver is None:
+        raise MegarefitError(f"nothing to prefetch into ({path}): initialize the receiver first "
+                             "(POST /init_weight_transfer_engine with the megarefit backend, or init_megarefit)")
+    return receiver
 
 
 def _engine_base():

@@ -29,9 +29,13 @@ import json
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from megarefit.errors import MegarefitError
+
+if TYPE_CHECKING:
+    from megarefit.integrations.vllm_stall import StallProbe
 
 # What megarefit's engine appends to a failed update's error text (vLLM returns it as the response body)
 PREVIOUS_KEPT = "[megarefit: previous weights kept]"  # the previous version is whole: it may be served again
@@ -80,6 +84,37 @@ class RefitHTTPError(MegarefitError):
                 "success), or restart it")
 
 
+PREFETCH_NEEDS = ("prefetch needs the worker extension's RPCs: start the server with VLLM_SERVER_DEV_MODE=1 "
+                  "(for /collective_rpc) and --worker-extension-cls "
+                  "megarefit.integrations.vllm.MegarefitWorkerExtension")
+
+
+@dataclass(frozen=True)
+class HttpRefitStats:
+    """One :meth:`VllmHttpRefit.refit`, timed by the controller (wall seconds).
+
+    Attributes:
+        version: the weight version installed.
+        prefetch_s: ``/collective_rpc megarefit_prefetch`` until every worker held the version
+            fenced, while the server kept generating (``None``: no prefetch).
+        paused_s: ``/pause`` sent until ``/resume`` answered: generation stood still this long
+            (the stall's bound on the server side; with ``pause=False``, the update's time).
+        update_s: ``/start_weight_update`` sent until ``/finish_weight_update`` answered: the
+            install alone after a prefetch, else pull and install.
+        total_s: the whole call.
+        stall_s: the longest gap between tokens a streaming client saw (``probe``), else ``None``.
+        workers: each worker's prefetch state when it was ready (``PrefetchState`` dicts).
+    """
+
+    version: int
+    prefetch_s: float | None
+    paused_s: float
+    update_s: float
+    total_s: float
+    stall_s: float | None = None
+    workers: tuple[dict[str, Any], ...] = ()
+
+
 class VllmHttpRefit:
     """Drive one vLLM server's megarefit weight updates over HTTP.
 
@@ -92,6 +127,17 @@ class VllmHttpRefit:
             until they finish on the old weights) or ``"keep"`` (they are frozen and go on with
             the new weights after ``/resume``: one request may then mix versions). While paused,
             new requests wait (vLLM 0.32) or get a retryable HTTP 503 ``engine_paused`` (vLLM 0.33).
+        prefetch: pull each version while the server keeps generating, then pause only to install
+            it (docs/http.md, "Zero-stall refits"): ``/collective_rpc`` ``megarefit_prefetch`` on
+            every worker, ``megarefit_prefetched`` polled every ``poll_s`` seconds until all hold
+            it fenced, then the usual pause and update, whose ``/update_weights`` installs from
+            the receivers' arenas. Needs staged receivers (no ``memory_budget``), and the server
+            started with ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
+            megarefit.integrations.vllm.MegarefitWorkerExtension``.
+        poll_s: seconds between prefetch polls (each is one RPC between engine steps).
+
+    Attributes:
+        stats: the last successful refit's :class:`HttpRefitStats` (``None`` before).
 
     Raises:
         MegarefitError: an unknown ``mode``.
@@ -103,12 +149,16 @@ class VllmHttpRefit:
         refit.refit(version)                        # after every optimizer step
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0, mode: str = "abort") -> None:
+    def __init__(self, base_url: str, *, timeout: float = 600.0, mode: str = "abort", prefetch: bool = False,
+                 poll_s: float = 0.02) -> None:
         if mode not in PAUSE_MODES:
             raise MegarefitError(f"pause mode {mode!r}: vLLM's /pause takes one of {PAUSE_MODES}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.mode = mode
+        self.prefetch = prefetch
+        self.poll_s = poll_s
+        self.stats: HttpRefitStats | None = None
 
     def _call(self, method: str, route: str, body: dict[str, Any] | None = None,
               query: str = "") -> dict[str, Any]:
@@ -132,8 +182,10 @@ class VllmHttpRefit:
         self._call("POST", "init_weight_transfer_engine",
                    {"init_info": {"host": host, "port": port, "job": job, **init_info}})
 
-    def refit(self, version: int, *, pause: bool = True, timeout: float | None = None, draft: bool = False) -> float:
-        """One weight update to ``version``; returns its seconds (pause to resume).
+    def refit(self, version: int, *, pause: bool = True, timeout: float | None = None, draft: bool = False,
+              probe: StallProbe | None = None) -> float:
+        """One weight update to ``version``; returns its seconds (prefetch, if on, to resume).
+        :attr:`stats` then holds its :class:`HttpRefitStats`.
 
         ``pause``: ``/pause?mode=...`` before (``mode`` of the constructor; the prefix cache is
         cleared, so no cached prefix of the old weights is served) and ``/resume`` after. After a
@@ -143,18 +195,40 @@ class VllmHttpRefit:
         runs MTP speculative decoding (``--speculative-config '{"method": "mtp", ...}'``): after
         the target model, refit its draft model too, in the same pause
         (``/start_draft_weight_update`` -> ``/update_weights`` -> ``/finish_weight_update``; the
-        trainers must publish their MTP layers, Megatron ``mtp_num_layers``).
+        trainers must publish their MTP layers, Megatron ``mtp_num_layers``; the draft model is
+        pulled in the pause, not prefetched). ``probe``: a running
+        :class:`~megarefit.integrations.vllm_stall.StallProbe`; once a token arrived after
+        ``/resume``, ``stats.stall_s`` is the longest gap it saw around the pause.
 
         Raises:
             RefitHTTPError: naming the route that failed, the server's error text, ``version``,
                 the server's state afterwards (``state``, ``resumed``, ``served``) and what to do. A
                 failed draft update names ``start_draft_weight_update`` or ``update_weights (draft
-                model)``: the target model then holds ``version``.
+                model)``: the target model then holds ``version``. A failed prefetch names
+                ``collective_rpc megarefit_prefetch``: nothing was paused or written.
         """
         t0 = time.perf_counter()
+        prefetch_s, workers = self._prefetched(int(version), timeout) if self.prefetch else (None, ())
+        t_pause = time.perf_counter()
         if pause:
             self._call("POST", "pause", query=f"?mode={self.mode}")
-        info: dict[str, Any] = {"version": int(version)}
+        t_update = time.perf_counter()
+        self._update(int(version), timeout, draft, pause)
+        t_installed = time.perf_counter()
+        if pause:
+            self._call("POST", "resume")
+        t_end = time.perf_counter()
+        stall = None
+        if probe is not None and probe.wait_token_after(t_end, self.timeout):
+            stall = probe.longest_gap(t_pause, t_end)
+        self.stats = HttpRefitStats(int(version), prefetch_s, t_end - t_pause, t_installed - t_update, t_end - t0,
+                                    stall, workers)
+        return t_end - t0
+
+    def _update(self, version: int, timeout: float | None, draft: bool, paused: bool) -> None:
+        """``/start_weight_update`` -> ``/update_weights`` -> ``/finish_weight_update`` (and the draft
+        model's); a failure becomes a :class:`RefitHTTPError` with the server's state."""
+        info: dict[str, Any] = {"version": version}
         if timeout is not None:
             info["timeout"] = float(timeout)
         try:
@@ -168,10 +242,44 @@ class VllmHttpRefit:
                     raise RefitHTTPError("update_weights (draft model)", exc.status, exc.body) from None
                 self._call("POST", "finish_weight_update", {"weight_version": str(version)})
         except RefitHTTPError as exc:
-            raise self._failed(exc, int(version), pause) from None
-        if pause:
-            self._call("POST", "resume")
-        return time.perf_counter() - t0
+            raise self._failed(exc, version, paused) from None
+
+    def _rpc(self, method: str, kwargs: dict[str, str]) -> list[Any]:
+        """``POST /collective_rpc``: ``method`` on every worker; their results."""
+        try:
+            answer = self._call("POST", "collective_rpc", {"method": method, "kwargs": kwargs})
+        except RefitHTTPError as exc:
+            hint = f" -- {PREFETCH_NEEDS}" if exc.status == 404 or "attribute" in exc.body else ""
+            raise RefitHTTPError(f"collective_rpc {method}", exc.status, exc.body + hint) from None
+        return list(answer.get("results") or [])
+
+    def _prefetched(self, version: int, timeout: float | None) -> tuple[float, tuple[dict[str, Any], ...]]:
+        """Every worker pulls and fences ``version`` while the server serves; seconds until all hold it."""
+        t0 = time.perf_counter()
+        kwargs = {"version": str(version)} if timeout is None else {"version": str(version), "timeout": str(timeout)}
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout) + 30.0  # + planning
+        try:
+            self._rpc("megarefit_prefetch", kwargs)
+            while True:
+                states = self._rpc("megarefit_prefetched", {})
+                bad = [s for s in states if not isinstance(s, dict) or s.get("phase") == "failed"]
+                if bad:
+                    raise RefitHTTPError("collective_rpc megarefit_prefetch", 200, f"a worker's prefetch failed: {bad}")
+                if states and all(s["phase"] == "ready" for s in states):
+                    return time.perf_counter() - t0, tuple(states)
+                if time.monotonic() > deadline:
+                    raise RefitHTTPError("collective_rpc megarefit_prefetch", None,
+                                         f"workers not ready after {time.perf_counter() - t0:.1f} s: {states}")
+                time.sleep(self.poll_s)
+        except RefitHTTPError as exc:
+            raise RefitHTTPError(exc.step, exc.status, exc.body, version=version, state="previous",
+                                 served=self._served()) from None
+
+    def _served(self) -> str | None:
+        try:
+            return self.weight_version()
+        except RefitHTTPError:
+            return None
 
     def _failed(self, exc: RefitHTTPError, version: int, paused: bool) -> RefitHTTPError:
         """``exc`` with the server's state: resumed only where the engine kept its previous weights."""
@@ -183,10 +291,7 @@ class VllmHttpRefit:
                 resumed = True
             except RefitHTTPError:
                 pass
-        try:
-            served = self.weight_version()
-        except RefitHTTPError:
-            served = None
+        served = self._served()
         return RefitHTTPError(exc.step, exc.status, exc.body, version=version, state=state, resumed=resumed,
                               served=served, paused=paused and not resumed)
 
@@ -195,4 +300,4 @@ class VllmHttpRefit:
         return self._call("GET", "weight_info").get("weight_version")
 
 
-__all__ = ["RefitHTTPError", "VllmHttpRefit"]
+__all__ = ["HttpRefitStats", "RefitHTTPError", "VllmHttpRefit"]

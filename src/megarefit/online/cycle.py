@@ -70,6 +70,8 @@ class CycleStats:
     delta_tensors: int = 0  # a delta cycle: source tensors patched with their changed elements
     full_tensors: int = 0  # a delta cycle: source tensors read whole (cheaper than their delta)
     changed_elements: int = 0  # a delta cycle: changed elements read (summed over the versions caught up)
+    prefetched: bool = False  # pulled and fenced ahead on a background thread (RefitReceiver.prefetch)
+    prefetch_wait_s: float = 0.0  # prefetched: seconds the handover waited for the pull still running
 
 
 class Laps:

@@ -30,6 +30,7 @@ cycle (vLLM's ``load_weights`` copies them).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
@@ -224,14 +225,17 @@ class RefitReceiver:
         """Follow the worker's current placement before a cycle (vLLM's expert-parallel load
         balancer moves experts at run time): a target that differs from the current one
         re-plans at the next cycle (plans are cached by target, so a placement seen before
-        costs no planning again); returns whether it changed.
+        costs no planning again; a prefetch of the old placement is dropped); returns whether it changed.
 
         Raises:
             MegarefitError: this receiver pulls full HF tensors (no vLLM target to follow).
         """
         if self.target is None:
             raise MegarefitError(f"receiver {self.name!r} pulls full HF tensors: it has no vLLM target to change")
-        return self._plans.follow(target)
+        changed = self._plans.follow(target)
+        if changed:
+            self._drop_prefetch()  # pulled for the old placement
+        return changed
 
     def acknowledge(self, version: int | None = None) -> None:
         """Tell the trainers this receiver installed ``version`` (default: the last cycle's)
@@ -334,7 +338,11 @@ class RefitReceiver:
         running, self._prefetch = self._prefetch, None
         if running is not None:
             if running.matches(version):
-                return running.take()
+                t0 = time.perf_counter()
+                cycle = running.take()
+                assert self.stats is not None
+                self.stats.prefetched, self.stats.prefetch_wait_s = True, time.perf_counter() - t0
+                return cycle
             running.discard()
         return self._pipeline.staged(version, self.retries)
 
