@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ from megarefit.online import VersionMismatchError  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
-from vllm_helpers import EXT, PROMPT_TEXT, e2e_config, initial_checkpoint, same_generation  # noqa: E402
+from vllm_helpers import EXT, PROMPT_TEXT, PROMPTS, e2e_config, initial_checkpoint, same_generation  # noqa: E402
 from vllm_helpers import hf_generate as _hf_generate  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402
 from vllm_helpers import vllm_prompt_logprobs  # noqa: E402
@@ -83,12 +84,22 @@ def run(tmp_path_factory):
         out["update_error"] = exc
     out["after_failed_update"] = _vllm_generate(llm)
     acks = lambda: {rid: rdzv.acked(rid) for rid in rdzv.receivers()}  # noqa: E731
+    try:  # both the extension and the engine hold a receiver: which one must be said
+        llm.collective_rpc("megarefit_prefetch", kwargs={"version": 2})
+    except Exception as exc:  # noqa: BLE001
+        out["ambiguous_prefetch"] = exc
+    llm.collective_rpc("megarefit_prefetch", kwargs={"version": 2, "path": "engine"})  # returns at once
+    out["during_prefetch"] = _vllm_generate(llm)  # the engine keeps serving version 1
+    out["prefetch_ready"] = _prefetched(llm, "engine")
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"version": 2}})
+    llm.update_weights({"update_info": {"version": 2}})  # installs the prefetched arena
     out["acked_before_finish"] = acks()  # installed into the open reload, not yet acknowledged
     llm.finish_weight_update(weight_version="2")
     out["acked_after_finish"] = acks()
+    out["prefetch_after"] = llm.collective_rpc("megarefit_prefetched", kwargs={"path": "engine"})[0]
     out[2] = _vllm_generate(llm)
+    out["spans"] = [o.outputs[0].weight_versions for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], vllm.SamplingParams(max_tokens=4, temperature=0.0))]
     out["prompt"][2] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
     rdzv.mark_consumed(2)
 
@@ -109,7 +120,9 @@ def run(tmp_path_factory):
         errors.append(exc)
     out["after_skew"] = _vllm_generate(llm)
     group.kill(1)
-    try:
+    llm.collective_rpc("megarefit_prefetch", kwargs={"version": 4, "timeout": 10.0, "path": "extension"})
+    out["dead_prefetch"] = _prefetched(llm, "extension")
+    try:  # the failed prefetch's error, the model untouched
         llm.collective_rpc("update_weights_from_megatron", args=(4, 10.0))
     except Exception as exc:  # noqa: BLE001
         errors.append(exc)
@@ -121,6 +134,13 @@ def run(tmp_path_factory):
     snapshots = {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)} for v in (1, 2, 3)}
     out["trainer_logits"] = {v: torch.load(snapdir / f"logits-v{v}-tp0.pt") for v in (1, 2, 3)}
     return cfg, out, snapshots
+
+
+def _prefetched(llm, path: str) -> dict:
+    """Poll the worker's prefetch until it is no longer pulling; its state."""
+    while (state := llm.collective_rpc("megarefit_prefetched", kwargs={"path": path})[0])["phase"] == "pulling":
+        time.sleep(0.01)
+    return state
 
 
 def _hf_model(cfg, shards, tmp_path):
@@ -164,6 +184,19 @@ def test_engine_follows_vllms_update_lifecycle(run):
     assert len(newly) == 1, (before, after)
 
 
+def test_a_prefetch_serves_meanwhile_and_installs_without_pulling(run):
+    """Version 2 was prefetched through the weight-transfer engine's receiver while the engine
+    kept serving version 1 (exactly); the update then took it (nothing left prefetched), the
+    engine serves version 2 (test_vllm_matches_hf_after_each_refit) and vLLM labels the tokens
+    with it. With two receivers in the worker, a prefetch must say which."""
+    _, out, _ = run
+    assert "pass path='engine' or path='extension'" in str(out["ambiguous_prefetch"])
+    _assert_same(out["during_prefetch"], out[1])
+    assert (out["prefetch_ready"]["phase"], out["prefetch_ready"]["pulled"]) == ("ready", 2), out["prefetch_ready"]
+    assert out["prefetch_after"] is None
+    assert all([(s.version, s.start, s.end) for s in spans] == [("2", 0, 4)] for spans in out["spans"]), out["spans"]
+
+
 def test_warm_refit_registers_nothing_new(run):
     _, out, _ = run
     r1, r3 = out["reports"][1], out["reports"][3]
@@ -184,6 +217,7 @@ def test_failed_refits_leave_the_previous_weights(run):
     skew, dead = out["errors"]
     assert isinstance(skew, VersionMismatchError) and "version 99" in str(skew)
     assert isinstance(dead, TransferError) and "megarefit-trainer-1-0-0" in str(dead)
+    assert out["dead_prefetch"]["phase"] == "failed" and "megarefit-trainer-1-0-0" in out["dead_prefetch"]["error"]
     assert out["after_skew"] == out[3] and out["after_dead_peer"] == out[3]
 
 
