@@ -454,6 +454,14 @@ def test_release_memory_frees_the_buffers_and_the_next_cycle_allocates_again(ser
 
 
 # ---- prefetch: pulled and fenced on a thread, handed over later without pulling again ----------
+def _settled(receiver, timeout: float = 30.0):
+    """The receiver's prefetch state once it is no longer pulling."""
+    deadline = time.monotonic() + timeout
+    while receiver.prefetched.phase == "pulling" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return receiver.prefetched
+
+
 def _counting(receiver) -> list[int]:
     """Count the receiver's full pulls (``transport.execute`` calls)."""
     calls = [0]
@@ -477,7 +485,7 @@ def test_a_prefetched_version_is_handed_over_from_the_arena(served):
     calls = _counting(receiver)
     assert receiver.prefetch(1).phase in ("pulling", "ready")
     assert receiver.prefetch(1).version == 1  # asked again: the same prefetch
-    state = receiver._prefetch.wait(30)
+    state = _settled(receiver)
     assert (state.phase, state.pulled, state.retries, calls[0]) == ("ready", 1, 0, 1), state
     for rank, pub in pubs.items():
         with pub.updating(2):
@@ -507,7 +515,7 @@ def test_a_write_during_the_prefetch_is_pulled_again_before_the_handover(served)
 
     receiver.transport.execute = execute_during_a_step
     receiver.prefetch(1)
-    state = receiver._prefetch.wait(30)
+    state = _settled(receiver)
     assert (state.phase, state.retries) == ("ready", 1), state
     got = dict(receiver.run_refit_cycle(1))
     assert receiver.stats.retries == 1 and all(torch.equal(got[k], v) for k, v in hf.items())
@@ -526,16 +534,16 @@ def test_a_prefetch_returns_at_once_and_waits_for_its_version(served):
     assert time.perf_counter() - t0 < 1.0
     for p in pubs.values():
         p.publish(2)
-    assert receiver._prefetch.wait(30).pulled == 2
+    assert _settled(receiver).pulled == 2
     assert dict(receiver.run_refit_cycle(2)).keys() == hf.keys()
     receiver.timeout = 0.3
     receiver.prefetch(3)
-    assert receiver._prefetch.wait(30).phase == "failed"
+    assert _settled(receiver).phase == "failed"
     assert "3" in receiver.prefetched.error
     with pytest.raises(VersionMismatchError, match="version 3"):
         next(receiver.run_refit_cycle(3))
     receiver.prefetch(5)  # dropped by the refit of 2
-    receiver._prefetch.wait(30)
+    _settled(receiver)
     calls = _counting(receiver)
     assert dict(receiver.run_refit_cycle(2)).keys() == hf.keys() and calls[0] == 1
 

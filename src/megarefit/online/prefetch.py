@@ -153,6 +153,56 @@ class Prefetch:
             self._cycle.close()  # type: ignore[attr-defined]
 
 
+class PrefetchSlot:
+    """A receiver's prefetch: at most one at a time, taken by the next cycle of its version.
+
+    Args:
+        device / stats / polite: as for :class:`Prefetch`.
+    """
+
+    def __init__(self, device: torch.device, stats: Callable[[], Any],
+                 polite: Callable[[], contextlib.AbstractContextManager[None]]):
+        self._device, self._stats, self._polite = device, stats, polite
+        self._running: Prefetch | None = None
+
+    def start(self, version: int | None, cycle: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> PrefetchState:
+        """Start ``cycle()`` on a thread, unless a prefetch of ``version`` runs or is ready (a
+        failed one, or one of another version, is dropped first); its state."""
+        running = self._running
+        if running is not None and running.version == version and running.state().phase != "failed":
+            return running.state()
+        self.drop()
+        self._running = Prefetch(cycle(), version, self._device, self._stats, self._polite)
+        return self._running.state()
+
+    def state(self) -> PrefetchState | None:
+        return None if self._running is None else self._running.state()
+
+    def drop(self) -> None:
+        """Drop the prefetch (waiting for its READs), if any."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.discard()
+
+    def take(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The prefetched cycle for ``version`` (waits for its thread; marks the stats
+        ``prefetched``), or ``None`` (nothing matching: another version is dropped).
+
+        Raises:
+            what the prefetch's pull raised."""
+        running, self._running = self._running, None
+        if running is None:
+            return None
+        if not running.matches(version):
+            running.discard()
+            return None
+        t0 = time.perf_counter()
+        cycle = running.take()
+        stats = self._stats()
+        stats.prefetched, stats.prefetch_wait_s = True, time.perf_counter() - t0
+        return cycle
+
+
 def refuse_streamed(name: str) -> MegarefitError:
     """The error for a prefetch asked of a streamed receiver."""
     return MegarefitError(
@@ -161,4 +211,4 @@ def refuse_streamed(name: str) -> MegarefitError:
         "(stats.arena_bytes)")
 
 
-__all__ = ["Prefetch", "PrefetchPhase", "PrefetchState", "refuse_streamed"]
+__all__ = ["Prefetch", "PrefetchPhase", "PrefetchSlot", "PrefetchState", "refuse_streamed"]

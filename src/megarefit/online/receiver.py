@@ -30,7 +30,6 @@ cycle (vLLM's ``load_weights`` copies them).
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
@@ -43,7 +42,7 @@ from megarefit.online.fence import VersionFence
 from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.pipeline import CyclePipeline
 from megarefit.online.plan_cache import PlanCache
-from megarefit.online.prefetch import Prefetch, PrefetchState, refuse_streamed
+from megarefit.online.prefetch import PrefetchSlot, PrefetchState, refuse_streamed
 from megarefit.online.receiver_memory import ReceiverMemory, StreamRing
 from megarefit.online.rendezvous import Heartbeat, Rendezvous
 from megarefit.plan import Plan
@@ -170,7 +169,7 @@ class RefitReceiver:
         self._pipeline = CyclePipeline(VersionFence(rendezvous, name), self._plans, self._memory, self.transport,
                                        verifier=self._verifier, replica_group=replica_group, timeout=timeout,
                                        delta=delta)
-        self._prefetch: Prefetch | None = None
+        self._prefetch = PrefetchSlot(self.device, lambda: self._pipeline.stats, self.transport.polite)
 
     @property
     def plan(self) -> Plan | None:
@@ -234,7 +233,7 @@ class RefitReceiver:
             raise MegarefitError(f"receiver {self.name!r} pulls full HF tensors: it has no vLLM target to change")
         changed = self._plans.follow(target)
         if changed:
-            self._drop_prefetch()  # pulled for the old placement
+            self._prefetch.drop()  # pulled for the old placement
         return changed
 
     def acknowledge(self, version: int | None = None) -> None:
@@ -252,9 +251,8 @@ class RefitReceiver:
         self.rendezvous.acknowledge(self.name, version)
 
     def close(self) -> None:
-        """Stop the heartbeat (trainers drop this receiver once its lease expires); a prefetch in
-        flight is waited for and dropped."""
-        self._drop_prefetch()
+        """Stop the heartbeat (trainers drop it once its lease expires); drop a prefetch."""
+        self._prefetch.drop()
         self._heartbeat.stop()
 
     def __del__(self) -> None:
@@ -275,7 +273,7 @@ class RefitReceiver:
         if self.replica_group is not None:
             raise MegarefitError("a receiver serving a replica group keeps its arena (replicas READ it): "
                                  "release_memory() is for receivers without replica_group")
-        self._drop_prefetch()
+        self._prefetch.drop()
         freed = self._memory.release()
         self._pipeline.delta.forget("memory released")
         if self._verifier is not None:
@@ -302,49 +300,26 @@ class RefitReceiver:
 
     # ---- prefetch -------------------------------------------------------------
     def prefetch(self, version: int | None = None) -> PrefetchState:
-        """Start pulling ``version`` (default: the one every rank publishes) into the arena on a
-        background thread and return at once (:mod:`~megarefit.online.prefetch`): discovery,
-        plan, pull, fence and checksums run while the consumer keeps using the tensors it holds.
-        The next :meth:`refit` / :meth:`run_refit_cycle` of that version hands the fenced arena
-        over without pulling (a prefetch that failed raises there, the consumer untouched).
-        Asked again for the same version, it returns the running prefetch's state; another
-        version drops the running one first (waiting for its READs). No memory beyond the arena.
+        """Pull ``version`` (default: the current one) into the arena on a background thread and
+        return at once (:mod:`~megarefit.online.prefetch`); the next :meth:`refit` /
+        :meth:`run_refit_cycle` of that version hands it over without pulling. Asked again for
+        the same version: the running prefetch's state; another version drops it first.
 
         Raises:
             MegarefitError: a streamed receiver (``memory_budget``): it holds no whole version."""
         if self.memory_budget is not None:
             raise refuse_streamed(self.name)
-        running = self._prefetch
-        if running is not None and running.version == version and running.state().phase != "failed":
-            return running.state()
-        self._drop_prefetch()
-        self._prefetch = Prefetch(self._pipeline.staged(version, self.retries), version, self.device,
-                                  lambda: self._pipeline.stats, self.transport.polite)
-        return self._prefetch.state()
+        return self._prefetch.start(version, lambda: self._pipeline.staged(version, self.retries))
 
     @property
     def prefetched(self) -> PrefetchState | None:
         """The prefetch not yet handed over (its phase, the version it holds), or ``None``."""
-        return None if self._prefetch is None else self._prefetch.state()
-
-    def _drop_prefetch(self) -> None:
-        running, self._prefetch = self._prefetch, None
-        if running is not None:
-            running.discard()
+        return self._prefetch.state()
 
     def _staged_cycle(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The staged cycle of ``version``: the prefetched one where it matches (taken once),
-        else a new pull (a prefetch of another version is dropped first)."""
-        running, self._prefetch = self._prefetch, None
-        if running is not None:
-            if running.matches(version):
-                t0 = time.perf_counter()
-                cycle = running.take()
-                assert self.stats is not None
-                self.stats.prefetched, self.stats.prefetch_wait_s = True, time.perf_counter() - t0
-                return cycle
-            running.discard()
-        return self._pipeline.staged(version, self.retries)
+        """The staged cycle of ``version``: the prefetched one where it matches, else a new pull."""
+        taken = self._prefetch.take(version)
+        return self._pipeline.staged(version, self.retries) if taken is None else taken
 
     # ---- the cycle -----------------------------------------------------------
     def run_refit_cycle(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -395,20 +370,7 @@ class RefitReceiver:
             torn: list[TornUpdateError] = []  # streamed: a torn cycle is reported once install returned
             cycle = self._pipeline.streamed(version, torn) if self.memory_budget is not None else \
                 self._staged_cycle(version)
-            try:
-                first = [next(cycle)]
-            except StopIteration:
-                first = []
-            except MegarefitError as exc:
-                if attempt == 0:
-                    raise
-                raise TornUpdateError(f"pulling again after a torn streamed cycle failed: {exc}; the consumer "
-                                      "holds a mix of versions: it must not serve until a refit cycle completes",
-                                      retryable=False) from exc
-            install(itertools.chain(first, cycle))
-            if next(cycle, None) is not None:
-                raise MegarefitError("install returned before consuming every tensor of the cycle: the rest "
-                                     "was never pulled nor fenced")
+            _install_whole(cycle, install, attempt)
             if not torn:
                 break
             if not torn[0].retryable or attempt >= self.retries:
@@ -417,6 +379,30 @@ class RefitReceiver:
         assert self.stats is not None
         self.stats.retries += attempt
         return self.stats
+
+
+def _install_whole(cycle: Iterator[tuple[str, torch.Tensor]],
+                   install: Callable[[Iterator[tuple[str, torch.Tensor]]], None], attempt: int) -> None:
+    """``install`` the cycle once its first tensor is ready, and check it consumed every tensor.
+
+    Raises:
+        what the cycle raises before its first tensor (the first ``attempt``); TornUpdateError
+        when pulling again after a torn attempt fails (the consumer holds a mix); MegarefitError
+        when ``install`` returned early."""
+    try:
+        first = [next(cycle)]
+    except StopIteration:
+        first = []
+    except MegarefitError as exc:
+        if attempt == 0:
+            raise
+        raise TornUpdateError(f"pulling again after a torn streamed cycle failed: {exc}; the consumer "
+                              "holds a mix of versions: it must not serve until a refit cycle completes",
+                              retryable=False) from exc
+    install(itertools.chain(first, cycle))
+    if next(cycle, None) is not None:
+        raise MegarefitError("install returned before consuming every tensor of the cycle: the rest "
+                             "was never pulled nor fenced")
 
 
 __all__ = ["CycleStats", "RefitReceiver", "StaleVersionError", "TornUpdateError", "VersionMismatchError"]
