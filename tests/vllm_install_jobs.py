@@ -43,6 +43,50 @@ def reachable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k].shape != b[k].shape
+                  or not torch.equal(a[k], b[k]))
+
+
+def copy_install_checks(ours, bad, weights, model_config, config, bad_config) -> dict[str, Any]:
+    """The staged ``direct`` install: ``ours`` holds version B, installed from ``weights``; the
+    modules vLLM left byte for byte (:func:`direct_candidates`, from the shards' checksums) are
+    then written by copies. Version C (B + 1) goes into ``ours`` that way and into ``bad``
+    (still version A) the plain way: every reachable tensor must be equal. Then a version D
+    install of the copied modules alone into ``ours`` fails at its last copy, with the previous
+    weights kept: put back, ``ours`` must equal ``bad`` again."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    from megarefit.integrations.vllm import _cpu_moe_reload
+    from megarefit.integrations.vllm_install import PreviousWeights, direct_candidates, install_shards
+    from megarefit.transport.checksum import tensor_checksum
+
+    copy = direct_candidates(ours, {n: tensor_checksum(t) for n, t in weights})
+    version_c = [(n, t + 1 if t.is_floating_point() else t) for n, t in weights]
+    with set_current_vllm_config(config), _cpu_moe_reload(ours):
+        install_shards(ours, version_c, model_config, copy=copy)
+    with set_current_vllm_config(bad_config), _cpu_moe_reload(bad):
+        install_shards(bad, version_c, model_config)
+    out = {"copied": len(copy), "copy_differ": _differ(reachable_tensors(bad), reachable_tensors(ours))}
+    # version D: only the copied modules (the rest "written in place", vLLM's reload loads nothing), the last
+    # copy failing after the others landed: nothing went through vLLM's reload, only the copies say what changed
+    only = [(n, t * 2) for n, t in version_c if n in copy]
+    broken = {**copy, only[-1][0]: torch.empty(0, dtype=only[-1][1].dtype)}
+    previous = PreviousWeights(1 << 34)
+    try:
+        with set_current_vllm_config(config), _cpu_moe_reload(ours):
+            install_shards(ours, only, model_config, direct=[n for n, _ in version_c if n not in copy], copy=broken,
+                           previous=previous)
+    except RuntimeError as exc:
+        out["fault"] = type(exc).__name__
+        out["lost"] = previous.restore()
+        with set_current_vllm_config(config):
+            finalize_layerwise_reload(ours, model_config)  # what the engine's update window does after a failure
+    out["restored_differ"] = _differ(reachable_tensors(bad), reachable_tensors(ours))
+    return out
+
+
 def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str) -> dict[str, Any]:
     """Per case ``(hf config, hf tensors A, hf tensors B, megatron shards of B, layout, expert_parallel)``:
     ``{"compared": n, "differ": [...], "changed": n, "untouched_after_error": bool, "error": str, "target": ...}``."""
@@ -109,6 +153,8 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
                                                                    for k, v in bad_before.items())
         results[key] = {"compared": len(want), "differ": differ, "changed": changed, "error": error,
                         "untouched_after_error": untouched, "target": repr(target), "params": len(weights)}
+        if fmt is None:  # FP8 layers process every weight: nothing to copy
+            results[key]["copy"] = copy_install_checks(ours, bad, weights, model_config, config, bad_config)
     return results
 
 

