@@ -49,16 +49,10 @@ def shard_shapes(config: Path, tp: int, expert_parallel: bool, trainer_tp: int) 
 
 
 def _timed(fn, repeat: int, device: torch.device) -> list[float]:
-    fn()
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
+    """Seconds of each of ``repeat`` calls after one warm-up call (synchronized around each)."""
+    from megarefit.demo.bench import time_each
+
+    return time_each(fn, repeat + 1, device)[1:]
 
 
 def measure(config: Path, tp: int, expert_parallel: bool, trainer_tp: int, repeat: int, device: torch.device) -> dict:
@@ -112,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--from-json")
     ns = ap.parse_args(argv)
+    from megarefit.demo.bench import append_jsonl, machine, read_jsonl
+
     if ns.from_json:
-        print(table([json.loads(line) for line in Path(ns.from_json).read_text().splitlines() if line.strip()]))
+        print(table(read_jsonl(ns.from_json)))
         return 0
-    from megarefit.demo.bench import machine
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
@@ -128,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     print(table(rows))
     if ns.json:
-        with open(ns.json, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        append_jsonl(ns.json, rows)
     return 0
 
 

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -136,7 +135,7 @@ def _serve(ckpt: str, log, dtype: str) -> tuple[subprocess.Popen, str]:
 
 def run(ns: argparse.Namespace) -> list[dict]:
     sys.path.insert(0, str(ROOT / "examples"))
-    from rl_http import write_checkpoint
+    from rl_http import stop_server, write_checkpoint
 
     from megarefit.demo.bench import machine
     from megarefit.demo.workers import start_workers
@@ -169,11 +168,7 @@ def run(ns: argparse.Namespace) -> list[dict]:
             for probe in probes:
                 probe.stop()
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_server(server)
     served = sum(trainers.join(timeout=600))
     head = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "versions": _versions(),
             "model": f"Qwen3 arch, hidden {ns.hidden}, {ns.layers} layers, vocab {ns.vocab}, {ns.dtype}",
@@ -244,16 +239,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarefit.demo.bench import append_jsonl, read_jsonl
+
     ns = _parser().parse_args(argv)
     if ns.from_json:
-        rows = [json.loads(line) for line in Path(ns.from_json).read_text().splitlines() if line.strip()]
-        print(table(rows))
+        print(table(read_jsonl(ns.from_json)))
         return 0
     rows = run(ns)
     print(table(rows), flush=True)
     if ns.json:
-        with open(ns.json, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        append_jsonl(ns.json, rows)
     return 0
 
 

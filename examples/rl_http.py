@@ -221,6 +221,15 @@ def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600.0
     raise SystemExit(f"the vLLM server at {base_url} was not healthy after {timeout:.0f} s")
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """Stop the server as Ctrl-C does (SIGINT: vLLM shuts its workers down), killing it after 60 s."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def run_demo(ns: argparse.Namespace) -> None:
     """Rendezvous (here), checkpoint, ``serve`` (a subprocess of this script), ``train``."""
     from megarefit.demo.workers import free_port
@@ -240,11 +249,7 @@ def run_demo(ns: argparse.Namespace) -> None:
                                    config=str(work / "config.json"), model_name=str(ckpt), timeout=ns.timeout)
         run_train(train)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def serve_forever(ns: argparse.Namespace) -> None:

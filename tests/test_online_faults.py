@@ -346,6 +346,22 @@ def test_update_that_raised_keeps_receivers_out_until_published(served):
     assert receiver.stats.version == 2 and got.keys() == hf.keys()
 
 
+def _one_write_during_the_next_pull(receiver, pub):
+    """The receiver's next full pull meets one write of ``pub``'s rank (the same version, its
+    bytes rewritten meanwhile); returns a function that arms it again."""
+    execute, armed = receiver.transport.execute, [True]
+
+    def execute_during_a_step(*args, **kwargs):
+        execute(*args, **kwargs)
+        if armed[0]:
+            armed[0] = False
+            with pub.updating(1):
+                pass
+
+    receiver.transport.execute = execute_during_a_step
+    return lambda: armed.__setitem__(0, True)
+
+
 def test_overlapping_write_is_retried_then_accepted(served):
     """A rank that writes during the pull (its update sequence moves) is caught at the
     fence; the cycle pulls again and succeeds (``stats.retries`` counts it); with
@@ -353,20 +369,11 @@ def test_overlapping_write_is_retried_then_accepted(served):
     _, hf, _, _, pubs, receiver = served
     for p in pubs.values():
         p.publish(1)
-    execute = receiver.transport.execute
-    overlaps = iter([True])
-
-    def execute_during_a_step(*args, **kwargs):
-        execute(*args, **kwargs)
-        if next(overlaps, False):
-            with pubs[(0, 0, 0)].updating(1):  # same version, but the bytes were rewritten meanwhile
-                pass
-
-    receiver.transport.execute = execute_during_a_step
+    arm = _one_write_during_the_next_pull(receiver, pubs[(0, 0, 0)])
     got = dict(receiver.run_refit_cycle(1))
     assert got.keys() == hf.keys() and receiver.stats.retries == 1
     receiver.retries = 0
-    overlaps = iter([True])
+    arm()
     with pytest.raises(StaleVersionError, match=r"wrote their weights during the pull .*\(0, 0, 0\)"):
         next(receiver.run_refit_cycle(1))
 
@@ -504,16 +511,7 @@ def test_a_write_during_the_prefetch_is_pulled_again_before_the_handover(served)
     _, hf, _, _, pubs, receiver = served
     for p in pubs.values():
         p.publish(1)
-    execute = receiver.transport.execute
-    overlaps = iter([True])
-
-    def execute_during_a_step(*args, **kwargs):
-        execute(*args, **kwargs)
-        if next(overlaps, False):
-            with pubs[(0, 0, 0)].updating(1):
-                pass
-
-    receiver.transport.execute = execute_during_a_step
+    _one_write_during_the_next_pull(receiver, pubs[(0, 0, 0)])
     receiver.prefetch(1)
     state = _settled(receiver)
     assert (state.phase, state.retries) == ("ready", 1), state

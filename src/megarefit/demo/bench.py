@@ -16,6 +16,7 @@ memory each holds above the model.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -54,6 +55,17 @@ def time_each(fn: Callable[[], Any], repeat: int, device: str | torch.device = "
         sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def append_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Append ``rows`` to the results file ``path``, one JSON object per line."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of the results file ``path`` (blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def best_of(fn: Callable[[], Any], repeat: int, device: str | torch.device = "cuda") -> tuple[float, float]:
