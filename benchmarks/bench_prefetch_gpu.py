@@ -15,7 +15,9 @@ All from one run, on one machine, medians (range) over ``--cycles``:
     step during pull    generation steps while RefitReceiver.prefetch pulls on its thread
     pull alone          a staged cycle of the same bytes with the GPU otherwise idle
     prefetch            the same pull beside generation (RefitReceiver.prefetch until ready)
-    install             the prefetched arena copied into the worker's parameters (the pause)
+    install             the prefetched arena copied into the worker's parameters, generation paused
+    stall               the gap between the generation steps around that pause, and around a pause
+                        that pulls and installs (the same refit without prefetch)
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class Generation:
         self.down = torch.randn(ffn, hidden, device=self.device, dtype=torch.bfloat16, generator=g) / ffn**0.5
         self.layers, self.ffn = layers, ffn
         self.steps: list[tuple[float, float]] = []
-        self._stop = threading.Event()
+        self._stop, self._go, self._idle = threading.Event(), threading.Event(), threading.Event()
+        self._go.set()
 
     def step(self) -> None:
         x = self.x
@@ -58,9 +61,28 @@ class Generation:
 
     def run(self) -> None:
         while not self._stop.is_set():
+            if not self._go.is_set():  # paused (as vLLM's /pause): no step until resumed
+                self._idle.set()
+                self._go.wait()
+                self._idle.clear()
+                continue
             t0 = time.perf_counter()
             self.step()
             self.steps.append((t0, time.perf_counter() - t0))
+
+    def pause(self) -> None:
+        """Stop stepping once the current step is done (returns then)."""
+        self._go.clear()
+        self._idle.wait()
+
+    def resume(self) -> None:
+        self._go.set()
+
+    def gap(self, t0: float, t1: float) -> float:
+        """From the end of the last step finished before ``t0`` to the start of the first after ``t1``."""
+        before = max(start + s for start, s in self.steps if start + s <= t0)
+        after = min(start for start, _ in self.steps if start >= t1)
+        return after - before
 
     def between(self, t0: float, t1: float) -> list[float]:
         return [s for start, s in self.steps if t0 <= start and start + s <= t1]
@@ -101,7 +123,7 @@ def measure(rdzv, ns: argparse.Namespace, cfg: dict) -> dict:
         dict(rx.run_refit_cycle(1))
         pull_alone.append(time.perf_counter() - t0)
     gen = Generation(ns.device, cfg["hidden_size"], cfg["intermediate_size"], ns.gen_layers, ns.batch)
-    prefetch, install, during, alone = [], [], [], []
+    prefetch, install, during, alone, stall, stall_pulled = [], [], [], [], [], []
     with gen:
         for _ in range(ns.cycles):
             time.sleep(0.3)
@@ -114,11 +136,24 @@ def measure(rdzv, ns: argparse.Namespace, cfg: dict) -> dict:
             prefetch.append(t1 - t0)
             during += gen.between(t0, t1)
             assert rx.prefetched.phase == "ready", rx.prefetched
+            t_pause = time.perf_counter()
+            gen.pause()
             install.append(_install(dict(rx.run_refit_cycle(1)), params, ns.device))
+            t_resume = time.perf_counter()
+            gen.resume()
+            time.sleep(0.05)
+            stall.append(gen.gap(t_pause, t_resume))
+            t_pause = time.perf_counter()  # the same refit without prefetch: pull and install in the pause
+            gen.pause()
+            _install(dict(rx.run_refit_cycle(1)), params, ns.device)
+            t_resume = time.perf_counter()
+            gen.resume()
+            time.sleep(0.05)
+            stall_pulled.append(gen.gap(t_pause, t_resume))
     share = sum(t.numel() * t.element_size() for t in params.values())
     rx.close()
     return {"share_bytes": share, "tensors": len(params), "pull_alone_s": pull_alone, "prefetch_s": prefetch,
-            "install_s": install, "step_alone_s": alone, "step_during_s": during}
+            "install_s": install, "stall_s": stall, "stall_pulled_s": stall_pulled, "step_alone_s": alone, "step_during_s": during}
 
 
 def _med(xs: list[float], scale: float = 1e3) -> str:
@@ -129,6 +164,7 @@ def table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         slow = statistics.median(r["step_during_s"]) / statistics.median(r["step_alone_s"])
+        ratio = statistics.median(r["stall_s"]) / statistics.median(r["stall_pulled_s"])
         lines += [f"{r['machine']}; {r['date']}; {r['config']}, trainer tp {r['tp']} on {r['trainer_device']} -> "
                   f"vLLM worker 0 of tp {r['vllm_tp']} on {r['device']} ({r['tensors']} tensors, "
                   f"{r['share_bytes'] / 2**30:.2f} GiB); generation stand-in: {r['gen_layers']} layers x "
@@ -138,7 +174,10 @@ def table(rows: list[dict]) -> str:
                   f"| generation step during the prefetch | {_med(r['step_during_s'])} ({slow:.2f}x) |",
                   f"| pull alone (staged cycle) | {_med(r['pull_alone_s'])} |",
                   f"| prefetch beside generation | {_med(r['prefetch_s'])} |",
-                  f"| install: the pause (copies into the parameters) | {_med(r['install_s'])} |", ""]
+                  f"| install: the pause (copies into the parameters) | {_med(r['install_s'])} |",
+                  f"| generation stall, prefetched: pause, install, resume (gap between steps) | {_med(r['stall_s'])} |",
+                  f"| generation stall, not prefetched: pause, pull, install, resume | {_med(r['stall_pulled_s'])} |",
+                  f"| stall with prefetch / without (medians) | {ratio:.1%} |", ""]
     return "\n".join(lines).rstrip()
 
 
