@@ -160,6 +160,7 @@ def test_a_copy_install_equals_the_reload_and_is_put_back_after_a_failure(result
     for rank, r in enumerate(results[key]):
         c = r["copy"]
         assert c["copied"] >= 4 and c["copy_differ"] == [], (key, rank, c["copied"], c["copy_differ"][:5])
+        assert c["stale_untouched"], (key, rank)  # a tensor vLLM no longer serves is not written
         assert c["fault"] == "RuntimeError" and c["lost"] == [] and c["restored_differ"] == [], (key, rank, c)
 
 

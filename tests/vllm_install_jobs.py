@@ -51,38 +51,53 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
 def copy_install_checks(ours, bad, weights, model_config, config, bad_config) -> dict[str, Any]:
     """The staged ``direct`` install: ``ours`` holds version B, installed from ``weights``; the
     modules vLLM left byte for byte (:func:`direct_candidates`, from the shards' checksums) are
-    then written by copies. Version C (B + 1) goes into ``ours`` that way and into ``bad``
+    then written by copies (one of them given as a tensor that is no longer live: it must go
+    through the reload). Version C (B + 1) goes into ``ours`` that way and into ``bad``
     (still version A) the plain way: every reachable tensor must be equal. Then a version D
     install of the copied modules alone into ``ours`` fails at its last copy, with the previous
     weights kept: put back, ``ours`` must equal ``bad`` again."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+    from megarefit.integrations import vllm_install
     from megarefit.integrations.vllm import _cpu_moe_reload
     from megarefit.integrations.vllm_install import PreviousWeights, direct_candidates, install_shards
     from megarefit.transport.checksum import tensor_checksum
 
     copy = direct_candidates(ours, {n: tensor_checksum(t) for n, t in weights})
     version_c = [(n, t + 1 if t.is_floating_point() else t) for n, t in weights]
+    moved = next(iter(copy))  # as if vLLM had reallocated it: not the live tensor any more
+    stale = copy[moved].clone()
+    stale_before = stale.clone()
     with set_current_vllm_config(config), _cpu_moe_reload(ours):
-        install_shards(ours, version_c, model_config, copy=copy)
+        install_shards(ours, version_c, model_config, copy={**copy, moved: stale})
     with set_current_vllm_config(bad_config), _cpu_moe_reload(bad):
         install_shards(bad, version_c, model_config)
-    out = {"copied": len(copy), "copy_differ": _differ(reachable_tensors(bad), reachable_tensors(ours))}
+    out = {"copied": len(copy), "copy_differ": _differ(reachable_tensors(bad), reachable_tensors(ours)),
+           "stale_untouched": torch.equal(stale, stale_before)}
     # version D: only the copied modules (the rest "written in place", vLLM's reload loads nothing), the last
     # copy failing after the others landed: nothing went through vLLM's reload, only the copies say what changed
     only = [(n, t * 2) for n, t in version_c if n in copy]
-    broken = {**copy, only[-1][0]: torch.empty(0, dtype=only[-1][1].dtype)}
+    keys = vllm_install._copy_keys
+
+    def last_copy_fails(model, mapping):  # the last target's tensor cannot take the copy
+        out = keys(model, mapping)
+        last = list(out)[-1]
+        return {**out, last: torch.empty(0, dtype=out[last].dtype)}
+
     previous = PreviousWeights(1 << 34)
+    vllm_install._copy_keys = last_copy_fails
     try:
         with set_current_vllm_config(config), _cpu_moe_reload(ours):
-            install_shards(ours, only, model_config, direct=[n for n, _ in version_c if n not in copy], copy=broken,
+            install_shards(ours, only, model_config, direct=[n for n, _ in version_c if n not in copy], copy=copy,
                            previous=previous)
     except RuntimeError as exc:
         out["fault"] = type(exc).__name__
         out["lost"] = previous.restore()
         with set_current_vllm_config(config):
             finalize_layerwise_reload(ours, model_config)  # what the engine's update window does after a failure
+    finally:
+        vllm_install._copy_keys = keys
     out["restored_differ"] = _differ(reachable_tensors(bad), reachable_tensors(ours))
     return out
 

@@ -339,15 +339,27 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
 
 def _copy_keys(model: torch.nn.Module, copy: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
     """``copy`` keyed by ``(id(module), attribute)``, as :func:`check_shards` returns its targets.
+    A tensor that is no longer the module's live one (vLLM reallocated it, e.g. a sleep level that
+    drops the weights) is left to vLLM's reload, with a warning: copying into it would change nothing served.
 
     Raises:
         UnexpectedParameterError: a name that is no parameter of ``model``."""
-    out = {}
+    out, moved = {}, []
+    api = reload_api()
     for name, live in copy.items():
         found = _resolve(model, name)
         if found is None:
             raise UnexpectedParameterError(f"copy install: vLLM model has no parameter {name!r}")
-        out[(id(found[0]), found[1])] = live
+        module, attr = found
+        current = _kernel_params(api.get_layerwise_info(module)).get(attr, module._parameters.get(attr))
+        if current is None or current.data_ptr() != live.data_ptr() or current.shape != live.shape:
+            moved.append(name)
+            continue
+        out[(id(module), attr)] = live
+    if moved:
+        logging.getLogger(__name__).warning(
+            "copy install: %d parameter(s) no longer live where their evidence was taken (e.g. %s): installed "
+            "through vLLM's reload; initialize the weight transfer again to take new evidence", len(moved), moved[:3])
     return out
 
 
