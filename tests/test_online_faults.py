@@ -521,7 +521,7 @@ def test_a_write_during_the_prefetch_is_pulled_again_before_the_handover(served)
 
 def test_a_prefetch_returns_at_once_and_waits_for_its_version(served):
     """``prefetch`` returns while the version is not published; the thread waits for it.
-    A prefetch that fails (never published) raises at the refit, nothing handed over;
+    A prefetch that fails (never published) is dropped: the refit pulls afresh (and fails the same way);
     a prefetch of another version is dropped and the asked one pulled."""
     _, hf, _, _, pubs, receiver = served
     for p in pubs.values():

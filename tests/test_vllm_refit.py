@@ -122,7 +122,7 @@ def run(tmp_path_factory):
     group.kill(1)
     llm.collective_rpc("megarefit_prefetch", kwargs={"version": 4, "timeout": 10.0, "path": "extension"})
     out["dead_prefetch"] = _prefetched(llm, "extension")
-    try:  # the failed prefetch's error, the model untouched
+    try:  # the failed prefetch is dropped: this update pulls again and fails the same way, the model untouched
         llm.collective_rpc("update_weights_from_megatron", args=(4, 10.0))
     except Exception as exc:  # noqa: BLE001
         errors.append(exc)

@@ -186,14 +186,15 @@ class PrefetchSlot:
 
     def take(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]] | None:
         """The prefetched cycle for ``version`` (waits for its thread; marks the stats
-        ``prefetched``), or ``None`` (nothing matching: another version is dropped).
+        ``prefetched``), or ``None``: nothing prefetched, another version (dropped), or a
+        prefetch that failed (dropped: its error may be stale, a new pull says what holds now).
 
         Raises:
-            what the prefetch's pull raised."""
+            what the prefetch's pull raised, where it fails while taken (not seen failed before)."""
         running, self._running = self._running, None
         if running is None:
             return None
-        if not running.matches(version):
+        if not running.matches(version) or running.state().phase == "failed":
             running.discard()
             return None
         t0 = time.perf_counter()
