@@ -119,3 +119,26 @@ def test_coalesce_joins_runs_that_continue_each_other():
     assert coalesce(items) == [((100, 15, 0), (1000, 15, 0), [a, b]), ((115, 5, 0), (2000, 5, 0), [c])]
     unknown = [((100, 10, 0), (1000, 10, 0), -1, 0, a), ((110, 5, 0), (1010, 5, 0), -1, 0, b)]
     assert [g[2] for g in coalesce(unknown)] == [[a], [b]]  # region -1 never joins
+
+
+def _port_taken_once(rank: int, world_size: int, master_port: int, marker: str) -> int:
+    """A worker whose first start meets its gloo master port taken (as when another process bound
+    the port ``free_port`` found free), then succeeds; returns its port."""
+    import os
+
+    if not os.path.exists(marker):
+        if rank == 0:
+            open(marker, "w").close()
+        raise RuntimeError("The server socket has failed to listen on any local network address. "
+                           f"port: {master_port}, code: -98, name: EADDRINUSE")
+    return master_port
+
+
+def test_run_workers_starts_again_on_a_new_port_when_its_port_was_taken(tmp_path):
+    from megarefit.demo.workers import run_workers
+
+    ports = run_workers(_port_taken_once, world_size=2, args=(str(tmp_path / "marker"),), timeout=120)
+    assert len(set(ports)) == 1
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):  # a port the caller chose is not changed
+        run_workers(_port_taken_once, world_size=2, args=(str(tmp_path / "other"),), master_port=ports[0],
+                    timeout=120)

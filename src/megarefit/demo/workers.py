@@ -114,10 +114,27 @@ def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
     return WorkerGroup(fn, world_size, args, master_port)
 
 
+PORT_TRIES = 3  # starts of run_workers whose gloo master port was taken before rank 0 bound it
+
+
 def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), master_port: int | None = None,
                 timeout: float = 600.0) -> list:
-    """:func:`start_workers` then ``join(timeout)``: results ordered by rank."""
-    return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
+    """:func:`start_workers` then ``join(timeout)``: results ordered by rank.
+
+    Without ``master_port`` the port is one :func:`free_port` found free; another process on the
+    host may take it before rank 0 binds it. Such a start (a worker failing with ``EADDRINUSE``)
+    runs again on a new port, up to :data:`PORT_TRIES` times in all; ``fn`` must then be safe to
+    run again (every job here sets up its process group first).
+
+    Raises:
+        RuntimeError / TimeoutError: as :meth:`WorkerGroup.join`."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
+        except RuntimeError as exc:
+            if master_port is not None or "EADDRINUSE" not in str(exc) or attempt == PORT_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- HF configs and jobs
