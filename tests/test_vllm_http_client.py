@@ -110,7 +110,8 @@ def test_a_prefetched_refit_pauses_once_every_worker_holds_the_version():
     assert stats.total_s >= stats.prefetch_s + stats.paused_s - 1e-6 and stats.paused_s >= stats.update_s
 
 
-@pytest.mark.parametrize(("phase", "says"), [("failed", "not published"), ("missing", "--worker-extension-cls")])
+@pytest.mark.parametrize(("phase", "says"), [("failed", "worker 1: VersionMismatchError: not published"),
+                                             ("missing", "--worker-extension-cls")])
 def test_a_failed_prefetch_never_pauses_the_server(phase, says):
     """A worker whose prefetch failed, or a server without the extension: the error names the
     route and what to do, and the server was never paused (it serves its version)."""

@@ -591,6 +591,10 @@ def _prefetching_receiver(worker: Any, path: str) -> RefitReceiver:
                                  "engine hold a receiver: pass path='engine' or path='extension'")
         path = "extension" if own is not None else "engine"
     receiver = found[path]
+    if path == "engine" and receiver is None and not hasattr(worker, "weight_transfer_engine"):
+        raise VllmVersionError(f"vLLM {vllm_version()}: the worker has no weight_transfer_engine attribute, where "
+                               "megarefit finds the megarefit engine's receiver to prefetch into; use the worker "
+                               "extension's receiver (init_megarefit, path='extension') on this vLLM")
     if receiver is None:
         raise MegarefitError(f"nothing to prefetch into ({path}): initialize the receiver first "
                              "(POST /init_weight_transfer_engine with the megarefit backend, or init_megarefit)")

@@ -262,9 +262,12 @@ class VllmHttpRefit:
             self._rpc("megarefit_prefetch", kwargs)
             while True:
                 states = self._rpc("megarefit_prefetched", {})
-                bad = [s for s in states if not isinstance(s, dict) or s.get("phase") == "failed"]
+                bad = {i: s for i, s in enumerate(states) if not isinstance(s, dict) or s.get("phase") == "failed"}
                 if bad:
-                    raise RefitHTTPError("collective_rpc megarefit_prefetch", 200, f"a worker's prefetch failed: {bad}")
+                    said = "; ".join(f"worker {i}: {s.get('error') if isinstance(s, dict) else repr(s)}"
+                                     for i, s in bad.items())
+                    raise RefitHTTPError("collective_rpc megarefit_prefetch", 200,
+                                         f"{len(bad)} of {len(states)} workers' prefetch failed: {said}")
                 if states and all(s["phase"] == "ready" for s in states):
                     return time.perf_counter() - t0, tuple(states)
                 if time.monotonic() > deadline:
