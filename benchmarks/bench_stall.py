@@ -214,6 +214,10 @@ def table(rows: list[dict]) -> str:
              f"versions: {', '.join(f'{k} {v}' for k, v in head['versions'].items())}", "",
              "| refit | refits | client stall (s) | prefetch (s) | paused (s) | update (s) | tokens/s per client "
              "before / during prefetch |", "|---|---|---|---|---|---|---|"]
+    workers = all("worker" in r for r in rows)  # recorded since the worker's own timings were added
+    if workers:
+        lines[-2] += " worker install (s) | processed off the pause (s) |"
+        lines[-1] += "---|---|"
     medians = {}
     for mode in MODES:
         rs = [r for r in warm if r["mode"] == mode]
@@ -224,9 +228,18 @@ def table(rows: list[dict]) -> str:
                   f"{statistics.median(r['tokens_per_s_prefetch'] for r in rs):.1f}" if mode == "prefetch" else
                   f"{statistics.median(r['tokens_per_s_before'] for r in rs):.1f} / --")
         lines.append(f"| {mode} | {len(rs)} | {_med(stalls)} | {prefetch} | {_med([r['paused_s'] for r in rs])} | "
-                     f"{_med([r['update_s'] for r in rs])} | {during} |")
+                     f"{_med([r['update_s'] for r in rs])} | {during} |" + (_worker_cells(rs) if workers else ""))
     lines += ["", f"Stall with prefetch / without (medians): {medians['prefetch'] / medians['pause']:.1%}"]
     return "\n".join(lines)
+
+
+def _worker_cells(rs: list[dict]) -> str:
+    """Worker 0's install in the pause, and its shadow processing on the prefetch thread."""
+    shadow = [r["worker"]["shadow_s"] for r in rs if r["worker"].get("shadow_layers")]
+    layers = "/".join(str(n) for n in sorted({r["worker"].get("shadow_layers") for r in rs}))
+    held = max(r["worker"].get("shadow_bytes") or 0 for r in rs) / 2**20  # host memory the packed shadows hold
+    off = f"{_med(shadow)} ({layers} layers, {held:.0f} MiB held until the pause)" if shadow else "--"
+    return f" {_med([r['worker']['install_s'] for r in rs])} | {off} |"
 
 
 def _parser() -> argparse.ArgumentParser:

