@@ -207,7 +207,8 @@ def test_warm_refit_registers_nothing_new(run):
     assert r1["cold"] and not r3["cold"]
     for key in ("registrations", "registered_bytes", "remote_agents", "dlists", "xfers", "plans_built"):
         assert r3["counters"][key] == r1["counters"][key], key
-    assert r3["bytes_moved"] == r3["model_bytes"]
+    # the whole share again (sharded, one worker: the trainers' bytes less their vocab padding)
+    assert r3["bytes_moved"] == r1["bytes_moved"] > 0.99 * r3["model_bytes"] and r3["refit"] == "full"
     assert set(r3["seconds"]) == {"discover", "version", "plan", "prepare", "pull", "pull.read", "pull.scratch", "fence", "load"}
 
 

@@ -326,20 +326,7 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
     try:
         if shadows is not None:
             shadows.install(previous)
-        for module, attr, tensor in targets:
-            live = copied.get((id(module), attr))
-            if live is not None:
-                if previous is not None:
-                    previous.wrote(module)
-                live.copy_(tensor)
-                continue
-            param = getattr(module, attr)  # model format: a meta tensor until its layer is complete
-            swapped.append((param, getattr(param, "weight_loader", None)))  # vLLM parameters: a property
-            param.weight_loader = _shard_copy_loader
-            if attr in api.SKIP_LOAD_TENSORS:  # vLLM keeps these live and loads them directly
-                _shard_copy_loader(param, tensor)
-            else:
-                api.make_online_process_loader(module, attr)(param, tensor)
+        _load(api, targets, copied, previous, swapped)
         if not reload_open:
             with quiet_reload(bool(direct) or bool(copied) or shadows is not None):
                 api.finalize_layerwise_reload(model, model_config)
@@ -349,6 +336,27 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
                 param.__dict__.pop("weight_loader", None)
             else:
                 param.weight_loader = loader
+
+
+def _load(api: SimpleNamespace, targets: Iterable[tuple[torch.nn.Module, str, torch.Tensor]],
+          copied: Mapping[tuple[int, str], torch.Tensor], previous: PreviousWeights | None,
+          swapped: list[tuple[torch.Tensor, Any]]) -> None:
+    """Each target copied into its live tensor (``copied``) or handed to vLLM's online loader with
+    a copy loader (its parameter and previous loader recorded in ``swapped``, to be put back)."""
+    for module, attr, tensor in targets:
+        live = copied.get((id(module), attr))
+        if live is not None:
+            if previous is not None:
+                previous.wrote(module)
+            live.copy_(tensor)
+            continue
+        param = getattr(module, attr)  # model format: a meta tensor until its layer is complete
+        swapped.append((param, getattr(param, "weight_loader", None)))  # vLLM parameters: a property
+        param.weight_loader = _shard_copy_loader
+        if attr in api.SKIP_LOAD_TENSORS:  # vLLM keeps these live and loads them directly
+            _shard_copy_loader(param, tensor)
+        else:
+            api.make_online_process_loader(module, attr)(param, tensor)
 
 
 def _copy_keys(model: torch.nn.Module, copy: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -304,8 +304,8 @@ class RefitReceiver:
         return at once (:mod:`~megarefit.online.prefetch`); the next :meth:`refit` /
         :meth:`run_refit_cycle` of that version hands it over without pulling. Asked again for
         the same version: the running prefetch's state; another version drops it first.
-        ``prepare``: run on the thread once the version is fenced, with every ``(name, arena
-        view)``; its result is :attr:`prepared` during the refit that takes the prefetch.
+        ``prepare``: run on the thread once fenced, on every ``(name, arena view)``; what it
+        returns is :attr:`prepared` while the cycle that takes the prefetch runs (else ``None``).
 
         Raises:
             MegarefitError: a streamed receiver (``memory_budget``): it holds no whole version."""
@@ -313,16 +313,8 @@ class RefitReceiver:
             raise refuse_streamed(self.name)
         return self._prefetch.start(version, lambda: self._pipeline.staged(version, self.retries), prepare)
 
-    @property
-    def prepared(self) -> Any:
-        """What the ``prepare`` of the prefetch the current (last) cycle took returned; ``None``
-        where that cycle pulled afresh or no ``prepare`` was given."""
-        return self._prefetch.prepared
-
-    @property
-    def prefetched(self) -> PrefetchState | None:
-        """The prefetch not yet handed over (its phase, the version it holds), or ``None``."""
-        return self._prefetch.state()
+    prepared = property(lambda self: self._prefetch.prepared, doc="See :meth:`prefetch` (``prepare``).")
+    prefetched = property(lambda self: self._prefetch.state(), doc="The prefetch not yet taken, or ``None``.")
 
     def _staged_cycle(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         """The staged cycle of ``version``: the prefetched one where it matches, else a new pull."""
