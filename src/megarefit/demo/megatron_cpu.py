@@ -36,11 +36,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megarefit.errors import UnsupportedModelError
 from megarefit.integrations.megatron import refit_tensors
 from megarefit.specs.megatron_core import MegatronCore
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
+
+    from megarefit.layout.dims import ModelDims
 
 __all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "bf16_adam_trainer", "build_gpt_model", "fake_grouped_gemm",
            "forward_logits", "gpt_arch_from_hf", "harness_flags", "harness_megatron", "init_parallel",
@@ -90,6 +93,10 @@ class GPTArch:
     dsa_indexer_heads: int = 0
     dsa_indexer_head_dim: int = 0
     dsa_indexer_topk: int = 0
+    # GLM-5.2: every dsa_indexer_topk_freq-th layer from the offset has its own indexer, the rest share
+    # (Megatron-Core 0.19+); 1: every layer its own
+    dsa_indexer_topk_freq: int = 1
+    dsa_indexer_skip_topk_offset: int = 0
     # gpt-oss: biases on every linear (router too), learned attention sinks (softmax_type="learnable"),
     # clamped quick-GELU GLU with the linear half offset by 1, sliding-window layers, YaRN RoPE
     add_bias_linear: bool = False
@@ -510,6 +517,9 @@ def _mla_config_kwargs(arch: GPTArch) -> dict[str, Any]:
         kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=arch.dsa_indexer_heads,
                       dsa_indexer_head_dim=arch.dsa_indexer_head_dim, dsa_indexer_topk=arch.dsa_indexer_topk,
                       dsa_indexer_loss_coeff=0.0)
+        if arch.dsa_indexer_topk_freq > 1:  # a release without it refuses the keyword, naming it
+            kwargs.update(dsa_indexer_topk_freq=arch.dsa_indexer_topk_freq,
+                          dsa_indexer_skip_topk_offset=arch.dsa_indexer_skip_topk_offset)
         kwargs.update(harness_flags())
     return kwargs
 
@@ -696,9 +706,35 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_head_dim=dims.qk_nope_head_dim,
         qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim, mtp_layers=mtp_layers,
         dsa_indexer_heads=dims.index_n_heads, dsa_indexer_head_dim=dims.index_head_dim,
-        dsa_indexer_topk=int(get("index_topk") or 0),
+        dsa_indexer_topk=int(get("index_topk") or 0), **_indexer_sharing(dims, get),
         **gpt_oss,
     )
+
+
+def _indexer_sharing(dims: ModelDims, get: Any) -> dict[str, int]:
+    """Megatron-Core 0.19's DSA top-k sharing for HF ``indexer_types``: the HF schedule (0-indexed
+    ``i`` full iff ``max(i - offset + 1, 0) % freq == 0``) is Megatron's (1-indexed ``L`` full iff
+    ``max(L - max(offset, 1), 0) % freq == 0``) for ``offset >= 1``.
+
+    Raises:
+        UnsupportedModelError: shared layers the freq / offset schedule cannot express."""
+    if not dims.shared_indexer_layers:
+        return {}
+    freq, offset = int(get("index_topk_freq") or 1), get("index_skip_topk_offset")
+    offset = 2 if offset is None else int(offset)
+    megatron = tuple(i for i in range(dims.num_layers) if max(i + 1 - max(offset, 1), 0) % freq)
+    if megatron_series() < (0, 19):
+        import megatron.core
+
+        raise UnsupportedModelError(f"shared DSA indexers (layers {list(dims.shared_indexer_layers)[:8]}): "
+                                    f"megatron-core {megatron.core.__version__} cannot build them "
+                                    "(dsa_indexer_topk_freq is 0.19+); run with megatron-core 0.19 or later")
+    if freq <= 1 or megatron != dims.shared_indexer_layers:
+        raise UnsupportedModelError(f"shared DSA indexers at layers {list(dims.shared_indexer_layers)[:8]}: "
+                                    "Megatron-Core builds them from dsa_indexer_topk_freq / "
+                                    f"dsa_indexer_skip_topk_offset only (index_topk_freq={freq}, "
+                                    f"index_skip_topk_offset={offset} give {list(megatron)[:8]})")
+    return {"dsa_indexer_topk_freq": freq, "dsa_indexer_skip_topk_offset": offset}
 
 
 def _gpt_oss_arch(get: Any) -> dict[str, Any]:

@@ -7,7 +7,8 @@ laid out and translated, and reduces only sizes:
 ============================  =================================================================
 kept                          family, GQA ratio (query heads per KV head, up to 16), head_dim
                               given explicitly or not, QKV bias, QK norm, tied embeddings,
-                              partial RoPE, MLA (with or without ``q_lora_rank``), the DSA indexer, dense-first
+                              partial RoPE, MLA (with or without ``q_lora_rank``), the DSA indexer (and
+                              its sharing schedule: layers kept up to two shared ones), dense-first
                               layers, shared experts, expert-score bias, top-k normalisation
 reduced                       layers (the dense-first ones, at most one, plus two), hidden size,
                               heads (2 KV groups), FFN sizes, experts (4, top-2), MLA ranks,
@@ -26,6 +27,8 @@ returned notes, which the CLI prints.
 from __future__ import annotations
 
 from typing import Any
+
+from megarefit.layout.hf_dims import indexer_schedule
 
 SMALL_VOCAB = 512
 SLIDING_WINDOW = 4  # tokens a sliding-window layer of the shrunk model attends to
@@ -118,11 +121,22 @@ def _hybrid(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
                      "Megatron-Core and vLLM do not (a model-math difference, not a layout one)")
 
 
+def _shared_indexers(cfg: dict[str, Any], out: dict[str, Any]) -> None:
+    """GLM-5.2's shared DSA indexers: enough layers to keep two that share (they reuse the last
+    full layer's top-k), the schedule's prefix kept (its freq / offset still describe it)."""
+    if not cfg.get("index_n_heads"):
+        return
+    kinds = indexer_schedule(str(cfg.get("model_type")), cfg.get, int(cfg["num_hidden_layers"]))
+    if "shared" in kinds:
+        out["num_hidden_layers"] = max(out["num_hidden_layers"], min(kinds.index("shared") + 2, len(kinds)))
+
+
 def _windows(cfg: dict[str, Any], out: dict[str, Any]) -> None:
-    """Per-layer ``layer_types`` cut to the kept layers; a sliding window shrunk below the demo's
-    sequence length."""
-    if isinstance(cfg.get("layer_types"), list):
-        out["layer_types"] = cfg["layer_types"][:out["num_hidden_layers"]]
+    """Per-layer ``layer_types`` / ``indexer_types`` cut to the kept layers; a sliding window shrunk
+    below the demo's sequence length."""
+    for key in ("layer_types", "indexer_types"):  # GLM-5.2: each layer's DSA indexer full or shared
+        if isinstance(cfg.get(key), list):
+            out[key] = cfg[key][:out["num_hidden_layers"]]
     if cfg.get("sliding_window"):
         out["sliding_window"] = min(cfg["sliding_window"], SLIDING_WINDOW)
 
@@ -137,6 +151,9 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _attention(cfg, out)
     dense = _moe(cfg, out, notes)
     out["num_hidden_layers"] = dense + 2
+    _shared_indexers(cfg, out)
+    if isinstance(cfg.get("mlp_layer_types"), list):  # GLM-5.2: the dense-first layers, spelled out
+        out["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (out["num_hidden_layers"] - dense)
     _hybrid(cfg, out, notes)
     out["vocab_size"] = min(cfg.get("vocab_size") or SMALL_VOCAB, SMALL_VOCAB)
     out["max_position_embeddings"] = 256
@@ -161,9 +178,10 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                      "(--quantization fp8 quantizes the refit)")
     small = {k: v for k, v in cfg.items() if k != "quantization_config"} | out
     changed = [f"{k} {cfg.get(k)} -> {v}" for k, v in out.items()
-               if cfg.get(k) != v and k not in ("rope_scaling", "layer_types")]
-    if out.get("layer_types") is not None and out["layer_types"] != cfg.get("layer_types"):
-        changed.append(f"layer_types cut to the first {len(out['layer_types'])}")
+               if cfg.get(k) != v and k not in ("rope_scaling", "layer_types", "indexer_types", "mlp_layer_types")]
+    for key in ("layer_types", "indexer_types", "mlp_layer_types"):
+        if out.get(key) is not None and out[key] != cfg.get(key):
+            changed.append(f"{key} cut to the first {len(out[key])}")
     notes.insert(0, "shrunk to a CPU-sized model of the same architecture: " + ", ".join(changed))
     return small, notes
 

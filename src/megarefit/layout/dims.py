@@ -10,7 +10,7 @@ from megarefit.errors import LayoutError, MegarefitError
 from megarefit.layout.hf_dims import load_hf_config, read_hf_dims
 from megarefit.specs import FamilySpec, family_for_config, get_family
 from megarefit.specs.megatron_core import REFERENCE, MegatronCore
-from megarefit.specs.table import Condition
+from megarefit.specs.table import Condition, ParamSpec
 
 DEFAULT_VOCAB_DIVISOR = 128
 """Megatron's default ``--make-vocab-size-divisible-by``."""
@@ -51,6 +51,9 @@ class ModelDims:
     mtp_layers: int = 0  # HF num_nextn_predict_layers: MTP layers the checkpoint stores after the decoder
     index_n_heads: int = 0  # DSA lightning indexer (GLM-5); 0 without one
     index_head_dim: int = 0
+    # decoder layers whose DSA indexer is shared (GLM-5.2 ``indexer_types`` "shared"): they reuse the
+    # last full layer's top-k and hold no indexer weights of their own (HF, vLLM, Megatron-Core 0.19)
+    shared_indexer_layers: tuple[int, ...] = ()
     # hybrid Mamba2 models (Nemotron-H): one letter per layer (M mamba, * attention, - dense MLP, E MoE)
     layer_pattern: str = ""
     mamba_heads: int = 0
@@ -61,6 +64,7 @@ class ModelDims:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
+        object.__setattr__(self, "shared_indexer_layers", tuple(sorted(self.shared_indexer_layers)))
         if self.layer_pattern and (len(self.layer_pattern) != self.num_layers or set(self.layer_pattern) - set(_KINDS)):
             raise MegarefitError(f"layer pattern {self.layer_pattern!r}: expected {self.num_layers} letters of "
                                  f"{''.join(_KINDS)}")
@@ -176,6 +180,16 @@ class ModelDims:
                 out.add(feature)
         return frozenset(out)
 
+    def has_row(self, row: ParamSpec, layer: int | None) -> bool:
+        """Whether spec row ``row`` exists in global layer ``layer`` (``None``: not a layer row):
+        its ``layer_kind`` is this layer's, and a DSA indexer row only where the layer has its
+        own indexer (not one of :attr:`shared_indexer_layers`; MTP layers always do)."""
+        if layer is None or layer < 0:
+            return row.layer_kind is None
+        if row.layer_kind is not None and row.layer_kind != self.layer_kind(layer):
+            return False
+        return not (Condition.DSA_INDEXER in row.requires and layer in self.shared_indexer_layers)
+
     def layer_kind(self, layer: int) -> str:
         """``"moe"`` or ``"dense"`` for global decoder layer ``layer``; a hybrid model's letter's kind
         (``"mamba"``, ``"attention"``, ``"dense"``, ``"moe"``)."""
@@ -245,11 +259,13 @@ class ModelDims:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
-        for key in _HYBRID_FIELDS:  # absent when unused: the same dict (and plan digests) as before them
+        d["shared_indexer_layers"] = list(self.shared_indexer_layers)
+        for key in _OPTIONAL_FIELDS:  # absent when unused: the same dict (and plan digests) as before them
             if not d[key]:
                 del d[key]
         return d
 
 
 _KINDS = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
-_HYBRID_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel")
+_OPTIONAL_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel",
+                  "shared_indexer_layers")

@@ -382,9 +382,8 @@ def source_tensors(dims: ModelDims, layout: SourceLayout) -> dict[RankCoord, dic
                     glob = dims.num_layers + local  # HF stores MTP layer i as layer num_layers + i
                 else:
                     glob = layout.layer_offset(rank.pp) + local
-                kind = None if glob is None else dims.layer_kind(glob)
                 for row in part:
-                    if row.layer_kind is not None and row.layer_kind != kind:
+                    if not dims.has_row(row, glob):
                         continue
                     shape = local_shape(row, dims, layout)
                     if row.per_expert:

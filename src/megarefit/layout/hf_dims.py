@@ -157,6 +157,11 @@ def _moe_dims(r: HFConfigReader) -> dict[str, Any]:
         bias = get(fam.router_bias[0]) == fam.router_bias[1]
     else:
         bias = fam.router_bias
+    kinds = get("mlp_layer_types")  # GLM-5.2 lists them too: they must say what the keys above say
+    if kinds is not None and {i for i, kind in enumerate(kinds) if kind == "dense"} != dense:
+        raise UnsupportedModelError(f"HF config for family {fam.name}: mlp_layer_types marks layers "
+                                    f"{[i for i, kind in enumerate(kinds) if kind == 'dense'][:8]} dense, the "
+                                    f"dense-layer keys {sorted(dense)[:8]}: fix the config so that both agree")
     shared = int(get(fam.shared_experts_key) or 0) if fam.shared_experts_key else 0
     return {"num_experts": experts, "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn": shared * moe_ffn,
             "router_bias": bool(bias), "dense_layers": tuple(sorted(dense))}
@@ -169,7 +174,9 @@ def _dsa_dims(r: HFConfigReader, read: Mapping[str, Any]) -> dict[str, Any]:
     if not read.get("q_lora_rank"):
         raise UnsupportedModelError(f"HF config for family {name}: the DSA indexer reads the low-rank "
                                     "query; a config without q_lora_rank is not supported")
-    refuse_shared_indexers(name, r.get("indexer_types"))
+    layers = int(r.need("num_hidden_layers"))
+    out["shared_indexer_layers"] = tuple(i for i, kind in enumerate(indexer_schedule(name, r.get, layers))
+                                         if kind == "shared")
     return out
 
 
@@ -200,16 +207,45 @@ def hybrid_dims(family: str, get: Any, need: Any) -> dict[str, Any]:
             "mamba_state": need("ssm_state_size"), "conv_kernel": need("conv_kernel")}
 
 
-def refuse_shared_indexers(family: str, indexer_types: Any) -> None:
-    """GLM-5.1+ ``indexer_types``: a ``"shared"`` layer has no indexer weights of its own (it
-    reuses the previous ``"full"`` layer's top-k); the spec table gives every layer one."""
-    shared = [i for i, kind in enumerate(indexer_types or ()) if kind != "full"]
-    if shared:
+def indexer_schedule(family: str, get: Any, layers: int) -> list[str]:
+    """Each decoder layer's DSA indexer, ``"full"`` (its own) or ``"shared"`` (reuses the last full
+    layer's top-k; no indexer weights): GLM-5.2's ``indexer_types``, else the schedule transformers
+    and vLLM derive, ``index_topk_pattern`` (``"F"`` / ``"S"`` per layer) or every
+    ``index_topk_freq``-th layer from ``index_skip_topk_offset`` (0-indexed layer ``i`` is full iff
+    ``max(i - offset + 1, 0) % freq == 0``; defaults 1 and 2: every layer full).
+
+    Raises:
+        UnsupportedModelError: an unknown kind, a list of the wrong length, a first layer that
+            shares (no earlier top-k to reuse), or ``indexer_types`` that disagree with the
+            freq / offset / pattern schedule vLLM builds its layers from (names the layers)."""
+    derived = _derived_schedule(get, layers)
+    given = get("indexer_types")
+    kinds = list(given) if given is not None else derived
+    where = f"HF config for family {family}"
+    if len(kinds) != layers or set(kinds) - {"full", "shared"}:
+        raise UnsupportedModelError(f"{where}: indexer_types must list 'full' or 'shared' for each of the "
+                                    f"{layers} layers, got {len(kinds)}: {sorted(set(map(str, kinds)))}")
+    if kinds and kinds[0] != "full":
+        raise UnsupportedModelError(f"{where}: layer 0's indexer is {kinds[0]!r}: a shared layer reuses an "
+                                    "earlier full layer's top-k")
+    differ = [i for i, (a, b) in enumerate(zip(kinds, derived)) if a != b]
+    if differ:
         raise UnsupportedModelError(
-            f"HF config for family {family}: indexer_types marks layers {shared[:8]}"
-            f"{' ...' if len(shared) > 8 else ''} "
-            f"as {indexer_types[shared[0]]!r} (no indexer weights of their own); megarefit translates configs whose "
-            "layers all have their own indexer ('full') only")
+            f"{where}: indexer_types disagree with index_topk_freq / index_skip_topk_offset / index_topk_pattern "
+            f"at layers {differ[:8]}{' ...' if len(differ) > 8 else ''} (vLLM builds its indexers from the "
+            "latter): fix the config so that both say the same")
+    return kinds
 
 
-__all__ = ["BLOCK_TYPES", "HFConfigReader", "hybrid_dims", "load_hf_config", "read_hf_dims", "refuse_shared_indexers"]
+def _derived_schedule(get: Any, layers: int) -> list[str]:
+    pattern = get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, str(c)) for c in pattern] if isinstance(pattern, str) \
+            else [str(c) for c in pattern]
+    freq = max(int(get("index_topk_freq") or 1), 1)
+    offset = get("index_skip_topk_offset")
+    offset = 2 if offset is None else int(offset)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+
+
+__all__ = ["BLOCK_TYPES", "HFConfigReader", "hybrid_dims", "load_hf_config", "indexer_schedule", "read_hf_dims"]

@@ -92,8 +92,7 @@ def _stage_rows(dims: ModelDims, layout: SourceLayout, rows: tuple[ParamSpec, ..
         else:
             pairs = [(-1, -1)]
         for row in part_rows:
-            keep = [(lo, g) for lo, g in pairs
-                    if row.layer_kind is None or row.layer_kind == (None if g < 0 else dims.layer_kind(g))]
+            keep = [(lo, g) for lo, g in pairs if dims.has_row(row, g)]
             if keep:
                 out.append((row, tuple(lo for lo, _ in keep), tuple(g for _, g in keep)))
     return out

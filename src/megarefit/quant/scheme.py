@@ -39,8 +39,7 @@ def quantized_weight_names(dims: ModelDims) -> frozenset[str]:
         if row.stage in (Stage.LAYER, Stage.MTP):  # MTP layer i is HF layer num_layers + i
             first = 0 if row.stage is Stage.LAYER else dims.num_layers
             count = dims.num_layers if row.stage is Stage.LAYER else dims.mtp_layers
-            layers: list[int | None] = [i for i in range(first, first + count)
-                                        if row.layer_kind is None or row.layer_kind == dims.layer_kind(i)]
+            layers: list[int | None] = [i for i in range(first, first + count) if dims.has_row(row, i)]
         else:
             layers = [None]
         experts = range(dims.num_experts) if row.per_expert or row.role.is_grouped else [None]
@@ -60,7 +59,7 @@ def unquantized_linear_modules(dims: ModelDims) -> tuple[str, ...]:
         if row.is_linear_weight or row.duplicate or len(row.shape) != 2 or not row.hf[0].endswith(".weight"):
             continue
         if row.stage is Stage.LAYER:
-            layers = [i for i in range(dims.num_layers) if row.layer_kind is None or row.layer_kind == dims.layer_kind(i)]
+            layers = [i for i in range(dims.num_layers) if dims.has_row(row, i)]
             out += [row.hf_names(i)[0].removesuffix(".weight") for i in layers]
         elif row.stage is Stage.LAST:
             out += [n.removesuffix(".weight") for n in row.hf_names()]

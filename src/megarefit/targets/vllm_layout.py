@@ -486,7 +486,7 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
     out: dict[str, VllmParam] = {}
     order = [(row, None) for row in rows if row.stage is Stage.FIRST]  # embedding, then layer by layer, then head
     order += [(row, layer) for layer in layers for row in rows if row.stage in (Stage.LAYER, Stage.MTP)
-              and (row.layer_kind is None or row.layer_kind == dims.layer_kind(layer))]
+              and dims.has_row(row, layer)]
     order += [(row, None) for row in rows if row.stage is Stage.LAST]
     for row, layer in order:
         named = list(zip(row.hf_names(layer), hf_shapes(row, dims, hf_layout)))
