@@ -2,7 +2,7 @@
 
 A child pytest runs the real-Megatron test modules whose layouts differ by release on 0.19.2, and ``megarefit demo`` refits the
 families whose layouts moved between releases, each checked by Megatron logits == HF logits:
-GLM-5 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``), DeepSeek-V3 and Qwen3-30B-A3B
+GLM-5.2 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``; indexers shared), DeepSeek-V3 and Qwen3-30B-A3B
 (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``, the hybrid stack) and gpt-oss run in
 ``test_demo_families.py`` inside the child. See ``megatron_releases.py`` for how the release is
 installed beside the pinned one.
@@ -30,9 +30,11 @@ def test_real_megatron_tests_pass_on_0_19():
     assert " passed" in summary and "failed" not in summary, summary
 
 
-# GLM-5 end to end through the demo (the DSA indexer layout changed in 0.19); Qwen3-MoE and
-# DeepSeek-V3 at tp 1 ep 2 on 0.19 are the child's test_megatron_moe / test_megatron_mla_glm
-# cases above, left out here for the suite's time (`megarefit demo` passes on both)
-@pytest.mark.parametrize("config,layout", [("GLM-5.json", ("--tp", "1", "--ep", "2"))])
+# GLM-5.2 end to end through the demo: the DSA indexer layout changed in 0.19 (its layers 0-2 have their
+# own indexers, as every GLM-5 layer does), and 0.19 is the first release that shares indexers
+# (dsa_indexer_topk_freq; the shrunk model keeps layers 3 and 4 sharing layer 2's top-k). Qwen3-MoE
+# and DeepSeek-V3 on 0.19 are the child's test_megatron_moe / test_megatron_mla_glm cases above, left
+# out here for the suite's time (`megarefit demo` passes on both, and on GLM-5)
+@pytest.mark.parametrize("config,layout", [("GLM-5.2-FP8.json", ("--tp", "1", "--ep", "2"))])
 def test_demo_passes_on_0_19(config, layout):
     run_demo(VERSION, config, *layout)
