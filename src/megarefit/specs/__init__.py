@@ -11,6 +11,7 @@ from megarefit.specs.gpt_oss import GPT_OSS
 from megarefit.specs.llama import LLAMA
 from megarefit.specs.mixtral import MIXTRAL
 from megarefit.specs.nemotron_h import NEMOTRON_H
+from megarefit.specs.pending import pending_for
 from megarefit.specs.qwen import QWEN2, QWEN3, QWEN3_MOE
 from megarefit.specs.table import (
     LAYER_SPECS,
@@ -48,7 +49,8 @@ def family_for_config(hf_config: Mapping[str, Any] | Any) -> FamilySpec:
 
     Raises:
         UnsupportedModelError: neither names a supported family, or ``architectures[0]`` is
-            not a supported causal-LM architecture.
+            not a supported causal-LM architecture; for a family megarefit knows and cannot yet
+            translate exactly (:data:`~megarefit.specs.pending.PENDING`), what is missing.
     """
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     archs = tuple(get("architectures") or ())
@@ -56,6 +58,10 @@ def family_for_config(hf_config: Mapping[str, Any] | Any) -> FamilySpec:
     for fam in FAMILIES:
         if archs and archs[0] in fam.architectures:
             return fam
+    pending = pending_for(archs[0] if archs else None, model_type)
+    if pending is not None:
+        raise UnsupportedModelError(f"{pending.name} ({archs[0] if archs else model_type}) is refused: "
+                                    f"{pending.missing}")
     if archs:
         supported = sorted(a for f in FAMILIES for a in f.architectures)
         why = ("megarefit has no spec table for it" if archs[0].endswith("ForCausalLM") else

@@ -1,0 +1,62 @@
+"""Families megarefit knows and cannot yet translate exactly: refused in one line naming what is
+missing, never guessed (data; :func:`megarefit.specs.family_for_config` reads it).
+
+Each entry says which of the family's weights have no spec table yet (HF names as transformers
+5.19 writes them), and, where it decides the matter, that no Megatron-Core release megarefit
+tests (0.16-0.19) builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A family refused until its spec table is verified.
+
+    Attributes:
+        name: the family, as users know it.
+        architectures: HF ``architectures[0]`` values it covers.
+        model_types: HF ``model_type`` values it covers.
+        missing: what megarefit cannot translate yet (one clause, no trailing period).
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    missing: str
+
+
+_GDN = ("gated DeltaNet layers (linear_attn.{proj}, conv1d, A_log, dt_bias, and a gated RMSNorm HF stores as w "
+        "where Megatron-Core's zero-centered norms store w - 1) and gated attention (q_proj rows holding each "
+        "head's output gate) have no spec table yet")
+
+PENDING: tuple[Pending, ...] = (
+    Pending("Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",),
+            _GDN.format(proj="in_proj_qkvz / in_proj_ba [packed per key-head group]")),
+    Pending("Qwen3.5", ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), ("qwen3_5_text", "qwen3_5_moe_text"),
+            _GDN.format(proj="in_proj_qkv / in_proj_z / in_proj_b / in_proj_a")),
+    Pending("Qwen3.5 (vision-language)", ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+            ("qwen3_5", "qwen3_5_moe"),
+            "a vision-language checkpoint (its language model under model.language_model, beside a vision tower "
+            "megarefit does not move), whose " + _GDN.format(proj="in_proj_qkv / in_proj_z / in_proj_b / in_proj_a")),
+    Pending("DeepSeek-V4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),
+            "hyper-connections (attn_hc / ffn_hc / hc_head), the KV compressors (self_attn.compressor), the grouped "
+            "low-rank output projection (o_a_proj / o_b_proj) and attention sinks have no spec table yet, and "
+            "Megatron-Core 0.16-0.19 builds none of them"),
+    Pending("MiniMax-M2", ("MiniMaxM2ForCausalLM",), ("minimax_m2",),
+            "q_norm / k_norm normalize a token's query and key over all heads at once ([heads x head_dim] weights), "
+            "which Megatron-Core 0.16-0.19's per-head qk_layernorm does not compute; no spec table yet"),
+)
+
+
+def pending_for(architecture: str | None, model_type: str | None) -> Pending | None:
+    """The :data:`PENDING` entry naming ``architecture`` (or, without one, ``model_type``), if any."""
+    for entry in PENDING:
+        if architecture in entry.architectures or (architecture is None and model_type in entry.model_types):
+            return entry
+    return None
+
+
+__all__ = ["PENDING", "Pending", "pending_for"]
