@@ -181,7 +181,7 @@ class Publisher:
         entries, served = self._served_entries(expected)
         warn_expandable_segments(served, f"rank {self.rank}")
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
-        self.agent = NixlAgent(name)
+        self.agent = NixlAgent(name, device=served[0].device if served else None)  # the shards' GPU's NIC
         self.agent.register(served)
         self.checksums = self._checksum_buffer(served, entries) if checksums else None
         self.ipc = export_ipc(served + ([self.checksums[0]] if self.checksums is not None else []),

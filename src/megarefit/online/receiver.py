@@ -156,7 +156,7 @@ class RefitReceiver:
         ipc = IpcSources(self.device, transport)  # checks the mode before any agent exists
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
                                        progress_thread=replica_group is not None,  # replicas READ from it
-                                       ipc=ipc)
+                                       ipc=ipc, device=self.device)  # its GPU's nearest NIC
         self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
         self.retries = retries

@@ -63,7 +63,7 @@ class ReplicaReceiver:
         self.rendezvous, self.group, self.parent, self.name = rendezvous, group, parent, name
         self.timeout, self.fallback, self.device, self.serve, self.retries = timeout, fallback, torch.device(device), \
             serve, retries
-        self.nixl = NixlAgent(name, progress_thread=serve)
+        self.nixl = NixlAgent(name, progress_thread=serve, device=self.device)
         self.arenas: dict[str, torch.Tensor] = {}
         self.targets: list[tuple[str, str, int, tuple[int, ...]]] = []
         self.version: int | None = None

@@ -132,11 +132,12 @@ class NixlTransport:
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False,
                  direct_min_bytes: int = DIRECT_MIN_BYTES, gap_bytes: int = GAP_BYTES,
-                 scratch_budget: int | None = None, max_direct: int = MAX_DIRECT, ipc: IpcSources | None = None):
+                 scratch_budget: int | None = None, max_direct: int = MAX_DIRECT, ipc: IpcSources | None = None,
+                 device: torch.device | None = None):
         # The receiver drives progress itself while it polls for completion; a
         # progress thread would only busy-poll a core (inside a vLLM worker, one
         # taken from inference). Publishers keep theirs: peers need it to connect.
-        self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread)
+        self.nixl = NixlAgent(name, backends=backends, progress_thread=progress_thread, device=device)
         self.direct_min_bytes, self.gap_bytes, self.scratch_budget = direct_min_bytes, gap_bytes, scratch_budget
         self.max_direct = max_direct
         self.ipc = ipc

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
+from megarefit.transport.nics import NicChoice, choose, gpu_address, net_devices
 
 
 class TransferError(MegarefitError, RuntimeError):
@@ -41,15 +42,24 @@ class NixlAgent:
     device current, 254 GB/s over CUDA IPC. (Creating the agent, registering and exporting
     its metadata under that device, without making it current for the process, did not help.)
 
+    ``device``: the GPU this agent's memory lives on: it reads and serves through the RDMA NIC
+    nearest that GPU (``UCX_NET_DEVICES`` while the agent starts; :mod:`~megarefit.transport.nics`,
+    ``nic`` says which and why).
+
     ``counters`` keys: ``registrations`` (register_memory calls), ``registered_bytes``,
     ``remote_agents`` (add_remote_agent calls), ``dlists`` (prepared descriptor
     lists), ``xfers`` (transfer requests created), ``posts`` (transfers posted).
     """
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True):
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True,
+                 device: torch.device | None = None):
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends)))
+        address = gpu_address(device) if device is not None and device.type == "cuda" else None
+        self.nic: NicChoice | None = None if address is None else choose(address)  # UCX reads it as the agent starts
+        with net_devices(self.nic):
+            self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                            backends=list(backends)))
         self.serving = progress_thread  # peers READ what this agent registers
         self.counters: Counter[str] = Counter()
         self._registered: dict[tuple[int, int], Any] = {}

@@ -1,0 +1,57 @@
+"""Build a Linux sysfs tree (the parts NIC selection reads) from a topology spec in
+tests/data/sysfs/*.json: each device under its PCIe bridge chain, ``bus/pci/devices`` links,
+``class/infiniband`` devices with their ports and counters."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+SPECS = Path(__file__).parent / "data" / "sysfs"
+
+
+def load(name: str) -> dict:
+    return json.loads((SPECS / f"{name}.json").read_text())
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def build(spec: dict, root: Path) -> Path:
+    """The tree of ``spec`` under ``root`` (returned: pass it as ``root=`` to megarefit.transport.nics)."""
+    for dev in spec["devices"]:
+        chain = dev.get("bridges", [])
+        where = root / "devices" / f"pci{(chain[0] if chain else dev['pci'])[:7]}"
+        for bridge in chain:
+            where = where / bridge
+        where = where / dev["pci"]
+        _write(where / "numa_node", str(dev.get("numa", -1)))
+        _write(where / "vendor", "0x10de" if dev["kind"] == "gpu" else "0x15b3")
+        _write(where / "class", "0x030200" if dev["kind"] == "gpu" else "0x020700")
+        link = root / "bus" / "pci" / "devices" / dev["pci"]
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(where, link)
+        if dev["kind"] == "nic":
+            ib = root / "class" / "infiniband" / dev["name"]
+            ib.mkdir(parents=True, exist_ok=True)
+            os.symlink(where, ib / "device")
+            for port in range(1, dev.get("ports", 1) + 1):
+                p = ib / "ports" / str(port)
+                _write(p / "state", "4: ACTIVE" if dev.get("active", True) else "1: DOWN")
+                _write(p / "rate", f"{dev.get('port_rate_gbps', 400)} Gb/sec (4X NDR)")
+                _write(p / "link_layer", dev.get("link_layer", "InfiniBand"))
+                _write(p / "counters" / "port_xmit_data", "0")
+                _write(p / "counters" / "port_rcv_data", "0")
+    return root
+
+
+def add_traffic(root: Path, port: str, sent: int, received: int) -> None:
+    """Advance ``port``'s (``mlx5_0:1``) counters by ``sent`` / ``received`` bytes (4-byte words)."""
+    device, number = port.split(":")
+    base = root / "class" / "infiniband" / device / "ports" / number / "counters"
+    for name, add in (("port_xmit_data", sent), ("port_rcv_data", received)):
+        f = base / name
+        f.write_text(f"{int(f.read_text()) + add // 4}\n")
