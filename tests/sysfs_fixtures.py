@@ -28,7 +28,7 @@ def build(spec: dict, root: Path) -> Path:
         for bridge in chain:
             where = where / bridge
         where = where / dev["pci"]
-        _write(where / "numa_node", str(dev.get("numa", -1)))
+        _write(where / "numa_node", str(-1 if dev.get("numa") is None else dev["numa"]))
         _write(where / "vendor", "0x10de" if dev["kind"] == "gpu" else "0x15b3")
         _write(where / "class", "0x030200" if dev["kind"] == "gpu" else "0x020700")
         link = root / "bus" / "pci" / "devices" / dev["pci"]
@@ -41,8 +41,8 @@ def build(spec: dict, root: Path) -> Path:
             for port in range(1, dev.get("ports", 1) + 1):
                 p = ib / "ports" / str(port)
                 _write(p / "state", "4: ACTIVE" if dev.get("active", True) else "1: DOWN")
-                _write(p / "rate", f"{dev.get('port_rate_gbps', 400)} Gb/sec (4X NDR)")
-                _write(p / "link_layer", dev.get("link_layer", "InfiniBand"))
+                _write(p / "rate", f"{dev.get('port_rate_gbps') or 400} Gb/sec (4X NDR)")
+                _write(p / "link_layer", dev.get("link_layer") or "InfiniBand")
                 _write(p / "counters" / "port_xmit_data", "0")
                 _write(p / "counters" / "port_rcv_data", "0")
     return root

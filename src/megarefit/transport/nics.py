@@ -9,7 +9,10 @@ before NIXL starts, megarefit reads sysfs and gives each agent one NIC, ``UCX_NE
   active ones) are located by their PCIe path: the bridge addresses from the root port down
   (``realpath /sys/bus/pci/devices/<address>``) and their NUMA node;
 * every GPU of the node is paired with a NIC, best pairs first: the longest shared PCIe path
-  (the same switch beats the same root port), then the same NUMA node, then address order;
+  (the same switch beats the same root port), then the same NUMA node, then InfiniBand before
+  Ethernet (NVIDIA's reference nodes put storage and front-end traffic on Ethernet ports, e.g.
+  a GB200 tray's BlueField-3, where no NIC shares a GPU's PCIe path), then the faster port,
+  then address order;
   no NIC serves more than ``ceil(GPUs / NICs)`` GPUs, so the pairing is balanced and the
   same in every process of the node;
 * one line per process says which NIC was chosen and why (:meth:`NicChoice.line`).
@@ -154,7 +157,8 @@ def assign(gpu_list: Sequence[PciDevice], ports: Sequence[RdmaPort]) -> dict[str
         return {g.address: NicChoice(g.address, None, "no active RDMA NIC: UCX picks its transports") for g in gpu_list}
     cap = math.ceil(len(gpu_list) / len(ports))
     pairs = sorted(((g, p) for g in gpu_list for p in ports),
-                   key=lambda gp: (-gp[0].shared(gp[1].pci), gp[0].numa != gp[1].pci.numa, gp[0].address,
+                   key=lambda gp: (-gp[0].shared(gp[1].pci), gp[0].numa != gp[1].pci.numa,
+                                   gp[1].link_layer != "InfiniBand", -gp[1].rate_gbps, gp[0].address,
                                    gp[1].device, gp[1].port))
     load: dict[str, int] = {}
     out: dict[str, NicChoice] = {}
