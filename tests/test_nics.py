@@ -110,3 +110,24 @@ def test_bytes_per_nic_and_a_warning_when_ucx_funnels(machine):
     funnelled = nics.traffic(before, nics.port_bytes(ports, str(root)))
     warning = nics.unbalanced(funnelled, chosen)
     assert warning is not None and "idle: " in warning and chosen[-1] in warning, warning
+
+
+def test_a_cycle_meter_reads_the_nodes_ports_around_a_pull(tmp_path):
+    """What a GPU receiver's pipeline does around each pull (``CycleStats.nic_bytes``): every
+    active port's bytes, and the warning when the compute NICs carried unevenly; nothing to read
+    (and no cost) on a host without RDMA ports."""
+    root = build(load("dgx_h100"), tmp_path / "dgx")
+    meter = nics.NicMeter(str(root))
+    assert meter and len(meter.expected) == 8 and "mlx5_1:1" not in meter.expected  # storage NICs: not the GPUs'
+    meter.start()
+    for port in meter.expected:
+        add_traffic(root, port, sent=1 << 20, received=2 << 30)
+    moved, warning = meter.stop()
+    assert warning is None and moved["mlx5_0:1"] == (1 << 20) + (2 << 30) and moved["mlx5_1:1"] == 0
+    meter.start()
+    add_traffic(root, "mlx5_0:1", sent=0, received=2 << 30)
+    moved, warning = meter.stop()
+    assert "mlx5_0:1 moved 2.15 GB" in warning and "idle: mlx5_10:1" in warning, warning
+    empty = nics.NicMeter(str(build(load("no_rdma_2x5090"), tmp_path / "none")))
+    empty.start()
+    assert not empty and empty.stop() == ({}, None)

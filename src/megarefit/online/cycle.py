@@ -72,6 +72,7 @@ class CycleStats:
     changed_elements: int = 0  # a delta cycle: changed elements read (summed over the versions caught up)
     prefetched: bool = False  # pulled and fenced ahead on a background thread (RefitReceiver.prefetch)
     prefetch_wait_s: float = 0.0  # prefetched: seconds the handover waited for the pull still running
+    nic_bytes: dict[str, int] = field(default_factory=dict)  # bytes each RDMA port of the node moved during the pull
 
 
 class Laps:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Generator, Iterator
 
@@ -38,6 +39,7 @@ from megarefit.plan import Plan
 from megarefit.plan.columns import plan_threads
 from megarefit.transport.checksum import ChecksumMismatchError
 from megarefit.transport.execute import run_value_step, torch_dtype
+from megarefit.transport.nics import NicMeter
 from megarefit.transport.nixl import InFlight, NixlTransport
 from megarefit.transport.nixl_agent import TransferError
 
@@ -54,6 +56,16 @@ def naming_the_job(where: str, version: int | None, streamed: bool = False) -> I
             "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
                          "refit completes" if streamed else "nothing pulled in this attempt was handed over")
         ) from exc
+
+
+def _count_nics(meter: NicMeter | None, stats: CycleStats) -> None:
+    """The bytes each RDMA port moved during the pull (``nic_bytes``); a warning when the NICs the
+    node's GPUs were given carried unevenly (:func:`~megarefit.transport.nics.unbalanced`)."""
+    if meter is None:
+        return
+    stats.nic_bytes, warning = meter.stop()
+    if warning:
+        logging.getLogger(__name__).warning("refit of version %s: %s", stats.version, warning)
 
 
 class CyclePipeline:
@@ -76,6 +88,8 @@ class CyclePipeline:
         self.replica_group = replica_group
         self.timeout = timeout
         self.stats: CycleStats | None = None
+        nic = getattr(transport.nixl, "nic", None)  # a GPU receiver on a node with RDMA NICs: bytes per NIC
+        self.nics = NicMeter() if nic is not None and nic.port is not None else None
         self._verified = (0, 0)  # (checked bytes, checked boxes) of the last cycle
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
 
@@ -111,6 +125,8 @@ class CyclePipeline:
             StaleVersionError: still rejected after ``retries`` pulls, or not retryable.
             (and what the fence, plan cache, memory and transport raise)"""
         attempt = 0
+        if self.nics is not None:
+            self.nics.start()
         while True:
             try:
                 plan, pulled, got, seconds, cold = self._pull(version)
@@ -125,6 +141,7 @@ class CyclePipeline:
             self._bump_replica_seq()
             self._serving = False
         self.stats = self._staged_stats(plan, pulled, got, seconds, cold, attempt)
+        _count_nics(self.nics, self.stats)
         staging = plan.staging
         for ref, tensor in self.memory.buffers.items():
             if ref not in staging:

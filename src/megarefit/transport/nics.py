@@ -262,5 +262,31 @@ def unbalanced(moved: Mapping[str, int], expected: Sequence[str], threshold: flo
             + " (is UCX_NET_DEVICES set per process? openucx/ucx#11680)")
 
 
-__all__ = ["ENV", "NicChoice", "PciDevice", "RdmaPort", "assign", "choose", "gpu_address", "gpus", "net_devices",
+class NicMeter:
+    """The node's RDMA port counters read around a cycle: ``start()``, then ``stop()`` gives the
+    bytes each port moved meanwhile and :func:`unbalanced`'s warning over the ports the node's
+    GPUs were given (every process of the node pulls at once, so a cycle sees them all).
+    Empty (and free) on a host without RDMA ports."""
+
+    def __init__(self, root: str = SYSFS):
+        self.root = root
+        self.ports = rdma_ports(root)
+        self.expected = sorted({c.value for c in assign(gpus(root), self.ports).values() if c.value})
+        self._before: dict[str, tuple[int, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.ports)
+
+    def start(self) -> None:
+        self._before = port_bytes(self.ports, self.root) if self.ports else {}
+
+    def stop(self) -> tuple[dict[str, int], str | None]:
+        """``({port: bytes moved}, warning or None)`` since :meth:`start`."""
+        if not self.ports:
+            return {}, None
+        moved = traffic(self._before, port_bytes(self.ports, self.root))
+        return moved, unbalanced(moved, self.expected)
+
+
+__all__ = ["ENV", "NicMeter", "NicChoice", "PciDevice", "RdmaPort", "assign", "choose", "gpu_address", "gpus", "net_devices",
            "pci_device", "port_bytes", "rdma_ports", "traffic", "unbalanced"]
