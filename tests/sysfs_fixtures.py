@@ -21,7 +21,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def build(spec: dict, root: Path) -> Path:
-    """The tree of ``spec`` under ``root`` (returned: pass it as ``root=`` to megarefit.transport.nics)."""
+    """The tree of ``spec`` under ``root`` (returned: pass it as ``root=`` to megarefit.transport.nics,
+    and :func:`dev_of` as ``dev=``: each NIC's verbs device node, unless ``"openable": false``)."""
+    for n, dev in enumerate(d for d in spec["devices"] if d["kind"] == "nic"):
+        dev["uverbs"] = f"uverbs{n}"
     for dev in spec["devices"]:
         chain = dev.get("bridges", [])
         where = root / "devices" / f"pci{(chain[0] if chain else dev['pci'])[:7]}"
@@ -38,6 +41,9 @@ def build(spec: dict, root: Path) -> Path:
             ib = root / "class" / "infiniband" / dev["name"]
             ib.mkdir(parents=True, exist_ok=True)
             os.symlink(where, ib / "device")
+            (where / "infiniband_verbs" / dev["uverbs"]).mkdir(parents=True)
+            if dev.get("openable", True):
+                _write(dev_of(root) / "infiniband" / dev["uverbs"], "")
             for port in range(1, dev.get("ports", 1) + 1):
                 p = ib / "ports" / str(port)
                 _write(p / "state", "4: ACTIVE" if dev.get("active", True) else "1: DOWN")
@@ -46,6 +52,11 @@ def build(spec: dict, root: Path) -> Path:
                 _write(p / "counters" / "port_xmit_data", "0")
                 _write(p / "counters" / "port_rcv_data", "0")
     return root
+
+
+def dev_of(root: Path) -> Path:
+    """The ``/dev`` beside a built tree."""
+    return root.parent / "dev"
 
 
 def add_traffic(root: Path, port: str, sent: int, received: int) -> None:

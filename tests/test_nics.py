@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from sysfs_fixtures import SPECS, add_traffic, build, load
+from sysfs_fixtures import SPECS, add_traffic, build, dev_of, load
 
 from megarefit.transport import nics
 
@@ -28,7 +28,7 @@ def _address(spec: dict, name: str) -> str:
 def test_each_gpu_gets_the_nic_its_published_topology_pairs_it_with(machine):
     spec, root = machine
     gpus = nics.gpus(str(root))
-    ports = nics.rdma_ports(str(root))
+    ports = nics.rdma_ports(str(root), dev=str(dev_of(root)))
     assert [g.address for g in gpus] == sorted(d["pci"] for d in spec["devices"] if d["kind"] == "gpu")
     chosen = nics.assign(gpus, ports)
     got = {gpu: (c.port.device if c.port else None) for gpu, c in chosen.items()}
@@ -52,8 +52,8 @@ def test_every_process_of_a_node_makes_the_same_choice_and_says_why(machine, mon
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     monkeypatch.delenv(nics.ENV, raising=False)
     for gpu in (d for d in spec["devices"] if d["kind"] == "gpu"):
-        choice = nics.choose(gpu["pci"], str(root))
-        assert choice == nics.assign(nics.gpus(str(root)), nics.rdma_ports(str(root)))[gpu["pci"]]
+        choice = nics.choose(gpu["pci"], str(root), dev=str(dev_of(root)))
+        assert choice == nics.assign(nics.gpus(str(root)), nics.rdma_ports(str(root), dev=str(dev_of(root))))[gpu["pci"]]
         line = choice.line()
         assert line.startswith(f"megarefit: GPU {gpu['pci']} -> ") and "\n" not in line
         if choice.port is not None:
@@ -83,10 +83,11 @@ def test_a_port_that_is_down_is_not_chosen(tmp_path):
     spec["devices"] += [
         {"kind": "nic", "name": "mlx5_0", "pci": "0000:01:00.1", "numa": 0, "bridges": ["0000:00:01.1"], "active": False},
         {"kind": "nic", "name": "mlx5_1", "pci": "0000:02:00.1", "numa": 0, "bridges": ["0000:00:01.2"]}]
-    root = str(build(spec, tmp_path / "sys"))
-    assert [p.device for p in nics.rdma_ports(root)] == ["mlx5_1"]
-    assert {p.device for p in nics.rdma_ports(root, active_only=False)} == {"mlx5_0", "mlx5_1"}
-    chosen = nics.assign(nics.gpus(root), nics.rdma_ports(root))
+    tree = build(spec, tmp_path / "sys")
+    root, dev = str(tree), str(dev_of(tree))
+    assert [p.device for p in nics.rdma_ports(root, dev=dev)] == ["mlx5_1"]
+    assert {p.device for p in nics.rdma_ports(root, active_only=False, dev=dev)} == {"mlx5_0", "mlx5_1"}
+    chosen = nics.assign(nics.gpus(root), nics.rdma_ports(root, dev=dev))
     assert {c.port.device for c in chosen.values()} == {"mlx5_1"}  # two GPUs, one NIC: both through it
     assert "no NIC shares" in chosen["0000:01:00.0"].why and "same PCIe root port" in chosen["0000:02:00.0"].why
 
@@ -95,7 +96,7 @@ def test_bytes_per_nic_and_a_warning_when_ucx_funnels(machine):
     """Counters count 4-byte words; traffic on half the NICs (ucx#11680's failure) is flagged,
     even traffic is not."""
     spec, root = machine
-    ports = nics.rdma_ports(str(root))
+    ports = nics.rdma_ports(str(root), dev=str(dev_of(root)))
     chosen = [c.port.ucx_name for c in nics.assign(nics.gpus(str(root)), ports).values() if c.port]
     if len(chosen) < 2:
         pytest.skip(f"{spec['machine']}: fewer than two NICs in use")
@@ -117,7 +118,7 @@ def test_a_cycle_meter_reads_the_nodes_ports_around_a_pull(tmp_path):
     active port's bytes, and the warning when the compute NICs carried unevenly; nothing to read
     (and no cost) on a host without RDMA ports."""
     root = build(load("dgx_h100"), tmp_path / "dgx")
-    meter = nics.NicMeter(str(root))
+    meter = nics.NicMeter(str(root), str(dev_of(root)))
     assert meter and len(meter.expected) == 8 and "mlx5_1:1" not in meter.expected  # storage NICs: not the GPUs'
     meter.start()
     for port in meter.expected:
@@ -131,3 +132,27 @@ def test_a_cycle_meter_reads_the_nodes_ports_around_a_pull(tmp_path):
     empty = nics.NicMeter(str(build(load("no_rdma_2x5090"), tmp_path / "none")))
     empty.start()
     assert not empty and empty.stop() == ({}, None)
+
+
+def test_ports_this_process_cannot_open_are_not_chosen_and_ethernet_waits_for_no_infiniband(tmp_path):
+    """A container sees the host's HCAs in sysfs without their /dev/infiniband/uverbs nodes: those
+    are not pinned (UCX could not use them). An Ethernet port under a GPU's own PCIe switch does
+    not beat the node's InfiniBand fabric."""
+    spec = load("dgx_h100")
+    for d in spec["devices"]:
+        if d["name"] == "mlx5_0":
+            d["openable"] = False
+    tree = build(spec, tmp_path / "sys")
+    root, dev = str(tree), str(dev_of(tree))
+    ports = nics.rdma_ports(root, dev=dev)
+    assert "mlx5_0" not in {p.device for p in ports} and len(ports) == sum(d["kind"] == "nic" for d in spec["devices"]) - 1
+    gpu0 = next(d["pci"] for d in spec["devices"] if d["name"] == "GPU0")
+    assert nics.assign(nics.gpus(root), ports)[gpu0].port.device != "mlx5_0"
+    spec = load("no_rdma_2x5090")
+    spec["devices"] += [
+        {"kind": "nic", "name": "mlx5_0", "pci": "0000:01:00.1", "numa": 0, "bridges": ["0000:00:01.1"],
+         "link_layer": "Ethernet"},
+        {"kind": "nic", "name": "mlx5_1", "pci": "0000:03:00.0", "numa": 0, "bridges": ["0000:00:01.3"]}]
+    tree = build(spec, tmp_path / "eth")
+    chosen = nics.assign(nics.gpus(str(tree)), nics.rdma_ports(str(tree), dev=str(dev_of(tree))))
+    assert {c.port.device for c in chosen.values()} == {"mlx5_1"}

@@ -8,10 +8,11 @@ before NIXL starts, megarefit reads sysfs and gives each agent one NIC, ``UCX_NE
 * GPUs (NVIDIA, PCI class 0x0302 / 0x0300) and RDMA ports (``/sys/class/infiniband/*/ports/*``,
   active ones) are located by their PCIe path: the bridge addresses from the root port down
   (``realpath /sys/bus/pci/devices/<address>``) and their NUMA node;
+* only ports of the compute fabric are candidates: the InfiniBand ones where the node has any
+  (NVIDIA's reference nodes put storage and front-end traffic on Ethernet ports, e.g. a GB200
+  tray's BlueField-3), else all; and only ports whose verbs device this process can open;
 * every GPU of the node is paired with a NIC, best pairs first: the longest shared PCIe path
-  (the same switch beats the same root port), then the same NUMA node, then InfiniBand before
-  Ethernet (NVIDIA's reference nodes put storage and front-end traffic on Ethernet ports, e.g.
-  a GB200 tray's BlueField-3, where no NIC shares a GPU's PCIe path), then the faster port,
+  (the same switch beats the same root port), then the same NUMA node, then the faster port,
   then address order;
   no NIC serves more than ``ceil(GPUs / NICs)`` GPUs, so the pairing is balanced and the
   same in every process of the node;
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 SYSFS = "/sys"
 ENV = "MEGAREFIT_NET_DEVICES"
-_PCI = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_PCI = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")  # domains past 0xffff behind Intel VMD
 _NVIDIA = "0x10de"
 _GPU_CLASSES = ("0x0302", "0x0300")  # 3D controller (data-centre GPUs), VGA controller
 log = logging.getLogger(__name__)
@@ -106,19 +107,30 @@ def gpus(root: str = SYSFS) -> list[PciDevice]:
     return out
 
 
-def rdma_ports(root: str = SYSFS, active_only: bool = True) -> list[RdmaPort]:
-    """The node's RDMA ports (``/sys/class/infiniband``), by device and port number."""
+def rdma_ports(root: str = SYSFS, active_only: bool = True, dev: str = "/dev") -> list[RdmaPort]:
+    """The node's RDMA ports (``/sys/class/infiniband``), by device and port number. ``active_only``:
+    ports whose state is ``ACTIVE`` and whose verbs device (``<dev>/infiniband/uverbsN``) this
+    process can open: a container often sees the host's HCAs in sysfs without their device nodes."""
     out = []
-    for dev in sorted(glob.glob(os.path.join(root, "class", "infiniband", "*"))):
-        pci = pci_device(os.path.join(dev, "device"), root)
-        for port in sorted(glob.glob(os.path.join(dev, "ports", "*")), key=lambda p: int(os.path.basename(p))):
+    for dev_dir in sorted(glob.glob(os.path.join(root, "class", "infiniband", "*"))):
+        if active_only and not _openable(dev_dir, dev):
+            continue
+        pci = pci_device(os.path.join(dev_dir, "device"), root)
+        ports = [p for p in glob.glob(os.path.join(dev_dir, "ports", "*")) if os.path.basename(p).isdigit()]
+        for port in sorted(ports, key=lambda p: int(os.path.basename(p))):
             state = _read(os.path.join(port, "state")).split(":")[-1].strip()
             rate = re.match(r"\s*([\d.]+)", _read(os.path.join(port, "rate"), "0"))
-            item = RdmaPort(os.path.basename(dev), int(os.path.basename(port)), pci, state,
+            item = RdmaPort(os.path.basename(dev_dir), int(os.path.basename(port)), pci, state,
                             float(rate.group(1)) if rate else 0.0, _read(os.path.join(port, "link_layer")))
             if item.state == "ACTIVE" or not active_only:
                 out.append(item)
     return out
+
+
+def _openable(dev_dir: str, dev: str) -> bool:
+    """Whether the verbs device of RDMA device ``dev_dir`` exists under ``dev`` and may be opened."""
+    verbs = glob.glob(os.path.join(dev_dir, "device", "infiniband_verbs", "uverbs*"))
+    return any(os.access(os.path.join(dev, "infiniband", os.path.basename(v)), os.R_OK | os.W_OK) for v in verbs)
 
 
 @dataclass(frozen=True)
@@ -155,11 +167,12 @@ def assign(gpu_list: Sequence[PciDevice], ports: Sequence[RdmaPort]) -> dict[str
     ports, every choice says so and sets nothing."""
     if not ports:
         return {g.address: NicChoice(g.address, None, "no active RDMA NIC: UCX picks its transports") for g in gpu_list}
+    fabric = [p for p in ports if p.link_layer == "InfiniBand"]
+    ports = fabric or ports  # an InfiniBand fabric: its ports only (Ethernet ones carry storage / front-end)
     cap = math.ceil(len(gpu_list) / len(ports))
     pairs = sorted(((g, p) for g in gpu_list for p in ports),
-                   key=lambda gp: (-gp[0].shared(gp[1].pci), gp[0].numa != gp[1].pci.numa,
-                                   gp[1].link_layer != "InfiniBand", -gp[1].rate_gbps, gp[0].address,
-                                   gp[1].device, gp[1].port))
+                   key=lambda gp: (-gp[0].shared(gp[1].pci), gp[0].numa != gp[1].pci.numa, -gp[1].rate_gbps,
+                                   gp[0].address, gp[1].device, gp[1].port))
     load: dict[str, int] = {}
     out: dict[str, NicChoice] = {}
     for g, p in pairs:
@@ -170,7 +183,8 @@ def assign(gpu_list: Sequence[PciDevice], ports: Sequence[RdmaPort]) -> dict[str
     return out
 
 
-def choose(gpu_address: str, root: str = SYSFS, env: Mapping[str, str] | None = None) -> NicChoice:
+def choose(gpu_address: str, root: str = SYSFS, env: Mapping[str, str] | None = None, dev: str = "/dev"
+           ) -> NicChoice:
     """The NIC for the GPU at ``gpu_address`` (overrides first, see the module docstring)."""
     env = os.environ if env is None else env
     if env.get("UCX_NET_DEVICES"):
@@ -180,7 +194,10 @@ def choose(gpu_address: str, root: str = SYSFS, env: Mapping[str, str] | None = 
         return NicChoice(gpu_address, None, f"{ENV}=none: UCX picks")
     if given != "auto":
         return NicChoice(gpu_address, None, f"{ENV}={given}", given)
-    found = assign(gpus(root), rdma_ports(root))
+    try:
+        found = assign(gpus(root), rdma_ports(root, dev=dev))
+    except (OSError, ValueError) as exc:  # an unusual sysfs: never stop an agent from starting
+        return NicChoice(gpu_address, None, f"could not read the PCIe topology ({type(exc).__name__}: {exc}): UCX picks")
     if gpu_address not in found:
         return NicChoice(gpu_address, None, f"GPU {gpu_address} not found under {root}/bus/pci/devices: UCX picks")
     return found[gpu_address]
@@ -268,9 +285,9 @@ class NicMeter:
     GPUs were given (every process of the node pulls at once, so a cycle sees them all).
     Empty (and free) on a host without RDMA ports."""
 
-    def __init__(self, root: str = SYSFS):
+    def __init__(self, root: str = SYSFS, dev: str = "/dev"):
         self.root = root
-        self.ports = rdma_ports(root)
+        self.ports = rdma_ports(root, dev=dev)
         self.expected = sorted({c.value for c in assign(gpus(root), self.ports).values() if c.value})
         self._before: dict[str, tuple[int, int]] = {}
 
