@@ -281,8 +281,9 @@ def unbalanced(moved: Mapping[str, int], expected: Sequence[str], threshold: flo
 
 class NicMeter:
     """The node's RDMA port counters read around a cycle: ``start()``, then ``stop()`` gives the
-    bytes each port moved meanwhile and :func:`unbalanced`'s warning over the ports the node's
-    GPUs were given (every process of the node pulls at once, so a cycle sees them all).
+    bytes each port moved meanwhile and :func:`unbalanced`'s warning over those of the ports the
+    node's GPUs were given that moved bytes (the counters are the node's: a GPU that pulled
+    nothing, or other traffic, must not read as funnelling; an idle NIC is not flagged here).
     Empty (and free) on a host without RDMA ports."""
 
     def __init__(self, root: str = SYSFS, dev: str = "/dev"):
@@ -302,7 +303,7 @@ class NicMeter:
         if not self.ports:
             return {}, None
         moved = traffic(self._before, port_bytes(self.ports, self.root))
-        return moved, unbalanced(moved, self.expected)
+        return moved, unbalanced(moved, [k for k in self.expected if moved.get(k)])
 
 
 __all__ = ["ENV", "NicMeter", "NicChoice", "PciDevice", "RdmaPort", "assign", "choose", "gpu_address", "gpus", "net_devices",
