@@ -134,8 +134,8 @@ def _shared_indexers(cfg: dict[str, Any], out: dict[str, Any]) -> None:
 def _windows(cfg: dict[str, Any], out: dict[str, Any]) -> None:
     """Per-layer ``layer_types`` / ``indexer_types`` cut to the kept layers; a sliding window shrunk
     below the demo's sequence length."""
-    for key in ("layer_types", "indexer_types"):  # GLM-5.2: each layer's DSA indexer full or shared
-        if isinstance(cfg.get(key), list):
+    for key in ("layer_types", "indexer_types", "index_topk_pattern"):  # GLM-5.2: each layer's indexer
+        if isinstance(cfg.get(key), (list, str)):
             out[key] = cfg[key][:out["num_hidden_layers"]]
     if cfg.get("sliding_window"):
         out["sliding_window"] = min(cfg["sliding_window"], SLIDING_WINDOW)

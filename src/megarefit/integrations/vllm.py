@@ -765,6 +765,7 @@ class _EngineLifecycle:
         self.previous.begin()
         try:
             if staged:
+                receiver.wait_prefetch(None)  # its prepare step reads the model: not while the reload rewrites it
                 reload_api().initialize_layerwise_reload(self.model)
                 self.previous.track(self.model)
         except BaseException as exc:

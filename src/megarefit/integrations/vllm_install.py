@@ -328,7 +328,7 @@ def install_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Te
             shadows.install(previous)
         _load(api, targets, copied, previous, swapped)
         if not reload_open:
-            with quiet_reload(bool(direct) or bool(copied) or shadows is not None):
+            with quiet_reload(bool(direct) or bool(copied) or bool(shadows is not None and shadows.layers)):
                 api.finalize_layerwise_reload(model, model_config)
     finally:
         for param, loader in reversed(swapped):  # vLLM's own loaders back, for later full-tensor loads (a

@@ -238,10 +238,12 @@ def indexer_schedule(family: str, get: Any, layers: int) -> list[str]:
 
 
 def _derived_schedule(get: Any, layers: int) -> list[str]:
+    """vLLM's schedule: a pattern's ``"S"`` (or ``"shared"``) layers share, every other layer and
+    layers past its end have their own; else freq / offset."""
     pattern = get("index_topk_pattern")
     if pattern is not None:
-        return [{"F": "full", "S": "shared"}.get(c, str(c)) for c in pattern] if isinstance(pattern, str) \
-            else [str(c) for c in pattern]
+        kinds = [{"S": "shared", "shared": "shared"}.get(str(c), "full") for c in pattern]
+        return (kinds + ["full"] * layers)[:layers]
     freq = max(int(get("index_topk_freq") or 1), 1)
     offset = get("index_skip_topk_offset")
     offset = 2 if offset is None else int(offset)

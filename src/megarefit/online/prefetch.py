@@ -195,9 +195,14 @@ class PrefetchSlot:
     def state(self) -> PrefetchState | None:
         return None if self._running is None else self._running.state()
 
+    def wait(self, timeout: float | None = None) -> PrefetchState | None:
+        """Wait until the prefetch (if any) is ready or failed, at most ``timeout`` seconds."""
+        return None if self._running is None else self._running.wait(timeout)
+
     def drop(self) -> None:
-        """Drop the prefetch (waiting for its READs), if any."""
+        """Drop the prefetch (waiting for its READs), if any, and what the last one prepared."""
         running, self._running = self._running, None
+        self.prepared = None
         if running is not None:
             running.discard()
 

@@ -300,20 +300,19 @@ class RefitReceiver:
 
     # ---- prefetch -------------------------------------------------------------
     def prefetch(self, version: int | None = None, prepare: Prepare | None = None) -> PrefetchState:
-        """Pull ``version`` (default: the current one) into the arena on a background thread and
-        return at once (:mod:`~megarefit.online.prefetch`); the next :meth:`refit` /
-        :meth:`run_refit_cycle` of that version hands it over without pulling. Asked again for
-        the same version: the running prefetch's state; another version drops it first.
-        ``prepare``: run on the thread once fenced, on every ``(name, arena view)``; what it
-        returns is :attr:`prepared` while the cycle that takes the prefetch runs (else ``None``).
-
-        Raises:
-            MegarefitError: a streamed receiver (``memory_budget``): it holds no whole version."""
+        """Pull ``version`` (default: the current one) into the arena on a background thread, return
+        at once (:mod:`~megarefit.online.prefetch`); the next :meth:`refit` / :meth:`run_refit_cycle`
+        of that version hands it over without pulling. Asked again: the running prefetch's state;
+        another version drops it first. ``prepare``: run on the thread once fenced, on every
+        ``(name, arena view)``; its result is :attr:`prepared` from the cycle that takes the
+        prefetch until the next cycle or drop (``None`` for a cycle that pulled afresh).
+        Raises MegarefitError for a streamed receiver (``memory_budget``): it holds no whole version."""
         if self.memory_budget is not None:
             raise refuse_streamed(self.name)
         return self._prefetch.start(version, lambda: self._pipeline.staged(version, self.retries), prepare)
 
     prepared = property(lambda self: self._prefetch.prepared, doc="See :meth:`prefetch` (``prepare``).")
+    wait_prefetch = property(lambda self: self._prefetch.wait, doc="``wait_prefetch(timeout)``: the prefetch done.")
     prefetched = property(lambda self: self._prefetch.state(), doc="The prefetch not yet taken, or ``None``.")
 
     def _staged_cycle(self, version: int | None) -> Iterator[tuple[str, torch.Tensor]]:
