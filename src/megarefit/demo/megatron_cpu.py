@@ -720,8 +720,9 @@ def _indexer_sharing(dims: ModelDims, get: Any) -> dict[str, int]:
         UnsupportedModelError: shared layers the freq / offset schedule cannot express."""
     if not dims.shared_indexer_layers:
         return {}
-    freq, offset = int(get("index_topk_freq") or 1), get("index_skip_topk_offset")
-    offset = 2 if offset is None else int(offset)
+    from megarefit.layout.hf_dims import index_share_keys
+
+    freq, offset = index_share_keys(get)
     megatron = tuple(i for i in range(dims.num_layers) if max(i + 1 - max(offset, 1), 0) % freq)
     if megatron_series() < (0, 19):
         import megatron.core

@@ -237,6 +237,12 @@ def indexer_schedule(family: str, get: Any, layers: int) -> list[str]:
     return kinds
 
 
+def index_share_keys(get: Any) -> tuple[int, int]:
+    """``(index_topk_freq, index_skip_topk_offset)`` with the defaults transformers and vLLM use (1, 2)."""
+    offset = get("index_skip_topk_offset")
+    return max(int(get("index_topk_freq") or 1), 1), 2 if offset is None else int(offset)
+
+
 def _derived_schedule(get: Any, layers: int) -> list[str]:
     """vLLM's schedule: a pattern's ``"S"`` (or ``"shared"``) layers share, every other layer and
     layers past its end have their own; else freq / offset."""
@@ -244,10 +250,9 @@ def _derived_schedule(get: Any, layers: int) -> list[str]:
     if pattern is not None:
         kinds = [{"S": "shared", "shared": "shared"}.get(str(c), "full") for c in pattern]
         return (kinds + ["full"] * layers)[:layers]
-    freq = max(int(get("index_topk_freq") or 1), 1)
-    offset = get("index_skip_topk_offset")
-    offset = 2 if offset is None else int(offset)
+    freq, offset = index_share_keys(get)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
-__all__ = ["BLOCK_TYPES", "HFConfigReader", "hybrid_dims", "load_hf_config", "indexer_schedule", "read_hf_dims"]
+__all__ = ["BLOCK_TYPES", "HFConfigReader", "hybrid_dims", "index_share_keys", "indexer_schedule", "load_hf_config",
+           "read_hf_dims"]

@@ -196,7 +196,9 @@ def choose(gpu_address: str, root: str = SYSFS, env: Mapping[str, str] | None = 
         return NicChoice(gpu_address, None, f"{ENV}={given}", given)
     try:
         found = assign(gpus(root), rdma_ports(root, dev=dev))
-    except (OSError, ValueError) as exc:  # an unusual sysfs: never stop an agent from starting
+    except (OSError, ValueError) as exc:  # an unusual sysfs: never stop an agent from starting, but say so
+        log.warning("megarefit: no NIC chosen for GPU %s, UCX picks: could not read the PCIe topology under %s "
+                    "(%s: %s); set %s to choose", gpu_address, root, type(exc).__name__, exc, ENV)
         return NicChoice(gpu_address, None, f"could not read the PCIe topology ({type(exc).__name__}: {exc}): UCX picks")
     if gpu_address not in found:
         return NicChoice(gpu_address, None, f"GPU {gpu_address} not found under {root}/bus/pci/devices: UCX picks")
@@ -214,6 +216,8 @@ def gpu_address(device: object) -> str | None:
     try:
         return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     except AttributeError:  # pragma: no cover - a torch without the PCI ids
+        log.warning("megarefit: torch %s gives no PCI ids of CUDA devices: no NIC chosen, UCX picks (set %s "
+                    "to choose)", torch.__version__, ENV)
         return None
 
 
