@@ -541,3 +541,72 @@ def unshard(shards: dict, like: dict[str, torch.Tensor], shard) -> dict[str, tor
     missing = [name for name, i in ids.items() if flat[i.long()].isnan().any()]
     assert not missing, f"HF elements no shard holds: {missing}"
     return out
+
+
+def qwen35_layer_types(cfg: dict) -> list[str]:
+    """``layer_types`` as transformers derives them (every ``full_attention_interval``-th layer full)."""
+    every = cfg.get("full_attention_interval", 4)
+    return cfg.get("layer_types") or ["linear_attention" if (i + 1) % every else "full_attention"
+                                      for i in range(cfg["num_hidden_layers"])]
+
+
+def qwen35_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, *, tp: int, te: bool = False,
+                            divisor: int = 128) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+    """Megatron-Core shards (pp 1, dense MLP) of a Qwen3.5 text checkpoint, written from Megatron-Bridge
+    0.6's formulas (``merge_gdn_linear_weights`` / ``GDNLinearMappingSeparate``: each of q k v z b a
+    split over tp, rank r = [q_r; k_r; v_r; z_r; b_r; a_r]; ``GDNConv1dMapping``: q k v each split;
+    ``merge_qkv_weights`` with ``attention_output_gate``: q_proj viewed [heads, 2d] -> q, gate, per
+    group [q heads; gate heads; k; v], then a contiguous split; ``RMSNorm2ZeroCenteredRMSNormMapping``:
+    out_norm = HF norm - 1), with reshape / cat / chunk only (independent of megarefit)."""
+    nh, ng, d, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["hidden_size"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    qk, v_rows = nk * cfg["linear_key_head_dim"], nv * cfg["linear_value_head_dim"]
+    mult = divisor * tp
+    padded = (cfg["vocab_size"] + mult - 1) // mult * mult
+
+    def pad(w):
+        return F.pad(w, (0, 0, 0, padded - cfg["vocab_size"]))
+
+    def gated_qkv(a):
+        qg = hf[a + "q_proj.weight"].reshape(nh, 2 * d, hidden)
+        q, gate = qg[:, :d], qg[:, d:]
+        k, v = hf[a + "k_proj.weight"].reshape(ng, d, hidden), hf[a + "v_proj.weight"].reshape(ng, d, hidden)
+        hpg = nh // ng
+        return torch.cat([torch.cat([q[g * hpg:(g + 1) * hpg].reshape(-1, hidden),
+                                     gate[g * hpg:(g + 1) * hpg].reshape(-1, hidden), k[g], v[g]])
+                          for g in range(ng)])
+
+    out = {}
+    for t in range(tp):
+        s = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]).chunk(tp)[t],
+             "decoder.final_layernorm.weight": hf["model.norm.weight"],
+             "output_layer.weight": pad(hf["lm_head.weight"]).chunk(tp)[t]}
+        for i, kind in enumerate(qwen35_layer_types(cfg)):
+            H, L = f"model.layers.{i}.", f"decoder.layers.{i}."
+            if kind == "linear_attention":
+                G = H + "linear_attn."
+                q, k, v = hf[G + "in_proj_qkv.weight"].split([qk, qk, v_rows])
+                parts = (q, k, v, hf[G + "in_proj_z.weight"], hf[G + "in_proj_b.weight"], hf[G + "in_proj_a.weight"])
+                s[L + "self_attention.in_proj.weight"] = torch.cat([p.chunk(tp)[t] for p in parts])
+                s[L + "self_attention.conv1d.weight"] = torch.cat(
+                    [p.chunk(tp)[t] for p in hf[G + "conv1d.weight"].split([qk, qk, v_rows])])
+                s[L + "self_attention.A_log"] = hf[G + "A_log"].chunk(tp)[t]
+                s[L + "self_attention.dt_bias"] = hf[G + "dt_bias"].chunk(tp)[t]
+                s[L + "self_attention.out_norm.weight"] = hf[G + "norm.weight"] - 1
+                s[L + "self_attention.out_proj.weight"] = hf[G + "out_proj.weight"].chunk(tp, dim=1)[t]
+                norm = "self_attention.in_proj.layer_norm_weight"
+            else:
+                A = H + "self_attn."
+                s[L + "self_attention.linear_qkv.weight"] = gated_qkv(A).chunk(tp)[t]
+                s[L + "self_attention.q_layernorm.weight"] = hf[A + "q_norm.weight"]
+                s[L + "self_attention.k_layernorm.weight"] = hf[A + "k_norm.weight"]
+                s[L + "self_attention.linear_proj.weight"] = hf[A + "o_proj.weight"].chunk(tp, dim=1)[t]
+                norm = "self_attention.linear_qkv.layer_norm_weight"
+            s[L + (norm if te else "input_layernorm.weight")] = hf[H + "input_layernorm.weight"]
+            s[L + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")] = \
+                hf[H + "post_attention_layernorm.weight"]
+            s[L + "mlp.linear_fc1.weight"] = torch.cat([hf[H + f"mlp.{p}_proj.weight"].chunk(tp)[t]
+                                                        for p in ("gate", "up")])
+            s[L + "mlp.linear_fc2.weight"] = hf[H + "mlp.down_proj.weight"].chunk(tp, dim=1)[t]
+        out[(t, 0, 0)] = s
+    return out

@@ -60,11 +60,19 @@ class ModelDims:
     mamba_head_dim: int = 0
     mamba_groups: int = 0  # HF n_groups (Megatron mamba_num_groups)
     mamba_state: int = 0  # HF ssm_state_size (Megatron mamba_state_dim)
-    conv_kernel: int = 0
+    conv_kernel: int = 0  # Mamba2 / gated DeltaNet conv1d kernel width
+    # gated-DeltaNet hybrids (Qwen3.5): global indices of the GDN layers (the rest are gated full attention),
+    # key heads x key head dim, value heads x value head dim (HF linear_num_key_heads, linear_key_head_dim, ...)
+    linear_layers: tuple[int, ...] = ()
+    gdn_key_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_heads: int = 0
+    gdn_value_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
         object.__setattr__(self, "shared_indexer_layers", tuple(sorted(self.shared_indexer_layers)))
+        object.__setattr__(self, "linear_layers", tuple(sorted(self.linear_layers)))
         if self.layer_pattern and (len(self.layer_pattern) != self.num_layers or set(self.layer_pattern) - set(_KINDS)):
             raise MegarefitError(f"layer pattern {self.layer_pattern!r}: expected {self.num_layers} letters of "
                                  f"{''.join(_KINDS)}")
@@ -126,6 +134,8 @@ class ModelDims:
             + self.mamba_heads,
             "mamba_conv": self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state,
             "conv_kernel": self.conv_kernel,
+            "qkvg": 2 * q + 2 * self.num_query_groups * self.head_dim,
+            **_gdn_sizes(self),
             "one": 1,
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
@@ -183,10 +193,13 @@ class ModelDims:
     def has_row(self, row: ParamSpec, layer: int | None) -> bool:
         """Whether spec row ``row`` exists in global layer ``layer`` (``None``: not a layer row):
         its ``layer_kind`` is this layer's, and a DSA indexer row only where the layer has its
-        own indexer (not one of :attr:`shared_indexer_layers`; MTP layers always do)."""
+        own indexer (not one of :attr:`shared_indexer_layers`; MTP layers always do); a row of a
+        token mixer (``mixer``) only in layers with that mixer (:attr:`linear_layers` are ``"gdn"``)."""
         if layer is None or layer < 0:
             return row.layer_kind is None
         if row.layer_kind is not None and row.layer_kind != self.layer_kind(layer):
+            return False
+        if row.mixer is not None and row.mixer != ("gdn" if layer in self.linear_layers else "attention"):
             return False
         return not (Condition.DSA_INDEXER in row.requires and layer in self.shared_indexer_layers)
 
@@ -238,6 +251,7 @@ class ModelDims:
         if self.mamba_heads and (self.mamba_heads % tp or self.mamba_groups % tp):
             problems.append(f"mamba heads={self.mamba_heads} and groups (n_groups)={self.mamba_groups} must divide "
                             f"over tp={tp} (Megatron-Core's MambaMixer asserts ngroups % tp == 0)")
+        problems += _gdn_problems(self, tp)
         if self.num_attention_heads % tp:
             problems.append(f"num_attention_heads={self.num_attention_heads} not divisible by tp={tp}")
         if self.ffn_hidden_size % tp:
@@ -260,12 +274,30 @@ class ModelDims:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         d["shared_indexer_layers"] = list(self.shared_indexer_layers)
+        d["linear_layers"] = list(self.linear_layers)
         for key in _OPTIONAL_FIELDS:  # absent when unused: the same dict (and plan digests) as before them
             if not d[key]:
                 del d[key]
         return d
 
 
+def _gdn_sizes(d: ModelDims) -> dict[str, int]:
+    """The gated-DeltaNet shape symbols (zero for other models)."""
+    qk, v = d.gdn_key_heads * d.gdn_key_dim, d.gdn_value_heads * d.gdn_value_dim
+    return {"gdn_in": 2 * qk + 2 * v + 2 * d.gdn_value_heads, "gdn_conv": 2 * qk + v, "gdn_qk": qk, "gdn_v": v,
+            "gdn_heads": d.gdn_value_heads, "gdn_dv": d.gdn_value_dim}
+
+
+def _gdn_problems(d: ModelDims, tp: int) -> list[str]:
+    """Why a gated DeltaNet cannot split over ``tp`` (Megatron-Core's TransformerConfig asserts that
+    both head counts divide by tp)."""
+    if d.gdn_key_heads and (d.gdn_key_heads % tp or d.gdn_value_heads % tp):
+        return [f"gated DeltaNet key heads={d.gdn_key_heads} and value heads={d.gdn_value_heads} must divide over "
+                f"tp={tp} (Megatron-Core asserts linear_num_key_heads % tp == 0 and linear_num_value_heads % tp == 0)"]
+    return []
+
+
 _KINDS = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
 _OPTIONAL_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel",
-                  "shared_indexer_layers")
+                  "shared_indexer_layers", "linear_layers", "gdn_key_heads", "gdn_key_dim", "gdn_value_heads",
+                  "gdn_value_dim")

@@ -147,9 +147,14 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
     """Shapes of the HF tensors a row becomes, in ``spec.hf`` order."""
     shape = global_shape(spec, dims, layout)
     rest = shape[1:]
-    if spec.role is Role.QKV:
+    if spec.role in (Role.QKV, Role.GATED_QKV):
         q, kv = dims.num_attention_heads * dims.head_dim, dims.num_query_groups * dims.head_dim
+        q *= 2 if spec.role is Role.GATED_QKV else 1  # q_proj holds each head's [q_h; gate_h]
         return ((q,) + rest, (kv,) + rest, (kv,) + rest)
+    if spec.segment_hf:  # each HF tensor stacks its segments
+        sizes = [dims.size(sym) for sym in spec.segments]
+        return tuple((sum(n for n, k in zip(sizes, spec.segment_hf) if k == j),) + rest
+                     for j in range(len(spec.hf)))
     if spec.role in (Role.GATED_MLP, Role.EXPERT_GATED_MLP):
         return ((shape[0] // 2,) + rest,) * 2
     if spec.role is Role.GROUPED_EXPERT_FC1:  # block [h, 2F] -> gate, up [F, h]
@@ -250,41 +255,59 @@ def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: Sou
     if role in (Role.GATED_MLP, Role.EXPERT_GATED_MLP):
         half = n // 2  # local rows are [gate_r; up_r]
         return [Piece(names[0], 0, tp_rank * half, half), Piece(names[1], half, tp_rank * half, half)]
-    if role is Role.QKV:
-        return _qkv_pieces(names, dims, n, tp_rank)
+    if role in (Role.QKV, Role.GATED_QKV):
+        return _qkv_pieces(names, dims, n, tp_rank, gated=role is Role.GATED_QKV)
     if role in (Role.SEGMENTED, Role.EXPERT_COLUMN):
-        return _segment_pieces(spec, names[0], dims, tp, tp_rank)
+        return _segment_pieces(spec, names, dims, tp, tp_rank)
     raise NotImplementedError(f"role {role.value} has no layout yet")
 
 
-def _qkv_pieces(names: tuple[str, ...], dims: ModelDims, n: int, tp_rank: int) -> list[Piece]:
+def _qkv_pieces(names: tuple[str, ...], dims: ModelDims, n: int, tp_rank: int, gated: bool = False) -> list[Piece]:
     """QKV rows ``[tp_rank*n, (tp_rank+1)*n)`` of the global interleaved tensor (whole query groups
-    when ``tp`` divides the groups; a part of one group's ``[q_g; k_g; v_g]`` block when ``tp`` is a
-    multiple of them, as Megatron-Core splits it then) cut at the q / k / v boundaries."""
-    d, groups = dims.head_dim, dims.num_query_groups
-    hq = dims.num_attention_heads // groups
-    block = (hq + 2) * d
+    when ``tp`` divides the groups; a part of one group's block when ``tp`` is a multiple of them, as
+    Megatron-Core splits it then) cut at the runs of :func:`_qkv_runs`."""
+    runs = _qkv_runs(dims, gated)
+    block = sum(size for _, size, _, _ in runs)
+    q_rows = dims.num_attention_heads // dims.num_query_groups * dims.head_dim * (2 if gated else 1)
+    stride = (q_rows, dims.head_dim, dims.head_dim)  # HF rows of one group in q_proj, k_proj, v_proj
     lo, hi = tp_rank * n, (tp_rank + 1) * n
     out = []
     for g in range(lo // block, -(-hi // block)):
-        for k, (start, size, dst) in enumerate(((0, hq * d, g * hq * d), (hq * d, d, g * d), ((hq + 1) * d, d, g * d))):
+        for start, size, k, dst in runs:
             a, b = max(lo, g * block + start), min(hi, g * block + start + size)
             if a < b:
-                out.append(Piece(names[k], a - lo, dst + a - g * block - start, b - a))
+                out.append(Piece(names[k], a - lo, g * stride[k] + dst + a - g * block - start, b - a))
     return out
 
 
-def _segment_pieces(spec: ParamSpec, name: str, dims: ModelDims, tp: int, tp_rank: int) -> list[Piece]:
+def _qkv_runs(dims: ModelDims, gated: bool) -> list[tuple[int, int, int, int]]:
+    """One query group's block of ``linear_qkv`` as runs ``(start in the block, rows, HF name k, HF row
+    of group 0)``; hq heads of d rows per group::
+
+        plain:  [q (hq*d); k (d); v (d)]                       q -> q_proj rows [0, hq*d)
+        gated:  [q_0 .. q_hq-1; gate_0 .. gate_hq-1; k; v]     q_j -> q_proj rows [2j*d, +d),
+                (Megatron-Core ``attention_output_gate``)      gate_j -> [(2j+1)*d, +d) (HF: head j [q_j; gate_j])
+    """
+    d, hq = dims.head_dim, dims.num_attention_heads // dims.num_query_groups
+    if not gated:
+        return [(0, hq * d, 0, 0), (hq * d, d, 1, 0), ((hq + 1) * d, d, 2, 0)]
+    heads = [(j * d, d, 0, 2 * j * d) for j in range(hq)] + [((hq + j) * d, d, 0, (2 * j + 1) * d) for j in range(hq)]
+    return heads + [(2 * hq * d, d, 1, 0), ((2 * hq + 1) * d, d, 2, 0)]
+
+
+def _segment_pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, tp: int, tp_rank: int) -> list[Piece]:
     """A segmented row (Mamba's ``in_proj`` [z; x; B; C; dt], ``conv1d`` [x; B; C]): each segment
-    split over ``tp``, rank r holding ``[seg0_r; seg1_r; ...]``; an expert column row is one segment."""
+    split over ``tp``, rank r holding ``[seg0_r; seg1_r; ...]``, each landing in HF tensor
+    ``segment_hf`` names (after the earlier segments there); an expert column row is one segment."""
     sizes = [dims.size(sym) for sym in (spec.segments or spec.shape[:1])]
-    out, src, dst = [], 0, 0
-    for size in sizes:
+    where = spec.segment_hf or (0,) * len(sizes)
+    out, src, dst = [], 0, [0] * len(names)
+    for size, k in zip(sizes, where):
         if size % tp:
-            raise LayoutError(f"{name}: a segment of {size} rows does not split over tp={tp}")
+            raise LayoutError(f"{names[k]}: a segment of {size} rows does not split over tp={tp}")
         local = size // tp
-        out.append(Piece(name, src, dst + tp_rank * local, local))
-        src, dst = src + local, dst + size
+        out.append(Piece(names[k], src, dst[k] + tp_rank * local, local))
+        src, dst[k] = src + local, dst[k] + size
     return out
 
 

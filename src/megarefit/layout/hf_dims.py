@@ -84,7 +84,7 @@ def read_hf_dims(cfg: Mapping[str, Any] | Any, fam: FamilySpec) -> dict[str, Any
         UnsupportedModelError: the config uses a feature megarefit does not translate.
         MegarefitError: a required key is missing or not a positive integer.
     """
-    r = HFConfigReader(cfg, fam)
+    r = HFConfigReader(text_config(cfg, fam.name) if fam.text_config else cfg, fam)
     heads, hidden, groups = _attention_heads(r)
     out: dict[str, Any] = {}
     if fam.experts_key is not None and r.get(fam.experts_key):
@@ -101,7 +101,60 @@ def read_hf_dims(cfg: Mapping[str, Any] | Any, fam: FamilySpec) -> dict[str, Any
             out["shared_expert_ffn"] = int(r.get(fam.shared_ffn_key)) * int(r.get(fam.shared_experts_key) or 1)
     if fam.dsa_indexer:
         out.update(_dsa_dims(r, out))
-    out.update(_common_dims(r, heads, hidden, groups))
+    if fam.gdn:
+        out.update(gdn_dims(r))
+    all_moe = bool(out.get("num_experts")) and not out.get("dense_layers")  # no dense MLP: no intermediate_size
+    out.update(_common_dims(r, heads, hidden, groups, out.get("moe_ffn_hidden_size") if all_moe else None))
+    return out
+
+
+def text_config(cfg: Mapping[str, Any] | Any, family: str) -> dict[str, Any]:
+    """The language model's config of a vision-language checkpoint: its ``text_config``, with the
+    checkpoint's ``tie_word_embeddings`` where ``text_config`` has none.
+
+    Raises:
+        MegarefitError: there is no ``text_config``."""
+    top = dict(cfg) if isinstance(cfg, Mapping) else cfg.to_dict()
+    text = top.get("text_config")
+    if text is None:
+        raise MegarefitError(f"HF config for family {family} lacks 'text_config' (a vision-language checkpoint "
+                             "keeps its language model's config there)")
+    text = dict(text) if isinstance(text, Mapping) else text.to_dict()
+    if "tie_word_embeddings" in top and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = top["tie_word_embeddings"]
+    return text
+
+
+def gdn_dims(r: HFConfigReader) -> dict[str, Any]:
+    """A gated-DeltaNet hybrid's layers and dims (HF Qwen3.5 keys: ``layer_types``, else every
+    ``full_attention_interval``-th layer (default 4) full attention; ``linear_num_key_heads``,
+    ``linear_key_head_dim``, ``linear_num_value_heads``, ``linear_value_head_dim``,
+    ``linear_conv_kernel_dim``; ``shared_expert_intermediate_size``).
+
+    Raises:
+        UnsupportedModelError: unknown layer types, attention without the output gate or with
+            biases, or value heads that are not a multiple of the key heads."""
+    name, layers = r.family.name, r.need("num_hidden_layers")
+    kinds = r.get("layer_types")
+    if kinds is None:
+        every = int(r.get("full_attention_interval") or 4)
+        kinds = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise UnsupportedModelError(f"HF config for family {name}: layer_types must list 'linear_attention' or "
+                                    f"'full_attention' for each of the {layers} layers, got {len(kinds)}: "
+                                    f"{sorted(set(map(str, kinds)))}")
+    if r.get("attn_output_gate", True) is False or r.get("attention_bias"):
+        raise UnsupportedModelError(f"HF config for family {name}: full attention without the output gate "
+                                    "(attn_output_gate false) or with biases (attention_bias) has no spec table")
+    nk, nv = r.need("linear_num_key_heads"), r.need("linear_num_value_heads")
+    if nv % nk:
+        raise UnsupportedModelError(f"HF config for family {name}: linear_num_value_heads={nv} is not a multiple "
+                                    f"of linear_num_key_heads={nk}")
+    out = {"linear_layers": tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
+           "gdn_key_heads": nk, "gdn_key_dim": r.need("linear_key_head_dim"), "gdn_value_heads": nv,
+           "gdn_value_dim": r.need("linear_value_head_dim"), "conv_kernel": r.need("linear_conv_kernel_dim")}
+    if r.get("num_experts") and r.get("shared_expert_intermediate_size"):
+        out["shared_expert_ffn"] = int(r.get("shared_expert_intermediate_size"))
     return out
 
 
@@ -118,8 +171,9 @@ def _attention_heads(r: HFConfigReader) -> tuple[int, int, int]:
     return heads, hidden, groups
 
 
-def _common_dims(r: HFConfigReader, heads: int, hidden: int, groups: int) -> dict[str, Any]:
-    """Every family's fields: layers, hidden, heads and query groups, FFN, vocab, ties and biases."""
+def _common_dims(r: HFConfigReader, heads: int, hidden: int, groups: int, ffn: int | None = None) -> dict[str, Any]:
+    """Every family's fields: layers, hidden, heads and query groups, FFN (``ffn`` where the config
+    has no ``intermediate_size``: an MoE model without dense layers), vocab, ties and biases."""
     fam = r.family
     tie = r.get("tie_word_embeddings")
     return {
@@ -129,7 +183,7 @@ def _common_dims(r: HFConfigReader, heads: int, hidden: int, groups: int) -> dic
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "head_dim": int(r.get("head_dim") or hidden // heads),
-        "ffn_hidden_size": r.need("intermediate_size"),
+        "ffn_hidden_size": r.need("intermediate_size") if ffn is None or r.get("intermediate_size") else ffn,
         "vocab_size": r.need("vocab_size"),
         "tie_word_embeddings": fam.tie_word_embeddings_default if tie is None else bool(tie),
         "qkv_bias": r.flag(fam.qkv_bias),
@@ -254,5 +308,5 @@ def _derived_schedule(get: Any, layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
-__all__ = ["BLOCK_TYPES", "HFConfigReader", "hybrid_dims", "index_share_keys", "indexer_schedule", "load_hf_config",
+__all__ = ["BLOCK_TYPES", "HFConfigReader", "gdn_dims", "hybrid_dims", "text_config", "index_share_keys", "indexer_schedule", "load_hf_config",
            "read_hf_dims"]

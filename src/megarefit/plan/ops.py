@@ -173,20 +173,30 @@ class QuantizeStep:
 
 
 
-ValueFn = Literal["neg_exp"]
+ValueFn = Literal["neg_exp", "plus_one", "minus_one"]
 VALUE_FNS: dict[str, str] = {  # what each value function computes, and its inverse
     "neg_exp": "target = -exp(staging) in float32 (vLLM MambaMixer2's A = -exp(A_log.float())); "
                "inverse staging = log(-target), not bit-exact (exp and log each round)",
+    "plus_one": "target = staging + 1 in the staging dtype, one rounding (a zero-centered Megatron norm weight "
+                "w - 1 as HF's w); inverse minus_one, exact for targets in [0.5, 2]",
+    "minus_one": "target = staging - 1 in the staging dtype (HF's w as Megatron's zero-centered w - 1), exact for "
+                 "staging in [0.5, 2] (Sterbenz); inverse plus_one",
 }
+VALUE_DTYPES: dict[str, str | None] = {"neg_exp": "float32", "plus_one": None, "minus_one": None}
+"""The dtype each value function's target has (``None``: the staging's)."""
+STAGING_SUFFIX = ":staging"
+"""Appended to a target's name for the receiver-side staging target a quantize or value step reads
+(model dtype, filled by ops, never handed over)."""
 
 
 @dataclass(frozen=True)
 class ValueStep:
     """An elementwise value transform on the receiver, after the pulls: ``target`` =
     ``fn(staging)`` (:data:`VALUE_FNS`), ``staging`` a target the ops fill in the model dtype
-    and never handed over, ``target`` (same shape, float32) written by no op. Where a
-    receiver's parameter is not a copy of trainer bytes (vLLM's Mamba ``A``), the plan says
-    so here instead of hiding it in a loader."""
+    and never handed over, ``target`` (same shape, dtype :data:`VALUE_DTYPES`) written by no op.
+    Where a receiver's tensor is not a copy of trainer bytes (vLLM's Mamba ``A``, an HF gated
+    norm's ``w`` from Megatron's zero-centered ``w - 1``), the plan says so here instead of
+    hiding it in a loader."""
 
     staging: TensorRef
     target: TensorRef
@@ -200,6 +210,6 @@ def digest_of(*parts: Any) -> str:
 
 
 
-__all__ = ["ITEMSIZE", "VALUE_FNS", "CopyOp", "Direction", "OpKind", "QuantizeStep", "TensorMeta", "TensorRef",
+__all__ = ["ITEMSIZE", "STAGING_SUFFIX", "VALUE_DTYPES", "VALUE_FNS", "CopyOp", "Direction", "OpKind", "QuantizeStep", "TensorMeta", "TensorRef",
            "ValueFn", "ValueStep", "digest_of",
            "itemsize", "joined", "make_op", "merge_ops", "squeezed_lengths"]

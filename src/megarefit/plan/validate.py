@@ -15,7 +15,7 @@ import torch
 from megarefit.errors import PlanValidationError
 from megarefit.layout.parallel import Box
 from megarefit.plan.columns import PlanColumns, vectorized_checks
-from megarefit.plan.ops import VALUE_FNS, CopyOp, QuantizeStep, TensorMeta, TensorRef, squeezed_lengths
+from megarefit.plan.ops import VALUE_DTYPES, VALUE_FNS, CopyOp, QuantizeStep, TensorMeta, TensorRef, squeezed_lengths
 from megarefit.plan.table import OpTable
 
 
@@ -130,8 +130,8 @@ def _check_cover(ref: TensorRef, meta: TensorMeta, writers: tuple[CopyOp, ...],
 
 
 def _check_transforms(plan: PlanFields, lookup: Any) -> None:
-    """Every value step's staging and target are declared, of one shape, the target float32 and
-    the function known."""
+    """Every value step's staging and target are declared, of one shape, the function known and the
+    target of its dtype (:data:`~megarefit.plan.ops.VALUE_DTYPES`: float32, or the staging's)."""
     steps = getattr(plan, "transforms", ())
     if not steps:
         return
@@ -140,10 +140,11 @@ def _check_transforms(plan: PlanFields, lookup: Any) -> None:
         staging, target = metas.get(t.staging), metas.get(t.target)
         if staging is None or target is None:
             raise PlanValidationError(f"value step for {t.target}: staging / target not declared")
-        if t.fn not in VALUE_FNS or staging.shape != target.shape or target.dtype != "float32":
+        dtype = VALUE_DTYPES.get(t.fn) or staging.dtype
+        if t.fn not in VALUE_FNS or staging.shape != target.shape or target.dtype != dtype:
             raise PlanValidationError(f"value step for {t.target}: {t.fn!r} (known: {sorted(VALUE_FNS)}) from "
                                       f"{staging.dtype} {staging.shape} into {target.dtype} {target.shape} "
-                                      "(expected the same shape, float32)")
+                                      f"(expected the same shape, {dtype})")
 
 
 def _odd_targets(table: Any, odd: Any) -> list[_TargetRow]:

@@ -22,8 +22,22 @@ from megarefit.layout.geometry import (
     view_shape,
 )
 from megarefit.layout.parallel import Box, SourceLayout
-from megarefit.plan import CopyOp, Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
+from megarefit.plan import (
+    STAGING_SUFFIX,
+    CopyOp,
+    Plan,
+    TensorMeta,
+    TensorRef,
+    ValueStep,
+    digest_of,
+    itemsize,
+    make_op,
+    validate_plan,
+)
 from megarefit.specs.table import Role
+
+INVERSE_VALUE = {"plus_one": "minus_one"}
+"""The value function an import applies for each export value rule (``ParamSpec.value``)."""
 
 
 @lru_cache(maxsize=64)
@@ -38,6 +52,7 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
     sources: dict[TensorRef, TensorMeta] = {}
     targets: dict[TensorRef, TensorMeta] = {}
     ops: list[CopyOp] = []
+    steps: list[ValueStep] = []
     for rank, ts in tensors.items():
         for name, t in ts.items():
             if t.spec.role.is_grouped:
@@ -61,7 +76,7 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
             item = itemsize(tdtype)
             for hf_name, shape in shape_of.items():
                 sources.setdefault(TensorRef(None, hf_name), TensorMeta(shape, tdtype))
-            dst = TensorRef(rank, name)
+            dst = TensorRef(rank, name + STAGING_SUFFIX if t.spec.value else name)
             written = 0
             for p in pieces(t.spec, names, dims, layout, rank.tp):
                 dbox, sbox = piece_boxes(p, t.shape, shape_of[p.hf_name])
@@ -71,8 +86,11 @@ def plan_hf_to_megatron(dims: ModelDims, layout: SourceLayout, dtype: str = "bfl
             if t.spec.role is Role.VOCAB and written < t.shape[0]:
                 zero = (Box.rows(t.shape, written, t.shape[0] - written),)
             targets[dst] = TensorMeta(t.shape, tdtype, zero)
+            if t.spec.value:  # the Megatron tensor from the staging one: the inverse of the export's value rule
+                targets[TensorRef(rank, name)] = targets[dst]
+                steps.append(ValueStep(dst, TensorRef(rank, name), INVERSE_VALUE[t.spec.value]))
     plan = Plan("hf_to_megatron", dims, layout, dtype, sources, targets, tuple(ops),
-                digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype))
+                digest_of("hf_to_megatron", dims.to_dict(), layout.to_dict(), dtype), transforms=tuple(steps))
     validate_plan(plan)
     return plan
 

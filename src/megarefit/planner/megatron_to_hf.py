@@ -48,7 +48,17 @@ from megarefit.layout.geometry import (
     view_shape,
 )
 from megarefit.layout.parallel import RankCoord, SourceLayout
-from megarefit.plan import Plan, TensorMeta, digest_of, itemsize, make_op, validate_plan
+from megarefit.plan import (
+    STAGING_SUFFIX,
+    Plan,
+    TensorMeta,
+    TensorRef,
+    ValueStep,
+    digest_of,
+    itemsize,
+    make_op,
+    validate_plan,
+)
 from megarefit.plan.columns import PlanColumns, plan_threads
 from megarefit.plan.table import OpTable, TensorGroup, TensorTable
 from megarefit.specs.table import ParamSpec, Role, Stage
@@ -256,16 +266,30 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
         part = _PARTS.index(row.stage)
         for k in range(len(row.hf)):
             t_first[(row, k)] = nt
-            t_groups.append(TensorGroup(None, row, k, _target_meta(row, k, shapes, len(owned), dims, layout, tdtype,
-                                                                     weights)))
-            t_rows.append((len(t_groups) - 1, layers, exps))
-            t_keys.append((part, pos, k))
-            nt += len(layers) * len(exps)
+            meta = _target_meta(row, k, shapes, len(owned), dims, layout, tdtype, weights)
+            # a row with a value rule: the ops fill a staging target, a value step the HF tensor after it
+            for suffix, key in ((STAGING_SUFFIX, k), ("", k + 4)) if row.value else (("", k),):
+                t_groups.append(TensorGroup(None, row, k, meta, suffix))
+                t_rows.append((len(t_groups) - 1, layers, exps))
+                t_keys.append((part, pos, key))
+                nt += len(layers) * len(exps)
     group, layer, expert, t_id = _target_order(t_rows, t_keys, n_layers_all, len(rows) + 1, dims.num_experts + 2)
     opos = torch.full((dims.num_experts + 2,), -1, dtype=_I64)
     opos[torch.tensor(owned, dtype=_I64) + 1] = torch.arange(len(owned))
     return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned), opos,
                     weights)
+
+
+def _value_steps(table: TensorTable) -> tuple[ValueStep, ...]:
+    """One value step per staging target of ``table`` (rows with a value rule): staging -> the HF tensor."""
+    staged = [i for i, g in enumerate(table.groups) if g.suffix == STAGING_SUFFIX]
+    if not staged:
+        return ()
+    rows = torch.nonzero(torch.isin(table.group, torch.tensor(staged, dtype=_I64))).flatten().tolist()
+    refs = [table.ref(i) for i in rows]
+    return tuple(ValueStep(ref, TensorRef(None, ref.name.removesuffix(STAGING_SUFFIX)),
+                           table.groups[int(table.group[i])].spec.value)  # type: ignore[arg-type]
+                 for i, ref in zip(rows, refs))
 
 
 def _target_meta(row: ParamSpec, k: int, shapes: tuple[tuple[int, ...], ...], owned: int, dims: ModelDims,
@@ -496,7 +520,7 @@ def plan_export(dims: ModelDims, layout: SourceLayout, dtype: str = "bfloat16",
                 digest_of("megatron_to_hf", dims.to_dict(), layout.to_dict(), dtype,
                           None if experts is None else sorted(experts),
                           *(() if expert_weights == "in_out" else (expert_weights,)),
-                          *(() if part == "all" else (part,))))
+                          *(() if part == "all" else (part,))), transforms=_value_steps(tgt.table))
     validate_plan(plan)
     return plan
 

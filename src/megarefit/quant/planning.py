@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from megarefit.layout import RankCoord
-from megarefit.plan import CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, validate_plan
+from megarefit.plan import STAGING_SUFFIX, CopyOp, Plan, QuantizeStep, TensorMeta, TensorRef, digest_of, make_op, validate_plan
 from megarefit.plan.columns import plan_threads
 from megarefit.plan.table import OpTable
 from megarefit.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Format, UnsupportedQuantizationError, quantize_fp8
@@ -40,7 +40,6 @@ from megarefit.quant.fp8_columns import plan_fp8_columns
 from megarefit.quant.grid import misaligned, scale_box
 from megarefit.quant.scheme import quantized_weight_names
 
-STAGING_SUFFIX = ":staging"  # receiver-side staging target of a quantized weight (model dtype)
 
 
 def scale_ref(ref: TensorRef) -> TensorRef:

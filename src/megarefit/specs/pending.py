@@ -28,19 +28,11 @@ class Pending:
     missing: str
 
 
-_GDN = ("gated DeltaNet layers (linear_attn.{proj}, conv1d, A_log, dt_bias, and a gated RMSNorm HF stores as w "
-        "where Megatron-Core's zero-centered norms store w - 1) and gated attention (q_proj rows holding each "
-        "head's output gate) have no spec table yet")
 
 PENDING: tuple[Pending, ...] = (
     Pending("Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",),
-            _GDN.format(proj="in_proj_qkvz / in_proj_ba [packed per key-head group]")),
-    Pending("Qwen3.5", ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), ("qwen3_5_text", "qwen3_5_moe_text"),
-            _GDN.format(proj="in_proj_qkv / in_proj_z / in_proj_b / in_proj_a")),
-    Pending("Qwen3.5 (vision-language)", ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
-            ("qwen3_5", "qwen3_5_moe"),
-            "a vision-language checkpoint (its language model under model.language_model, beside a vision tower "
-            "megarefit does not move), whose " + _GDN.format(proj="in_proj_qkv / in_proj_z / in_proj_b / in_proj_a")),
+            "its gated DeltaNet input projections, packed per key-head group (linear_attn.in_proj_qkvz / in_proj_ba), "
+            "have no spec table yet (Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a do)"),
     Pending("DeepSeek-V4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),
             "hyper-connections (attn_hc / ffn_hc / hc_head), the KV compressors (self_attn.compressor), the grouped "
             "low-rank output projection (o_a_proj / o_b_proj) and attention sinks have no spec table yet, and "

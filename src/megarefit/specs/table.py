@@ -51,6 +51,17 @@ ExpertLayout = Literal["sequential", "te_grouped", "legacy_grouped"]
 
 EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("sequential", "te_grouped", "legacy_grouped")
 
+Mixer = Literal["gdn", "attention"]
+"""Which token mixer a decoder layer of a linear-attention hybrid has (Qwen3.5: HF ``layer_types``
+``linear_attention`` -> ``"gdn"``, a gated DeltaNet; ``full_attention`` -> ``"attention"``), beside
+its MLP kind (dense / MoE): a second per-layer axis, see ``ParamSpec.mixer``."""
+
+ValueRule = Literal["plus_one"]
+"""An elementwise value change between Megatron and HF (``ParamSpec.value``): ``"plus_one"``,
+HF = Megatron + 1 (a norm weight Megatron-Core stores zero-centered, ``layernorm_zero_centered_gamma``,
+where HF stores the weight itself). Computed in the tensor's dtype, one rounding; HF -> Megatron ->
+HF is exact for HF weights in [0.5, 2] (Sterbenz), Megatron -> HF rounds to HF's precision."""
+
 LayerKind = Literal["dense", "moe", "mamba", "attention"]
 """Which decoder layers a row exists in: MoE models mix dense and MoE layers; hybrid models
 (Nemotron-H) have one kind per layer, from their pattern (``M`` mamba, ``*`` attention,
@@ -84,9 +95,14 @@ class Role(str, Enum):
     expert_row_fused         dim 1 over expert-TP, per expert; 1 HF tensor per layer
     expert_replicated_fused  --, per expert (a row-parallel bias); 1 HF tensor per layer
     expert_column     dim 0 over expert-TP, per expert, like column (non-gated experts)
-    segmented  dim 0 1, rows are ``ParamSpec.segments``, each split over TP: rank r holds
+    segmented  dim 0 1+, rows are ``ParamSpec.segments``, each split over TP: rank r holds
                      ``[seg0_r; seg1_r; ...]`` (Mamba's ``in_proj`` [z; x; B; C; dt],
-                     ``conv1d`` [x; B; C]); HF keeps the segments whole, in order
+                     ``conv1d`` [x; B; C]); HF keeps the segments whole, in order, in the HF
+                     tensor ``ParamSpec.segment_hf`` names (gated DeltaNet ``in_proj``
+                     [Q; K; V; Z; b; a] -> ``in_proj_qkv`` [Q; K; V], ``in_proj_z``, ``_b``, ``_a``)
+    gated_qkv  dim 0 3 (q, k, v), attention with an output gate (Megatron ``attention_output_gate``):
+                     per query group [q heads; gate heads; k; v], HF ``q_proj`` per head
+                     [q_h; gate_h]; see the planner
     ========== ===== ================================================================
 
     Fused roles (gpt-oss): HF stores a layer's experts as one tensor, expert on dim 0,
@@ -120,6 +136,7 @@ class Role(str, Enum):
     EXPERT_REPLICATED_FUSED = "expert_replicated_fused"  # gpt-oss linear_fc2.bias -> down_proj_bias (all experts)
     EXPERT_COLUMN = "expert_column"  # non-gated expert linear_fc1 (Nemotron-H relu2 experts) -> up_proj
     SEGMENTED = "segmented"  # Mamba in_proj / conv1d: segments each split over tp
+    GATED_QKV = "gated_qkv"  # linear_qkv with an output gate per head (Qwen3.5 / Qwen3-Next full attention)
 
     @property
     def is_expert(self) -> bool:
@@ -163,8 +180,9 @@ _ROLE_MODE = {
     Role.EXPERT_REPLICATED_FUSED: ParallelMode.REPLICATED,
     Role.EXPERT_COLUMN: ParallelMode.COLUMN,
     Role.SEGMENTED: ParallelMode.COLUMN,
+    Role.GATED_QKV: ParallelMode.COLUMN,
 }
-_ROLE_ARITY = {Role.QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2, Role.GROUPED_EXPERT_FC1: 2}
+_ROLE_ARITY = {Role.QKV: 3, Role.GATED_QKV: 3, Role.GATED_MLP: 2, Role.EXPERT_GATED_MLP: 2, Role.GROUPED_EXPERT_FC1: 2}
 
 
 MTP_PREFIX = "mtp.layers."  # Megatron-Core's multi-token-prediction block (``GPTModel.mtp``)
@@ -213,8 +231,13 @@ SHAPE_SYMBOLS = frozenset({
     # Mamba2 (Nemotron-H): in_proj rows 2*inner + 2*groups*state + heads, conv1d rows inner + 2*groups*state,
     # inner = mamba heads * mamba head_dim, a conv1d weight [rows, one, conv_kernel]
     "mamba_in", "mamba_conv", "mamba_inner", "mamba_gs", "mamba_heads", "conv_kernel", "one",
+    # gated attention: linear_qkv rows 2 * heads * head_dim + 2 * groups * head_dim (q, gate, k, v)
+    "qkvg",
+    # gated DeltaNet (HF linear_*): key heads nk x dk, value heads nv x dv; in_proj rows 2*nk*dk + 2*nv*dv
+    # + 2*nv ([Q; K; V; Z; b; a]), conv1d rows 2*nk*dk + nv*dv ([Q; K; V])
+    "gdn_in", "gdn_conv", "gdn_qk", "gdn_v", "gdn_heads", "gdn_dv",
 })
-_ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
+_ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_QKV: "qkvg", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
                         Role.EXPERT_GATED_MLP: "2moe_ffn", Role.EXPERT_GATE_UP_FUSED: "2moe_ffn"}
 
 _PLACEHOLDERS = {"layer": r"(?P<layer>0|[1-9][0-9]*)", "expert": r"(?P<expert>0|[1-9][0-9]*)"}
@@ -271,6 +294,12 @@ class ParamSpec:
         segments: the ``segmented`` role's dim-0 segments as shape symbols, in order
             (Mamba ``in_proj``: ``("mamba_inner", "mamba_inner", "mamba_gs", "mamba_gs",
             "mamba_heads")`` for [z; x; B; C; dt]); they sum to ``shape[0]``.
+        segment_hf: per segment, the index in ``hf`` of the HF tensor it lands in (segments of
+            one HF tensor are stacked in order); ``()``: every segment in ``hf[0]``.
+        mixer: ``"gdn"`` / ``"attention"``: the row exists only in layers with that token mixer
+            (``ModelDims.linear_layers``); ``None``: in every layer.
+        value: an elementwise value change from Megatron to HF (:data:`ValueRule`; the plan
+            carries it as a value step, with its inverse on import); ``None``: bytes copy as is.
     """
 
     megatron: str
@@ -286,15 +315,21 @@ class ParamSpec:
     linear: bool | None = None
     head_rotate: tuple[str, str] | None = None
     segments: tuple[str, ...] = ()
+    segment_hf: tuple[int, ...] = ()
+    mixer: Mixer | None = None
+    value: ValueRule | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_regex", _compile(self.megatron))
         where = f"spec row {self.megatron!r}"
-        if len(self.hf) != self.role.hf_arity:
-            raise SpecTableError(
-                f"{where}: role {self.role.value} needs {self.role.hf_arity} HF names, got {len(self.hf)}"
-            )
+        arity = max(self.segment_hf) + 1 if self.segment_hf else self.role.hf_arity
+        if len(self.hf) != arity:
+            raise SpecTableError(f"{where}: role {self.role.value} needs {arity} HF names, got {len(self.hf)}")
+        if self.segment_hf and (len(self.segment_hf) != len(self.segments)
+                                or set(self.segment_hf) != set(range(arity))):
+            raise SpecTableError(f"{where}: segment_hf must name an HF tensor for each of the {len(self.segments)} "
+                                 f"segments and use every one of the {arity} HF names, got {self.segment_hf}")
         for template in self.hf:
             _compile(template)  # placeholder check
             if ("{layer}" in template) != self.per_layer:
@@ -408,6 +443,8 @@ class FamilySpec:
     dsa_indexer: bool = False  # DSA lightning-indexer dims from index_n_heads / index_head_dim
     hybrid: bool = False  # Mamba2 hybrid: layer pattern and Mamba dims (see ModelDims.from_hf_config)
     shared_ffn_key: str | None = None  # per shared expert intermediate size, where not moe_ffn_key's
+    gdn: bool = False  # gated-DeltaNet hybrid (Qwen3.5): linear_* dims, layer_types, a gated attention
+    text_config: bool = False  # a vision-language checkpoint: the language model's dims are in ``text_config``
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.entries):
@@ -476,6 +513,8 @@ def _exclusive(a: ParamSpec, b: ParamSpec) -> bool:
     if a.layer_kind is not None and b.layer_kind is not None and a.layer_kind != b.layer_kind:
         return True
     if a.expert_layout is not None and b.expert_layout is not None and a.expert_layout != b.expert_layout:
+        return True
+    if a.mixer is not None and b.mixer is not None and a.mixer != b.mixer:
         return True
     return any(frozenset({x, y}) in _EXCLUSIVE for x in a.requires for y in b.requires)
 

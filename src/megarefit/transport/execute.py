@@ -193,15 +193,19 @@ def _transform_staging(plan: Plan, step: ValueStep, staging: torch.Tensor,
 
 def run_value_step(step: ValueStep, staging: torch.Tensor, out: torch.Tensor) -> None:
     """``out = fn(staging)`` (:data:`~megarefit.plan.ops.VALUE_FNS`): ``neg_exp`` computes
-    ``-exp(staging)`` in float32, the operations vLLM's ``A`` loader runs, so bit-identical to it.
+    ``-exp(staging)`` in float32, the operations vLLM's ``A`` loader runs, so bit-identical to it;
+    ``plus_one`` / ``minus_one`` add / subtract 1 in ``out``'s dtype (one rounding).
 
     Raises:
         MegarefitError: an unknown function (a plan from a newer megarefit).
     """
-    if step.fn != "neg_exp":
+    if step.fn == "neg_exp":
+        torch.exp(staging.to(torch.float32), out=out)
+        out.neg_()
+    elif step.fn in ("plus_one", "minus_one"):
+        torch.add(staging, 1 if step.fn == "plus_one" else -1, out=out)
+    else:
         raise MegarefitError(f"value step for {step.target}: unknown function {step.fn!r}")
-    torch.exp(staging.to(torch.float32), out=out)
-    out.neg_()
 
 
 def run_quantize_step(step: QuantizeStep, staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
