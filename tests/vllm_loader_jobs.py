@@ -4,6 +4,7 @@ HF tensors. Returns each parameter's local shard for this rank."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -245,3 +246,58 @@ def vllm_draft_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
                             type(drafter).__name__))
         out[key] = results
     return out
+
+
+@contextlib.contextmanager
+def torchvision_stand_in():
+    """Let vLLM *import* its Qwen3.5 model module without torchvision (removed here: no build for
+    this torch, see the README): ``qwen3_5.py`` imports ``qwen3_vl.py``, which imports transformers'
+    Qwen2-VL image processor, which imports ``torchvision.transforms.v2`` at module level. Inside
+    this block empty stand-in modules satisfy those imports; they are gone after it (transformers'
+    own checks, made before, still see no torchvision). No image is processed: the text model's
+    parameters and ``load_weights`` are vLLM's own. Does nothing where a real torchvision imports."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
+        return
+
+    class _Any(type):  # a stand-in class whose attributes are stand-ins too (InterpolationMode.BICUBIC)
+        def __getattr__(cls, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Any(name, (), {})
+
+    class _Stub(types.ModuleType):
+        def __getattr__(self, name: str):  # any attribute a module-level import or annotation asks for
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Any(name, (), {})
+
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional", "torchvision.io", "torchvision.transforms.functional")
+    for name in names:
+        module = _Stub(name)
+        module.__spec__ = importlib.util.spec_from_loader(name, loader=None)
+        module.__path__ = []
+        sys.modules[name] = module
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def vllm_qwen35_model_job(rank: int, world_size: int, port: int, cases: dict, workdir: str) -> dict[str, Any]:
+    """:func:`vllm_model_job` for Qwen3.5: vLLM's Qwen3.5 classes imported in this process (inside
+    :func:`torchvision_stand_in`) and registered under their own architectures (vLLM inspects a
+    lazily registered model in a fresh subprocess, which would lack the stand-ins)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    with torchvision_stand_in():
+        from vllm.model_executor.models import qwen3_5
+    for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+        ModelRegistry.register_model(arch, getattr(qwen3_5, arch))
+    return vllm_model_job(rank, world_size, port, cases, workdir)

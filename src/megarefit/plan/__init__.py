@@ -11,6 +11,7 @@
 from megarefit.plan.ops import (
     ITEMSIZE,
     STAGING_SUFFIX,
+    VALUE_DTYPES,
     CopyOp,
     Direction,
     OpKind,
@@ -27,5 +28,5 @@ from megarefit.plan.ops import (
 from megarefit.plan.plan import Plan
 from megarefit.plan.validate import validate_plan
 
-__all__ = ["ITEMSIZE", "STAGING_SUFFIX", "CopyOp", "Direction", "OpKind", "Plan", "QuantizeStep", "TensorMeta", "TensorRef", "ValueStep",
+__all__ = ["ITEMSIZE", "STAGING_SUFFIX", "VALUE_DTYPES", "CopyOp", "Direction", "OpKind", "Plan", "QuantizeStep", "TensorMeta", "TensorRef", "ValueStep",
            "digest_of", "itemsize", "joined", "make_op", "merge_ops", "validate_plan"]

@@ -173,7 +173,7 @@ class QuantizeStep:
 
 
 
-ValueFn = Literal["neg_exp", "plus_one", "minus_one"]
+ValueFn = Literal["neg_exp", "plus_one", "minus_one", "as_float32"]
 VALUE_FNS: dict[str, str] = {  # what each value function computes, and its inverse
     "neg_exp": "target = -exp(staging) in float32 (vLLM MambaMixer2's A = -exp(A_log.float())); "
                "inverse staging = log(-target), not bit-exact (exp and log each round)",
@@ -181,8 +181,10 @@ VALUE_FNS: dict[str, str] = {  # what each value function computes, and its inve
                 "w - 1 as HF's w); inverse minus_one, exact for targets in [0.5, 2]",
     "minus_one": "target = staging - 1 in the staging dtype (HF's w as Megatron's zero-centered w - 1), exact for "
                  "staging in [0.5, 2] (Sterbenz); inverse plus_one",
+    "as_float32": "target = staging in float32 (vLLM's float32 gated-DeltaNet A_log); exact, inverse a cast back",
 }
-VALUE_DTYPES: dict[str, str | None] = {"neg_exp": "float32", "plus_one": None, "minus_one": None}
+VALUE_DTYPES: dict[str, str | None] = {"neg_exp": "float32", "plus_one": None, "minus_one": None,
+                                       "as_float32": "float32"}
 """The dtype each value function's target has (``None``: the staging's)."""
 STAGING_SUFFIX = ":staging"
 """Appended to a target's name for the receiver-side staging target a quantize or value step reads

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from megarefit.errors import LayoutError
+from megarefit.errors import LayoutError, UnsupportedModelError
 from megarefit.layout import Box, SourceLayout
 from megarefit.layout.dims import ModelDims
-from megarefit.plan import Plan, QuantizeStep, TensorRef, ValueStep, digest_of
+from megarefit.plan import VALUE_DTYPES, Plan, QuantizeStep, TensorRef, ValueStep, digest_of
 from megarefit.plan.columns import plan_threads
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format, UnsupportedQuantizationError
@@ -99,21 +99,37 @@ def worker_experts(dims: ModelDims, target: VllmTarget) -> frozenset[int] | None
     return frozenset(target.local_experts(dims.num_experts)) if dims.num_experts and target.ep_size > 1 else None
 
 
-def _value_params(typed: dict[str, tuple[VllmParam, str | None]]
+def _value_params(typed: dict[str, tuple[VllmParam, str | None]], hf_plan: Plan
                   ) -> tuple[dict[str, tuple[VllmParam, str | None]], list[ValueStep]]:
-    """Parameters vLLM stores transformed (``VllmParam.value_fn``: Mamba's ``A``) as a staging
-    parameter the pulls fill, in the model dtype, and a float32 parameter a :class:`ValueStep`
-    produces from it (staging first: a receiver finishes targets in order)."""
+    """Parameters that are not a copy of trainer bytes, as a staging parameter the pulls fill (model
+    dtype) and the parameter a :class:`ValueStep` makes from it (staging first: a receiver finishes
+    targets in order): those vLLM stores transformed (``VllmParam.value_fn``: Mamba's ``A``, a float32
+    ``A_log``), and those made of HF tensors the HF plan itself makes by a value step (a gated norm's
+    ``w`` from Megatron's ``w - 1``): these read the HF plan's staging and take its function.
+
+    Raises:
+        UnsupportedModelError: a parameter mixes value-stepped HF tensors with others, or with a
+            transform of its own.
+    """
+    made = {t.target.name: t.fn for t in hf_plan.transforms}
     out: dict[str, tuple[VllmParam, str | None]] = {}
     steps: list[ValueStep] = []
     for name, (param, dtype) in typed.items():
-        if param.value_fn is None:
+        fn, pieces = param.value_fn, param.pieces
+        reads = {p.hf_name for p in pieces}
+        if reads & made.keys():
+            fns = {made.get(n) for n in reads}
+            if len(fns) != 1 or fn is not None:
+                raise UnsupportedModelError(f"vLLM parameter {name}: its HF parts are made by different value steps")
+            fn = fns.pop()
+            pieces = tuple(dataclasses.replace(p, hf_name=p.hf_name + STAGING_SUFFIX) for p in pieces)
+        if fn is None:
             out[name] = (param, dtype)
             continue
         staging = name + STAGING_SUFFIX
-        out[staging] = (VllmParam(param.shape, param.pieces), None)
-        out[name] = (VllmParam(param.shape, ()), "float32")
-        steps.append(ValueStep(TensorRef(None, staging), TensorRef(None, name), param.value_fn))  # type: ignore[arg-type]
+        out[staging] = (VllmParam(param.shape, pieces), None)
+        out[name] = (VllmParam(param.shape, ()), VALUE_DTYPES[fn] or dtype)
+        steps.append(ValueStep(TensorRef(None, staging), TensorRef(None, name), fn))  # type: ignore[arg-type]
     return out, steps
 
 
@@ -128,7 +144,7 @@ def worker_params(dims: ModelDims, target: VllmTarget, hf_plan: Plan, quantizati
         typed, steps = _fp8_params(params, hf_plan, quantization)
     else:
         typed = {name: (param, None) for name, param in params.items()}
-    typed, transforms = _value_params(typed)
+    typed, transforms = _value_params(typed, hf_plan)
     produced = {r.name for q in steps for r in (q.weight, q.scale)} | {t.target.name for t in transforms}
     return typed, steps, produced, transforms
 

@@ -104,13 +104,22 @@ _FUSED_MOE_NAMES = {"gate_up_proj": FUSED_MOE_W13, "gate_up_proj_bias": "routed_
                     "down_proj": FUSED_MOE_W2, "down_proj_bias": "routed_experts.w2_bias"}
 # vLLM model classes that spell HF module names differently: (HF part, vLLM part) per family
 _VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn.")),
-                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A"))}
+                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A")),
+                 **dict.fromkeys(("qwen3_5_vl", "qwen3_5_moe_vl"), (("model.language_model.", "language_model.model."),
+                                                                  ("lm_head.", "language_model.lm_head.")))}
 # HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
-_VLLM_VALUES = {".mixer.A_log": "neg_exp"}  # MambaMixer2: A = -exp(A_log.float()), float32
+_VLLM_VALUES = {".mixer.A_log": "neg_exp",  # MambaMixer2: A = -exp(A_log.float()), float32
+                ".linear_attn.A_log": "as_float32"}  # Qwen3.5's gated DeltaNet holds A_log in float32
 
 # vLLM stacks a multi-tensor role's HF tensors (in the spec row's order: q, k, v / gate,
 # up) into one parameter, named after the first with this part replaced.
-_VLLM_STACKED = {Role.QKV: ("q_proj", "qkv_proj"), Role.GATED_MLP: ("gate_proj", "gate_up_proj")}
+_VLLM_STACKED = {Role.QKV: ("q_proj", "qkv_proj"), Role.GATED_QKV: ("q_proj", "qkv_proj"),
+                 Role.GATED_MLP: ("gate_proj", "gate_up_proj")}
+# A segmented row over several HF tensors: the vLLM parameters its segments stack into, in order, as
+# (name replacing the first HF name's last two parts, segments) -- Qwen3.5's gated DeltaNet: vLLM
+# ``in_proj_qkvz`` [Q_t; K_t; V_t; Z_t] and ``in_proj_ba`` [b_t; a_t] (MergedColumnParallelLinear)
+_VLLM_SEGMENT_PARAMS = {"linear_attn.in_proj_qkv.weight": (("linear_attn.in_proj_qkvz.weight", 4),
+                                                           ("linear_attn.in_proj_ba.weight", 2))}
 
 # MLA (vLLM deepseek_v2.py): the down-projections are ReplicatedLinear whatever Megatron's
 # spec does, and with q_lora_rank the two are one DeepSeekV2FusedQkvAProjLinear.
@@ -129,8 +138,9 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 # Families whose vLLM shared experts follow sequence-parallel MoE (DeepseekV2MoE passes
 # is_sequence_parallel -> disable_tp; GLM-5 is served by vLLM's DeepSeek-V3.2 model, the same
-# MoE); GLM-4.5's Glm4MoeMLP always splits over tp.
-_SHARED_EXPERTS_FOLLOW_SP_MOE = frozenset({"deepseek_v3", "glm_moe_dsa"})
+# MoE; Qwen3.5's shared expert is a Qwen2MoeMLP given is_sequence_parallel); GLM-4.5's Glm4MoeMLP
+# always splits over tp.
+_SHARED_EXPERTS_FOLLOW_SP_MOE = frozenset({"deepseek_v3", "glm_moe_dsa", "qwen3_5_moe", "qwen3_5_moe_vl"})
 
 
 @dataclass(frozen=True)
@@ -322,25 +332,14 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
            out: dict[str, VllmParam]) -> None:
     T, t, group = _split_group(row, dims, target)
     if row.role is Role.SEGMENTED:
-        _segmented(row, named[0], dims, T, t, out)
+        (_segmented_params if row.segment_hf else _segmented)(row, named, dims, T, t, out)  # type: ignore[operator]
         return
     if any(name.endswith(_VLLM_REPLICATED) for name, _ in named):
         for name, shape in named:
             out[name] = _whole(name, shape)
         return
-    if row.role is Role.QKV:  # q heads of rank t, then its k and v heads
-        d = dims.head_dim
-        heads, kv = _split(dims.num_attention_heads, T, "num_attention_heads"), dims.num_query_groups
-        if T >= kv:
-            if T % kv:
-                raise LayoutError(f"vLLM tp={T} must be a multiple of num_key_value_heads={kv} (or divide it)")
-            kv_local, kv_start = 1, t // (T // kv)
-        else:
-            kv_local = _split(kv, T, "num_key_value_heads")
-            kv_start = t * kv_local
-        (qn, qs), (kn, ks), (vn, vs) = named
-        out[qn.replace(*_VLLM_STACKED[Role.QKV])] = _stacked(
-            [(qn, qs, t * heads * d, heads * d), (kn, ks, kv_start * d, kv_local * d), (vn, vs, kv_start * d, kv_local * d)])
+    if row.role in (Role.QKV, Role.GATED_QKV):
+        _qkv(row, named, dims, T, t, out)
     elif row.role is Role.GATED_MLP:  # gate chunk t, then up chunk t
         out[named[0][0].replace(*_VLLM_STACKED[Role.GATED_MLP])] = _stacked(
             [(n, s, t * _split(s[0], T, f"{n} rows", group), _split(s[0], T, f"{n} rows", group)) for n, s in named])
@@ -371,7 +370,53 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
         raise UnsupportedModelError(f"{named[0][0]}: role {row.role.value} has no vLLM shard rule")
 
 
-def _segmented(row: ParamSpec, named: tuple[str, tuple[int, ...]], dims: ModelDims, T: int, t: int,
+def _qkv(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, T: int, t: int,
+         out: dict[str, VllmParam]) -> None:
+    """``qkv_proj`` (``QKVParallelLinear``): rank t's q heads, then its k and v heads (a kv head
+    replicated over ``T / kv`` ranks when ``T`` exceeds the kv heads); a gated attention's q head is
+    ``q_proj``'s [q_h; gate_h] rows (vLLM builds it with twice the heads, Qwen3-Next / Qwen3.5)."""
+    d = dims.head_dim
+    q_rows = 2 * d if row.role is Role.GATED_QKV else d
+    heads, kv = _split(dims.num_attention_heads, T, "num_attention_heads"), dims.num_query_groups
+    if T >= kv:
+        if T % kv:
+            raise LayoutError(f"vLLM tp={T} must be a multiple of num_key_value_heads={kv} (or divide it)")
+        kv_local, kv_start = 1, t // (T // kv)
+    else:
+        kv_local = _split(kv, T, "num_key_value_heads")
+        kv_start = t * kv_local
+    (qn, qs), (kn, ks), (vn, vs) = named
+    out[qn.replace(*_VLLM_STACKED[row.role])] = _stacked(
+        [(qn, qs, t * heads * q_rows, heads * q_rows), (kn, ks, kv_start * d, kv_local * d),
+         (vn, vs, kv_start * d, kv_local * d)])
+
+
+def _segmented_params(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, T: int, t: int,
+                      out: dict[str, VllmParam]) -> None:
+    """A segmented row over several HF tensors (Qwen3.5's gated DeltaNet ``in_proj``): each segment's
+    rows chunk ``t`` of ``T``, stacked into the vLLM parameters :data:`_VLLM_SEGMENT_PARAMS` names.
+
+    Raises:
+        UnsupportedModelError: no vLLM parameters are known for the row.
+        LayoutError: a segment does not split over ``T``.
+    """
+    first = named[0][0]
+    key = next((k for k in _VLLM_SEGMENT_PARAMS if first.endswith(k)), None)
+    if key is None:
+        raise UnsupportedModelError(f"{first}: no vLLM parameters known for its segments")
+    starts = [0] * len(named)
+    parts = []
+    for sym, k in zip(row.segments, row.segment_hf):
+        name, shape = named[k]
+        n = _split(dims.size(sym), T, f"{name} part {sym}={dims.size(sym)}", "tp")
+        parts.append((name, shape, starts[k] + t * n, n))
+        starts[k] += dims.size(sym)
+    for param, count in _VLLM_SEGMENT_PARAMS[key]:
+        out[first[:-len(key)] + param] = _stacked(parts[:count])
+        parts = parts[count:]
+
+
+def _segmented(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, T: int, t: int,
                out: dict[str, VllmParam]) -> None:
     """Mamba's ``in_proj`` / ``conv1d`` (vLLM ``MambaMixer2``'s merged column-parallel layers): each
     segment's rows chunk ``t`` of ``T``, stacked; with ``n_groups == 1`` and ``T > 1`` vLLM keeps B and
@@ -380,7 +425,7 @@ def _segmented(row: ParamSpec, named: tuple[str, tuple[int, ...]], dims: ModelDi
     Raises:
         LayoutError: a segment does not split over ``T`` (vLLM asserts ``n_groups % tp == 0`` or 1 group).
     """
-    name, shape = named
+    name, shape = named[0]
     parts, start = [], 0
     for sym in row.segments:
         size = dims.size(sym)

@@ -194,7 +194,8 @@ def _transform_staging(plan: Plan, step: ValueStep, staging: torch.Tensor,
 def run_value_step(step: ValueStep, staging: torch.Tensor, out: torch.Tensor) -> None:
     """``out = fn(staging)`` (:data:`~megarefit.plan.ops.VALUE_FNS`): ``neg_exp`` computes
     ``-exp(staging)`` in float32, the operations vLLM's ``A`` loader runs, so bit-identical to it;
-    ``plus_one`` / ``minus_one`` add / subtract 1 in ``out``'s dtype (one rounding).
+    ``plus_one`` / ``minus_one`` add / subtract 1 in ``out``'s dtype (one rounding); ``as_float32``
+    copies into float32 ``out`` (exact).
 
     Raises:
         MegarefitError: an unknown function (a plan from a newer megarefit).
@@ -204,6 +205,8 @@ def run_value_step(step: ValueStep, staging: torch.Tensor, out: torch.Tensor) ->
         out.neg_()
     elif step.fn in ("plus_one", "minus_one"):
         torch.add(staging, 1 if step.fn == "plus_one" else -1, out=out)
+    elif step.fn == "as_float32":
+        out.copy_(staging)
     else:
         raise MegarefitError(f"value step for {step.target}: unknown function {step.fn!r}")
 
