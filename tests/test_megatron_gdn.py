@@ -1,0 +1,43 @@
+"""Qwen3.5's gated DeltaNet and gated attention on real Megatron-Core (CPU, gloo; 0.17+ builds
+``GatedDeltaNet``: run in test_megatron_0_19.py's child on 0.19.2, skipped on the pinned 0.16.1).
+
+megarefit's HF -> Megatron shards of a transformers ``Qwen3_5ForCausalLM`` go into Megatron-Core's
+own ``GatedDeltaNet`` and ``SelfAttention(attention_output_gate=True)`` at TP 1 and 2 (see
+tests/gdn_jobs.py for what lets them run on CPU); their outputs must equal the HF layers' on the
+same input. This is what fixes the layouts independently of Megatron-Bridge: ``in_proj``'s
+per-rank [Q; K; V; Z; b; a], ``conv1d``'s per-rank [Q; K; V], the per-group [q heads; gate heads;
+k; v] of ``linear_qkv``, and the zero-centered ``out_norm`` (HF w = Megatron w + 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+try:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: F401  (0.17+)
+except ImportError:
+    pytest.skip("this megatron-core builds no GatedDeltaNet (0.17+ does; test_megatron_0_19.py runs it on 0.19.2)",
+                allow_module_level=True)
+
+from test_qwen35 import hf_state, tiny  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_layers_loaded_from_the_plan_equal_hfs(tp):
+    from gdn_jobs import gdn_layers_job
+
+    from megarefit.demo.megatron_cpu import harness_megatron
+    from megarefit.demo.workers import run_workers
+    from megarefit.translate import hf_to_megatron
+
+    cfg = tiny(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    hf = hf_state(cfg)
+    shards = hf_to_megatron(hf, cfg, tp=tp, megatron=harness_megatron())
+    for rank, diffs in enumerate(run_workers(gdn_layers_job, world_size=tp, args=(cfg, hf, shards), timeout=600)):
+        for layer, (diff, scale) in diffs.items():  # float32 rounding; a wrong layout is off by O(scale)
+            assert scale > 0.05 and diff <= 1e-6 * scale, (rank, layer, diff, scale)
