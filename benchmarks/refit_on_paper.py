@@ -1,0 +1,559 @@
+"""On paper: how long one refit takes across nodes, 16 to 1024 GPUs (issue 43).
+
+    python benchmarks/refit_on_paper.py [--json docs/refit_on_paper.jsonl]       # plan, model, print
+    python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl    # the predictions table only
+    python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl --summary calibration
+    python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl --summary anchors
+
+Units: bytes and seconds in the code and the JSON lines; tables print GB (1e9 bytes), GB/s
+(1e9 bytes per second), seconds, and ms where a column says so.
+
+Bytes come from megarefit's planner, as in ``memory_on_paper.py``: for each case the vLLM
+workers that matter are planned (``plan_megatron_to_vllm`` on the real HF config): the engine's
+first and last worker (rank 0 and rank tp*dp-1), the slower one decides. Under vLLM's EP every
+worker holds the same number of experts, so two plans stand for all 16-1024. What each trainer
+GPU serves comes from the planner too: ``plan_megatron_to_hf`` (bf16, every HF element once)
+per trainer coordinate, split into expert and other bytes with ``source_tensors``; one vLLM
+replica reads its experts once and its other bytes once per vLLM dp rank (each dp rank holds
+every non-expert tensor), scaled to FP8 by the worker's FP8 / bf16 bytes
+(tests/test_refit_on_paper.py checks this against planning every worker of an engine).
+
+The model of one cycle (the slowest worker decides)::
+
+    refit = overhead + per_op * ops             fixed costs of a cycle (fitted)
+          + quantize                            FP8: the trainer's block quantization of its served shard
+          + pull                                the links, below
+          + scratch bytes / BoxCopies rate      strided pieces placed from scratch
+          + worker bytes / install rate         vLLM's reload copying the pulled tensors into its parameters
+
+    pull, direct: every replica's worker reads the trainers
+        max(receiver, sender)
+        receiver = max(remote bytes / NIC, same-node bytes / NVLink)
+        sender   = the most one trainer GPU serves: replicas x its share, over its NIC (and NVLink)
+    pull, fan-out tree of k: one replica reads the trainers, every other replica mirrors a
+        parent's arena (``megarefit.online.replica``, store and forward, whole arena)
+        max(receiver, sender for one replica) + depth x k x worker bytes / NIC
+    the smaller of direct and trees k = 1..4 is taken.
+
+A trainer coordinate (tp, pp, ep) is served by its first copy in Megatron's rank order
+(``Publisher.from_megatron``): data-parallel copies serve nothing, so the senders are the first
+max(tp, ep) trainer GPUs. A delta refit (``docs/delta.md``) moves a fraction ``f`` of the pulled
+bytes: the changed elements plus their index, 16-bit offsets (2 bytes a change) or a bitmap,
+whichever is smaller; replicas still mirror whole arenas, vLLM still reloads every tensor.
+
+Calibrated on the recorded two-GPU runs (``docs/refit_nixl_h200.jsonl``: two H200s, NIXL over
+CUDA IPC, so the link there is NVLink): the link rate is bytes / raw NIXL READ; the fixed
+overhead and per-op cost are a least-squares fit of (warm - link - copies) on the FIT rows;
+copy rates come from ``docs/box_copies_h200.jsonl`` (BoxCopies; PyTorch's strided ``copy_``,
+the legacy GroupedMLP transposes) and ``docs/install_gpu_h200.jsonl`` (vLLM-style install
+loop); the FP8 quantize rate from the FIT rows' trainer-side quantize seconds. The other rows
+are held out. The predicted quantity is the median warm cycle (``bench_nixl.py``'s "warm ms").
+
+Assumptions (ASSUMPTIONS below, printed with every table): 8 GPUs per node, one 400 Gb/s NIC
+per GPU (50 GB/s line) at an achievable efficiency; NVLink at the calibrated rate; trainer
+Megatron tp (per model), pp 1, ep min(ep_max, trainer GPUs), etp 1; split placement gives half
+the GPUs to the trainer, colocated shares them; fan-out hops always cross nodes. Not modelled:
+vLLM's pause and resume, its post-load processing, stragglers, congestion in the fabric.
+
+Published numbers set beside the predictions (ANCHORS) are other systems' measurements on
+their own setups, not megarefit's; each names its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+NODE_GPUS = 8
+RECORDED = {"nixl": "docs/refit_nixl_h200.jsonl", "box": "docs/box_copies_h200.jsonl",
+            "install": "docs/install_gpu_h200.jsonl"}
+FIT = ("dense-tp2", "moe-ep2-te_grouped", "dense-tp2-fp8", "moe-ep2-te_grouped-fp8", "moe-etp2-sequential")
+TOLERANCE = 0.15  # the done-when bar: every recorded two-GPU row within 15% of its median warm cycle
+ASSUMPTIONS = {
+    "gpus_per_node": NODE_GPUS,
+    "nic_line_bytes_per_s": 400e9 / 8,  # one 400 Gb/s NIC per GPU (DGX H100 / H200: 8 compute NICs)
+    "nic_efficiency": 0.80,  # achievable share of line rate (assumed; not measured by megarefit)
+    "delta_low": 0.05,  # "a few percent" of elements change per step at lr 1e-6 (docs/delta.md)
+    "fanout_max": 4,  # trees of fan-out 1..4 are tried
+    "split": "trainer on half the GPUs, vLLM on the other half, on separate nodes",
+    "colocated": "trainer and vLLM on the same GPUs; a worker reads same-node sources over NVLink",
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model and the layouts it is run with: the HF config, the trainer's Megatron tp and
+    largest ep, the vLLM engine (tp x dp GPUs, ``ep``: vLLM's enable_expert_parallel)."""
+
+    name: str
+    config: str
+    trainer_tp: int
+    trainer_ep: int
+    vllm_tp: int
+    vllm_dp: int
+    vllm_ep: bool
+
+    @property
+    def engine(self) -> int:
+        return self.vllm_tp * self.vllm_dp
+
+
+@dataclass(frozen=True)
+class Case:
+    """One refit: a model on ``gpus`` GPUs, ``placement`` split or colocated, the wire dtype."""
+
+    model: Model
+    gpus: int
+    placement: str = "split"
+    quant: str = "bf16"
+    anchor: str = ""  # the ANCHORS entry this case is set beside
+    split_at: int = 0  # split placement: trainer GPUs (0: half of ``gpus``)
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.gpus if self.placement == "colocated" else self.split_at or self.gpus // 2
+
+    @property
+    def vllm_gpus(self) -> int:
+        return self.gpus if self.placement == "colocated" else self.gpus - self.trainer_gpus
+
+    @property
+    def trainer_ep(self) -> int:
+        return min(self.model.trainer_ep, self.trainer_gpus)
+
+
+MODELS = {m.name: m for m in (
+    Model("DeepSeek-V3", "DeepSeek-V3.json", 8, 64, 8, 4, True),
+    Model("Kimi-K2", "Kimi-K2-Instruct.json", 8, 64, 8, 4, True),
+    Model("GLM-5", "GLM-5.json", 8, 64, 8, 4, True),
+    Model("Qwen3-235B-A22B", "Qwen3-235B-A22B.json", 8, 64, 1, 8, True),
+    Model("Qwen3-30B-A3B", "Qwen3-30B-A3B.json", 2, 8, 2, 1, False),
+)}
+GPUS = (16, 64, 256, 1024)
+CASES = [Case(MODELS[n], g, quant=q) for n in MODELS for g in GPUS for q in ("bf16", "fp8")]
+
+ANCHORS = [  # other systems' published numbers (not megarefit measurements), with the case set beside each
+    {"key": "prime-rl", "system": "prime-rl (NIXL pulls, PR #3341)", "seconds": "2.842",
+     "setup": "GLM-5.2, 64 trainer -> 32 inference H200s (one engine, EP32), bf16 served",
+     "timed": "inference client's weight update, median (RDMA alone 1.864 s)", "published_gb": 82.501,
+     "source": "https://github.com/PrimeIntellect-ai/prime-rl/pull/3341",
+     "case": Case(Model("GLM-5.2", "GLM-5.2-FP8.json", 8, 64, 1, 32, True), 96, anchor="prime-rl", split_at=64)},
+    {"key": "sharded_rdt", "system": "vLLM sharded_rdt (Ray + NIXL, PR #43375)", "seconds": "3.2-3.3",
+     "setup": "Qwen3-235B-A22B, 8 trainer (FSDP2) -> 8 inference H100s, DP8 + EP8, bf16",
+     "timed": "warm sync at the engine level", "published_gb": None,
+     "source": "https://github.com/vllm-project/vllm/pull/43375",
+     "case": Case(MODELS["Qwen3-235B-A22B"], 16, anchor="sharded_rdt")},
+    {"key": "nemo-dsv3", "system": "NeMo-RL", "seconds": "2.39",
+     "setup": "DeepSeek-V3; GPU count and layouts not given with the figure (model: 256 GPUs, colocated)",
+     "timed": "refit", "published_gb": None,
+     "source": "issue 43 (NeMo-RL refit post: https://nvidia-nemo.github.io/blog/2025/08/12/nemo-rl-refit-performance)",
+     "case": Case(MODELS["DeepSeek-V3"], 256, "colocated", anchor="nemo-dsv3")},
+    {"key": "nemo-30b-32", "system": "NeMo-RL", "seconds": "1.96-2.41 (32-1024 GPUs)",
+     "setup": "Qwen3-30B-A3B at 32 to 1024 GPUs; placement and layouts not given with the figure (model: colocated)",
+     "timed": "refit", "published_gb": None, "source": "issue 43 (as above)",
+     "case": Case(MODELS["Qwen3-30B-A3B"], 32, "colocated", anchor="nemo-30b-32")},
+    {"key": "nemo-30b-1024", "system": "NeMo-RL", "seconds": "1.96-2.41 (32-1024 GPUs)",
+     "setup": "as above, the 1024-GPU end", "timed": "refit", "published_gb": None, "source": "issue 43 (as above)",
+     "case": Case(MODELS["Qwen3-30B-A3B"], 1024, "colocated", anchor="nemo-30b-1024")},
+]
+
+
+# ---- calibration: the recorded two-GPU runs (JSON only, no torch) ---------------------------
+
+def load(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (ROOT / path).read_text().splitlines() if line.strip()]
+
+
+def _copy_rates() -> dict[str, float]:
+    """Bytes per second of BoxCopies and of PyTorch's strided copy_ (bench_box_copies.py) and of
+    the install loop (bench_install.py, ``loop copy_``, median over its models)."""
+    box = load(RECORDED["box"])[0]
+    med = {k: statistics.median(v) for k, v in box["samples"].items()}
+    install = [r["bytes"] / statistics.median(r["loop_s"]) for r in load(RECORDED["install"])]
+    return {"box": box["bytes"] / med["BoxCopies (one batched launch)"],
+            "strided": box["bytes"] / med["copy_ per box (PyTorch strided kernel)"],
+            "install": statistics.median(install)}
+
+
+def _trainers(r: dict) -> int:
+    return max(r["tp"], r["ep"] * r["etp"])  # trainer processes of a recorded run (pp 1)
+
+
+def _copies_s(r: dict, rates: dict[str, float]) -> float:
+    """Receiver copies of a recorded row: scratch through BoxCopies; legacy GroupedMLP experts
+    through PyTorch's strided copy_ (transposed), and with FP8 quantized on the receiver."""
+    sb = r["ops"]["scratch_bytes"]
+    if r["expert_layout"] != "legacy_grouped":
+        return sb / rates["box"]
+    return sb / rates["strided"] + (sb / rates["quantize"] if r["quantization"] == "fp8" else 0.0)
+
+
+def calibrate(rows: list[dict] | None = None) -> dict[str, float]:
+    """Rates (bytes/s) and fixed costs (s, s/op) from the FIT rows and the copy benchmarks.
+
+    The FP8 quantize rate: a trainer quantizes the elements that become FP8; with half the
+    bytes per element on the wire, those are ``2 * (bf16 bytes - FP8 bytes)`` of the whole
+    model (scales ignored), split over the trainers, in its recorded ``trainer_quantize_s``."""
+    rows = rows if rows is not None else load(RECORDED["nixl"])
+    fit = [r for r in rows if r["label"] in FIT]
+    rates = _copy_rates()
+    rates["link"] = statistics.median(r["bytes"] / statistics.median(r["samples"]["raw"]) for r in fit)
+    rates["quantize"] = statistics.median(2 * (r["full_bytes"] - r["bytes"]) / _trainers(r) / r["trainer_quantize_s"]
+                                          for r in fit if r["quantization"] == "fp8")
+    xs = [r["ops"]["ops"] for r in fit]
+    ys = [statistics.median(r["samples"]["warm"]) - r["bytes"] / rates["link"] - _copies_s(r, rates) for r in fit]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    per_op = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {**rates, "per_op_s": per_op, "overhead_s": my - per_op * mx}
+
+
+def predict_recorded(r: dict, cal: dict[str, float]) -> float:
+    """The model's seconds for a recorded two-GPU row (its bytes over the calibrated link)."""
+    return cal["overhead_s"] + cal["per_op_s"] * r["ops"]["ops"] + r["bytes"] / cal["link"] + _copies_s(r, cal)
+
+
+def calibration_rows(cal: dict[str, float]) -> list[dict]:
+    out = []
+    for r in load(RECORDED["nixl"]):
+        measured, predicted = statistics.median(r["samples"]["warm"]), predict_recorded(r, cal)
+        out.append({"kind": "calibration", "label": r["label"], "role": "fit" if r["label"] in FIT else "held out",
+                    "config": r["config"], "quantization": r["quantization"], "expert_layout": r["expert_layout"],
+                    "target": r["target"], "bytes": r["bytes"], "ops": r["ops"]["ops"],
+                    "scratch_bytes": r["ops"]["scratch_bytes"], "measured_s": measured, "predicted_s": predicted,
+                    "error": predicted / measured - 1, "recorded_on": f"{r['machine']}, {r['date']}"})
+    return out
+
+
+# ---- planning (megarefit; imported only here) -----------------------------------------------
+
+def _dims(config: str):
+    from megarefit import ModelDims
+    from megarefit.layout.dims import load_hf_config
+
+    cfg = dict(load_hf_config(str(ROOT / "tests/data/configs" / config)))
+    return cfg, ModelDims.from_hf_config(cfg)
+
+
+def _layout(dims, tp: int, ep: int):
+    from megarefit import SourceLayout
+
+    return SourceLayout.build(tp=tp, pp=1, ep=ep, etp=1, padded_vocab_size=dims.padded_vocab_size(tp),
+                              num_layers=dims.num_layers)
+
+
+def plan_worker(job: tuple) -> dict:
+    """One vLLM worker's plan: bytes, ops, scratch bytes, and bytes per trainer coordinate."""
+    config, tp, ep, vtp, vdp, vep, rank, quant = job
+    from megarefit.quant.fp8 import resolve_quantization
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+
+    cfg, dims = _dims(config)
+    q = resolve_quantization("fp8", cfg) if quant == "fp8" else None
+    target = VllmTarget(vtp, rank % vtp, dp=vdp, dp_rank=rank // vtp, expert_parallel=vep)
+    s = plan_megatron_to_vllm(dims, _layout(dims, tp, ep), "bfloat16", target, quantization=q).summary()
+    return {"rank": rank, "bytes": s["total"]["bytes"], "ops": s["total"]["ops"],
+            "scratch_bytes": s["total"]["scratch_bytes"],
+            "per_source": {(c.tp, c.ep): v["bytes"] for c, v in s["per_rank"].items()}}
+
+
+def plan_trainer(job: tuple) -> dict:
+    """Bytes each trainer coordinate serves for one copy of every HF tensor (bf16), and of
+    them its expert bytes: ``{(tp, ep): (served, expert)}``."""
+    config, tp, ep = job
+    from megarefit.layout.geometry import source_tensors
+    from megarefit.planner import plan_megatron_to_hf
+
+    _, dims = _dims(config)
+    layout = _layout(dims, tp, ep)
+    served = plan_megatron_to_hf(dims, layout, "bfloat16").summary()["per_rank"]
+    out = {}
+    for c, tensors in source_tensors(dims, layout).items():
+        expert = sum(2 * _numel(t.shape) for t in tensors.values() if t.expert is not None)
+        out[(c.tp, c.ep)] = (served.get(c, {"bytes": 0})["bytes"], expert)
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def worker_jobs(case: Case, quant: str | None = None) -> list[tuple]:
+    """The plans a case needs: its engine's first and last worker, at ``quant`` (default: the case's)."""
+    m = case.model
+    return [(m.config, m.trainer_tp, m.trainer_ep, m.vllm_tp, m.vllm_dp, m.vllm_ep, r, quant or case.quant)
+            for r in (0, m.engine - 1)]
+
+
+def case_workers(case: Case, plans: dict) -> list[dict]:
+    """The case's planned workers, each with its bytes at bf16 beside (``bf16_bytes``)."""
+    return [{**plans[j], "bf16_bytes": plans[b]["bytes"]}
+            for j, b in zip(worker_jobs(case), worker_jobs(case, "bf16"))]
+
+
+def plan_all(cases: list[Case], processes: int = 2) -> tuple[dict, dict]:
+    """Every distinct worker and trainer plan the cases need, in ``processes`` processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    ok = [c for c in cases if feasible(c) is None]
+    workers = sorted({j for c in ok for q in {c.quant, "bf16"} for j in worker_jobs(c, q)}, key=str)
+    trainers = sorted({(c.model.config, c.model.trainer_tp, c.trainer_ep) for c in ok})
+    with ProcessPoolExecutor(processes) as pool:
+        w = dict(zip(workers, pool.map(plan_worker, workers)))
+        t = dict(zip(trainers, pool.map(plan_trainer, trainers)))
+    return w, t
+
+
+# ---- the multi-node model -------------------------------------------------------------------
+
+def feasible(case: Case) -> str | None:
+    """Why the case cannot run as stated, or None."""
+    m = case.model
+    if m.engine > case.vllm_gpus:
+        return f"the vLLM engine needs {m.engine} GPUs, the case gives it {case.vllm_gpus}"
+    if case.trainer_gpus % max(m.trainer_tp, case.trainer_ep):
+        return f"{case.trainer_gpus} trainer GPUs do not hold tp {m.trainer_tp} x ep {case.trainer_ep}"
+    return None
+
+
+def delta_fraction(delta: float, quant: str) -> float:
+    """Share of the pulled bytes a delta refit moves: changed elements plus 16-bit offsets (2 bytes
+    a change) or a bitmap (1 bit an element), whichever is smaller (docs/delta.md)."""
+    width = 1 if quant == "fp8" else 2
+    return min(1.0, delta * (1 + 2 / width), delta + 1 / (8 * width))
+
+
+def coordinate_gpu(coord: tuple[int, int], tp: int, ep: int, world: int) -> int:
+    """The first GPU in Megatron's rank order (tp fastest; experts ep_rank = rank % ep with etp 1)
+    holding trainer coordinate ``(tp_rank, ep_rank)``: the one that serves it."""
+    return next(g for g in range(world) if (g % tp, g % ep) == coord)
+
+
+def sender_bytes(case: Case, shares: dict, wire_ratio: float) -> dict:
+    """Bytes each serving trainer GPU sends for ONE vLLM replica: its experts once, its other
+    bytes once per vLLM data-parallel rank (each holds every non-expert tensor), at the wire dtype."""
+    dp = case.model.vllm_dp
+    return {c: wire_ratio * (expert + dp * (served - expert)) for c, (served, expert) in shares.items()}
+
+
+def receiver_s(case: Case, worker: dict, gpu: int, f: float, rates: dict) -> float:
+    """One worker's pull: remote bytes over its NIC, same-node bytes over NVLink, at once."""
+    if case.placement == "split":
+        return f * worker["bytes"] / rates["nic"]
+    tp, ep = case.model.trainer_tp, case.trainer_ep
+    local = sum(b for c, b in worker["per_source"].items()
+                if coordinate_gpu(c, tp, ep, case.trainer_gpus) // NODE_GPUS == gpu // NODE_GPUS)
+    return f * max((worker["bytes"] - local) / rates["nic"], local / rates["link"])
+
+
+def sender_s(case: Case, per_replica: float, replicas: int, f: float, rates: dict) -> float:
+    """The busiest trainer GPU: ``replicas`` x its per-replica bytes; colocated, the receivers on
+    its own node (a share 8/GPUs of them) take theirs over NVLink."""
+    nbytes = f * per_replica * replicas
+    if case.placement == "split":
+        return nbytes / rates["nic"]
+    local = min(1.0, NODE_GPUS / case.gpus)
+    return max(nbytes * (1 - local) / rates["nic"], nbytes * local / rates["link"])
+
+
+def tree_depth(replicas: int, k: int) -> int:
+    """Hops from the root to the deepest of ``replicas`` members of a k-ary tree in
+    registration order (``arena.tree_parent``: member i reads member (i - 1) // k)."""
+    depth, i = 0, replicas - 1
+    while i > 0:
+        i, depth = (i - 1) // k, depth + 1
+    return depth
+
+
+def pull_s(case: Case, worst: dict, recv: float, per_replica: float, f: float, rates: dict) -> tuple[float, str]:
+    """The pull's seconds and how: direct, or the best fan-out tree."""
+    replicas = case.vllm_gpus // case.model.engine
+    send_all = sender_s(case, per_replica, replicas, f, rates)
+    bound = "worker link" if recv >= send_all else f"trainer NIC, {replicas} replica" + "s" * (replicas > 1)
+    best = (max(recv, send_all), f"direct; {bound}")
+    first = max(recv, sender_s(case, per_replica, 1, f, rates))
+    for k in range(1, ASSUMPTIONS["fanout_max"] + 1 if replicas > 1 else 1):
+        d = tree_depth(replicas, k)
+        t = first + d * k * worst["bytes"] / rates["nic"]
+        if t < best[0]:
+            best = (t, f"tree k={k}, {d} hops")
+    return best
+
+
+def model_rates(cal: dict[str, float], efficiency: float | None = None) -> dict[str, float]:
+    """The calibrated rates plus the NIC's achievable bytes/s (line rate x ``efficiency``)."""
+    eff = ASSUMPTIONS["nic_efficiency"] if efficiency is None else efficiency
+    return {**cal, "nic": ASSUMPTIONS["nic_line_bytes_per_s"] * eff}
+
+
+def predict(case: Case, delta: float, workers: list[dict], shares: dict, cal: dict,
+            efficiency: float | None = None) -> dict:
+    """Seconds per term for one case: the slowest of its planned workers decides. ``workers``:
+    ``plan_worker`` results with ``bf16_bytes``; ``shares``: ``plan_trainer``'s."""
+    rates = model_rates(cal, efficiency)
+    f = delta_fraction(delta, case.quant)
+    gpus = (0, case.vllm_gpus - 1)  # colocated: the first engine's rank 0, the last engine's last rank
+    recvs = [receiver_s(case, w, g, f, rates) for w, g in zip(workers, gpus)]
+    worst = workers[max(range(len(workers)), key=lambda i: (recvs[i], workers[i]["bytes"]))]
+    per_replica = max(sender_bytes(case, shares, worst["bytes"] / worst["bf16_bytes"]).values())
+    pull, how = pull_s(case, worst, max(recvs), per_replica, f, rates)
+    quantize = max(s for s, _ in shares.values()) / rates["quantize"] if case.quant == "fp8" else 0.0
+    fixed = rates["overhead_s"] + rates["per_op_s"] * worst["ops"]
+    copies = f * worst["scratch_bytes"] / rates["box"] + worst["bytes"] / rates["install"]
+    return {"quantize_s": quantize, "pull_s": pull, "copies_s": copies, "fixed_s": fixed,
+            "seconds": quantize + pull + copies + fixed, "pull_path": how, "delta": delta, "delta_bytes_share": f,
+            "worker_bytes": worst["bytes"], "worker_rank": worst["rank"], "worker_ops": worst["ops"],
+            "sender_bytes_per_replica": per_replica, "replicas": case.vllm_gpus // case.model.engine}
+
+
+# ---- rows, tables, main ---------------------------------------------------------------------
+
+def meta() -> dict:
+    """The commit (``+uncommitted src`` when the imported megarefit is this checkout's src/ and
+    it has uncommitted changes), the date, this machine and its versions."""
+    import megarefit
+    from megarefit.demo.bench import machine
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if ROOT / "src" in Path(megarefit.__file__).resolve().parents and git("status", "--porcelain", "--", "src"):
+        commit += "+uncommitted src"
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+            "megarefit": getattr(megarefit, "__version__", "?")}
+
+
+def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, common: dict) -> dict:
+    m = case.model
+    row = {"kind": "prediction", "model": m.name, "config": m.config, "gpus": case.gpus,
+           "trainer_gpus": case.trainer_gpus, "vllm_gpus": case.vllm_gpus, "placement": case.placement,
+           "quant": case.quant, "anchor": case.anchor, "delta": delta,
+           "trainer": {"tp": m.trainer_tp, "pp": 1, "ep": case.trainer_ep, "etp": 1},
+           "vllm": {"tp": m.vllm_tp, "dp": m.vllm_dp, "expert_parallel": m.vllm_ep, "engine_gpus": m.engine},
+           "infeasible": feasible(case), **common}
+    if row["infeasible"] is None:
+        workers, shares = case_workers(case, plans[0]), plans[1][(m.config, m.trainer_tp, case.trainer_ep)]
+        row.update(predict(case, delta, workers, shares, cal))
+    return row
+
+
+def run() -> list[dict]:
+    """Calibrate, plan every case, model it: the rows ``--json`` records."""
+    cal = calibrate()
+    common = {**meta(), "assumptions": ASSUMPTIONS, "rates": model_rates(cal),
+              "calibrated_on": RECORDED["nixl"]}  # the commit as planning starts
+    anchors = [a["case"] for a in ANCHORS]
+    t0 = time.perf_counter()
+    plans = plan_all(CASES + anchors)
+    print(f"planned in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    rows = [case_row(c, d, plans, cal, common) for c in CASES for d in (1.0, ASSUMPTIONS["delta_low"])]
+    rows += [case_row(c, 1.0, plans, cal, common) for c in anchors]
+    rows += [{**r, **common} for r in calibration_rows(cal)]
+    rows += [{"kind": "anchor", **{k: v for k, v in a.items() if k != "case"}, **common} for a in ANCHORS]
+    return rows
+
+
+def _assumption_line(r: dict) -> str:
+    a, x = r["assumptions"], r["rates"]
+    d = a["delta_low"]
+    return (f"Assumptions: {a['gpus_per_node']} GPUs per node, one NIC per GPU at "
+            f"{a['nic_line_bytes_per_s'] / GB:.0f} GB/s line x {a['nic_efficiency']:.2f} efficiency = "
+            f"{x['nic'] / GB:.0f} GB/s; NVLink {x['link'] / GB:.0f} GB/s, install {x['install'] / GB:.0f} GB/s, "
+            f"BoxCopies {x['box'] / GB:.0f} GB/s, FP8 quantize {x['quantize'] / GB:.0f} GB/s, fixed "
+            f"{x['overhead_s'] * 1e3:.2f} ms + {x['per_op_s'] * 1e6:.2f} us per op (calibrated on "
+            f"{r['calibrated_on']}); delta: {d:g} of the elements changed moves {delta_fraction(d, 'bf16'):.2f} of "
+            f"the bf16 bytes, {delta_fraction(d, 'fp8'):.2f} of the FP8 bytes. Planned at megarefit {r['commit']}, "
+            f"{r['date']}, on {r['machine']}.")
+
+
+def _engine(r: dict) -> str:
+    v = r["vllm"]
+    ep = " EP" if v["expert_parallel"] else ""
+    return f"tp{v['tp']}" + (f" dp{v['dp']}" if v["dp"] > 1 else "") + ep
+
+
+def _gpus(r: dict) -> str:
+    return f"{r['gpus']} colocated" if r["placement"] == "colocated" else f"{r['trainer_gpus']} + {r['vllm_gpus']}"
+
+
+def predictions_table(rows: list[dict]) -> str:
+    preds = [r for r in rows if r["kind"] == "prediction" and not r["anchor"]]
+    low = {(r["model"], r["gpus"], r["quant"]): r for r in preds if r["delta"] < 1}
+    lines = [_assumption_line(preds[0]), "",
+             f"| model | GPUs: trainer + vLLM | wire | vLLM engine | worker GB | pull path | quantize s | pull s "
+             f"| copies + fixed s | **refit s** | refit s, delta {preds[0]['assumptions']['delta_low']:g} |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in (r for r in preds if r["delta"] == 1):
+        head = f"| {r['model']} | {_gpus(r)} | {r['quant']} | {_engine(r)}"
+        if r["infeasible"]:
+            lines.append(f"{head} | - | {r['infeasible']} | - | - | - | - | - |")
+            continue
+        d = low[(r["model"], r["gpus"], r["quant"])]
+        lines.append(f"{head} x {r['replicas']} | {r['worker_bytes'] / GB:.1f} | {r['pull_path']} "
+                     f"| {r['quantize_s']:.3f} | {r['pull_s']:.2f} | {r['copies_s'] + r['fixed_s']:.3f} "
+                     f"| **{r['seconds']:.2f}** | {d['seconds']:.2f} |")
+    return "\n".join(lines)
+
+
+def calibration_table(rows: list[dict]) -> str:
+    cal = [r for r in rows if r["kind"] == "calibration"]
+    held = max(abs(r["error"]) for r in cal if r["role"] == "held out")
+    x = next(r for r in rows if r["kind"] == "prediction")["rates"]
+    lines = [f"Fitted on {sum(r['role'] == 'fit' for r in cal)} rows, the others held out; recorded on "
+             f"{cal[0]['recorded_on']}. Link (NVLink: bytes / raw NIXL READ) {x['link'] / GB:.0f} GB/s; fixed "
+             f"{x['overhead_s'] * 1e3:.2f} ms per cycle + {x['per_op_s'] * 1e6:.2f} us per op; BoxCopies "
+             f"{x['box'] / GB:.0f} GB/s, strided copy_ {x['strided'] / GB:.0f} GB/s, install "
+             f"{x['install'] / GB:.0f} GB/s, FP8 quantize {x['quantize'] / GB:.0f} GB/s. Largest error: "
+             f"{max(abs(r['error']) for r in cal):.1%} (held out: {held:.1%}); the bar is {TOLERANCE:.0%}.", "",
+             "| recorded case | role | GB | ops | scratch GB | measured warm ms (median) | model ms | error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in cal:
+        lines.append(f"| {r['label']} ({r['config']}, {r['expert_layout']}, {r['quantization']}) | {r['role']} "
+                     f"| {r['bytes'] / GB:.2f} | {r['ops']} | {r['scratch_bytes'] / GB:.2f} "
+                     f"| {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} |")
+    return "\n".join(lines)
+
+
+def anchors_table(rows: list[dict]) -> str:
+    preds = {r["anchor"]: r for r in rows if r["kind"] == "prediction" and r["anchor"]}
+    lines = ["Published by other systems, on their own setups (not megarefit measurements), beside the model's "
+             "prediction for megarefit on a like setup.", "",
+             "| published by | their setup | what they timed | their s | source | model: megarefit, GPUs, trainer, "
+             "vLLM engine | model worker GB (theirs) | model pull path | **model s** |",
+             "|---|---|---|---:|---|---|---:|---|---:|"]
+    for a in (r for r in rows if r["kind"] == "anchor"):
+        p = preds[a["key"]]
+        theirs = f" ({a['published_gb']:.3f})" if a["published_gb"] else ""
+        lines.append(f"| {a['system']} | {a['setup']} | {a['timed']} | {a['seconds']} | {a['source']} "
+                     f"| {p['model']}, {_gpus(p)}, trainer tp{p['trainer']['tp']} ep{p['trainer']['ep']}, "
+                     f"{_engine(p)} x {p['replicas']}, {p['quant']} "
+                     f"| {p['worker_bytes'] / GB:.3f}{theirs} | {p['pull_path']} | **{p['seconds']:.2f}** |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="write the rows here (JSON lines)")
+    ap.add_argument("--from-json", default=None, help="print a table of recorded rows (a --json file)")
+    ap.add_argument("--summary", choices=["calibration", "anchors"], help="that table instead of the predictions")
+    ns = ap.parse_args(argv)
+    rows = load(ns.from_json) if ns.from_json else run()
+    if ns.json:
+        Path(ns.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print({"calibration": calibration_table, "anchors": anchors_table}.get(ns.summary, predictions_table)(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
