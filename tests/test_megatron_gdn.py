@@ -2,7 +2,7 @@
 ``GatedDeltaNet``: run in test_megatron_0_19.py's child on 0.19.2, skipped on the pinned 0.16.1).
 
 megarefit's HF -> Megatron shards of a transformers ``Qwen3_5ForCausalLM`` go into Megatron-Core's
-own ``GatedDeltaNet`` and ``SelfAttention(attention_output_gate=True)`` at TP 1 and 2 (see
+own ``GatedDeltaNet`` and ``SelfAttention(attention_output_gate=True)`` at TP 2 (see
 tests/gdn_jobs.py for what lets them run on CPU); their outputs must equal the HF layers' on the
 same input. This is what fixes the layouts independently of Megatron-Bridge: ``in_proj``'s
 per-rank [Q; K; V; Z; b; a], ``conv1d``'s per-rank [Q; K; V], the per-group [q heads; gate heads;
@@ -27,7 +27,7 @@ from test_qwen35 import hf_state, tiny  # noqa: E402
 pytestmark = pytest.mark.megatron
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [2])  # tp 1 passes too (run by hand); tp 2 holds every cut
 def test_megatron_layers_loaded_from_the_plan_equal_hfs(tp):
     from gdn_jobs import gdn_layers_job
 
