@@ -154,7 +154,8 @@ ANCHORS = [  # other systems' published numbers (not megarefit measurements), wi
     {"key": "nemo-dsv3", "system": "NeMo-RL", "seconds": "2.39",
      "setup": "DeepSeek-V3; GPU count and layouts not given with the figure (model: 256 GPUs, colocated)",
      "timed": "refit", "published_gb": None,
-     "source": "issue 43; figure not found in a reachable source (NeMo-RL blog post \"Journey of Optimizing Weight Transfer in Large MoE Models by 10x\", https://nvidia-nemo.github.io/blog/category/nemo-rl)",
+     "source": "issue 43; figure not found in a reachable source (NeMo-RL blog post \"Journey of Optimizing Weight "
+               "Transfer in Large MoE Models by 10x\", https://nvidia-nemo.github.io/blog/category/nemo-rl)",
      "case": Case(MODELS["DeepSeek-V3"], 256, "colocated", anchor="nemo-dsv3")},
     {"key": "nemo-30b-32", "system": "NeMo-RL", "seconds": "1.96-2.41 (32-1024 GPUs)",
      "setup": "Qwen3-30B-A3B at 32 to 1024 GPUs; placement and layouts not given with the figure (model: colocated)",
