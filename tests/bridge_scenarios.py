@@ -32,6 +32,10 @@ NEMOTRON_H = {"num_hidden_layers": 4, "hybrid_override_pattern": "ME*-", "n_rout
               "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8, "moe_shared_expert_intermediate_size": 48}
 OLD = "0.16.1"  # megarefit's reference release: the names megatron-core used before 0.17 / 0.19
 
+QWEN35 = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4,
+          "layer_types": ["linear_attention", "full_attention"] * 2, "num_experts": 4, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 8, "linear_value_head_dim": 16}
 # name -> (config, extra, layouts as (tp, pp, ep, layer_spec, expert_layout[, megatron-core version]),
 #          build a real model?); without a version a layout is planned for the installed megatron-core
 CASES = {
@@ -63,6 +67,9 @@ CASES = {
     "nemotron_h": ("NVIDIA-Nemotron-3-Nano-30B-A3B", NEMOTRON_H,
                    [(2, 1, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential"),
                     (1, 1, 1, "local", "sequential", OLD)], True),
+    # Qwen3.5-MoE's language model (the text architecture Bridge registers): gated DeltaNet and gated attention
+    "qwen3_5_moe": ("Qwen3.5-397B-A17B", QWEN35, [(2, 2, 2, "te", "te_grouped"), (1, 1, 2, "local", "sequential")],
+                    False),
     # fused experts with biases (etp 1, Megatron-Core's rule), attention sinks, router bias
     "gpt_oss": ("gpt-oss-120b", MOE | {"intermediate_size": 32, "layer_types": ["full_attention"] * 4},
                 [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], True),
@@ -71,6 +78,7 @@ CASES = {
 
 def config(name: str, extra: dict) -> dict:
     cfg = json.loads((Path(__file__).parent / "data" / "configs" / f"{name}.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # a vision-language checkpoint: its language model
     cfg.pop("quantization_config", None)
     cfg.update(SMALL)
     cfg.update({k: v for k, v in extra.items()})

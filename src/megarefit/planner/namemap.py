@@ -103,7 +103,13 @@ def name_map(dims: ModelDims, layout: SourceLayout) -> list[NameMapEntry]:
             for name, e in merged.items()]
 
 
+VALUE_TRANSFORMS = {"plus_one": "values: HF = Megatron + 1 (Megatron's zero-centered norm)"}
+"""How a name map spells each ``ParamSpec.value`` rule."""
+
+
 def _transform(row: ParamSpec) -> str:
+    if row.value is not None:
+        return VALUE_TRANSFORMS[row.value]
     if row.head_rotate is None:
         return ""
     return f"rows rotated per head of {row.head_rotate[0]}: Megatron (nope, rope) -> HF (rope, nope)"
@@ -114,7 +120,7 @@ def _transform(row: ParamSpec) -> str:
 # once resolved against a real model); QKV / gated mappings are the 3:1 / 2:1 ones.
 _ONE_TO_ONE = {Role.REPLICATED, Role.COLUMN, Role.ROW, Role.VOCAB, Role.EXPERT_ROW, Role.EXPERT_COLUMN}
 KIND_ROLES: dict[str, frozenset[Role]] = {
-    "QKVMapping": frozenset({Role.QKV}),
+    "QKVMapping": frozenset({Role.QKV, Role.GATED_QKV}),  # with attention_output_gate: per group [q; gate; k; v]
     "GatedMLPMapping": frozenset({Role.GATED_MLP, Role.EXPERT_GATED_MLP}),
     "AutoMapping": frozenset(_ONE_TO_ONE),
     "ColumnParallelMapping": frozenset({Role.COLUMN, Role.VOCAB}),
@@ -126,7 +132,14 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
     # Nemotron-H's Mamba mixer: in_proj [z; x; B; C; dt] and conv1d [x; B; C], each part split over TP
     "MambaInProjMapping": frozenset({Role.SEGMENTED}),
     "MambaConv1dMapping": frozenset({Role.SEGMENTED}),
+    # Qwen3.5's gated DeltaNet: in_proj [Q; K; V; Z; b; a] from in_proj_qkv / _z / _b / _a and conv1d
+    # [Q; K; V], each part split over TP; the gated norm, HF w = Megatron's zero-centered w - 1 + 1
+    "GDNLinearMappingSeparate": frozenset({Role.SEGMENTED}),
+    "GDNConv1dMapping": frozenset({Role.SEGMENTED}),
+    "RMSNorm2ZeroCenteredRMSNormMapping": frozenset({Role.REPLICATED}),
 }
+# Bridge mapping classes that change values, and the name-map transform each one is
+KIND_TRANSFORMS = {"RMSNorm2ZeroCenteredRMSNormMapping": VALUE_TRANSFORMS["plus_one"]}
 
 
 def kind_agrees(kind: str, role: Role) -> bool:
@@ -150,8 +163,10 @@ def compare(entries: Iterable[NameMapEntry]) -> list[Disagreement]:
             out.append(Disagreement(e.megatron, "hf_names", str(list(e.hf)), str(list(e.other_hf))))
         if not kind_agrees(e.other_kind, Role(e.role)):
             out.append(Disagreement(e.megatron, "kind", f"{e.role} ({e.parallel})", e.other_kind))
-        elif e.transform:  # a Bridge mapping copies, it never reorders rows
-            out.append(Disagreement(e.megatron, "transform", e.transform, f"{e.other_kind} (a straight copy)"))
+        elif e.transform != (theirs := KIND_TRANSFORMS.get(e.other_kind.partition(":")[0], "")):
+            # a Bridge mapping copies (it never reorders rows), or changes values as KIND_TRANSFORMS says
+            out.append(Disagreement(e.megatron, "transform", e.transform or "a straight copy",
+                                    theirs or f"{e.other_kind} (a straight copy)"))
     return out
 
 
