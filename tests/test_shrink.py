@@ -9,7 +9,8 @@ from conftest import CONFIG_DIR, real_config
 from megarefit.demo.shrink import shrink_config
 from megarefit.layout.dims import ModelDims
 
-NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+# the configs the demo shrinks: not Qwen3.5's (gated DeltaNet; the demo refuses them, test_demo_configs.py)
+NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if not p.stem.startswith("Qwen3.5-"))
 
 
 @pytest.mark.parametrize("name", NAMES)
