@@ -31,13 +31,17 @@ pytestmark = pytest.mark.megatron
 def test_megatron_layers_loaded_from_the_plan_equal_hfs(tp):
     from gdn_jobs import gdn_layers_job
 
-    from megarefit.demo.megatron_cpu import harness_megatron
+    import megatron.core
+
     from megarefit.demo.workers import run_workers
+    from megarefit.specs.megatron_core import MegatronCore
     from megarefit.translate import hf_to_megatron
 
     cfg = tiny(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     hf = hf_state(cfg)
-    shards = hf_to_megatron(hf, cfg, tp=tp, megatron=harness_megatron())
+    # the trainer Megatron-Bridge configures (zero-centered norms, the output gate): the jobs' norms
+    # compute TENorm's zero-centered (1 + w), which is assumed here, not tested
+    shards = hf_to_megatron(hf, cfg, tp=tp, megatron=MegatronCore.verified(megatron.core.__version__))
     for rank, diffs in enumerate(run_workers(gdn_layers_job, world_size=tp, args=(cfg, hf, shards), timeout=600)):
         for layer, (diff, scale) in diffs.items():  # float32 rounding; a wrong layout is off by O(scale)
             assert scale > 0.05 and diff <= 1e-6 * scale, (rank, layer, diff, scale)

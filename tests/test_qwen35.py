@@ -171,14 +171,18 @@ def test_plans_of_the_published_configs_move_the_language_model(name, layout):
 
 
 def test_what_is_not_translated_yet_is_refused(capsys):
-    """Block FP8 and the demo's CPU build are not there yet: refused naming what is missing, never
-    guessed; Qwen3-Next's per-key-head packing stays refused."""
+    """Block FP8, the demo's CPU build and vLLM-sharded targets of the vision-language checkpoints are
+    not there yet; a trainer whose norms are not zero-centered (Megatron-Bridge's provider sets
+    ``layernorm_zero_centered_gamma``) and dense layers in an MoE config are outside the table: each
+    refused naming what is missing, never guessed; Qwen3-Next's per-key-head packing stays refused."""
     from megarefit import ModelDims, SourceLayout
     from megarefit.errors import UnsupportedModelError
     from megarefit.planner.megatron_to_hf import plan_megatron_to_hf
     from megarefit.quant.fp8 import Fp8Format
     from megarefit.quant.planning import plan_fp8
     from megarefit.specs import family_for_config
+    from megarefit.specs.megatron_core import MegatronCore, UnverifiedMegatronError
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
     cfg = tiny()
     dims = ModelDims.from_hf_config(cfg)
@@ -187,8 +191,18 @@ def test_what_is_not_translated_yet_is_refused(capsys):
         plan_fp8(plan_megatron_to_hf(dims, src, "bfloat16"), Fp8Format((128, 128)))
     from megarefit.cli.main import main
 
-    assert main(["demo", "--config", str(CONFIGS / "Qwen3.5-27B.json")]) == 2
-    assert "does not build gated DeltaNet layers yet" in capsys.readouterr().out
+    for transport in ("local", "nixl"):
+        assert main(["demo", "--config", str(CONFIGS / "Qwen3.5-27B.json"), "--transport", transport]) == 2
+        assert "does not build gated DeltaNet layers yet" in capsys.readouterr().out
+    vl = ModelDims.from_hf_config(json.loads((CONFIGS / "Qwen3.5-27B.json").read_text()))
+    vl_src = SourceLayout.build(tp=8, pp=1, padded_vocab_size=vl.padded_vocab_size(8), num_layers=vl.num_layers)
+    with pytest.raises(UnsupportedModelError, match="vision-language checkpoint are not built yet"):
+        plan_megatron_to_vllm(vl, vl_src, "bfloat16", VllmTarget(8, 0))
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers / decoder_sparse_step name dense layers"):
+        ModelDims.from_hf_config(VLLM_MOE | {"mlp_only_layers": [1]})
+    with pytest.raises(UnverifiedMegatronError, match="layernorm_zero_centered_gamma=False is refused"):
+        MegatronCore("0.19.2", (("layernorm_zero_centered_gamma", False), ("attention_output_gate", True),
+                                ("use_mup", False))).check(dims.megatron_features(), model=dims.family)
     with pytest.raises(UnsupportedModelError, match="packed per key-head group"):
         family_for_config(json.loads((CONFIGS / "pending" / "Qwen3-Next-80B-A3B-Thinking.json").read_text()))
 
@@ -248,3 +262,22 @@ def test_vllm_shards_equal_vllms_own_loader(vllm_models, case):
         assert got.keys() == want.keys()
         for name, tensor in want.items():
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (name, rank)
+
+
+def test_what_a_value_step_makes_is_never_read_straight_into_vllm():
+    """A streamed receiver writing straight into vLLM's tensors (``direct``) is offered whole GDN
+    modules (no post-load step): ``A_log`` and the gated norm are made on the receiver by value
+    steps, so they are not direct (a direct target is READ; these go through their staging)."""
+    from megarefit import ModelDims, SourceLayout
+    from megarefit.online.receiver_memory import ReceiverMemory
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+    from megarefit.transport.execute import torch_dtype
+
+    dims = ModelDims.from_hf_config(VLLM_CFG)
+    src = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
+    plan = plan_megatron_to_vllm(dims, src, "float32", VllmTarget(2, 0))
+    gdn = [r for r in plan.targets if ".linear_attn." in r.name and r not in plan.staging and ".0." in r.name]
+    assert {r.name.rsplit(".", 2)[-2] for r in gdn if r in plan.produced} == {"linear_attn", "norm"}  # A_log, norm
+    direct = {r.name: torch.empty(plan.targets[r].shape, dtype=torch_dtype(plan.targets[r].dtype)) for r in gdn}
+    refs = ReceiverMemory(None, torch.device("cpu"), "auto", direct=direct).direct_refs(plan)  # type: ignore[arg-type]
+    assert refs == {r for r in gdn if r not in plan.produced} and len(refs) == len(gdn) - 2

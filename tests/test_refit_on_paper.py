@@ -33,8 +33,10 @@ def test_prediction_of_every_recorded_two_gpu_run_within_15_percent():
     for r in rows:
         measured = sorted(r["samples"]["warm"])[len(r["samples"]["warm"]) // 2]
         assert abs(rop.predict_recorded(r, cal) / measured - 1) <= rop.TOLERANCE, r["label"]
-    # the fit does not see the held-out rows: dropping them leaves it unchanged
-    assert rop.calibrate([r for r in rows if r["label"] in rop.FIT]) == cal
+    # the fit does not see the held-out rows: their measurements ten times slower leave it unchanged
+    slower = [r if r["label"] in rop.FIT else {**r, "samples": {k: [10 * x for x in v] for k, v in r["samples"].items()
+                                                                if isinstance(v, list)}} for r in rows]
+    assert rop.calibrate(slower) == cal
 
 
 def test_recorded_calibration_matches_the_recorded_runs():

@@ -185,7 +185,8 @@ class ModelDims:
         matter), with ``mtp_layers`` MTP layers trained."""
         out = {"any"}
         for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", self.index_n_heads),
-                                 ("mtp", mtp_layers), ("shared_experts", self.shared_expert_ffn)):
+                                 ("mtp", mtp_layers), ("shared_experts", self.shared_expert_ffn),
+                                 ("gdn", self.linear_layers)):
             if present:
                 out.add(feature)
         return frozenset(out)

@@ -132,8 +132,9 @@ def gdn_dims(r: HFConfigReader) -> dict[str, Any]:
     ``linear_conv_kernel_dim``; ``shared_expert_intermediate_size``).
 
     Raises:
-        UnsupportedModelError: unknown layer types, attention without the output gate or with
-            biases, or value heads that are not a multiple of the key heads."""
+        UnsupportedModelError: unknown layer types, dense layers named in an MoE config, attention
+            without the output gate or with biases, or value heads that are not a multiple of the
+            key heads."""
     name, layers = r.family.name, r.need("num_hidden_layers")
     kinds = r.get("layer_types")
     if kinds is None:
@@ -143,6 +144,10 @@ def gdn_dims(r: HFConfigReader) -> dict[str, Any]:
         raise UnsupportedModelError(f"HF config for family {name}: layer_types must list 'linear_attention' or "
                                     f"'full_attention' for each of the {layers} layers, got {len(kinds)}: "
                                     f"{sorted(set(map(str, kinds)))}")
+    if r.get("mlp_only_layers") or (r.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedModelError(f"HF config for family {name}: mlp_only_layers / decoder_sparse_step name dense "
+                                    "layers, which transformers' and vLLM's Qwen3.5 models do not build (every "
+                                    "layer of Qwen3.5-MoE is MoE)")
     if r.get("attn_output_gate", True) is False or r.get("attention_bias"):
         raise UnsupportedModelError(f"HF config for family {name}: full attention without the output gate "
                                     "(attn_output_gate false) or with biases (attention_bias) has no spec table")

@@ -147,15 +147,21 @@ class ReceiverMemory:
         return sum(self.direct[r.name].numel() * self.direct[r.name].element_size() for r in self.stream.direct)
 
     def direct_refs(self, plan: Plan) -> frozenset[TensorRef]:
-        """The plan's targets written straight into the consumer's tensors, checked.
+        """The plan's targets written straight into the consumer's tensors, checked. A target a
+        value or quantize step makes (``plan.produced``: the gated norm's ``w``, a float32
+        ``A_log``) is computed on the receiver, not READ: it is not direct, and is handed over
+        (installed by copy) as every other target.
 
         Raises:
             MissingParameterError: a direct name is not a target this receiver hands over.
             ShapeMismatchError: a direct tensor's shape, dtype, device or layout is wrong."""
         by_name = {ref.name: ref for ref in plan.targets if ref not in plan.staging}
+        produced = plan.produced
         refs = []
         for name, t in self.direct.items():
             ref = by_name.get(name)
+            if ref in produced:
+                continue
             if ref is None:
                 raise MissingParameterError(f"direct tensor {name!r} is not a target of this receiver's plan "
                                             f"(targets: {sorted(by_name)[:3]}, ...)")

@@ -35,7 +35,7 @@ class Plan:
     receiver-side FP8 steps (their staging targets are filled by ops and not handed
     over; their weight / scale targets are produced by the step); ``transforms`` the
     receiver-side value transforms (:class:`ValueStep`: a staging target filled by ops,
-    a float32 target produced from it).
+    a target produced from it, float32 or the staging's dtype, see ``VALUE_DTYPES``).
     """
 
     direction: Direction

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from megarefit.errors import MegarefitError, UnverifiedMegatronError
 from megarefit.specs.table import Condition
 
-Feature = Literal["any", "moe", "mla", "dsa", "mtp", "shared_experts"]
+Feature = Literal["any", "moe", "mla", "dsa", "mtp", "shared_experts", "gdn"]
 """Which models a :class:`ConfigFlag` matters for: every model, or those with routed experts,
 multi-latent attention, a DSA indexer, multi-token prediction, or shared experts."""
 
@@ -83,6 +83,12 @@ _FLAGS_017 = (
     ConfigFlag("mtp_use_repeated_layer", (False,), "mtp", "shares one MTP layer across depths"),
     ConfigFlag("use_mup", (False,), "any", "scales embeddings, attention and logits (muP): not the HF model's "
                                            "function"),
+    # gated DeltaNet hybrids (Qwen3.5, GatedDeltaNet from 0.17): the spec table follows Megatron-Bridge's provider
+    ConfigFlag("layernorm_zero_centered_gamma", (True,), "gdn",
+               "stores norm weights as w, not the w - 1 the Qwen3.5 table reads (HF's norms compute 1 + w, its gated "
+               "DeltaNet norm w): every norm would come out 1 off; set it True, as Megatron-Bridge does for Qwen3.5"),
+    ConfigFlag("attention_output_gate", (True,), "gdn",
+               "builds full attention without Qwen3.5's per-head output gate (linear_qkv without gate rows)"),
 )
 _FLAGS_018 = _FLAGS_017 + (
     ConfigFlag("moe_single_grouped_weight", (False,), "moe", "stacks every local expert into one weight"),

@@ -99,7 +99,9 @@ def _language_model(rows: tuple[ParamSpec, ...]) -> tuple[ParamSpec, ...]:
 
 
 _COMMON = dict(qk_norm=True, gdn=True, tie_word_embeddings_default=False)
-_MOE_KEYS = dict(experts_key="num_experts", moe_ffn_key="moe_intermediate_size", mlp_only_key="mlp_only_layers",
+# every Qwen3.5-MoE layer is MoE: transformers and vLLM read no mlp_only_layers / decoder_sparse_step
+# (a non-empty mlp_only_layers is refused, see hf_dims.gdn_dims)
+_MOE_KEYS = dict(experts_key="num_experts", moe_ffn_key="moe_intermediate_size",
                  shared_ffn_key="shared_expert_intermediate_size")
 
 QWEN3_5 = FamilySpec(name="qwen3_5", architectures=("Qwen3_5ForCausalLM",), model_types=("qwen3_5_text",),

@@ -326,6 +326,8 @@ class ParamSpec:
         arity = max(self.segment_hf) + 1 if self.segment_hf else self.role.hf_arity
         if len(self.hf) != arity:
             raise SpecTableError(f"{where}: role {self.role.value} needs {arity} HF names, got {len(self.hf)}")
+        if self.value is not None and len(self.hf) > 4:  # the planner orders a value's product after k + 4
+            raise SpecTableError(f"{where}: a value rule needs at most 4 HF names, got {len(self.hf)}")
         if self.segment_hf and (len(self.segment_hf) != len(self.segments)
                                 or set(self.segment_hf) != set(range(arity))):
             raise SpecTableError(f"{where}: segment_hf must name an HF tensor for each of the {len(self.segments)} "

@@ -104,9 +104,7 @@ _FUSED_MOE_NAMES = {"gate_up_proj": FUSED_MOE_W13, "gate_up_proj_bias": "routed_
                     "down_proj": FUSED_MOE_W2, "down_proj_bias": "routed_experts.w2_bias"}
 # vLLM model classes that spell HF module names differently: (HF part, vLLM part) per family
 _VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn.")),
-                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A")),
-                 **dict.fromkeys(("qwen3_5_vl", "qwen3_5_moe_vl"), (("model.language_model.", "language_model.model."),
-                                                                  ("lm_head.", "language_model.lm_head.")))}
+                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A"))}
 # HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
 _VLLM_VALUES = {".mixer.A_log": "neg_exp",  # MambaMixer2: A = -exp(A_log.float()), float32
                 ".linear_attn.A_log": "as_float32"}  # Qwen3.5's gated DeltaNet holds A_log in float32
