@@ -123,12 +123,12 @@ def test_coalesce_joins_runs_that_continue_each_other():
 
 def _port_taken_once(rank: int, world_size: int, master_port: int, marker: str) -> int:
     """A worker whose first start meets its gloo master port taken (as when another process bound
-    the port ``free_port`` found free), then succeeds; returns its port."""
+    the port ``free_port`` found free), then succeeds; returns its port. Every rank that meets it
+    leaves the marker: the first failure ends the start, and its other workers may not have run."""
     import os
 
     if not os.path.exists(marker):
-        if rank == 0:
-            open(marker, "w").close()
+        open(marker, "a").close()
         raise RuntimeError("The server socket has failed to listen on any local network address. "
                            f"port: {master_port}, code: -98, name: EADDRINUSE")
     return master_port
