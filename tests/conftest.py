@@ -44,7 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # releases) go first, so no worker is left running one alone at the end (measured: --durations).
 SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17_0_18.py", "test_vllm_http.py",
               "test_vllm_failsafe.py", "test_cli.py", "test_vllm_refit_families.py", "test_vllm_draft.py",
-              "test_vllm_install.py", "test_example_http.py", "test_handover.py", "test_bridge.py")
+              "test_vllm_install.py", "test_example_http.py", "test_handover.py", "test_bridge.py", "test_qwen35.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
