@@ -9,7 +9,6 @@ The master port is picked by the OS unless given.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import pickle
 import queue
@@ -30,12 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, master_port: int, job: bytes, q: Any, env: dict[str, str]) -> None:
+def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any,
+            env: dict[str, str]) -> None:
     os.environ.clear()  # the starting process's environment now, as a spawned process would have it
     os.environ.update(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        fn, args = torch.load(io.BytesIO(job), weights_only=False)  # our own parent's bytes, over a pipe
         payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         payload = ("err", traceback.format_exc())
@@ -70,12 +69,7 @@ class WorkerGroup:
         ctx = _context()
         self._q = ctx.Queue()
         env = dict(os.environ)
-        # torch.save: tensors travel by value, float8 included (multiprocessing's pickler would pass
-        # each through a file descriptor, and forkserver takes fewer than 256 per process)
-        buf = io.BytesIO()
-        torch.save((fn, args), buf)
-        job = buf.getvalue()
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, job, self._q, env),
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q, env),
                                    daemon=True) for r in range(world_size)]
         for p in self._procs:
             p.start()
