@@ -1,6 +1,6 @@
 """Worker processes for real Megatron-Core on CPU: one process per rank over gloo.
 
-:func:`run_workers` starts ``world_size`` processes (torch.multiprocessing, forkserver), each
+:func:`run_workers` starts ``world_size`` processes (torch.multiprocessing, spawn), each
 calling ``fn(rank, world_size, master_port, *args)`` and sending back its result (pickled) or
 its traceback; :func:`start_workers` does the same without waiting (:class:`WorkerGroup`).
 The master port is picked by the OS unless given.
@@ -29,10 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any,
-            env: dict[str, str]) -> None:
-    os.environ.clear()  # the starting process's environment now, as a spawned process would have it
-    os.environ.update(env)
+def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
@@ -44,33 +41,16 @@ def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tu
             dist.destroy_process_group()
 
 
-def _context() -> Any:
-    """``forkserver`` processes forked from a server that imported torch, megatron.core and
-    transformers once (a spawned worker imports them again: seconds of CPU per rank; about a
-    third of a suite of real-Megatron tests), ``spawn`` where forkserver is not available. The
-    server is started by the first group and lives as long as this process; it runs no torch op
-    (no thread pool to inherit). A worker takes the starting process's environment as it is at
-    the start (the server's is the one of its own start); what the preloaded modules read from
-    the environment at import is the server's."""
-    method = os.environ.get("MEGAREFIT_WORKER_START", "forkserver")  # "spawn": every worker imports afresh
-    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core", "transformers"])
-    return ctx
-
-
 class WorkerGroup:
     """Worker processes started by :func:`start_workers`; :meth:`join` collects their results."""
 
     def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
         self.world_size = world_size
         self.port = master_port if master_port is not None else free_port()
-        ctx = _context()
+        ctx = mp.get_context("spawn")
         self._q = ctx.Queue()
-        env = dict(os.environ)
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q, env),
-                                   daemon=True) for r in range(world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
+                       for r in range(world_size)]
         for p in self._procs:
             p.start()
 
