@@ -170,19 +170,43 @@ def test_plans_of_the_published_configs_move_the_language_model(name, layout):
     assert len(plan.transforms) == gdn_layers and {t.fn for t in plan.transforms} == {"plus_one"}
 
 
+def test_a_vllm_worker_of_the_published_moe_config_gets_its_share_of_the_language_model():
+    """Qwen3.5-397B-A17B from tp 4 pp 4 ep 16 into one vLLM worker (tp 8, dp 2, expert parallel): every
+    parameter under vLLM's ``language_model.`` names, the GDN and attention parts 1/8 of the
+    language model's, 32 of the 512 experts per layer."""
+    from megarefit import ModelDims, SourceLayout
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+
+    cfg = json.loads((CONFIGS / "Qwen3.5-397B-A17B.json").read_text())
+    dims = ModelDims.from_hf_config(cfg)
+    src = SourceLayout.build(tp=4, pp=4, ep=16, expert_layout="te_grouped", layer_spec="te",
+                             padded_vocab_size=dims.padded_vocab_size(4), num_layers=dims.num_layers)
+    plan = plan_megatron_to_vllm(dims, src, "bfloat16", VllmTarget(8, 3, 2, 1, expert_parallel=True))
+    targets = {r.name: m.shape for r, m in plan.targets.items() if r not in plan.staging}
+    assert all(n.startswith(("language_model.model.layers.", "language_model.model.embed_tokens.",
+                             "language_model.model.norm.")) or n == "language_model.lm_head.weight" for n in targets)
+    text = cfg["text_config"]
+    assert targets["language_model.model.layers.0.mlp.experts.routed_experts.w13_weight"] == (
+        32, 2 * text["moe_intermediate_size"], text["hidden_size"])
+    qkvz = text["linear_num_key_heads"] * text["linear_key_head_dim"] * 2 + text["linear_num_value_heads"] * text[
+        "linear_value_head_dim"] * 2
+    assert targets["language_model.model.layers.0.linear_attn.in_proj_qkvz.weight"] == (qkvz // 8, text["hidden_size"])
+
+
 def test_what_is_not_translated_yet_is_refused(capsys):
-    """Block FP8, the demo's CPU build and vLLM-sharded targets of the vision-language checkpoints are
-    not there yet; a trainer whose norms are not zero-centered (Megatron-Bridge's provider sets
+    """Block FP8, the demo's CPU build and the MTP layer (a draft target; ``mtp.*`` tensors in an
+    import) are not there yet; a trainer whose norms are not zero-centered (Megatron-Bridge's provider sets
     ``layernorm_zero_centered_gamma``) and dense layers in an MoE config are outside the table: each
     refused naming what is missing, never guessed; Qwen3-Next's per-key-head packing stays refused."""
     from megarefit import ModelDims, SourceLayout
-    from megarefit.errors import UnsupportedModelError
+    from megarefit.errors import LayoutError, UnexpectedParameterError, UnsupportedModelError
     from megarefit.planner.megatron_to_hf import plan_megatron_to_hf
     from megarefit.quant.fp8 import Fp8Format
     from megarefit.quant.planning import plan_fp8
     from megarefit.specs import family_for_config
     from megarefit.specs.megatron_core import MegatronCore, UnverifiedMegatronError
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+    from megarefit.translate import hf_to_megatron
 
     cfg = tiny()
     dims = ModelDims.from_hf_config(cfg)
@@ -196,8 +220,15 @@ def test_what_is_not_translated_yet_is_refused(capsys):
         assert "does not build gated DeltaNet layers yet" in capsys.readouterr().out
     vl = ModelDims.from_hf_config(json.loads((CONFIGS / "Qwen3.5-27B.json").read_text()))
     vl_src = SourceLayout.build(tp=8, pp=1, padded_vocab_size=vl.padded_vocab_size(8), num_layers=vl.num_layers)
-    with pytest.raises(UnsupportedModelError, match="vision-language checkpoint are not built yet"):
-        plan_megatron_to_vllm(vl, vl_src, "bfloat16", VllmTarget(8, 0))
+    with pytest.raises(LayoutError, match="does not plan this family's multi-token-prediction layers"):
+        plan_megatron_to_vllm(vl, vl_src, "bfloat16", VllmTarget(8, 0, draft=True))
+    hf = hf_state(cfg) | {"mtp.fc.weight": torch.zeros(1)}
+    with pytest.raises(UnexpectedParameterError, match=r"mtp\.\* is Qwen3.5's multi-token-prediction layer"):
+        hf_to_megatron(hf, cfg, tp=2)
+    vl_hf = {k.replace("model.", "model.language_model.", 1): v for k, v in hf_state(cfg).items()}
+    with pytest.raises(UnexpectedParameterError, match=r"model\.visual\.\* is the vision tower"):
+        hf_to_megatron(vl_hf | {"model.visual.pos_embed.weight": torch.zeros(1)}, vl_config(cfg), tp=2)
+    assert hf_to_megatron(vl_hf, vl_config(cfg), tp=2).keys() == {(0, 0, 0), (1, 0, 0)}
     with pytest.raises(UnsupportedModelError, match="mlp_only_layers / decoder_sparse_step name dense layers"):
         ModelDims.from_hf_config(VLLM_MOE | {"mlp_only_layers": [1]})
     with pytest.raises(UnverifiedMegatronError, match="layernorm_zero_centered_gamma=False is refused"):
@@ -212,11 +243,43 @@ VLLM_MOE = VLLM_CFG | {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type":
                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts_per_tok": 2}
 
 
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+          "num_position_embeddings": 64}
+
+
+def vl_config(text: dict) -> dict:
+    """The vision-language checkpoint (``Qwen3_5[Moe]ForConditionalGeneration``, as published) around
+    a text config: a one-block vision tower, image / video tokens inside the vocab."""
+    moe = "num_experts" in text
+    return {"architectures": [f"Qwen3_5{'Moe' if moe else ''}ForConditionalGeneration"],
+            "model_type": "qwen3_5_moe" if moe else "qwen3_5", "tie_word_embeddings": False,
+            "text_config": {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")},
+            "vision_config": VISION, "image_token_id": 290, "video_token_id": 291, "vision_start_token_id": 292,
+            "vision_end_token_id": 293}
+
+
+def vl_checkpoint(cfg: dict, directory) -> dict[str, torch.Tensor]:
+    """Random tensors under the names and shapes transformers' ``save_pretrained`` writes for a
+    vision-language ``cfg`` (``model.language_model.*``, ``lm_head``, ``model.visual.*``); norms in [0.5, 2)."""
+    import safetensors.torch
+
+    keys = {k: v for k, v in cfg.items() if k != "architectures"}
+    transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**keys)).save_pretrained(
+        directory)
+    shapes = {k: v.shape for f in sorted(Path(directory).glob("*.safetensors"))
+              for k, v in safetensors.torch.load_file(f).items()}
+    g = torch.Generator().manual_seed(1)
+    return {k: torch.rand(shapes[k], generator=g) * 1.5 + 0.5 if "norm" in k else torch.randn(shapes[k], generator=g)
+            for k in sorted(shapes)}
+
+
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory):
-    """What each of two vLLM TP ranks' own ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` holds after
-    its ``load_weights`` of the checkpoint (built by ``initialize_model`` on CPU; MoE with expert
-    parallelism off and on)."""
+    """What each of two vLLM TP ranks' own ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` and the
+    vision-language ``Qwen3_5[Moe]ForConditionalGeneration`` hold after their ``load_weights`` of the
+    checkpoint (built by ``initialize_model`` on CPU; MoE with expert parallelism off and on), and what
+    megarefit's ``check_shards`` says of shards for all but their vision tower."""
     pytest.importorskip("vllm")
     from vllm_loader_jobs import unportable, vllm_qwen35_model_job
 
@@ -224,44 +287,52 @@ def vllm_models(tmp_path_factory):
 
     moe = {k: v.abs() % 1.5 + 0.5 if "norm" in k else v
            for k, v in hf_checkpoint_state(VLLM_MOE, tmp_path_factory.mktemp("qwen35_moe")).items()}
+    vl, vl_moe = vl_config(VLLM_CFG), vl_config(VLLM_MOE)
     cases = {"dense": (VLLM_CFG, hf_state(VLLM_CFG), False), "moe-ep-off": (VLLM_MOE, moe, False),
-             "moe-ep-on": (VLLM_MOE, moe, True)}
+             "moe-ep-on": (VLLM_MOE, moe, True), "vl": (vl, vl_checkpoint(vl, tmp_path_factory.mktemp("vl")), False),
+             "vl-moe-ep-on": (vl_moe, vl_checkpoint(vl_moe, tmp_path_factory.mktemp("vl_moe")), True)}
     per_rank = run_workers(vllm_qwen35_model_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
-    return {key: (cases[key][0], cases[key][1], [({n: unportable(t) for n, t in per_rank[r][key][0].items()},
-                                                  per_rank[r][key][1]) for r in range(2)]) for key in cases}
+    return {key: (cases[key][0], cases[key][1], cases[key][2],
+                  [({n: unportable(t) for n, t in per_rank[r][key][0].items()}, *per_rank[r][key][1:])
+                   for r in range(2)]) for key in cases}
 
 
-@pytest.mark.parametrize("case", ["dense", "moe-ep-off", "moe-ep-on"])
+@pytest.mark.parametrize("case", ["dense", "moe-ep-off", "moe-ep-on", "vl", "vl-moe-ep-on"])
 def test_vllm_shards_equal_vllms_own_loader(vllm_models, case):
     """Each vLLM rank's parameters, planned from Megatron shards (tp 2; MoE ep 2) straight into the
     worker: ``in_proj_qkvz`` [Q_t; K_t; V_t; Z_t] and ``in_proj_ba`` [b_t; a_t] from the GDN's
     ``in_proj``, ``conv1d`` part by part, ``A_log`` in float32, the gated norm + 1 (value steps),
     ``qkv_proj`` with each head's [q; gate], the shared expert and its gate: bit-identical to what
-    vLLM's own loader put there, under its names."""
+    vLLM's own loader put there, under its names. For the vision-language checkpoints (the trainers
+    hold the language model only): every parameter of vLLM's model but the vision tower, under
+    ``language_model.model.*`` / ``language_model.lm_head``, and megarefit's ``check_shards`` takes
+    exactly those as a whole refit."""
     from megarefit import ModelDims, RankCoord, SourceLayout
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
     from megarefit.translate import hf_to_megatron
     from megarefit.transport import LocalTransport
     from megarefit.transport.execute import run_refit_cycle
 
-    cfg, hf, models = vllm_models[case]
-    ep = 2 if cfg.get("num_experts") else 1
+    cfg, hf, expert_parallel, models = vllm_models[case]
+    ep = 2 if "num_experts" in cfg.get("text_config", cfg) else 1
     dims = ModelDims.from_hf_config(cfg)
-    shards = hf_to_megatron(hf, cfg, tp=2, ep=ep)
+    shards = hf_to_megatron({k: v for k, v in hf.items() if not k.startswith("model.visual.")}, cfg, tp=2, ep=ep)
     layout = SourceLayout.build(tp=2, pp=1, ep=ep, num_layers=dims.num_layers,
                                 padded_vocab_size=dims.padded_vocab_size(2))
     transport = LocalTransport({RankCoord(*r): s for r, s in shards.items()})
     for rank in range(2):
-        want, maps = models[rank]
-        expert_map = next(iter(maps.values())) if case == "moe-ep-on" else None
+        want, maps, checked = models[rank]
+        assert checked == "ok", checked
+        expert_map = next(iter(maps.values())) if expert_parallel else None
         target = VllmTarget(2, rank, expert_parallel=expert_map is not None, expert_map=expert_map)
         plan = plan_megatron_to_vllm(dims, layout, "float32", target)
         assert sorted({t.fn for t in plan.transforms}) == ["as_float32", "plus_one"]
         got = {name: t.clone() for name, t in run_refit_cycle(plan, transport)}
-        assert got.keys() == want.keys()
-        for name, tensor in want.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (name, rank)
+        vision = {n for n in want if n.startswith("visual.")}
+        assert bool(vision) == ("text_config" in cfg) and got.keys() == want.keys() - vision
+        for name in got:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), (name, rank)
 
 
 def test_what_a_value_step_makes_is_never_read_straight_into_vllm():

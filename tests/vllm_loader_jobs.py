@@ -94,12 +94,14 @@ def model_config_for(cfg: dict, path: str, dtype: str = "float32") -> Any:
 
 
 def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple[dict, dict[str, torch.Tensor], bool]],
-                   workdir: str) -> dict[str, Any]:
+                   workdir: str, not_moved: str | None = None) -> dict[str, Any]:
     """Whole vLLM models (``initialize_model``, as vLLM's loader builds them) in real
     tensor-parallel processes on CPU, filled by their own ``load_weights`` from full HF
     tensors. Per case ``(hf config, hf tensors, enable_expert_parallel)``: this rank's
-    ``named_parameters()`` (checkpoint format: no ``process_weights_after_loading``) and
-    each routed-experts layer's expert map (``None`` without EP)."""
+    ``named_parameters()`` (checkpoint format: no ``process_weights_after_loading``),
+    each routed-experts layer's expert map (``None`` without EP) and, with ``not_moved`` (a
+    name prefix), what megarefit's ``check_shards`` says of shards for every parameter but
+    those under it ("ok" or the error)."""
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -118,8 +120,19 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
             model.load_weights((n, t.clone()) for n, t in hf.items())
         maps = {n: m._expert_map.tolist() for n, m in model.named_modules()
                 if isinstance(getattr(m, "_expert_map", None), torch.Tensor)}
-        out[key] = ({n: portable(p.detach().clone()) for n, p in model.named_parameters()}, maps)
+        checked = None if not_moved is None else _check_shards_without(model, not_moved)
+        out[key] = ({n: portable(p.detach().clone()) for n, p in model.named_parameters()}, maps, checked)
     return out
+
+
+def _check_shards_without(model: Any, prefix: str) -> str:
+    from megarefit.integrations.vllm_install import check_shards
+
+    try:
+        check_shards(model, [(n, p.detach()) for n, p in model.named_parameters() if not n.startswith(prefix)])
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
 
 
 def build_sparse_mla_on_cpu() -> None:
@@ -293,11 +306,14 @@ def torchvision_stand_in():
 def vllm_qwen35_model_job(rank: int, world_size: int, port: int, cases: dict, workdir: str) -> dict[str, Any]:
     """:func:`vllm_model_job` for Qwen3.5: vLLM's Qwen3.5 classes imported in this process (inside
     :func:`torchvision_stand_in`) and registered under their own architectures (vLLM inspects a
-    lazily registered model in a fresh subprocess, which would lack the stand-ins)."""
+    lazily registered model in a fresh subprocess, which would lack the stand-ins), the
+    vision-language ``*ForConditionalGeneration`` too; each case says what ``check_shards`` makes of
+    shards for every parameter outside the vision tower (``visual.*``)."""
     from vllm.model_executor.models import ModelRegistry
 
     with torchvision_stand_in():
         from vllm.model_executor.models import qwen3_5
-    for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+    for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                 "Qwen3_5MoeForConditionalGeneration"):
         ModelRegistry.register_model(arch, getattr(qwen3_5, arch))
-    return vllm_model_job(rank, world_size, port, cases, workdir)
+    return vllm_model_job(rank, world_size, port, cases, workdir, not_moved="visual.")

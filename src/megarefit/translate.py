@@ -301,6 +301,18 @@ def _hf_tensors_to_plan(dims: ModelDims, hf_state: Mapping[str, torch.Tensor]) -
     return state
 
 
+# HF tensors of a checkpoint that no spec table moves: name prefix -> what they are
+_NOT_MOVED = (("model.visual.", "the vision tower of a vision-language checkpoint, which megarefit does not move"),
+              ("mtp.", "Qwen3.5's multi-token-prediction layer, which megarefit does not translate yet"))
+
+
+def _not_moved_hint(extra: list[str]) -> str:
+    for prefix, what in _NOT_MOVED:
+        if any(k.startswith(prefix) for k in extra):
+            return f" ({prefix}* is {what}: leave those tensors out)"
+    return ""
+
+
 def _check_hf_names(dims: ModelDims, plan: Plan, state: Mapping[str, torch.Tensor], mtp_layers: int) -> None:
     """Raise unless ``state`` holds exactly the HF names ``plan`` reads.
 
@@ -316,6 +328,6 @@ def _check_hf_names(dims: ModelDims, plan: Plan, state: Mapping[str, torch.Tenso
         extra = sorted(state.keys() - expected)
         mtp = [k for k in extra if k.startswith(f"model.layers.{dims.num_layers + mtp_layers}.")]
         hint = (f" (multi-token-prediction layer {dims.num_layers + mtp_layers}: pass mtp_layers="
-                f"{mtp_layers + 1} to build it, or drop it)" if mtp else "")
+                f"{mtp_layers + 1} to build it, or drop it)" if mtp else _not_moved_hint(extra))
         raise UnexpectedParameterError(f"HF state has {len(extra)} tensor(s) the {dims.family} table does not "
                                        f"expect, e.g. {extra[:3]}{hint}")

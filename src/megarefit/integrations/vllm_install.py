@@ -46,6 +46,9 @@ _ALIASES = ((".routed_experts.", "."),)
 # attention KV-cache / activation scales of FP8 models: block-FP8 weight checkpoints do not
 # carry them (vLLM keeps their defaults), so a refit does not either
 _NOT_IN_CHECKPOINTS = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale")
+# a vision-language model's vision tower (vLLM's Qwen3-VL / Qwen3.5 ``visual.``): the spec tables describe
+# the language model (a Megatron GPTModel), so no plan moves it; a sharded refit leaves it as loaded
+_NOT_MOVED = ("visual.",)
 TESTED_VLLM = ">=0.32,<0.34"  # the vLLM releases whose internals this module reads (pyproject's ``vllm`` extra)
 
 
@@ -171,7 +174,8 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             bytes into a non-FP8 parameter or back); other floating-point shards are cast
             on copy, as vLLM's own loaders cast checkpoint tensors (names both).
         MissingParameterError: a parameter no shard fills (vLLM would process its layer
-            with stale or uninitialized elements).
+            with stale or uninitialized elements); a vision tower (``visual.*``) is not
+            moved, so not missed.
     """
     params = model_format_params(model)
     by_key = {(id(m), a): n for n, (m, a, _, _) in params.items()}
@@ -192,7 +196,8 @@ def check_shards(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
                                      f"{tuple(tensor.shape)}")
         out.append((module, attr, tensor))
         done.add(by_key[key])
-    missing = sorted(n for n in set(params) - done if not n.endswith(_NOT_IN_CHECKPOINTS))
+    missing = sorted(n for n in set(params) - done if not n.endswith(_NOT_IN_CHECKPOINTS)
+                     and not n.startswith(_NOT_MOVED))
     if missing:
         raise MissingParameterError(f"sharded refit: {len(missing)} vLLM parameter(s) not pulled, e.g. {missing[:3]}")
     return out

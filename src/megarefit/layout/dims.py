@@ -232,6 +232,16 @@ class ModelDims:
         (Megatron-Core supports those at ``expert_tensor_parallel_size`` 1 only)."""
         return 1 if self.num_experts and self.expert_biases else tp
 
+    def check_draft(self) -> None:
+        """Raise :class:`LayoutError` unless this model has MTP layers megarefit plans (the layers
+        vLLM's MTP draft model holds): the family's table has them and the HF config counts some."""
+        if self.spec.mtp_key is None:
+            raise LayoutError(f"{self.family}: megarefit does not plan this family's multi-token-prediction layers, "
+                              "so it refits no MTP draft model (refit the target model only)")
+        if not self.mtp_layers:
+            raise LayoutError(f"{self.family}: the HF config has no MTP layers ({self.spec.mtp_key} is 0), so "
+                              "vLLM serves no MTP draft model to refit")
+
     def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
         """Raise :class:`LayoutError` if Megatron could not shard this model with these sizes
         (the layer split over ``pp`` is checked by ``SourceLayout.build``). ``etp`` is

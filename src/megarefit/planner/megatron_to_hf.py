@@ -180,9 +180,7 @@ def _layout_stages(dims: ModelDims, layout: SourceLayout, part: ModelPart = "all
 def check_draft_layers(dims: ModelDims, layout: SourceLayout) -> None:
     """Raise :class:`LayoutError` unless the trainers publish every MTP layer vLLM's draft
     model holds (Megatron ``mtp_num_layers`` == HF ``num_nextn_predict_layers`` > 0)."""
-    if not dims.mtp_layers:
-        raise LayoutError(f"{dims.family}: the HF config has no MTP layers (num_nextn_predict_layers is 0), so "
-                          "vLLM serves no MTP draft model to refit")
+    dims.check_draft()
     if layout.mtp_layers != dims.mtp_layers:
         raise LayoutError(f"vLLM's MTP draft model has {dims.mtp_layers} layer(s) (num_nextn_predict_layers) but "
                           f"the trainers publish {layout.mtp_layers} (Megatron mtp_num_layers): train with "

@@ -161,23 +161,19 @@ def plan_megatron_to_vllm(dims: ModelDims, layout: SourceLayout, dtype: str, tar
     weight is float8_e4m3fn with its ``..._scale_inv`` (``qkv_proj.weight_scale_inv``,
     ``w13_weight_scale_inv`` ``[E_l, 2*I_p/128, hidden/128]``, ...), as vLLM's FP8 layers
     hold them before post-load processing. A ``draft`` target gets the trainers' MTP
-    layers as vLLM's MTP drafter holds them (``model.layers.{N+i}.mtp_block...``). Cached
-    per arguments.
+    layers as vLLM's MTP drafter holds them (``model.layers.{N+i}.mtp_block...``). A
+    vision-language checkpoint's language model is named as vLLM's
+    ``*ForConditionalGeneration`` holds it (``language_model.model.layers.L...``,
+    ``language_model.lm_head.weight``); its vision tower (``visual.*``) is not in the plan.
+    Cached per arguments.
 
     Raises:
         LayoutError: the model does not split over the worker's groups (names the dim
             and sizes), a bad expert placement (see :func:`vllm_params`), an FP8 part
             off the 128-block grid, or a draft target whose MTP layer count differs from
             the trainers'.
-        UnsupportedModelError: a vision-language checkpoint (Qwen3.5's), whose vLLM model
-            megarefit does not shard yet.
         PlanValidationError: internal inconsistency (a bug).
     """
-    if dims.spec.text_config:
-        raise UnsupportedModelError(
-            f"{dims.family}: vLLM-sharded targets of a vision-language checkpoint are not built yet (vLLM's "
-            "*ForConditionalGeneration holds a vision tower megarefit does not move, and names the language model "
-            "language_model.model.*); refit full HF tensors (sharded=False), which vLLM's own loader takes")
     experts = worker_experts(dims, target)
     fused = any(r.role.is_fused for r in dims.spec.entries)  # gpt-oss: the pivot holds them as FusedMoE does
     hf_plan = plan_megatron_to_hf(dims, layout, dtype, experts, "out_in" if fused else "in_out",

@@ -104,7 +104,10 @@ _FUSED_MOE_NAMES = {"gate_up_proj": FUSED_MOE_W13, "gate_up_proj_bias": "routed_
                     "down_proj": FUSED_MOE_W2, "down_proj_bias": "routed_experts.w2_bias"}
 # vLLM model classes that spell HF module names differently: (HF part, vLLM part) per family
 _VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn.")),
-                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A"))}
+                 "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A")),
+                 # vision-language checkpoints: vLLM's Qwen3VLForConditionalGeneration.hf_to_vllm_mapper
+                 **dict.fromkeys(("qwen3_5_vl", "qwen3_5_moe_vl"), (("model.language_model.", "language_model.model."),
+                                                                  ("lm_head.", "language_model.lm_head.")))}
 # HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
 _VLLM_VALUES = {".mixer.A_log": "neg_exp",  # MambaMixer2: A = -exp(A_log.float()), float32
                 ".linear_attn.A_log": "as_float32"}  # Qwen3.5's gated DeltaNet holds A_log in float32
@@ -552,9 +555,7 @@ def _layers(dims: ModelDims, target: VllmTarget) -> list[int]:
     """The global (HF) layer indices ``target`` holds: the decoder's, or a draft's MTP layers."""
     if not target.draft:
         return list(range(dims.num_layers))
-    if not dims.mtp_layers:
-        raise LayoutError(f"{dims.family}: the HF config has no MTP layers (num_nextn_predict_layers is 0), so "
-                          "vLLM serves no MTP draft model to refit")
+    dims.check_draft()
     return [dims.num_layers + i for i in range(dims.mtp_layers)]
 
 
