@@ -12,6 +12,10 @@ import pytest
 # One job secret for every rendezvous of the suite (its spawned trainer processes inherit it);
 # tests of the secret itself pass their own.
 os.environ.setdefault("MEGAREFIT_JOB_SECRET", "megarefit-test-suite-" + os.urandom(8).hex())
+# Worker processes (megarefit.demo.workers) forked from a server that imported torch, megatron.core and
+# transformers once, not spawned (each spawned rank imports them again: seconds of CPU per rank, on a
+# suite of hundreds of ranks); jobs that start vLLM's distributed state pass start_method="spawn".
+os.environ.setdefault("MEGAREFIT_WORKER_START", "forkserver")
 
 CONFIG_DIR = Path(__file__).parent / "data" / "configs"
 

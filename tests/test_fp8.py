@@ -201,7 +201,8 @@ def test_vllm_fp8_models_quantize_exactly_these_weights(tmp_path):
         cfg = moe_config(name, hidden_size=128, moe_intermediate_size=128, intermediate_size=256)
         cfg["quantization_config"] = quantization_config(ModelDims.from_hf_config(cfg), Fp8Format())
         cases[name] = cfg
-    (shapes,) = run_workers(vllm_param_shapes_job, world_size=1, args=(cases, str(tmp_path)), timeout=600)
+    (shapes,) = run_workers(vllm_param_shapes_job,
+                            start_method="spawn", world_size=1, args=(cases, str(tmp_path)), timeout=600)
     for name, cfg in cases.items():
         dims = ModelDims.from_hf_config(cfg)
         quantized = quantized_weight_names(dims)

@@ -129,7 +129,7 @@ def vllm_models(tmp_path_factory):
 
     hf = hf_checkpoint_state(VLLM_CFG, tmp_path_factory.mktemp("nemotron_h_vllm"))
     cases = {f"ep{int(ep)}": (VLLM_CFG, hf, ep) for ep in (False, True)}
-    per_rank = run_workers(vllm_nongated_model_job, world_size=2,
+    per_rank = run_workers(vllm_nongated_model_job, start_method="spawn", world_size=2,
                            args=(cases, str(tmp_path_factory.mktemp("vllm"))), timeout=600)
     return hf, {key: [({n: unportable(t) for n, t in per_rank[r][key][0].items()}, per_rank[r][key][1])
                       for r in range(2)] for key in cases}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import threading
 import types
 
@@ -142,3 +143,33 @@ def test_run_workers_starts_again_on_a_new_port_when_its_port_was_taken(tmp_path
     with pytest.raises(RuntimeError, match="EADDRINUSE"):  # a port the caller chose is not changed
         run_workers(_port_taken_once, world_size=2, args=(str(tmp_path / "other"),), master_port=ports[0],
                     timeout=120)
+
+
+def _report_start(rank: int, world_size: int, master_port: int, env_name: str, as_vllm: bool) -> tuple[str | None, str]:
+    """An environment variable and how this process was started; with ``as_vllm`` the job leaves
+    ``vllm.distributed`` in ``sys.modules`` first (what starting vLLM's distributed state does)."""
+    import multiprocessing
+    import sys
+
+    if as_vllm:
+        sys.modules.setdefault("vllm.distributed", types.ModuleType("vllm.distributed"))
+    return os.environ.get(env_name), multiprocessing.get_start_method()
+
+
+def test_forkserver_workers_take_the_callers_environment_and_refuse_vllm_jobs(monkeypatch):
+    """A forkserver worker sees the starting process's environment as it is at the start (not the
+    server's, started earlier), and a job that started vLLM's distributed state there fails naming
+    the fix (its shared-memory cleanup runs only at an interpreter's shutdown, which forkserver
+    workers skip); spawned, the same job passes. An unknown start method is refused."""
+    from megarefit.demo.workers import run_workers
+
+    for method in ("forkserver", "forkserver", "spawn"):  # the second forkserver group: the server is older
+        monkeypatch.setenv("MEGAREFIT_TEST_MARK", os.urandom(4).hex())
+        got = run_workers(_report_start, world_size=2, args=("MEGAREFIT_TEST_MARK", method == "spawn"),
+                          start_method=method, timeout=120)
+        assert got == [(os.environ["MEGAREFIT_TEST_MARK"], method)] * 2
+    with pytest.raises(RuntimeError, match="start_method='spawn'"):
+        run_workers(_report_start, world_size=1, args=("MEGAREFIT_TEST_MARK", True), start_method="forkserver",
+                    timeout=120)
+    with pytest.raises(ValueError, match="expected one of"):
+        run_workers(_report_start, world_size=1, args=("X", False), start_method="fork")

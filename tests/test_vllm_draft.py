@@ -74,7 +74,8 @@ def drafters(states, tmp_path_factory):
     checkpoint, then one loaded from the draft part alone."""
     cases = {f"{family}-ep{int(ep)}": (cfg, [hf, part], ep) for family, (cfg, hf, part) in states.items()
              for ep in (False, True)}
-    per_rank = run_workers(vllm_draft_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
+    per_rank = run_workers(vllm_draft_job,
+                           start_method="spawn", world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
     return {key: [[({n: unportable(t) for n, t in params.items()}, maps, cls) for params, maps, cls in
                    per_rank[rank][key]] for rank in range(2)] for key in cases}

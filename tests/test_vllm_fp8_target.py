@@ -65,7 +65,8 @@ def models(tmp_path_factory):
             if ep and not dims.num_experts:
                 continue
             cases[f"{key}-ep{int(ep)}"] = (fp8_cfg, vllm_fp8_checkpoint(hf, quantized_weight_names(dims)), ep)
-    per_rank = run_workers(vllm_model_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
+    per_rank = run_workers(vllm_model_job,
+                           start_method="spawn", world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
     got = {k: [({n: unportable(t) for n, t in per_rank[r][k][0].items()}, per_rank[r][k][1]) for r in range(2)]
            for k in cases}

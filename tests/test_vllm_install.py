@@ -128,7 +128,7 @@ def results(tmp_path_factory):
         shards = megatron_shards(hf_b, cfg, family, tp, ep, etp, expert_layout, layer_spec)
         cases[key] = (cfg, _fp8_checkpoint(hf_a, cfg), _fp8_checkpoint(hf_b, cfg), shards, layout, expert_parallel)
     streamed, _publishers = _streamed_cases(tmp_path_factory.mktemp("streamed"))
-    per_rank = run_workers(install_then_stream_job, world_size=2,
+    per_rank = run_workers(install_then_stream_job, start_method="spawn", world_size=2,
                            args=(cases, str(tmp_path_factory.mktemp("vllm")), streamed, FRACTION), timeout=600)
     out = {key: [per_rank[rank]["install"][key] for rank in range(2)] for key in cases}
     return out | {key: [per_rank[rank]["streamed"][key] for rank in range(2)] for key in streamed}

@@ -46,7 +46,8 @@ def states(tmp_path_factory):
 def vllm_models(states, tmp_path_factory):
     """Per (family, expert_parallel): what each of the two vLLM TP ranks holds after load_weights."""
     cases = {f"{family}-ep{int(ep)}": (cfg, hf, ep) for family, (cfg, hf) in states.items() for ep in (False, True)}
-    per_rank = run_workers(vllm_model_job, world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
+    per_rank = run_workers(vllm_model_job,
+                           start_method="spawn", world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
     return {key: [({n: unportable(t) for n, t in per_rank[rank][key][0].items()}, per_rank[rank][key][1])
                   for rank in range(2)] for key in cases}

@@ -55,7 +55,8 @@ def tiny_config_module():
 @pytest.fixture(scope="module")
 def vllm_shards(cases):
     """Per case: what vLLM's layers hold on rank 0 and 1 of vLLM tp=2."""
-    per_rank = run_workers(vllm_shards_job, world_size=2, args=({k: (c[0], c[1]) for k, c in cases.items()},),
+    per_rank = run_workers(vllm_shards_job,
+                           start_method="spawn", world_size=2, args=({k: (c[0], c[1]) for k, c in cases.items()},),
                            timeout=600)
     return {key: [per_rank[rank][key] for rank in range(2)] for key in cases}
 

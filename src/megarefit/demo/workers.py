@@ -1,18 +1,27 @@
 """Worker processes for real Megatron-Core on CPU: one process per rank over gloo.
 
-:func:`run_workers` starts ``world_size`` processes (torch.multiprocessing, spawn), each
-calling ``fn(rank, world_size, master_port, *args)`` and sending back its result (pickled) or
-its traceback; :func:`start_workers` does the same without waiting (:class:`WorkerGroup`).
-The master port is picked by the OS unless given.
+:func:`run_workers` starts ``world_size`` processes (torch.multiprocessing), each calling
+``fn(rank, world_size, master_port, *args)`` and sending back its result (pickled) or its
+traceback; :func:`start_workers` does the same without waiting (:class:`WorkerGroup`). The
+master port is picked by the OS unless given.
+
+Workers are ``spawn``ed (each imports torch, megatron.core and transformers afresh: seconds of CPU
+per rank) or, with ``start_method="forkserver"`` (or ``MEGAREFIT_WORKER_START=forkserver``), forked
+from a server process that imported them once. Forkserver workers end with ``os._exit``: no
+interpreter shutdown, so nothing registered to run at exit does. vLLM's CPU shared-memory groups
+unlink their segments then, so a job that starts vLLM's distributed state must be spawned; a
+forkserver worker that finds one refuses (:data:`SPAWN_ONLY`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -29,10 +38,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tuple, q: Any) -> None:
+START_METHODS = ("spawn", "forkserver")
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers")  # what the forkserver imports once
+# modules whose state needs the interpreter's shutdown (vLLM's CPU shared-memory group unlinks its segments)
+SPAWN_ONLY = ("vllm.distributed",)
+
+
+def _worker(rank: int, world_size: int, master_port: int, job: bytes, q: Any, env: dict[str, str] | None) -> None:
+    if env is not None:  # a forkserver worker: the starting process's environment, as a spawned one has it
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        payload = ("ok", pickle.dumps(fn(rank, world_size, master_port, *args)))
+        fn, args = torch.load(io.BytesIO(job), weights_only=False)  # our own parent's bytes, over a pipe
+        result = fn(rank, world_size, master_port, *args)
+        if env is not None and any(m in sys.modules for m in SPAWN_ONLY):
+            raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} started vLLM's distributed state in a forkserver "
+                               "worker, which exits without vLLM's shared-memory cleanup: run it with "
+                               "start_method='spawn'")
+        payload = ("ok", pickle.dumps(result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         payload = ("err", traceback.format_exc())
     q.put((rank, *payload))
@@ -41,16 +65,39 @@ def _worker(rank: int, world_size: int, master_port: int, fn: Callable, args: tu
             dist.destroy_process_group()
 
 
+def _context(start_method: str | None) -> Any:
+    """The multiprocessing context of ``start_method`` (default: ``MEGAREFIT_WORKER_START`` or
+    ``spawn``). The forkserver is started by the first group that asks for it and lives as long as
+    this process; it runs no torch op (no thread pool to inherit).
+
+    Raises:
+        ValueError: an unknown start method."""
+    method = start_method or os.environ.get("MEGAREFIT_WORKER_START") or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"worker start method {method!r}: expected one of {START_METHODS}")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 class WorkerGroup:
     """Worker processes started by :func:`start_workers`; :meth:`join` collects their results."""
 
-    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None):
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, master_port: int | None,
+                 start_method: str | None = None):
         self.world_size = world_size
         self.port = master_port if master_port is not None else free_port()
-        ctx = mp.get_context("spawn")
+        ctx = _context(start_method)
         self._q = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, fn, args, self._q), daemon=True)
-                       for r in range(world_size)]
+        env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
+        # torch.save: tensors travel by value, float8 included (multiprocessing's pickler would pass each
+        # through a file descriptor, and a forkserver takes fewer than 256 per process)
+        buf = io.BytesIO()
+        torch.save((fn, args), buf)
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, buf.getvalue(), self._q, env),
+                                   daemon=True) for r in range(world_size)]
         for p in self._procs:
             p.start()
 
@@ -105,20 +152,21 @@ class WorkerGroup:
 
 
 def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
-                  master_port: int | None = None) -> WorkerGroup:
-    """Start ``fn(rank, world_size, master_port, *args)`` in ``world_size`` spawned processes.
+                  master_port: int | None = None, start_method: str | None = None) -> WorkerGroup:
+    """Start ``fn(rank, world_size, master_port, *args)`` in ``world_size`` processes, started by
+    ``start_method`` (``"spawn"`` or ``"forkserver"``; default ``MEGAREFIT_WORKER_START`` or spawn).
 
     ``fn`` must be picklable (module level) and return a picklable result
     (tensors are sent by value). Returns at once; call ``.join()`` for results.
     """
-    return WorkerGroup(fn, world_size, args, master_port)
+    return WorkerGroup(fn, world_size, args, master_port, start_method)
 
 
 PORT_TRIES = 3  # starts of run_workers whose gloo master port was taken before rank 0 bound it
 
 
 def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), master_port: int | None = None,
-                timeout: float = 600.0) -> list:
+                timeout: float = 600.0, start_method: str | None = None) -> list:
     """:func:`start_workers` then ``join(timeout)``: results ordered by rank.
 
     Without ``master_port`` the port is one :func:`free_port` found free; another process on the
@@ -130,7 +178,8 @@ def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), ma
         RuntimeError / TimeoutError: as :meth:`WorkerGroup.join`."""
     for attempt in range(1, PORT_TRIES + 1):
         try:
-            return start_workers(fn, world_size=world_size, args=args, master_port=master_port).join(timeout)
+            return start_workers(fn, world_size=world_size, args=args, master_port=master_port,
+                                 start_method=start_method).join(timeout)
         except RuntimeError as exc:
             if master_port is not None or "EADDRINUSE" not in str(exc) or attempt == PORT_TRIES:
                 raise
@@ -140,4 +189,4 @@ def run_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (), ma
 # --------------------------------------------------------------------------- HF configs and jobs
 
 
-__all__ = ["WorkerGroup", "free_port", "run_workers", "start_workers"]
+__all__ = ["PRELOAD", "SPAWN_ONLY", "START_METHODS", "WorkerGroup", "free_port", "run_workers", "start_workers"]
