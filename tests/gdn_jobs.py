@@ -76,7 +76,8 @@ def _megatron_layers(cfg: dict, tp: int) -> tuple[Any, Any]:
 
 def gdn_layers_job(rank: int, world_size: int, port: int, cfg: dict, hf: dict[str, torch.Tensor],
                    shards: dict[tuple[int, int, int], dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Layer 0 (GDN) and layer 1 (gated full attention) of ``cfg``'s model: Megatron-Core's modules
+    """Layer 0 (GDN) and layer 1 (gated full attention) of ``cfg``'s model (Qwen3.5's text model or
+    Qwen3-Next's, by ``model_type``): Megatron-Core's modules
     loaded from this TP rank's ``shards`` (their ``self_attention.*`` tensors), HF's from ``hf``,
     on one random input; returns ``{layer: (max |Megatron - HF|, max |HF|)}``."""
     shards = shards[(rank, 0, 0)]
@@ -93,10 +94,12 @@ def gdn_layers_job(rank: int, world_size: int, port: int, cfg: dict, hf: dict[st
                                           if n.startswith(prefix)}, strict=False)
         assert not missing.unexpected_keys and not [k for k in missing.missing_keys if "_extra_state" not in k], missing
     keys = {k: v for k, v in cfg.items() if k != "architectures"}
-    hf_cfg = transformers.Qwen3_5TextConfig(**keys)
+    next_ = cfg["model_type"] == "qwen3_next"  # Qwen3-Next: in_proj_qkvz / in_proj_ba packed per key head
+    hf_cfg = (transformers.Qwen3NextConfig if next_ else transformers.Qwen3_5TextConfig)(**keys)
     hf_cfg._attn_implementation = "eager"
-    model = transformers.Qwen3_5ForCausalLM(hf_cfg).float().eval()
-    model.load_state_dict(hf)
+    model = (transformers.Qwen3NextForCausalLM if next_ else transformers.Qwen3_5ForCausalLM)(hf_cfg).float().eval()
+    loaded = model.load_state_dict(hf, strict=False)  # Qwen3-Next's checkpoint names experts one by one
+    assert all(".mlp." in k for k in loaded.missing_keys + loaded.unexpected_keys), loaded  # only MLPs, not compared
     s = 10
     x = torch.randn(1, s, cfg["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -550,6 +550,19 @@ def qwen35_layer_types(cfg: dict) -> list[str]:
                                       for i in range(cfg["num_hidden_layers"])]
 
 
+def qwen3_next_in_proj(qkvz: torch.Tensor, ba: torch.Tensor, cfg: dict, tp: int) -> list[torch.Tensor]:
+    """Megatron-Core's GDN ``in_proj`` per TP rank from Qwen3-Next's packed HF tensors, as Megatron-Bridge
+    0.6's ``merge_gdn_linear_weights`` writes it: ``in_proj_qkvz`` viewed [key heads, dk + dk + r*dv +
+    r*dv, hidden] and ``in_proj_ba`` [key heads, r + r, hidden] (r value heads per key head), split
+    into q k v z / b a, each viewed [tp, -1, hidden] and concatenated per rank (reshape / split / cat only)."""
+    nk, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    r, hidden = cfg["linear_num_value_heads"] // nk, cfg["hidden_size"]
+    q, k, v, z = qkvz.reshape(nk, -1, hidden).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.reshape(nk, -1, hidden).split([r, r], dim=1)
+    merged = torch.cat([w.reshape(tp, -1, hidden) for w in (q, k, v, z, b, a)], dim=1)
+    return list(merged.unbind(0))
+
+
 def qwen35_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, *, tp: int, te: bool = False,
                             divisor: int = 128) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
     """Megatron-Core shards (pp 1, dense MLP) of a Qwen3.5 text checkpoint, written from Megatron-Bridge

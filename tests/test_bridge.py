@@ -18,7 +18,8 @@ Bridge 0.6.2 has bridges for every megarefit family but Mixtral: Llama (and Mist
 Qwen3, Qwen3-MoE, DeepSeek-V3 (and Kimi-K2, whose config names DeepseekV3ForCausalLM), GLM-4.5,
 GLM-5, gpt-oss, Nemotron-H, Qwen3.5-MoE (its language model: gated DeltaNet ``in_proj`` / ``conv1d``
 part by part, the gated norm's +1 as Bridge's ``RMSNorm2ZeroCenteredRMSNormMapping``, gated
-attention; planned by name only, as megarefit's CPU harness builds no whole Qwen3.5 model).
+attention) and Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` packed per key head, Bridge's
+``GDNLinearMapping``); both planned by name only, as megarefit's CPU harness builds no whole model of them.
 
 Documented gaps on Bridge's side (asserted exactly, so a fix upstream shows up):
 no Mixtral bridge; GLM-4.5 routed experts mapped only in the TE-grouped form
@@ -126,7 +127,7 @@ def test_bridge_is_the_pinned_version(scenarios):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
                                     "glm4_moe", "glm_moe_dsa", "deepseek_v3_mtp", "glm4_moe_mtp", "glm_moe_dsa_mtp",
-                                    "gpt_oss", "nemotron_h", "qwen3_5_moe"])
+                                    "gpt_oss", "nemotron_h", "qwen3_5_moe", "qwen3_next"])
 def test_tables_agree_with_bridge(scenarios, family):
     case = scenarios["cases"][family]
     assert case["patterns"] > 0

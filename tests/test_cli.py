@@ -402,7 +402,6 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(("name", "family", "missing"), [
-    ("Qwen3-Next-80B-A3B-Thinking.json", "Qwen3-Next", "packed per key-head group (linear_attn.in_proj_qkvz"),
     ("DeepSeek-V4-Flash.json", "DeepSeek-V4", "hyper-connections (attn_hc / ffn_hc / hc_head)"),
     ("MiniMax-M2.5.json", "MiniMax-M2", "q_norm / k_norm normalize a token's query and key over all heads"),
 ])

@@ -18,9 +18,9 @@ pytest.importorskip("megatron.core")
 # tests/data/configs holds a copy of every file in the project's shared/configs (README there)
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.json"))
 NEEDS = {"GLM-5.2-FP8.json": (0, 19)}  # shared DSA indexers: Megatron-Core's dsa_indexer_topk_freq (0.19+)
-# gated DeltaNet (Qwen3.5): the CPU harness builds no whole model yet (its layers are checked in
+# gated DeltaNet (Qwen3.5, Qwen3-Next): the CPU harness builds no whole model yet (its layers are checked in
 # test_megatron_gdn.py); the demo refuses in one line
-REFUSED = {"Qwen3.5-27B.json", "Qwen3.5-397B-A17B.json"}
+REFUSED = {"Qwen3.5-27B.json", "Qwen3.5-397B-A17B.json", "Qwen3-Next-80B-A3B-Thinking.json"}
 
 
 def _one_line(capsys) -> list[str]:

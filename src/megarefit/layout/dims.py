@@ -296,7 +296,7 @@ def _gdn_sizes(d: ModelDims) -> dict[str, int]:
     """The gated-DeltaNet shape symbols (zero for other models)."""
     qk, v = d.gdn_key_heads * d.gdn_key_dim, d.gdn_value_heads * d.gdn_value_dim
     return {"gdn_in": 2 * qk + 2 * v + 2 * d.gdn_value_heads, "gdn_conv": 2 * qk + v, "gdn_qk": qk, "gdn_v": v,
-            "gdn_heads": d.gdn_value_heads, "gdn_dv": d.gdn_value_dim}
+            "gdn_heads": d.gdn_value_heads, "gdn_dv": d.gdn_value_dim, "gdn_kheads": d.gdn_key_heads}
 
 
 def _gdn_problems(d: ModelDims, tp: int) -> list[str]:

@@ -301,6 +301,8 @@ def _segment_pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, tp
     ``segment_hf`` names (after the earlier segments there); an expert column row is one segment."""
     sizes = [dims.size(sym) for sym in (spec.segments or spec.shape[:1])]
     where = spec.segment_hf or (0,) * len(sizes)
+    if spec.segment_groups is not None:
+        return _grouped_segment_pieces(names, sizes, where, dims.size(spec.segment_groups), tp, tp_rank)
     out, src, dst = [], 0, [0] * len(names)
     for size, k in zip(sizes, where):
         if size % tp:
@@ -308,6 +310,24 @@ def _segment_pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, tp
         local = size // tp
         out.append(Piece(names[k], src, dst[k] + tp_rank * local, local))
         src, dst[k] = src + local, dst[k] + size
+    return out
+
+
+def _grouped_segment_pieces(names: tuple[str, ...], sizes: list[int], where: tuple[int, ...], groups: int, tp: int,
+                            tp_rank: int) -> list[Piece]:
+    """Segments of HF tensors packed per group (Qwen3-Next's ``in_proj_qkvz``: key head g holds
+    [q_g; k_g; v_g; z_g]): rank r's segment s is groups ``[r*G/tp, (r+1)*G/tp)`` of it, and group g's
+    part of s sits in its HF tensor at ``g * block + (the group's parts of the earlier segments there)``."""
+    if groups % tp or any(size % groups for size in sizes):
+        raise LayoutError(f"{names[0]}: {groups} groups of segments {sizes} do not split over tp={tp}")
+    block = [sum(size // groups for size, k in zip(sizes, where) if k == j) for j in range(len(names))]
+    out, src, offset = [], 0, [0] * len(names)
+    for size, k in zip(sizes, where):
+        part = size // groups
+        for g in range(tp_rank * groups // tp, (tp_rank + 1) * groups // tp):
+            out.append(Piece(names[k], src, g * block[k] + offset[k], part))
+            src += part
+        offset[k] += part
     return out
 
 

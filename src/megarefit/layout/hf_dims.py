@@ -146,8 +146,9 @@ def gdn_dims(r: HFConfigReader) -> dict[str, Any]:
                                     f"{sorted(set(map(str, kinds)))}")
     if r.get("mlp_only_layers") or (r.get("decoder_sparse_step") or 1) != 1:
         raise UnsupportedModelError(f"HF config for family {name}: mlp_only_layers / decoder_sparse_step name dense "
-                                    "layers, which transformers' and vLLM's Qwen3.5 models do not build (every "
-                                    "layer of Qwen3.5-MoE is MoE)")
+                                    "layers, which megarefit's gated-DeltaNet tables do not have (every layer of "
+                                    "the published Qwen3.5-MoE and Qwen3-Next models is MoE; transformers' and "
+                                    "vLLM's Qwen3.5 build no dense layers)")
     if r.get("attn_output_gate", True) is False or r.get("attention_bias"):
         raise UnsupportedModelError(f"HF config for family {name}: full attention without the output gate "
                                     "(attn_output_gate false) or with biases (attention_bias) has no spec table")

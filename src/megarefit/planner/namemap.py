@@ -135,6 +135,7 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
     # Qwen3.5's gated DeltaNet: in_proj [Q; K; V; Z; b; a] from in_proj_qkv / _z / _b / _a and conv1d
     # [Q; K; V], each part split over TP; the gated norm, HF w = Megatron's zero-centered w - 1 + 1
     "GDNLinearMappingSeparate": frozenset({Role.SEGMENTED}),
+    "GDNLinearMapping": frozenset({Role.SEGMENTED}),  # Qwen3-Next: in_proj_qkvz / in_proj_ba packed per key head
     "GDNConv1dMapping": frozenset({Role.SEGMENTED}),
     "RMSNorm2ZeroCenteredRMSNormMapping": frozenset({Role.REPLICATED}),
 }

@@ -13,7 +13,7 @@ from megarefit.specs.mixtral import MIXTRAL
 from megarefit.specs.nemotron_h import NEMOTRON_H
 from megarefit.specs.pending import pending_for
 from megarefit.specs.qwen import QWEN2, QWEN3, QWEN3_MOE
-from megarefit.specs.qwen35 import QWEN3_5, QWEN3_5_MOE, QWEN3_5_MOE_VL, QWEN3_5_VL
+from megarefit.specs.qwen35 import QWEN3_5, QWEN3_5_MOE, QWEN3_5_MOE_VL, QWEN3_5_VL, QWEN3_NEXT
 from megarefit.specs.table import (
     LAYER_SPECS,
     Condition,
@@ -27,7 +27,8 @@ from megarefit.specs.table import (
 )
 
 FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA,
-                                   GPT_OSS, NEMOTRON_H, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL)
+                                   GPT_OSS, NEMOTRON_H, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL,
+                                   QWEN3_NEXT)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

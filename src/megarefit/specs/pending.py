@@ -30,9 +30,6 @@ class Pending:
 
 
 PENDING: tuple[Pending, ...] = (
-    Pending("Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",),
-            "its gated DeltaNet input projections, packed per key-head group (linear_attn.in_proj_qkvz / in_proj_ba), "
-            "have no spec table yet (Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a do)"),
     Pending("DeepSeek-V4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),
             "hyper-connections (attn_hc / ffn_hc / hc_head), the KV compressors (self_attn.compressor), the grouped "
             "low-rank output projection (o_a_proj / o_b_proj) and attention sinks have no spec table yet, and "

@@ -1,4 +1,4 @@
-"""Qwen3.5 and Qwen3.5-MoE: gated DeltaNet (GDN) layers and gated full attention, one mixer per layer
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next: gated DeltaNet (GDN) layers and gated full attention, one mixer per layer
 from the config's ``layer_types`` (``linear_attention`` / ``full_attention``; by default every
 ``full_attention_interval``-th layer is full attention), each followed by a dense or MoE MLP.
 
@@ -28,6 +28,9 @@ The vision-language checkpoints (``Qwen3_5*ForConditionalGeneration``) keep the 
 under ``model.language_model.`` beside a vision tower (``model.visual.``) megarefit does not move:
 their families plan the language model only, dims from ``text_config``. The checkpoints' MTP layer
 (``mtp.*``, ``mtp_num_hidden_layers``) is not planned (vLLM's target model skips it).
+Qwen3-Next (``Qwen3NextForCausalLM``) is Qwen3.5-MoE's text model whose checkpoints pack the GDN
+input projections per key head g: ``in_proj_qkvz`` [q_g; k_g; v_g; z_g], ``in_proj_ba`` [b_g; a_g]
+(``ParamSpec.segment_groups``; Megatron-Bridge's ``merge_gdn_linear_weights``).
 Checked against Megatron-Bridge 0.6's ``Qwen35MoEBridge`` (``GDNLinearMappingSeparate``,
 ``GDNConv1dMapping``, ``RMSNorm2ZeroCenteredRMSNormMapping``, the gated ``QKVMapping``).
 """
@@ -48,15 +51,26 @@ C = Condition
 _NORM = (_H + "input_layernorm.weight",)
 
 
-def _gdn_rows() -> tuple[ParamSpec, ...]:
+_IN_PROJ = ("gdn_qk", "gdn_qk", "gdn_v", "gdn_v", "gdn_heads", "gdn_heads")  # [Q; K; V; Z; b; a]
+
+
+def _in_proj(packed: bool) -> ParamSpec:
+    """The GDN ``in_proj``: Qwen3.5's four HF tensors [Q; K; V], Z, b, a, or (``packed``) Qwen3-Next's
+    two, packed per key head g: ``in_proj_qkvz`` [q_g; k_g; v_g; z_g], ``in_proj_ba`` [b_g; a_g]."""
+    name, shape = _L + "self_attention.in_proj.weight", ("gdn_in", "hidden")
+    if packed:
+        return ParamSpec(name, R.SEGMENTED, (_G + "in_proj_qkvz.weight", _G + "in_proj_ba.weight"), shape,
+                         segments=_IN_PROJ, segment_hf=(0, 0, 0, 0, 1, 1), segment_groups="gdn_kheads", mixer="gdn")
+    return ParamSpec(name, R.SEGMENTED, tuple(_G + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), shape,
+                     segments=_IN_PROJ, segment_hf=(0, 0, 0, 1, 2, 3), mixer="gdn")
+
+
+def _gdn_rows(packed: bool = False) -> tuple[ParamSpec, ...]:
     g = "gdn"
     return (
         ParamSpec(_L + "self_attention.in_proj.layer_norm_weight", R.REPLICATED, _NORM, ("hidden",), spelling="te",
                   mixer=g),
-        ParamSpec(_L + "self_attention.in_proj.weight", R.SEGMENTED,
-                  tuple(_G + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), ("gdn_in", "hidden"),
-                  segments=("gdn_qk", "gdn_qk", "gdn_v", "gdn_v", "gdn_heads", "gdn_heads"),
-                  segment_hf=(0, 0, 0, 1, 2, 3), mixer=g),
+        _in_proj(packed),
         ParamSpec(_L + "self_attention.conv1d.weight", R.SEGMENTED, (_G + "conv1d.weight",),
                   ("gdn_conv", "one", "conv_kernel"), segments=("gdn_qk", "gdn_qk", "gdn_v"), linear=False, mixer=g),
         *(ParamSpec(_L + f"self_attention.{p}", R.COLUMN, (_G + p,), ("gdn_heads",), mixer=g)
@@ -89,6 +103,8 @@ _SHARED_GATE = ParamSpec(_L + "mlp.shared_experts.gate_weight", R.REPLICATED, (_
                          ("one", "hidden"), requires=frozenset({C.SHARED_EXPERTS}), layer_kind="moe", linear=False)
 _DENSE = gpt.EMBEDDING + _gdn_rows() + _attention_rows() + gpt.GATED_MLP + gpt.OUTPUT
 _MOE = _DENSE + moe_rows(shared="shared_expert") + (_SHARED_GATE,)
+_NEXT = (gpt.EMBEDDING + _gdn_rows(packed=True) + _attention_rows() + gpt.GATED_MLP + gpt.OUTPUT
+         + moe_rows(shared="shared_expert") + (_SHARED_GATE,))
 
 
 def _language_model(rows: tuple[ParamSpec, ...]) -> tuple[ParamSpec, ...]:
@@ -115,4 +131,7 @@ QWEN3_5_MOE_VL = FamilySpec(name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeFor
                             model_types=("qwen3_5_moe",), entries=_language_model(_MOE), text_config=True,
                             **_COMMON, **_MOE_KEYS)  # type: ignore[arg-type]
 
-__all__ = ["QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_MOE_VL", "QWEN3_5_VL"]
+QWEN3_NEXT = FamilySpec(name="qwen3_next", architectures=("Qwen3NextForCausalLM",), model_types=("qwen3_next",),
+                        entries=_NEXT, **_COMMON, **_MOE_KEYS)  # type: ignore[arg-type]
+
+__all__ = ["QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_MOE_VL", "QWEN3_5_VL", "QWEN3_NEXT"]

@@ -99,7 +99,9 @@ class Role(str, Enum):
                      ``[seg0_r; seg1_r; ...]`` (Mamba's ``in_proj`` [z; x; B; C; dt],
                      ``conv1d`` [x; B; C]); HF keeps the segments whole, in order, in the HF
                      tensor ``ParamSpec.segment_hf`` names (gated DeltaNet ``in_proj``
-                     [Q; K; V; Z; b; a] -> ``in_proj_qkv`` [Q; K; V], ``in_proj_z``, ``_b``, ``_a``)
+                     [Q; K; V; Z; b; a] -> ``in_proj_qkv`` [Q; K; V], ``in_proj_z``, ``_b``, ``_a``),
+                     or packed per group (``ParamSpec.segment_groups``: Qwen3-Next's
+                     ``in_proj_qkvz`` [q_g; k_g; v_g; z_g] and ``in_proj_ba`` [b_g; a_g] per key head g)
     gated_qkv  dim 0 3 (q, k, v), attention with an output gate (Megatron ``attention_output_gate``):
                      per query group [q heads; gate heads; k; v], HF ``q_proj`` per head
                      [q_h; gate_h]; see the planner
@@ -236,6 +238,7 @@ SHAPE_SYMBOLS = frozenset({
     # gated DeltaNet (HF linear_*): key heads nk x dk, value heads nv x dv; in_proj rows 2*nk*dk + 2*nv*dv
     # + 2*nv ([Q; K; V; Z; b; a]), conv1d rows 2*nk*dk + nv*dv ([Q; K; V])
     "gdn_in", "gdn_conv", "gdn_qk", "gdn_v", "gdn_heads", "gdn_dv",
+    "gdn_kheads",  # nk: the groups Qwen3-Next packs its in_proj_qkvz / in_proj_ba by
 })
 _ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_QKV: "qkvg", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
                         Role.EXPERT_GATED_MLP: "2moe_ffn", Role.EXPERT_GATE_UP_FUSED: "2moe_ffn"}
@@ -296,6 +299,10 @@ class ParamSpec:
             "mamba_heads")`` for [z; x; B; C; dt]); they sum to ``shape[0]``.
         segment_hf: per segment, the index in ``hf`` of the HF tensor it lands in (segments of
             one HF tensor are stacked in order); ``()``: every segment in ``hf[0]``.
+        segment_groups: a shape symbol G: each HF tensor is packed per group, group g holding
+            ``[seg_a rows of g; seg_b rows of g; ...]`` (its segments, each cut in G equal parts,
+            in order), and TP splits the groups (Qwen3-Next's per-key-head ``in_proj_qkvz``);
+            ``None``: each segment whole, one after another.
         mixer: ``"gdn"`` / ``"attention"``: the row exists only in layers with that token mixer
             (``ModelDims.linear_layers``); ``None``: in every layer.
         value: an elementwise value change from Megatron to HF (:data:`ValueRule`; the plan
@@ -316,6 +323,7 @@ class ParamSpec:
     head_rotate: tuple[str, str] | None = None
     segments: tuple[str, ...] = ()
     segment_hf: tuple[int, ...] = ()
+    segment_groups: str | None = None
     mixer: Mixer | None = None
     value: ValueRule | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
@@ -352,9 +360,10 @@ class ParamSpec:
                 raise SpecTableError(f"{where}: HF name {template!r} and the role disagree on {{expert}}")
         if self.role in (Role.ROW, Role.EXPERT_ROW, Role.EXPERT_ROW_FUSED) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
-        if (self.role is Role.SEGMENTED) != bool(self.segments) or not set(self.segments) <= SHAPE_SYMBOLS:
-            raise SpecTableError(f"{where}: the segmented role and known segment symbols go together, got "
-                                 f"{self.role.value} {self.segments}")
+        if (self.role is Role.SEGMENTED) != bool(self.segments) or not set(self.segments) <= SHAPE_SYMBOLS \
+                or (self.segment_groups is not None and (not self.segments or self.segment_groups not in SHAPE_SYMBOLS)):
+            raise SpecTableError(f"{where}: the segmented role and known segment (group) symbols go together, got "
+                                 f"{self.role.value} {self.segments} {self.segment_groups}")
         if self.head_rotate is not None and (self.role is not Role.REPLICATED
                                              or not set(self.head_rotate) <= SHAPE_SYMBOLS):
             raise SpecTableError(f"{where}: head_rotate needs the replicated role and two shape symbols, got "

@@ -395,12 +395,19 @@ def _qkv(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDi
 def _segmented_params(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, T: int, t: int,
                       out: dict[str, VllmParam]) -> None:
     """A segmented row over several HF tensors (Qwen3.5's gated DeltaNet ``in_proj``): each segment's
-    rows chunk ``t`` of ``T``, stacked into the vLLM parameters :data:`_VLLM_SEGMENT_PARAMS` names.
+    rows chunk ``t`` of ``T``, stacked into the vLLM parameters :data:`_VLLM_SEGMENT_PARAMS` names;
+    HF tensors packed per group (Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``): each its rows chunk ``t``,
+    under its own name (vLLM keeps the packing and unpacks it in ``forward``).
 
     Raises:
         UnsupportedModelError: no vLLM parameters are known for the row.
         LayoutError: a segment does not split over ``T``.
     """
+    if row.segment_groups is not None:  # packed per group (Qwen3-Next, vLLM ``gqa_interleaved_layout``): the
+        for name, shape in named:      # HF tensor's rows chunk t, whole groups, as one output shard
+            n = _split(shape[0], T, f"{name} rows", "tp")
+            out[name] = _stacked([(name, shape, t * n, n)])
+        return
     first = named[0][0]
     key = next((k for k in _VLLM_SEGMENT_PARAMS if first.endswith(k)), None)
     if key is None:
