@@ -452,6 +452,22 @@ def test_glm_5_2_shares_indexers_as_its_checkpoint_does(capsys):
     assert rc == 0 and "validated exact cover" in capsys.readouterr().out
 
 
+def test_glm_5_1_plans_at_a_realistic_layout(capsys):
+    """GLM-5.1 (the published block-FP8 config; GLM-5's architecture, its own indexer in every layer):
+    `megarefit plan` from Megatron tp 8, pp 4 (19 layers on the first and last stage), ep 8 with the MTP
+    layer, into HF tensors and into one vLLM worker (tp 8, expert parallel), block FP8 both."""
+    from megarefit import ModelDims
+
+    cfg = json.loads((CONFIG_DIR / "GLM-5.1-FP8.json").read_text())
+    assert ModelDims.from_hf_config(cfg).shared_indexer_layers == ()
+    base = ["plan", "--config", str(CONFIG_DIR / "GLM-5.1-FP8.json"), "--tp", "8", "--pp", "4", "--ep", "8",
+            "--first-stage-layers", "19", "--last-stage-layers", "19", "--mtp-layers", "1", "--no-execute-meta"]
+    for extra in ([], ["--vllm-tp", "8", "--vllm-rank", "3", "--vllm-ep"]):
+        assert main(base + extra) == 0
+        out = capsys.readouterr().out
+        assert "validated exact cover" in out and "block FP8" in out and ("vLLM tensors" in out) == bool(extra), out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["demo", "--config", "Qwen3-30B-A3B.json", "--expert-layout", "te_grouped"],
      "te_grouped builds Transformer Engine's TEGroupedMLP, which needs TE and a GPU"),
