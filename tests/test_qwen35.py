@@ -273,10 +273,11 @@ def vl_checkpoint(cfg: dict, directory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory):
-    """What each of two vLLM TP ranks' own ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` and the
-    vision-language ``Qwen3_5[Moe]ForConditionalGeneration`` hold after their ``load_weights`` of the
-    checkpoint (built by ``initialize_model`` on CPU; MoE with expert parallelism off and on), and what
-    megarefit's ``check_shards`` says of shards for all but their vision tower."""
+    """What each of two vLLM TP ranks' own ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, the
+    vision-language ``Qwen3_5[Moe]ForConditionalGeneration`` and ``Qwen3NextForCausalLM`` hold after
+    their ``load_weights`` of the checkpoint (built by ``initialize_model`` on CPU; MoE with expert
+    parallelism off and on), and what megarefit's ``check_shards`` says of shards for all but their
+    vision tower."""
     pytest.importorskip("vllm")
     from vllm_loader_jobs import unportable, vllm_qwen35_model_job
 
@@ -284,10 +285,14 @@ def vllm_models(tmp_path_factory):
 
     moe = {k: v.abs() % 1.5 + 0.5 if "norm" in k else v
            for k, v in hf_checkpoint_state(VLLM_MOE, tmp_path_factory.mktemp("qwen35_moe")).items()}
+    from test_qwen3_next import NEXT, next_state
+
     vl, vl_moe = vl_config(VLLM_CFG), vl_config(VLLM_MOE)
+    qwen3_next = next_state(NEXT, tmp_path_factory.mktemp("next"))
     cases = {"dense": (VLLM_CFG, hf_state(VLLM_CFG), False), "moe-ep-off": (VLLM_MOE, moe, False),
              "moe-ep-on": (VLLM_MOE, moe, True), "vl": (vl, vl_checkpoint(vl, tmp_path_factory.mktemp("vl")), False),
-             "vl-moe-ep-on": (vl_moe, vl_checkpoint(vl_moe, tmp_path_factory.mktemp("vl_moe")), True)}
+             "vl-moe-ep-on": (vl_moe, vl_checkpoint(vl_moe, tmp_path_factory.mktemp("vl_moe")), True),
+             "next-ep-off": (NEXT, qwen3_next, False), "next-ep-on": (NEXT, qwen3_next, True)}
     per_rank = run_workers(vllm_qwen35_model_job,
                            start_method="spawn", world_size=2, args=(cases, str(tmp_path_factory.mktemp("vllm"))),
                            timeout=600)
@@ -296,13 +301,15 @@ def vllm_models(tmp_path_factory):
                    for r in range(2)]) for key in cases}
 
 
-@pytest.mark.parametrize("case", ["dense", "moe-ep-off", "moe-ep-on", "vl", "vl-moe-ep-on"])
+@pytest.mark.parametrize("case", ["dense", "moe-ep-off", "moe-ep-on", "vl", "vl-moe-ep-on", "next-ep-off",
+                                  "next-ep-on"])
 def test_vllm_shards_equal_vllms_own_loader(vllm_models, case):
     """Each vLLM rank's parameters, planned from Megatron shards (tp 2; MoE ep 2) straight into the
     worker: ``in_proj_qkvz`` [Q_t; K_t; V_t; Z_t] and ``in_proj_ba`` [b_t; a_t] from the GDN's
     ``in_proj``, ``conv1d`` part by part, ``A_log`` in float32, the gated norm + 1 (value steps),
     ``qkv_proj`` with each head's [q; gate], the shared expert and its gate: bit-identical to what
-    vLLM's own loader put there, under its names. For the vision-language checkpoints (the trainers
+    vLLM's own loader put there, under its names. Qwen3-Next (``Qwen3NextForCausalLM``): ``in_proj_qkvz`` /
+    ``in_proj_ba`` as the packed HF tensors' rows chunk t. For the vision-language checkpoints (the trainers
     hold the language model only): every parameter of vLLM's model but the vision tower, under
     ``language_model.model.*`` / ``language_model.lm_head``, and megarefit's ``check_shards`` takes
     exactly those as a whole refit."""

@@ -6,8 +6,9 @@ holds per TP rank [Q_r; K_r; V_r; Z_r; b_r; a_r] as for Qwen3.5. The oracle is M
 0.6's ``merge_gdn_linear_weights`` restated in tests/reference.py (``qwen3_next_in_proj``); the rest
 of a layer is Qwen3.5's (its own tests). Checked here: HF -> Megatron equal to that oracle and
 Megatron -> HF exact, on tensors named and shaped by transformers' own ``Qwen3NextForCausalLM``;
-vLLM-sharded targets equal what vLLM's own ``Qwen3NextForCausalLM`` holds after its ``load_weights``
-(vLLM keeps the packing: each rank holds whole key heads' rows); the published config's plan.
+the published config's plans. vLLM-sharded targets equal what vLLM's own ``Qwen3NextForCausalLM``
+holds after its ``load_weights`` (vLLM keeps the packing: each rank holds whole key heads' rows):
+in test_qwen35.py, whose vLLM processes build Qwen3.5's models too.
 """
 
 from __future__ import annotations
@@ -106,49 +107,6 @@ def test_plans_of_the_published_config():
     assert shapes["model.layers.0.linear_attn.in_proj_qkvz.weight"] == ((2 * nk * dk + 2 * nv * dv) // 4, h)
     assert shapes["model.layers.0.linear_attn.in_proj_ba.weight"] == (2 * nv // 4, h)
     assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == (64, 2 * cfg["moe_intermediate_size"], h)
-
-
-@pytest.fixture(scope="module")
-def vllm_models(tmp_path_factory):
-    """What each of two vLLM TP ranks' own ``Qwen3NextForCausalLM`` holds after its ``load_weights``
-    of the checkpoint (``initialize_model`` on CPU; expert parallelism off and on)."""
-    pytest.importorskip("vllm")
-    from vllm_loader_jobs import unportable, vllm_model_job
-
-    from megarefit.demo.workers import run_workers
-
-    hf = next_state(NEXT, tmp_path_factory.mktemp("next"))
-    cases = {"ep-off": (NEXT, hf, False), "ep-on": (NEXT, hf, True)}
-    per_rank = run_workers(vllm_model_job, start_method="spawn", world_size=2,
-                           args=(cases, str(tmp_path_factory.mktemp("vllm"))), timeout=600)
-    return hf, {key: [({n: unportable(t) for n, t in per_rank[r][key][0].items()}, per_rank[r][key][1])
-                      for r in range(2)] for key in cases}
-
-
-@pytest.mark.parametrize("case", ["ep-off", "ep-on"])
-def test_vllm_shards_equal_vllms_own_loader(vllm_models, case):
-    """Each vLLM rank's parameters planned from Megatron shards (tp 2, ep 2): ``in_proj_qkvz`` /
-    ``in_proj_ba`` rows chunk t of the packed HF tensors, ``conv1d`` part by part, ``A_log`` in
-    float32, the gated norm + 1, ``qkv_proj`` per head [q; gate], the experts: bit-identical to vLLM's."""
-    from megarefit import ModelDims, RankCoord, SourceLayout
-    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
-    from megarefit.translate import hf_to_megatron
-    from megarefit.transport import LocalTransport
-    from megarefit.transport.execute import run_refit_cycle
-
-    hf, models = vllm_models
-    dims = ModelDims.from_hf_config(NEXT)
-    layout = SourceLayout.build(tp=2, pp=1, ep=2, num_layers=dims.num_layers, padded_vocab_size=dims.padded_vocab_size(2))
-    transport = LocalTransport({RankCoord(*r): s for r, s in hf_to_megatron(hf, NEXT, tp=2, ep=2).items()})
-    for rank in range(2):
-        want, maps = models[case][rank]
-        expert_map = next(iter(maps.values())) if case == "ep-on" else None
-        target = VllmTarget(2, rank, expert_parallel=expert_map is not None, expert_map=expert_map)
-        got = {n: t.clone() for n, t in run_refit_cycle(plan_megatron_to_vllm(dims, layout, "float32", target),
-                                                          transport)}
-        assert got.keys() == want.keys()
-        for name, tensor in want.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (name, rank)
 
 
 def test_what_is_not_translated_yet_is_refused(capsys):
