@@ -9,8 +9,9 @@ Workers are ``spawn``ed (each imports torch, megatron.core and transformers afre
 per rank) or, with ``start_method="forkserver"`` (or ``MEGAREFIT_WORKER_START=forkserver``), forked
 from a server process that imported them once. Forkserver workers end with ``os._exit``: no
 interpreter shutdown, so nothing registered to run at exit does. vLLM's CPU shared-memory groups
-unlink their segments then, so a job that starts vLLM's distributed state must be spawned; a
-forkserver worker that finds one refuses (:data:`SPAWN_ONLY`).
+seem to unlink their segments only then (vLLM jobs in forkserver workers met ``EEXIST`` creating
+them), so a job that starts vLLM's distributed state must be spawned; a forkserver worker that
+finds one refuses (:data:`SPAWN_ONLY`).
 """
 
 from __future__ import annotations
