@@ -222,7 +222,7 @@ def test_what_is_not_translated_yet_is_refused(capsys):
     with pytest.raises(LayoutError, match="does not plan this family's multi-token-prediction layers"):
         plan_megatron_to_vllm(vl, vl_src, "bfloat16", VllmTarget(8, 0, draft=True))
     hf = hf_state(cfg) | {"mtp.fc.weight": torch.zeros(1)}
-    with pytest.raises(UnexpectedParameterError, match=r"mtp\.\* is Qwen3.5's multi-token-prediction layer"):
+    with pytest.raises(UnexpectedParameterError, match=r"mtp\.\* is the multi-token-prediction layer of Qwen3.5"):
         hf_to_megatron(hf, cfg, tp=2)
     vl_hf = {k.replace("model.", "model.language_model.", 1): v for k, v in hf_state(cfg).items()}
     with pytest.raises(UnexpectedParameterError, match=r"model\.visual\.\* is the vision tower"):

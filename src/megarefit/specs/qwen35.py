@@ -1,5 +1,5 @@
-"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next: gated DeltaNet (GDN) layers and gated full attention, one mixer per layer
-from the config's ``layer_types`` (``linear_attention`` / ``full_attention``; by default every
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next: gated DeltaNet (GDN) layers and gated full attention, one mixer
+per layer from the config's ``layer_types`` (``linear_attention`` / ``full_attention``; by default every
 ``full_attention_interval``-th layer is full attention), each followed by a dense or MoE MLP.
 
 Megatron-Core builds them as Megatron-Bridge does: ``GPTModel`` with the experimental attention

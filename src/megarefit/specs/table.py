@@ -360,8 +360,9 @@ class ParamSpec:
                 raise SpecTableError(f"{where}: HF name {template!r} and the role disagree on {{expert}}")
         if self.role in (Role.ROW, Role.EXPERT_ROW, Role.EXPERT_ROW_FUSED) and len(self.shape) != 2:
             raise SpecTableError(f"{where}: a row-parallel tensor must be 2-D, got {self.shape}")
+        groups_ok = self.segment_groups is None or (bool(self.segments) and self.segment_groups in SHAPE_SYMBOLS)
         if (self.role is Role.SEGMENTED) != bool(self.segments) or not set(self.segments) <= SHAPE_SYMBOLS \
-                or (self.segment_groups is not None and (not self.segments or self.segment_groups not in SHAPE_SYMBOLS)):
+                or not groups_ok:
             raise SpecTableError(f"{where}: the segmented role and known segment (group) symbols go together, got "
                                  f"{self.role.value} {self.segments} {self.segment_groups}")
         if self.head_rotate is not None and (self.role is not Role.REPLICATED
