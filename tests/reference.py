@@ -327,13 +327,18 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
                 name.endswith("self_attn.q_proj.weight") and name.replace("q_proj", "kv_a_proj_with_mqa") in hf):
             out[name] = dense.pop(name).chunk(T)[t]  # MLA column-parallel (q_proj: no q_lora_rank)
     sinks = {n: dense.pop(n).chunk(T)[t] for n in list(dense) if n.endswith(".self_attn.sinks")}  # by heads
+    if family == "minimax_m2":  # q / k norms over all heads (MiniMaxText01RMSNormTP): the rank's heads' part
+        kv = cfg["num_key_value_heads"]
+        sinks |= {n: dense.pop(n).chunk(T)[t] for n in list(dense) if n.endswith(".self_attn.q_norm.weight")}
+        sinks |= {n: dense.pop(n).chunk(min(T, kv))[t * min(T, kv) // T] for n in list(dense)
+                  if n.endswith(".self_attn.k_norm.weight")}  # T > kv: head t // (T / kv), replicated
     out |= vllm_reference(dense, cfg, T, t) | sinks
     if family == "gpt_oss":  # vLLM's GptOssModel spells attn / embedding
         out = {n.replace(".self_attn.", ".attn.").replace("model.embed_tokens.", "model.embedding."): w
                for n, w in out.items()}
     for prefix, ws in fused.items():
         out |= _gpt_oss_experts(prefix, ws, slots, moe_T, moe_r)
-    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    gate, up, down = ("w1", "w3", "w2") if family in ("mixtral", "minimax_m2") else ("gate_proj", "up_proj", "down_proj")
     moe_layers = sorted({int(prefix.split(".")[2]) for prefix in routed})
     for prefix, ws in routed.items():
         layer_slots = slots if physical_to_logical is None else [

@@ -85,6 +85,10 @@ def read_hf_dims(cfg: Mapping[str, Any] | Any, fam: FamilySpec) -> dict[str, Any
         MegarefitError: a required key is missing or not a positive integer.
     """
     r = HFConfigReader(text_config(cfg, fam.name) if fam.text_config else cfg, fam)
+    for key, value in fam.config_requires:
+        if r.get(key, value) != value:
+            raise UnsupportedModelError(f"HF config for family {fam.name}: {key}={r.get(key)!r} has no spec table "
+                                        f"(megarefit translates {key}={value!r} only)")
     heads, hidden, groups = _attention_heads(r)
     out: dict[str, Any] = {}
     if fam.experts_key is not None and r.get(fam.experts_key):

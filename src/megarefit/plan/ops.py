@@ -181,7 +181,8 @@ VALUE_FNS: dict[str, str] = {  # what each value function computes, and its inve
                 "w - 1 as HF's w); inverse minus_one, exact for targets in [0.5, 2]",
     "minus_one": "target = staging - 1 in the staging dtype (HF's w as Megatron's zero-centered w - 1), exact for "
                  "staging in [0.5, 2] (Sterbenz); inverse plus_one",
-    "as_float32": "target = staging in float32 (vLLM's float32 gated-DeltaNet A_log); exact, inverse a cast back",
+    "as_float32": "target = staging in float32 (vLLM's float32 gated-DeltaNet A_log, MiniMax-M2 router gate); exact, "
+                  "inverse a cast back",
 }
 VALUE_DTYPES: dict[str, str | None] = {"neg_exp": "float32", "plus_one": None, "minus_one": None,
                                        "as_float32": "float32"}

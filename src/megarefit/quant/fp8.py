@@ -79,8 +79,8 @@ class Fp8Format:
         if not block:
             raise UnsupportedQuantizationError("fp8 without weight_block_size (per-tensor scales) is not produced; "
                                                "use block FP8 (weight_block_size [128, 128])")
-        if qc.get("fmt", "e4m3") != "e4m3":
-            raise UnsupportedQuantizationError(f"fp8 fmt {qc.get('fmt')!r}: only e4m3 is produced")
+        if qc.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells torch's dtype name
+            raise UnsupportedQuantizationError(f"fp8 fmt {qc.get('fmt')!r}: only e4m3 (float8_e4m3fn) is produced")
         if qc.get("activation_scheme", "dynamic") != "dynamic":
             raise UnsupportedQuantizationError(f"fp8 activation_scheme {qc.get('activation_scheme')!r}: only "
                                                "'dynamic' (no activation scales in the checkpoint) is produced")

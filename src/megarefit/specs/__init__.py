@@ -9,6 +9,7 @@ from megarefit.errors import UnsupportedModelError
 from megarefit.specs.deepseek import DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA
 from megarefit.specs.gpt_oss import GPT_OSS
 from megarefit.specs.llama import LLAMA
+from megarefit.specs.minimax import MINIMAX_M2
 from megarefit.specs.mixtral import MIXTRAL
 from megarefit.specs.nemotron_h import NEMOTRON_H
 from megarefit.specs.pending import pending_for
@@ -28,7 +29,7 @@ from megarefit.specs.table import (
 
 FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA,
                                    GPT_OSS, NEMOTRON_H, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL,
-                                   QWEN3_NEXT)
+                                   QWEN3_NEXT, MINIMAX_M2)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

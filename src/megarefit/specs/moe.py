@@ -28,8 +28,10 @@ C = Condition
 
 def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts",
              expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-             shared: str | None = None) -> tuple[ParamSpec, ...]:
-    """MoE-layer rows for one family's HF spelling (data built once at import)."""
+             shared: str | None = None, expert_bias: str | None = None) -> tuple[ParamSpec, ...]:
+    """MoE-layer rows for one family's HF spelling (data built once at import); ``expert_bias``:
+    the router's score-correction bias under the block, where not ``<gate>.e_score_correction_bias``
+    (MiniMax-M2: ``block_sparse_moe.e_score_correction_bias``)."""
     hb = _H + block + "."
     g, u, d = (f"{hb}{experts}.{{expert}}.{p}.weight" for p in expert_proj)
     rows = [
@@ -38,7 +40,7 @@ def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts"
         ParamSpec(_L + "mlp.router.weight", R.REPLICATED, (hb + gate + ".weight",), ("experts", "hidden"),
                   layer_kind="moe"),
         # a persistent fp32 buffer of TopKRouter (not a parameter), fp32 in HF too
-        ParamSpec(_L + "mlp.router.expert_bias", R.REPLICATED, (hb + gate + ".e_score_correction_bias",),
+        ParamSpec(_L + "mlp.router.expert_bias", R.REPLICATED, (hb + (expert_bias or gate + ".e_score_correction_bias"),),
                   ("experts",), requires=frozenset({C.ROUTER_BIAS}), layer_kind="moe", dtype="float32"),
         ParamSpec(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", R.EXPERT_GATED_MLP, (g, u),
                   ("2moe_ffn", "hidden"), layer_kind="moe", expert_layout="sequential"),

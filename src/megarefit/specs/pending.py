@@ -34,9 +34,6 @@ PENDING: tuple[Pending, ...] = (
             "hyper-connections (attn_hc / ffn_hc / hc_head), the KV compressors (self_attn.compressor), the grouped "
             "low-rank output projection (o_a_proj / o_b_proj) and attention sinks have no spec table yet, and "
             "Megatron-Core 0.16-0.19 builds none of them"),
-    Pending("MiniMax-M2", ("MiniMaxM2ForCausalLM",), ("minimax_m2",),
-            "q_norm / k_norm normalize a token's query and key over all heads at once ([heads x head_dim] weights), "
-            "which Megatron-Core 0.16-0.19's per-head qk_layernorm does not compute; no spec table yet"),
 )
 
 

@@ -225,6 +225,7 @@ class Condition(str, Enum):
 # Dimension symbols allowed in ParamSpec.shape; ModelDims.size() resolves them.
 SHAPE_SYMBOLS = frozenset({
     "hidden", "2hidden", "ffn", "2ffn", "vocab", "head_dim", "q", "qkv",  # dense
+    "kv",  # num_key_value_heads * head_dim (MiniMax-M2's K norm over all key heads)
     "experts", "moe_ffn", "2moe_ffn", "shared_ffn", "2shared_ffn",  # MoE
     "q_lora", "kv_lora", "q_up", "kv_down", "kv_up", "v_heads",  # MLA
     "index_q", "index_head_dim", "index_heads",  # DSA indexer: heads * head_dim, head_dim, heads
@@ -449,7 +450,7 @@ class FamilySpec:
     first_dense_key: str | None = None  # first k layers are dense (DeepSeek first_k_dense_replace)
     mlp_only_key: str | None = None  # explicit dense layers (Qwen3-MoE mlp_only_layers)
     sparse_step_key: str | None = None  # every n-th layer is MoE (Qwen3-MoE decoder_sparse_step)
-    router_bias: bool | tuple[str, str] = False  # True/False, or (config key, value that means "on")
+    router_bias: bool | tuple[str, object] = False  # True/False, or (config key, value that means "on")
     mtp_key: str | None = None  # HF key counting multi-token-prediction layers (num_nextn_predict_layers)
     mla: bool = False  # multi-latent attention dims from q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim
     dsa_indexer: bool = False  # DSA lightning-indexer dims from index_n_heads / index_head_dim
@@ -457,6 +458,8 @@ class FamilySpec:
     shared_ffn_key: str | None = None  # per shared expert intermediate size, where not moe_ffn_key's
     gdn: bool = False  # gated-DeltaNet hybrid (Qwen3.5): linear_* dims, layer_types, a gated attention
     text_config: bool = False  # a vision-language checkpoint: the language model's dims are in ``text_config``
+    # (HF config key, value): where the key is present it must hold the value, else the config is refused
+    config_requires: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.entries):

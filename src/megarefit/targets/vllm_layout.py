@@ -111,6 +111,8 @@ _VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".sel
 # HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
 _VLLM_VALUES = {".mixer.A_log": "neg_exp",  # MambaMixer2: A = -exp(A_log.float()), float32
                 ".linear_attn.A_log": "as_float32"}  # Qwen3.5's gated DeltaNet holds A_log in float32
+# ... per family: MiniMax-M2's router gate (vLLM GateLinear, params_dtype float32)
+_VLLM_FAMILY_VALUES = {"minimax_m2": {".block_sparse_moe.gate.weight": "as_float32"}}
 
 # vLLM stacks a multi-tensor role's HF tensors (in the spec row's order: q, k, v / gate,
 # up) into one parameter, named after the first with this part replaced.
@@ -344,13 +346,14 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
     elif row.role is Role.GATED_MLP:  # gate chunk t, then up chunk t
         out[named[0][0].replace(*_VLLM_STACKED[Role.GATED_MLP])] = _stacked(
             [(n, s, t * _split(s[0], T, f"{n} rows", group), _split(s[0], T, f"{n} rows", group)) for n, s in named])
+    elif row.role is Role.COLUMN and row.shape == ("kv",):  # MiniMax-M2's K norm: as qkv_proj's k rows
+        kv_local, kv_start = _kv_heads(dims, T, t)
+        for name, shape in named:
+            out[name] = _stacked([(name, shape, kv_start * dims.head_dim, kv_local * dims.head_dim)])
     elif row.role is Role.COLUMN:
         for name, shape in named:
             n = _split(shape[0], T, f"{name} rows", group)
             out[name] = _stacked([(name, shape, t * n, n)])
-            fn = next((f for suffix, f in _VLLM_VALUES.items() if name.endswith(suffix)), None)
-            if fn is not None:
-                out[name] = VllmParam(out[name].shape, out[name].pieces, value_fn=fn)
     elif row.role is Role.ROW:
         for name, shape in named:
             n = _split(shape[1], T, f"{name} columns", group)
@@ -369,6 +372,11 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
             out[name] = _whole(name, shape)
     else:
         raise UnsupportedModelError(f"{named[0][0]}: role {row.role.value} has no vLLM shard rule")
+    values = _VLLM_VALUES | _VLLM_FAMILY_VALUES.get(dims.family, {})
+    for name, _ in named:
+        fn = next((f for suffix, f in values.items() if name.endswith(suffix)), None)
+        if fn is not None and name in out:
+            out[name] = VllmParam(out[name].shape, out[name].pieces, value_fn=fn)
 
 
 def _qkv(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, T: int, t: int,
@@ -378,18 +386,27 @@ def _qkv(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDi
     ``q_proj``'s [q_h; gate_h] rows (vLLM builds it with twice the heads, Qwen3-Next / Qwen3.5)."""
     d = dims.head_dim
     q_rows = 2 * d if row.role is Role.GATED_QKV else d
-    heads, kv = _split(dims.num_attention_heads, T, "num_attention_heads"), dims.num_query_groups
-    if T >= kv:
-        if T % kv:
-            raise LayoutError(f"vLLM tp={T} must be a multiple of num_key_value_heads={kv} (or divide it)")
-        kv_local, kv_start = 1, t // (T // kv)
-    else:
-        kv_local = _split(kv, T, "num_key_value_heads")
-        kv_start = t * kv_local
+    heads = _split(dims.num_attention_heads, T, "num_attention_heads")
+    kv_local, kv_start = _kv_heads(dims, T, t)
     (qn, qs), (kn, ks), (vn, vs) = named
     out[qn.replace(*_VLLM_STACKED[row.role])] = _stacked(
         [(qn, qs, t * heads * q_rows, heads * q_rows), (kn, ks, kv_start * d, kv_local * d),
          (vn, vs, kv_start * d, kv_local * d)])
+
+
+def _kv_heads(dims: ModelDims, T: int, t: int) -> tuple[int, int]:
+    """``(kv heads, first kv head)`` of tp rank ``t`` of ``T`` (``QKVParallelLinear``; MiniMax-M2's
+    ``k_norm``): a split of the kv heads, or one head replicated over ``T / kv`` ranks.
+
+    Raises:
+        LayoutError: ``T`` neither divides nor is a multiple of the kv heads."""
+    kv = dims.num_query_groups
+    if T >= kv:
+        if T % kv:
+            raise LayoutError(f"vLLM tp={T} must be a multiple of num_key_value_heads={kv} (or divide it)")
+        return 1, t // (T // kv)
+    kv_local = _split(kv, T, "num_key_value_heads")
+    return kv_local, t * kv_local
 
 
 def _segmented_params(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: ModelDims, T: int, t: int,
