@@ -36,6 +36,8 @@ QWEN35 = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe
           "layer_types": ["linear_attention", "full_attention"] * 2, "num_experts": 4, "moe_intermediate_size": 32,
           "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
           "linear_key_head_dim": 8, "linear_value_head_dim": 16}
+MINIMAX = {"num_hidden_layers": 4, "num_local_experts": 4, "intermediate_size": 32, "rotary_dim": 8, "use_mtp": False,
+           "num_mtp_modules": 0}
 QWEN3_NEXT = QWEN35 | {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
 # name -> (config, extra, layouts as (tp, pp, ep, layer_spec, expert_layout[, megatron-core version]),
 #          build a real model?); without a version a layout is planned for the installed megatron-core
@@ -74,6 +76,9 @@ CASES = {
     # Qwen3-Next: in_proj_qkvz / in_proj_ba packed per key head (Bridge's GDNLinearMapping)
     "qwen3_next": ("Qwen3-Next-80B-A3B-Thinking", QWEN3_NEXT, [(2, 2, 2, "te", "te_grouped"),
                                                                (1, 1, 2, "local", "sequential")], False),
+    # MiniMax-M2: q / k norms over all heads, split over TP by heads (Bridge's _FullDimQKNormMapping)
+    "minimax_m2": ("MiniMax-M2.5", MINIMAX, [(2, 2, 2, "te", "te_grouped"), (2, 1, 2, "local", "sequential")],
+                   False),
     # fused experts with biases (etp 1, Megatron-Core's rule), attention sinks, router bias
     "gpt_oss": ("gpt-oss-120b", MOE | {"intermediate_size": 32, "layer_types": ["full_attention"] * 4},
                 [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], True),

@@ -338,7 +338,8 @@ def vllm_moe_reference(hf: dict, cfg: dict, T: int, t: int, D: int = 1, d: int =
                for n, w in out.items()}
     for prefix, ws in fused.items():
         out |= _gpt_oss_experts(prefix, ws, slots, moe_T, moe_r)
-    gate, up, down = ("w1", "w3", "w2") if family in ("mixtral", "minimax_m2") else ("gate_proj", "up_proj", "down_proj")
+    mixtral_names = family in ("mixtral", "minimax_m2")
+    gate, up, down = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
     moe_layers = sorted({int(prefix.split(".")[2]) for prefix in routed})
     for prefix, ws in routed.items():
         layer_slots = slots if physical_to_logical is None else [

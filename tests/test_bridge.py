@@ -127,7 +127,7 @@ def test_bridge_is_the_pinned_version(scenarios):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
                                     "glm4_moe", "glm_moe_dsa", "deepseek_v3_mtp", "glm4_moe_mtp", "glm_moe_dsa_mtp",
-                                    "gpt_oss", "nemotron_h", "qwen3_5_moe", "qwen3_next"])
+                                    "gpt_oss", "nemotron_h", "qwen3_5_moe", "qwen3_next", "minimax_m2"])
 def test_tables_agree_with_bridge(scenarios, family):
     case = scenarios["cases"][family]
     assert case["patterns"] > 0

@@ -1,6 +1,7 @@
 """Real Megatron-Core MoE on CPU (SequentialMLP experts, allgather dispatcher, 2 gloo
-processes) against real HF transformers: Qwen3-MoE (with a dense layer mixed in) and
-Mixtral tiny configs shrunk from the real ones, at TP=2/EP=1 and TP=1/EP=2.
+processes) against real HF transformers: Qwen3-MoE (with a dense layer mixed in), Mixtral and
+MiniMax-M2 (q / k norms over all heads, split by heads; sigmoid routing with a score-correction
+bias; RoPE on part of each head) tiny configs shrunk from the real ones, at TP=2/EP=1 and TP=1/EP=2.
 
 Megatron logits must equal HF logits after ``megatron_to_hf``, loaded through
 ``from_pretrained`` of a saved directory (per-expert on-disk keys, which
@@ -34,10 +35,16 @@ def _config(family: str) -> dict:
     if family == "qwen3_moe":
         return real_config("Qwen3-30B-A3B") | SMALL | {"head_dim": 32, "num_experts": 4, "moe_intermediate_size": 48,
                                                       "intermediate_size": 96, "mlp_only_layers": [0]}
+    if family == "minimax_m2":  # q / k norms over all heads (the harness's full_dim_norms), partial RoPE
+        cfg = real_config("MiniMax-M2.5") | SMALL | {"num_local_experts": 4, "intermediate_size": 48, "head_dim": 16,
+                                                     "rotary_dim": 8, "use_mtp": False, "num_mtp_modules": 0}
+        cfg.pop("quantization_config")
+        return cfg
     return real_config("Mixtral-8x7B-v0.1") | SMALL | {"num_local_experts": 4, "intermediate_size": 48}
 
 
-CASES = {f"{f}-tp{tp}-ep{ep}": (f, tp, ep) for f in ("qwen3_moe", "mixtral") for tp, ep in ((2, 1), (1, 2))}
+CASES = {f"{f}-tp{tp}-ep{ep}": (f, tp, ep) for f in ("qwen3_moe", "mixtral", "minimax_m2")
+         for tp, ep in ((2, 1), (1, 2))}
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from megarefit.layout.dims import ModelDims
 
 __all__ = ["GPTArch", "HARNESS_MODULE_MODES", "apply_cpu_patches", "bf16_adam_trainer", "build_gpt_model", "fake_grouped_gemm",
-           "forward_logits", "gpt_arch_from_hf", "harness_flags", "harness_megatron", "init_parallel",
+           "forward_logits", "full_dim_norms", "gpt_arch_from_hf", "harness_flags", "harness_megatron", "init_parallel",
            "megatron_series", "optimizer_on_cpu", "perturb_parameters_"]
 
 
@@ -63,6 +63,7 @@ class GPTArch:
     padded_vocab_size: int  # already padded by the caller (divisible by tp)
     qkv_bias: bool = False
     qk_layernorm: bool = False
+    full_qk_norm: bool = False  # the q/k norms run over all heads at once (MiniMax-M2; see full_dim_norms)
     tie_word_embeddings: bool = False
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # HF partial_rotary_factor (GLM-4.5: 0.5): RoPE on the first part of each head
@@ -234,8 +235,45 @@ def _duplicated_linear() -> type:
     return DuplicatedLinear
 
 
+def full_dim_norms() -> tuple[type, type]:
+    """``(q_layernorm, k_layernorm)`` module classes that RMS-normalize a token's whole query / key
+    over all heads (HF MiniMax-M2's ``q_norm`` [heads*d] / ``k_norm`` [kv*d]), built as Megatron-Core's
+    ``SelfAttention`` builds its q/k norms (``(hidden_size=head_dim, config, eps)``): the weight is
+    this TP rank's heads' part ``[heads/tp * d]``, the sum of squares all-reduced over the TP group
+    (Megatron-Bridge 0.6's ``FullDimQNorm`` / ``FullDimKNorm`` compute the same; tp must not exceed
+    the kv heads here)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    class FullDimRMSNorm(torch.nn.Module):
+        heads_attr = "num_attention_heads"
+
+        def __init__(self, hidden_size: int, config: Any, eps: float = 1e-6) -> None:
+            super().__init__()
+            tp = config.tensor_model_parallel_size
+            heads = getattr(config, self.heads_attr) or config.num_attention_heads
+            if heads % tp:
+                raise ValueError(f"{type(self).__name__}: {heads} heads do not split over tp={tp}")
+            self.global_dim, self.eps = heads * hidden_size, eps
+            self.weight = torch.nn.Parameter(torch.ones(heads // tp * hidden_size, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)  # split over TP by heads
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [sq, b, heads/tp, d]
+            flat = x.reshape(*x.shape[:2], -1).float()
+            sq = flat.pow(2).sum(-1, keepdim=True)
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                dist.all_reduce(sq, group=ps.get_tensor_model_parallel_group())
+            y = flat * torch.rsqrt(sq / self.global_dim + self.eps)
+            return (self.weight * y.to(x.dtype)).reshape(x.shape)
+
+    class FullDimKNorm(FullDimRMSNorm):
+        heads_attr = "num_query_groups"
+
+    return FullDimRMSNorm, FullDimKNorm
+
+
 # module classes of this harness for the classifier (``classify_model(overrides=...)``)
-HARNESS_MODULE_MODES = {"DuplicatedLinear": "replicated"}
+HARNESS_MODULE_MODES = {"DuplicatedLinear": "replicated", "FullDimRMSNorm": "column", "FullDimKNorm": "column"}
 
 
 def _hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -555,9 +593,11 @@ def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
     return config, mla_attention
 
 
-def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, Any]:
+def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any, qk_norms: tuple[type, type] | None = None,
+                 ) -> tuple[Any, Any]:
     """(decoder layer spec, MTP block spec or ``None``): the local (non-TE) spec, or the decoder
-    block spec for MoE / MLA models (with ``mla_attention`` as every layer's core attention)."""
+    block spec for MoE / MLA models (with ``mla_attention`` as every layer's core attention); with
+    ``arch.full_qk_norm`` every layer's q / k norms are ``qk_norms`` (default :func:`full_dim_norms`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if arch.num_experts or mla_attention is not None:
@@ -577,6 +617,11 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, A
                     _dsa_attention(layer_spec.submodules.self_attention.submodules)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    if arch.full_qk_norm:
+        q_norm, k_norm = qk_norms or full_dim_norms()
+        for layer_spec in getattr(spec, "layer_specs", [spec]):
+            layer_spec.submodules.self_attention.submodules.q_layernorm = q_norm
+            layer_spec.submodules.self_attention.submodules.k_layernorm = k_norm
     mtp_spec = None
     if arch.mtp_layers:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -585,7 +630,8 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any) -> tuple[Any, A
     return spec, mtp_spec
 
 
-def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None) -> GPTModel:
+def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None,
+                    qk_norms: tuple[type, type] | None = None) -> GPTModel:
     """Build this rank's shard of a Megatron ``GPTModel`` on CPU (``arch.dtype``, eval mode).
 
     Uses the current parallel state (see :func:`init_parallel`);
@@ -593,14 +639,16 @@ def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = N
     RMSNorm, RoPE, no linear biases except optional QKV bias. The default torch
     RNG is seeded from ``seed`` and the pipeline rank (same on every TP rank), so
     the result is deterministic. ``vp_stage``: with a virtual pipeline
-    (``init_parallel(vpp=...)``), build that model chunk of this rank.
+    (``init_parallel(vpp=...)``), build that model chunk of this rank. ``qk_norms``: the q / k norm
+    classes of a model whose norms run over all heads (``arch.full_qk_norm``; default the harness's,
+    :func:`full_dim_norms`; Megatron-Bridge's ``FullDimQNorm`` / ``FullDimKNorm`` fit too).
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     config, mla_attention = _transformer_config(arch, vp_stage)
-    spec, mtp_spec = _layer_specs(arch, config, mla_attention)
+    spec, mtp_spec = _layer_specs(arch, config, mla_attention, qk_norms)
     # Seed per pipeline stage: the same seed on every stage would give local layer i
     # identical values on every stage (hiding layer-renumbering bugs).
     torch.manual_seed(seed + 7919 * ps.get_pipeline_model_parallel_rank())
@@ -690,8 +738,10 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
         padded_vocab_size=dims.padded_vocab_size(tp, make_vocab_size_divisible_by), qkv_bias=dims.qkv_bias,
         qk_layernorm=dims.qk_norm or bool(dims.kv_lora_rank), tie_word_embeddings=dims.tie_word_embeddings,
+        full_qk_norm=dims.qk_norm and dims.full_qk_norm,
         rotary_base=float(theta), norm_epsilon=float(get("rms_norm_eps") or 1e-5),
-        rotary_percent=float(get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        rotary_percent=float(get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+                             or (get("rotary_dim") or dims.head_dim) / dims.head_dim),  # MiniMax-M2: rotary_dim
         max_sequence_length=max_sequence_length,
         num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
         moe_router_topk=int(get("num_experts_per_tok") or 2),

@@ -82,7 +82,7 @@ INSTALL_HINT = ("install Megatron-Bridge in its own environment (it pins transfo
                 "--no-deps --ignore-requires-python -r requirements/bridge.txt && pip install --no-deps -e .")
 # Bridge family packages imported for their registration side effects: those of megarefit's
 # families (Bridge has no Mixtral bridge).
-_FAMILIES = ("llama", "mistral", "qwen", "deepseek", "glm", "glm_moe_dsa", "gpt_oss", "nemotronh")
+_FAMILIES = ("llama", "mistral", "qwen", "deepseek", "glm", "glm_moe_dsa", "gpt_oss", "nemotronh", "minimax_m2")
 
 
 class BridgeUnavailableError(MegarefitError, ImportError):

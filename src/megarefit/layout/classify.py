@@ -63,6 +63,8 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("MambaMixer", "conv1d_weight"): P.COLUMN,  # megatron-core 0.19: the conv as plain parameters
     ("MambaMixer", "conv1d_bias"): P.COLUMN,
     ("ExtendedRMSNorm", "weight"): P.COLUMN,
+    # Megatron-Bridge 0.6's MiniMax-M2 q / k norms over all heads (FullDimQNorm / FullDimKNorm): by heads
+    ("_FullDimRMSNorm", "weight"): P.COLUMN,
     # learned attention-sink logits (softmax_type="learnable", gpt-oss): one per local head
     ("DotProductAttention", "softmax_offset"): P.COLUMN,
     ("TEDotProductAttention", "softmax_offset"): P.COLUMN,

@@ -233,6 +233,12 @@ class ModelDims:
         (Megatron-Core supports those at ``expert_tensor_parallel_size`` 1 only)."""
         return 1 if self.num_experts and self.expert_biases else tp
 
+    @property
+    def full_qk_norm(self) -> bool:
+        """Whether the family's q / k norms run over all heads at once (a ``kv``-shaped
+        ``k_layernorm`` row: MiniMax-M2) rather than per head."""
+        return any(row.megatron.endswith("k_layernorm.weight") and row.shape == ("kv",) for row in self.spec.entries)
+
     def check_draft(self) -> None:
         """Raise :class:`LayoutError` unless this model has MTP layers megarefit plans (the layers
         vLLM's MTP draft model holds): the family's table has them and the HF config counts some."""
@@ -264,7 +270,7 @@ class ModelDims:
             problems.append(f"mamba heads={self.mamba_heads} and groups (n_groups)={self.mamba_groups} must divide "
                             f"over tp={tp} (Megatron-Core's MambaMixer asserts ngroups % tp == 0)")
         problems += _gdn_problems(self, tp)
-        if tp > self.num_query_groups and self.qk_norm and _full_k_norm(self):
+        if tp > self.num_query_groups and self.qk_norm and self.full_qk_norm:
             problems.append(f"tp={tp} exceeds num_query_groups={self.num_query_groups}: each K-norm shard "
                             f"(k_layernorm, a norm over all key heads) would be replicated over tp/groups ranks, a "
                             f"layout megarefit does not plan; use tp <= {self.num_query_groups}")
@@ -302,11 +308,6 @@ def _gdn_sizes(d: ModelDims) -> dict[str, int]:
     qk, v = d.gdn_key_heads * d.gdn_key_dim, d.gdn_value_heads * d.gdn_value_dim
     return {"gdn_in": 2 * qk + 2 * v + 2 * d.gdn_value_heads, "gdn_conv": 2 * qk + v, "gdn_qk": qk, "gdn_v": v,
             "gdn_heads": d.gdn_value_heads, "gdn_dv": d.gdn_value_dim, "gdn_kheads": d.gdn_key_heads}
-
-
-def _full_k_norm(d: ModelDims) -> bool:
-    """Whether the family's K norm runs over all key heads (a ``kv``-shaped ``k_layernorm``: MiniMax-M2)."""
-    return any(row.megatron.endswith("k_layernorm.weight") and row.shape == ("kv",) for row in d.spec.entries)
 
 
 def _gdn_problems(d: ModelDims, tp: int) -> list[str]:

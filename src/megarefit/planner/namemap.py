@@ -138,6 +138,7 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
     "GDNLinearMapping": frozenset({Role.SEGMENTED}),  # Qwen3-Next: in_proj_qkvz / in_proj_ba packed per key head
     "GDNConv1dMapping": frozenset({Role.SEGMENTED}),
     "RMSNorm2ZeroCenteredRMSNormMapping": frozenset({Role.REPLICATED}),
+    "_FullDimQKNormMapping": frozenset({Role.COLUMN}),  # MiniMax-M2's q / k norms over all heads, split by heads
 }
 # Bridge mapping classes that change values, and the name-map transform each one is
 KIND_TRANSFORMS = {"RMSNorm2ZeroCenteredRMSNormMapping": VALUE_TRANSFORMS["plus_one"]}

@@ -40,8 +40,9 @@ def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts"
         ParamSpec(_L + "mlp.router.weight", R.REPLICATED, (hb + gate + ".weight",), ("experts", "hidden"),
                   layer_kind="moe"),
         # a persistent fp32 buffer of TopKRouter (not a parameter), fp32 in HF too
-        ParamSpec(_L + "mlp.router.expert_bias", R.REPLICATED, (hb + (expert_bias or gate + ".e_score_correction_bias"),),
-                  ("experts",), requires=frozenset({C.ROUTER_BIAS}), layer_kind="moe", dtype="float32"),
+        ParamSpec(_L + "mlp.router.expert_bias", R.REPLICATED,
+                  (hb + (expert_bias or gate + ".e_score_correction_bias"),), ("experts",),
+                  requires=frozenset({C.ROUTER_BIAS}), layer_kind="moe", dtype="float32"),
         ParamSpec(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", R.EXPERT_GATED_MLP, (g, u),
                   ("2moe_ffn", "hidden"), layer_kind="moe", expert_layout="sequential"),
         ParamSpec(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", R.EXPERT_ROW, (d,),
