@@ -19,10 +19,11 @@ Qwen3, Qwen3-MoE, DeepSeek-V3 (and Kimi-K2, whose config names DeepseekV3ForCaus
 GLM-5, gpt-oss, Nemotron-H, Qwen3.5-MoE (its language model: gated DeltaNet ``in_proj`` / ``conv1d``
 part by part, the gated norm's +1 as Bridge's ``RMSNorm2ZeroCenteredRMSNormMapping``, gated
 attention) and Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` packed per key head, Bridge's
-``GDNLinearMapping``); both planned by name only, as megarefit's CPU harness builds no whole model of them.
+``GDNLinearMapping``); both planned by name only, as megarefit's CPU harness builds no whole model of them;
+MiniMax-M2 (q / k norms over all heads split by heads, Bridge's ``_FullDimQKNormMapping``).
 
 Documented gaps on Bridge's side (asserted exactly, so a fix upstream shows up):
-no Mixtral bridge; GLM-4.5 routed experts mapped only in the TE-grouped form
+no Mixtral bridge; GLM-4.5's and MiniMax-M2's routed experts mapped only in the TE-grouped form
 (``linear_fc1.weight{i}``), not SequentialMLP ``local_experts``; no legacy ``GroupedMLP``
 (``experts.weight1`` / ``weight2``, megatron-core 0.16 only) mappings; DeepSeek-V3's MTP layer
 mapped only under 0.17+'s ``mtp_model_layer`` name, not 0.16's ``transformer_layer`` (GLM-4.5's
@@ -137,7 +138,7 @@ def test_tables_agree_with_bridge(scenarios, family):
         expected_gap, expected_transform = set(), set()
         if "legacy_grouped" in name:  # Bridge maps no legacy GroupedMLP names (megatron-core 0.16 only)
             expected_gap = _names(layout, r"\.experts\.weight[12]$")
-        elif family == "glm4_moe" and "sequential" in name:  # TE-grouped expert names only
+        elif family in ("glm4_moe", "minimax_m2") and "sequential" in name:  # TE-grouped expert names only
             expected_gap = _names(layout, r"\.local_experts\.")
         elif family == "deepseek_v3_mtp" and name.endswith(OLD):  # MTP only under 0.17+'s mtp_model_layer
             expected_gap = _names(layout, r"^mtp\.layers\.0\.transformer_layer\.")
@@ -242,16 +243,21 @@ def test_bridge_and_megarefit_load_the_same_tensors(bridge_python, tmp_path):
     """Same HF checkpoint, same real Megatron-Core 0.19.2 model at TP=2 (two gloo processes):
     Bridge 0.6.2's ``load_hf_weights`` and megarefit's ``hf_to_megatron`` give equal tensors on
     every rank, for Qwen3 and for GLM-5 (MLA, MoE, shared expert, DSA indexer laid out as HF's);
-    for Qwen3, Megatron's logits equal HF's. Bridge's export returns exactly the checkpoint after
+    for Qwen3, Megatron's logits equal HF's. MiniMax-M2, built with Bridge's own full-dimension q / k
+    norms: Megatron's logits after megarefit's load equal HF's (Bridge's own load and export fail on CPU). Bridge's export returns exactly the checkpoint after
     either load (an independent check of megarefit's import). Bridge 0.3.1 scattered the
     row-parallel tensors (o_proj, down_proj) wrongly on gloo: logits off by O(1)."""
     proc = _run([str(bridge_python), str(Path(__file__).with_name("bridge_contents.py")), str(tmp_path)], timeout=900,
                 cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["qwen3"]["params"] == [19, 19] and r["glm5"]["params"] == [45, 45]
+    assert r["qwen3"]["params"] == [19, 19] and r["glm5"]["params"] == [45, 45] and r["minimax"]["params"] == [35, 35]
+    m = r.pop("minimax")  # Bridge's gaps on CPU (the module docstring), asserted so that a fix shows up
+    assert m["bridge_load"].startswith("TypeError: device()") and m["bridge_export_mismatched"] == "no Bridge load"
+    assert m["bridge_export_of_megarefit_load_mismatched"].startswith("AttributeError")
+    assert m["hf_max_abs"] > 0.5 and m["megarefit_logits_diff"] < 1e-4
     for case in r.values():
-        assert case["loads_differ"] == []
+        assert case["bridge_load"] == "ok" and case["loads_differ"] == []
         assert case["bridge_export_mismatched"] == [] and case["bridge_export_of_megarefit_load_mismatched"] == []
     q = r["qwen3"]
     assert q["hf_max_abs"] > 0.5

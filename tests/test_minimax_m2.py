@@ -66,11 +66,15 @@ def test_import_splits_the_norms_by_heads_and_export_inverts_it(hf, tp, ep):
 def test_published_config_plans_into_hf_and_into_a_vllm_worker(capsys):
     """MiniMax-M2.5 (the published block-FP8 config) from Megatron tp 4, pp 2, ep 16: the plan's bf16
     bytes equal the checkpoint's counted from the config's numbers alone; one vLLM worker (tp 16 > 8 kv
-    heads, EP) gets a sixteenth of each q norm, the K norm of kv head ``rank // 2`` and its 16 experts."""
+    heads, EP) gets a sixteenth of each q norm, the K norm of kv head ``rank // 2`` and its 16 experts;
+    block FP8 quantizes what the published checkpoint does (its ``modules_to_not_convert``: the router
+    gates, their bias and ``lm_head`` stay in the model dtype)."""
     from megarefit import ModelDims
     from megarefit.cli import main
     from megarefit.layout.megatron_model import source_layout
     from megarefit.planner.megatron_to_hf import plan_megatron_to_hf
+    from megarefit.quant import quantized_weight_names
+    from megarefit.quant.scheme import unquantized_linear_modules
     from megarefit.targets import VllmTarget, vllm_params
 
     cfg = json.loads((CONFIGS / "MiniMax-M2.5.json").read_text())
@@ -88,6 +92,12 @@ def test_published_config_plans_into_hf_and_into_a_vllm_worker(capsys):
     assert k_norm.shape == (d,) and k_norm.pieces[0].hf_box.offsets == (2 * d,)
     assert params["model.layers.7.block_sparse_moe.experts.routed_experts.w13_weight"].shape == (16, 2 * f, h)
     assert params["model.layers.7.block_sparse_moe.gate.weight"].value_fn == "as_float32"  # vLLM's GateLinear
+    quantized = quantized_weight_names(dims)  # as the published checkpoint: not gate, bias, lm_head, norms
+    assert len(quantized) == L * (4 + 3 * E) and all(n.endswith(("_proj.weight", ".w1.weight", ".w2.weight",
+                                                                  ".w3.weight")) for n in quantized)
+    kept = unquantized_linear_modules(dims)
+    assert {k.rsplit(".", 1)[-1] for k in kept} == set(cfg["quantization_config"]["modules_to_not_convert"]) - {
+        "e_score_correction_bias"} and len(kept) == L + 1  # (the bias is a 1-D tensor, never quantized)
     base = ["plan", "--config", str(CONFIGS / "MiniMax-M2.5.json"), "--tp", "4", "--pp", "2", "--ep", "16",
             "--no-execute-meta"]
     for extra in ([], ["--vllm-tp", "4", "--vllm-dp", "2", "--vllm-dp-rank", "1", "--vllm-rank", "3", "--vllm-ep"]):
