@@ -1,5 +1,5 @@
 """`megarefit demo` on the newer families' real configs: real Megatron-Core builds each on CPU and
-transformers' own model gives its logits after the refit (gpt-oss, Nemotron-H). A module of its
+transformers' own model gives its logits after the refit (gpt-oss, Nemotron-H, MiniMax-M2). A module of its
 own so pytest-xdist can run it beside test_cli.py."""
 
 from __future__ import annotations
@@ -48,4 +48,22 @@ def test_demo_nemotron_h_matches_real_megatron():
     out = " ".join(proc.stdout.split())
     for words in ("hybrid_override_pattern MEMEM", "-> ME*", "real Megatron-Core MambaModel, tp=2",
                   "NemotronHForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
+        assert words in out, (words, proc.stdout)
+
+
+@pytest.mark.megatron
+def test_demo_minimax_m2_matches_real_megatron():
+    """`megarefit demo --config MiniMax-M2.5.json`: real Megatron-Core builds MiniMax-M2 on CPU at tp 2
+    with the harness's q / k norms over all heads (the sum of squares all-reduced over TP), sigmoid
+    routing with a score-correction bias and RoPE on half of each shrunk head (8 of 16 dims,
+    ``rotary_dim`` scaled with ``head_dim``); transformers' own MiniMaxM2ForCausalLM gives the same
+    logits after the refit."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    cfg = Path(__file__).parent / "data" / "configs" / "MiniMax-M2.5.json"
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    for words in ("rotary_dim 64 -> 8", "tp=2", "MiniMaxM2ForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
         assert words in out, (words, proc.stdout)

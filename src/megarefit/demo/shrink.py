@@ -72,6 +72,8 @@ def _attention(cfg: dict[str, Any], out: dict[str, Any]) -> None:
     elif cfg.get("head_dim"):
         out["head_dim"] = HEAD_DIM
         out["hidden_size"] = 64
+        if cfg.get("rotary_dim"):  # MiniMax-M2: RoPE on the same share of each (smaller) head
+            out["rotary_dim"] = max(2, HEAD_DIM * int(cfg["rotary_dim"]) // int(cfg["head_dim"]) // 2 * 2)
     else:  # head_dim = hidden_size / heads
         out["hidden_size"] = out["num_attention_heads"] * HEAD_DIM
 
