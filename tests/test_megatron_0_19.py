@@ -2,8 +2,8 @@
 
 A child pytest runs the real-Megatron test modules whose layouts differ by release on 0.19.2, and ``megarefit demo`` refits the
 families whose layouts moved between releases, each checked by Megatron logits == HF logits:
-GLM-5.2 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``; indexers shared), DeepSeek-V3 and Qwen3-30B-A3B
-(experts over ep 2). Nemotron-H (``mixer.conv1d_weight``, the hybrid stack) and gpt-oss run in
+GLM-5.2 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``; indexers shared), Qwen3.5 and Qwen3-Next (gated
+DeltaNet, 0.17+), DeepSeek-V3 and Qwen3-30B-A3B (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``, the hybrid stack) and gpt-oss run in
 ``test_demo_families.py`` inside the child. See ``megatron_releases.py`` for how the release is
 installed beside the pinned one.
 """
@@ -36,6 +36,10 @@ def test_real_megatron_tests_pass_on_0_19():
 # (dsa_indexer_topk_freq; the shrunk model keeps layers 3 and 4 sharing layer 2's top-k). Qwen3-MoE
 # and DeepSeek-V3 on 0.19 are the child's test_megatron_moe / test_megatron_mla_glm cases above, left
 # out here for the suite's time (`megarefit demo` passes on both, and on GLM-5)
-@pytest.mark.parametrize("config,layout", [("GLM-5.2-FP8.json", ("--tp", "1", "--ep", "2"))])
+# Qwen3.5 (its vision-language checkpoint's language model: gated DeltaNet, gated attention, MoE with a gated
+# shared expert) and Qwen3-Next (in_proj_qkvz / in_proj_ba packed per key head): GatedDeltaNet is 0.17+
+@pytest.mark.parametrize("config,layout", [("GLM-5.2-FP8.json", ("--tp", "1", "--ep", "2")),
+                                           ("Qwen3.5-397B-A17B.json", ("--tp", "1", "--ep", "2")),
+                                           ("Qwen3-Next-80B-A3B-Thinking.json", ("--tp", "2"))])
 def test_demo_passes_on_0_19(config, layout):
     run_demo(VERSION, config, *layout)

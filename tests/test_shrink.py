@@ -9,9 +9,9 @@ from conftest import CONFIG_DIR, real_config
 from megarefit.demo.shrink import shrink_config
 from megarefit.layout.dims import ModelDims
 
-# the configs the demo shrinks: not Qwen3.5's or Qwen3-Next's (gated DeltaNet; the demo refuses them,
-# test_demo_configs.py)
-NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if not p.stem.startswith(("Qwen3.5-", "Qwen3-Next-")))
+# the configs the demo shrinks generically; Qwen3.5's and Qwen3-Next's (gated DeltaNet) below
+GDN = ("Qwen3.5-27B", "Qwen3.5-397B-A17B", "Qwen3-Next-80B-A3B-Thinking")
+NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if p.stem not in GDN)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -47,3 +47,20 @@ def test_shrunk_configs_keep_the_architecture(name):
 def test_a_small_config_is_left_alone(config):
     cfg = config("Qwen3-0.6B")
     assert shrink_config(cfg) == (cfg, [])
+
+
+@pytest.mark.parametrize("name", GDN)
+def test_gated_deltanet_configs_keep_one_layer_of_each_kind(name):
+    """A gated-DeltaNet hybrid keeps a GDN layer and a full-attention layer with heads tp=2 splits; a
+    vision-language checkpoint becomes its language model (text architecture, ``text_config``), said so."""
+    cfg = real_config(name)
+    small, notes = shrink_config(cfg)
+    dims, big = ModelDims.from_hf_config(small), ModelDims.from_hf_config(cfg)
+    assert dims.linear_layers == (0,) and dims.num_layers == 2 and dims.num_experts == min(big.num_experts, 4)
+    assert dims.gdn_key_heads % 2 == 0 and dims.gdn_value_heads % dims.gdn_key_heads == 0
+    text = cfg.get("text_config")
+    assert small["architectures"] == ([cfg["architectures"][0].replace("ForConditionalGeneration", "ForCausalLM")]
+                                      if text else cfg["architectures"])
+    assert small["model_type"] == (text or cfg)["model_type"]
+    assert bool(text) == any("its language model only" in n for n in notes)
+    assert any("one gated DeltaNet layer, then one full-attention layer" in n for n in notes)

@@ -135,13 +135,10 @@ def _live_config(config: Any, shrink: bool, tp: int, pp: int) -> tuple[dict[str,
     if shrink:  # like the local demo: a CPU-sized model of the same architecture
         cfg, notes = shrink_config(cfg)
     dims = ModelDims.from_hf_config(cfg)
-    if dims.linear_layers:
-        raise MegarefitError(f"{dims.family}: the demo's CPU harness does not build gated DeltaNet layers yet; "
-                             "`megarefit plan --config ...` plans the model")
-    if dims.num_experts or dims.layer_pattern:
+    if dims.num_experts or dims.layer_pattern or dims.linear_layers:
+        has = "experts" if dims.num_experts else "Mamba layers" if dims.layer_pattern else "gated DeltaNet layers"
         raise MegarefitError(f"--transport nixl builds dense GPT trainers only; this {dims.family} config has "
-                             f"{'experts' if dims.num_experts else 'Mamba layers'}: run it with the default "
-                             "--transport local")
+                             f"{has}: run it with the default --transport local")
     dims.check_layout(tp, pp)
     gpt_arch_from_hf(cfg, tp=tp)
     check_memory(dims, tp, pp)

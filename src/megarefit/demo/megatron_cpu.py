@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarefit.errors import UnsupportedModelError
+from megarefit.demo.megatron_gdn import ZeroCenteredRMSNorm, gdn_config_kwargs, gdn_layer_specs, patch_gdn_cpu
 from megarefit.integrations.megatron import refit_tensors
 from megarefit.specs.megatron_core import MegatronCore
 
@@ -107,6 +108,10 @@ class GPTArch:
     activation_clamp: float | None = None  # HF swiglu_limit
     sliding_window: int = 0  # HF sliding_window: tokens a sliding layer attends to, itself included (0: none)
     sliding_layers: tuple[bool, ...] = ()  # per layer (HF layer_types == "sliding_attention")
+    # gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; Megatron-Core 0.17+, see megatron_gdn): per layer True for
+    # GatedDeltaNet, else gated full attention; the GDN dims as (HF / Megatron name, value) pairs
+    gdn_linear: tuple[bool, ...] = ()
+    gdn_dims: tuple[tuple[str, int], ...] = ()
     yarn: tuple[float, int, float, float] | None = None  # (factor, original_max_position_embeddings, beta_fast,
     #                                                    beta_slow), HF rope_type "yarn" with truncate=False
 
@@ -273,7 +278,8 @@ def full_dim_norms() -> tuple[type, type]:
 
 
 # module classes of this harness for the classifier (``classify_model(overrides=...)``)
-HARNESS_MODULE_MODES = {"DuplicatedLinear": "replicated", "FullDimRMSNorm": "column", "FullDimKNorm": "column"}
+HARNESS_MODULE_MODES = {"DuplicatedLinear": "replicated", "FullDimRMSNorm": "column", "FullDimKNorm": "column",
+                        "ZeroCenteredRMSNorm": "replicated"}
 
 
 def _hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -581,6 +587,10 @@ def _transformer_config(arch: GPTArch, vp_stage: int | None) -> tuple[Any, Any]:
         mla_attention = _patch_mla()
         config_cls = MLATransformerConfig
         kwargs.update(_mla_config_kwargs(arch))
+    if arch.gdn_linear:
+        patch_gdn_cpu()
+        kwargs.update(gdn_config_kwargs(arch.gdn_linear, dict(arch.gdn_dims)))
+        kwargs["moe_shared_expert_gate"] = bool(arch.shared_expert_ffn)
     if arch.mtp_layers:
         kwargs["mtp_num_layers"] = arch.mtp_layers
     kwargs.update(num_layers_in_first_pipeline_stage=arch.first_stage_layers,
@@ -600,6 +610,8 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any, qk_norms: tuple
     ``arch.full_qk_norm`` every layer's q / k norms are ``qk_norms`` (default :func:`full_dim_norms`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if arch.gdn_linear:
+        return _gdn_block_spec(arch, config), None
     if arch.num_experts or mla_attention is not None:
         # the decoder block spec honours moe_layer_freq (dense and MoE layers in one model)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -628,6 +640,21 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any, qk_norms: tuple
 
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     return spec, mtp_spec
+
+
+def _gdn_block_spec(arch: GPTArch, config: Any) -> Any:
+    """This pipeline stage's decoder block of a gated-DeltaNet hybrid (:mod:`megarefit.demo.megatron_gdn`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    base = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, qk_layernorm=True, normalization="RMSNorm")
+    first = get_transformer_layer_offset(config)
+    layers = gdn_layer_specs(base, arch.gdn_linear)
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=layers[first:first + get_num_layers_to_build(config)],
+                                      layer_norm=ZeroCenteredRMSNorm)
 
 
 def build_gpt_model(arch: GPTArch, *, seed: int = 1234, vp_stage: int | None = None,
@@ -733,6 +760,7 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
             rope.get("rope_type", "default") != "default")):
         raise MegarefitError("the CPU harness builds plain RoPE only; drop rope_scaling from the config")
     theta = get("rope_theta") or rope.get("rope_theta") or 10000.0
+    gdn = _gdn_arch(dims)
     return GPTArch(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
@@ -757,8 +785,26 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
         qk_pos_emb_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim, mtp_layers=mtp_layers,
         dsa_indexer_heads=dims.index_n_heads, dsa_indexer_head_dim=dims.index_head_dim,
         dsa_indexer_topk=int(get("index_topk") or 0), **_indexer_sharing(dims, get),
-        **gpt_oss,
+        **gpt_oss, **gdn,
     )
+
+
+def _gdn_arch(dims: ModelDims) -> dict[str, Any]:
+    """A gated-DeltaNet hybrid's GPTArch fields (``{}`` for other models).
+
+    Raises:
+        UnsupportedModelError: the installed megatron-core predates GatedDeltaNet (0.17)."""
+    if not dims.linear_layers:
+        return {}
+    if megatron_series() < (0, 17):
+        import megatron.core
+
+        raise UnsupportedModelError(f"{dims.family}: gated DeltaNet layers: megatron-core {megatron.core.__version__} "
+                                    "cannot build them (GatedDeltaNet is 0.17+); run with megatron-core 0.19 or later")
+    return {"gdn_linear": tuple(i in dims.linear_layers for i in range(dims.num_layers)), "gdn_dims": (
+        ("linear_num_key_heads", dims.gdn_key_heads), ("linear_num_value_heads", dims.gdn_value_heads),
+        ("linear_key_head_dim", dims.gdn_key_dim), ("linear_value_head_dim", dims.gdn_value_dim),
+        ("linear_conv_kernel_dim", dims.conv_kernel))}
 
 
 def _indexer_sharing(dims: ModelDims, get: Any) -> dict[str, int]:

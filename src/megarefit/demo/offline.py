@@ -206,10 +206,6 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
     if shrink:
         cfg, notes = shrink_config(cfg)
     dims = ModelDims.from_hf_config(cfg)
-    if dims.linear_layers:
-        raise MegarefitError(f"{dims.family}: the demo's CPU harness does not build gated DeltaNet layers yet "
-                             "(Megatron-Core's GatedDeltaNet imports fla and allocates on CUDA); `megarefit plan "
-                             "--config ...` plans the model")
     etp = etp or dims.default_etp(tp)
     dims.check_layout(tp, pp, ep, etp)
     if ep > 1 and (not dims.num_experts or dims.num_experts % ep):

@@ -14,8 +14,12 @@ reduced                       layers (the dense-first ones, at most one, plus tw
                               heads (2 KV groups), FFN sizes, experts (4, top-2), MLA ranks,
                               indexer heads (4 x 16, top-8 of the 16 demo tokens), vocabulary (512),
                               sliding windows (to 4 tokens, so the demo's 16 cross them; per-layer
-                              ``layer_types`` cut to the layers kept)
-dropped, and said so          RoPE scaling (the CPU harness builds plain RoPE; gpt-oss's YaRN is kept), group-limited
+                              ``layer_types`` cut to the layers kept), gated DeltaNet heads (2 key
+                              heads of 8, 4 value heads of 16; one GDN layer, then one full-attention
+                              layer), ``rotary_dim`` with ``head_dim``
+dropped, and said so          a vision-language checkpoint's vision tower (its ``text_config`` becomes the
+                              config, under the text architecture),
+                              RoPE scaling (the CPU harness builds plain RoPE; gpt-oss's YaRN is kept), group-limited
                               routing (``n_group``), MTP layers (not part of the HF model), a
                               checkpoint's ``quantization_config``
 ============================  =================================================================
@@ -123,6 +127,37 @@ def _hybrid(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
                      "Megatron-Core and vLLM do not (a model-math difference, not a layout one)")
 
 
+def _gdn(cfg: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    """A gated-DeltaNet hybrid (Qwen3.5, Qwen3-Next): two layers, a GDN one, then full attention; GDN
+    dims reduced (2 key heads of 8, 4 value heads of 16: tp=2 splits them)."""
+    if not cfg.get("linear_num_key_heads"):
+        return
+    out.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+               num_hidden_layers=2)
+    if cfg.get("layer_types"):
+        out["layer_types"] = ["linear_attention", "full_attention"]
+    else:
+        out["full_attention_interval"] = 2
+    notes.append("layers: one gated DeltaNet layer, then one full-attention layer")
+
+
+_TEXT_MODELS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+
+
+def _language_model(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """A vision-language checkpoint's language model as a text-only config (``text_config`` under the
+    text architecture); other configs unchanged."""
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in _TEXT_MODELS or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    notes.append(f"{arch}: its language model only ({_TEXT_MODELS[arch]}, text_config); megarefit does not move "
+                 "the vision tower")
+    text = dict(cfg["text_config"], architectures=[_TEXT_MODELS[arch]])
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return text
+
+
 def _shared_indexers(cfg: dict[str, Any], out: dict[str, Any]) -> None:
     """GLM-5.2's shared DSA indexers: enough layers to keep two that share (they reuse the last
     full layer's top-k), the schedule's prefix kept (its freq / offset still describe it)."""
@@ -137,7 +172,7 @@ def _windows(cfg: dict[str, Any], out: dict[str, Any]) -> None:
     """Per-layer ``layer_types`` / ``indexer_types`` cut to the kept layers; a sliding window shrunk
     below the demo's sequence length."""
     for key in ("layer_types", "indexer_types", "index_topk_pattern"):  # GLM-5.2: each layer's indexer
-        if isinstance(cfg.get(key), (list, str)):
+        if isinstance(cfg.get(key), (list, str)) and key not in out:
             out[key] = cfg[key][:out["num_hidden_layers"]]
     if cfg.get("sliding_window"):
         out["sliding_window"] = min(cfg["sliding_window"], SLIDING_WINDOW)
@@ -146,10 +181,11 @@ def _windows(cfg: dict[str, Any], out: dict[str, Any]) -> None:
 def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A CPU-sized copy of ``cfg`` (an HF ``config.json`` dict) with the same architecture, and
     one line per change (empty when ``cfg`` is already small). See the module docstring."""
-    if _small_enough(cfg):
-        return dict(cfg), []
-    out: dict[str, Any] = {}
     notes: list[str] = []
+    cfg = _language_model(cfg, notes)
+    if _small_enough(cfg):
+        return dict(cfg), notes
+    out: dict[str, Any] = {}
     _attention(cfg, out)
     dense = _moe(cfg, out, notes)
     out["num_hidden_layers"] = dense + 2
@@ -157,6 +193,7 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if isinstance(cfg.get("mlp_layer_types"), list):  # GLM-5.2: the dense-first layers, spelled out
         out["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (out["num_hidden_layers"] - dense)
     _hybrid(cfg, out, notes)
+    _gdn(cfg, out, notes)
     out["vocab_size"] = min(cfg.get("vocab_size") or SMALL_VOCAB, SMALL_VOCAB)
     out["max_position_embeddings"] = 256
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids must exist in the small vocabulary
@@ -182,7 +219,9 @@ def shrink_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     changed = [f"{k} {cfg.get(k)} -> {v}" for k, v in out.items()
                if cfg.get(k) != v and k not in ("rope_scaling", "layer_types", "indexer_types", "mlp_layer_types")]
     for key in ("layer_types", "indexer_types", "mlp_layer_types"):
-        if out.get(key) is not None and out[key] != cfg.get(key):
+        if out.get(key) is not None and out[key] != (cfg.get(key) or [])[:len(out[key])]:
+            changed.append(f"{key} -> {out[key]}")
+        elif out.get(key) is not None and out[key] != cfg.get(key):
             changed.append(f"{key} cut to the first {len(out[key])}")
     notes.insert(0, "shrunk to a CPU-sized model of the same architecture: " + ", ".join(changed))
     return small, notes
