@@ -11,6 +11,19 @@ from pathlib import Path
 import pytest
 
 
+def _demo_says(config: str, *words: str, layout: tuple[str, ...] = ()) -> None:
+    """``megarefit demo --config tests/data/configs/<config> <layout>`` passes and prints each of ``words``."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    cfg = Path(__file__).parent / "data" / "configs" / config
+    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), *layout],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    for w in words + ("max |HF logits - Megatron logits|", "PASS"):
+        assert w in out, (w, proc.stdout)
+
+
 @pytest.mark.megatron
 @pytest.mark.parametrize("layout", [["--tp", "2"]])  # also at --ep 2 and --pp 2 (twice the processes; README)
 def test_demo_gpt_oss_matches_real_megatron(layout):
@@ -21,16 +34,8 @@ def test_demo_gpt_oss_matches_real_megatron(layout):
     interleaved into one gate_up_proj per layer; attention and sinks split over tp 2, experts whole
     on each rank (etp 1, the default for biased experts); EP trainers run in
     test_vllm_refit_families.py."""
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("transformers")
-    cfg = Path(__file__).parent / "data" / "configs" / "gpt-oss-120b.json"
-    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg), *layout],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = " ".join(proc.stdout.split())
-    for words in ("sliding_window 128 -> 4", "layer_types cut to the first 2", "GptOssForCausalLM",
-                  "max |HF logits - Megatron logits|", "PASS"):
-        assert words in out, (words, proc.stdout)
+    _demo_says("gpt-oss-120b.json", "sliding_window 128 -> 4", "layer_types cut to the first 2", "GptOssForCausalLM",
+               layout=tuple(layout))
 
 
 @pytest.mark.megatron
@@ -39,16 +44,8 @@ def test_demo_nemotron_h_matches_real_megatron():
     hybrid as MambaModel on CPU (one Mamba2, one MoE and one attention layer, the SSD scan in torch;
     tp 2: in_proj / conv1d split part by part, experts and the shared expert split over expert TP)
     and transformers' own NemotronHForCausalLM gives the same logits after the refit."""
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("transformers")
-    cfg = Path(__file__).parent / "data" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B.json"
-    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = " ".join(proc.stdout.split())
-    for words in ("hybrid_override_pattern MEMEM", "-> ME*", "real Megatron-Core MambaModel, tp=2",
-                  "NemotronHForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
-        assert words in out, (words, proc.stdout)
+    _demo_says("NVIDIA-Nemotron-3-Nano-30B-A3B.json", "hybrid_override_pattern MEMEM", "-> ME*",
+               "real Megatron-Core MambaModel, tp=2", "NemotronHForCausalLM")
 
 
 @pytest.mark.megatron
@@ -58,12 +55,4 @@ def test_demo_minimax_m2_matches_real_megatron():
     routing with a score-correction bias and RoPE on half of each shrunk head (8 of 16 dims,
     ``rotary_dim`` scaled with ``head_dim``); transformers' own MiniMaxM2ForCausalLM gives the same
     logits after the refit."""
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("transformers")
-    cfg = Path(__file__).parent / "data" / "configs" / "MiniMax-M2.5.json"
-    proc = subprocess.run([sys.executable, "-m", "megarefit", "demo", "--config", str(cfg)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = " ".join(proc.stdout.split())
-    for words in ("rotary_dim 64 -> 8", "tp=2", "MiniMaxM2ForCausalLM", "max |HF logits - Megatron logits|", "PASS"):
-        assert words in out, (words, proc.stdout)
+    _demo_says("MiniMax-M2.5.json", "rotary_dim 64 -> 8", "tp=2", "MiniMaxM2ForCausalLM")

@@ -63,6 +63,18 @@ def test_import_splits_the_norms_by_heads_and_export_inverts_it(hf, tp, ep):
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+def test_an_import_with_the_mtp_modules_says_to_drop_them(hf):
+    """Published MiniMax-M2 checkpoints carry MTP modules as layers ``num_hidden_layers + i`` (vLLM drops
+    them at load); an import that includes them is refused, naming them, and not with the hint for
+    families whose MTP layers megarefit builds."""
+    from megarefit.errors import UnexpectedParameterError
+    from megarefit.translate import hf_to_megatron
+
+    n = CFG["num_hidden_layers"]
+    with pytest.raises(UnexpectedParameterError, match=rf"layers from {n} on are the checkpoint's multi-token-pre"):
+        hf_to_megatron(hf | {f"model.layers.{n}.self_attn.q_proj.weight": torch.zeros(64, 64)}, CFG, tp=2)
+
+
 def test_published_config_plans_into_hf_and_into_a_vllm_worker(capsys):
     """MiniMax-M2.5 (the published block-FP8 config) from Megatron tp 4, pp 2, ep 16: the plan's bf16
     bytes equal the checkpoint's counted from the config's numbers alone; one vLLM worker (tp 16 > 8 kv

@@ -328,6 +328,8 @@ def _check_hf_names(dims: ModelDims, plan: Plan, state: Mapping[str, torch.Tenso
         extra = sorted(state.keys() - expected)
         mtp = [k for k in extra if k.startswith(f"model.layers.{dims.num_layers + mtp_layers}.")]
         hint = (f" (multi-token-prediction layer {dims.num_layers + mtp_layers}: pass mtp_layers="
-                f"{mtp_layers + 1} to build it, or drop it)" if mtp else _not_moved_hint(extra))
+                f"{mtp_layers + 1} to build it, or drop it)" if mtp and dims.spec.mtp_key else
+                f" (layers from {dims.num_layers} on are the checkpoint's multi-token-prediction modules, which "
+                f"megarefit does not translate for {dims.family}: drop them)" if mtp else _not_moved_hint(extra))
         raise UnexpectedParameterError(f"HF state has {len(extra)} tensor(s) the {dims.family} table does not "
                                        f"expect, e.g. {extra[:3]}{hint}")

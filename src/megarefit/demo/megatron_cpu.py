@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megarefit.errors import UnsupportedModelError
 from megarefit.demo.megatron_gdn import ZeroCenteredRMSNorm, gdn_config_kwargs, gdn_layer_specs, patch_gdn_cpu
+from megarefit.errors import UnsupportedModelError
 from megarefit.integrations.megatron import refit_tensors
 from megarefit.specs.megatron_core import MegatronCore
 
@@ -645,14 +645,12 @@ def _layer_specs(arch: GPTArch, config: Any, mla_attention: Any, qk_norms: tuple
 def _gdn_block_spec(arch: GPTArch, config: Any) -> Any:
     """This pipeline stage's decoder block of a gated-DeltaNet hybrid (:mod:`megarefit.demo.megatron_gdn`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     base = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, qk_layernorm=True, normalization="RMSNorm")
     first = get_transformer_layer_offset(config)
     layers = gdn_layer_specs(base, arch.gdn_linear)
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
     return TransformerBlockSubmodules(layer_specs=layers[first:first + get_num_layers_to_build(config)],
                                       layer_norm=ZeroCenteredRMSNorm)
 
