@@ -1,9 +1,9 @@
 """Families megarefit knows and cannot yet translate exactly: refused in one line naming what is
 missing, never guessed (data; :func:`megarefit.specs.family_for_config` reads it).
 
-Each entry says which of the family's weights have no spec table yet (HF names as transformers
-5.19 writes them), and, where it decides the matter, that no Megatron-Core release megarefit
-tests (0.16-0.19) builds them.
+Each entry says which of the family's weights have no spec table yet (checkpoint names, as the
+published checkpoints spell them), and, where it decides the matter, that no Megatron-Core release
+megarefit tests (0.16-0.19) builds them.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ class Pending:
     missing: str
 
 
-
 PENDING: tuple[Pending, ...] = (
     Pending("DeepSeek-V4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),
-            "hyper-connections (attn_hc / ffn_hc / hc_head), the KV compressors (self_attn.compressor), the grouped "
-            "low-rank output projection (o_a_proj / o_b_proj) and attention sinks have no spec table yet, and "
-            "Megatron-Core 0.16-0.19 builds none of them"),
+            "hyper-connections (hc_attn_* / hc_ffn_* / hc_head_*, each hc_*_scale packing three Megatron alphas), "
+            "the KV compressors and indexers (attn.compressor / attn.indexer), the grouped low-rank output "
+            "(attn.wo_a / wo_b), attention sinks and hash routing (ffn.gate.tid2eid) have no spec table yet; "
+            "Megatron-Core builds them only on Megatron-LM's dev branch (at tp 1), no release 0.16-0.19"),
 )
 
 
