@@ -729,7 +729,8 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None
 def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
                      max_sequence_length: int = 256, mtp_layers: int = 0) -> GPTArch:
     """GPTArch for an HF config (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral,
-    DeepSeek-V3-style MLA, GLM-4.5), vocab padded as Megatron pads it.
+    DeepSeek-V3-style MLA, GLM-4.5 / GLM-5, gpt-oss, MiniMax-M2, Qwen3.5 / Qwen3-Next on
+    megatron-core 0.17+), vocab padded as Megatron pads it.
 
     Raises:
         MegarefitError: the config needs something this harness does not build
@@ -798,7 +799,8 @@ def _gdn_arch(dims: ModelDims) -> dict[str, Any]:
         import megatron.core
 
         raise UnsupportedModelError(f"{dims.family}: gated DeltaNet layers: megatron-core {megatron.core.__version__} "
-                                    "cannot build them (GatedDeltaNet is 0.17+); run with megatron-core 0.19 or later")
+                                    "cannot build them (GatedDeltaNet is 0.17+); run with megatron-core 0.19 or "
+                                    "later (the release the demo is tested on)")
     return {"gdn_linear": tuple(i in dims.linear_layers for i in range(dims.num_layers)), "gdn_dims": (
         ("linear_num_key_heads", dims.gdn_key_heads), ("linear_num_value_heads", dims.gdn_value_heads),
         ("linear_key_head_dim", dims.gdn_key_dim), ("linear_value_head_dim", dims.gdn_value_dim),
