@@ -401,25 +401,6 @@ def test_version_and_configs_that_cannot_be_translated(capsys, tmp_path):
         assert rc == 2 and message in text and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
 
 
-@pytest.mark.parametrize(("name", "family", "missing"), [
-    ("DeepSeek-V4-Flash.json", "DeepSeek-V4", "hyper-connections (hc_attn_* / hc_ffn_* / hc_head_*"),
-])
-def test_families_not_yet_translated_are_refused_naming_what_is_missing(capsys, name, family, missing):
-    """The published configs of families issue 42 adds (tests/data/configs/pending): `megarefit
-    plan` refuses each in one line that names the family and the weights with no spec table yet;
-    their text-only architectures and bare model types are refused the same way."""
-    from megarefit.errors import UnsupportedModelError
-    from megarefit.specs import family_for_config
-
-    rc = main(["plan", "--config", str(CONFIG_DIR / "pending" / name), "--tp", "2"])
-    out = capsys.readouterr()
-    lines = (out.out + out.err).strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and f"{family} (" in lines[0] and missing in lines[0], lines
-    cfg = json.loads((CONFIG_DIR / "pending" / name).read_text())
-    with pytest.raises(UnsupportedModelError, match=family.split(" ")[0]):
-        family_for_config({"model_type": cfg.get("text_config", cfg)["model_type"]})
-
-
 def test_glm_5_2_shares_indexers_as_its_checkpoint_does(capsys):
     """GLM-5.2 (the published config): ``indexer_types`` shares the DSA indexer of 57 of 78 layers
     (``index_topk_freq`` 4 from ``index_skip_topk_offset`` 3). Shared layers carry no indexer

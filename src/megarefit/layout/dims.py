@@ -68,11 +68,21 @@ class ModelDims:
     gdn_key_dim: int = 0
     gdn_value_heads: int = 0
     gdn_value_dim: int = 0
+    # DeepSeek-V4: each decoder layer's KV compression ratio (0: none, 4: compressed sparse attention with an
+    # indexer, other: heavily compressed), the first ``hash_layers`` layers routed by token id, hyper-connections
+    # (hc_mult residual copies), a grouped low-rank output (o_groups x o_lora_rank), experts per token
+    compress_ratios: tuple[int, ...] = ()
+    hash_layers: int = 0
+    hc_mult: int = 0
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
         object.__setattr__(self, "shared_indexer_layers", tuple(sorted(self.shared_indexer_layers)))
         object.__setattr__(self, "linear_layers", tuple(sorted(self.linear_layers)))
+        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
         if self.layer_pattern and (len(self.layer_pattern) != self.num_layers or set(self.layer_pattern) - set(_KINDS)):
             raise MegarefitError(f"layer pattern {self.layer_pattern!r}: expected {self.num_layers} letters of "
                                  f"{''.join(_KINDS)}")
@@ -136,6 +146,7 @@ class ModelDims:
             "conv_kernel": self.conv_kernel,
             "qkvg": 2 * q + 2 * self.num_query_groups * self.head_dim,
             **_gdn_sizes(self),
+            **_dsv4_sizes(self),
             "one": 1,
             "hidden": self.hidden_size,
             "ffn": self.ffn_hidden_size,
@@ -185,7 +196,7 @@ class ModelDims:
         """What this model has of :data:`megarefit.specs.megatron_core.Feature` (which config flags
         matter), with ``mtp_layers`` MTP layers trained."""
         out = {"any"}
-        for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", self.index_n_heads),
+        for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", self.index_n_heads and not self.hc_mult),
                                  ("mtp", mtp_layers), ("shared_experts", self.shared_expert_ffn),
                                  ("gdn", self.linear_layers)):
             if present:
@@ -203,7 +214,17 @@ class ModelDims:
             return False
         if row.mixer is not None and row.mixer != ("gdn" if layer in self.linear_layers else "attention"):
             return False
+        if row.layers is not None and not self.in_layer_set(row.layers, layer):
+            return False
         return not (Condition.DSA_INDEXER in row.requires and layer in self.shared_indexer_layers)
+
+    def in_layer_set(self, layer_set: str, layer: int) -> bool:
+        """Whether global layer ``layer`` belongs to DeepSeek-V4's ``layer_set``
+        (:data:`~megarefit.specs.table.LayerSet`): ``compress_ratios[layer]`` 4 (``"csa"``) or another
+        positive ratio (``"hca"``); below ``hash_layers`` (``"hash"``) or not (``"learned"``)."""
+        ratio = self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
+        return {"csa": ratio == CSA_RATIO, "hca": ratio not in (0, CSA_RATIO), "hash": layer < self.hash_layers,
+                "learned": layer >= self.hash_layers}[layer_set]
 
     def layer_kind(self, layer: int) -> str:
         """``"moe"`` or ``"dense"`` for global decoder layer ``layer``; a hybrid model's letter's kind
@@ -270,6 +291,7 @@ class ModelDims:
             problems.append(f"mamba heads={self.mamba_heads} and groups (n_groups)={self.mamba_groups} must divide "
                             f"over tp={tp} (Megatron-Core's MambaMixer asserts ngroups % tp == 0)")
         problems += _gdn_problems(self, tp)
+        problems += _dsv4_problems(self, tp)
         if tp > self.num_query_groups and self.qk_norm and self.full_qk_norm:
             problems.append(f"tp={tp} exceeds num_query_groups={self.num_query_groups}: each K-norm shard "
                             f"(k_layernorm, a norm over all key heads) would be replicated over tp/groups ranks, a "
@@ -278,16 +300,7 @@ class ModelDims:
             problems.append(f"num_attention_heads={self.num_attention_heads} not divisible by tp={tp}")
         if self.ffn_hidden_size % tp:
             problems.append(f"ffn_hidden_size={self.ffn_hidden_size} not divisible by tp={tp}")
-        if ep != 1 and not self.num_experts:
-            problems.append(f"ep={ep}: this {self.family} model has no experts; use ep=1")
-        if self.num_experts and self.num_experts % ep:
-            problems.append(f"num_experts={self.num_experts} not divisible by ep={ep}")
-        if self.num_experts and self.moe_ffn_hidden_size % etp:
-            problems.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} not divisible by etp={etp}")
-        if self.shared_expert_ffn % tp:
-            problems.append(f"shared expert ffn={self.shared_expert_ffn} not divisible by tp={tp}")
-        if etp not in (1, tp):
-            problems.append(f"etp={etp}: expert tensor parallelism must be 1 or tp={tp}")
+        problems += _moe_problems(self, tp, ep, etp)
         if problems:
             raise LayoutError(f"{self.family} model cannot be laid out at tp={tp} pp={pp} ep={ep}: "
                               + "; ".join(problems))
@@ -297,10 +310,51 @@ class ModelDims:
         d["dense_layers"] = list(self.dense_layers)
         d["shared_indexer_layers"] = list(self.shared_indexer_layers)
         d["linear_layers"] = list(self.linear_layers)
+        d["compress_ratios"] = list(self.compress_ratios)
         for key in _OPTIONAL_FIELDS:  # absent when unused: the same dict (and plan digests) as before them
             if not d[key]:
                 del d[key]
         return d
+
+
+def _moe_problems(d: ModelDims, tp: int, ep: int, etp: int) -> list[str]:
+    """Why the experts cannot split over ``ep`` and ``etp`` (and shared experts over ``tp``)."""
+    problems = []
+    if ep != 1 and not d.num_experts:
+        problems.append(f"ep={ep}: this {d.family} model has no experts; use ep=1")
+    if d.num_experts and d.num_experts % ep:
+        problems.append(f"num_experts={d.num_experts} not divisible by ep={ep}")
+    if d.num_experts and d.moe_ffn_hidden_size % etp:
+        problems.append(f"moe_ffn_hidden_size={d.moe_ffn_hidden_size} not divisible by etp={etp}")
+    if d.shared_expert_ffn % tp:
+        problems.append(f"shared expert ffn={d.shared_expert_ffn} not divisible by tp={tp}")
+    if etp not in (1, tp):
+        problems.append(f"etp={etp}: expert tensor parallelism must be 1 or tp={tp}")
+    return problems
+
+
+def _dsv4_problems(d: ModelDims, tp: int) -> list[str]:
+    """Why DeepSeek-V4 cannot split over ``tp``: only Megatron-LM's dev branch builds it, at tp 1."""
+    if d.hc_mult and tp > 1:
+        return [f"tp={tp}: Megatron-Core builds DeepSeek-V4 only on Megatron-LM's dev branch, which asserts "
+                "tensor_model_parallel_size 1 for it (its TransformerConfig and DSv4 attention); use tp=1 (pp, ep "
+                "and etp split it)"]
+    return []
+
+
+CSA_RATIO = 4
+"""DeepSeek-V4's compression ratio of compressed sparse attention (overlapping windows, an indexer)."""
+
+
+def _dsv4_sizes(d: ModelDims) -> dict[str, int]:
+    """DeepSeek-V4's shape symbols (zero for other models); ``hca_ratio``: the one ratio other than 0
+    and 4 (:func:`~megarefit.layout.hf_dims.dsv4_dims` refuses configs with several)."""
+    hca = [r for r in d.compress_ratios if r not in (0, CSA_RATIO)]
+    return {"o_lora_all": d.o_groups * d.o_lora_rank,
+            "o_group_in": d.num_attention_heads * d.head_dim // d.o_groups if d.o_groups else 0,
+            "2head_dim": 2 * d.head_dim, "2index_head_dim": 2 * d.index_head_dim, "csa_ratio": CSA_RATIO,
+            "hca_ratio": hca[0] if hca else 0, "hc": d.hc_mult, "hc_mix": (2 + d.hc_mult) * d.hc_mult,
+            "hc_hidden": d.hc_mult * d.hidden_size, "token_ids": d.vocab_size, "topk": d.experts_per_token}
 
 
 def _gdn_sizes(d: ModelDims) -> dict[str, int]:
@@ -322,4 +376,5 @@ def _gdn_problems(d: ModelDims, tp: int) -> list[str]:
 _KINDS = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
 _OPTIONAL_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel",
                   "shared_indexer_layers", "linear_layers", "gdn_key_heads", "gdn_key_dim", "gdn_value_heads",
-                  "gdn_value_dim")
+                  "gdn_value_dim", "compress_ratios", "hash_layers", "hc_mult", "o_groups", "o_lora_rank",
+                  "experts_per_token")

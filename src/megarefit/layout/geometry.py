@@ -165,6 +165,8 @@ def hf_shapes(spec: ParamSpec, dims: ModelDims, layout: SourceLayout) -> tuple[t
         return ((dims.vocab_size,) + rest,)
     if spec.role.is_fused:
         return (fused_shapes(spec, dims, layout, dims.num_experts)[0],)
+    if spec.pack is not None:  # one of ``parts`` equal dim-0 parts of the HF tensor
+        return ((spec.pack[1] * shape[0],) + rest,)
     return (shape,)
 
 
@@ -243,7 +245,7 @@ def pieces(spec: ParamSpec, names: tuple[str, ...], dims: ModelDims, layout: Sou
                 for p in (Piece(names[0], h * head + head - rope, h * head, rope),
                           Piece(names[0], h * head, h * head + rope, head - rope))]
     if role is Role.REPLICATED:
-        return [Piece(names[0], 0, 0, shape[0])]
+        return [Piece(names[0], 0, spec.pack[0] * shape[0] if spec.pack else 0, shape[0])]
     if role is Role.COLUMN:
         return [Piece(names[0], 0, tp_rank * n, n)]
     if role in (Role.ROW, Role.EXPERT_ROW):

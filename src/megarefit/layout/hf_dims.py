@@ -107,6 +107,8 @@ def read_hf_dims(cfg: Mapping[str, Any] | Any, fam: FamilySpec) -> dict[str, Any
         out.update(_dsa_dims(r, out))
     if fam.gdn:
         out.update(gdn_dims(r))
+    if fam.hyper_connections:
+        out.update(dsv4_dims(r))
     all_moe = bool(out.get("num_experts")) and not out.get("dense_layers")  # no dense MLP: no intermediate_size
     out.update(_common_dims(r, heads, hidden, groups, out.get("moe_ffn_hidden_size") if all_moe else None))
     return out
@@ -166,6 +168,36 @@ def gdn_dims(r: HFConfigReader) -> dict[str, Any]:
     if r.get("num_experts") and r.get("shared_expert_intermediate_size"):
         out["shared_expert_ffn"] = int(r.get("shared_expert_intermediate_size"))
     return out
+
+
+def dsv4_dims(r: HFConfigReader) -> dict[str, Any]:
+    """DeepSeek-V4's per-layer variants and dims (HF keys ``compress_ratios``, one per decoder layer and
+    per MTP layer; ``num_hash_layers``; ``hc_mult``; ``o_groups``, ``o_lora_rank``; ``num_experts_per_tok``;
+    ``q_lora_rank``; ``index_n_heads``, ``index_head_dim``).
+
+    Raises:
+        UnsupportedModelError: ``compress_ratios`` of the wrong length, with negative entries or more than one
+            ratio besides 0 and 4 (each other ratio shapes its compressor differently); heads that do not
+            split into ``o_groups``; more hash layers than layers."""
+    name, layers = r.family.name, r.need("num_hidden_layers")
+    mtp_layers = int(r.get("num_nextn_predict_layers") or 0)
+    ratios = [int(x) for x in (r.get("compress_ratios") or [0] * layers)]
+    if len(ratios) not in (layers, layers + mtp_layers) or min(ratios, default=0) < 0:
+        raise UnsupportedModelError(f"HF config for family {name}: compress_ratios must give a ratio >= 0 for each "
+                                    f"of the {layers} layers (and the {mtp_layers} MTP layers), got {len(ratios)}")
+    heavy = sorted(set(ratios) - {0, 4})
+    if len(heavy) > 1:
+        raise UnsupportedModelError(f"HF config for family {name}: compress_ratios {heavy} beside 0 and 4: the "
+                                    "spec table has one heavily compressed ratio (128 in the published models)")
+    heads, groups = r.need("num_attention_heads"), r.need("o_groups")
+    hashed = int(r.get("num_hash_layers") or 0)
+    if heads % groups or not 0 <= hashed <= layers:
+        raise UnsupportedModelError(f"HF config for family {name}: o_groups={groups} must divide "
+                                    f"num_attention_heads={heads}, and num_hash_layers={hashed} be at most {layers}")
+    return {"compress_ratios": tuple(ratios[:layers]), "hash_layers": hashed, "hc_mult": r.need("hc_mult"),
+            "o_groups": groups, "o_lora_rank": r.need("o_lora_rank"), "experts_per_token": r.need("num_experts_per_tok"),
+            "q_lora_rank": r.need("q_lora_rank"), "index_n_heads": r.need("index_n_heads"),
+            "index_head_dim": r.need("index_head_dim")}
 
 
 def _attention_heads(r: HFConfigReader) -> tuple[int, int, int]:
@@ -318,5 +350,5 @@ def _derived_schedule(get: Any, layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
-__all__ = ["BLOCK_TYPES", "HFConfigReader", "gdn_dims", "hybrid_dims", "text_config", "index_share_keys", "indexer_schedule", "load_hf_config",
+__all__ = ["BLOCK_TYPES", "HFConfigReader", "dsv4_dims", "gdn_dims", "hybrid_dims", "text_config", "index_share_keys", "indexer_schedule", "load_hf_config",
            "read_hf_dims"]

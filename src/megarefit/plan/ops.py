@@ -19,7 +19,8 @@ from megarefit.layout.parallel import Box, RankCoord
 Direction = Literal["megatron_to_hf", "hf_to_megatron", "megatron_to_vllm"]
 OpKind = Literal["contiguous", "scratch"]
 
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "int32": 4}  # int32: DeepSeek-V4's hash-routing table tid2eid
 
 
 def itemsize(dtype: str) -> int:

@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from megarefit.errors import LayoutError
+from megarefit.errors import LayoutError, PlanValidationError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.geometry import (
     ExpertWeights,
@@ -250,6 +250,7 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
     t_rows, t_keys = [], []
     n_layers_all = dims.num_layers + dims.mtp_layers + 1
     nt = 0
+    packs: dict[str, tuple[ParamSpec, list[int]]] = {}  # HF template -> the packed row that made its targets
     for pos, row in enumerate(r for r in rows if r in row_layers):
         layers = sorted(row_layers[row])
         if row.role.is_fused and not owned:
@@ -260,6 +261,8 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
         epos = torch.full((dims.num_experts + 2,), -1, dtype=_I64)
         epos[torch.tensor(exps, dtype=_I64) + 1] = torch.arange(len(exps))
         lpos_of[row], epos_of[row] = lpos, epos
+        if row.pack is not None and _shares_target(row, layers, packs, t_first):
+            continue
         shapes, tdtype = hf_shapes(row, dims, layout), row.dtype or dtype
         part = _PARTS.index(row.stage)
         for k in range(len(row.hf)):
@@ -276,6 +279,23 @@ def _build_targets(dims: ModelDims, layout: SourceLayout, dtype: str, rows: tupl
     opos[torch.tensor(owned, dtype=_I64) + 1] = torch.arange(len(owned))
     return _Targets(TensorTable(t_groups, group, layer, expert), t_first, lpos_of, epos_of, t_id, len(owned), opos,
                     weights)
+
+
+def _shares_target(row: ParamSpec, layers: list[int], packs: dict[str, tuple[ParamSpec, list[int]]],
+                   t_first: dict[tuple[ParamSpec, int], int]) -> bool:
+    """Whether packed ``row``'s HF tensor already has targets (another part's row made them): then ``row``
+    writes into those. The first part's row registers itself in ``packs`` and makes them.
+
+    Raises:
+        PlanValidationError: the parts of one HF tensor exist in different layers (a spec-table bug)."""
+    owner = packs.setdefault(row.hf[0], (row, layers))
+    if owner[0] is row:
+        return False
+    if owner[1] != layers:
+        raise PlanValidationError(f"packed rows {owner[0].megatron!r} and {row.megatron!r} of {row.hf[0]!r} exist "
+                                  f"in different layers ({owner[1][:4]} vs {layers[:4]})")
+    t_first[(row, 0)] = t_first[(owner[0], 0)]
+    return True
 
 
 def _value_steps(table: TensorTable) -> tuple[ValueStep, ...]:

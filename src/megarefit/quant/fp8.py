@@ -61,7 +61,8 @@ class Fp8Format:
 
         Raises:
             UnsupportedQuantizationError: a method other than block FP8 (mxfp4,
-                compressed-tensors, per-tensor fp8, static activations, e5m2, ...).
+                compressed-tensors, per-tensor fp8, static activations, e5m2, ...), or routed
+                experts in another format (DeepSeek-V4's ``expert_dtype`` ``fp4``).
         """
         get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
         qc = get("quantization_config")
@@ -75,6 +76,11 @@ class Fp8Format:
                 f"quantization method {method!r} (the config's quantization_config) is not produced; megarefit "
                 "refits the model dtype (quantization='none', CLI --quantization none: bf16) or block FP8 "
                 "(quant_method 'fp8' with weight_block_size)")
+        if get("expert_dtype") not in (None, "fp8"):  # DeepSeek-V4-Flash: routed experts in MXFP4
+            raise UnsupportedQuantizationError(
+                f"expert_dtype {get('expert_dtype')!r} (the config's routed experts) is not produced; megarefit "
+                "refits the model dtype (quantization='none', CLI --quantization none: bf16) or block FP8 "
+                "(expert_dtype 'fp8')")
         block = qc.get("weight_block_size")
         if not block:
             raise UnsupportedQuantizationError("fp8 without weight_block_size (per-tensor scales) is not produced; "

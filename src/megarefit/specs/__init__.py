@@ -7,6 +7,7 @@ from typing import Any
 
 from megarefit.errors import UnsupportedModelError
 from megarefit.specs.deepseek import DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA
+from megarefit.specs.deepseek_v4 import DEEPSEEK_V4
 from megarefit.specs.gpt_oss import GPT_OSS
 from megarefit.specs.llama import LLAMA
 from megarefit.specs.minimax import MINIMAX_M2
@@ -29,7 +30,7 @@ from megarefit.specs.table import (
 
 FAMILIES: tuple[FamilySpec, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GLM4_MOE, GLM_MOE_DSA,
                                    GPT_OSS, NEMOTRON_H, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL,
-                                   QWEN3_NEXT, MINIMAX_M2)
+                                   QWEN3_NEXT, MINIMAX_M2, DEEPSEEK_V4)
 
 __all__ = [
     "FAMILIES", "LAYER_SPECS", "Condition", "FamilySpec", "LayerSpec", "Match", "ParallelMode", "ParamSpec",

@@ -28,14 +28,18 @@ C = Condition
 
 def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts",
              expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-             shared: str | None = None, expert_bias: str | None = None) -> tuple[ParamSpec, ...]:
+             shared: str | None = None, expert_bias: str | None = None, hf_layer: str = _H,
+             norm: str = "post_attention_layernorm",
+             shared_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[ParamSpec, ...]:
     """MoE-layer rows for one family's HF spelling (data built once at import); ``expert_bias``:
     the router's score-correction bias under the block, where not ``<gate>.e_score_correction_bias``
-    (MiniMax-M2: ``block_sparse_moe.e_score_correction_bias``)."""
-    hb = _H + block + "."
+    (MiniMax-M2: ``block_sparse_moe.e_score_correction_bias``); ``hf_layer``: a layer's HF prefix
+    (DeepSeek-V4's checkpoints: ``layers.{layer}.``); ``norm``: the pre-MLP norm's HF module;
+    ``shared_proj``: the shared experts' gate / up / down names."""
+    hb = hf_layer + block + "."
     g, u, d = (f"{hb}{experts}.{{expert}}.{p}.weight" for p in expert_proj)
     rows = [
-        ParamSpec(_L + "pre_mlp_layernorm.weight", R.REPLICATED, (_H + "post_attention_layernorm.weight",),
+        ParamSpec(_L + "pre_mlp_layernorm.weight", R.REPLICATED, (hf_layer + norm + ".weight",),
                   ("hidden",), layer_kind="moe"),
         ParamSpec(_L + "mlp.router.weight", R.REPLICATED, (hb + gate + ".weight",), ("experts", "hidden"),
                   layer_kind="moe"),
@@ -58,12 +62,12 @@ def moe_rows(*, block: str = "mlp", gate: str = "gate", experts: str = "experts"
                   layer_kind="moe", expert_layout="legacy_grouped"),
     ]
     if shared is not None:
-        sb = hb + shared + "."
+        sg, su, sd = (f"{hb}{shared}.{p}.weight" for p in shared_proj)
         rows += [
             ParamSpec(_L + "mlp.shared_experts.linear_fc1.weight", R.GATED_MLP,
-                      (sb + "gate_proj.weight", sb + "up_proj.weight"), ("2shared_ffn", "hidden"),
+                      (sg, su), ("2shared_ffn", "hidden"),
                       requires=frozenset({C.SHARED_EXPERTS}), layer_kind="moe"),
-            ParamSpec(_L + "mlp.shared_experts.linear_fc2.weight", R.ROW, (sb + "down_proj.weight",),
+            ParamSpec(_L + "mlp.shared_experts.linear_fc2.weight", R.ROW, (sd,),
                       ("hidden", "shared_ffn"), requires=frozenset({C.SHARED_EXPERTS}), layer_kind="moe"),
         ]
     return tuple(rows)

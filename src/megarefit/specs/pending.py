@@ -28,13 +28,8 @@ class Pending:
     missing: str
 
 
-PENDING: tuple[Pending, ...] = (
-    Pending("DeepSeek-V4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),
-            "hyper-connections (hc_attn_* / hc_ffn_* / hc_head_*, each hc_*_scale packing three Megatron alphas), "
-            "the KV compressors and indexers (attn.compressor / attn.indexer), the grouped low-rank output "
-            "(attn.wo_a / wo_b), attention sinks and hash routing (ffn.gate.tid2eid) have no spec table yet; "
-            "Megatron-Core builds them only on Megatron-LM's dev branch (at tp 1), no release 0.16-0.19"),
-)
+PENDING: tuple[Pending, ...] = ()
+"""None today: DeepSeek-V4, the last entry, has its table (:mod:`megarefit.specs.deepseek_v4`)."""
 
 
 def pending_for(architecture: str | None, model_type: str | None) -> Pending | None:

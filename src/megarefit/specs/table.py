@@ -62,6 +62,14 @@ HF = Megatron + 1 (a norm weight Megatron-Core stores zero-centered, ``layernorm
 where HF stores the weight itself). Computed in the tensor's dtype, one rounding; HF -> Megatron ->
 HF is exact for HF weights in [0.5, 2] (Sterbenz), Megatron -> HF rounds to HF's precision."""
 
+LayerSet = Literal["csa", "hca", "hash", "learned"]
+"""DeepSeek-V4's per-layer variants (``ParamSpec.layers``; ``ModelDims.in_layer_set`` decides), from
+HF ``compress_ratios`` and ``num_hash_layers``: ``"csa"``, compressed sparse attention (ratio 4: a KV
+compressor with overlapping windows and a lightning indexer); ``"hca"``, heavily compressed attention
+(any other positive ratio, 128 in the published models: a compressor, no indexer); ``"hash"``, the first
+``num_hash_layers`` layers, routed by a token-id table (``tid2eid``) instead of a learned gate bias;
+``"learned"``, every other MoE layer (a score-correction bias)."""
+
 LayerKind = Literal["dense", "moe", "mamba", "attention"]
 """Which decoder layers a row exists in: MoE models mix dense and MoE layers; hybrid models
 (Nemotron-H) have one kind per layer, from their pattern (``M`` mamba, ``*`` attention,
@@ -240,6 +248,12 @@ SHAPE_SYMBOLS = frozenset({
     # + 2*nv ([Q; K; V; Z; b; a]), conv1d rows 2*nk*dk + nv*dv ([Q; K; V])
     "gdn_in", "gdn_conv", "gdn_qk", "gdn_v", "gdn_heads", "gdn_dv",
     "gdn_kheads",  # nk: the groups Qwen3-Next packs its in_proj_qkvz / in_proj_ba by
+    # DeepSeek-V4: grouped low-rank output (o_groups x o_lora_rank rows; heads*head_dim/o_groups inputs per
+    # group), a compressor's [2*d] (csa, overlapping) or [d] (hca) rows and its ratio, hyper-connections
+    # (hc = hc_mult copies of the residual: a mixing projection [(2+hc)*hc, hc*hidden]), hash routing
+    # (tid2eid [token_ids = unpadded vocab, topk = num_experts_per_tok]), scalars ("one")
+    "o_lora_all", "o_group_in", "2head_dim", "2index_head_dim", "csa_ratio", "hca_ratio", "hc", "hc_mix",
+    "hc_hidden", "token_ids", "topk",
 })
 _ROLE_LEADING_SYMBOL = {Role.QKV: "qkv", Role.GATED_QKV: "qkvg", Role.GATED_MLP: ("2ffn", "2shared_ffn"), Role.VOCAB: "vocab",
                         Role.EXPERT_GATED_MLP: "2moe_ffn", Role.EXPERT_GATE_UP_FUSED: "2moe_ffn"}
@@ -308,6 +322,12 @@ class ParamSpec:
             (``ModelDims.linear_layers``); ``None``: in every layer.
         value: an elementwise value change from Megatron to HF (:data:`ValueRule`; the plan
             carries it as a value step, with its inverse on import); ``None``: bytes copy as is.
+        layers: the row exists only in layers of this :data:`LayerSet` (DeepSeek-V4's compressors,
+            indexers and routers); ``None``: in every layer its other fields allow.
+        pack: ``(slot, parts)``: the Megatron tensor is dim-0 part ``slot`` of ``parts`` equal parts of
+            its HF tensor, which ``parts`` rows share (DeepSeek-V4's ``hc_attn_scale`` [3] =
+            [alpha_pre; alpha_post; alpha_res], each a Megatron ``[1]``, as Megatron-Bridge 0.6's
+            ``_HCAlphaMapping`` packs them); replicated rows only. ``None``: the HF tensor is this row's.
     """
 
     megatron: str
@@ -327,6 +347,8 @@ class ParamSpec:
     segment_groups: str | None = None
     mixer: Mixer | None = None
     value: ValueRule | None = None
+    layers: LayerSet | None = None
+    pack: tuple[int, int] | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -366,6 +388,10 @@ class ParamSpec:
                 or not groups_ok:
             raise SpecTableError(f"{where}: the segmented role and known segment (group) symbols go together, got "
                                  f"{self.role.value} {self.segments} {self.segment_groups}")
+        if self.pack is not None and (self.role is not Role.REPLICATED or len(self.pack) != 2
+                                      or not 0 <= self.pack[0] < self.pack[1]):
+            raise SpecTableError(f"{where}: pack needs the replicated role and (slot, parts) with 0 <= slot < "
+                                 f"parts, got {self.role.value} {self.pack}")
         if self.head_rotate is not None and (self.role is not Role.REPLICATED
                                              or not set(self.head_rotate) <= SHAPE_SYMBOLS):
             raise SpecTableError(f"{where}: head_rotate needs the replicated role and two shape symbols, got "
@@ -458,6 +484,7 @@ class FamilySpec:
     shared_ffn_key: str | None = None  # per shared expert intermediate size, where not moe_ffn_key's
     gdn: bool = False  # gated-DeltaNet hybrid (Qwen3.5): linear_* dims, layer_types, a gated attention
     text_config: bool = False  # a vision-language checkpoint: the language model's dims are in ``text_config``
+    hyper_connections: bool = False  # DeepSeek-V4: hc_mult, compress_ratios, hash layers, grouped output (ModelDims)
     # (HF config key, value): where the key is present it must hold the value, else the config is refused
     config_requires: tuple[tuple[str, object], ...] = ()
 
@@ -516,6 +543,7 @@ class FamilySpec:
         return hits[0]
 
 
+_EXCLUSIVE_SETS = {frozenset({"csa", "hca"}), frozenset({"hash", "learned"})}
 _EXCLUSIVE = {frozenset({Condition.UNTIED, Condition.TIED_COPY}),
               frozenset({Condition.MTP_TRANSFORMER_LAYER, Condition.MTP_MODEL_LAYER}),
               frozenset({Condition.DSA_ROPE_LAST, Condition.DSA_ROPE_FIRST}),
@@ -530,6 +558,8 @@ def _exclusive(a: ParamSpec, b: ParamSpec) -> bool:
     if a.expert_layout is not None and b.expert_layout is not None and a.expert_layout != b.expert_layout:
         return True
     if a.mixer is not None and b.mixer is not None and a.mixer != b.mixer:
+        return True
+    if frozenset({a.layers, b.layers}) in _EXCLUSIVE_SETS:
         return True
     return any(frozenset({x, y}) in _EXCLUSIVE for x in a.requires for y in b.requires)
 

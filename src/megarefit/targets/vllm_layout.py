@@ -104,10 +104,18 @@ _FUSED_MOE_NAMES = {"gate_up_proj": FUSED_MOE_W13, "gate_up_proj_bias": "routed_
                     "down_proj": FUSED_MOE_W2, "down_proj_bias": "routed_experts.w2_bias"}
 # vLLM model classes that spell HF module names differently: (HF part, vLLM part) per family
 _VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".self_attn.", ".attn.")),
+                 # DeepSeek-V4: shared experts stacked into gate_up_proj (named after w1), the learned router bias
+                 "deepseek_v4": ((".shared_experts.w1.", ".shared_experts.gate_up_proj."),
+                                 (".shared_experts.w2.", ".shared_experts.down_proj."),
+                                 (".ffn.gate.bias", ".ffn.gate.e_score_correction_bias")),
                  "nemotron_h": (("backbone.", "model."), (".embeddings.", ".embed_tokens."), (".mixer.A_log", ".mixer.A")),
                  # vision-language checkpoints: vLLM's Qwen3VLForConditionalGeneration.hf_to_vllm_mapper
                  **dict.fromkeys(("qwen3_5_vl", "qwen3_5_moe_vl"), (("model.language_model.", "language_model.model."),
                                                                   ("lm_head.", "language_model.lm_head.")))}
+# ... whose HF names lack the ``model.`` prefix: (HF prefix, vLLM prefix), matched at the start of a name only
+# (DeepSeek-V4's checkpoint names, as vLLM's DeepseekV4ForCausalLM.load_weights maps them)
+_VLLM_PREFIX_RENAMES = {"deepseek_v4": (("layers.", "model.layers."), ("embed.", "model.embed_tokens."),
+                                        ("head.", "lm_head."), ("norm.", "model.norm."), ("hc_head_", "model.hc_head_"))}
 # HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
 _VLLM_VALUES = {".mixer.A_log": "neg_exp",  # MambaMixer2: A = -exp(A_log.float()), float32
                 ".linear_attn.A_log": "as_float32"}  # Qwen3.5's gated DeltaNet holds A_log in float32
@@ -132,6 +140,10 @@ _VLLM_FUSED = (
     ("self_attn.fused_qkv_a_proj.weight", ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")),
     ("self_attn.indexer.wk_weights_proj.weight", ("self_attn.indexer.wk.weight",
                                                   "self_attn.indexer.weights_proj.weight")),
+    # DeepSeek-V4 (vLLM deepseek_v4): the low-rank query's and the KV's down-projections; a KV compressor's
+    # two projections (the attention's and its indexer's; never quantized)
+    ("attn.fused_wqa_wkv.weight", ("attn.wq_a.weight", "attn.wkv.weight")),
+    ("compressor.fused_wkv_wgate.weight", ("compressor.wkv.weight", "compressor.wgate.weight")),
 )
 
 # An MTP layer's own modules in vLLM's drafters (models/deepseek_mtp.py ``_rewrite_spec_layer_name``):
@@ -569,10 +581,11 @@ def vllm_params(dims: ModelDims, target: VllmTarget) -> dict[str, VllmParam]:
         else:
             _dense(row, named, dims, target, out)
     renames = _VLLM_RENAMES.get(dims.family, ())
+    prefixes = _VLLM_PREFIX_RENAMES.get(dims.family, ())
     fused = _fuse(out)
     if target.draft:
         fused = {_draft_name(name): param for name, param in fused.items()}
-    return {_renamed(name, renames): param for name, param in fused.items()}
+    return {_prefixed(_renamed(name, renames), prefixes): param for name, param in fused.items()}
 
 
 def _layers(dims: ModelDims, target: VllmTarget) -> list[int]:
@@ -594,6 +607,12 @@ def _draft_name(name: str) -> str:
     if m is None or name[m.end():].startswith(_MTP_OWN_MODULES):
         return name
     return name[:m.end()] + "mtp_block." + name[m.end():]
+
+
+def _prefixed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with its first matching HF prefix replaced by vLLM's (unchanged if none matches)."""
+    hf, vllm = next(((a, b) for a, b in prefixes if name.startswith(a)), ("", ""))
+    return vllm + name[len(hf):]
 
 
 def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
