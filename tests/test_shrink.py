@@ -11,7 +11,8 @@ from megarefit.layout.dims import ModelDims
 
 # the configs the demo shrinks generically; Qwen3.5's and Qwen3-Next's (gated DeltaNet) below
 GDN = ("Qwen3.5-27B", "Qwen3.5-397B-A17B", "Qwen3-Next-80B-A3B-Thinking")
-NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if p.stem not in GDN)
+NOT_SHRUNK = ("DeepSeek-V4-Flash",)  # the demo refuses it before shrinking (no Megatron-Core release builds it)
+NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json") if p.stem not in GDN + NOT_SHRUNK)
 
 
 @pytest.mark.parametrize("name", NAMES)

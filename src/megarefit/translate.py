@@ -303,7 +303,8 @@ def _hf_tensors_to_plan(dims: ModelDims, hf_state: Mapping[str, torch.Tensor]) -
 
 # HF tensors of a checkpoint that no spec table moves: name prefix -> what they are
 _NOT_MOVED = (("model.visual.", "the vision tower of a vision-language checkpoint, which megarefit does not move"),
-              ("mtp.", "the multi-token-prediction layer of Qwen3.5 / Qwen3-Next, which megarefit does not translate yet"))
+              ("mtp.", "the multi-token-prediction layer of Qwen3.5 / Qwen3-Next / DeepSeek-V4, which megarefit does "
+                       "not translate yet"))
 
 
 def _not_moved_hint(extra: list[str]) -> str:

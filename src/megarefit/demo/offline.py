@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from megarefit.errors import MegarefitError
+from megarefit.errors import MegarefitError, UnsupportedModelError
 from megarefit.layout import SourceLayout
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.megatron_model import check_stated
@@ -28,6 +28,7 @@ from megarefit.plan import Plan
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant import dequantize_state, resolve_quantization
 from megarefit.quant.planning import plan_fp8, quantize_sources, where_quantized
+from megarefit.specs import family_for_config
 from megarefit.transport.execute import RefitStats, run_refit_cycle
 from megarefit.transport.local import LocalTransport
 
@@ -202,6 +203,7 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
     from megarefit.demo.trainer_jobs import check_buildable, is_hybrid
 
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
+    check_demo_family(cfg)
     notes: list[str] = []
     if shrink:
         cfg, notes = shrink_config(cfg)
@@ -217,6 +219,16 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
         check_triton()
     hf_cfg = hf_buildable_config(cfg, notes)
     return DemoSetup(cfg, hf_cfg, dims, tp, pp, ep, etp, notes)
+
+
+def check_demo_family(cfg: dict[str, Any]) -> None:
+    """Raise :class:`UnsupportedModelError` for a family no Megatron-Core release builds (DeepSeek-V4: only
+    Megatron-LM's dev branch has its modules), so the demo's trainers cannot run it on CPU."""
+    if family_for_config(cfg).hyper_connections:
+        raise UnsupportedModelError(
+            "megarefit demo cannot train DeepSeek-V4 on CPU: no Megatron-Core release (0.16-0.19) builds it, only "
+            "Megatron-LM's dev branch; its tables are checked against vLLM's own loader and Megatron-Bridge 0.6.2's "
+            "names instead (megarefit plan --config ... --quantization none plans it)")
 
 
 def check_triton() -> None:

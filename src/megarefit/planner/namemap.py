@@ -139,6 +139,11 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
     "GDNConv1dMapping": frozenset({Role.SEGMENTED}),
     "RMSNorm2ZeroCenteredRMSNormMapping": frozenset({Role.REPLICATED}),
     "_FullDimQKNormMapping": frozenset({Role.COLUMN}),  # MiniMax-M2's q / k norms over all heads, split by heads
+    # DeepSeek-V4: compressors / indexers (present in some layers), the hyper-connection alphas packed into one
+    # HF hc_*_scale (alpha_pre the primary, post / res the secondaries)
+    "_ReplicatedOptional": frozenset({Role.REPLICATED}),
+    "_HCAlphaMapping": frozenset({Role.REPLICATED}),
+    "_HCAlphaSecondaryMapping": frozenset({Role.REPLICATED}),
 }
 # Bridge mapping classes that change values, and the name-map transform each one is
 KIND_TRANSFORMS = {"RMSNorm2ZeroCenteredRMSNormMapping": VALUE_TRANSFORMS["plus_one"]}

@@ -10,7 +10,8 @@ Megatron-Core builds the model only on Megatron-LM's ``dev`` branch (``DSv4Hybri
 tensor-parallel size 1 for it: every tensor below is whole on each rank, pipeline and expert parallelism
 (ep, etp) split the model. The Megatron names are Megatron-Bridge 0.6.2's (``DeepSeekV4Bridge``'s
 mapping registry, checked by a test); roles give vLLM's tensor-parallel split, the only one that cuts
-these tensors (d = head_dim 512, G = o_groups, R = o_lora_rank, hc = hc_mult, fp32 where marked)::
+these tensors (``wo_a``, whole in Megatron, is split by vLLM: see
+:mod:`megarefit.targets.vllm_layout`) (d = head_dim 512, G = o_groups, R = o_lora_rank, hc = hc_mult, fp32 where marked)::
 
     Megatron decoder.                                 checkpoint                       shape              vLLM
     hc_head_fn / hc_head_base / hc_head_scale         hc_head_fn / _base / _scale      [hc, hc*h] [hc] [1] whole, fp32
@@ -74,7 +75,8 @@ _ATTENTION = (
     ParamSpec(_A + "linear_kv_proj.weight", R.REPLICATED, (_H + "attn.wkv.weight",), ("head_dim", "hidden"),
               linear=True),
     ParamSpec(_A + "kv_layernorm.weight", R.REPLICATED, (_H + "attn.kv_norm.weight",), ("head_dim",)),
-    ParamSpec(_A + "linear_o_group_proj", R.COLUMN, (_H + "attn.wo_a.weight",), ("o_lora_all", "o_group_in")),
+    ParamSpec(_A + "linear_o_group_proj", R.REPLICATED, (_H + "attn.wo_a.weight",), ("o_lora_all", "o_group_in"),
+              linear=True),
     ParamSpec(_A + "linear_proj.weight", R.ROW, (_H + "attn.wo_b.weight",), ("hidden", "o_lora_all")),
     ParamSpec(_A + "core_attention.attn_sink", R.COLUMN, (_H + "attn.attn_sink",), ("heads",), dtype=_F32),
 )

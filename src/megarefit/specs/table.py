@@ -515,7 +515,8 @@ class FamilySpec:
 
         Rows for different layer kinds may share a pattern (``pre_mlp_layernorm`` in
         dense and MoE layers); they resolve to one match when they agree on role,
-        HF names and shape.
+        HF names and shape (rows of layer sets, ``layers``, on role and HF names: the
+        shape is the layer's, which the name does not say).
 
         Raises:
             UnknownParameterError: no active row matches ``name``.
@@ -534,7 +535,10 @@ class FamilySpec:
                 f"Megatron parameter {name!r}{where} matches no row of the {self.name} spec table "
                 f"(active conditions: {sorted(c.value for c in conditions)})"
             )
-        distinct = {(h.spec.role, h.spec.hf, h.spec.shape, h.spec.duplicate) for h in hits}
+        # rows of exclusive layer sets (DeepSeek-V4's compressors at ratio 4 / 128) differ in shape only: which
+        # one a layer has is the model's (ModelDims.has_row), not the name's
+        distinct = {(h.spec.role, h.spec.hf, h.spec.shape if h.spec.layers is None else None, h.spec.duplicate)
+                    for h in hits}
         if len(distinct) > 1:
             raise AmbiguousParameterError(
                 f"Megatron parameter {name!r}{where} matches {len(hits)} rows of the {self.name} "

@@ -16,6 +16,7 @@ Dense parts (vLLM's ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
                   when T > kv heads: rank t holds kv head t // (T / kv_heads))
     gate_up_proj  [gate.chunk(T)[t]; up.chunk(T)[t]] rows   (dense MLP, shared experts)
     q_b_proj, kv_b_proj, q_proj (MLA)   rows chunk t (column-parallel)
+    wq_b, wo_a (DeepSeek-V4)            rows chunk t (wo_a: whole in Megatron, tp 1)
     o_proj, down_proj   columns chunk t (row-parallel)
     embed_tokens, lm_head   rows [t*P, (t+1)*P) of the vocab padded to a multiple of 64
                   (P = padded / T); rows past vocab_size are zero
@@ -135,6 +136,9 @@ _VLLM_SEGMENT_PARAMS = {"linear_attn.in_proj_qkv.weight": (("linear_attn.in_proj
 # MLA (vLLM deepseek_v2.py): the down-projections are ReplicatedLinear whatever Megatron's
 # spec does, and with q_lora_rank the two are one DeepSeekV2FusedQkvAProjLinear.
 _VLLM_REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
+# ... and the reverse: replicated in Megatron, rows chunk t in vLLM (DeepSeek-V4's grouped output ``wo_a``, a
+# ColumnParallelLinear in vLLM; a bare Parameter on the Megatron dev branch, which runs at tp 1)
+_VLLM_COLUMN = ("attn.wo_a.weight",)
 # vLLM parameters that stack two replicated HF tensors (first on top), where both exist.
 _VLLM_FUSED = (
     ("self_attn.fused_qkv_a_proj.weight", ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")),
@@ -362,7 +366,7 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
         kv_local, kv_start = _kv_heads(dims, T, t)
         for name, shape in named:
             out[name] = _stacked([(name, shape, kv_start * dims.head_dim, kv_local * dims.head_dim)])
-    elif row.role is Role.COLUMN:
+    elif row.role is Role.COLUMN or any(name.endswith(_VLLM_COLUMN) for name, _ in named):
         for name, shape in named:
             n = _split(shape[0], T, f"{name} rows", group)
             out[name] = _stacked([(name, shape, t * n, n)])
