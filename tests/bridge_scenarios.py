@@ -38,6 +38,9 @@ QWEN35 = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe
           "linear_key_head_dim": 8, "linear_value_head_dim": 16}
 MINIMAX = {"num_hidden_layers": 4, "num_local_experts": 4, "intermediate_size": 32, "rotary_dim": 8, "use_mtp": False,
            "num_mtp_modules": 0}
+DSV4 = {"num_hidden_layers": 4, "num_key_value_heads": 1, "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1,
+        "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16, "hc_mult": 4,
+        "num_experts_per_tok": 2, "n_routed_experts": 4, "num_nextn_predict_layers": 0}
 QWEN3_NEXT = QWEN35 | {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
 # name -> (config, extra, layouts as (tp, pp, ep, layer_spec, expert_layout[, megatron-core version]),
 #          build a real model?); without a version a layout is planned for the installed megatron-core
@@ -79,6 +82,10 @@ CASES = {
     # MiniMax-M2: q / k norms over all heads, split over TP by heads (Bridge's _FullDimQKNormMapping)
     "minimax_m2": ("MiniMax-M2.5", MINIMAX, [(2, 2, 2, "te", "te_grouped"), (2, 1, 2, "local", "sequential")],
                    False),
+    # DeepSeek-V4 (Megatron-LM's dev branch names, tp 1): compressors / indexers by compress_ratios, hash routing,
+    # hyper-connection alphas packed into hc_*_scale (Bridge's _HCAlphaMapping)
+    "deepseek_v4": ("DeepSeek-V4-Flash", DSV4, [(1, 2, 2, "te", "te_grouped"), (1, 1, 2, "local", "sequential")],
+                    False),
     # fused experts with biases (etp 1, Megatron-Core's rule), attention sinks, router bias
     "gpt_oss": ("gpt-oss-120b", MOE | {"intermediate_size": 32, "layer_types": ["full_attention"] * 4},
                 [(2, 2, 2, "te", "te_grouped"), (1, 1, 1, "local", "sequential")], True),

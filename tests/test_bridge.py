@@ -20,7 +20,9 @@ GLM-5, gpt-oss, Nemotron-H, Qwen3.5-MoE (its language model: gated DeltaNet ``in
 part by part, the gated norm's +1 as Bridge's ``RMSNorm2ZeroCenteredRMSNormMapping``, gated
 attention) and Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` packed per key head, Bridge's
 ``GDNLinearMapping``); both planned by name only, as megarefit's CPU harness builds no whole model of them;
-MiniMax-M2 (q / k norms over all heads split by heads, Bridge's ``_FullDimQKNormMapping``).
+MiniMax-M2 (q / k norms over all heads split by heads, Bridge's ``_FullDimQKNormMapping``); DeepSeek-V4
+(names only: Bridge maps the Megatron-LM dev branch's modules, which no megatron-core release has; the
+hyper-connection alphas packed into ``hc_*_scale`` as its ``_HCAlphaMapping`` packs them).
 
 Documented gaps on Bridge's side (asserted exactly, so a fix upstream shows up):
 no Mixtral bridge; GLM-4.5's and MiniMax-M2's routed experts mapped only in the TE-grouped form
@@ -33,6 +35,10 @@ rotates each head's rows; ``AutoMapping`` cannot resolve the tensor-parallel spl
 Megatron-Core's local ``Linear`` (MLA down-projections without Transformer Engine), nor of the
 CPU harness's DSA indexer linears; with TE both are ``TELinear(parallel_mode="duplicated")``,
 which Bridge resolves to replicated, so they are resolved as that.
+
+DeepSeek-V4's indexer scorer is spelled ``attn.indexer.scorer.weights_proj.weight`` in Bridge's registry;
+the published checkpoint, vLLM's loader and transformers' conversion mapping spell it
+``attn.indexer.weights_proj.weight`` (megarefit's name), and Bridge's own load / export fall back to that.
 
 Fixed in Bridge since 0.3.1 (asserted, so a regression shows up): DeepSeek-V3 routed experts in
 SequentialMLP form and DeepSeek-V3 MTP (0.17+ names) are mapped; Bridge's HF->Megatron load at
@@ -59,6 +65,7 @@ MEGATRON_CORE = "0.19.2"
 OLD = "mcore0.16.1"  # layouts planned for megatron-core 0.16.1's names (tests/bridge_scenarios.py)
 MODEL_LAYOUT = "tp1-pp1-ep1-local-sequential"  # the layout resolved against a real model
 RESOLVED = ["AutoMapping:column", "AutoMapping:replicated", "AutoMapping:row"]
+DSV4_SCORER = r"\.indexer\.linear_weights_proj\.weight$"
 INDEXER_ROTATED = r"\.indexer\.(linear_wq_b\.weight|linear_wk\.weight|k_norm\.weight|k_norm\.bias)$"
 
 
@@ -128,7 +135,8 @@ def test_bridge_is_the_pinned_version(scenarios):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
                                     "glm4_moe", "glm_moe_dsa", "deepseek_v3_mtp", "glm4_moe_mtp", "glm_moe_dsa_mtp",
-                                    "gpt_oss", "nemotron_h", "qwen3_5_moe", "qwen3_next", "minimax_m2"])
+                                    "gpt_oss", "nemotron_h", "qwen3_5_moe", "qwen3_next", "minimax_m2",
+                                    "deepseek_v4"])
 def test_tables_agree_with_bridge(scenarios, family):
     case = scenarios["cases"][family]
     assert case["patterns"] > 0
@@ -148,9 +156,15 @@ def test_tables_agree_with_bridge(scenarios, family):
         assert _unmapped(layout) == expected_gap, name
         transforms = {d["megatron"] for d in layout["disagreements"] if d["what"] == "transform"}
         assert transforms == expected_transform, name
-        others = [d for d in layout["disagreements"] if d["what"] not in ("unmapped", "transform")]
+        renamed = {d["megatron"] for d in layout["disagreements"] if d["what"] == "hf_names"}
+        # DeepSeek-V4: Bridge's registry spells the indexer's scorer attn.indexer.scorer.weights_proj; its load and
+        # export fall back to the checkpoint's flat attn.indexer.weights_proj, which vLLM and transformers read
+        assert renamed == (_names(layout, DSV4_SCORER) if family == "deepseek_v4" else set()), name
+        assert all(d["other"] == d["megarefit"].replace(".indexer.", ".indexer.scorer.")
+                   for d in layout["disagreements"] if d["what"] == "hf_names")
+        others = [d for d in layout["disagreements"] if d["what"] not in ("unmapped", "transform", "hf_names")]
         assert others == [], (name, others[:5])
-        mapped = [e for e in entries if e["other_kind"]]
+        mapped = [e for e in entries if e["other_kind"] and e["megatron"] not in renamed]
         assert mapped and all(e["other_hf"] == e["hf"] for e in mapped)
         if name == MODEL_LAYOUT:  # resolved against a real Megatron-Core 0.19.2 model
             assert layout["resolved_kinds"] == RESOLVED, name

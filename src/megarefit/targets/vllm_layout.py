@@ -367,6 +367,9 @@ def _dense(row: ParamSpec, named: list[tuple[str, tuple[int, ...]]], dims: Model
         for name, shape in named:
             out[name] = _stacked([(name, shape, kv_start * dims.head_dim, kv_local * dims.head_dim)])
     elif row.role is Role.COLUMN or any(name.endswith(_VLLM_COLUMN) for name, _ in named):
+        if row.role is not Role.COLUMN and dims.o_groups % T:  # a rank's rows must be whole groups
+            raise LayoutError(f"{named[0][0]}: vLLM tp={T} must divide o_groups={dims.o_groups} (each rank holds "
+                              "whole groups of DeepSeek-V4's grouped output)")
         for name, shape in named:
             n = _split(shape[0], T, f"{name} rows", group)
             out[name] = _stacked([(name, shape, t * n, n)])
