@@ -77,6 +77,19 @@ def test_an_import_with_the_mtp_layer_says_to_drop_it(hf):
         hf_to_megatron(hf | mtp, CFG)
 
 
+def test_block_fp8_with_fp8_experts_is_quantized_on_the_trainers(tmp_path, capsys):
+    """The published config with ``expert_dtype: fp8`` (vLLM's block-FP8 experts): every quantized weight whole
+    on the tp-1 trainers, half the bf16 bytes on the wire."""
+    from megarefit.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(PUBLISHED.read_text()) | {"expert_dtype": "fp8"}))
+    assert main(["plan", "--config", str(path), "--pp", "4", "--first-stage-layers", "10", "--ep", "16",
+                 "--no-execute-meta"]) == 0
+    out = capsys.readouterr().out
+    assert "0 on the receiver" in out and "block FP8 128x128 (UE8M0 scales)" in out, out
+
+
 def test_published_config_plans_from_tp1_trainers_into_a_vllm_worker(capsys):
     """DeepSeek-V4-Flash (the published config) at bf16: 284.4 B parameters without the MTP layer, the
     model card's "284B total parameters"; a vLLM worker (tp 4, dp 2, EP) gets a quarter of each head-split
@@ -111,7 +124,7 @@ def test_published_config_plans_from_tp1_trainers_into_a_vllm_worker(capsys):
 
 @pytest.mark.parametrize(("args", "message"), [
     ([], "expert_dtype 'fp4' (the config's routed experts) is not produced"),
-    (["--quantization", "fp8"], "block FP8 is not produced for DeepSeek-V4 models yet"),
+    (["--quantization", "fp8"], "block FP8 needs expert_dtype='fp8' in the config vLLM serves, got 'fp4'"),
     (["--quantization", "none", "--tp", "2"], "Megatron-LM's dev branch, which asserts tensor_model_parallel_size 1"),
 ])
 def test_what_is_not_translated_is_refused_in_one_line(capsys, args, message):

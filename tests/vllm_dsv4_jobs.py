@@ -36,7 +36,7 @@ import os
 from typing import Any
 
 import torch
-from vllm_loader_jobs import init_vllm_tp, model_config_for, portable
+from vllm_loader_jobs import fp8_linear_kernels_unpicked, init_vllm_tp, model_config_for, portable
 
 
 def vllm_dsv4_model_job(rank: int, world_size: int, port: int,
@@ -57,6 +57,8 @@ def vllm_dsv4_model_job(rank: int, world_size: int, port: int,
 
     init_vllm_tp(rank, world_size, port)
     build_dsv4_attention_on_cpu()
+    if any(cfg.get("quantization_config") for cfg, _, _ in cases.values()):
+        fp8_linear_kernels_unpicked()  # block-FP8 layers without their AMX matmul kernel (no forward runs)
     out: dict[str, Any] = {}
     for key, (cfg, hf, expert_parallel) in cases.items():
         dtype = cfg.get("torch_dtype") or "float32"

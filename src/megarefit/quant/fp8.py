@@ -120,20 +120,45 @@ def resolve_quantization(quantization: str | Fp8Format | None, hf_config: Mappin
     config's block size if it has one, else 128x128); ``"none"``: no quantization.
 
     Raises:
-        UnsupportedQuantizationError: an unknown name, or a config method megarefit does not produce.
+        UnsupportedQuantizationError: an unknown name, a config method megarefit does not produce, or
+            block FP8 for a config its family cannot serve so (DeepSeek-V4 without ``expert_dtype: fp8``).
     """
     if isinstance(quantization, Fp8Format):
-        return quantization
-    if quantization in (None, "auto"):
-        return Fp8Format.from_hf_config(hf_config)
-    if quantization == "none":
+        fmt: Fp8Format | None = quantization
+    elif quantization in (None, "auto"):
+        fmt = Fp8Format.from_hf_config(hf_config)
+    elif quantization == "none":
         return None
-    if quantization == "fp8":
+    elif quantization == "fp8":
         try:
-            return Fp8Format.from_hf_config(hf_config) or Fp8Format()
+            fmt = Fp8Format.from_hf_config(hf_config) or Fp8Format()
         except UnsupportedQuantizationError:
-            return Fp8Format()
-    raise UnsupportedQuantizationError(f"quantization {quantization!r}: expected 'fp8', 'none' or 'auto'")
+            fmt = Fp8Format()
+    else:
+        raise UnsupportedQuantizationError(f"quantization {quantization!r}: expected 'fp8', 'none' or 'auto'")
+    if fmt is not None:
+        _check_family_fp8(hf_config)
+    return fmt
+
+
+def _check_family_fp8(hf_config: Mapping[str, Any] | Any) -> None:
+    """Raise :class:`UnsupportedQuantizationError` where the config's family needs other config values for
+    block FP8 (``FamilySpec.fp8_config_requires``); a config of no known family is left to the planner,
+    which refuses it by name."""
+    from megarefit.errors import UnsupportedModelError
+    from megarefit.specs import family_for_config
+
+    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    try:
+        family = family_for_config(hf_config)
+    except UnsupportedModelError:
+        return
+    for key, value in family.fp8_config_requires:
+        if get(key) != value:
+            raise UnsupportedQuantizationError(
+                f"{family.name}: block FP8 needs {key}={value!r} in the config vLLM serves, got {get(key)!r} (vLLM "
+                f"reads the routed experts as another format then); set it, or refit the model dtype "
+                "(quantization='none', CLI --quantization none)")
 
 
 def _ceil_pow2(x: torch.Tensor) -> torch.Tensor:

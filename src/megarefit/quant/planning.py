@@ -70,9 +70,8 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
         raise UnsupportedQuantizationError(
             f"{plan.dims.family}: block FP8 is not produced for it (vLLM serves gpt-oss in bf16 or MXFP4, and "
             "reads no block-FP8 experts for it); refit the model dtype (quantization='none', CLI --quantization none)")
-    if plan.dims.layer_pattern or plan.dims.linear_layers or plan.dims.hc_mult:
-        kind = ("hybrid Mamba" if plan.dims.layer_pattern else "gated DeltaNet (Qwen3.5)" if plan.dims.linear_layers
-                else "DeepSeek-V4")
+    if plan.dims.layer_pattern or plan.dims.linear_layers:
+        kind = "hybrid Mamba" if plan.dims.layer_pattern else "gated DeltaNet (Qwen3.5)"
         raise UnsupportedQuantizationError(
             f"{plan.dims.family}: block FP8 is not produced for {kind} models yet; refit the model dtype "
             "(quantization='none', CLI --quantization none)")

