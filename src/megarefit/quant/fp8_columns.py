@@ -107,13 +107,15 @@ def _bad_ops(c: PlanColumns, S: TensorTable, T: TensorTable, fmt: Fp8Format) -> 
 
 def _split_targets(c: PlanColumns, q_t: torch.Tensor, mis: torch.Tensor, n_src: int, n_tgt: int) -> _Split:
     """Trainer- or receiver-quantized, per quantized target ``q_t``: receiver where a source has a
-    reason (feeds a misaligned op ``mis``), then, to a fix point, where a source also feeds a receiver one."""
+    reason (feeds a misaligned op ``mis``, or also an unquantized target), then, to a fix point, where a
+    source also feeds a receiver one."""
     src_bad = torch.zeros(n_src, dtype=torch.bool)
     src_bad[c.src_id[mis]] = True
+    feeds = torch.zeros(n_src, dtype=torch.bool)  # "also feeds a tensor it cannot serve as FP8 for"
+    feeds[c.src_id[~q_t[c.dst_id]]] = True  # an unquantized one (gated DeltaNet's in_proj: b / a rows)
     t_bad = torch.zeros(n_tgt, dtype=torch.bool)
-    t_bad[c.dst_id[src_bad[c.src_id]]] = True
+    t_bad[c.dst_id[(src_bad | feeds)[c.src_id]]] = True
     trainer = q_t & ~t_bad
-    feeds = torch.zeros(n_src, dtype=torch.bool)  # "also feeds a receiver-quantized tensor"
     while True:
         recv_op = (q_t & ~trainer)[c.dst_id]
         bf16 = torch.zeros(n_src, dtype=torch.bool)
@@ -225,7 +227,8 @@ def _quantize_steps(ops: OpTable, split: _Split, fmt: Fp8Format, staging_suffix:
                     why[s] = misaligned(op, S.meta(s).shape, T.meta(int(c.dst_id[i])).shape, fmt) or ""
                 else:
                     ref = S.ref(s)
-                    why[s] = f"{ref.name} on rank {ref.rank} also feeds a receiver-quantized tensor"
+                    why[s] = (f"{ref.name} on rank {ref.rank} also feeds a tensor kept in the model dtype or quantized "
+                              "on the receiver")
             ref = T.ref(t)
             steps.append(QuantizeStep(TensorRef(None, ref.name + staging_suffix), ref,
                                       TensorRef(None, ref.name + SCALE_SUFFIX), fmt.block, fmt.ue8m0, why[s]))
@@ -249,7 +252,7 @@ def plan_fp8_columns(plan: Plan, fmt: Fp8Format, staging_suffix: str) -> Plan:
     out_ops = _new_ops(ops, split, s_new, slot_id, sources, targets, fmt)
     steps = _quantize_steps(ops, split, fmt, staging_suffix)
     out = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, out_ops,  # type: ignore[arg-type]
-               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), steps)
+               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), steps, plan.transforms)
     validate_plan(out)
     return out
 

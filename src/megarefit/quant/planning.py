@@ -70,10 +70,9 @@ def plan_fp8(plan: Plan, fmt: Fp8Format) -> Plan:
         raise UnsupportedQuantizationError(
             f"{plan.dims.family}: block FP8 is not produced for it (vLLM serves gpt-oss in bf16 or MXFP4, and "
             "reads no block-FP8 experts for it); refit the model dtype (quantization='none', CLI --quantization none)")
-    if plan.dims.layer_pattern or plan.dims.linear_layers:
-        kind = "hybrid Mamba" if plan.dims.layer_pattern else "gated DeltaNet (Qwen3.5)"
+    if plan.dims.layer_pattern:
         raise UnsupportedQuantizationError(
-            f"{plan.dims.family}: block FP8 is not produced for {kind} models yet; refit the model dtype "
+            f"{plan.dims.family}: block FP8 is not produced for hybrid Mamba models yet; refit the model dtype "
             "(quantization='none', CLI --quantization none)")
     if isinstance(plan.ops, OpTable):  # a columnar plan (plan_megatron_to_hf): the same rules on columns
         with plan_threads():
@@ -120,7 +119,7 @@ def _plan_fp8_ops(plan: Plan, fmt: Fp8Format) -> Plan:
             targets[ref] = meta
             ops.extend(by_target[ref])
     out = Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, targets, tuple(ops),
-               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps))
+               digest_of("fp8", plan.digest, list(fmt.block), fmt.ue8m0), tuple(steps), plan.transforms)
     validate_plan(out)
     return out
 
@@ -129,11 +128,16 @@ def _where_to_quantize(plan: Plan, fmt: Fp8Format
                        ) -> tuple[set[TensorRef], list[TensorRef], dict[TensorRef, str]]:
     """``(trainer-quantized targets, every quantized target, source -> why it cannot be
     quantized where it lives)``: a target is quantized on the trainers when every op writing it
-    is block-aligned and none of its sources also feeds a receiver-quantized target."""
+    is block-aligned and none of its sources also feeds a receiver-quantized or an unquantized target."""
     names = quantized_weight_names(plan.dims)
     by_target = plan.ops_by_target
     quantized = [t for t in plan.targets if t.name in names]
     reasons: dict[TensorRef, str] = {}  # source -> why it cannot be quantized where it lives
+    for t in plan.targets:  # a source that also feeds an unquantized tensor (gated DeltaNet's in_proj b / a rows)
+        if t.name not in names:
+            for op in by_target[t]:
+                reasons.setdefault(op.src, f"{op.src.name} on rank {op.src.rank} also feeds a tensor kept in the "
+                                           "model dtype or quantized on the receiver")
     for t in quantized:
         for op in by_target[t]:
             why = misaligned(op, plan.sources[op.src].shape, plan.targets[t].shape, fmt)
@@ -147,7 +151,8 @@ def _where_to_quantize(plan: Plan, fmt: Fp8Format
             break
         for t in moved:
             src = next(op.src for op in by_target[t] if op.src in bf16)
-            reasons.setdefault(src, f"{src.name} on rank {src.rank} also feeds a receiver-quantized tensor")
+            reasons.setdefault(src, f"{src.name} on rank {src.rank} also feeds a tensor kept in the model dtype or "
+                                    "quantized on the receiver")
         trainer -= moved
     return trainer, quantized, reasons
 

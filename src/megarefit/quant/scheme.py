@@ -24,8 +24,7 @@ from megarefit.specs.table import Stage
 def quantized_weight_templates(dims: ModelDims) -> frozenset[str]:
     """The HF name templates (``model.layers.{layer}.self_attn.q_proj.weight``) of the rows
     :func:`quantized_weight_names` expands: a row's instances are all quantized or none."""
-    return frozenset(t for row in dims.spec.rows(dims.conditions(1)) if row.is_linear_weight and not row.duplicate
-                     for t in row.hf)
+    return frozenset(t for row in dims.spec.rows(dims.conditions(1)) if not row.duplicate for t in row.quantized_hf)
 
 
 @lru_cache(maxsize=32)
@@ -34,7 +33,7 @@ def quantized_weight_names(dims: ModelDims) -> frozenset[str]:
     rows = dims.spec.rows(dims.conditions(1))
     out: set[str] = set()
     for row in rows:
-        if not row.is_linear_weight or row.duplicate:
+        if not row.quantized_hf or row.duplicate:
             continue
         if row.stage in (Stage.LAYER, Stage.MTP):  # MTP layer i is HF layer num_layers + i
             first = 0 if row.stage is Stage.LAYER else dims.num_layers
@@ -45,7 +44,7 @@ def quantized_weight_names(dims: ModelDims) -> frozenset[str]:
         experts = range(dims.num_experts) if row.per_expert or row.role.is_grouped else [None]
         for layer in layers:
             for expert in experts:
-                out.update(row.hf_names(layer, expert))
+                out.update(n for k, n in enumerate(row.hf_names(layer, expert)) if k not in row.unquantized)
     return frozenset(out)
 
 
@@ -53,16 +52,18 @@ def quantized_weight_names(dims: ModelDims) -> frozenset[str]:
 def unquantized_linear_modules(dims: ModelDims) -> tuple[str, ...]:
     """Modules with a 2-D weight that block-FP8 checkpoints keep unquantized: the router
     gates (vLLM builds some, e.g. Qwen3-MoE's, with the FP8 method unless the config lists
-    them in ``modules_to_not_convert``) and ``lm_head``."""
+    them in ``modules_to_not_convert``), ``lm_head`` and a linear's ``unquantized`` HF tensors
+    (gated DeltaNet's ``in_proj_b`` / ``in_proj_a`` / ``in_proj_ba``)."""
     out: list[str] = []
     for row in dims.spec.rows(dims.conditions(1)):
-        if row.is_linear_weight or row.duplicate or len(row.shape) != 2 or not row.hf[0].endswith(".weight"):
+        kept = [k for k, t in enumerate(row.hf) if t not in row.quantized_hf]
+        if not kept or row.duplicate or len(row.shape) != 2 or not row.hf[0].endswith(".weight"):
             continue
         if row.stage is Stage.LAYER:
             layers = [i for i in range(dims.num_layers) if dims.has_row(row, i)]
-            out += [row.hf_names(i)[0].removesuffix(".weight") for i in layers]
+            out += [row.hf_names(i)[k].removesuffix(".weight") for i in layers for k in kept]
         elif row.stage is Stage.LAST:
-            out += [n.removesuffix(".weight") for n in row.hf_names()]
+            out += [row.hf_names()[k].removesuffix(".weight") for k in kept]
     return tuple(n for n in out if not n.endswith("embed_tokens"))
 
 

@@ -56,13 +56,15 @@ _IN_PROJ = ("gdn_qk", "gdn_qk", "gdn_v", "gdn_v", "gdn_heads", "gdn_heads")  # [
 
 def _in_proj(packed: bool) -> ParamSpec:
     """The GDN ``in_proj``: Qwen3.5's four HF tensors [Q; K; V], Z, b, a, or (``packed``) Qwen3-Next's
-    two, packed per key head g: ``in_proj_qkvz`` [q_g; k_g; v_g; z_g], ``in_proj_ba`` [b_g; a_g]."""
+    two, packed per key head g: ``in_proj_qkvz`` [q_g; k_g; v_g; z_g], ``in_proj_ba`` [b_g; a_g]. Block FP8
+    keeps b / a in the model dtype, as vLLM builds ``in_proj_ba`` and Qwen's FP8 checkpoints store it."""
     name, shape = _L + "self_attention.in_proj.weight", ("gdn_in", "hidden")
     if packed:
         return ParamSpec(name, R.SEGMENTED, (_G + "in_proj_qkvz.weight", _G + "in_proj_ba.weight"), shape,
-                         segments=_IN_PROJ, segment_hf=(0, 0, 0, 0, 1, 1), segment_groups="gdn_kheads", mixer="gdn")
+                         segments=_IN_PROJ, segment_hf=(0, 0, 0, 0, 1, 1), segment_groups="gdn_kheads", mixer="gdn",
+                         unquantized=(1,))
     return ParamSpec(name, R.SEGMENTED, tuple(_G + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), shape,
-                     segments=_IN_PROJ, segment_hf=(0, 0, 0, 1, 2, 3), mixer="gdn")
+                     segments=_IN_PROJ, segment_hf=(0, 0, 0, 1, 2, 3), mixer="gdn", unquantized=(2, 3))
 
 
 def _gdn_rows(packed: bool = False) -> tuple[ParamSpec, ...]:

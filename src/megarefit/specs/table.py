@@ -324,6 +324,9 @@ class ParamSpec:
             carries it as a value step, with its inverse on import); ``None``: bytes copy as is.
         layers: the row exists only in layers of this :data:`LayerSet` (DeepSeek-V4's compressors,
             indexers and routers); ``None``: in every layer its other fields allow.
+        unquantized: indices into ``hf`` of a linear weight's HF tensors that block-FP8 checkpoints keep in
+            the model dtype all the same (gated DeltaNet's ``in_proj_b`` / ``in_proj_a``, ``in_proj_ba``: vLLM
+            builds them unquantized, "ba_proj doesn't support blockwise fp8"); ``()``: all follow ``linear``.
         pack: ``(slot, parts)``: the Megatron tensor is dim-0 part ``slot`` of ``parts`` equal parts of
             its HF tensor, which ``parts`` rows share (DeepSeek-V4's ``hc_attn_scale`` [3] =
             [alpha_pre; alpha_post; alpha_res], each a Megatron ``[1]``, as Megatron-Bridge 0.6's
@@ -349,6 +352,7 @@ class ParamSpec:
     value: ValueRule | None = None
     layers: LayerSet | None = None
     pack: tuple[int, int] | None = None
+    unquantized: tuple[int, ...] = ()
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -407,6 +411,13 @@ class ParamSpec:
         if self.linear is not None:
             return self.linear
         return self.role not in (Role.REPLICATED, Role.VOCAB) and len(self.shape) == 2
+
+    @property
+    def quantized_hf(self) -> tuple[str, ...]:
+        """The HF name templates block-FP8 checkpoints quantize (``is_linear_weight``, less ``unquantized``)."""
+        if not self.is_linear_weight:
+            return ()
+        return tuple(t for k, t in enumerate(self.hf) if k not in self.unquantized)
 
     def matches(self, name: str) -> bool:
         """Whether ``name`` fits this row's pattern (conditions not considered)."""
