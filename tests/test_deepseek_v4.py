@@ -120,6 +120,7 @@ def test_published_config_plans_from_tp1_trainers_into_a_vllm_worker(capsys):
         assert main(base + extra) == 0
         out = capsys.readouterr().out
         assert "validated exact cover" in out and ("vLLM tensors" in out) == bool(extra), out
+        assert "Megatron names: Megatron-LM's dev branch as Megatron-Bridge 0.6.2 maps it" in out, out
 
 
 @pytest.mark.parametrize(("args", "message"), [

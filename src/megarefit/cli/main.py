@@ -182,6 +182,8 @@ def _print_plan_header(console: Console, args: argparse.Namespace, dims: Any, pa
     console.print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep}{experts}, layers per stage "
                   f"{list(layout.stage_layers)}, layer spec {args.layer_spec}, dtype {args.dtype}, "
                   f"megatron-core {layout.megatron.version}")
+    if dims.spec.megatron_source:
+        console.print(f"Megatron names: {dims.spec.megatron_source}")
     if target is not None:
         console.print(_target_line(target, dims))
 

@@ -107,9 +107,14 @@ VALUE_TRANSFORMS = {"plus_one": "values: HF = Megatron + 1 (Megatron's zero-cent
 """How a name map spells each ``ParamSpec.value`` rule."""
 
 
+PACKED = "packed: dim-0 part"
+
+
 def _transform(row: ParamSpec) -> str:
     if row.value is not None:
         return VALUE_TRANSFORMS[row.value]
+    if row.pack is not None:
+        return f"{PACKED} {row.pack[0]} of {row.pack[1]} of the HF tensor"
     if row.head_rotate is None:
         return ""
     return f"rows rotated per head of {row.head_rotate[0]}: Megatron (nope, rope) -> HF (rope, nope)"
@@ -147,6 +152,9 @@ KIND_ROLES: dict[str, frozenset[Role]] = {
 }
 # Bridge mapping classes that change values, and the name-map transform each one is
 KIND_TRANSFORMS = {"RMSNorm2ZeroCenteredRMSNormMapping": VALUE_TRANSFORMS["plus_one"]}
+# Bridge mapping classes that pack several Megatron tensors into one HF tensor (DeepSeek-V4's hyper-connection
+# alphas into hc_*_scale; alpha_pre is the primary): which part is which, Bridge's classes do not say
+PACKING_KINDS = frozenset({"_HCAlphaMapping", "_HCAlphaSecondaryMapping"})
 
 
 def kind_agrees(kind: str, role: Role) -> bool:
@@ -170,11 +178,19 @@ def compare(entries: Iterable[NameMapEntry]) -> list[Disagreement]:
             out.append(Disagreement(e.megatron, "hf_names", str(list(e.hf)), str(list(e.other_hf))))
         if not kind_agrees(e.other_kind, Role(e.role)):
             out.append(Disagreement(e.megatron, "kind", f"{e.role} ({e.parallel})", e.other_kind))
-        elif e.transform != (theirs := KIND_TRANSFORMS.get(e.other_kind.partition(":")[0], "")):
+        elif e.transform != (theirs := _their_transform(e)):
             # a Bridge mapping copies (it never reorders rows), or changes values as KIND_TRANSFORMS says
             out.append(Disagreement(e.megatron, "transform", e.transform or "a straight copy",
                                     theirs or f"{e.other_kind} (a straight copy)"))
     return out
+
+
+def _their_transform(e: NameMapEntry) -> str:
+    """The transform Bridge's mapping class of ``e`` is, as a name map spells it (a packing class: any part)."""
+    cls = e.other_kind.partition(":")[0]  # type: ignore[union-attr]
+    if cls in PACKING_KINDS:
+        return e.transform if e.transform.startswith(PACKED) else f"{PACKED} (one of several)"
+    return KIND_TRANSFORMS.get(cls, "")
 
 
 def with_other(entry: NameMapEntry, kind: str, hf: tuple[str, ...] | None) -> NameMapEntry:

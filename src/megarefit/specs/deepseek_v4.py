@@ -146,4 +146,5 @@ DEEPSEEK_V4 = FamilySpec(
     router_bias=("topk_method", "noaux_tc"),
     hyper_connections=True,
     fp8_config_requires=(("expert_dtype", "fp8"),),
+    megatron_source="Megatron-LM's dev branch as Megatron-Bridge 0.6.2 maps it; no megatron-core release builds it",
 )

@@ -496,6 +496,8 @@ class FamilySpec:
     gdn: bool = False  # gated-DeltaNet hybrid (Qwen3.5): linear_* dims, layer_types, a gated attention
     text_config: bool = False  # a vision-language checkpoint: the language model's dims are in ``text_config``
     hyper_connections: bool = False  # DeepSeek-V4: hc_mult, compress_ratios, hash layers, grouped output (ModelDims)
+    # where the Megatron names come from when no megatron-core release builds the family (said beside plans)
+    megatron_source: str | None = None
     # (HF config key, value) a block-FP8 config must hold, absent keys included (DeepSeek-V4: vLLM reads routed
     # experts as MXFP4 unless ``expert_dtype`` is ``fp8``)
     fp8_config_requires: tuple[tuple[str, object], ...] = ()
