@@ -196,7 +196,8 @@ class ModelDims:
         """What this model has of :data:`megarefit.specs.megatron_core.Feature` (which config flags
         matter), with ``mtp_layers`` MTP layers trained."""
         out = {"any"}
-        for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", self.index_n_heads and not self.hc_mult),
+        dsa = self.index_n_heads and not self.hc_mult  # DeepSeek-V4's indexers are not Megatron-Core's DSA
+        for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", dsa),
                                  ("mtp", mtp_layers), ("shared_experts", self.shared_expert_ffn),
                                  ("gdn", self.linear_layers)):
             if present:

