@@ -144,6 +144,14 @@ def test_spec_table_errors():
         ParamSpec("decoder.layers.{lay}.x.weight", Role.COLUMN, ("y",), ("hidden",))
     with pytest.raises(SpecTableError, match="needs 3 HF names"):
         ParamSpec("a.weight", Role.QKV, ("q",), ("qkv", "hidden"))
+    with pytest.raises(SpecTableError, match="pack needs the replicated role"):
+        ParamSpec("a.alpha", Role.COLUMN, ("scale",), ("one",), pack=(0, 3))
+    with pytest.raises(SpecTableError, match="pack needs the replicated role"):
+        ParamSpec("a.alpha", Role.REPLICATED, ("scale",), ("one",), pack=(3, 3))
+    with pytest.raises(SpecTableError, match="unquantized must index its HF names"):
+        ParamSpec("a.weight", Role.COLUMN, ("x",), ("hidden", "hidden"), unquantized=(1,))
+    with pytest.raises(SpecTableError, match="layers needs a layer row"):
+        ParamSpec("a.weight", Role.COLUMN, ("x",), ("hidden", "hidden"), layers="csa")
     row = ParamSpec("a.weight", Role.COLUMN, ("x",), ("hidden",))
     with pytest.raises(SpecTableError, match="active together"):
         FamilySpec("f", ("A",), ("a",), (row, ParamSpec("a.weight", Role.ROW, ("y",), ("hidden", "hidden"))))

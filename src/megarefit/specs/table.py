@@ -392,6 +392,9 @@ class ParamSpec:
                 or not groups_ok:
             raise SpecTableError(f"{where}: the segmented role and known segment (group) symbols go together, got "
                                  f"{self.role.value} {self.segments} {self.segment_groups}")
+        if not set(self.unquantized) <= set(range(len(self.hf))) or (self.layers is not None and not self.per_layer):
+            raise SpecTableError(f"{where}: unquantized must index its HF names and layers needs a layer row, got "
+                                 f"{self.unquantized} {self.layers}")
         if self.pack is not None and (self.role is not Role.REPLICATED or len(self.pack) != 2
                                       or not 0 <= self.pack[0] < self.pack[1]):
             raise SpecTableError(f"{where}: pack needs the replicated role and (slot, parts) with 0 <= slot < "
