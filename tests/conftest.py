@@ -16,6 +16,11 @@ os.environ.setdefault("MEGAREFIT_JOB_SECRET", "megarefit-test-suite-" + os.urand
 # transformers once, not spawned (each spawned rank imports them again: seconds of CPU per rank, on a
 # suite of hundreds of ranks); jobs that start vLLM's distributed state pass start_method="spawn".
 os.environ.setdefault("MEGAREFIT_WORKER_START", "forkserver")
+# NIXL's progress thread (every serving agent: trainers' publishers, replicas) spins a core for the
+# agent's life with the nixl API's pthrDelay of 0; on a 2-core runner a few spinning agents starve
+# the rest. 1 ms between idle polls (megarefit.transport.nixl_agent.PROGRESS_DELAY_ENV); inherited
+# by every process the suite starts (trainers, vLLM servers and scenario scripts, child pytests).
+os.environ.setdefault("MEGAREFIT_NIXL_PROGRESS_DELAY_US", "1000")
 
 CONFIG_DIR = Path(__file__).parent / "data" / "configs"
 
