@@ -36,8 +36,11 @@ def _nixl():
 
 PROGRESS_DELAY_ENV = "MEGAREFIT_NIXL_PROGRESS_DELAY_US"
 """Microseconds NIXL's progress thread waits between polls (``nixlAgentConfig.pthrDelay``).
-The nixl Python API hard-codes 0: the thread spins a whole core for the agent's life, even
-idle (measured: 5.0 s of CPU per 5 s idle; 0.13 s with 1000). Unset (the default): NIXL's 0."""
+The nixl Python API (1.5.1) hard-codes 0: the thread spins a whole core for the agent's life, even
+idle. Unset (the default): NIXL's 0. A serving agent (``progress_thread=True``) reads it as it is built.
+
+Raises (when set): :class:`~megarefit.errors.DependencyError` where nixl has no
+``nixl.nixlBind.nixlAgentConfig`` to carry it (its internals moved)."""
 _CONFIG_LOCK = threading.Lock()
 
 
