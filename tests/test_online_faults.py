@@ -71,6 +71,21 @@ def test_mixed_versions_are_refused(served):
         next(receiver.run_refit_cycle())
 
 
+def test_a_version_the_trainers_passed_fails_at_once(served):
+    """Versions only move forward: a version older than one a rank already publishes can never
+    be common, so the receiver says so at once, not after its whole timeout."""
+    *_, pubs, receiver = served
+    receiver.timeout = 60
+    pubs[(0, 0, 0)].publish(4)
+    pubs[(1, 0, 0)].publish(5)
+    for asked, past in ((3, r"\(0, 0, 0\), \(1, 0, 0\)"), (4, r"\(1, 0, 0\)")):
+        t0 = time.perf_counter()
+        with pytest.raises(VersionMismatchError, match=rf"ranks {past} already publish a version newer than the "
+                                                       rf"asked version {asked}.*\(0, 0, 0\): 4, \(1, 0, 0\): 5"):
+            next(receiver.run_refit_cycle(asked))
+        assert time.perf_counter() - t0 < 5
+
+
 def test_version_moving_during_the_pull_is_caught(served):
     *_, pubs, receiver = served
     for p in pubs.values():

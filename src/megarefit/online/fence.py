@@ -97,7 +97,8 @@ class VersionFence:
 
         Raises:
             VersionMismatchError: no common (or not the asked) version after ``timeout`` seconds;
-                names each rank's version."""
+                names each rank's version. At once where a rank already publishes a version
+                newer than the asked one: versions only move forward, it will never be common."""
         deadline = time.monotonic() + timeout
         waited = False
         while True:
@@ -106,6 +107,8 @@ class VersionFence:
                 return values.pop(), waited  # type: ignore[return-value]
             if version is not None and values == {version}:
                 return version, waited
+            if version is not None and any(v is not None and v > version for v in values):
+                raise VersionMismatchError(self._passed(version, seen))
             waited = True
             if time.monotonic() > deadline:
                 detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
@@ -115,6 +118,14 @@ class VersionFence:
                                            "publish it from every rank, or ask for the version they serve")
             time.sleep(0.005)
             seen = self.rendezvous.versions(ranks)
+
+    def _passed(self, version: int, seen: dict[RankCoord, int | None]) -> str:
+        """Why ``version`` will never be served: the ranks past it, and every rank's version."""
+        past = ", ".join(str(tuple(r)) for r, v in sorted(seen.items()) if v is not None and v > version)
+        detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
+        return (f"trainer ranks {past} already publish a version newer than the asked version {version}, which "
+                f"they will never publish again (versions only move forward): {detail} (ranks as (tp, pp, ep): "
+                f"their versions; {self.where()}); ask for the version they serve, or for none (the latest)")
 
     def start(self, version: int | None, timeout: float, lap: Callable[[str], None] = _no_lap) -> FenceStart:
         """Discover the ranks, read their update sequences once none is writing (the seqlock,
