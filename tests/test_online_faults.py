@@ -520,6 +520,26 @@ def test_a_prefetched_version_is_handed_over_from_the_arena(served):
     assert calls[0] == 2 and all(torch.equal(got[k], v + 1.0) for k, v in hf.items())
 
 
+@pytest.mark.parametrize("asked", [1, None])
+def test_a_refit_of_another_version_never_takes_the_prefetch(served, asked):
+    """A prefetch holding version 1 (asked as 1, or as the latest) is not handed over by a refit
+    of version 2: that refit drops it and pulls version 2 (the trainers' new bytes)."""
+    _, hf, shards, _, pubs, receiver = served
+    for p in pubs.values():
+        p.publish(1)
+    calls = _counting(receiver)
+    receiver.prefetch(asked)
+    assert _settled(receiver).pulled == 1 and calls[0] == 1
+    for rank, pub in pubs.items():
+        with pub.updating(2):
+            for t in shards[rank].values():
+                t.add_(1.0)
+    got = dict(receiver.run_refit_cycle(2))
+    assert receiver.stats.version == 2 and not receiver.stats.prefetched and calls[0] == 2
+    assert receiver.prefetched is None
+    assert got.keys() == hf.keys() and all(torch.equal(got[k], v + 1.0) for k, v in hf.items())
+
+
 def test_a_write_during_the_prefetch_is_pulled_again_before_the_handover(served):
     """A rank writing during the prefetch's pull is caught by the fence on the thread and
     pulled again there (``retries``); the handed-over tensors are whole."""
