@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -34,11 +35,12 @@ from megarefit.layout.megatron_model import source_layout  # noqa: E402
 from megarefit.online import delta_apply  # noqa: E402
 from megarefit.online.cycle import StaleVersionError  # noqa: E402
 from megarefit.online.delta_apply import map_through, segment_elements  # noqa: E402
-from megarefit.online.delta_log import DeltaOptions, pack_bitmap, pack_paged  # noqa: E402
+from megarefit.online.delta_log import BITS, DeltaOptions, RepublishError, pack_bitmap, pack_paged  # noqa: E402
 from megarefit.online.delta_records import (BITMAP, INDICES, PAGED, DeltaRecord, DeltaRecordError,  # noqa: E402
-                                            DeltaSegment, best_format, decode_record, epoch_key, mask_bytes,
-                                            segment_bytes)
-from megarefit.online.publisher import Publisher  # noqa: E402
+                                            DeltaSegment, best_format, decode_record, delta_key, epoch_key,
+                                            mask_bytes, segment_bytes)
+from megarefit.online.delta_track import ChangeTracker  # noqa: E402
+from megarefit.online.publisher import Publisher, VersionOrderError  # noqa: E402
 from megarefit.online.receiver import RefitReceiver  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from megarefit.plan import Plan  # noqa: E402
@@ -80,20 +82,57 @@ class Trainer:
             p.publish(self.version)
         return self.version
 
-    def change(self, density: float | str, seed: int) -> None:
+    def change(self, density: float | str, seed: int, edges: bool = True) -> None:
         """Scale about ``density`` of every parameter's elements (drawn at random) by 1 + 2**-5 (a
-        bf16 step); ``"mixed"``: every other parameter 0.9, the rest 0.001."""
+        bf16 step), and flip the lowest bit of those that stay the same (zeros, such as vocab
+        padding); ``"mixed"``: every other parameter 0.9, the rest 0.001. ``edges``: also at the
+        edges of every receiver's plan (:func:`plan_edges`)."""
         g = torch.Generator().manual_seed(seed)
-        for shard in self.params.values():
-            for k, t in enumerate(shard.values()):
+        at_edges = plan_edges([rx.plan for rx in self.receivers.values() if rx.plan is not None], g) if edges else {}
+        for rank, shard in self.params.items():
+            for k, (name, t) in enumerate(shard.items()):
                 d = (0.9 if k % 2 else 0.001) if density == "mixed" else density
                 flat = t.view(-1)
-                idx = torch.randint(flat.numel(), (max(1, int(d * flat.numel())),), generator=g).unique()
-                flat[idx] = flat[idx] * (1 + 2 ** -5)
+                idx = torch.randint(flat.numel(), (max(1, int(d * flat.numel())),), generator=g)
+                idx = torch.cat([idx, at_edges.get((rank, name), idx[:0])]).unique()
+                old = flat[idx].view(BITS[t.element_size()])
+                new = (flat[idx] * (1 + 2 ** -5)).view(BITS[t.element_size()])
+                new[new == old] ^= 1
+                flat.view(BITS[t.element_size()])[idx] = new
 
     def step(self, density: float, seed: int) -> int:
         self.change(density, seed)
         return self.publish()
+
+
+def _flat(box_at: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The row-major flat index of coordinates ``box_at`` in ``shape`` (numpy's, not megarefit's)."""
+    return int(np.ravel_multi_index(box_at, shape))
+
+
+def plan_edges(plans: list[Plan], g: torch.Generator, unread: int = 8) -> dict[tuple, torch.Tensor]:
+    """Where a trainer's change is most likely to be misplaced, per source ``(rank, name)``: the
+    first and last element of every op's source box and the element after it, and up to
+    ``unread`` elements no op reads (vocab padding rows), the first of them included."""
+    out: dict[tuple, set[int]] = {}
+    for plan in plans:
+        read: dict[tuple, torch.Tensor] = {}
+        for op in plan.ops:
+            meta = plan.sources[op.src]
+            shape = op.src_view or meta.shape
+            box = op.src_box
+            first = _flat(box.offsets, shape)
+            last = _flat(tuple(o + n - 1 for o, n in zip(box.offsets, box.lengths)), shape)
+            key = (tuple(op.src.rank), op.src.name)
+            out.setdefault(key, set()).update(i for i in (first, last, last + 1) if i < meta.numel)
+            mask = read.setdefault(key, torch.zeros(meta.numel, dtype=torch.bool))
+            mask.view(shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))] = True
+        for key, mask in read.items():
+            free = (~mask).nonzero().view(-1)
+            if free.numel():
+                pick = free[torch.randperm(free.numel(), generator=g)[:unread]]
+                out[key].update([int(free[0])] + pick.tolist())
+    return {k: torch.tensor(sorted(v), dtype=torch.int64) for k, v in out.items()}
 
 
 def pulled(receiver: RefitReceiver, version: int | None) -> dict[str, torch.Tensor]:
@@ -269,6 +308,63 @@ def test_a_publish_that_fails_part_way_publishes_no_delta_after_it(dense, monkey
     v = tr.step(0.01, 702)
     assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full"), v))
     assert rx.stats.refit == "delta"
+
+
+def test_a_version_republished_with_other_content_is_refused(dense):
+    """A version names one content: publishing the last version again with other weights raises
+    RepublishError and leaves the rank marked writing (no receiver takes its bytes); the next
+    version is then a delta from the content first published, exact. The same weights again, or
+    an older version, are a no-op and a VersionOrderError."""
+    tr = dense
+    rx = tr.receiver("delta")
+    v = tr.step(0.01, 900)
+    tr.change(0.01, 901)
+    for pub in tr.pubs:
+        with pytest.raises(RepublishError, match=rf"rank \({pub.rank.tp}, 0, 0\): version {v} was already "
+                                                 r"published, and \d+ served tensor\(s\) now hold other content"):
+            pub.publish(v)
+    rx.timeout = 0.5
+    with pytest.raises(StaleVersionError, match="still writing"):
+        pulled(rx, v)
+    rx.timeout = 20
+    v = tr.publish()
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full", delta=False), v))
+    assert (rx.stats.refit, rx.stats.delta_base) == ("delta", v - 2)  # through the first content of v - 1
+    v = tr.step(0.01, 902)
+    for pub in tr.pubs:
+        pub.publish(v)  # the same weights again: nothing to refuse
+        with pytest.raises(VersionOrderError, match=f"version {v - 1} is older than version {v}"):
+            pub.publish(v - 1)
+    assert_same_bytes(pulled(rx, v), pulled(tr.receiver("full"), v))
+    assert (rx.stats.refit, rx.stats.delta_base) == ("delta", v - 1)
+
+
+def test_a_republish_after_unseen_writes_is_refused_and_old_records_are_dropped():
+    """After writes the tracker did not see (``invalidate``), the last version's content cannot be
+    checked: publishing it again is refused. A new base (the first publish after such writes)
+    deletes the records published before it, so no receiver follows them into it."""
+    cfg = tiny_config("Llama-3.1-8B")
+    hf = {k: v.to(torch.bfloat16) for k, v in reference_hf_state(cfg, "llama").items()}
+    params = {n: t.clone() for n, t in reference_shards(hf, cfg, tp=1, pp=1)[(0, 0, 0)].items()}
+    tracker = ChangeTracker()
+    tracker.watch(list(params.values()))
+    job = f"delta-unseen-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pub = Publisher(params, cfg, rank=(0, 0, 0), layout=source_layout(cfg, tp=1, pp=1), rendezvous=rdzv,
+                    agent_name=f"{job}-t", delta=ROOMY, tracker=tracker)
+    keys = [rdzv.prefix + delta_key(pub.rank, pub.delta.epoch, v) for v in (2, 3)]
+    for v in (1, 2, 3):
+        for t in params.values():  # a sparse step through the tracked main-to-model copy
+            main = t.float()
+            main.view(-1)[v::97] *= 1 + 2 ** -5
+            tracker.copy_(t, main)
+        pub.publish(v)
+    assert pub.delta.tracked == len(params) and rdzv.store.check(keys)
+    tracker.invalidate()
+    with pytest.raises(RepublishError, match="version 3 was already published, and the tracker was invalidated"):
+        pub.publish(3)
+    pub.publish(4)
+    assert not pub.last_delta.recorded and not any(rdzv.store.check([k]) for k in keys)
 
 
 def test_a_restarted_trainer_is_not_chained_with_the_old_one(dense):

@@ -144,11 +144,11 @@ def test_fence_end_a_version_that_moved_is_retryable_only_when_none_was_asked(se
 
 
 def test_fence_waits_out_a_writer_and_names_it_after_the_timeout(served):
-    _publish_all(served)
+    v = _publish_all(served)
     name = _name("fence")
     fence = VersionFence(served.rdzv, name)
     with pytest.raises(RuntimeError, match="step failed"):
-        with served.pubs[(1, 0, 0)].updating(0):
+        with served.pubs[(1, 0, 0)].updating(v + 1):
             raise RuntimeError("step failed")  # the rank stays marked writing
     t0 = time.monotonic()
     with pytest.raises(StaleVersionError, match=rf"still writing their weights after 0\.2 s .*receiver '{name}', "

@@ -17,10 +17,11 @@
 * :mod:`~megarefit.online.replica`: :class:`ReplicaReceiver`, fan-out from a receiver that has a version.
 """
 
-from megarefit.online.publisher import Publisher, PublisherGroup
+from megarefit.online.delta_log import RepublishError
+from megarefit.online.publisher import Publisher, PublisherGroup, VersionOrderError
 from megarefit.online.receiver import CycleStats, RefitReceiver, StaleVersionError, VersionMismatchError
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.online.replica import ReplicaReceiver
 
 __all__ = ["CycleStats", "Publisher", "PublisherGroup", "RefitReceiver", "Rendezvous", "ReplicaReceiver",
-           "StaleVersionError", "VersionMismatchError"]
+           "RepublishError", "StaleVersionError", "VersionMismatchError", "VersionOrderError"]

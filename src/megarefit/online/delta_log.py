@@ -56,6 +56,11 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an el
 CHUNK = 1 << 25  # elements compared at once against the mirror on a GPU (bounds the temporary)
 
 
+class RepublishError(MegarefitError):
+    """A delta publisher was asked to publish a version it already published, with other
+    content (names the rank, the version and how many elements differ)."""
+
+
 @dataclass(frozen=True)
 class DeltaOptions:
     """``keep``: versions whose deltas stay published (a receiver up to ``keep`` versions behind
@@ -134,12 +139,14 @@ class DeltaLog:
     """Packs and publishes one rank's deltas (see the module docstring).
 
     ``served``: the tensors receivers read, in manifest order (``entry`` ``i`` of a record is
-    ``served[i]``); the slots are registered with ``agent``."""
+    ``served[i]``; ``names``: their manifest names, for errors); the slots are registered with
+    ``agent``."""
 
     def __init__(self, served: Sequence[torch.Tensor], agent: NixlAgent, rendezvous: Rendezvous, rank: RankCoord,
                  options: DeltaOptions, tracker: ChangeTracker | None = None,
-                 sources: Sequence[torch.Tensor | None] | None = None):
+                 sources: Sequence[torch.Tensor | None] | None = None, names: Sequence[str] | None = None):
         self.served = list(served)
+        self.names = list(names) if names is not None else [f"entry {i}" for i in range(len(self.served))]
         self.rendezvous, self.rank, self.options = rendezvous, rank, options
         # served[i]'s changes come from the tracker where sources[i] (the live parameter it holds
         # bit for bit) is tracked; the others are compared against a mirror
@@ -176,14 +183,25 @@ class DeltaLog:
     def record(self, version: int) -> DeltaStats:
         """Find, pack and publish the delta from the last recorded version into ``version``
         (call inside the rank's seqlock, after the served tensors hold ``version``). The first
-        call, or one whose version is not newer, only records the mirror's version."""
+        call, one after writes the tracker did not see, or one of an older version makes the
+        served tensors the new base: every record published so far is deleted, none is written.
+        The same version again records nothing when the served tensors are unchanged.
+
+        Raises:
+            RepublishError: the same version again with other content (nothing is changed: the
+                mirror and the tracker's marks still describe the content first published)."""
         t0 = time.perf_counter()
         base, self.base = self.base, None  # unsure until this record is done: a publish that fails part-way
-        if self.tracker is not None and self.tracker.generation != self.generation:  # written around the tracker
+        unseen = self.tracker is not None and self.tracker.generation != self.generation  # written around it
+        if base is not None and version == base:
+            self.base = base  # (what raises leaves every part as it was)
+            self._check_unchanged(version, unseen)
+            self.last = DeltaStats(version, base, 0, self._elements(), 0, False, time.perf_counter() - t0)
+            return self.last
+        if unseen:
             base, self.generation = None, self.tracker.generation
-        if base is None or version <= base:  # leaves the next to copy the mirror anew and publish no record
-            if base is None or version < base:  # the first version (FP8 / snapshot buffers filled just now),
-                self._restart()  # or an older one
+        if base is None or version < base:  # the first version (FP8 / snapshot buffers filled just now), or an
+            self._restart()  # older one: the next record is of the delta from this base
             self.base = version
             self.last = DeltaStats(version, None, 0, self._elements(), 0, False, time.perf_counter() - t0)
             return self.last
@@ -207,8 +225,35 @@ class DeltaLog:
                                time.perf_counter() - t0)
         return self.last
 
+    def _check_unchanged(self, version: int, unseen: bool) -> None:
+        """Raise :class:`RepublishError` when a served tensor differs from ``version`` as first
+        published, or when writes the tracker did not see (``unseen``) make that unknowable."""
+        if unseen:
+            raise RepublishError(
+                f"rank {tuple(self.rank)}: version {version} was already published, and the tracker was "
+                "invalidated since (writes it did not see), so whether the weights are still those of "
+                f"v{version} is unknown. Publish them as a new version (v{version + 1}); until then the rank "
+                "stays marked writing, so no receiver accepts its bytes")
+        differ = []
+        for i, (t, mirror, src) in enumerate(zip(self.served, self.mirror, self.sources)):
+            n = (changed_elements(t, mirror) if src is None else self.tracker.changed(src)).numel()
+            if n:
+                differ.append((i, n))
+        if differ:
+            raise RepublishError(
+                f"rank {tuple(self.rank)}: version {version} was already published, and {len(differ)} served "
+                f"tensor(s) now hold other content ({sum(n for _, n in differ)} elements differ; first: "
+                f"{self.names[differ[0][0]]}, {differ[0][1]} elements). A version names one content: receivers "
+                f"holding v{version} would keep the first. Publish these weights as a new version (v{version + 1}); "
+                "until then the rank stays marked writing, so no receiver accepts its bytes")
+
     def _restart(self) -> None:
-        """The served tensors as they are now are the base: mirror the untracked, clear the tracked."""
+        """The served tensors as they are now are the base: mirror the untracked, clear the tracked,
+        delete the records published so far (deltas of a history that no longer leads here)."""
+        for k, v in enumerate(self.slot_version):
+            if v is not None:
+                self.rendezvous.store.delete_key(self.rendezvous.prefix + delta_key(self.rank, self.epoch, v))
+                self.slot_version[k] = None
         self.mirror = [_mirror_copy(t, self.options.mirror) if src is None else None
                        for t, src in zip(self.served, self.sources)]
         for src in self.sources:
@@ -272,5 +317,5 @@ def _write_segment(out: torch.Tensor, fmt: int, idx: torch.Tensor, values: torch
     out[at:at + raw.numel()].copy_(raw)
 
 
-__all__ = ["CHUNK", "DeltaLog", "DeltaOptions", "DeltaStats", "bits", "changed_elements", "pack_bitmap",
-           "pack_paged"]
+__all__ = ["CHUNK", "DeltaLog", "DeltaOptions", "DeltaStats", "RepublishError", "bits", "changed_elements",
+           "pack_bitmap", "pack_paged"]

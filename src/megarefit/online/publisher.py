@@ -101,6 +101,10 @@ def _delta_sources(expected: Iterable[str], params: Mapping[str, torch.Tensor],
     return [s for name in expected for s in ([None, None] if name in fp8 else [params[name]])]
 
 
+class VersionOrderError(MegarefitError):
+    """A Publisher was asked to publish a version older than the last one it published."""
+
+
 class Publisher:
     """Serves one trainer rank's parameters (one model chunk); see the module docstring.
 
@@ -183,7 +187,7 @@ class Publisher:
         name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
         self.agent = NixlAgent(name, device=served[0].device if served else None)  # the shards' GPU's NIC
         self.agent.register(served)
-        self.checksums = self._checksum_buffer(served, entries) if checksums else None
+        self.checksums = _checksum_buffer(self, served, entries) if checksums else None
         self.ipc = export_ipc(served + ([self.checksums[0]] if self.checksums is not None else []),
                               f"rank {self.rank}") if ipc else ()
         self.manifest = self._build_manifest(name, entries)
@@ -198,7 +202,9 @@ class Publisher:
             raise MegarefitError("a tracker of a distributed optimizer with overlap_param_gather needs ddp= (the "
                                  "DDP model chunks): a publish must wait for the all-gather before it reads the marks")
         self.delta = (DeltaLog(served, self.agent, rendezvous, self.rank, DeltaOptions() if delta is True else delta,
-                               tracker, _delta_sources(expected, self.params, self.fp8)) if delta else None)
+                               tracker, _delta_sources(expected, self.params, self.fp8), [e.name for e in entries])
+                      if delta else None)
+        self.version: int | None = None  # the last version published
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
     @classmethod
@@ -292,14 +298,6 @@ class Publisher:
         return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
                         quantization=quant, checksums=sums, ipc=self.ipc)
 
-    def _checksum_buffer(self, served: list[torch.Tensor], entries: list[TensorEntry]
-                         ) -> tuple[torch.Tensor, Callable[[], None]]:
-        """The registered checksum buffer of the served tensors and what fills it (:func:`checksum_buffer`)."""
-        experts = self.dims.num_experts // self.layout.ep if self.dims.num_experts else 1
-        flat, fill = checksum_buffer(served, entries, experts)
-        self.agent.register([flat])
-        return flat, fill
-
     @property
     def counters(self):
         return self.agent.counters
@@ -321,11 +319,19 @@ class Publisher:
         :meth:`updating` unless the training loop itself guarantees no refit runs during
         the step. After an update that raised, ``publish`` ends it (the rank is stable again).
 
+        Versions only move forward. The same version again is for the same weights (a retry, a
+        step that changed nothing): with ``delta`` the publisher checks that, without it receivers
+        that already hold the version keep what they pulled, so publish new weights as a new version.
+
         Raises:
             ShapeMismatchError: a parameter moved in memory since registration
                 (e.g. re-allocated by a resharding step); create a new Publisher.
+            VersionOrderError: ``version`` is older than the last one published (nothing changes).
+            RepublishError: ``delta``, the last version again with other weights; the rank stays
+                marked writing until a newer version is published.
         """
-        self._check_moved()
+        _check_order(self.rank, self.version, version)
+        _check_moved(self)
         if (self.snapshot or self._quantize is not None or self.checksums is not None or self.delta is not None) \
                 and not self.writing:
             self.rendezvous.begin_update(self.rank)  # the served buffers are rewritten below: a seqlock
@@ -336,6 +342,7 @@ class Publisher:
             self.writing = False
         else:
             self.rendezvous.publish_version(self.rank, version)
+        self.version = version
 
     @contextlib.contextmanager
     def updating(self, version: int) -> Iterator[None]:
@@ -349,16 +356,19 @@ class Publisher:
         ``updating`` or ``publish`` completes.
 
         Raises:
-            ShapeMismatchError: as :meth:`publish`.
+            ShapeMismatchError / VersionOrderError / RepublishError: as :meth:`publish` (the order
+            is checked before the block).
         """
+        _check_order(self.rank, self.version, version)
         if not self.writing:  # after a failed update the sequence is still odd
             self.rendezvous.begin_update(self.rank)
             self.writing = True
         yield
-        self._check_moved()
+        _check_moved(self)
         self._settle(version)
         self.rendezvous.end_update(self.rank, version)
         self.writing = False
+        self.version = version
 
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
         """Block until every live registered receiver acknowledged ``version`` (receivers
@@ -369,13 +379,6 @@ class Publisher:
             RendezvousTimeout: naming each live receiver that did not acknowledge in time.
         """
         return self.rendezvous.wait_receivers(version, timeout=timeout, lease=lease)
-
-    def _check_moved(self) -> None:
-        for entry in self.manifest.tensors:
-            if entry.name in self.params and entry.name not in self.fp8 and entry.name not in self.snapshot and (
-                    self.params[entry.name].data_ptr() != entry.addr):
-                raise ShapeMismatchError(f"parameter {entry.name} on rank {self.rank} moved since registration; "
-                                         "re-create the Publisher")
 
     def _settle(self, version: int) -> None:
         """Finish Megatron's deferred param sync, wait for the device, refresh the snapshot,
@@ -401,6 +404,32 @@ class Publisher:
             if self.checksums[0].is_cuda:
                 torch.cuda.synchronize(self.checksums[0].device)
             self.last_checksum_s = time.perf_counter() - t0
+
+
+def _checksum_buffer(pub: Publisher, served: list[torch.Tensor], entries: list[TensorEntry]
+                     ) -> tuple[torch.Tensor, Callable[[], None]]:
+    """The registered checksum buffer of the tensors ``pub`` serves and what fills it (:func:`checksum_buffer`)."""
+    experts = pub.dims.num_experts // pub.layout.ep if pub.dims.num_experts else 1
+    flat, fill = checksum_buffer(served, entries, experts)
+    pub.agent.register([flat])
+    return flat, fill
+
+
+def _check_order(rank: RankCoord, last: int | None, version: int) -> None:
+    """Raises VersionOrderError when ``version`` is older than ``last``, the one published last."""
+    if last is not None and version < last:
+        raise VersionOrderError(f"rank {rank}: version {version} is older than version {last}, published last; "
+                                "versions only move forward (receivers wait for newer ones only). A trainer "
+                                "restarted from an older checkpoint creates a new Publisher")
+
+
+def _check_moved(pub: Publisher) -> None:
+    """Raises ShapeMismatchError when a live parameter ``pub`` serves moved since registration."""
+    for entry in pub.manifest.tensors:
+        if entry.name in pub.params and entry.name not in pub.fp8 and entry.name not in pub.snapshot and (
+                pub.params[entry.name].data_ptr() != entry.addr):
+            raise ShapeMismatchError(f"parameter {entry.name} on rank {pub.rank} moved since registration; "
+                                     "re-create the Publisher")
 
 
 class PublisherGroup:
