@@ -265,6 +265,24 @@ def test_lost_versions_force_a_full_pull_then_deltas_resume(dense):
     assert rx.stats.refit == "delta" and rx.stats.delta_base == v - 1
 
 
+def test_a_delta_that_would_patch_no_tensor_is_a_full_pull(dense):
+    """Where placing changed elements is so slow that every tensor is cheaper read whole, the
+    cycle is a full pull (the plan's own READs, not the delta's ranges), and its reason counts
+    every changed element the trainers published."""
+    tr = dense
+    rx = tr.receiver("slow-scatter")
+    pulled(rx, tr.version)
+    rx.delta_model.rates.update(scatter=1.0)  # one changed element placed per second
+    v = tr.step(0.01, 950)
+    got = pulled(rx, v)
+    want = pulled(tr.receiver("full", delta=False), v)
+    assert_same_bytes(got, want)
+    changed = sum(p.last_delta.changed for p in tr.pubs)
+    assert rx.stats.refit == "full" and rx.stats.bytes_moved == tr.receivers["full"].stats.bytes_moved
+    assert rx.stats.delta_reason.startswith(f"no tensor is cheaper to patch than to read whole ({changed} changed "
+                                            f"elements in {len(rx.plan.sources)} tensors"), rx.stats.delta_reason
+
+
 def test_a_delta_larger_than_its_slot_is_not_published():
     """A version whose changed elements do not fit the slot publishes no record: receivers pull
     it in full, naming the version; smaller ones after it are deltas again."""

@@ -87,6 +87,23 @@ def measure_scatter(device: torch.device, numel: int = 1 << 25, changed: int | N
     return changed / best(changed), best(16)
 
 
+def measure_copy(device: torch.device, numel: int = 1 << 25) -> float:
+    """Bytes per second one device copy moves on ``device`` (the best of three copies of
+    ``numel`` 16-bit elements): what placing a tensor a delta reads whole costs."""
+    src = torch.ones(numel, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * numel / max(best, 1e-9)
+
+
 def _unravel(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """Row-major coordinates ``[n, len(shape)]`` of flat indices ``x`` in ``shape``."""
     out = torch.empty((x.numel(), len(shape)), dtype=torch.int64, device=x.device)
@@ -197,7 +214,9 @@ class DeltaChoice:
     whether it is patched (``delta``) or read whole (``full``); ``reads`` per rank: byte ranges
     ``(remote addr, nbytes, local offset, NIXL memory type, device)``; ``local``: where each
     segment (by tensor, version, entry; version -1: the whole tensor) lands in the local
-    buffer; the bytes read and the elements changed."""
+    buffer; the bytes read, the changed elements read (``changed``, of the patched tensors) and
+    of every tensor the plan reads (``all_changed``), and the bytes of the tensors read whole
+    (``whole_bytes``: they are placed by a copy after the read)."""
 
     chains: dict[RankCoord, list[DeltaRecord]]
     delta: dict[TensorRef, list[tuple[DeltaRecord, DeltaSegment]]] = field(default_factory=dict)
@@ -206,6 +225,8 @@ class DeltaChoice:
     local: dict[tuple[TensorRef, int, int], int] = field(default_factory=dict)  # (tensor, version, entry) -> offset
     nbytes: int = 0
     changed: int = 0
+    all_changed: int = 0
+    whole_bytes: int = 0
 
     @property
     def base(self) -> int:
@@ -283,6 +304,7 @@ def choose(plan: Plan, manifests: Mapping[RankCoord, Manifest], chains: dict[Ran
             ref = TensorRef(rank, e.name)
             if ref not in read:
                 continue
+            out.all_changed += sum(s.count for _, s in pairs)
             if sum(s.nbytes + scatter_bytes * s.count for _, s in pairs) < e.nbytes:
                 out.delta[ref] = pairs
                 for rec, s in pairs:
@@ -295,6 +317,7 @@ def choose(plan: Plan, manifests: Mapping[RankCoord, Manifest], chains: dict[Ran
                 out.local[(ref, -1, i)] = out.nbytes
                 ranges.append((e.addr, e.nbytes, out.nbytes, e.mem, e.dev))
                 out.nbytes += (e.nbytes + 7) // 8 * 8
+                out.whole_bytes += e.nbytes
     return out
 
 
@@ -447,6 +470,7 @@ class DeltaReceiver:
         self.rates = {"wire": wire,  # bytes / s a full pull reads
                       "delta_wire": wire,  # bytes / s a delta reads (its slots may be in host memory)
                       "scatter": 0.0,  # changed elements / s placed (0: not yet measured)
+                      "copy": 0.0,  # bytes / s a tensor read whole is placed at (0: not yet measured)
                       "tensor": 0.0,  # seconds each tensor of a delta costs besides its elements
                       "full": 0.0}  # seconds the last full pull took (0: none yet)
         self.seconds: dict[str, float] = {}  # the last delta cycle's read and apply
@@ -467,10 +491,12 @@ class DeltaReceiver:
 
     def estimate(self, choice: DeltaChoice) -> float:
         """Seconds the cost model expects ``choice`` to take: its bytes read, its changed
-        elements placed, and each of its tensors' fixed cost."""
-        tensors = len(choice.delta) + len(choice.full)
+        elements placed, the tensors it reads whole placed by a copy, and each patched tensor's
+        fixed cost."""
+        if not self.rates["copy"]:
+            self.rates["copy"] = measure_copy(self.device)
         return (choice.nbytes / self.rates["delta_wire"] + choice.changed / self.rates["scatter"]
-                + tensors * self.rates["tensor"])
+                + choice.whole_bytes / self.rates["copy"] + len(choice.delta) * self.rates["tensor"])
 
     @property
     def scatter_bytes(self) -> float:
@@ -536,11 +562,19 @@ class DeltaReceiver:
             choice = choose(plan, manifests, chains, self.scatter_bytes)
         except DeltaRecordError as exc:
             return f"a delta record was refused: {exc}"
+        return self._worth(plan, choice)
+
+    def _worth(self, plan: Plan, choice: DeltaChoice) -> DeltaChoice | str:
+        """``choice``, or why a full pull is better: no tensor is worth patching, or the whole
+        delta is expected to take longer than the full pull."""
+        if not choice.delta:
+            return (f"no tensor is cheaper to patch than to read whole ({choice.all_changed} changed elements in "
+                    f"{len(choice.full)} tensors, {self.rates['scatter']:.3g} placed per second here): a full pull")
         full = self.rates["full"] or plan.nbytes / self.rates["wire"]
         if self.estimate(choice) >= full:
-            return (f"the delta ({choice.nbytes} bytes, {choice.changed} changed elements, about "
-                    f"{self.estimate(choice) * 1e3:.1f} ms) costs more than a full pull ({plan.nbytes} bytes, "
-                    f"{full * 1e3:.1f} ms) at the measured rates")
+            return (f"the delta ({choice.nbytes} bytes, {choice.changed} of {choice.all_changed} changed elements "
+                    f"patched, {len(choice.full)} tensors read whole, about {self.estimate(choice) * 1e3:.1f} ms) "
+                    f"costs more than a full pull ({plan.nbytes} bytes, {full * 1e3:.1f} ms) at the measured rates")
         return choice
 
     def _refused(self, plan: Plan, manifests: Mapping[RankCoord, Manifest], base: int, version: int,
@@ -581,11 +615,12 @@ class DeltaReceiver:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self.measured("delta_wire", read, t1 - t0)
-        placing = choice.changed / self.rates["scatter"] if self.rates["scatter"] else 0.0
-        self.measured("tensor", 0, max(0.0, t2 - t1 - placing) / max(1, len(choice.delta) + len(choice.full)))
+        placing = choice.changed / self.rates["scatter"] + choice.whole_bytes / self.rates["copy"]
+        self.measured("tensor", 0, max(0.0, t2 - t1 - placing) / len(choice.delta))  # per patched tensor
         self.seconds = {"delta.read": t1 - t0, "delta.apply": t2 - t1}
         return read
 
 
 __all__ = ["START_WIRE", "DeltaApplier", "DeltaChoice", "DeltaReceiver", "Runs", "choose", "fetch_chains",
-           "map_through", "measure_scatter", "pull_ranges", "read_epochs", "segment_elements", "segment_parts"]
+           "map_through", "measure_copy", "measure_scatter", "pull_ranges", "read_epochs", "segment_elements",
+           "segment_parts"]
