@@ -47,10 +47,12 @@ from megarefit.online.delta_records import (
     mask_bytes,
     segment_bytes,
 )
+from megarefit.online.held import HeldFingerprint, written
 from megarefit.online.rendezvous import Rendezvous
 from megarefit.online.store import StoreError
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.plan.ops import squeezed_lengths
+from megarefit.transport.execute import torch_dtype
 from megarefit.transport.local import op_views
 from megarefit.transport.manifest import Manifest, TensorEntry
 from megarefit.transport.nixl import NixlTransport, read_ranges
@@ -464,6 +466,8 @@ class DeltaReceiver:
         self._open = False  # a cycle began (choice) and was not held yet
         self._epochs: dict[RankCoord, str] | None = None  # the trainers' delta epochs read by the last choice
         self.reason = "first cycle" if enabled else "delta=False"
+        self._print: HeldFingerprint | None = None  # the held arena's fingerprint (hold)
+        self._layout: list[tuple[str, str, int, tuple[int, ...]]] = []
         self.local: torch.Tensor | None = None
         self.applier = DeltaApplier()
         wire = START_WIRE["cuda" if device.type == "cuda" else "cpu"]
@@ -519,7 +523,7 @@ class DeltaReceiver:
     def forget(self, reason: str) -> None:
         """The arena no longer holds a version whole (``reason`` says why, in stats); the cached
         runs (views of that arena) and the landing buffer are let go."""
-        self.held, self._open = None, False
+        self.held, self._open, self._print = None, False, None
         self.applier = DeltaApplier()
         if self.local is not None:
             self.transport.nixl.deregister([self.local])
@@ -527,17 +531,42 @@ class DeltaReceiver:
         if self.enabled:
             self.reason = reason
 
-    def hold(self, version: int, plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> None:
+    def hold(self, version: int, plan: Plan, manifests: Mapping[RankCoord, Manifest],
+             arenas: Mapping[str, torch.Tensor] | None = None,
+             layout: list[tuple[str, str, int, tuple[int, ...]]] | None = None) -> None:
         """The arena holds ``version`` whole (the cycle was fenced), as of the trainers' delta
-        epochs read when the cycle began."""
+        epochs read when the cycle began. ``arenas`` (per dtype, their targets' ``layout``):
+        fingerprinted now (:mod:`~megarefit.online.held`), so that a later delta first checks
+        nobody wrote them; ``None`` (a streamed receiver's direct targets): not checked."""
         self.held = (version, self.key(plan, manifests), self._epochs)
         self._open = False
+        t0 = time.perf_counter()
+        self._print = HeldFingerprint(arenas) if arenas is not None and self.enabled else None
+        self._layout = layout or []
+        if self._print is not None:
+            self.seconds["held.fingerprint"] = time.perf_counter() - t0
+
+    def _written(self, base: int) -> str:
+        """Why the arena no longer holds ``base`` (its bytes changed since it was fenced), or ``""``."""
+        if self._print is None:
+            return ""
+        t0 = time.perf_counter()
+        changed = self._print.changed()
+        self.seconds["held.check"] = time.perf_counter() - t0
+        if not changed:
+            return ""
+        names = written(changed, self._layout, {d: torch_dtype(d).itemsize for d in self._print.arenas})
+        return (f"the arena no longer holds v{base} as fenced: bytes of {len(names)} handed-over tensor(s) changed "
+                f"since ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; the 32 KiB chunks that differ). "
+                "The tensors a staged cycle yields are the receiver's own memory: read or copy them, never write "
+                "them")
 
     def choice(self, rendezvous: Rendezvous, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                ranks: Sequence[RankCoord], version: int) -> DeltaChoice | str:
         """The delta from the held version to ``version``, or why the cycle pulls in full;
         clears ``held`` either way (the arena is about to be written)."""
         held, self.held = self.held, None
+        self.seconds = {}
         if not self.enabled:
             return self.reason
         if self._open:  # the last cycle began and was never held: it failed
@@ -547,7 +576,7 @@ class DeltaReceiver:
         if held is None:
             return self.reason
         base, key, epochs = held
-        why = self._refused(plan, manifests, base, version, key)
+        why = self._refused(plan, manifests, base, version, key) or self._written(base)
         if why:
             return why
         if self._epochs is None or epochs != self._epochs:
@@ -617,7 +646,7 @@ class DeltaReceiver:
         self.measured("delta_wire", read, t1 - t0)
         placing = choice.changed / self.rates["scatter"] + choice.whole_bytes / self.rates["copy"]
         self.measured("tensor", 0, max(0.0, t2 - t1 - placing) / len(choice.delta))  # per patched tensor
-        self.seconds = {"delta.read": t1 - t0, "delta.apply": t2 - t1}
+        self.seconds.update({"delta.read": t1 - t0, "delta.apply": t2 - t1})
         return read
 
 

@@ -210,9 +210,9 @@ class CyclePipeline:
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
             self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
             lap("verify")
-        self.delta.hold(start.version, plan, start.manifests)
-        cold = before != self._setup_count()
-        return plan, pulled, start.version, seconds, cold
+        self.delta.hold(start.version, plan, start.manifests, self.memory.arenas, self.memory.layout)
+        seconds.update({k: v for k, v in self.delta.seconds.items() if k.startswith("held.")})
+        return plan, pulled, start.version, seconds, before != self._setup_count()
 
     def _after_pull(self, plan: Plan) -> float:
         """The receiver-side steps of a staged pull: FP8 blocks that straddle trainer shards

@@ -16,7 +16,9 @@
                ``retries`` times, then StaleVersionError names the ranks
 
 Then it yields ``(hf_name, tensor)`` views of the arena, valid until the next
-cycle (vLLM's ``load_weights`` copies them).
+cycle (vLLM's ``load_weights`` copies them). They are the receiver's own memory and read-only
+by contract: read or copy them, never write them. A write is seen before the next delta (the
+arena's fingerprint, :mod:`~megarefit.online.held`), which then pulls in full and says why.
 
 :class:`RefitReceiver` is a facade over named parts, one module each::
 
@@ -326,8 +328,9 @@ class RefitReceiver:
 
         Staged (``memory_budget=None``): everything is pulled and fenced before the first
         tensor is yielded, so a failure leaves the consumer's model untouched; the tensors are
-        views of the arena, valid until the next cycle (a version :meth:`prefetch` ed is handed
-        over without pulling again). Streamed (``memory_budget``): each group
+        views of the arena, valid until the next cycle and never to be written (a write makes
+        the next cycle a full pull, ``stats.delta_reason`` naming it; a version :meth:`prefetch`
+        ed is handed over without pulling again). Streamed (``memory_budget``): each group
         of layers is yielded as it lands, as views of the ring valid only until the next
         item is requested (copy or install each before asking for the next); a rank that
         moves on during the cycle is seen after the last group (:class:`TornUpdateError`).

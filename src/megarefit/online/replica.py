@@ -156,7 +156,8 @@ class ReplicaReceiver:
 
     def run_refit_cycle(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Mirror the parent's current version and yield ``(name, tensor)`` views of this
-        replica's arena (valid until the next cycle), in the parent's hand-over order.
+        replica's arena (valid until the next cycle; never write them: descendants read this
+        arena), in the parent's hand-over order.
 
         Raises:
             TransferError / RendezvousTimeout: the parent failed and there is no fallback.
