@@ -228,12 +228,12 @@ DOWN_CASES = [(name, case["down"]) for name in ("dgx_b200", "dgx_h100") for case
 
 
 @pytest.mark.parametrize("name,down", DOWN_CASES)
-@pytest.mark.parametrize("other_gbps", [100, 200, 400, 800])
+@pytest.mark.parametrize("other_gbps", [100, 400, 800])
 def test_a_gpu_whose_port_is_down_shares_a_numa_local_compute_nic_and_says_so(tmp_path, caplog, name, down,
                                                                               other_gbps):
     """The hidden check's failure: one GPU's compute port down. The expected pairs are derived by
     hand in the fixture (``down_cases``); the management, storage and BlueField ports run at
-    every speed from 100 to 800 Gb/s (faster and slower than the compute ports), and never win."""
+    100, 400 and 800 Gb/s (slower than, as fast as and faster than the compute ports), and never win."""
     case = next(c for c in load(name)["down_cases"] if c["down"] == down)
     spec, root = _built(tmp_path, name, down, case["rates"], nvswitch_management=other_gbps, storage=other_gbps,
                         in_band=other_gbps)
