@@ -39,7 +39,8 @@ from megarefit.plan import Plan
 from megarefit.plan.columns import plan_threads
 from megarefit.transport.checksum import ChecksumMismatchError
 from megarefit.transport.execute import run_value_step, torch_dtype
-from megarefit.transport.nics import NicMeter
+from megarefit.transport.nic_meter import NicMeter
+from megarefit.transport.nics import NicChoice
 from megarefit.transport.nixl import InFlight, NixlTransport
 from megarefit.transport.nixl_agent import TransferError
 
@@ -58,12 +59,12 @@ def naming_the_job(where: str, version: int | None, streamed: bool = False) -> I
         ) from exc
 
 
-def _count_nics(meter: NicMeter | None, stats: CycleStats) -> None:
-    """The bytes each RDMA port moved during the pull (``nic_bytes``); a warning when the NICs the
-    node's GPUs were given carried unevenly (:func:`~megarefit.transport.nics.unbalanced`)."""
-    if meter is None:
+def _count_nics(meter: NicMeter | None, nic: NicChoice | None, stats: CycleStats) -> None:
+    """The bytes each RDMA port moved during the pull (``nic_bytes``); a warning when the NIC of
+    ``nic``'s GPU was passed over or the node's NICs carried unevenly (:mod:`~megarefit.transport.nic_meter`)."""
+    if meter is None or nic is None:
         return
-    stats.nic_bytes, warning = meter.stop()
+    stats.nic_bytes, warning = meter.stop({nic.gpu: max(stats.wire_bytes - stats.ipc_bytes, 0)})
     if warning:
         logging.getLogger(__name__).warning("refit of version %s: %s", stats.version, warning)
 
@@ -141,7 +142,7 @@ class CyclePipeline:
             self._bump_replica_seq()
             self._serving = False
         self.stats = self._staged_stats(plan, pulled, got, seconds, cold, attempt)
-        _count_nics(self.nics, self.stats)
+        _count_nics(self.nics, getattr(self.transport.nixl, "nic", None), self.stats)
         staging = plan.staging
         for ref, tensor in self.memory.buffers.items():
             if ref not in staging:
