@@ -49,6 +49,29 @@ def _read(model: Any, cfg: dict) -> dict[str, Any]:
             "shapes": [{n: tuple(t.shape) for n, t in c.params.items()} for c in chunks]}
 
 
+def _first_holder() -> bool:
+    """Whether this process has the lowest global rank of those holding its ``(tp, pp, ep)``
+    coordinate: the oracle of ``replica``, from the coordinates every process reports (not from
+    megarefit's rank-order formula)."""
+    from megatron.core import parallel_state as ps
+
+    me = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+          ps.get_expert_model_parallel_rank())
+    coords: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(coords, me)
+    return coords.index(me) == torch.distributed.get_rank()
+
+
+def _check_replica(key: str, read: dict[str, Any], rank: int) -> None:
+    """Fail this worker at once (the test's receiver is waiting on it) where the read ``replica``
+    disagrees with :func:`_first_holder`, naming both."""
+    serves = _first_holder()
+    if "replica" in read and read["replica"] != [not serves] * len(read["replica"]):
+        raise AssertionError(f"{key}: process {rank} read replica={read['replica']}, but it is "
+                             f"{'the first' if serves else 'not the first'} process holding its (tp, pp, ep) "
+                             "coordinate in Megatron's grid")
+
+
 def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tuple[str, int, str]) -> dict[str, Any]:
     """Per case: build every chunk of this rank under Megatron's parallel state and read its layout.
     Also: the same model behind wrappers, with a wrong hf_config, with a missing chunk, under a
@@ -66,6 +89,7 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
                       etp=case.etp, vpp=case.vpp)
         chunks = _chunks(case)
         out[case.key] = _read(chunks if case.vpp > 1 else chunks[0], case.cfg)
+        _check_replica(case.key, out[case.key], rank)
         out[case.key]["params"] = [{n: t.detach().clone() for n, t in refit_tensors(c).items()} for c in chunks]
         if case.key == "dense-tp2":
             model = chunks[0]
@@ -93,6 +117,7 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
             out["wrong-grid"] = _read(model, case.cfg)
             single = build_gpt_model(gpt_arch_from_hf(case.cfg, tp=1), seed=0)
             out["dp2"] = _read(single, case.cfg)
+            _check_replica("dp2", out["dp2"], rank)
             if rank == 1:  # the data-parallel copy: checked, served by rank 0 (nothing published here)
                 host, port_, job = rdzv
                 empty = Publisher.from_megatron(single, case.cfg, rendezvous=Rendezvous.connect(host, port_, job=job))

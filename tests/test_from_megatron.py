@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -35,8 +36,8 @@ from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megarefit.errors import UnverifiedMegatronError  # noqa: E402
 from megarefit.demo.megatron_cpu import megatron_series  # noqa: E402
 from megarefit.layout.megatron_model import agree, check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online import RefitReceiver, VersionMismatchError  # noqa: E402
+from megarefit.online.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
 from reference import reference_shards, unshard  # noqa: E402
 from reference_planner import Layout, reference_megatron_to_hf  # noqa: E402
@@ -66,14 +67,28 @@ STATED = {
 JOB = "from-megatron"
 
 
+def _pull_while_alive(rdzv: Rendezvous, group, seconds: float = 600) -> dict[str, torch.Tensor]:
+    """Version 1 pulled from the workers' VPP group; a worker that fails meanwhile (a layout read
+    wrong: tests/from_megatron_jobs.py checks each against Megatron's grid) is reported within
+    seconds, not after the whole wait."""
+    receiver = RefitReceiver(rdzv, name=f"{JOB}-receiver", timeout=5)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return {n: t.clone() for n, t in receiver.run_refit_cycle(1)}
+        except (RendezvousTimeout, VersionMismatchError):
+            group.check()
+            if time.monotonic() > deadline:
+                raise
+
+
 @pytest.fixture(scope="module")
 def read():
     """Both processes' results, and the VPP group's pull through a real receiver."""
     rdzv = Rendezvous.serve(job=JOB)
     group = start_workers(read_job, world_size=2, args=(CASES, ("127.0.0.1", rdzv.port, JOB)))
     try:
-        pulled = dict(RefitReceiver(rdzv, name=f"{JOB}-receiver", timeout=600).run_refit_cycle(1))
-        pulled = {n: t.clone() for n, t in pulled.items()}
+        pulled = _pull_while_alive(rdzv, group)
         rdzv.mark_consumed(1)
     finally:
         per_rank = group.join(900)

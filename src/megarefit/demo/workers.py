@@ -92,6 +92,7 @@ class WorkerGroup:
         self.port = master_port if master_port is not None else free_port()
         ctx = _context(start_method)
         self._q = ctx.Queue()
+        self._early: dict[int, bytes] = {}  # results :meth:`check` took off the queue
         env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
         # torch.save: tensors travel by value, float8 included (multiprocessing's pickler would pass each
         # through a file descriptor, and a forkserver takes fewer than 256 per process)
@@ -108,6 +109,22 @@ class WorkerGroup:
         self._procs[rank].kill()
         self._procs[rank].join(timeout=30)
 
+    def check(self) -> None:
+        """Raise now if a worker failed or died (what :meth:`join` would raise), without waiting:
+        for a caller that waits on the workers some other way (a receiver pulling from them)."""
+        while True:
+            try:
+                rank, status, payload = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if status == "err":
+                raise RuntimeError(f"worker {rank} failed:\n{payload}")
+            self._early[rank] = payload
+        dead = [f"worker {r} died with exit code {p.exitcode}" for r, p in enumerate(self._procs)
+                if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError("; ".join(dead))
+
     def join(self, timeout: float = 600.0) -> list:
         """Wait for every worker's result, ordered by rank.
 
@@ -116,7 +133,7 @@ class WorkerGroup:
         are killed.
         """
         procs, q, world_size = self._procs, self._q, self.world_size
-        results: dict[int, Any] = {}
+        results: dict[int, Any] = {r: pickle.loads(payload) for r, payload in self._early.items()}
         deadline = time.monotonic() + timeout
         dead_since: dict[int, float] = {}
         try:
