@@ -4,10 +4,11 @@ compare megarefit's planners against, op for op.
 It reads the model's sizes from the HF config dict and takes the trainer's layout as plain
 ints (:class:`Layout`); its name table and shard geometry are written here from
 Megatron-Core's and vLLM's conventions. From megarefit it takes only the plan's output format:
-``TensorRef`` / ``TensorMeta`` / ``CopyOp``, their ``Box`` and ``RankCoord`` fields (named
-through :mod:`megarefit.plan.ops`), ``make_op`` (byte offsets of a box) and ``merge_ops``
-(joining continuing ops). Nothing of ``megarefit.layout``'s dims, ``megarefit.specs``,
-``megarefit.planner`` or ``megarefit.targets`` is imported.
+``TensorRef`` / ``TensorMeta`` / ``CopyOp`` and their ``Box`` and ``RankCoord`` fields (named
+through :mod:`megarefit.plan.ops`), as plain records: an op's flat offsets, its kind (one run
+or not) and the joining of continuing ops are computed here (:func:`_op`, :func:`_merge`), none
+of ``Box``'s methods nor ``make_op`` / ``merge_ops``. Nothing of ``megarefit.layout``'s dims,
+``megarefit.specs``, ``megarefit.planner`` or ``megarefit.targets`` is imported.
 
 Export plans: Llama / Qwen2 / Qwen3 (dense), Qwen3-MoE, Mixtral, DeepSeek-V3 (MLA with
 q_lora_rank) and GLM-4.5 (routed experts in all three Megatron expert layouts, shared experts,
@@ -42,7 +43,7 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
-from megarefit.plan import CopyOp, TensorMeta, TensorRef, itemsize, make_op, merge_ops
+from megarefit.plan import CopyOp, TensorMeta, TensorRef, itemsize
 from megarefit.plan.ops import Box, RankCoord  # the plan's coordinate types (CopyOp / TensorRef fields)
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -192,6 +193,55 @@ def _experts(m: Model, expert_layout: str) -> list[Row]:
     return rows
 
 
+def _flat(at, shape) -> int:
+    """The row-major flat index of coordinates ``at`` in ``shape``: sum of coordinate x stride."""
+    return sum(a * math.prod(shape[d + 1:]) for d, a in enumerate(at))
+
+
+def _one_run(box: Box, shape) -> bool:
+    """Whether ``box``'s elements are one run of row-major ``shape``: its last element's flat
+    index is its first's plus its element count less one."""
+    last = tuple(o + n - 1 for o, n in zip(box.offsets, box.lengths))
+    return _flat(last, shape) - _flat(box.offsets, shape) + 1 == math.prod(box.lengths)
+
+
+def _op(src, src_shape, src_box: Box, dst, dst_shape, dst_box: Box, item: int, *, transpose: bool = False,
+        src_view: bool = False) -> CopyOp:
+    """The op copying ``src[src_box]`` into ``dst[dst_box]``: contiguous when both boxes are one
+    run and it does not transpose, else through scratch."""
+    one = _one_run(src_box, src_shape) and _one_run(dst_box, dst_shape) and not transpose
+    return CopyOp(src, src_box, dst, dst_box, "contiguous" if one else "scratch", _flat(src_box.offsets, src_shape),
+                  _flat(dst_box.offsets, dst_shape), item, transpose, tuple(src_shape) if src_view else None, None)
+
+
+def _join(a: Box, b: Box) -> Box | None:
+    """``a`` and ``b`` as one box where ``b`` starts where ``a`` ends along one dim and they agree on every other."""
+    for d in range(len(a.offsets)):
+        others = [k for k in range(len(a.offsets)) if k != d]
+        if a.offsets[d] + a.lengths[d] == b.offsets[d] and all(
+                a.offsets[k] == b.offsets[k] and a.lengths[k] == b.lengths[k] for k in others):
+            return Box(a.offsets, tuple(a.lengths[k] + (b.lengths[k] if k == d else 0) for k in range(len(a.lengths))))
+    return None
+
+
+def _merge(ops: list[CopyOp], sources, targets) -> list[CopyOp]:
+    """Each contiguous op that continues the one before it (the same two tensors, the next
+    elements of both) joined to it, while the joined boxes stay one run each."""
+    out: list[CopyOp] = []
+    for op in ops:
+        prev = out[-1] if out else None
+        if prev is not None and prev.kind == op.kind == "contiguous" and (prev.src, prev.dst) == (op.src, op.dst) \
+                and prev.src_offset + prev.numel == op.src_offset and prev.dst_offset + prev.numel == op.dst_offset:
+            sbox, dbox = _join(prev.src_box, op.src_box), _join(prev.dst_box, op.dst_box)
+            if sbox is not None and dbox is not None and _one_run(sbox, sources[op.src].shape) \
+                    and _one_run(dbox, targets[op.dst].shape):
+                out[-1] = CopyOp(prev.src, sbox, prev.dst, dbox, "contiguous", prev.src_offset, prev.dst_offset,
+                                 prev.itemsize)
+                continue
+        out.append(op)
+    return out
+
+
 def _rows(shape, start, n) -> Box:
     return Box((start,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))
 
@@ -324,7 +374,7 @@ def reference_megatron_to_hf(cfg: dict, layout: Layout, dtype: str = "bfloat16",
     def emit(src, sshape, sbox, name, hshape, dbox, tdtype=dtype, **kw):
         dst = TensorRef(None, name)
         targets.setdefault(dst, TensorMeta(hshape, tdtype))
-        by_target[dst].append(make_op(src, sshape, sbox, dst, hshape, dbox, itemsize(tdtype), **kw))
+        by_target[dst].append(_op(src, sshape, sbox, dst, hshape, dbox, itemsize(tdtype), **kw))
 
     for rank, name, row, layer, expert, duplicate in tensors:
         src = TensorRef(rank, name)
@@ -356,7 +406,7 @@ def reference_megatron_to_hf(cfg: dict, layout: Layout, dtype: str = "bfloat16",
             sbox, dbox = ((_full(local), Box((0, d), (shape[0], n))) if cols
                           else (_rows(local, s, n), _rows(shape, d, n)))
             emit(src, local, sbox, hf_name, shape, dbox, row.dtype or dtype)
-    ops = [op for ref in targets for op in merge_ops(by_target[ref], sources, targets)]
+    ops = [op for ref in targets for op in _merge(by_target[ref], sources, targets)]
     return sources, targets, ops
 
 
@@ -555,11 +605,11 @@ def reference_retarget(hf, params: dict[str, Param], dtype: str = "bfloat16"):
             for op in by_hf[piece.hf_name]:
                 part = _intersect(op.dst_box, piece.hf_box)
                 if part is not None:
-                    mine.append(make_op(op.src, sources[op.src].shape, _source_part(op, part), dst, param.shape,
+                    mine.append(_op(op.src, sources[op.src].shape, _source_part(op, part), dst, param.shape,
                                         _placed(piece, part), op.itemsize, transpose=op.transpose,
                                         src_view=op.src_view is not None))
                     written += math.prod(part.lengths)
-        ops += merge_ops(mine, sources, {dst: TensorMeta(param.shape, dtype)})
+        ops += _merge(mine, sources, {dst: TensorMeta(param.shape, dtype)})
         filled = sum(p.param_box.lengths[0] for p in param.pieces)
         zero = (_rows(param.shape, filled, param.shape[0] - filled),) if written < math.prod(param.shape) else ()
         targets[dst] = TensorMeta(param.shape, dtype, zero)
