@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import pytest
@@ -32,7 +33,6 @@ from from_megatron_jobs import Case, read_job  # noqa: E402
 from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
-from megarefit.layout.geometry import source_tensors  # noqa: E402
 from megarefit.errors import UnverifiedMegatronError  # noqa: E402
 from megarefit.demo.megatron_cpu import megatron_series  # noqa: E402
 from megarefit.layout.megatron_model import agree, check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
@@ -123,17 +123,36 @@ def test_read_layout_is_the_stated_one(read, key):
 def _expected_sizes(cfg: dict, layout: SourceLayout) -> dict[tuple, dict[str, int]]:
     """Every rank's parameters and their elements under ``layout``, from the independent reference
     planner (tests/reference_planner.py: Megatron's conventions restated, none of megarefit's
-    geometry; it plans legacy GroupedMLP on the [E_local, a, b] view, hence elements, not shapes);
-    MTP layers, which it does not restate, from megarefit's geometry."""
-    if layout.mtp_layers:
-        want = source_tensors(ModelDims.from_hf_config(cfg), layout)
-        return {tuple(r): {n: math.prod(t.shape) for n, t in ts.items()} for r, ts in want.items()}
-    plain = Layout(layout.tp, layout.pp, layout.ep, layout.etp, layout.padded_vocab_size, layout.stage_layers,
+    geometry; it plans legacy GroupedMLP on the [E_local, a, b] view, hence elements, not shapes).
+    MTP layers, which it does not plan, restated here from Megatron-Core's
+    ``MultiTokenPredictionLayer``: on the last stage, after its decoder layers, a decoder layer
+    of the next index (planned as one more layer of that stage, then renamed ``mtp.layers.{i}.``
+    + ``transformer_layer.`` / ``mtp_model_layer.`` from 0.17), and its own ``enorm`` /
+    ``hnorm`` / ``final_layernorm`` ``[hidden]`` and ``eh_proj`` ``[hidden / tp, 2 hidden]``; and
+    the last stage embeds the tokens the MTP layer predicts from, so it holds the embedding too
+    (``[padded vocab / tp, hidden]``)."""
+    mtp, last = layout.mtp_layers, layout.pp - 1
+    stages = tuple(n + (mtp if s == last else 0) for s, n in enumerate(layout.stage_layers))
+    plain = Layout(layout.tp, layout.pp, layout.ep, layout.etp, layout.padded_vocab_size, stages,
                    layout.layer_spec, layout.expert_layout)
-    sources, _, _ = reference_megatron_to_hf(cfg, plain, "float32")
+    sources, _, _ = reference_megatron_to_hf({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + mtp}, plain,
+                                             "float32")
+    inner = "transformer_layer." if megatron_series() < (0, 17) else "mtp_model_layer."
     out: dict[tuple, dict[str, int]] = {}
     for ref, meta in sources.items():
-        out.setdefault(tuple(ref.rank), {})[ref.name] = math.prod(meta.shape)
+        name, rank = ref.name, tuple(ref.rank)
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+        if mtp and rank[1] == last and m and int(m[1]) >= layout.stage_layers[last]:
+            name = f"mtp.layers.{int(m[1]) - layout.stage_layers[last]}.{inner}{m[2]}"
+        out.setdefault(rank, {})[name] = math.prod(meta.shape)
+    hidden = cfg["hidden_size"]
+    for rank in (r for r in out if r[1] == last):
+        for i in range(mtp):
+            own = {"enorm.weight": hidden, "hnorm.weight": hidden, "final_layernorm.weight": hidden,
+                   "eh_proj.weight": hidden // layout.tp * 2 * hidden}
+            out[rank].update({f"mtp.layers.{i}.{n}": k for n, k in own.items()})
+        if mtp:
+            out[rank]["embedding.word_embeddings.weight"] = layout.padded_vocab_size // layout.tp * hidden
     return out
 
 
