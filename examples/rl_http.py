@@ -81,9 +81,13 @@ def megarefit_publisher(model: Any, hf_config: dict, host: str, port: int, job: 
 
 def connect(servers: list[VllmHttpRefit], host: str, port: int, job: str, **init_info: Any) -> None:
     """Point every server's workers at the trainers' rendezvous (``init_info``: ``sharded``,
-    ``memory_budget``, ``transport``, ...: see docs/api.md)."""
+    ``memory_budget``, ``transport``, ...: see docs/api.md). A server left with an open update by
+    a controller that died mid-refit gets it ended unserved first, and says what it held
+    (docs/http.md, "A controller that died mid-refit"): run ``train`` again after a crash."""
     for server in servers:
         server.init(host, port, job, **init_info)
+        if server.recovered:  # a controller before this one died mid-refit: its open update was ended unserved
+            print(f"{server.base_url}: {server.recovered}", flush=True)
 
 
 def rollouts(base_url: str, model: str) -> list[dict[str, list]]:

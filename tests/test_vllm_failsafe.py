@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from megarefit.integrations.vllm_http import MIXED, PREVIOUS_KEPT  # noqa: E402
+from megarefit.integrations.vllm_http import ABANDONED, MIXED, PREVIOUS_KEPT  # noqa: E402
 from vllm_failsafe_scenario import FAULT_AT  # noqa: E402
 from vllm_helpers import e2e_config, hf_generate, same_generation  # noqa: E402
 
@@ -91,6 +91,21 @@ def test_without_the_previous_weights_a_mix_is_refused(scenario, hf):
     assert not same_generation(mix, hf[3]) and not same_generation(mix, hf[1]), mix
     assert "served_while_refusing" not in out, out
     assert out["refused"].startswith("PartialUpdateError") and "holds a mix of weight versions" in out["refused"]
+
+
+def test_an_open_update_serves_nothing_and_ends_unserved(scenario, hf):
+    """Issue 57 on an engine: while an update is open the model refuses to run (vLLM labels its
+    weights only at finish); ``update_weights {"abandon": true}`` ends an update unserved, a start
+    that finds an update still open ends it first (and says so), and a second ``update_weights``
+    ends the update with version 4 rolled back, never served unlabelled: version 3 after each."""
+    _, out = scenario
+    assert "a weight update is open on this vLLM worker" in out.get("open_refusal", ""), out.get("open_refusal")
+    empty, second = out["abandon_empty"], out["second_update"]
+    assert ABANDONED in empty and PREVIOUS_KEPT in empty and "holds no new version" in empty, empty
+    assert any(ABANDONED in m and "start_weight_update found an update open" in m for m in out["stale_start"]), out
+    assert ABANDONED in second and "a second update_weights" in second and "version 4 was rolled back" in second
+    for key in ("after_abandon_empty", "after_stale_start", "after_second_update"):
+        assert same_generation(out[key], hf[3]), (key, out[key], hf[3])
 
 
 def test_the_engine_reports_what_it_kept(scenario):

@@ -23,6 +23,7 @@ server serving its last version.
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import os
 import socket
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,7 +45,14 @@ pytest.importorskip("megatron.core")
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.integrations.hf import save_checkpoint  # noqa: E402
-from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit  # noqa: E402
+from megarefit.integrations.vllm_http import (  # noqa: E402
+    ABANDONED,
+    MIXED,
+    OPEN_UPDATE,
+    PREVIOUS_KEPT,
+    RefitHTTPError,
+    VllmHttpRefit,
+)
 from megarefit.integrations.vllm_stall import StallProbe  # noqa: E402
 from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
@@ -88,6 +97,69 @@ def _faulty(refit: VllmHttpRefit, version: int, flag) -> RefitHTTPError | None:
     finally:
         assert not flag.exists(), "the fault did not fire"
     return None
+
+
+def _post(base: str, route: str, body: dict | None = None) -> tuple[int, str]:
+    """``POST /route`` as curl would: the status and the response text (errors included)."""
+    request = urllib.request.Request(f"{base}/{route}", data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _metric(base: str, line: str) -> float:
+    """The value of one ``/metrics`` sample (``name{labels}``), 0 where absent."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        for text in response.read().decode().splitlines():
+            if text.startswith(line + " "):
+                return float(text.split()[-1])
+    return 0.0
+
+
+def _controller_dies_mid_refit(base: str, version: int) -> dict:
+    """A controller killed mid-refit (issue 57): ``/pause``, ``/start_weight_update``, then
+    ``/update_weights {version}`` from a connection dropped while the server works on it, as a
+    SIGKILLed process drops it. Returns once vLLM counts that route done (``/metrics``) and
+    ``/weight_info`` (queued behind the update in vLLM's engine core) answered: the label and the
+    pause state the dead controller left."""
+    done = 'vllm:rl_weight_update_operation_duration_seconds_count{operation="update"}'
+    before = _metric(base, done)
+    assert _post(base, "pause?mode=abort")[0] == 200 and _post(base, "start_weight_update")[0] == 200
+    port = int(base.rsplit(":", 1)[1])
+    dying = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    dying.request("POST", "/update_weights", body=json.dumps({"update_info": {"version": version}}),
+                  headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 60
+    while _metric(base, 'vllm:rl_weight_update_operations_in_flight{operation="update"}') < 1:
+        assert time.monotonic() < deadline, "the server never started the update"
+        time.sleep(0.01)
+    time.sleep(0.3)  # the update is in vLLM's engine core now
+    dying.sock.shutdown(socket.SHUT_RDWR)  # the controller is gone: nobody reads the answer, nobody finishes
+    dying.close()
+    while _metric(base, done) <= before:
+        assert time.monotonic() < deadline, "the update never ended in the server"
+        time.sleep(0.05)
+    with urllib.request.urlopen(f"{base}/weight_info", timeout=120) as response:
+        label = json.loads(response.read())["weight_version"]
+    return {"label": label, "paused": _is_paused(base)}
+
+
+def _restarted_controller(base: str, model: str, rdzv, init_info: dict) -> dict:
+    """What a restarted controller finds after :func:`_controller_dies_mid_refit` and does: the raw
+    ``/init_weight_transfer_engine`` (as curl sends it) is refused, saying what the update holds;
+    ``VllmHttpRefit.init`` ends the update unserved and inits; then ``/resume`` serves what the
+    label names."""
+    out = {"raw_init": _post(base, "init_weight_transfer_engine", {"init_info": init_info})}
+    restarted = VllmHttpRefit(base)
+    restarted.init(**init_info)
+    out["recovered"], out["label"] = restarted.recovered, restarted.weight_version()
+    out["acked"] = {rid: rdzv.acked(rid) for rid in rdzv.receivers()}
+    assert _post(base, "resume")[0] == 200
+    out["served"] = _completions(base, model)
+    return out
 
 
 def _rpc(base: str, method: str, **kwargs: str) -> list:
@@ -235,11 +307,16 @@ def served(tmp_path_factory):
         refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True, keep_previous="auto")
         out["fault_kept"] = _faulty(refit, 4, flag)
         out["after_fault_kept"] = _completions(base, model)  # resumed: serves version 3
+        out["died"] = _controller_dies_mid_refit(base, 4)  # its update of version 4 completes in the server
         # keep_previous=0 (the default); direct: once an update completed, modules vLLM leaves byte for byte are copied
-        refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True, direct=True)
+        out["restarted"] = _restarted_controller(base, model, rdzv, {"host": "127.0.0.1", "port": rdzv.port,
+                                                                     "job": job, "timeout": 120.0, "sharded": True,
+                                                                     "direct": True})
         out["fault_mixed"] = _faulty(refit, 4, flag)
         out["paused_after_mixed"] = _is_paused(base)  # (a request now would wait until /resume)
-        refit_to(4)  # mends it, and resumes
+        out["died_unkept"] = _controller_dies_mid_refit(base, 4)  # again, nothing kept: no way back to 3
+        refit_to(4)  # its start finds that update open and ends it first; then mends it, and resumes
+        out["refit_recovered"] = refit.recovered
         out["report"] = {4: _rpc(base, "megarefit_report")[0]}
         rdzv.mark_consumed(4)
         refit_to(5, VllmHttpRefit(base, prefetch=True))  # prefetched, installed by copies where vLLM allows
@@ -316,6 +393,42 @@ def test_a_mix_is_left_paused_over_http(served):
     assert (error.state, error.resumed) == ("mixed", False) and out["paused_after_mixed"], error
     assert "left PAUSED" in str(error) and "refit(4)" in str(error), str(error)
     assert out["versions"][4] == "4" and out[4] != out[3]
+
+
+def test_a_controller_that_died_mid_refit_leaves_no_mislabelled_weights(served):
+    """Issue 57: a controller dies after ``/start_weight_update`` while its ``/update_weights`` of
+    version 4 runs; the update completes inside the server, nobody finishes it, the server stays
+    paused and ``/weight_info`` says "3". A restarted controller's raw init is refused, saying what
+    the update holds; ``VllmHttpRefit.init`` ends it unserved (the engine kept version 3: it goes
+    back) and inits. The label still says "3" and the server, resumed, serves version 3 exactly
+    (not the version 4 the dead update wrote); version 4 was acknowledged to no trainer. The next
+    refits install 4 and 5 as usual (test_each_http_refit_serves_the_trainers_weights)."""
+    _, out, _ = served
+    died, restarted = out["died"], out["restarted"]
+    assert died == {"label": "3", "paused": True}, died
+    status, said = restarted["raw_init"]
+    assert status >= 400 and OPEN_UPDATE in said and "holds weight version 4, installed whole" in said, said
+    assert "abandon" in said and "before it the engine served version 3" in said, said
+    recovered = restarted["recovered"]
+    print(f"the restarted controller ended: {recovered}")
+    assert recovered is not None and ABANDONED in recovered and PREVIOUS_KEPT in recovered, recovered
+    assert "version 4 was rolled back" in recovered and "holds version 3 whole" in recovered, recovered
+    assert restarted["label"] == "3" and restarted["served"] == out[3], restarted
+    assert 4 not in restarted["acked"].values(), restarted["acked"]
+
+
+def test_a_refit_ends_an_update_its_dead_controller_left_open(served):
+    """A controller dies the same way with nothing kept (``keep_previous=0``) on a server already
+    refusing a mix: vLLM's worker refuses the next ``/start_weight_update`` (an update is open), so
+    ``refit(4)`` ends that update unserved first. The engine cannot put version 3 back: it says so
+    and keeps refusing the model; the refit then installs version 4, which it serves and labels
+    (test_a_mix_is_left_paused_over_http)."""
+    _, out, _ = served
+    assert out["died_unkept"] == {"label": "3", "paused": True}, out["died_unkept"]
+    recovered = out["refit_recovered"]
+    assert recovered is not None and ABANDONED in recovered and MIXED in recovered, recovered
+    assert "holds weight version 4, installed whole" in recovered and "keep_previous=0" in recovered, recovered
+    assert out["versions"][4] == "4"
 
 
 def test_a_prefetched_refit_keeps_generating_and_reports_the_stall(served):

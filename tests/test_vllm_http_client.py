@@ -12,14 +12,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megarefit.errors import MegarefitError
-from megarefit.integrations.vllm_http import MIXED, PREVIOUS_KEPT, RefitHTTPError, VllmHttpRefit
+from megarefit.integrations.vllm_http import (
+    ABANDONED,
+    MIXED,
+    OPEN_UPDATE,
+    PREVIOUS_KEPT,
+    RefitHTTPError,
+    VllmHttpRefit,
+)
 
 
-def _server(update_error: str | None, hang: bool = False, prefetch: list[str] | None = None):
+def _server(update_error: str | None, hang: bool = False, prefetch: list[str] | None = None,
+            errors: dict[str, list[str]] | None = None):
     """``prefetch``: the phases ``megarefit_prefetched`` answers in turn (the last one repeats);
-    ``"missing"``: ``/collective_rpc`` fails as a worker without the megarefit extension does."""
+    ``"missing"``: ``/collective_rpc`` fails as a worker without the megarefit extension does.
+    ``errors``: per route, the worker errors its next calls fail with (vLLM's HTTP 500 text)."""
     calls: list[str] = []
     phases = list(prefetch or [])
+    errors = {route: list(said) for route, said in (errors or {}).items()}
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, status: int, body: dict) -> None:
@@ -34,6 +44,12 @@ def _server(update_error: str | None, hang: bool = False, prefetch: list[str] | 
             calls.append(self.path if self.path != "/collective_rpc" else f"rpc {body['method']}")
             if self.path == "/collective_rpc":
                 return self._rpc(body)
+            if errors.get(self.path):
+                calls[-1] += f" {json.dumps(body, sort_keys=True)}"
+                said = errors[self.path].pop(0)
+                message = (f"Call to collective_rpc method failed: Worker failed with error '{said}', please check "
+                           "the stack trace above for the root cause")
+                return self._answer(500, {"error": {"message": message, "type": "InternalServerError"}})
             if self.path == "/update_weights" and hang:
                 return  # no answer: the client times out
             if self.path == "/update_weights" and update_error is not None:
@@ -126,3 +142,61 @@ def test_a_failed_prefetch_never_pauses_the_server(phase, says):
     assert exc.step.startswith("collective_rpc megarefit_prefetch") and says in str(exc), str(exc)
     assert (exc.state, exc.paused, exc.resumed, exc.served) == ("previous", False, False, "3")
     assert not any(c.startswith("/pause") for c in calls) and "it serves them" in str(exc), (calls, str(exc))
+
+
+ENDED = f"{ABANDONED} update_weights: ... version 4 ... {PREVIOUS_KEPT} weight version 4 was rolled back; ..."
+ABANDON = '/update_weights {"update_info": {"abandon": true}}'
+
+
+def test_init_ends_an_open_update_unserved_then_inits():
+    """A server whose engine refuses the init as an update is open (its controller died): the
+    controller ends it unserved (``abandon``: an error answer saying what the server holds), keeps
+    that account and inits again; the server is neither finished (no label) nor resumed."""
+    httpd, calls = _server(None, errors={"/init_weight_transfer_engine": [f"... holds version 4 {OPEN_UPDATE} ..."],
+                                         "/update_weights": [ENDED]})
+    try:
+        refit = VllmHttpRefit(f"http://127.0.0.1:{httpd.server_port}")
+        refit.init("10.0.0.1", 29600, job="rl")
+    finally:
+        httpd.shutdown()
+    init = '/init_weight_transfer_engine {"init_info": {"host": "10.0.0.1", "job": "rl", "port": 29600}}'
+    assert calls == [init, ABANDON, "/init_weight_transfer_engine"], calls
+    assert refit.recovered == ENDED, refit.recovered
+
+
+def test_a_refit_whose_start_is_refused_as_an_update_is_open_ends_it_first():
+    """vLLM's worker refuses ``/start_weight_update`` while an update is open (vLLM 0.32's text): the
+    refit ends that update unserved, starts again and goes on to label and serve its version."""
+    refused = ("start_weight_update called while a weight update is already active. Call finish_weight_update "
+               "first.")
+    httpd, calls = _server(None, errors={"/start_weight_update": [refused], "/update_weights": [ENDED]})
+    try:
+        refit = VllmHttpRefit(f"http://127.0.0.1:{httpd.server_port}")
+        refit.refit(5)
+    finally:
+        httpd.shutdown()
+    assert calls == ["/pause?mode=abort", "/start_weight_update {}", ABANDON, "/start_weight_update",
+                     "/update_weights", "/finish_weight_update", "/resume"], calls
+    assert refit.recovered == ENDED and refit.stats.version == 5
+
+
+@pytest.mark.parametrize("route", ["/init_weight_transfer_engine", "/start_weight_update"])
+def test_an_open_update_is_ended_only_where_the_engine_says_so(route):
+    """Other errors of init or start are not taken for an open update, and an answer to the abandon
+    without the engine's account (not the megarefit backend) is an error, not a recovery."""
+    other = "no job secret: pass secret= ..."
+    httpd, calls = _server(None, errors={route: [other]})
+    try:
+        refit = VllmHttpRefit(f"http://127.0.0.1:{httpd.server_port}")
+        with pytest.raises(RefitHTTPError, match="no job secret"):
+            refit.init("10.0.0.1", 29600) if route.startswith("/init") else refit.refit(5)
+    finally:
+        httpd.shutdown()
+    assert ABANDON not in calls and refit.recovered is None, calls
+    httpd, calls = _server(None, errors={"/update_weights": ["start_weight_update must be called before "
+                                                            "update_weights."]})
+    try:
+        with pytest.raises(RefitHTTPError, match="must be called before"):
+            VllmHttpRefit(f"http://127.0.0.1:{httpd.server_port}").abandon()
+    finally:
+        httpd.shutdown()

@@ -16,6 +16,8 @@ version it names:
 - ``fault_sharded`` / ``fault_full``: an update to the next version fails midway (``calls``: linear
   layers processed before the fault); the engine must serve the previous version exactly; the
   same streamed through a bounded ring (``fault_streamed_sharded`` / ``fault_streamed_full``);
+- ``open_refusal``, ``abandon_empty``, ``stale_start``, ``second_update`` (:func:`open_updates`):
+  updates left open, ended unserved; the engine must serve version 3 after each;
 - ``fault_unkept``: the same with ``keep_previous=0``: the error says the model holds a mix and
   the engine refuses; ``unkept_mix``: generating with that refusal lifted (what the engine would
   serve) matches neither version; ``refused``: after another such failure, generating raises.
@@ -69,6 +71,48 @@ class Fault:
 
     def arm(self) -> None:
         self.calls, self.armed = 0, True
+
+
+def open_updates(llm, served) -> dict:
+    """Updates left open (issue 57), on the engine serving version 3 with its previous weights kept
+    and the trainers publishing version 4 (version 1's weights). ``open_refusal``: the model's
+    forward while an update is open; ``abandon_empty``: ``update_weights {"abandon": true}`` of an
+    update that installed nothing; ``stale_start``: what the engine logs when its start finds an
+    update still open that vLLM's worker had ended (the engine called as the worker calls it);
+    ``second_update``: a second ``update_weights`` after version 4 was installed. ``served``
+    records what the engine serves after each (version 3, always)."""
+    import logging
+
+    from vllm.config import set_current_vllm_config
+
+    worker = _worker(llm)
+    engine, model, said = worker.weight_transfer_engine, worker.model_runner.get_model(), []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("megarefit.integrations.vllm").addHandler(handler)
+    out = {}
+    llm.start_weight_update()
+    try:
+        model.forward()
+    except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+        out["open_refusal"] = f"{type(exc).__name__}: {exc}"
+    for key, info in (("abandon_empty", {"abandon": True}), ("second_update", {"version": 4})):
+        if key == "second_update":
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": 4, "timeout": 30.0}})
+        try:
+            llm.update_weights({"update_info": info})
+        except Exception as exc:  # noqa: BLE001
+            out[key] = f"{type(exc).__name__}: {exc}"
+        served(f"after_{key}")
+        if key == "abandon_empty":
+            with set_current_vllm_config(worker.vllm_config):
+                engine.start_weight_update()
+                engine.start_weight_update()  # the first is still open in the engine
+                engine.finish_weight_update()
+            out["stale_start"] = said
+            served("after_stale_start")
+    return out
 
 
 def main(work: Path) -> dict:
@@ -152,6 +196,7 @@ def main(work: Path) -> dict:
     out["report"] = _worker(llm).weight_transfer_engine.last_report
 
     publish(4, 1)  # version 4 holds version 1's weights
+    out.update(open_updates(llm, served))
     for key, options in (("streamed_sharded", {"sharded": True}), ("streamed_full", {})):
         init(memory_budget=BUDGET, keep_previous="auto", **options)  # streamed: vLLM's reload opened per pull attempt
         out[f"fault_{key}"] = {"error": update(4, faulty=True), "calls": fault.calls}

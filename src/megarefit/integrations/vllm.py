@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.integrations.vllm_http import MIXED, PREVIOUS_KEPT
+from megarefit.integrations.vllm_http import ABANDONED, MIXED, OPEN_UPDATE, PREVIOUS_KEPT
 from megarefit.integrations.vllm_install import (
     TESTED_VLLM,
     PreviousWeights,
@@ -356,9 +357,20 @@ class _UpdateWindow:
     stack: contextlib.ExitStack  # the CPU experts' reload fix-up, for the whole window
     reload_open: bool  # vLLM's layerwise reload opened at start (staged pulls); streamed: per pull
     receiver: RefitReceiver  # the target model's, or the MTP draft model's (a draft update)
+    model: torch.nn.Module  # the model the update writes (vLLM may point the engine at another one later)
+    model_config: Any
     draft: bool = False  # a draft update (/start_draft_weight_update): the engine's model is the drafter
     version: int | None = None  # the version update_weights installed (or, once it failed, asked for)
+    installed: bool = False  # update_weights completed: `version` is in the live tensors, served at finish only
     evidence: dict[str, torch.Tensor] | None = None  # direct: the shards' checksums, for direct_candidates at finish
+
+    def held(self) -> str:
+        """What this update holds, for a controller that finds it open."""
+        what = "the draft model's update" if self.draft else "the update"
+        if not self.installed:
+            return f"{what} holds no new version (no /update_weights completed in it): the model is as before"
+        return (f"{what} holds weight version {self.version}, installed whole by /update_weights but not finished "
+                "(not served: vLLM labels a version only at /finish_weight_update)")
 
 
 def eplb_checked(parallel_config: Any, placement: tuple[tuple[int, ...], ...] | None) -> None:
@@ -392,22 +404,30 @@ def _follow_eplb(receiver: RefitReceiver, model: torch.nn.Module, parallel_confi
         receiver.set_target(vllm_target_of(model, parallel_config, placement, target.draft))
 
 
-def _refuse_to_serve(reason: str) -> Callable[..., Any]:
-    """A worker's ``execute_model`` while its model holds a mix of versions: raises instead."""
+def _refuse_to_serve(reason: str, mixed: bool = True) -> Callable[..., Any]:
+    """A worker's ``execute_model`` while its model holds a mix of versions (or, not ``mixed``,
+    while a weight update is open on it): raises instead."""
+    said = (f"this vLLM worker's model holds a mix of weight versions ({reason}); it serves nothing until a refit "
+            "completes (update_weights_from_megatron, or /start_weight_update, /update_weights, "
+            "/finish_weight_update)" if mixed else
+            f"a weight update is open on this vLLM worker ({reason}): its model runs again once the update "
+            "ends, by /finish_weight_update (which labels the version), or unserved by /update_weights "
+            '{"update_info": {"abandon": true}}; a /resume during an update serves nothing')
+
     def execute_model(*args: Any, **kwargs: Any) -> Any:
-        raise PartialUpdateError(f"this vLLM worker's model holds a mix of weight versions ({reason}); it serves "
-                                 "nothing until a refit completes (update_weights_from_megatron, or "
-                                 "/start_weight_update, /update_weights, /finish_weight_update)")
+        raise PartialUpdateError(said)
+    execute_model.mixed = mixed  # type: ignore[attr-defined]
     return execute_model
 
 
 _REFUSING = ("forward", "compute_logits")  # what every vLLM model runner calls to serve a step
 
 
-def _refuse_model(model: torch.nn.Module, reason: str) -> None:
+def _refuse_model(model: torch.nn.Module, reason: str, mixed: bool = True) -> None:
     """Make ``model`` raise instead of running (instance attributes shadow its ``forward`` and
-    ``compute_logits``): what an engine does while its model holds a mix of versions."""
-    refuse = _refuse_to_serve(reason)
+    ``compute_logits``): what an engine does while its model holds a mix of versions, or (not
+    ``mixed``) while an update is open, whose weights vLLM has not labelled yet."""
+    refuse = _refuse_to_serve(reason, mixed)
     for name in _REFUSING:
         model.__dict__[name] = refuse
 
@@ -418,7 +438,8 @@ def _serve_model(model: torch.nn.Module) -> None:
 
 
 def _refusing(model: torch.nn.Module) -> bool:
-    return "forward" in model.__dict__
+    """``model`` refuses to run as it holds a mix of versions (not merely an open update)."""
+    return getattr(model.__dict__.get("forward"), "mixed", False)
 
 
 def _tell_state(exc: BaseException, note: str) -> None:
@@ -668,6 +689,9 @@ class MegarefitUpdateInfo:
 
     version: int | None = None
     timeout: float | None = None
+    # end the open update without serving it (its controller died mid-refit): the previous weights go back where
+    # they were kept (keep_previous), else the model is refused until an update completes; raises either way
+    abandon: bool = False
 
 
 # The methods of MegarefitWeightTransferEngine; _make_engine_class puts them on vLLM's base class
@@ -680,10 +704,24 @@ class _EngineLifecycle:
 
     * ``start_weight_update`` opens the update: vLLM's layerwise reload (staged pulls;
       a streamed pull opens and finalizes it per attempt, as a torn cycle is installed
-      again) and the CPU experts' reload fix-up. Raises if an update is already open.
+      again) and the CPU experts' reload fix-up. Until the update ends the model refuses
+      to run (its weights change before vLLM labels them). An update the engine still
+      holds open although vLLM's worker ended it is first ended unserved (below).
     * ``update_weights`` pulls one weight version and loads it into the open reload.
     * ``finish_weight_update`` finalizes the reload and only then acknowledges the
-      version to the trainers (``Publisher.wait_receivers`` returns after it).
+      version to the trainers (``Publisher.wait_receivers`` returns after it) and serves
+      it: the only way a new version is served, as vLLM labels it there
+      (``/finish_weight_update {"weight_version": ...}``).
+
+    A controller that dies mid-refit leaves the update open (an ``update_weights`` sent
+    before it died still completes in the server). ``init_weight_transfer_engine`` then
+    refuses, saying what the update holds (:data:`~megarefit.integrations.vllm_http.OPEN_UPDATE`),
+    and ``update_weights`` with ``{"abandon": true}`` ends it unserved: the kept previous
+    weights go back (the version vLLM's label names), else the model is refused until an
+    update completes. It raises either way
+    (:data:`~megarefit.integrations.vllm_http.ABANDONED` and the state), as vLLM's worker
+    ends its update on an error without labelling a version. A second ``update_weights``
+    in one update ends it the same way.
 
     Never a mix: vLLM's reload writes each layer's new weights into its live tensors as soon
     as the layer is complete, so as it opens, the engine keeps every layer's previous
@@ -697,8 +735,7 @@ class _EngineLifecycle:
     version, healthy; the error's message ends with ``[megarefit: previous weights kept]``
     and the version. Where a written layer was not kept (over ``keep_previous``), or finalizing
     fails, the message says ``[megarefit: mixed weights]`` and the model refuses to run (its
-    ``forward`` and ``compute_logits`` raise) until an update completes. A second
-    ``update_weights`` in one update is refused: finish, then start another.
+    ``forward`` and ``compute_logits`` raise) until an update completes.
 
     Draft (MTP) models (``supports_draft_weight_update``): ``/start_draft_weight_update``
     (``LLM.start_draft_weight_update``) points the engine's ``model`` at the worker's MTP
@@ -717,8 +754,15 @@ class _EngineLifecycle:
     supports_draft_weight_update = True
 
     def init_transfer_engine(self, init_info: MegarefitInitInfo) -> None:
-        if getattr(self, "window", None) is not None:
-            raise MegarefitError("init_weight_transfer_engine during an open weight update: finish it first")
+        window = getattr(self, "window", None)
+        if window is not None:  # nothing changes: the update's controller (gone?) or a new one ends it first
+            raise MegarefitError(
+                f"init_weight_transfer_engine during an open weight update: {window.held()}; before it the engine "
+                f"served {self._served_before()}. {OPEN_UPDATE} Its controller may have died mid-refit. End the "
+                'update unserved with POST /update_weights {"update_info": {"abandon": true}}: the previous weights '
+                f"go back where they were kept ({self.previous.kept_bytes} bytes, keep_previous="
+                f"{self.previous.budget}), else the engine refuses to run the model until an update completes, and "
+                "the answer (an error) says which; then init again. VllmHttpRefit.init does both")
         if init_info.direct and not (init_info.sharded and init_info.memory_budget is None):
             raise MegarefitError("direct=True in the megarefit engine copies a worker's own shards from a staged "
                                  "arena: give sharded=True and no memory_budget (streamed direct writes: the worker "
@@ -750,8 +794,9 @@ class _EngineLifecycle:
     def start_weight_update(self) -> None:
         if getattr(self, "receiver", None) is None:
             raise MegarefitError("start_weight_update before init_weight_transfer_engine")
-        if self.window is not None:
-            raise MegarefitError("a weight update is already open: call finish_weight_update first")
+        if self.window is not None:  # vLLM's worker ended it (its update_weights failed before the engine ran)
+            logging.getLogger(__name__).warning("%s", self._abandon(self.window, "start_weight_update found an "
+                                                                    "update open that vLLM's worker had ended"))
         draft = self._drafting()
         if draft and self.draft_receiver is None:  # the trainers' Publisher.wait_receivers waits for it from now on
             self.draft_receiver = self._make_receiver(self.model, draft=True)
@@ -763,25 +808,31 @@ class _EngineLifecycle:
         workers = getattr(self.parallel_config, "world_size", 1)  # workers that may share this host
         self.previous.budget = _budget(self.init_info.keep_previous, workers)
         self.previous.begin()
+        window = _UpdateWindow(stack, staged, receiver, self.model, self.model_config, draft)
         try:
             if staged:
                 receiver.wait_prefetch(None)  # its prepare step reads the model: not while the reload rewrites it
                 reload_api().initialize_layerwise_reload(self.model)
                 self.previous.track(self.model)
         except BaseException as exc:
-            self._close(_UpdateWindow(stack, staged, receiver, draft), failed=exc)
+            self._close(window, failed=exc)
             raise
-        self.window = _UpdateWindow(stack, staged, receiver, draft)
+        self.window = window
+        if not _refusing(self.model):  # its weights change unlabelled until finish: a /resume now serves nothing
+            _refuse_model(self.model, "vLLM's layerwise reload may hold it half-written", mixed=False)
 
     def receive_weights(self, update_info: MegarefitUpdateInfo) -> None:
         window = self.window
+        if update_info.abandon:  # raises either way: vLLM's worker ends its update on an error, labelling nothing
+            if window is None:
+                raise MegarefitError(f"{ABANDONED} no megarefit weight update was open; the engine serves "
+                                     f"{self._served_before()}. vLLM's update ends with this error")
+            raise self._abandon(window, 'update_weights {"abandon": true}')
         if window is None:
             raise MegarefitError("update_weights outside a weight update: call start_weight_update first")
-        if window.version is not None:
-            self._close(window)  # a complete update: served from now on
-            raise MegarefitError(f"weight version {window.version} was installed in this update already; it "
-                                 "is now served (vLLM ends an update on an error): start another update for "
-                                 "the next version")
+        if window.installed:  # served only by the finish that labels it
+            raise self._abandon(window, "a second update_weights (one version per update: finish it, or start "
+                                        "another for the next version)")
         receiver = window.receiver
         receiver.timeout = self.default_timeout if update_info.timeout is None else update_info.timeout
         direct = self.init_info.direct and not window.draft
@@ -800,7 +851,7 @@ class _EngineLifecycle:
             raise
         stats = receiver.stats
         assert stats is not None
-        window.version = stats.version
+        window.version, window.installed = stats.version, True
         self.last_report = {**_cycle_report(receiver, load_s), "kept_bytes": self.previous.kept_bytes,
                             "keep_seconds": self.previous.seconds, **_copied(copy, receiver)}
 
@@ -824,15 +875,16 @@ class _EngineLifecycle:
         (:class:`~megarefit.integrations.vllm_install.PreviousWeights`) and ``failed``'s message
         says whether the model holds them whole or a mix, which it then refuses to run."""
         self.window = None
+        model = window.model
         lost: list[str] | str = []
         try:
             if failed is not None:
                 lost = self.previous.restore()
             if window.reload_open or failed is not None:  # layers that got nothing: their live tensors go back
                 with quiet_reload(failed is not None):
-                    reload_api().finalize_layerwise_reload(self.model, self.model_config)
+                    reload_api().finalize_layerwise_reload(model, window.model_config)
             if _is_cpu():
-                _cpu_fixups(self.model, _shadows(window.receiver) if failed is None else None)
+                _cpu_fixups(model, _shadows(window.receiver) if failed is None else None)
         except BaseException as exc:
             lost = f"{type(exc).__name__}: {exc}"
             if failed is None:
@@ -842,32 +894,47 @@ class _EngineLifecycle:
             window.stack.close()
             if failed is not None:
                 self._after_failure(window, failed, lost)
-        if failed is None and window.version is not None:
+        if failed is not None:
+            return
+        if window.installed:
             if window.evidence:  # processed and finalized: what vLLM left byte for byte is copied from now on
-                self.copy_into = direct_candidates(self.model, window.evidence)
+                self.copy_into = direct_candidates(model, window.evidence)
             window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
-            _serve_model(self.model)
             if not window.draft:
                 self.served = window.version  # named in the next failure's message
+        if window.installed or not _refusing(model):  # else a mix from before: still refused
+            _serve_model(model)
 
     def _after_failure(self, window: _UpdateWindow, failed: BaseException, lost: list[str] | str) -> None:
         """Refuse to run a mixed model; tell the state in ``failed``'s message."""
         what = "its draft model's" if window.draft else "weight"
         version = "the trainers' current" if window.version is None else window.version
-        previous = getattr(self, "served", None)
-        previous = "the checkpoint it started from" if previous is None else f"version {previous}"
         if lost:
             why = lost if isinstance(lost, str) else (f"layers {lost[:3]} ({len(lost)}) were written and not kept "
                                                       f"within keep_previous={self.previous.budget} bytes")
-            _refuse_model(self.model, f"update to {what} version {version} failed midway: {why}")
-        if _refusing(self.model):
-            _tell_state(failed, f"{MIXED} {what} version {version} was not installed whole and the previous "
-                                f"weights could not all be put back ({why if lost else 'an earlier failure'}): "
-                                "the engine refuses to run the model; keep it paused and refit again "
-                                "(a completed update serves again)")
+            ended = "was ended unserved" if window.installed else "failed midway"
+            _refuse_model(window.model, f"update to {what} version {version} {ended}: {why}")
+        if _refusing(window.model):
+            state = "was installed, not finished," if window.installed else "was not installed whole"
+            _tell_state(failed, f"{MIXED} {what} version {version} {state} and the previous weights could not "
+                                f"all be put back ({why if lost else 'an earlier failure'}): the engine refuses to "
+                                "run the model; keep it paused and refit again (a completed update serves again)")
         else:
-            _tell_state(failed, f"{PREVIOUS_KEPT} {what} version {version} was not installed; the engine holds "
-                                f"{previous} whole and may serve it (/resume)")
+            _serve_model(window.model)  # the previous version, whole
+            state = "was rolled back" if window.installed else "was not installed"
+            _tell_state(failed, f"{PREVIOUS_KEPT} {what} version {version} {state}; the engine holds "
+                                f"{self._served_before()} whole and may serve it (/resume)")
+
+    def _served_before(self) -> str:
+        served = getattr(self, "served", None)
+        return "the checkpoint it started from" if served is None else f"version {served}"
+
+    def _abandon(self, window: _UpdateWindow, why: str) -> MegarefitError:
+        """End ``window`` without serving what it installed (``why``: who ends it): the previous
+        weights go back where they were kept, else the model is refused; the error says which."""
+        error = MegarefitError(f"{ABANDONED} {why}: {window.held()}; it is ended without serving it.")
+        self._close(window, failed=error)
+        return error
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))

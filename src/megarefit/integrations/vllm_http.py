@@ -26,6 +26,8 @@ a trainer or controller process needs neither vLLM nor ``requests``.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 # What megarefit's engine appends to a failed update's error text (vLLM returns it as the response body)
 PREVIOUS_KEPT = "[megarefit: previous weights kept]"  # the previous version is whole: it may be served again
 MIXED = "[megarefit: mixed weights]"  # a mix of versions: the engine refuses to run the model until an update completes
+OPEN_UPDATE = "[megarefit: open update]"  # init refused: an update is open (its controller may have died mid-refit)
+ABANDONED = "[megarefit: update abandoned]"  # an open update ended unserved (update_weights {"abandon": true})
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's /pause?mode=...
 
 
@@ -82,6 +86,22 @@ class RefitHTTPError(MegarefitError):
                  else "Keep requests away from it")
         return (f" -- {asked}; {why}. {where}: refit again (VllmHttpRefit.refit({self.version}) resumes it on "
                 "success), or restart it")
+
+
+# vLLM 0.32's worker refuses /start_weight_update with this while its own update flag is set, before the engine runs
+VLLM_UPDATE_OPEN = "while a weight update is already active"
+
+
+def _said(body: str) -> str:
+    """The worker's error text in a vLLM error response (``{"error": {"message": "Call to
+    collective_rpc method failed: Worker failed with error '...', please check ..."}}``), else ``body``."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body.strip()
+    message = str((error.get("message") if isinstance(error, dict) else error) or body).strip()
+    inner = re.search(r"Worker failed with error '(.*)', please check", message, re.DOTALL)
+    return inner.group(1) if inner else message
 
 
 PREFETCH_NEEDS = ("prefetch needs the worker extension's RPCs: start the server with VLLM_SERVER_DEV_MODE=1 "
@@ -138,6 +158,8 @@ class VllmHttpRefit:
 
     Attributes:
         stats: the last successful refit's :class:`HttpRefitStats` (``None`` before).
+        recovered: the engine's account of the last open update this controller ended unserved
+            (:meth:`abandon`, from :meth:`init` or :meth:`refit`), ``None`` before.
 
     Raises:
         MegarefitError: an unknown ``mode``.
@@ -159,6 +181,7 @@ class VllmHttpRefit:
         self.prefetch = prefetch
         self.poll_s = poll_s
         self.stats: HttpRefitStats | None = None
+        self.recovered: str | None = None
 
     def _call(self, method: str, route: str, body: dict[str, Any] | None = None,
               query: str = "") -> dict[str, Any]:
@@ -178,9 +201,49 @@ class VllmHttpRefit:
         """``POST /init_weight_transfer_engine``: connect every worker's receiver to the trainers'
         rendezvous at ``host:port`` for ``job``. ``init_info`` takes the backend's other keys
         (``sharded``, ``memory_budget``, ``verify_checksums``, ``transport``, ``timeout``,
-        ``secret``, ``direct``: see :class:`~megarefit.integrations.vllm.MegarefitInitInfo`)."""
-        self._call("POST", "init_weight_transfer_engine",
-                   {"init_info": {"host": host, "port": port, "job": job, **init_info}})
+        ``secret``, ``direct``: see :class:`~megarefit.integrations.vllm.MegarefitInitInfo`).
+
+        A server whose engine holds an open weight update (a controller that died mid-refit: the
+        engine refuses the init, saying what the update holds, :data:`OPEN_UPDATE`) gets that
+        update ended unserved first (:meth:`abandon`; its account in :attr:`recovered`, also
+        logged), then the init. The server stays paused until the next :meth:`refit` resumes it.
+
+        Raises:
+            RefitHTTPError: the init failed (or the open update could not be ended)."""
+        body = {"init_info": {"host": host, "port": port, "job": job, **init_info}}
+        try:
+            self._call("POST", "init_weight_transfer_engine", body)
+        except RefitHTTPError as exc:
+            if OPEN_UPDATE not in exc.body:
+                raise
+            self.abandon()
+            self._call("POST", "init_weight_transfer_engine", body)
+
+    def abandon(self) -> str:
+        """End the server's open weight update without serving it: what a new controller does after
+        one died mid-refit (its ``/update_weights`` may have completed inside the server after it
+        died). ``POST /update_weights {"update_info": {"abandon": true}}``: the engine puts the
+        previous weights back where it kept them (``keep_previous``; the server then holds the version
+        ``GET /weight_info`` names, whole), else refuses to run the model until a refit completes,
+        and raises, which is how vLLM 0.32 ends an update without labelling a version. The server is
+        not resumed.
+
+        Returns:
+            the engine's account (also :attr:`recovered`): what the update held and what the server
+            holds now (ends with :data:`PREVIOUS_KEPT` or :data:`MIXED`).
+
+        Raises:
+            RefitHTTPError: the server answered without :data:`ABANDONED` (no update open in vLLM,
+                another backend, no answer)."""
+        try:
+            self._call("POST", "update_weights", {"update_info": {"abandon": True}})
+        except RefitHTTPError as exc:
+            if ABANDONED not in exc.body:
+                raise
+            self.recovered = _said(exc.body)
+            logging.getLogger(__name__).warning("%s: %s", self.base_url, self.recovered)
+            return self.recovered
+        raise RefitHTTPError("update_weights", 200, "the server ended no update (not the megarefit backend?)")
 
     def reports(self, path: str = "engine") -> list[dict[str, Any] | None]:
         """Each worker's report of its last completed update (``/collective_rpc``
@@ -243,7 +306,7 @@ class VllmHttpRefit:
             info["timeout"] = float(timeout)
         try:
             for start in ("start_weight_update", "start_draft_weight_update")[:2 if draft else 1]:
-                self._call("POST", start)
+                self._start(start)
                 try:
                     self._call("POST", "update_weights", {"update_info": info})  # on an error vLLM ends the update
                 except RefitHTTPError as exc:
@@ -253,6 +316,18 @@ class VllmHttpRefit:
                 self._call("POST", "finish_weight_update", {"weight_version": str(version)})
         except RefitHTTPError as exc:
             raise self._failed(exc, version, paused) from None
+
+    def _start(self, route: str) -> None:
+        """``POST /start_weight_update`` (or the draft's); where vLLM's worker refuses it as an
+        update is open already (one whose controller died, or this one's after a timeout), that
+        update is ended unserved (:meth:`abandon`) and the start sent again."""
+        try:
+            self._call("POST", route)
+        except RefitHTTPError as exc:
+            if VLLM_UPDATE_OPEN not in exc.body:
+                raise
+            self.abandon()
+            self._call("POST", route)
 
     def _rpc(self, method: str, kwargs: dict[str, str]) -> list[Any]:
         """``POST /collective_rpc``: ``method`` on every worker; their results."""
