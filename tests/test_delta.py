@@ -20,6 +20,7 @@ import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -288,19 +289,16 @@ def test_a_consumer_that_writes_a_handed_over_tensor_gets_a_full_pull(dense):
     assert rx.stats.refit == "delta"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None)
 @given(nbytes=st.integers(1, 5 * 8 * 4096 + 13), at=st.floats(0, 1), kind=st.sampled_from(["bit", "swap", "none"]),
        seed=st.integers(0, 2 ** 16))
-def test_the_held_fingerprint_sees_every_write(nbytes, at, kind, seed, monkeypatch):
+def test_the_held_fingerprint_sees_every_write(nbytes, at, kind, seed):
     """Any changed byte, and any two distinct words swapped, change the fingerprint; the same
-    bytes never do (the oracle: torch.equal of a copy), across chunk and tail edges. The GPU's
-    blocked sums (here on the CPU, blocks of 2 chunks) equal the CPU's matrix-vector product."""
-    monkeypatch.setattr(held, "BLOCK", 2 * held.CHUNK)
+    bytes never do (the oracle: torch.equal of a copy), across chunk and tail edges."""
     g = torch.Generator().manual_seed(seed)
     arena = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     before = arena.clone()
     fp = held.HeldFingerprint({"uint8": arena})
-    assert torch.equal(held.fingerprint(arena, blocked=True), fp.sums["uint8"])
     i = min(nbytes - 1, int(at * nbytes))
     if kind == "bit":
         arena[i] ^= 1 << int(torch.randint(8, (1,), generator=g))
@@ -313,6 +311,60 @@ def test_the_held_fingerprint_sees_every_write(nbytes, at, kind, seed, monkeypat
     assert bool(changed) == (not torch.equal(arena, before))
     for a, b in changed.get("uint8", []):
         assert not torch.equal(arena[a:b], before[a:b])
+
+
+def _python_sums(raw: bytes, chunk: int) -> list[int]:
+    """The fingerprint's definition in Python integers: per chunk of ``chunk`` little-endian
+    8-byte words (the last zero-padded), sum (2 j + 1) * word_j modulo 2**64, as signed int64."""
+    raw = raw + bytes(-len(raw) % 8)
+    words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    out = []
+    for a in range(0, len(words), chunk):
+        s = sum((2 * j + 1) * x for j, x in enumerate(words[a:a + chunk])) % 2 ** 64
+        out.append(s - 2 ** 64 if s >= 2 ** 63 else s)
+    return out
+
+
+_FUSED_FINGERPRINT = """
+import sys, torch
+from megarefit.online import held, held_kernel
+sys.path.insert(0, "tests")
+from test_delta import _python_sums
+g = torch.Generator().manual_seed(5)
+for nbytes in (8, 8 * 1024 * 3 + 8, 8 * 4096 * 2 + 5, 8 * 4096 + 8 * 1023):
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    words = raw[:nbytes // 8 * 8].view(torch.int64)
+    whole = raw[:nbytes // 8 * 8].numpy().tobytes()
+    assert held_kernel.chunk_sums(words, 1024).tolist() == _python_sums(whole, 1024)
+    assert held.fingerprint(raw, fused=True).tolist() == _python_sums(raw.numpy().tobytes(), held.CHUNK)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("nbytes", [1, 8, 8 * 4096, 8 * 4096 * 3 + 8 * 17 + 3])
+def test_the_fingerprint_is_its_definition(nbytes, monkeypatch):
+    """Both PyTorch paths (the CPU's matrix-vector product; the GPU's blocks, run here on the CPU
+    in blocks of two chunks) equal the definition computed in Python integers, a partial last
+    chunk and a partial last word included; so does the fused kernel, run by Triton's interpreter."""
+    monkeypatch.setattr(held, "BLOCK", 2 * held.CHUNK)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    want = _python_sums(raw.numpy().tobytes(), held.CHUNK)
+    words, tail = held._words(raw)
+    for blocked in (False, True):
+        assert held.weighted_sums(words, blocked=blocked).tolist() == _python_sums(words.view(torch.uint8).numpy().tobytes(),
+                                                                                   held.CHUNK)
+    assert held.fingerprint(raw, fused=False).tolist() == want
+
+
+def test_the_fused_fingerprint_under_the_triton_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _FUSED_FINGERPRINT], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300, check=False, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_a_delta_that_would_patch_no_tensor_is_a_full_pull(dense):

@@ -173,3 +173,22 @@ def test_gpu_streamed_receiver_patches_its_direct_targets(config):
             assert torch.equal(model[name].view(torch.uint8), w.view(torch.uint8)), (v, name)
     rx.close()
     full.close()
+
+
+def test_the_fused_fingerprint_on_the_gpu_equals_the_cpus():
+    """On the GPU the held arena's fingerprint is the fused kernel (it passed its check: no
+    warning), and equals the CPU's matrix-vector product on the same bytes, a partial last chunk
+    and word included; so does the GPU's PyTorch path (blocks)."""
+    import warnings
+
+    from megarefit.online import held, held_kernel
+
+    raw = torch.randint(0, 256, (8 * held.CHUNK * 5 + 8 * 77 + 5,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert held_kernel.usable(torch.device("cuda:0"), held.weighted_sums)
+    want = held.fingerprint(raw)
+    on_gpu = raw.to("cuda:0")
+    assert torch.equal(held.fingerprint(on_gpu).cpu(), want)
+    assert torch.equal(held.fingerprint(on_gpu, fused=False).cpu(), want)
