@@ -3,7 +3,8 @@
 A child pytest runs the real-Megatron test modules whose layouts differ by release on 0.19.2, and ``megarefit demo`` refits the
 families whose layouts moved between releases, each checked by Megatron logits == HF logits:
 GLM-5.2 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``; indexers shared), Qwen3.5 and Qwen3-Next (gated
-DeltaNet, as on 0.16.1), DeepSeek-V3 and Qwen3-30B-A3B (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``, the hybrid stack) and gpt-oss run in
+DeltaNet, as on 0.16.1), DeepSeek-V3 and Qwen3-30B-A3B (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``,
+the hybrid stack) and gpt-oss run in
 ``test_demo_families.py`` inside the child. See ``megatron_releases.py`` for how the release is
 installed beside the pinned one.
 """

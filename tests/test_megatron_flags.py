@@ -85,7 +85,8 @@ def test_the_release_lists_every_audited_flag_its_config_has(audited):
     assert everywhere & fields <= listed, sorted(everywhere & fields - listed)  # none it has left out
 
 
-@pytest.mark.parametrize("case,zero_centered", [("Qwen3.5-27B.json", False), ("Qwen3-Next-80B-A3B-Thinking.json", False),
+@pytest.mark.parametrize("case,zero_centered", [("Qwen3.5-27B.json", False),
+                                                ("Qwen3-Next-80B-A3B-Thinking.json", False),
                                                 ("Llama-3.1-8B.json", True), ("Qwen3-0.6B.json", True)])
 def test_a_norm_convention_other_than_the_hf_models_is_refused_through_the_plan(case, zero_centered):
     """Megatron-LM's --apply-layernorm-1p (layernorm_zero_centered_gamma) on a Llama / Qwen3 trainer, or
