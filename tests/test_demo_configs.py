@@ -17,9 +17,8 @@ pytest.importorskip("megatron.core")
 
 # tests/data/configs holds a copy of every file in the project's shared/configs (README there)
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.json"))
-NEEDS = {"GLM-5.2-FP8.json": (0, 19),  # shared DSA indexers: Megatron-Core's dsa_indexer_topk_freq (0.19+)
-         # gated DeltaNet (Qwen3.5, Qwen3-Next): GatedDeltaNet is 0.17+
-         **dict.fromkeys(("Qwen3.5-27B.json", "Qwen3.5-397B-A17B.json", "Qwen3-Next-80B-A3B-Thinking.json"), (0, 17))}
+# shared DSA indexers: Megatron-Core's dsa_indexer_topk_freq (0.19+); gated DeltaNet builds on every verified release
+NEEDS = {"GLM-5.2-FP8.json": (0, 19)}
 
 REFUSED = {"DeepSeek-V4-Flash.json": "no Megatron-Core release"}
 

@@ -56,3 +56,17 @@ def test_demo_minimax_m2_matches_real_megatron():
     ``rotary_dim`` scaled with ``head_dim``); transformers' own MiniMaxM2ForCausalLM gives the same
     logits after the refit."""
     _demo_says("MiniMax-M2.5.json", "rotary_dim 64 -> 8", "tp=2", "MiniMaxM2ForCausalLM")
+
+
+@pytest.mark.megatron
+def test_demo_qwen3_next_matches_real_megatron_on_the_pinned_release():
+    """`megarefit demo --config Qwen3-Next-80B-A3B-Thinking.json --tp 2` on the installed release (the pinned
+    0.16.1 ships GatedDeltaNet too): Megatron-Core's GatedDeltaNet and gated attention, zero-centered norms, a
+    gated shared expert; transformers' Qwen3NextForCausalLM gives the same logits after the refit. On 0.19.2
+    test_megatron_0_19.py runs the same demo (with Qwen3.5's)."""
+    pytest.importorskip("megatron.core")
+    from megarefit.demo.megatron_cpu import megatron_series
+
+    if megatron_series() >= (0, 19):
+        pytest.skip("test_megatron_0_19.py runs this demo on 0.19.2")
+    _demo_says("Qwen3-Next-80B-A3B-Thinking.json", "Qwen3NextForCausalLM", layout=("--tp", "2"))

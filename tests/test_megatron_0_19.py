@@ -3,7 +3,8 @@
 A child pytest runs the real-Megatron test modules whose layouts differ by release on 0.19.2, and ``megarefit demo`` refits the
 families whose layouts moved between releases, each checked by Megatron logits == HF logits:
 GLM-5.2 (DSA indexer RoPE first, ``dsa_indexer_rope_interleaved``; indexers shared), Qwen3.5 and Qwen3-Next (gated
-DeltaNet, 0.17+), DeepSeek-V3 and Qwen3-30B-A3B (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``, the hybrid stack) and gpt-oss run in
+DeltaNet, as on 0.16.1), DeepSeek-V3 and Qwen3-30B-A3B (experts over ep 2). Nemotron-H (``mixer.conv1d_weight``,
+the hybrid stack) and gpt-oss run in
 ``test_demo_families.py`` inside the child. See ``megatron_releases.py`` for how the release is
 installed beside the pinned one.
 """
@@ -23,7 +24,8 @@ MODULES = ["tests/test_megatron_moe.py", "tests/test_megatron_mla_glm.py", "test
            "tests/test_megatron_grouped.py", "tests/test_megatron_mamba.py", "tests/test_demo_families.py",
            "tests/test_from_megatron.py",  # Publisher.from_megatron reads parallel_state and Megatron's stage split
            "tests/test_delta_track.py",  # the optimizer's main-to-model copy that delta tracking wraps
-           "tests/test_megatron_gdn.py"]  # Qwen3.5's GatedDeltaNet and gated attention (0.17+ builds them)
+           "tests/test_megatron_gdn.py",  # Qwen3.5's GatedDeltaNet and gated attention
+           "tests/test_megatron_flags.py"]  # the config-flag audit on 0.19.2's TransformerConfig
 
 
 def test_real_megatron_tests_pass_on_0_19():
@@ -37,7 +39,7 @@ def test_real_megatron_tests_pass_on_0_19():
 # and DeepSeek-V3 on 0.19 are the child's test_megatron_moe / test_megatron_mla_glm cases above, left
 # out here for the suite's time (`megarefit demo` passes on both, and on GLM-5)
 # Qwen3.5 (its vision-language checkpoint's language model: gated DeltaNet, gated attention, MoE with a gated
-# shared expert) and Qwen3-Next (in_proj_qkvz / in_proj_ba packed per key head): GatedDeltaNet is 0.17+
+# shared expert) and Qwen3-Next (in_proj_qkvz / in_proj_ba packed per key head; the pinned 0.16.1 builds them too)
 @pytest.mark.parametrize("config,layout", [("GLM-5.2-FP8.json", ("--tp", "1", "--ep", "2")),
                                            ("Qwen3.5-397B-A17B.json", ("--tp", "1", "--ep", "2")),
                                            ("Qwen3-Next-80B-A3B-Thinking.json", ("--tp", "2"))])

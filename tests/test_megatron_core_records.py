@@ -49,10 +49,10 @@ def test_what_is_not_verified_is_refused_naming_the_fix():
     unread = MegatronCore("0.19.2", None)
     with pytest.raises(UnverifiedMegatronError, match="were not read; pass megatron=megatron_core_of"):
         plan_megatron_to_hf(dims, layout.with_megatron(unread))
-    flags = dict(MegatronCore.verified("0.18.2").flags) | {"moe_mlp_glu_interleave_size": 128}
+    flags = dict(MegatronCore.verified("0.18.2", dims.megatron_needs()).flags) | {"moe_mlp_glu_interleave_size": 128}
     with pytest.raises(UnverifiedMegatronError, match="moe_mlp_glu_interleave_size=128 is refused"):
         plan_megatron_to_hf(dims, layout.with_megatron(MegatronCore("0.18.2", tuple(flags.items()))))
-    assumed = MegatronCore("0.19.3", MegatronCore.verified("0.19.2").flags, assume="0.19.2")
+    assumed = MegatronCore("0.19.3", MegatronCore.verified("0.19.2", dims.megatron_needs()).flags, assume="0.19.2")
     assert plan_megatron_to_hf(dims, layout.with_megatron(assumed)).layout.megatron.version == "0.19.3"
     with pytest.raises(UnverifiedMegatronError, match="GroupedMLP .* removed in megatron-core 0.17"):
         plan_megatron_to_hf(dims, SourceLayout.build(tp=1, pp=1, ep=2, padded_vocab_size=256, num_layers=2,

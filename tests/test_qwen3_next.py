@@ -109,11 +109,10 @@ def test_plans_of_the_published_config():
     assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == (64, 2 * cfg["moe_intermediate_size"], h)
 
 
-def test_what_is_not_translated_yet_is_refused(capsys):
-    """Block FP8 keeps ``in_proj_ba`` unquantized; dense layers in its config (``mlp_only_layers``) are refused;
-    the demo needs megatron-core 0.17+ (GatedDeltaNet): each refused in one line."""
+def test_what_is_not_translated_yet_is_refused():
+    """Block FP8 keeps ``in_proj_ba`` unquantized; dense layers in its config (``mlp_only_layers``) are refused
+    in one line."""
     from megarefit import ModelDims, SourceLayout
-    from megarefit.cli.main import main
     from megarefit.errors import UnsupportedModelError
     from megarefit.planner.megatron_to_hf import plan_megatron_to_hf
     from megarefit.quant.fp8 import Fp8Format
@@ -123,10 +122,5 @@ def test_what_is_not_translated_yet_is_refused(capsys):
     src = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
     fp8 = where_quantized(plan_fp8(plan_megatron_to_hf(dims, src, "bfloat16"), Fp8Format((128, 128))))
     assert fp8 and not any(n.endswith("in_proj_ba.weight") for n in fp8)  # kept bf16, as vLLM (test_vllm_gdn_fp8)
-    from megarefit.demo.megatron_cpu import megatron_series
-
-    if megatron_series() < (0, 17):  # the demo passes on 0.19 (test_megatron_0_19.py)
-        assert main(["demo", "--config", str(CONFIGS / "Qwen3-Next-80B-A3B-Thinking.json")]) == 2
-        assert "cannot build them (GatedDeltaNet is 0.17+)" in capsys.readouterr().out
     with pytest.raises(UnsupportedModelError, match="mlp_only_layers / decoder_sparse_step name dense layers"):
         ModelDims.from_hf_config(NEXT | {"mlp_only_layers": [1]})

@@ -108,7 +108,7 @@ class GPTArch:
     activation_clamp: float | None = None  # HF swiglu_limit
     sliding_window: int = 0  # HF sliding_window: tokens a sliding layer attends to, itself included (0: none)
     sliding_layers: tuple[bool, ...] = ()  # per layer (HF layer_types == "sliding_attention")
-    # gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; Megatron-Core 0.17+, see megatron_gdn): per layer True for
+    # gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; every verified release, see megatron_gdn): per layer True for
     # GatedDeltaNet, else gated full attention; the GDN dims as (HF / Megatron name, value) pairs
     gdn_linear: tuple[bool, ...] = ()
     gdn_dims: tuple[tuple[str, int], ...] = ()
@@ -133,21 +133,16 @@ def harness_flags() -> dict[str, Any]:
 
 def harness_megatron() -> MegatronCore:
     """The :class:`~megarefit.specs.megatron_core.MegatronCore` record of the models this harness
-    builds with the installed ``megatron.core`` (its version, :func:`harness_flags`, the config
-    classes' defaults otherwise); a built model's own record is ``integrations.megatron.megatron_core_of(model)``.
+    builds with the installed ``megatron.core``: its version, every flag as the spec tables need it for
+    the model planned (:meth:`~megarefit.specs.megatron_core.MegatronCore.verified`; the harness builds
+    each family so); a built model's own record is ``integrations.megatron.megatron_core_of(model)``.
 
     Raises:
         UnverifiedMegatronError: the installed version is not verified.
     """
-    import dataclasses
-    import types
-
     import megatron.core
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    config = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
-              if f.default is not dataclasses.MISSING}
-    return MegatronCore.from_config(megatron.core.__version__, types.SimpleNamespace(**{**config, **harness_flags()}))
+    return MegatronCore.verified(megatron.core.__version__)
 
 
 # --------------------------------------------------------------------------- CPU patches
@@ -729,8 +724,8 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor | None
 def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_by: int = 128,
                      max_sequence_length: int = 256, mtp_layers: int = 0) -> GPTArch:
     """GPTArch for an HF config (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral,
-    DeepSeek-V3-style MLA, GLM-4.5 / GLM-5, gpt-oss, MiniMax-M2, Qwen3.5 / Qwen3-Next on
-    megatron-core 0.17+), vocab padded as Megatron pads it.
+    DeepSeek-V3-style MLA, GLM-4.5 / GLM-5, gpt-oss, MiniMax-M2, Qwen3.5 / Qwen3-Next), vocab padded
+    as Megatron pads it.
 
     Raises:
         MegarefitError: the config needs something this harness does not build
@@ -789,18 +784,10 @@ def gpt_arch_from_hf(hf_config: Any, *, tp: int = 1, make_vocab_size_divisible_b
 
 
 def _gdn_arch(dims: ModelDims) -> dict[str, Any]:
-    """A gated-DeltaNet hybrid's GPTArch fields (``{}`` for other models).
-
-    Raises:
-        UnsupportedModelError: the installed megatron-core predates GatedDeltaNet (0.17)."""
+    """A gated-DeltaNet hybrid's GPTArch fields (``{}`` for other models; ``GatedDeltaNet`` ships in
+    every verified release, 0.16.1 included)."""
     if not dims.linear_layers:
         return {}
-    if megatron_series() < (0, 17):
-        import megatron.core
-
-        raise UnsupportedModelError(f"{dims.family}: gated DeltaNet layers: megatron-core {megatron.core.__version__} "
-                                    "cannot build them (GatedDeltaNet is 0.17+); run with megatron-core 0.19 or "
-                                    "later (the release the demo is tested on)")
     return {"gdn_linear": tuple(i in dims.linear_layers for i in range(dims.num_layers)), "gdn_dims": (
         ("linear_num_key_heads", dims.gdn_key_heads), ("linear_num_value_heads", dims.gdn_value_heads),
         ("linear_key_head_dim", dims.gdn_key_dim), ("linear_value_head_dim", dims.gdn_value_dim),

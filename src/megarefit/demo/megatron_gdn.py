@@ -1,4 +1,4 @@
-"""Gated-DeltaNet decoder layers (Qwen3.5, Qwen3-Next) for the CPU harness, on Megatron-Core 0.17+.
+"""Gated-DeltaNet decoder layers (Qwen3.5, Qwen3-Next) for the CPU harness, on every verified Megatron-Core (0.16.1+).
 
 Megatron-Core builds these models as Megatron-Bridge configures them: a ``GPTModel`` whose layers
 mix ``GatedDeltaNet`` (``experimental_attention_variant="gated_delta_net"``, the layers in

@@ -63,7 +63,7 @@ MODULE_MODES: Mapping[tuple[str, str], ParallelMode] = {
     ("MambaMixer", "conv1d_weight"): P.COLUMN,  # megatron-core 0.19: the conv as plain parameters
     ("MambaMixer", "conv1d_bias"): P.COLUMN,
     ("ExtendedRMSNorm", "weight"): P.COLUMN,
-    # gated DeltaNet (Qwen3.5, Qwen3-Next; megatron-core 0.17+): per value head, split as the heads are
+    # gated DeltaNet (Qwen3.5, Qwen3-Next; every verified megatron-core): per value head, split as the heads are
     ("GatedDeltaNet", "A_log"): P.COLUMN,
     ("GatedDeltaNet", "dt_bias"): P.COLUMN,
     ("SharedExpertMLP", "gate_weight"): P.REPLICATED,  # moe_shared_expert_gate: [1, hidden] on every rank

@@ -9,7 +9,7 @@ from typing import Any
 from megarefit.errors import LayoutError, MegarefitError
 from megarefit.layout.hf_dims import load_hf_config, read_hf_dims
 from megarefit.specs import FamilySpec, family_for_config, get_family
-from megarefit.specs.megatron_core import REFERENCE, MegatronCore
+from megarefit.specs.megatron_core import REFERENCE, MegatronCore, ModelNeeds
 from megarefit.specs.table import Condition, ParamSpec
 
 DEFAULT_VOCAB_DIVISOR = 128
@@ -42,6 +42,7 @@ class ModelDims:
     moe_ffn_hidden_size: int = 0  # per routed expert
     shared_expert_ffn: int = 0  # total shared-expert intermediate size; 0 for none
     router_bias: bool = False  # router score-correction bias (DeepSeek-V3 e_score_correction_bias)
+    router_unnormalized: bool = False  # HF does not renormalise the top-k router probabilities (norm_topk_prob)
     dense_layers: tuple[int, ...] = ()  # global indices of dense layers in an MoE model
     q_lora_rank: int = 0  # MLA; 0 without a low-rank q projection
     kv_lora_rank: int = 0  # MLA; 0 for non-MLA attention
@@ -192,17 +193,10 @@ class ModelDims:
             out.add(Condition.DSA_INDEXER)
         return frozenset(out)
 
-    def megatron_features(self, mtp_layers: int = 0) -> frozenset[str]:
-        """What this model has of :data:`megarefit.specs.megatron_core.Feature` (which config flags
-        matter), with ``mtp_layers`` MTP layers trained."""
-        out = {"any"}
-        dsa = self.index_n_heads and not self.hc_mult  # DeepSeek-V4's indexers are not Megatron-Core's DSA
-        for feature, present in (("moe", self.num_experts), ("mla", self.kv_lora_rank), ("dsa", dsa),
-                                 ("mtp", mtp_layers), ("shared_experts", self.shared_expert_ffn),
-                                 ("gdn", self.linear_layers)):
-            if present:
-                out.add(feature)
-        return frozenset(out)
+    def megatron_needs(self, mtp_layers: int = 0) -> ModelNeeds:
+        """What this model needs of its trainer's ``TransformerConfig``, with ``mtp_layers`` MTP layers
+        trained (see :func:`megatron_needs`)."""
+        return megatron_needs(self, mtp_layers)
 
     def has_row(self, row: ParamSpec, layer: int | None) -> bool:
         """Whether spec row ``row`` exists in global layer ``layer`` (``None``: not a layer row):
@@ -318,6 +312,44 @@ class ModelDims:
         return d
 
 
+def megatron_needs(d: ModelDims, mtp_layers: int = 0) -> ModelNeeds:
+    """Which config flags matter for ``d`` (:func:`megatron_features`) and the values of those
+    that follow its HF config or its family's table
+    (:attr:`~megarefit.specs.table.FamilySpec.megatron_config`)::
+
+        flag                            values for this model
+        add_bias_linear                 (o_proj or MLP biases,)
+        add_qkv_bias                    (q/k/v biases,); either, where add_bias_linear builds them
+        qk_layernorm                    (q/k norms or MLA,)
+        moe_router_score_function       (the family's router_score,)
+        moe_router_pre_softmax          softmax: (not renormalised,); sigmoid: (False, True), none where
+                                        HF does not renormalise (Megatron-Core always does)
+        moe_router_enable_expert_bias   (router_bias,)
+    """
+    linear = d.proj_bias or d.mlp_bias
+    values = dict(d.spec.megatron_config)
+    values.update(add_bias_linear=(linear,), add_qkv_bias=(True, False) if linear and d.qkv_bias else (d.qkv_bias,),
+                  qk_layernorm=(bool(d.qk_norm or d.kv_lora_rank),))
+    if d.num_experts:
+        score = d.spec.router_score
+        pre = (d.router_unnormalized,) if score == "softmax" else () if d.router_unnormalized else (False, True)
+        values.update(moe_router_score_function=(score,), moe_router_pre_softmax=pre,
+                      moe_router_enable_expert_bias=(d.router_bias,))
+    return ModelNeeds(megatron_features(d, mtp_layers), tuple(sorted(values.items())))
+
+
+def megatron_features(d: ModelDims, mtp_layers: int = 0) -> frozenset[str]:
+    """What ``d`` has of :data:`megarefit.specs.megatron_core.Feature` (which config flags matter),
+    with ``mtp_layers`` MTP layers trained."""
+    out = {"any"}
+    dsa = d.index_n_heads and not d.hc_mult  # DeepSeek-V4's indexers are not Megatron-Core's DSA
+    for feature, present in (("moe", d.num_experts), ("mla", d.kv_lora_rank), ("dsa", dsa),
+                             ("mtp", mtp_layers), ("shared_experts", d.shared_expert_ffn), ("gdn", d.linear_layers)):
+        if present:
+            out.add(feature)
+    return frozenset(out)
+
+
 def _moe_problems(d: ModelDims, tp: int, ep: int, etp: int) -> list[str]:
     """Why the experts cannot split over ``ep`` and ``etp`` (and shared experts over ``tp``)."""
     problems = []
@@ -378,4 +410,4 @@ _KINDS = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
 _OPTIONAL_FIELDS = ("layer_pattern", "mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "conv_kernel",
                   "shared_indexer_layers", "linear_layers", "gdn_key_heads", "gdn_key_dim", "gdn_value_heads",
                   "gdn_value_dim", "compress_ratios", "hash_layers", "hc_mult", "o_groups", "o_lora_rank",
-                  "experts_per_token")
+                  "experts_per_token", "router_unnormalized")

@@ -383,7 +383,7 @@ def check_source(dims: ModelDims, layout: SourceLayout) -> tuple[ParamSpec, ...]
             :meth:`~megarefit.specs.megatron_core.MegatronCore.check`).
     """
     dims.check_layout(layout.tp, layout.pp, layout.ep, layout.etp)
-    layout.megatron.check(dims.megatron_features(layout.mtp_layers), expert_layout=layout.expert_layout,
+    layout.megatron.check(dims.megatron_needs(layout.mtp_layers), expert_layout=layout.expert_layout,
                           model=dims.family)
     dims.check_expert_layout(layout.expert_layout)
     if layout.mtp_layers > dims.mtp_layers:

@@ -260,8 +260,9 @@ def _moe_dims(r: HFConfigReader) -> dict[str, Any]:
                                     f"{[i for i, kind in enumerate(kinds) if kind == 'dense'][:8]} dense, the "
                                     f"dense-layer keys {sorted(dense)[:8]}: fix the config so that both agree")
     shared = int(get(fam.shared_experts_key) or 0) if fam.shared_experts_key else 0
+    renorm = bool(get(*fam.router_renorm)) if isinstance(fam.router_renorm, tuple) else fam.router_renorm
     return {"num_experts": experts, "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn": shared * moe_ffn,
-            "router_bias": bool(bias), "dense_layers": tuple(sorted(dense))}
+            "router_bias": bool(bias), "dense_layers": tuple(sorted(dense)), "router_unnormalized": not renorm}
 
 
 def _dsa_dims(r: HFConfigReader, read: Mapping[str, Any]) -> dict[str, Any]:

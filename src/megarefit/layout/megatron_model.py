@@ -455,8 +455,8 @@ def check_stated(read: SourceLayout, stated: SourceLayout | None) -> None:
     """
     if stated is None or stated == read:
         return
-    if stated.megatron.flags is None and (stated.megatron.version, stated.megatron.assume) == (
-            read.megatron.version, read.megatron.assume):
+    if (stated.megatron.flags is None or stated.megatron.table_flags) and (
+            stated.megatron.version, stated.megatron.assume) == (read.megatron.version, read.megatron.assume):
         stated = dataclasses.replace(stated, megatron=read.megatron)  # stated without flags: the version is checked
         if stated == read:
             return

@@ -150,6 +150,8 @@ DEEPSEEK_V3 = FamilySpec(
     router_bias=("topk_method", "noaux_tc"),
     mtp_key="num_nextn_predict_layers",
     mla=True,
+    router_score="sigmoid",
+    router_renorm=("norm_topk_prob", True),
 )
 
 # GLM-5: DeepSeek-V3's MoE / MTP rules, its own rows (DSA MLA + indexer)
@@ -169,4 +171,6 @@ GLM4_MOE = FamilySpec(
     first_dense_key="first_k_dense_replace",
     router_bias=True,
     mtp_key="num_nextn_predict_layers",
+    router_score="sigmoid",  # HF Glm4Moe's noaux_tc router
+    router_renorm=("norm_topk_prob", True),
 )

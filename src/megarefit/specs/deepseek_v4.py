@@ -151,6 +151,8 @@ DEEPSEEK_V4 = FamilySpec(
     shared_experts_key="n_shared_experts",
     router_bias=("topk_method", "noaux_tc"),
     hyper_connections=True,
+    router_score="sqrtsoftplus",
+    router_renorm=("norm_topk_prob", True),
     fp8_config_requires=(("expert_dtype", "fp8"),),
     megatron_source="Megatron-LM's dev branch as Megatron-Bridge 0.6.2 maps it; no megatron-core release builds it",
 )

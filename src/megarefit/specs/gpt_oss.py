@@ -67,6 +67,9 @@ GPT_OSS = FamilySpec(
     proj_bias="attention_bias",
     experts_key="num_local_experts",
     moe_ffn_key="intermediate_size",
+    # learned sinks; act(gate) * (up + 1) with quick-GELU (x * sigmoid(1.702 x)), inputs clamped at swiglu_limit
+    megatron_config=(("softmax_type", ("learnable",)), ("activation_func", ("quick_gelu",)),
+                     ("glu_linear_offset", (1.0,)), ("activation_func_clamp_value", (7.0,))),
 )
 
 __all__ = ["GPT_OSS"]

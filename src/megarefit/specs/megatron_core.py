@@ -13,9 +13,11 @@ a :class:`~megarefit.specs.table.Condition` that spec-table rows require, and ea
     mamba_conv_params                           x      mixer.conv1d_weight / conv1d_bias
     legacy GroupedMLP         x                        mlp.experts.weight1 / weight2 (removed in 0.17)
 
-A release also names the ``TransformerConfig`` flags (:class:`ConfigFlag`) whose value changes
-the layout or the function a model computes (fused or interleaved weights, muP scaling, the DSA
-indexer's RoPE): megarefit translates the values it has verified and refuses the others.
+A release also names the ``TransformerConfig`` flags (:class:`ConfigFlag`,
+:mod:`megarefit.specs.megatron_flags`) whose value changes what a stored parameter means or the
+function the model computes (norm conventions, fused or interleaved weights, the router, muP
+scaling, the DSA indexer's RoPE): megarefit translates the values it has verified for the model
+(:class:`ModelNeeds`) and refuses the others, by name.
 
 :class:`MegatronCore` is one trainer's record, the version and those flags' values, as the
 Publisher writes it into its manifest. A version that no release lists as verified is refused,
@@ -26,35 +28,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from megarefit.errors import MegarefitError, UnverifiedMegatronError
+from megarefit.specs.megatron_flags import (
+    FLAGS_016,
+    FLAGS_017,
+    FLAGS_018,
+    FLAGS_019,
+    ConfigFlag,
+    Feature,
+    ModelNeeds,
+    plain,
+)
 from megarefit.specs.table import Condition
-
-Feature = Literal["any", "moe", "mla", "dsa", "mtp", "shared_experts", "gdn"]
-"""Which models a :class:`ConfigFlag` matters for: every model, or those with routed experts,
-multi-latent attention, a DSA indexer, multi-token prediction, or shared experts."""
 
 ASSUME_ENV = "MEGAREFIT_ASSUME_MEGATRON"
 """Environment variable read by :meth:`MegatronCore.detect`: a verified version to read an
 unverified installed one as (``MEGAREFIT_ASSUME_MEGATRON=0.19.2`` for a 0.19.3 trainer)."""
-
-
-@dataclass(frozen=True)
-class ConfigFlag:
-    """A ``TransformerConfig`` attribute whose value changes what megarefit must do.
-
-    Attributes:
-        name: the attribute (``dsa_indexer_rope_interleaved``).
-        verified: values megarefit translates exactly (proved by forward equivalence).
-        feature: the models it matters for (:data:`Feature`).
-        why: what another value would change, for the error message.
-    """
-
-    name: str
-    verified: tuple[Any, ...]
-    feature: Feature
-    why: str
 
 
 @dataclass(frozen=True)
@@ -77,46 +68,15 @@ class MegatronRelease:
 
 
 _C = Condition
-_FLAGS_017 = (
-    ConfigFlag("mla_down_proj_fusion", (False,), "mla",
-               "fuses linear_q_down_proj and linear_kv_down_proj into one weight, which no spec row reads"),
-    ConfigFlag("mtp_use_repeated_layer", (False,), "mtp", "shares one MTP layer across depths"),
-    ConfigFlag("use_mup", (False,), "any", "scales embeddings, attention and logits (muP): not the HF model's "
-                                           "function"),
-    # gated DeltaNet hybrids (Qwen3.5, GatedDeltaNet from 0.17): the spec table follows Megatron-Bridge's provider
-    ConfigFlag("layernorm_zero_centered_gamma", (True,), "gdn",
-               "stores norm weights as w, not the w - 1 the Qwen3.5 table reads (HF's norms compute 1 + w, its gated "
-               "DeltaNet norm w): every norm would come out 1 off; set it True, as Megatron-Bridge does for Qwen3.5"),
-    ConfigFlag("attention_output_gate", (True,), "gdn",
-               "builds full attention without Qwen3.5's per-head output gate (linear_qkv without gate rows)"),
-)
-_FLAGS_018 = _FLAGS_017 + (
-    ConfigFlag("moe_single_grouped_weight", (False,), "moe", "stacks every local expert into one weight"),
-    ConfigFlag("moe_single_grouped_bias", (False,), "moe", "stacks every local expert's bias into one tensor"),
-    ConfigFlag("moe_mlp_glu_interleave_size", (None,), "moe",
-               "interleaves gate and up rows in blocks inside expert linear_fc1 (same names and shapes: "
-               "translating it as [gate; up] would be silently wrong)"),
-)
-_FLAGS_019 = _FLAGS_018 + (
-    ConfigFlag("dsa_indexer_rope_interleaved", (True,), "dsa",
-               "False ropes the indexer's half-split pairs, GLM-5 (HF rope_interleave) interleaved pairs: set it "
-               "True, as Megatron-Bridge does for GLM-5"),
-    ConfigFlag("dsa_indexer_rotate_activation", (True,), "dsa", "drops the indexer's Hadamard rotation"),
-    ConfigFlag("dsa_indexer_scoring_relu", (True,), "dsa", "drops the ReLU on the indexer's scores"),
-    ConfigFlag("moe_shared_expert_glu_interleave_size", (None,), "shared_experts",
-               "interleaves gate and up rows in blocks inside the shared expert's linear_fc1"),
-    ConfigFlag("use_grouped_gemm_for_shared_expert", (False,), "shared_experts",
-               "builds the shared expert as a grouped GEMM"),
-)
 _LATE_DSA = frozenset({_C.MTP_MODEL_LAYER, _C.DSA_ROPE_LAST, _C.MAMBA_CONV_MODULE})
 
 RELEASES: tuple[MegatronRelease, ...] = (
     MegatronRelease("0.16", ("0.16.1",), frozenset({_C.MTP_TRANSFORMER_LAYER, _C.DSA_ROPE_LAST,
-                                                    _C.MAMBA_CONV_MODULE}), grouped_mlp=True),
-    MegatronRelease("0.17", ("0.17.1",), _LATE_DSA, _FLAGS_017),
-    MegatronRelease("0.18", ("0.18.2",), _LATE_DSA, _FLAGS_018),
+                                                    _C.MAMBA_CONV_MODULE}), FLAGS_016, grouped_mlp=True),
+    MegatronRelease("0.17", ("0.17.1",), _LATE_DSA, FLAGS_017),
+    MegatronRelease("0.18", ("0.18.2",), _LATE_DSA, FLAGS_018),
     MegatronRelease("0.19", ("0.19.2",), frozenset({_C.MTP_MODEL_LAYER, _C.DSA_ROPE_FIRST, _C.MAMBA_CONV_PARAMS}),
-                    _FLAGS_019),
+                    FLAGS_019),
 )
 VERIFIED_VERSIONS: tuple[str, ...] = tuple(v for r in RELEASES for v in r.verified)
 REFERENCE_VERSION = "0.16.1"
@@ -151,11 +111,15 @@ class MegatronCore:
             by :meth:`check` for a model it matters for.
         assume: a verified version to read ``version`` as (explicit opt-in for unverified
             patch releases); ``None``: ``version`` itself must be verified.
+        table_flags: no trainer's config was read: the record states a layout megarefit builds
+            for whichever model is planned (:data:`REFERENCE`, :meth:`verified` without a model),
+            every flag at the value that model needs; :meth:`check` checks the version only.
     """
 
     version: str
     flags: tuple[tuple[str, Any], ...] | None = None
     assume: str | None = None
+    table_flags: bool = False
 
     @property
     def release(self) -> MegatronRelease:
@@ -165,29 +129,36 @@ class MegatronCore:
     @classmethod
     def from_config(cls, version: str, config: Any, *, assume: str | None = None) -> MegatronCore:
         """Read the release's flags from a ``TransformerConfig`` (or any object with those attributes;
-        a missing attribute stays unread).
+        a missing attribute stays unread; a callable is recorded by its ``__name__``).
 
         Raises:
             UnverifiedMegatronError: see :attr:`release`.
         """
         rel = release_of(assume or version)
-        flags = tuple((f.name, getattr(config, f.name)) for f in rel.flags if hasattr(config, f.name))
+        flags = tuple((f.name, plain(getattr(config, f.name))) for f in rel.flags if hasattr(config, f.name))
         return cls(version, flags, assume)
 
     @classmethod
-    def verified(cls, version: str) -> MegatronCore:
-        """A trainer on verified ``version`` with every flag of its release at the first verified
-        value (what ``megarefit plan --megatron-version`` plans for).
+    def verified(cls, version: str, needs: ModelNeeds | None = None) -> MegatronCore:
+        """A trainer on verified ``version`` with every flag of its release at the first value verified
+        for the model ``needs`` describes (a flag with none is left unread). Without ``needs``: each
+        flag at its default first value, read as :attr:`table_flags` (what ``megarefit plan
+        --megatron-version`` plans for: the trainer the tables need, for any model).
 
         Raises:
             UnverifiedMegatronError: see :func:`release_of`.
         """
-        return cls(version, tuple((f.name, f.verified[0]) for f in release_of(version).flags))
+        flags = release_of(version).flags
+        if needs is None:
+            return cls(version, tuple((f.name, f.verified[0]) for f in flags), table_flags=True)
+        return cls(version, tuple((f.name, needs.verified(f)[0]) for f in flags if needs.verified(f)))
 
     @classmethod
     def detect(cls, config: Any = None) -> MegatronCore:
         """The ``megatron.core`` this process has imported (flags from ``config`` when given; else
-        not read), honouring :data:`ASSUME_ENV`.
+        not read, so refused where they matter; on megarefit's reference release
+        :data:`REFERENCE_VERSION` read as :attr:`table_flags`, as every 0.16.1 layout was before its
+        flags were checked), honouring :data:`ASSUME_ENV`.
 
         Raises:
             UnverifiedMegatronError: megatron.core is not imported, or its version is unverified.
@@ -201,8 +172,10 @@ class MegatronCore:
         assume = os.environ.get(ASSUME_ENV) or None
         if config is not None:
             return cls.from_config(core.__version__, config, assume=assume)
-        rel = release_of(assume or core.__version__)
-        return cls(core.__version__, None if rel.flags else (), assume)  # a release without flags has none to read
+        release_of(assume or core.__version__)
+        if (assume or core.__version__.split("+", 1)[0]) == REFERENCE_VERSION:
+            return cls(core.__version__, (), assume, table_flags=True)
+        return cls(core.__version__, None, assume)
 
     @classmethod
     def in_process(cls) -> MegatronCore:
@@ -215,21 +188,23 @@ class MegatronCore:
     def facts(self) -> frozenset[Condition]:
         return self.release.facts
 
-    def check(self, features: frozenset[str], *, expert_layout: str = "sequential", model: str = "") -> None:
-        """Refuse what this release cannot hand megarefit exactly, for a model with ``features``
-        (:data:`Feature` values; ``"any"`` is implied).
+    def check(self, needs: ModelNeeds, *, expert_layout: str = "sequential", model: str = "") -> None:
+        """Refuse what this release cannot hand megarefit exactly, for a model that ``needs`` describes
+        (:meth:`~megarefit.layout.dims.ModelDims.megatron_needs`).
 
         Raises:
             UnverifiedMegatronError: the version is unverified; a flag that matters for the model
-                holds an unverified value, or was not read; legacy ``GroupedMLP`` asked of a
-                release without it.
+                holds a value not verified for it (naming the flag, the value, the release and the
+                value to set), or was not read; legacy ``GroupedMLP`` asked of a release without it.
         """
         rel = self.release
         where = f"megatron-core {self.version}" + (f" (read as {self.assume})" if self.assume else "")
         if expert_layout == "legacy_grouped" and not rel.grouped_mlp:
             raise UnverifiedMegatronError(f"{where}: legacy GroupedMLP (expert_layout='legacy_grouped') was "
                                           "removed in megatron-core 0.17; use 'sequential' or 'te_grouped'")
-        wanted = [f for f in rel.flags if f.feature in features | {"any"}]
+        if self.table_flags:
+            return
+        wanted = needs.wanted(rel.flags)
         values = dict(self.flags or ())
         unread = [f.name for f in wanted if f.name not in values]
         if unread:
@@ -238,15 +213,18 @@ class MegatronCore:
                 "read; pass megatron=megatron_core_of(model) (megarefit.integrations.megatron) or "
                 "MegatronCore.from_config(megatron.core.__version__, model.config)")
         for flag in wanted:
-            value = values[flag.name]
-            if value not in flag.verified:
+            value, ok = values[flag.name], needs.verified(flag)
+            if value not in ok:
+                fix = (f"set {flag.name}={ok[0]!r} in the trainer's TransformerConfig" if ok else
+                       "no value of it is verified for this model")
                 raise UnverifiedMegatronError(
                     f"{where}: {flag.name}={value!r} is refused for {model or 'this model'}: it {flag.why}; "
-                    f"verified: {list(flag.verified)}")
+                    f"verified for it: {list(ok)}; {fix}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "flags": None if self.flags is None else [list(f) for f in self.flags],
-                "assume": self.assume}
+        out = {"version": self.version, "flags": None if self.flags is None else [list(f) for f in self.flags],
+               "assume": self.assume}
+        return out | ({"table_flags": True} if self.table_flags else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MegatronCore:
@@ -255,10 +233,10 @@ class MegatronCore:
         if not isinstance(data.get("version"), str) or not (flags is None or isinstance(flags, list)):
             raise MegarefitError(f"malformed megatron-core record {str(data)[:200]}")
         return cls(data["version"], None if flags is None else tuple((str(k), v) for k, v in flags),
-                   data.get("assume"))
+                   data.get("assume"), bool(data.get("table_flags", False)))
 
 
-REFERENCE = MegatronCore(REFERENCE_VERSION, ())
+REFERENCE = MegatronCore(REFERENCE_VERSION, (), table_flags=True)
 
 __all__ = ["ASSUME_ENV", "REFERENCE", "REFERENCE_VERSION", "RELEASES", "VERIFIED_VERSIONS", "ConfigFlag",
-           "Feature", "MegatronCore", "MegatronRelease", "UnverifiedMegatronError", "release_of"]
+           "Feature", "MegatronCore", "MegatronRelease", "ModelNeeds", "UnverifiedMegatronError", "release_of"]

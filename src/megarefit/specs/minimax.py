@@ -47,5 +47,6 @@ MINIMAX_M2 = FamilySpec(
     experts_key="num_local_experts",
     moe_ffn_key="intermediate_size",
     router_bias=("use_routing_bias", True),
+    router_score="sigmoid",  # top-k weights always renormalised (HF MiniMaxM2)
     config_requires=(("qk_norm_type", "per_layer"),),
 )

@@ -125,6 +125,9 @@ NEMOTRON_H = FamilySpec(
     shared_ffn_key="moe_shared_expert_intermediate_size",
     router_bias=True,
     hybrid=True,
+    router_score="sigmoid",
+    router_renorm=("norm_topk_prob", True),
+    megatron_config=(("gated_linear_unit", (False,)), ("activation_func", ("squared_relu",))),
 )
 
 __all__ = ["NEMOTRON_H"]

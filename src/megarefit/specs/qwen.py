@@ -36,4 +36,5 @@ QWEN3_MOE = FamilySpec(
     moe_ffn_key="moe_intermediate_size",
     mlp_only_key="mlp_only_layers",
     sparse_step_key="decoder_sparse_step",
+    router_renorm=("norm_topk_prob", False),  # transformers' Qwen3MoeConfig default
 )

@@ -116,7 +116,10 @@ def _language_model(rows: tuple[ParamSpec, ...]) -> tuple[ParamSpec, ...]:
     return tuple(dataclasses.replace(r, hf=tuple(moved(h) for h in r.hf)) for r in rows)
 
 
-_COMMON = dict(qk_norm=True, gdn=True, tie_word_embeddings_default=False)
+# HF's norms compute (1 + w) (the GDN's gated out_norm w): Megatron's zero-centered weights are read as they are
+_MEGATRON = (("layernorm_zero_centered_gamma", (True,)), ("attention_output_gate", (True,)),
+             ("moe_shared_expert_gate", (True,)))
+_COMMON = dict(qk_norm=True, gdn=True, tie_word_embeddings_default=False, megatron_config=_MEGATRON)
 # every Qwen3.5-MoE layer is MoE: transformers and vLLM read no mlp_only_layers / decoder_sparse_step
 # (a non-empty mlp_only_layers is refused, see hf_dims.gdn_dims)
 _MOE_KEYS = dict(experts_key="num_experts", moe_ffn_key="moe_intermediate_size",
@@ -134,6 +137,7 @@ QWEN3_5_MOE_VL = FamilySpec(name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeFor
                             **_COMMON, **_MOE_KEYS)  # type: ignore[arg-type]
 
 QWEN3_NEXT = FamilySpec(name="qwen3_next", architectures=("Qwen3NextForCausalLM",), model_types=("qwen3_next",),
-                        entries=_NEXT, **_COMMON, **_MOE_KEYS)  # type: ignore[arg-type]
+                        entries=_NEXT, router_renorm=("norm_topk_prob", True), **_COMMON,
+                        **_MOE_KEYS)  # type: ignore[arg-type]
 
 __all__ = ["QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_MOE_VL", "QWEN3_5_VL", "QWEN3_NEXT"]

@@ -506,6 +506,13 @@ class FamilySpec:
     fp8_config_requires: tuple[tuple[str, object], ...] = ()
     # (HF config key, value): where the key is present it must hold the value, else the config is refused
     config_requires: tuple[tuple[str, object], ...] = ()
+    # the router: its score function as Megatron-Core names it, and whether HF renormalises the top-k
+    # probabilities (True / False, or (HF config key, its default when absent): Qwen3-MoE's norm_topk_prob)
+    router_score: str = "softmax"
+    router_renorm: bool | tuple[str, bool] = True
+    # (TransformerConfig flag, values the table is written for) where they are not the flag's default
+    # (megarefit.specs.megatron_flags): Qwen3.5's zero-centered norms, gpt-oss's sinks and offset GLU
+    megatron_config: tuple[tuple[str, tuple[object, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.entries):
