@@ -77,13 +77,14 @@ def main(work: Path) -> dict:
     pubs = [Publisher(live[r], cfg, rank=r, layout=source_layout(cfg, tp=2, pp=1), rendezvous=rdzv,
                       agent_name=f"{job}-t{r[0]}", checksums=True, delta=DeltaOptions(capacity=1.0)) for r in live]
 
-    def step(version: int) -> None:
+    def step(version: int, content: int | None = None) -> None:
+        """Publish ``version`` holding the weights of ``content`` (default: its own)."""
         for pub in pubs:
             with pub.updating(version):
                 for n, t in live[pub.rank].items():
-                    t.copy_(shards[version][pub.rank][n])
+                    t.copy_(shards[content or version][pub.rank][n])
 
-    def tear_at_first_group(version: int) -> None:
+    def tear_at_first_group(version: int, content: int | None = None) -> None:
         receiver = _worker(llm)._megarefit
         wait, calls = receiver.transport.wait, []
 
@@ -91,7 +92,7 @@ def main(work: Path) -> dict:
             wait(*args, **kwargs)
             calls.append(1)
             if len(calls) == 1:
-                step(version)
+                step(version, content)
 
         receiver.transport.wait = wait_then_step
 
@@ -139,8 +140,8 @@ def main(work: Path) -> dict:
     out["delta"] = update(2)
     out["ok4"] = same_generation(vllm_generate(llm), hf_generate(models[4]))
 
-    step(2)  # a torn cycle again, and this time a request comes before any refit
-    tear_at_first_group(3)
+    step(5, content=2)  # a torn cycle again (versions only move forward: 5 and 6 hold 2's and 3's weights),
+    tear_at_first_group(6, content=3)  # and this time a request comes before any refit
     out["gave_up_again"] = update(0)
     out.update(generate_or_refusal(llm, "served_mix"))
     return out

@@ -343,7 +343,8 @@ def megatron_features(d: ModelDims, mtp_layers: int = 0) -> frozenset[str]:
     with ``mtp_layers`` MTP layers trained."""
     out = {"any"}
     dsa = d.index_n_heads and not d.hc_mult  # DeepSeek-V4's indexers are not Megatron-Core's DSA
-    for feature, present in (("moe", d.num_experts), ("mla", d.kv_lora_rank), ("dsa", dsa),
+    moe = d.num_experts and any(d.layer_kind(i) == "moe" for i in range(d.num_layers))  # (a hybrid may have none)
+    for feature, present in (("moe", moe), ("mla", d.kv_lora_rank), ("dsa", dsa),
                              ("mtp", mtp_layers), ("shared_experts", d.shared_expert_ffn), ("gdn", d.linear_layers)):
         if present:
             out.add(feature)

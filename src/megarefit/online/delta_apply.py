@@ -536,12 +536,14 @@ class DeltaReceiver:
              layout: list[tuple[str, str, int, tuple[int, ...]]] | None = None) -> None:
         """The arena holds ``version`` whole (the cycle was fenced), as of the trainers' delta
         epochs read when the cycle began. ``arenas`` (per dtype, their targets' ``layout``):
-        fingerprinted now (:mod:`~megarefit.online.held`), so that a later delta first checks
-        nobody wrote them; ``None`` (a streamed receiver's direct targets): not checked."""
+        fingerprinted now (:mod:`~megarefit.online.held`) where the trainers publish deltas, so
+        that a later delta first checks nobody wrote them; ``None`` (a streamed receiver's direct
+        targets): not checked."""
         self.held = (version, self.key(plan, manifests), self._epochs)
         self._open = False
         t0 = time.perf_counter()
-        self._print = HeldFingerprint(arenas) if arenas is not None and self.enabled else None
+        deltas = self.enabled and self._epochs is not None  # (trainers that publish none: no delta comes next)
+        self._print = HeldFingerprint(arenas) if arenas is not None and deltas else None
         self._layout = layout or []
         if self._print is not None:
             self.seconds["held.fingerprint"] = time.perf_counter() - t0
@@ -576,7 +578,7 @@ class DeltaReceiver:
         if held is None:
             return self.reason
         base, key, epochs = held
-        why = self._refused(plan, manifests, base, version, key) or self._written(base)
+        why = self._refused(plan, manifests, base, version, key)
         if why:
             return why
         if self._epochs is None or epochs != self._epochs:
@@ -588,6 +590,9 @@ class DeltaReceiver:
             chains = fetch_chains(rendezvous, self._epochs, base, version)
             if isinstance(chains, str):
                 return chains
+            written = self._written(base)  # (the last check before the choice: it reads the whole arena)
+            if written:
+                return written
             choice = choose(plan, manifests, chains, self.scatter_bytes)
         except DeltaRecordError as exc:
             return f"a delta record was refused: {exc}"
