@@ -325,6 +325,8 @@ def table(rows: list[dict]) -> str:
                          f"way at least (--refits 2), and a stable median needs {MIN_WARM} (--refits {MIN_WARM + 1})")
     head = rows[0]
     delay = "".join(f"; {k}={v}" for k, v in head.get("env", {}).items())
+    steady = sorted({r["steady_s"] for r in rows if not estimated(r)})
+    delay += f"; steady rate over the {'/'.join(f'{x:g}' for x in steady)} s before each refit" if steady else ""
     lines = [(f"{head['model']} ({head['model_bytes'] / 2**20:.0f} MiB), {head['trainers']} -> {head['server']}; "
               f"{head['clients']} streaming clients; {head['machine']}; {head['date']}{delay}"),
              f"versions: {', '.join(f'{k} {v}' for k, v in head['versions'].items())}", "",
@@ -395,7 +397,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--refits", type=int, default=MIN_WARM + 1,
                     help="refits of each way (the first of each is cold; the table flags fewer than "
                          f"{MIN_WARM} warm ones)")
-    ap.add_argument("--steady-s", type=float, default=3.0,
+    ap.add_argument("--steady-s", type=float, default=5.0,
                     help="seconds the clients stream before each refit: the window of their steady rate")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),

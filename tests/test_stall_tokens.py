@@ -131,7 +131,7 @@ def test_the_table_flags_fewer_than_eight_warm_refits_and_states_the_trade():
     rows = [{**rows[-1], "version": 1, "cold": True, "stall_s": [9.0]},  # the cold ones are left out
             {**rows[0], "version": 2, "cold": True, "stall_s": [9.0]}] + rows
     text = bench.table(rows)
-    assert "Too few refits" not in text and "~" not in text
+    assert "Too few refits" not in text and "~" not in text and "; steady rate over the 3 s before each refit" in text
     assert "| pause | 8 | 1.500 (1.500-1.500) | 15.3 (15.3 to 15.3) |" in text
     assert ("prefetch shortens the longest gap to 30.0% of a paused refit's (0.450 s against 1.500 s), and each "
             "client loses fewer tokens per refit too: 14.5 against 15.3 paused. 10.0 of them") in text
