@@ -9,11 +9,23 @@ is followed at once by the next one, which waits for ``/resume`` (vLLM 0.32) or 
 HTTP 503 ``engine_paused`` and retried every ``retry_s`` (vLLM 0.33), so its first token marks
 the end of the stall.
 
+The stall is not the whole cost of a refit to a client: a prefetch shares the server's cores (or
+GPU) with generation, which then runs slower for as long as it takes. :func:`tokens_lost` counts
+what the client lost over the whole refit, against its own steady rate before it::
+
+    steady rate  r = (chunks in [start - steady_s, start)) / steady_s                 tokens/s
+    window         [start, first)   first = the first chunk after ``end`` (/resume answered)
+    tokens lost    r * (first - start) - (chunks in [start, first))                    tokens
+
+``start`` is when the refit began (the prefetch's start, or ``/pause`` without one). On a stream
+that nothing disturbs it lies in [0, 1): the window ends at a chunk it does not count.
+
 Usage::
 
     with StallProbe("http://127.0.0.1:8000") as probe:
         refit.refit(version, probe=probe)      # VllmHttpRefit: stats.stall_s
     probe.longest_gap(t0, t1)                  # or any window, in time.perf_counter() seconds
+    probe.tokens_lost(t0, t1)                  # tokens lost around a refit run from t0 to t1
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 from megarefit.errors import MegarefitError
@@ -149,5 +162,51 @@ class StallProbe:
         gaps = [b - a for a, b in zip(times, times[1:]) if b > since and a < until]
         return max(gaps, default=0.0)
 
+    def tokens_lost(self, start: float, end: float, *, steady_s: float = 3.0) -> float:
+        """:func:`tokens_lost` of this client's chunks so far (tokens; see the module docstring)."""
+        return tokens_lost(list(self.arrivals), start, end, steady_s=steady_s)
 
-__all__ = ["StallProbe"]
+
+def steady_rate(arrivals: Sequence[float], start: float, steady_s: float) -> float:
+    """Chunks per second in ``[start - steady_s, start)``: a client's rate before a refit.
+
+    Args:
+        arrivals: arrival times in seconds (one clock, ascending).
+
+    Raises:
+        MegarefitError: ``steady_s`` is not positive, or the arrivals begin after ``start - steady_s``
+            (the client was not streaming for the whole window: its rate would read low)."""
+    if steady_s <= 0:
+        raise MegarefitError(f"stall probe: steady_s must be > 0 seconds, got {steady_s}")
+    if not arrivals or arrivals[0] > start - steady_s:
+        first = f"{arrivals[0] - start:+.3f} s" if arrivals else "none"
+        raise MegarefitError(f"stall probe: the steady rate needs chunks from {steady_s} s before the refit's "
+                             f"start; the first chunk came at {first} from it: stream longer before the refit")
+    return sum(start - steady_s <= t < start for t in arrivals) / steady_s
+
+
+def tokens_short(arrivals: Sequence[float], rate: float, t0: float, t1: float) -> float:
+    """``rate * (t1 - t0)`` minus the chunks in ``[t0, t1)``: tokens a client at ``rate``
+    (tokens/s) did not get in that window (negative where it got more)."""
+    return rate * (t1 - t0) - sum(t0 <= t < t1 for t in arrivals)
+
+
+def tokens_lost(arrivals: Sequence[float], start: float, end: float, *, steady_s: float = 3.0) -> float:
+    """Tokens a streaming client lost to a refit run from ``start`` to ``end`` (seconds, the
+    clock of ``arrivals``): at its steady rate over the ``steady_s`` before ``start``, the chunks it
+    would have got from ``start`` to its first chunk after ``end``, minus the chunks it got (the
+    formula is in the module docstring). A float, in tokens.
+
+    Raises:
+        MegarefitError: ``end`` is before ``start``, no chunk arrived after ``end`` yet (the
+            refit's window is still open), or :func:`steady_rate` refuses the window before ``start``."""
+    if end < start:
+        raise MegarefitError(f"stall probe: the refit ends ({end}) before it starts ({start})")
+    rate = steady_rate(arrivals, start, steady_s)
+    first = next((t for t in arrivals if t > end), None)
+    if first is None:
+        raise MegarefitError("stall probe: no token arrived after the refit yet (wait_token_after first)")
+    return tokens_short(arrivals, rate, start, first)
+
+
+__all__ = ["StallProbe", "steady_rate", "tokens_lost", "tokens_short"]
