@@ -56,9 +56,21 @@ SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17
               "test_vllm_install.py", "test_example_http.py", "test_handover.py", "test_bridge.py", "test_qwen35.py")
 
 
+# The fast tier for iterating (``pytest -m "not slow"``): every module but those that start vLLM
+# engines or servers, child pytests on other megatron-core releases, the Bridge environment, or the
+# CLI's whole-model demos (each module here costs 20 s to minutes on 2 cores; --durations says which).
+SLOW = frozenset(SLOW_FIRST) | {
+    "test_vllm_dsv4_target.py", "test_vllm_fp8_target.py", "test_vllm_gdn_fp8.py", "test_vllm_moe_target.py",
+    "test_vllm_target.py", "test_nemotron_h.py", "test_qwen3_next.py", "test_demo_families.py",
+    "test_demo_configs.py", "test_megatron_gdn.py", "test_fp8.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     order = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep their order
+    for item in items:
+        if item.path.name in SLOW:
+            item.add_marker(pytest.mark.slow)
 
 
 def _cpu_has_amx() -> bool:
