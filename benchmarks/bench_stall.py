@@ -362,8 +362,12 @@ def _notes(ways: dict[str, Way]) -> list[str]:
     return [n + "\n" for n in notes] + [trade(ways["pause"], ways["prefetch"])]
 
 
+TIE = 0.05  # medians of tokens lost closer than this fraction of the larger: "about as many"
+
+
 def trade(pause: Way, prefetch: Way) -> str:
-    """The trade in one sentence, from the medians: the longest gap, and the tokens lost."""
+    """The trade in one sentence, from the medians: the longest gap, and the tokens lost (about
+    as many where the medians are within :data:`TIE` of each other)."""
     s_pa, s_pf = statistics.median(pause.stall), statistics.median(prefetch.stall)
     l_pa, l_pf = statistics.median(pause.lost), statistics.median(prefetch.lost)
     rs = prefetch.rows
@@ -372,8 +376,12 @@ def trade(pause: Way, prefetch: Way) -> str:
     shares = "the pull and the shadow processing share" if any(
         (r.get("worker") or {}).get("shadow_layers") for r in rs) else "the pull shares"
     gap = "shortens" if s_pf < s_pa else "lengthens"
-    more = (f"but each client loses more tokens per refit: {l_pf:.1f} against {l_pa:.1f} paused" if l_pf > l_pa
-            else f"and each client loses fewer tokens per refit too: {l_pf:.1f} against {l_pa:.1f} paused")
+    if abs(l_pf - l_pa) < TIE * max(l_pf, l_pa):
+        more = f"and each client loses about as many tokens per refit: {l_pf:.1f} against {l_pa:.1f} paused"
+    elif l_pf > l_pa:
+        more = f"but each client loses more tokens per refit: {l_pf:.1f} against {l_pa:.1f} paused"
+    else:
+        more = f"and each client loses fewer tokens per refit too: {l_pf:.1f} against {l_pa:.1f} paused"
     return (f"The trade: prefetch {gap} the longest gap to {s_pf / s_pa:.1%} of a paused refit's "
             f"({s_pf:.3f} s against {s_pa:.3f} s), {more}. {statistics.median(prefetch.lost_early):.1f} of them "
             f"are lost during the {statistics.median(r['prefetch_s'] for r in rs):.2f} s prefetch, where {shares} "

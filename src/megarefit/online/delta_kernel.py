@@ -15,11 +15,9 @@ Each program places ``BLOCK`` changed elements ``j``:
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from megarefit.cuda import kernel_device
+from megarefit.cuda import KernelCheck, kernel_device
 from megarefit.online.delta_records import PAGE
 
 try:  # Triton ships with CUDA builds of torch
@@ -31,8 +29,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 BLOCK = 1024
 STEPS = 20  # binary-search steps: up to 2**20 pages (2**36 elements) or runs
 MAX_RUNS = 1 << STEPS
-_broken: dict[torch.device, str] = {}  # devices where the fused placing failed its check, and why
-_checked: set[torch.device] = set()  # devices where it passed
+_CHECK = KernelCheck("fused delta placing", "deltas are placed with PyTorch ops")
 
 if triton is not None:
     @triton.jit
@@ -73,23 +70,12 @@ def warm_up(device: torch.device) -> bool:
     it) leaves that device to the PyTorch ops."""
     if triton is None or device.type != "cuda":
         return False
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device in _broken:
-        return False
-    if device in _checked:
-        return True
-    try:
-        for bits in (torch.uint8, torch.int16, torch.int32):
-            for paged in (False, True):
-                if not _placed_right(device, bits, paged):
-                    raise RuntimeError(f"a known placement came out wrong ({bits}, {'paged' if paged else 'indices'})")
-    except Exception as exc:  # Triton imports but cannot compile or run here: place with PyTorch ops instead
-        _broken[device] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"megarefit: the fused delta placing is not used on {device} ({_broken[device][:200]}); "
-                      "deltas are placed with PyTorch ops", stacklevel=2)
-        return False
-    _checked.add(device)
-    return True
+    return _CHECK(device, _places_right)
+
+
+def _places_right(device: torch.device) -> bool:
+    return all(_placed_right(device, bits, paged) for bits in (torch.uint8, torch.int16, torch.int32)
+               for paged in (False, True))
 
 
 def _placed_right(device: torch.device, bits: torch.dtype, paged: bool) -> bool:
@@ -111,7 +97,7 @@ def _placed_right(device: torch.device, bits: torch.dtype, paged: bool) -> bool:
 
 def fused(device: torch.device) -> bool:
     """Whether deltas are placed by the fused kernel on ``device`` (checked by :func:`warm_up`)."""
-    return device in _checked
+    return device in _CHECK.passed
 
 
 def place(names: torch.Tensor, pages: torch.Tensor | None, values: torch.Tensor, starts: torch.Tensor,

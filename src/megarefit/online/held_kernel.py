@@ -12,11 +12,9 @@ and the PyTorch path is used.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from megarefit.cuda import kernel_device
+from megarefit.cuda import KernelCheck, kernel_device
 
 try:  # Triton ships with CUDA builds of torch
     import triton
@@ -25,8 +23,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 LANES = 1024  # words each program reads at once
-_broken: dict[torch.device, str] = {}  # devices where the kernel failed its check, and why
-_checked: set[torch.device] = set()  # devices where it passed
+_CHECK = KernelCheck("fused fingerprint", "the held arena is fingerprinted with PyTorch ops")
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
@@ -56,22 +53,14 @@ def usable(device: torch.device, reference) -> bool:
     (``reference(words, chunk)``, the PyTorch path) on 2.5 chunks of random words."""
     if triton is None or device.type != "cuda":
         return False
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device in _checked or device in _broken:
-        return device in _checked
-    try:
-        g = torch.Generator().manual_seed(0)
-        chunk = 4 * LANES
-        words = torch.randint(-2 ** 62, 2 ** 62, (5 * chunk // 2,), generator=g, dtype=torch.int64).to(device)
-        if not torch.equal(chunk_sums(words, chunk).cpu(), reference(words, chunk).cpu()):
-            raise RuntimeError("known sums came out wrong")
-    except Exception as exc:  # Triton imports but cannot compile or run here: the PyTorch path instead
-        _broken[device] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"megarefit: the fused fingerprint is not used on {device} ({_broken[device][:200]}); "
-                      "the held arena is fingerprinted with PyTorch ops", stacklevel=2)
-        return False
-    _checked.add(device)
-    return True
+    return _CHECK(device, lambda d: _sums_right(d, reference))
+
+
+def _sums_right(device: torch.device, reference) -> bool:
+    g = torch.Generator().manual_seed(0)
+    chunk = 4 * LANES
+    words = torch.randint(-2 ** 62, 2 ** 62, (5 * chunk // 2,), generator=g, dtype=torch.int64).to(device)
+    return torch.equal(chunk_sums(words, chunk).cpu(), reference(words, chunk).cpu())
 
 
 __all__ = ["LANES", "chunk_sums", "usable"]
