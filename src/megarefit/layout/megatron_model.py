@@ -430,7 +430,10 @@ def source_layout(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp:
     ``vpp > 1`` a plain pipeline of ``pp * vpp`` virtual stages (publish chunk ``c`` of pipeline
     rank ``p`` as stage :func:`~megarefit.layout.parallel.virtual_stage` ``(p, c, pp)``).
     ``megatron``: default the ``megatron.core`` this process imported, flags unread
-    (:meth:`MegatronCore.in_process`).
+    (:meth:`MegatronCore.in_process`). On 0.17+ planning then refuses where a flag matters. On
+    0.16.1 (megarefit's reference release), and where megatron.core is not imported, the layout
+    states that the trainer's flags are those the spec tables need, and none is checked: a real
+    trainer passes ``megatron=megatron_core_of(model)`` (or serves with ``from_megatron``).
 
     Raises:
         LayoutError: the sizes do not fit the model (heads, experts or layers do not split).
