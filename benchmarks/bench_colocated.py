@@ -7,7 +7,7 @@ Run from the repo root on a GPU machine (trainers and receiver both on cuda:0):
         [--vllm-tp 2] [--layers 8] [--nixl-cycles 2] [--json docs/colocated.jsonl]
 
 One trainer process per Megatron rank serves random bf16 shards from one contiguous buffer
-(as Megatron's DDP parameter buffer) through a real :class:`~megarefit.online.publisher.Publisher`,
+(as Megatron's DDP parameter buffer) through a real :class:`~megarefit.online.trainer.publisher.Publisher`,
 which exports its CUDA storages for IPC. This process measures, in one run:
 
 * ``plain copy``: ``dst.copy_(src)`` of the same bytes on the GPU (the speed of light here);
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarefit.demo.bench import bench_config, machine, time_each
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
 
     ns = _parser().parse_args(argv)
     if ns.from_json and ns.summary:

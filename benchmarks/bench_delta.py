@@ -46,8 +46,8 @@ RECEIVERS = ("full", "model", "all-delta")
 def _megatron_trainer(port: int, rdzv, cfg: dict, args: dict):
     """The Megatron-Core trainer: (publisher, step function running one training step)."""
     from megarefit.demo.megatron_cpu import bf16_adam_trainer, init_parallel, optimizer_on_cpu
-    from megarefit.online.delta_track import track_changes
-    from megarefit.online.publisher import Publisher
+    from megarefit.online.delta.track import track_changes
+    from megarefit.online.trainer.publisher import Publisher
 
     init_parallel(rank=0, world_size=1, master_port=port, tp=1, pp=1)
     model, ddp, opt = bf16_adam_trainer(cfg, lr=args["lr"])
@@ -77,9 +77,9 @@ def _adam_trainer(index: int, rdzv, cfg: dict, args: dict):
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.delta_log import DeltaOptions
-    from megarefit.online.delta_track import ChangeTracker
-    from megarefit.online.publisher import Publisher
+    from megarefit.online.delta.log import DeltaOptions
+    from megarefit.online.delta.track import ChangeTracker
+    from megarefit.online.trainer.publisher import Publisher
 
     device = args["trainer_device"]
     dims = ModelDims.from_hf_config(cfg)
@@ -151,7 +151,7 @@ def fp8_split(before: dict, after: dict, block: tuple[int, int]) -> dict[str, in
 def trainer(index: int, _world: int, port: int, rdzv_port: int, cfg: dict, args: dict) -> list[dict]:
     """The trainer process: publish version 1, then one step per version, each after every
     receiver acknowledged the previous; per step its seconds and the delta it recorded."""
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
 
     torch.set_num_threads(args["threads"])
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=args["job"])
@@ -331,7 +331,7 @@ def _per_version(ranks: list[list[dict]]) -> dict[int, dict]:
 def main(argv: list[str] | None = None) -> int:
     from megarefit.demo.bench import bench_config, machine
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
 
     ns = _parser().parse_args(argv)
     if ns.from_json:

@@ -36,8 +36,8 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
     """Receiver ``names[index]``: the first tier (no parent) or a replica of ``parents[index]``;
     runs ``cycles`` cycles when told (``go/<name>/<c>``), reports seconds and bytes."""
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
-    from megarefit.online.replica import ReplicaReceiver
+    from megarefit.online.receiver.replica import ReplicaReceiver
+    from megarefit.online.store.rendezvous import Rendezvous
 
     device = devices[index % len(devices)]  # not made current (unless --make-current): megarefit guards its own
     if make_current and device.startswith("cuda"):
@@ -86,8 +86,8 @@ def main() -> None:
 
     from megarefit.demo.bench import bench_config, machine
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
-    from megarefit.online.replica import tree_parent
+    from megarefit.online.receiver.replica import tree_parent
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))

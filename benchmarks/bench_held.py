@@ -1,4 +1,4 @@
-"""What checking the held arena costs a delta receiver (``megarefit.online.held``): the
+"""What checking the held arena costs a delta receiver (``megarefit.online.delta.held``): the
 fingerprint taken when a version is fenced and taken again before the next delta, against one
 device copy of the same bytes (the strict baseline: the cheapest pass over them).
 
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from megarefit.demo.bench import machine  # noqa: E402
-from megarefit.online import held_kernel  # noqa: E402
-from megarefit.online.held import fingerprint, weighted_sums  # noqa: E402
+from megarefit.online.delta import held_kernel  # noqa: E402
+from megarefit.online.delta.held import fingerprint, weighted_sums  # noqa: E402
 
 
 def _timed(fn, device: torch.device, repeat: int) -> list[float]:

@@ -62,7 +62,7 @@ def receiver_job(index: int, world: int, _port: int, rdzv_port: int, ranks: int,
     """vLLM worker ``index``: timed refit cycles when told (``multi/go/<c>``), then timed raw
     READs of its share (``multi/raw/<c>``)."""
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
     from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
     devices = args["receiver_devices"]
@@ -147,8 +147,8 @@ def main() -> None:
 
     from megarefit.demo.bench import bench_config, machine
     from megarefit.demo.workers import start_workers
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.planner import plan_megatron_to_hf
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))

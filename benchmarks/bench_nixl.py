@@ -11,7 +11,7 @@ NIXL between processes over CUDA IPC where the machine has it):
         --ep 2 --etp 1 --expert-layout te_grouped --vllm-tp 2 --vllm-ep --trainer-device cuda:0 --device cuda:1
 
 One trainer process per Megatron rank serves random shards with the planned local shapes
-through a real :class:`~megarefit.online.publisher.Publisher`, plus one extra registered block
+through a real :class:`~megarefit.online.trainer.publisher.Publisher`, plus one extra registered block
 holding exactly the bytes the receiver reads from that rank. The receiver (this process)
 measures, in one run:
 
@@ -66,8 +66,8 @@ def _setup(cfg: dict, args: dict):
 
 def trainer(index: int, _world_size: int, _port: int, rdzv_port: int, cfg: dict, args: dict) -> dict:
     from megarefit.layout.geometry import source_tensors
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
     from megarefit.transport.nixl_agent import mem_type
 
     torch.set_num_threads(1)
@@ -117,7 +117,7 @@ def raw_nixl_job(_index: int, _world_size: int, _port: int, rdzv_port: int, rank
     (its own process: a second NIXL agent beside the receiver's would not measure the same path);
     and the best time of the same bytes cut into k equal descriptors per trainer (NIXL's
     per-descriptor cost)."""
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
     from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
     if device.startswith("cuda"):
@@ -191,7 +191,7 @@ def main() -> None:
     from megarefit.demo.bench import bench_config, machine, time_each
     from megarefit.demo.workers import start_workers
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "tests/data/configs/Qwen3-0.6B.json"))

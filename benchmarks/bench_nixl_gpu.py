@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 import megarefit
-from megarefit.online import RefitReceiver
-from megarefit.planner import plan_megatron_to_hf
-from megarefit.online.publisher import Publisher
 from megarefit.layout.megatron_model import source_layout
-from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+from megarefit.online import RefitReceiver
+from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
+from megarefit.online.trainer.publisher import Publisher
+from megarefit.planner import plan_megatron_to_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarefit.demo.bench import append_jsonl, bench_config, machine, read_jsonl
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
 
     ap = _parser()
     ap.description = __doc__.splitlines()[0]

@@ -158,8 +158,8 @@ def measure(ns) -> dict:
     import megarefit
     from megarefit.demo.bench import machine
     from megarefit.layout import RankCoord
-    from megarefit.online.rendezvous import Rendezvous
-    from megarefit.online.store import StoreTLS
+    from megarefit.online.store.kv import StoreTLS
+    from megarefit.online.store.rendezvous import Rendezvous
 
     secret = secrets.token_hex(32)
     ranks = [RankCoord(t, 0, 0) for t in range(ns.ranks)]

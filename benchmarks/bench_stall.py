@@ -77,8 +77,8 @@ def trainer(rank: int, world_size: int, master_port: int, cfg: dict, rendezvous:
         perturb_parameters_,
     )
     from megarefit.layout.megatron_model import refit_tensors
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     os.nice(19)  # the trainers' NIXL progress threads poll without pause: on a CPU box they would take the
     # server's cores, where on a cluster trainers run on their own (their READs are served all the same)
@@ -191,7 +191,7 @@ def run(ns: argparse.Namespace) -> list[dict]:
     from megarefit.demo.bench import machine
     from megarefit.demo.workers import start_workers
     from megarefit.integrations.vllm_stall import StallProbe
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.transport.nixl_agent import PROGRESS_DELAY_ENV
 
     began = time.monotonic()

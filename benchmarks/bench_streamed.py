@@ -3,7 +3,7 @@
     python benchmarks/bench_streamed.py --config tests/data/configs/Qwen3-8B.json --layers 8 --tp 2 \\
         --vllm-tp 2 --device cuda:0 [--budget auto|BYTES ...] [--json out.jsonl]
 
-Trainer ranks are :class:`~megarefit.online.publisher.Publisher` s in this process serving
+Trainer ranks are :class:`~megarefit.online.trainer.publisher.Publisher` s in this process serving
 random shards (the planned local shapes) from ``--trainer-device``; a staged
 :class:`~megarefit.online.RefitReceiver` and one streamed receiver per ``--budget`` pull them
 into ``--device``, and a consumer copies every tensor into its own preallocated "model"
@@ -34,8 +34,8 @@ def _trainers(cfg: dict, ns: argparse.Namespace):
     from megarefit.demo.bench import layout_for
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.trainer.publisher import Publisher
 
     dims, layout = layout_for(cfg, tp=ns.tp, ep=ns.ep, layers=ns.layers)
     ensure_job_secret()  # the trainer processes started below inherit it

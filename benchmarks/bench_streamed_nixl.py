@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarefit.demo.bench import bench_config, best_of, machine
     from megarefit.demo.workers import start_workers
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
 
     ns = _parser().parse_args(argv)
     if ns.from_json and ns.summary:

@@ -43,7 +43,7 @@ CASES = [  # name, config, served dtype / quantization, Megatron source layout, 
 def measure(case: dict) -> dict:
     from megarefit import ModelDims, SourceLayout
     from megarefit.layout.dims import load_hf_config
-    from megarefit.online.stream import GiB, default_memory_budget, layer_runs, target_bytes
+    from megarefit.online.receiver.stream import GiB, default_memory_budget, layer_runs, target_bytes
     from megarefit.quant.fp8 import resolve_quantization
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 

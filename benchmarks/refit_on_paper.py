@@ -31,7 +31,7 @@ The model of one cycle (the slowest worker decides)::
         receiver = max(remote bytes / NIC, same-node bytes / NVLink)
         sender   = the most one trainer GPU serves: replicas x its share, over its NIC (and NVLink)
     pull, fan-out tree of k: one replica reads the trainers, every other replica mirrors a
-        parent's arena (``megarefit.online.replica``, store and forward, whole arena)
+        parent's arena (``megarefit.online.receiver.replica``, store and forward, whole arena)
         max(receiver, sender for one replica) + depth x k x worker bytes / NIC
     the smaller of direct and trees k = 1..4 is taken.
 

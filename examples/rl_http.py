@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from megarefit.integrations.vllm_http import VllmHttpRefit
-from megarefit.online.rendezvous import SECRET_ENV, Rendezvous
+from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
 
 TINY_CONFIG = {  # a Qwen3-architecture model small enough for a 2-core CPU box (about 1 M parameters)
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 500, "hidden_size": 128,
@@ -74,7 +74,7 @@ def megarefit_publisher(model: Any, hf_config: dict, host: str, port: int, job: 
     model chunks, possibly wrapped in DDP) against the job's rendezvous: registered once, then
     ``publish(version)`` after every step. The layout (TP/PP/EP ranks and sizes, stage split, layer
     spec, expert layout, vocab padding, Megatron-Core version) is read from Megatron itself."""
-    from megarefit.online.publisher import Publisher
+    from megarefit.online.trainer.publisher import Publisher
 
     return Publisher.from_megatron(model, hf_config, rendezvous=Rendezvous.connect(host, port, job=job))
 

@@ -80,8 +80,8 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
     from megatron.core.transformer.module import Float16Module
 
     from megarefit.layout.megatron_model import refit_tensors
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     out: dict[str, Any] = {}
     for case in cases:

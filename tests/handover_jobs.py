@@ -22,8 +22,8 @@ def writer_job(index: int, world_size: int, master_port: int, rdzv_port: int, jo
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=index, world_size=world_size)
@@ -70,7 +70,7 @@ def receiver_job(index: int, world_size: int, master_port: int, rdzv_port: int, 
     """A receiver process: registers, pulls and acknowledges version 1, says so, then idles
     (heartbeat running) until killed."""
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
 
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
     receiver = RefitReceiver(rdzv, name=f"{job}-receiver-proc", timeout=30, heartbeat_s=0.05)
@@ -85,7 +85,7 @@ def replica_parent_job(index: int, world_size: int, master_port: int, rdzv_port:
     """A first-tier receiver process serving replica group ``group``: pulls version 1 from
     the trainers, says so, then idles (serving its arena) until killed."""
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
 
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
     receiver = RefitReceiver(rdzv, name=f"{job}-tier1", timeout=30, replica_group=group)
@@ -103,8 +103,8 @@ def static_trainer_job(index: int, world_size: int, master_port: int, rdzv_port:
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     dims = ModelDims.from_hf_config(cfg)
     layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
 from megarefit.demo.megatron_cpu import bf16_adam_trainer, build_gpt_model, gpt_arch_from_hf, init_parallel
+from megarefit.demo.trainer_jobs import TrainerCase, trainer_job
 
 
 class Wrapper(torch.nn.Module):
@@ -19,9 +19,9 @@ class Wrapper(torch.nn.Module):
 
 
 def job(rank: int, world_size: int, port: int, cases: list[TrainerCase], classifier_config: dict) -> dict[str, Any]:
+    from megarefit.errors import ClassificationError
     from megarefit.layout.classify import check_model, classify_model
     from megarefit.layout.dims import ModelDims
-    from megarefit.errors import ClassificationError
 
     out = trainer_job(rank, world_size, port, cases)
     init_parallel(rank=rank, world_size=world_size, master_port=port, tp=2, pp=1)
@@ -49,9 +49,9 @@ def mtp_layout_job(rank: int, world_size: int, port: int, configs: dict[str, dic
     so no logits) and the rank and layout ``Publisher.from_megatron`` reads."""
     from megatron.core import parallel_state as ps
 
+    from megarefit.integrations.megatron import local_named_parameters
     from megarefit.layout.classify import classify_model
     from megarefit.layout.dims import ModelDims
-    from megarefit.integrations.megatron import local_named_parameters
     from megarefit.layout.megatron_model import read_chunks
 
     out: dict[str, Any] = {}
@@ -104,9 +104,9 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from megarefit.online.param_sync import ParamSyncPendingError, finish_param_sync
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.param_sync import ParamSyncPendingError, finish_param_sync
+    from megarefit.online.trainer.publisher import Publisher
 
     init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
     model = build_gpt_model(gpt_arch_from_hf(cfg, tp=1), seed=0)
@@ -189,10 +189,10 @@ def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
     since the last publish (rank 1 never publishes: since the start). Then the same with
     Megatron's non-distributed mixed-precision optimizer (the tracker against the oracle only)."""
     from megarefit.integrations.megatron import refit_tensors
-    from megarefit.online.delta_log import DeltaOptions
-    from megarefit.online.delta_track import track_changes
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.delta.log import DeltaOptions
+    from megarefit.online.delta.track import track_changes
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
     out: dict[str, Any] = {"rank": rank, "distributed": [], "float16": []}

@@ -128,10 +128,11 @@ _JOBS = iter(range(10**6))
 
 def _job(config, target_name):
     pytest.importorskip("nixl")
-    from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
+
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cfg = config("Llama-3.1-8B", num_hidden_layers=4)
     shards = reference_shards(reference_hf_state(cfg, "llama"), cfg, tp=2, pp=1)
@@ -161,7 +162,7 @@ def _plan_ops(config, target) -> int:
 @pytest.mark.parametrize("budget", [None, 200_000])
 def test_every_box_is_checked_and_a_changed_byte_is_named(config, target_name, budget):
     from megarefit.online import RefitReceiver
-    from megarefit.online.receiver import TornUpdateError
+    from megarefit.online.receiver.receiver import TornUpdateError
     from megarefit.targets import VllmTarget
     from megarefit.transport.checksum import ChecksumMismatchError
 

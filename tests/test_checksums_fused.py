@@ -99,8 +99,8 @@ def _layout(cfg, *, tp, ep, etp, expert_layout, layer_spec="local"):
 
 def _serve(cfg, shards, *, tp, ep, etp, expert_layout, layer_spec="local"):
     """Publishers (checksums on) of the ``shards`` of Megatron's process grid, version 1 published."""
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     _, layout = _layout(cfg, tp=tp, ep=ep, etp=etp, expert_layout=expert_layout, layer_spec=layer_spec)
     job = f"sums-fused-{next(_JOBS)}"
@@ -146,7 +146,7 @@ def test_gpt_oss_fused_experts_are_checked_and_a_changed_byte_is_named(expert_la
     from moe_cases import megatron_shards
 
     from megarefit.online import RefitReceiver
-    from megarefit.online.receiver import TornUpdateError
+    from megarefit.online.receiver.receiver import TornUpdateError
     from megarefit.targets import VllmTarget
     from megarefit.transport.checksum import ChecksumMismatchError
 
@@ -236,7 +236,7 @@ def test_a_box_no_sum_covers_is_refused_before_a_byte_moves(config, monkeypatch)
     pytest.importorskip("nixl")
     from reference import reference_hf_state, reference_shards
 
-    import megarefit.online.receiver as receiver_module
+    import megarefit.online.receiver.receiver as receiver_module
     from megarefit.online import RefitReceiver
     from megarefit.plan import make_op
     from megarefit.planner import plan_megatron_to_hf

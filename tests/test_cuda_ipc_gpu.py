@@ -19,7 +19,7 @@ from conftest import tiny_config
 
 from megarefit.demo.workers import start_workers
 from megarefit.online import RefitReceiver, StaleVersionError
-from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.store.rendezvous import Rendezvous
 from megarefit.transport.cuda_ipc import IpcError
 
 CFG = tiny_config("Qwen3-0.6B", tie_word_embeddings=False)

@@ -31,27 +31,40 @@ from hypothesis import strategies as st
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
+from moe_cases import megatron_shards, moe_config  # noqa: E402
+from reference import hf_checkpoint_state, reference_hf_state, reference_shards  # noqa: E402
+
 from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.layout.megatron_model import source_layout  # noqa: E402
-from megarefit.online import delta_apply, held  # noqa: E402
-from megarefit.online.cycle import StaleVersionError  # noqa: E402
-from megarefit.online.delta_apply import map_through, segment_elements  # noqa: E402
-from megarefit.online.delta_log import BITS, DeltaOptions, RepublishError, pack_bitmap, pack_paged  # noqa: E402
-from megarefit.online.delta_records import (BITMAP, INDICES, PAGED, DeltaRecord, DeltaRecordError,  # noqa: E402
-                                            DeltaSegment, best_format, decode_record, delta_key, epoch_key,
-                                            mask_bytes, segment_bytes)
-from megarefit.online.delta_track import ChangeTracker  # noqa: E402
-from megarefit.online.publisher import Publisher, VersionOrderError  # noqa: E402
-from megarefit.online.receiver import RefitReceiver  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.delta import apply as delta_apply  # noqa: E402
+from megarefit.online.delta import held
+from megarefit.online.delta.apply import map_through, segment_elements  # noqa: E402
+from megarefit.online.delta.log import BITS, DeltaOptions, RepublishError, pack_bitmap, pack_paged  # noqa: E402
+from megarefit.online.delta.records import (  # noqa: E402
+    BITMAP,
+    INDICES,
+    PAGED,
+    DeltaRecord,
+    DeltaRecordError,
+    DeltaSegment,
+    best_format,
+    decode_record,
+    delta_key,
+    epoch_key,
+    mask_bytes,
+    segment_bytes,
+)
+from megarefit.online.delta.track import ChangeTracker  # noqa: E402
+from megarefit.online.receiver.cycle import StaleVersionError  # noqa: E402
+from megarefit.online.receiver.receiver import RefitReceiver  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher, VersionOrderError  # noqa: E402
 from megarefit.plan import Plan  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
 from megarefit.transport.checksum import ChecksumMismatchError  # noqa: E402
 from megarefit.transport.local import LocalTransport  # noqa: E402
 from megarefit.transport.manifest import TensorEntry  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
-from moe_cases import megatron_shards, moe_config  # noqa: E402
-from reference import hf_checkpoint_state, reference_hf_state, reference_shards  # noqa: E402
 
 _JOBS = itertools.count()
 
@@ -327,7 +340,7 @@ def _python_sums(raw: bytes, chunk: int) -> list[int]:
 
 _FUSED_FINGERPRINT = """
 import sys, torch
-from megarefit.online import held, held_kernel
+from megarefit.online.delta import held, held_kernel
 sys.path.insert(0, "tests")
 from test_delta import _python_sums
 g = torch.Generator().manual_seed(5)
@@ -724,8 +737,8 @@ def test_every_format_names_the_changed_elements_exactly(numel, density, fmt, se
 
 _INTERPRETED = """
 import torch
-import megarefit.online.delta_kernel as K
-from megarefit.online.delta_log import pack_paged
+import megarefit.online.delta.kernel as K
+from megarefit.online.delta.log import pack_paged
 PAGE = K.PAGE
 g = torch.Generator().manual_seed(3)
 numel = 5 * PAGE + 123

@@ -15,19 +15,21 @@ pytest.importorskip("nixl")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from reference import reference_hf_state, reference_shards  # noqa: E402
+
 from megarefit.layout.megatron_model import source_layout  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.delta_log import DeltaOptions  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from reference import reference_hf_state, reference_shards  # noqa: E402
+from megarefit.online.delta.log import DeltaOptions  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
+
 
 @pytest.mark.parametrize("changes", ["host", "device", "tracker"])
 def test_gpu_delta_equals_full_pull(config, changes):
     """``changes``: how the trainers find what changed; ``host`` / ``device``: a mirror of the
     last version there (DeltaOptions.mirror, slots on the same side); ``tracker``: no mirror, the
     changes marked by a ChangeTracker in the main-to-model copy (slots on the device)."""
-    from megarefit.online.delta_track import ChangeTracker
+    from megarefit.online.delta.track import ChangeTracker
 
     cfg = config("Llama-3.1-8B", num_hidden_layers=4, hidden_size=256, intermediate_size=512)
     hf = {k: v.to(torch.bfloat16) for k, v in reference_hf_state(cfg, "llama").items()}
@@ -50,7 +52,7 @@ def test_gpu_delta_equals_full_pull(config, changes):
     rx.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9, tensor=0.0)  # patch whatever changed sparsely
     rx.delta_model.learn = False
     full = RefitReceiver(rdzv, name=f"delta-gpu-{changes}-full", device=device, delta=False)
-    from megarefit.online.delta_kernel import fused
+    from megarefit.online.delta.kernel import fused
     assert fused(torch.device(device))  # the receiver's warm_up checked the fused placing there
     g = torch.Generator(device="cuda:0").manual_seed(0)
     for v in range(1, 5):
@@ -85,9 +87,9 @@ def test_fused_place_equals_torch_scatter(paged):
     between them (elements outside every run are left alone), pages with and without changes.
     The runs' targets are disjoint, as a plan's are (an earlier version of this test let two
     overlap, so which write won differed between the GPU and the oracle: 2 of 3904 elements)."""
-    from megarefit.online.delta_kernel import place
-    from megarefit.online.delta_log import pack_paged
-    from megarefit.online.delta_records import PAGE
+    from megarefit.online.delta.kernel import place
+    from megarefit.online.delta.log import pack_paged
+    from megarefit.online.delta.records import PAGE
 
     g = torch.Generator().manual_seed(3)
     numel = 5 * PAGE + 123
@@ -119,7 +121,7 @@ def test_fused_place_equals_torch_scatter(paged):
 def test_fused_marking_agrees_with_pytorch_on_the_gpu():
     """The tracker's fused mark (delta_mark) against an independent PyTorch computation, for
     every parameter / source dtype pair it takes, on each GPU; a tracked copy_ uses it."""
-    from megarefit.online import delta_mark
+    from megarefit.online.delta import mark as delta_mark
 
     pairs = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float32),
              (torch.bfloat16, torch.bfloat16)]
@@ -181,7 +183,7 @@ def test_the_fused_fingerprint_on_the_gpu_equals_the_cpus():
     and word included; so does the GPU's PyTorch path (blocks)."""
     import warnings
 
-    from megarefit.online import held, held_kernel
+    from megarefit.online.delta import held, held_kernel
 
     raw = torch.randint(0, 256, (8 * held.CHUNK * 5 + 8 * 77 + 5,), dtype=torch.uint8,
                         generator=torch.Generator().manual_seed(1))

@@ -1,4 +1,4 @@
-"""Changes found where the optimizer writes them (``megarefit.online.delta_track``): no mirror.
+"""Changes found where the optimizer writes them (``megarefit.online.delta.track``): no mirror.
 
 Oracles, none of them the tracker: the bits of every parameter before and after real steps
 (what changed), and a ``delta=False`` receiver's full pull (what a delta receiver must hold).
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_config
-from megarefit.online.delta_track import ChangeTracker, DeltaTrackError, or_mask, set_indices, track_changes
+from megarefit.online.delta.track import ChangeTracker, DeltaTrackError, or_mask, set_indices, track_changes
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,10 +94,11 @@ def test_megatron_distributed_optimizer_deltas_equal_full_pulls():
     the trainer's checksums verified."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("nixl")
-    from megarefit.demo.workers import start_workers
-    from megarefit.online.receiver import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
     from megatron_jobs import delta_track_job
+
+    from megarefit.demo.workers import start_workers
+    from megarefit.online.receiver.receiver import RefitReceiver
+    from megarefit.online.store.rendezvous import Rendezvous
 
     job = "delta-track"
     # untied: the output layer's vocab padding rows take real gradients, so they change where no op reads
@@ -140,7 +141,7 @@ def test_megatron_distributed_optimizer_deltas_equal_full_pulls():
 _INTERPRETED = """
 import warnings
 import torch
-from megarefit.online import delta_mark
+from megarefit.online.delta import mark as delta_mark
 warnings.simplefilter("error")  # a failed check warns: fail here instead
 pairs = [(torch.float16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
 assert all(delta_mark.check(torch.device("cpu"), d, s) for d, s in pairs)
@@ -182,8 +183,8 @@ def test_copies_that_do_not_fit_and_deferred_gathers_are_refused():
     from megarefit.layout.dims import ModelDims
     from megarefit.layout.geometry import source_tensors
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cfg = default_config()
     layout = source_layout(cfg, tp=1, pp=1)

@@ -68,11 +68,12 @@ def expected(hf: dict[str, torch.Tensor], quantization: str | None) -> dict[str,
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_receiver_on_a_non_current_device(config, quantization):
     pytest.importorskip("nixl")
-    from megarefit.online import RefitReceiver
-    from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
+
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online import RefitReceiver
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cfg = config("Qwen3-0.6B")
     hf = reference_hf_state(cfg, "qwen3")
@@ -100,11 +101,12 @@ def test_streamed_receiver_on_a_non_current_device(config, quantization):
     ``cuda:0`` is current: every group lands on the receiver's device, bit for bit, and this
     process allocates nothing on ``cuda:0``."""
     pytest.importorskip("nixl")
-    from megarefit.online import RefitReceiver
-    from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
+
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online import RefitReceiver
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cfg = config("Qwen3-0.6B")
     hf = reference_hf_state(cfg, "qwen3")

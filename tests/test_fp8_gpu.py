@@ -55,13 +55,14 @@ def test_fused_quantizer_matches_the_cpu_formula():
 
 def test_fp8_refit_with_gpu_trainers_and_receiver(config):
     pytest.importorskip("nixl")
-    import megarefit
-    from megarefit.online import RefitReceiver
-    from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.quant import quantized_weight_names, scale_name
-    from megarefit.online.rendezvous import Rendezvous
     from reference import reference_hf_state, reference_shards
+
+    import megarefit
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online import RefitReceiver
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
+    from megarefit.quant import quantized_weight_names, scale_name
 
     cfg = config("Qwen3-0.6B", hidden_size=256, head_dim=64, num_attention_heads=4, intermediate_size=512)
     hf = reference_hf_state(cfg, "qwen3", dtype=torch.bfloat16)

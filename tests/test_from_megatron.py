@@ -26,22 +26,24 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("nixl")
 
 import megatron.core  # noqa: E402
-from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
-
 from conftest import tiny_config  # noqa: E402
 from from_megatron_jobs import Case, read_job  # noqa: E402
-from megarefit import ModelDims, SourceLayout  # noqa: E402
-from megarefit.demo.workers import start_workers  # noqa: E402
-from megarefit.errors import LayoutError  # noqa: E402
-from megarefit.errors import UnverifiedMegatronError  # noqa: E402
-from megarefit.demo.megatron_cpu import megatron_series  # noqa: E402
-from megarefit.layout.megatron_model import agree, check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
-from megarefit.online import RefitReceiver, VersionMismatchError  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
 from reference import reference_shards, unshard  # noqa: E402
 from reference_planner import Layout, reference_megatron_to_hf  # noqa: E402
 from test_megatron_mla_glm import _config  # noqa: E402
+
+from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.demo.megatron_cpu import megatron_series  # noqa: E402
+from megarefit.demo.workers import start_workers  # noqa: E402
+from megarefit.errors import (
+    LayoutError,  # noqa: E402
+    UnverifiedMegatronError,  # noqa: E402
+)
+from megarefit.layout.megatron_model import agree, check_stated, megatron_core_of, source_layout, unwrap  # noqa: E402
+from megarefit.online import RefitReceiver, VersionMismatchError  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -13,9 +13,10 @@ import torch
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
+
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver, StaleVersionError  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
 
 CFG = tiny_config("Qwen3-0.6B", tie_word_embeddings=False)
 
@@ -83,10 +84,11 @@ def test_killed_receiver_is_named_then_dropped_after_its_lease():
     import time
 
     from handover_jobs import receiver_job
-    from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import RendezvousTimeout
     from reference import reference_hf_state, reference_shards
+
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online.store.rendezvous import RendezvousTimeout
+    from megarefit.online.trainer.publisher import Publisher
 
     job = "handover-kill"
     rdzv = Rendezvous.serve(job=job)
@@ -137,6 +139,7 @@ def test_trainer_killed_mid_pull_then_restarted():
     trainer restarts (a new process: new memory, new NIXL metadata, same agent name) with
     new weights, and the next cycle pulls them whole."""
     from handover_jobs import static_trainer_job
+
     from megarefit.transport.nixl_agent import TransferError
 
     job = "handover-restart"

@@ -356,8 +356,8 @@ def test_idle_gpus_idle_nics_and_pulls_that_cross_no_nic_are_not_funnels(machine
 def test_the_pipeline_gives_the_meter_what_its_gpu_pulled_over_nixl(tmp_path, caplog):
     """What a GPU receiver does after a staged pull: ``wire_bytes`` less the CUDA-IPC bytes
     (read on the GPU itself, no NIC) are the GPU's pull; its funnel warning is logged."""
-    from megarefit.online.cycle import CycleStats
-    from megarefit.online.pipeline import _count_nics
+    from megarefit.online.receiver.cycle import CycleStats
+    from megarefit.online.receiver.pipeline import _count_nics
 
     spec, root = _built(tmp_path, "dgx_h100")
     gpu1, gpu0_nic = _address(spec, "GPU1"), "mlx5_0:1"
@@ -365,7 +365,7 @@ def test_the_pipeline_gives_the_meter_what_its_gpu_pulled_over_nixl(tmp_path, ca
     meter.start()
     add_traffic(root, gpu0_nic, sent=0, received=3 << 30)  # GPU1's bytes, through GPU0's NIC
     stats = CycleStats(version=7, cold=False, wire_bytes=(3 << 30) + (1 << 30), ipc_bytes=1 << 30)
-    with caplog.at_level(logging.WARNING, logger="megarefit.online.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="megarefit.online.receiver.pipeline"):
         _count_nics(meter, nics.choose(gpu1, str(root), env={}, dev=str(dev_of(root))), stats)
     assert stats.nic_bytes[gpu0_nic] == 3 << 30
     assert f"refit of version 7: NIC funnel: mlx5_3:1 carried 0.00 GB while its GPU {gpu1} pulled 3.22 GB; " \

@@ -17,11 +17,12 @@ pytest.importorskip("nixl")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
+
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 
 
 @pytest.mark.parametrize("src,dst", list(itertools.product(("cuda", "cpu"), ("cuda:0", "cpu"))))

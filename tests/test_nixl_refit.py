@@ -20,10 +20,11 @@ pytest.importorskip("megatron.core")
 
 from conftest import tiny_config  # noqa: E402
 from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
+
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
 from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.megatron

@@ -17,14 +17,15 @@ pytest.importorskip("nixl")
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from moe_cases import megatron_shards, moe_config  # noqa: E402
+from reference import hf_checkpoint_state, vllm_moe_reference  # noqa: E402
+
 from megarefit import ModelDims, SourceLayout  # noqa: E402
 from megarefit.errors import LayoutError  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
-from moe_cases import megatron_shards, moe_config  # noqa: E402
-from reference import hf_checkpoint_state, vllm_moe_reference  # noqa: E402
 
 CASES = {  # family: (config, trainer tp, ep, etp, expert layout, layer spec)
     "qwen3_moe": ("Qwen3-30B-A3B", 2, 2, 1, "legacy_grouped", "local"),

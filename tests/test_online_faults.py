@@ -16,12 +16,13 @@ import torch
 
 pytest.importorskip("nixl")
 
-from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError  # noqa: E402
-from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
-from megarefit.online.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
 from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
+
+from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver, StaleVersionError, VersionMismatchError  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 
 _JOBS = iter(range(10**6))
 
@@ -298,8 +299,9 @@ def test_vllm_sharded_receivers_over_nixl(served):
     (vLLM names: qkv_proj, gate_up_proj, ...) over NIXL from the TP=2 publishers; each
     equals an independent cat/chunk reference of vLLM's TP layout applied to the HF
     state (tests/reference.py), and together they move about the model's bytes once."""
-    from megarefit.targets import VllmTarget
     from reference import vllm_reference
+
+    from megarefit.targets import VllmTarget
 
     cfg, hf, shards, rdzv, pubs, _ = served
     for p in pubs.values():
@@ -398,7 +400,7 @@ def test_wait_receivers_waits_for_every_live_receiver(served):
     one that has not; once both installed and acknowledged it returns. A receiver whose
     heartbeat stops (a killed process) is dropped after its lease; a restarted one
     (same name) is listed once."""
-    from megarefit.online.rendezvous import RendezvousTimeout
+    from megarefit.online.store.rendezvous import RendezvousTimeout
 
     _, hf, _, rdzv, pubs, first = served
     second = RefitReceiver(rdzv, name=first.name + "-b", timeout=2, heartbeat_s=0.05)

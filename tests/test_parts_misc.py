@@ -1,6 +1,6 @@
 """Focused tests of parts split out of larger modules (issue 39): the HF config readers
 (layout/hf_dims.py), the rendezvous record codec and receiver registry
-(online/rendezvous_records.py, online/rendezvous_receivers.py) and the NIXL pull coalescing
+(online/store/records.py, online/store/receivers.py) and the NIXL pull coalescing
 (transport/nixl_requests.py). Expected values are written out by hand."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from megarefit.errors import MegarefitError, UnsupportedModelError
 from megarefit.layout.hf_dims import HFConfigReader, hybrid_dims, read_hf_dims
-from megarefit.online.rendezvous import Rendezvous
-from megarefit.online.rendezvous_receivers import ReceiverRegistry
-from megarefit.online.rendezvous_records import RecordAuthenticationError, RecordCodec, RendezvousTimeout
+from megarefit.online.store.receivers import ReceiverRegistry
+from megarefit.online.store.records import RecordAuthenticationError, RecordCodec, RendezvousTimeout
+from megarefit.online.store.rendezvous import Rendezvous
 from megarefit.specs import get_family
 from megarefit.transport.nixl_requests import coalesce
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from reference import hf_checkpoint_state, qwen35_layer_types, qwen35_reference_shards
 
 transformers = pytest.importorskip("transformers")
@@ -345,7 +344,7 @@ def test_what_a_value_step_makes_is_never_read_straight_into_vllm():
     modules (no post-load step): ``A_log`` and the gated norm are made on the receiver by value
     steps, so they are not direct (a direct target is READ; these go through their staging)."""
     from megarefit import ModelDims, SourceLayout
-    from megarefit.online.receiver_memory import ReceiverMemory
+    from megarefit.online.receiver.memory import ReceiverMemory
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
     from megarefit.transport.execute import torch_dtype
 

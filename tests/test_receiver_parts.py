@@ -28,21 +28,21 @@ import torch
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
+from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
+
 from megarefit.errors import MegarefitError, MissingParameterError, ShapeMismatchError  # noqa: E402
 from megarefit.layout.megatron_model import source_layout  # noqa: E402
-from megarefit.online.cycle import (Laps, StaleVersionError, TornUpdateError, VersionMismatchError,  # noqa: E402
-                                    gc_paused)
-from megarefit.online.fence import VersionFence  # noqa: E402
-from megarefit.online.pipeline import CyclePipeline  # noqa: E402
-from megarefit.online.plan_cache import PlanCache  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.online.receiver_memory import ReceiverMemory  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.online.stream import MemoryBudgetError  # noqa: E402
+from megarefit.online.receiver.cycle import Laps, StaleVersionError, TornUpdateError, VersionMismatchError, gc_paused  # noqa: E402
+from megarefit.online.receiver.fence import VersionFence  # noqa: E402
+from megarefit.online.receiver.memory import ReceiverMemory  # noqa: E402
+from megarefit.online.receiver.pipeline import CyclePipeline  # noqa: E402
+from megarefit.online.receiver.plan_cache import PlanCache  # noqa: E402
+from megarefit.online.receiver.stream import MemoryBudgetError  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
 from megarefit.transport.cuda_ipc import IpcSources  # noqa: E402
 from megarefit.transport.nixl import NixlTransport  # noqa: E402
-from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
 
 CPU = torch.device("cpu")
 _NAMES = itertools.count()

@@ -10,11 +10,12 @@ import torch
 
 pytest.importorskip("nixl")
 
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
+
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def test_replicas_mirror_the_first_tier(trainers, replicas):
     (``tree_parent``), each reading its parent's arena in one READ per dtype: every
     replica equals the HF state bit for bit, for two versions, and only the first tier
     reads trainer memory (the others' bytes come from receivers)."""
-    from megarefit.online.replica import ReplicaReceiver, tree_parent
+    from megarefit.online.receiver.replica import ReplicaReceiver, tree_parent
 
     hf, shards, rdzv, pubs = trainers
     root = RefitReceiver(rdzv, name="tier1", timeout=5, replica_group="g")
@@ -72,8 +73,9 @@ def test_replica_falls_back_to_the_trainers_when_its_parent_dies(trainers, caplo
     from datetime import timedelta
 
     from handover_jobs import replica_parent_job
+
     from megarefit.demo.workers import start_workers
-    from megarefit.online.replica import ReplicaReceiver
+    from megarefit.online.receiver.replica import ReplicaReceiver
 
     hf, _, rdzv, pubs = trainers
     for p in pubs:
@@ -85,7 +87,7 @@ def test_replica_falls_back_to_the_trainers_when_its_parent_dies(trainers, caplo
     got = dict(child.run_refit_cycle())
     assert not child.fell_back and all(torch.equal(got[k], v) for k, v in hf.items())
     group.kill(0)
-    with caplog.at_level(logging.WARNING, logger="megarefit.online.replica"):
+    with caplog.at_level(logging.WARNING, logger="megarefit.online.receiver.replica"):
         got = dict(child.run_refit_cycle())
     assert child.fell_back and "parent 'replica-tier1' failed" in caplog.text
     assert all(torch.equal(got[k], v) for k, v in hf.items())

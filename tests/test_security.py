@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("nixl")
 
-from megarefit.errors import MegarefitError  # noqa: E402
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
-from megarefit.online.rendezvous import SECRET_ENV, RecordAuthenticationError, Rendezvous  # noqa: E402
-from megarefit.transport.manifest import FORMAT, Manifest, ManifestError  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
+
+from megarefit.errors import MegarefitError  # noqa: E402
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.store.rendezvous import SECRET_ENV, RecordAuthenticationError, Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
+from megarefit.transport.manifest import FORMAT, Manifest, ManifestError  # noqa: E402
 
 _JOBS = iter(range(10**6))
 
@@ -117,6 +118,7 @@ def test_any_bytes_are_a_named_error_or_a_record(record):
 
 def _valid_manifest() -> dict:
     from conftest import tiny_config
+
     from megarefit.layout import SourceLayout
     from megarefit.layout.dims import ModelDims
     from megarefit.transport.manifest import TensorEntry
@@ -177,7 +179,7 @@ def test_the_store_listens_only_where_asked_and_only_to_the_job():
     process with the port but another secret cannot even connect (so it reads nothing)."""
     import socket
 
-    from megarefit.online.store import StoreError
+    from megarefit.online.store.kv import StoreError
 
     rdzv = Rendezvous.serve(job="sec-bind", secret="bind-secret-of-this-test")
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):

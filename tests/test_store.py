@@ -22,9 +22,9 @@ import time
 import pytest
 
 from megarefit.errors import MegarefitError
-from megarefit.online.rendezvous import Heartbeat, Rendezvous
-from megarefit.online.store import KeyValueStore, StoreError, StoreTLS
-from megarefit.online.store_server import NONCE_BYTES, Channel, StoreServer, encode, proof
+from megarefit.online.store.kv import KeyValueStore, StoreError, StoreTLS
+from megarefit.online.store.rendezvous import Heartbeat, Rendezvous
+from megarefit.online.store.server import NONCE_BYTES, Channel, StoreServer, encode, proof
 
 SECRET = b"store-test-secret-" + os.urandom(8).hex().encode()
 
@@ -285,7 +285,7 @@ def test_the_server_exits_with_its_process_even_with_members_connected():
 
 
 def test_an_interrupted_request_never_hands_its_answer_to_the_next(monkeypatch):
-    import megarefit.online.store as store_module
+    import megarefit.online.store.kv as store_module
 
     store = KeyValueStore.serve("127.0.0.1", 0, SECRET, 5.0)
     store.set("a", b"1")
@@ -368,7 +368,7 @@ def test_a_vllm_server_with_a_job_secret_joins_no_store_a_caller_picks(monkeypat
     not hold."""
     pytest.importorskip("vllm")
     from megarefit.integrations.vllm import check_init_secret
-    from megarefit.online.rendezvous import SECRET_ENV
+    from megarefit.online.store.rendezvous import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, SECRET.decode())
     assert check_init_secret(None) is None and check_init_secret(SECRET.decode()) == SECRET.decode()

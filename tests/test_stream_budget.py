@@ -24,14 +24,15 @@ import torch
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
+from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
+
 from megarefit.layout.megatron_model import source_layout  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.online.stream import MemoryBudgetError  # noqa: E402
+from megarefit.online.receiver.stream import MemoryBudgetError  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 from megarefit.targets import VllmTarget  # noqa: E402
 from megarefit.transport.nixl_requests import GatherSizes  # noqa: E402
-from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
 
 _JOBS = itertools.count()
 TOO_SMALL = 4096  # bytes: less than any layer

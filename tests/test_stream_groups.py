@@ -1,4 +1,4 @@
-"""Cutting a plan into streamed groups (:func:`megarefit.online.stream.stream_groups`), as a property.
+"""Cutting a plan into streamed groups (:func:`megarefit.online.receiver.stream.stream_groups`), as a property.
 
 For any plan and ring size that holds its largest layer: the groups cover the plan's targets
 exactly once and in plan order, never split a layer, each lies inside the ring, consecutive
@@ -14,11 +14,11 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_cases import case_config
 
 from megarefit import ModelDims, SourceLayout, plan_megatron_to_hf
-from megarefit.online.stream import ALIGN, MemoryBudgetError, budget_for, default_memory_budget, stream_groups
+from megarefit.online.receiver.stream import ALIGN, MemoryBudgetError, budget_for, default_memory_budget, stream_groups
 from megarefit.targets import VllmTarget, plan_megatron_to_vllm
-from moe_cases import case_config
 
 
 def _layer(name: str) -> str:

@@ -16,16 +16,22 @@ import torch
 
 pytest.importorskip("nixl")
 
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
-from megarefit.online.receiver import TornUpdateError  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.online.stream import MemoryBudgetError  # noqa: E402
-from megarefit.targets import VllmTarget  # noqa: E402
 from moe_cases import moe_config  # noqa: E402
-from reference import moe_hf_state, moe_reference_shards, reference_hf_state, reference_shards  # noqa: E402
-from reference import vllm_fp8_checkpoint  # noqa: E402
+from reference import (  # noqa: E402
+    moe_hf_state,
+    moe_reference_shards,
+    reference_hf_state,
+    reference_shards,
+    vllm_fp8_checkpoint,  # noqa: E402
+)
+
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.receiver.receiver import TornUpdateError  # noqa: E402
+from megarefit.online.receiver.stream import MemoryBudgetError  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
+from megarefit.targets import VllmTarget  # noqa: E402
 
 _JOBS = iter(range(10**6))
 LAYERS = 32  # a layer is ~3% of the share: a budget under 10% holds a ring of two layers

@@ -17,12 +17,13 @@ pytest.importorskip("nixl")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.publisher import Publisher  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.online.stream import budget_for  # noqa: E402
 from reference import reference_hf_state, reference_shards  # noqa: E402
+
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.receiver.stream import budget_for  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
 
 
 def test_queued_copies_finish_before_the_ring_is_reused(config):

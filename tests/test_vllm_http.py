@@ -42,6 +42,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
+from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
+from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
+
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.integrations.hf import save_checkpoint  # noqa: E402
@@ -54,9 +57,7 @@ from megarefit.integrations.vllm_http import (  # noqa: E402
     VllmHttpRefit,
 )
 from megarefit.integrations.vllm_stall import StallProbe  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
-from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -32,13 +32,17 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 pytest.importorskip("nixl")
 
-from conftest import tiny_config  # noqa: E402
-from megarefit import ModelDims, SourceLayout  # noqa: E402
-from conftest import HAS_AMX, needs_amx  # noqa: E402
-from megarefit.demo.workers import run_workers  # noqa: E402
+from conftest import (  # noqa: E402
+    HAS_AMX,
+    needs_amx,
+    tiny_config,  # noqa: E402
+)
 from moe_cases import CONFIGS, megatron_shards, moe_config  # noqa: E402
 from reference import hf_checkpoint_state, reference_shards, vllm_fp8_checkpoint  # noqa: E402
 from vllm_install_jobs import install_then_stream_job  # noqa: E402
+
+from megarefit import ModelDims, SourceLayout  # noqa: E402
+from megarefit.demo.workers import run_workers  # noqa: E402
 
 CASES = {  # name: (family, vLLM expert parallel, trainer (tp, ep, etp, expert layout, layer spec))
     "qwen3_moe-ep0": ("qwen3_moe", False, (2, 1, 2, "sequential", "local")),
@@ -95,8 +99,8 @@ def _streamed_cases(tmp) -> tuple[dict, list]:
     (``LAYERS`` layers), and the worker job's cases: ``(config, HF tensors A, vLLM expert
     parallel, (host, port, job))``."""
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cases, pubs = {}, []
     for key, expert_parallel in (("qwen3-dense", False), ("qwen3_moe-ep", True)):

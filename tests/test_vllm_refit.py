@@ -32,17 +32,25 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
-from megarefit.integrations.hf import save_checkpoint  # noqa: E402
-from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
-from megarefit.demo.workers import start_workers  # noqa: E402
-from megarefit.online import VersionMismatchError  # noqa: E402
-from megarefit.online.rendezvous import Rendezvous  # noqa: E402
-from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
-from vllm_helpers import EXT, PROMPT_TEXT, PROMPTS, e2e_config, initial_checkpoint, same_generation  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    EXT,
+    PROMPT_TEXT,
+    PROMPTS,
+    e2e_config,
+    initial_checkpoint,
+    same_generation,
+    vllm_prompt_logprobs,  # noqa: E402
+)
 from vllm_helpers import hf_generate as _hf_generate  # noqa: E402
 from vllm_helpers import vllm_generate as _vllm_generate  # noqa: E402
-from vllm_helpers import vllm_prompt_logprobs  # noqa: E402
+
+from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
+from megarefit.demo.workers import start_workers  # noqa: E402
+from megarefit.integrations.hf import save_checkpoint  # noqa: E402
+from megarefit.online import VersionMismatchError  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

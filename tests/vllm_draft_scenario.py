@@ -64,16 +64,16 @@ def _which(drafter: torch.nn.Module, states: list[dict[str, torch.Tensor]], n: i
 
 def main(work: Path) -> dict:
     import vllm
+    from conftest import hf_model_from
     from vllm.config import WeightTransferConfig
+    from vllm_helpers import hf_generate, vllm_generate
 
     import megarefit
-    from conftest import hf_model_from
     from megarefit.integrations.hf import save_checkpoint
     from megarefit.integrations.vllm import register
     from megarefit.layout.megatron_model import source_layout
     from megarefit.online import Publisher
-    from megarefit.online.rendezvous import Rendezvous
-    from vllm_helpers import hf_generate, vllm_generate
+    from megarefit.online.store.rendezvous import Rendezvous
 
     register()
     cfg = config()
@@ -138,15 +138,16 @@ def main(work: Path) -> dict:
 def main_http(work: Path) -> dict:
     import subprocess
 
-    import megarefit
     from conftest import hf_model_from
+    from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
+    from vllm_helpers import bpe_tokenizer, hf_generate
+
+    import megarefit
     from megarefit.integrations.hf import save_checkpoint
     from megarefit.integrations.vllm_http import VllmHttpRefit
     from megarefit.layout.megatron_model import source_layout
     from megarefit.online import Publisher
-    from megarefit.online.rendezvous import Rendezvous
-    from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
-    from vllm_helpers import bpe_tokenizer, hf_generate
+    from megarefit.online.store.rendezvous import Rendezvous
 
     cfg = config()
     n = cfg["num_hidden_layers"]

@@ -117,15 +117,15 @@ def open_updates(llm, served) -> dict:
 
 def main(work: Path) -> dict:
     import vllm
-    from vllm.config import WeightTransferConfig
     from reference import reference_shards
+    from vllm.config import WeightTransferConfig
     from vllm_helpers import e2e_config, generate_or_refusal, vllm_generate
 
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.integrations.vllm import register
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cfg = e2e_config()  # tied embeddings
     assert cfg["tie_word_embeddings"]

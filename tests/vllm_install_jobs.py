@@ -173,6 +173,7 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm_loader_jobs import init_vllm_tp, model_config_for
 
     from megarefit import ModelDims, RankCoord
     from megarefit.errors import ShapeMismatchError
@@ -180,10 +181,9 @@ def install_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], 
     from megarefit.integrations.vllm_install import install_shards, vllm_target_of
     from megarefit.quant import Fp8Format
     from megarefit.quant.planning import quantize_sources
-    from megarefit.transport.execute import run_refit_cycle
     from megarefit.targets import plan_megatron_to_vllm
     from megarefit.transport import LocalTransport
-    from vllm_loader_jobs import init_vllm_tp, model_config_for
+    from megarefit.transport.execute import run_refit_cycle
 
     init_vllm_tp(rank, world_size, port)
     results: dict[str, Any] = {}
@@ -249,12 +249,12 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
     "groups": n, "peak_extra": bytes (counted), "measured": bytes (ring + scratch tensors)}``."""
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm_loader_jobs import init_vllm_tp, model_config_for
 
     from megarefit.integrations.vllm import _refit_into
     from megarefit.integrations.vllm_install import vllm_target_of
     from megarefit.online import RefitReceiver
-    from megarefit.online.rendezvous import Rendezvous
-    from vllm_loader_jobs import init_vllm_tp, model_config_for
+    from megarefit.online.store.rendezvous import Rendezvous
 
     if init:  # else this process's vLLM tensor-parallel state exists already
         init_vllm_tp(rank, world_size, port)

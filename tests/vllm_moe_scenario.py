@@ -69,16 +69,16 @@ def sharder(cfg: dict, ranks: list, tp: int, ep: int, gpt_oss: bool, nemotron_h:
 def main(work: Path, moe_intermediate_size: int, sharded: bool = False, streamed: bool = False,
          engine_sharded: bool = False, gpt_oss: bool = False, nemotron_h: bool = False) -> dict:
     import vllm
-    from vllm.config import WeightTransferConfig
-
     from conftest import hf_model_from
-    from megarefit.integrations.hf import build_hf_model, save_checkpoint
+    from reference import hf_checkpoint_state, unshard
+    from vllm.config import WeightTransferConfig
+    from vllm_helpers import EXT, PROMPTS, hf_generate, same_generation, vllm_generate
+
     from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
     from megarefit.demo.workers import start_workers
+    from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.integrations.vllm import register
-    from megarefit.online.rendezvous import Rendezvous
-    from reference import hf_checkpoint_state, unshard
-    from vllm_helpers import EXT, PROMPTS, hf_generate, same_generation, vllm_generate
+    from megarefit.online.store.rendezvous import Rendezvous
 
     register()
     cfg = {k: v for k, v in config(moe_intermediate_size, gpt_oss, nemotron_h).items() if v is not None}

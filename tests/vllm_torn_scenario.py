@@ -44,17 +44,17 @@ def _worker(llm):
 
 def main(work: Path) -> dict:
     import vllm
-    from vllm.config import WeightTransferConfig
     from conftest import tiny_config
     from reference import reference_shards
+    from vllm.config import WeightTransferConfig
     from vllm_helpers import EXT, generate_or_refusal, hf_generate, same_generation, vllm_generate
 
     from megarefit.integrations.hf import build_hf_model, save_checkpoint
     from megarefit.integrations.vllm import register
     from megarefit.layout.megatron_model import source_layout
-    from megarefit.online.delta_log import DeltaOptions
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.delta.log import DeltaOptions
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     cfg = tiny_config("Qwen3-0.6B", vocab_size=500, hidden_size=128, intermediate_size=256, head_dim=64,
                       tie_word_embeddings=False)

@@ -9,7 +9,7 @@ bytes once. Both are measured in the same run, ``repeat`` warm calls each.
 :func:`bench_install` times what a consumer sees: a **staged** install (the whole share
 pulled into an arena, then every tensor copied into the consumer's preallocated "model",
 as vLLM's ``load_weights`` copies into its parameters) or a **streamed** one (the plan cut
-into groups of whole layers, :func:`~megarefit.online.stream.stream_groups`, each pulled
+into groups of whole layers, :func:`~megarefit.online.receiver.stream.stream_groups`, each pulled
 into one ring buffer and copied into the model before the next group lands), and the
 memory each holds above the model.
 """
@@ -35,7 +35,7 @@ from megarefit.transport.execute import run_refit_cycle, torch_dtype
 from megarefit.transport.local import LocalTransport
 
 if TYPE_CHECKING:
-    from megarefit.online.stream import StreamGroup
+    from megarefit.online.receiver.stream import StreamGroup
 
 
 def sync(device: str | torch.device = "cuda") -> None:
@@ -204,14 +204,14 @@ def consumer_model(plan: Plan, device: str) -> dict[str, torch.Tensor]:
 
 def plan_stream(plan: Plan, memory_budget: int | Literal["auto"]) -> tuple[int, list[StreamGroup]]:
     """``(budget, groups)`` of a streamed install of ``plan`` within ``memory_budget`` bytes
-    (``"auto"``: :func:`~megarefit.online.stream.default_memory_budget`). In-process, the
+    (``"auto"``: :func:`~megarefit.online.receiver.stream.default_memory_budget`). In-process, the
     :class:`LocalTransport` needs no NIXL scratch, so the ring gets the whole budget.
 
     Raises:
         MemoryBudgetError: a layer (or the embedding / head) needs more than the budget; the
             message names it and the bytes it needs.
     """
-    from megarefit.online.stream import MemoryBudgetError, default_memory_budget, stream_groups
+    from megarefit.online.receiver.stream import MemoryBudgetError, default_memory_budget, stream_groups
 
     budget = default_memory_budget(plan) if memory_budget == "auto" else int(memory_budget)
     try:

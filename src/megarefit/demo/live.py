@@ -83,7 +83,7 @@ def run_live_demo(config: Any = None, *, engine: Literal["vllm", "hf"] = "vllm",
     from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job
     from megarefit.demo.workers import start_workers
     from megarefit.integrations.hf import build_hf_model, install_weights
-    from megarefit.online.rendezvous import Rendezvous, ensure_job_secret
+    from megarefit.online.store.rendezvous import Rendezvous, ensure_job_secret
     from megarefit.translate import megatron_to_hf
 
     cfg, dims, notes = _live_config(config, shrink, tp, pp)
@@ -151,7 +151,7 @@ def _start_engine(engine: Literal["vllm", "hf"], cfg: dict[str, Any], dims: Mode
     """Save a seeded initial HF checkpoint under ``work / "initial"`` and start ``engine`` on it,
     refitting from rendezvous ``rdzv`` of ``job``; return its ``generate()`` and ``refit(version)``."""
     from megarefit.integrations.hf import build_hf_model, install_weights, save_checkpoint
-    from megarefit.online.receiver import RefitReceiver
+    from megarefit.online.receiver.receiver import RefitReceiver
 
     torch.manual_seed(0)
     initial = build_hf_model(cfg)

@@ -1,6 +1,6 @@
 """Trainer jobs run in :mod:`~megarefit.demo.workers` processes: build a real Megatron-Core
 model per :class:`TrainerCase`, then return its shards and logits (:func:`trainer_job`) or
-serve them through a :class:`~megarefit.online.publisher.Publisher` (:func:`serving_trainer_job`).
+serve them through a :class:`~megarefit.online.trainer.publisher.Publisher` (:func:`serving_trainer_job`).
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
 
-    from megarefit.online.publisher import Publisher
-    from megarefit.online.rendezvous import Rendezvous
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
 
     init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=case.tp, pp=case.pp, ep=case.ep)
     model = _build(case)

@@ -86,8 +86,8 @@ from megarefit.integrations.vllm_install import (
     vllm_version,
 )
 from megarefit.integrations.vllm_shadow import Shadows, prepare_shadows
-from megarefit.online.receiver import RefitReceiver, TornUpdateError
-from megarefit.online.rendezvous import SECRET_ENV, Rendezvous
+from megarefit.online.receiver.receiver import RefitReceiver, TornUpdateError
+from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
 from megarefit.transport.checksum import tensor_checksum
 
 ENGINE_NAME = "megarefit"
@@ -476,12 +476,12 @@ class MegarefitWorkerExtension:
         (:func:`~megarefit.integrations.vllm_install.install_shards`) instead of calling
         ``load_weights`` with full tensors: 1/TP of the dense bytes per worker.
         ``memory_budget`` (bytes or ``"auto"``): stream each cycle through a bounded ring
-        (:mod:`megarefit.online.stream`), installing groups of whole layers as they land,
+        (:mod:`megarefit.online.receiver.stream`), installing groups of whole layers as they land,
         instead of holding the whole share (the default, ``None``). Call it while the engine
         serves no request: a trainer that writes mid-cycle leaves a mix of versions
         (``PartialUpdateError``). ``verify_checksums``: check every pulled box against the
         checksums the trainers publish (``Publisher(checksums=True)``) before installing it
-        (:class:`~megarefit.online.receiver.RefitReceiver`). ``direct`` (sharded only): after the
+        (:class:`~megarefit.online.receiver.receiver.RefitReceiver`). ``direct`` (sharded only): after the
         first cycle, write straight into every module whose live parameters vLLM left
         byte-identical to the installed shards (checksums compared after its reload and
         post-load processing: :func:`~megarefit.integrations.vllm_install.direct_candidates`):
@@ -490,7 +490,7 @@ class MegarefitWorkerExtension:
         reload for those modules (``copied_tensors``, ``copied_bytes``).
         ``transport``: ``"auto"`` reads trainer ranks on this worker's GPU through CUDA IPC
         (colocated RL) and the rest over NIXL; ``"nixl"`` / ``"ipc"`` force one
-        (:class:`~megarefit.online.receiver.RefitReceiver`). ``secret``: the job secret the
+        (:class:`~megarefit.online.receiver.receiver.RefitReceiver`). ``secret``: the job secret the
         trainers sign their records with (default: ``$MEGAREFIT_JOB_SECRET`` in the worker).
 
         Raises:
@@ -564,7 +564,7 @@ class MegarefitWorkerExtension:
         without pulling: the pause is the install alone. ``timeout`` (seconds) waits for the
         version to be published. ``path``: which receiver, ``"engine"`` (the ``megarefit``
         weight-transfer backend) or ``"extension"`` (:meth:`init_megarefit`); ``"auto"``: the
-        one initialized. Returns :class:`~megarefit.online.prefetch.PrefetchState` as a dict.
+        one initialized. Returns :class:`~megarefit.online.receiver.prefetch.PrefetchState` as a dict.
 
         Raises:
             MegarefitError: no receiver initialized, both with ``path="auto"``, or a streamed

@@ -1,8 +1,8 @@
 """Refit a ``vllm serve`` server over HTTP: the RL controller's side of the megarefit backend.
 
 Most RL stacks drive vLLM as a server. The trainers publish their live shards
-(:class:`~megarefit.online.publisher.Publisher`, one per Megatron rank, against a
-:class:`~megarefit.online.rendezvous.Rendezvous`); the server runs with
+(:class:`~megarefit.online.trainer.publisher.Publisher`, one per Megatron rank, against a
+:class:`~megarefit.online.store.rendezvous.Rendezvous`); the server runs with
 ``--weight-transfer-config '{"backend": "megarefit"}'`` (and ``VLLM_SERVER_DEV_MODE=1`` for
 the weight-transfer routes); whoever orchestrates the RL loop calls :meth:`VllmHttpRefit.refit`
 after each training step::

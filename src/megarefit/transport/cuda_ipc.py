@@ -4,7 +4,7 @@ Colocated RL keeps trainer and vLLM processes on the same GPUs. Between two proc
 one GPU NIXL/UCX goes through the host (0.8 GB/s measured on an H200), while a copy from
 another process's tensor through CUDA IPC runs at a device copy's speed. So:
 
-* **Trainer** (:func:`export_storages`): every CUDA storage a :class:`~megarefit.online.publisher.Publisher`
+* **Trainer** (:func:`export_storages`): every CUDA storage a :class:`~megarefit.online.trainer.publisher.Publisher`
   serves (parameters, or Megatron's contiguous parameter buffer they are views of; FP8 and
   snapshot buffers; the checksum block) is exported once with PyTorch's CUDA IPC reduction
   (``torch.multiprocessing.reductions.reduce_tensor``: the caching allocator's block handle

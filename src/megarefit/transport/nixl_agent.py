@@ -1,7 +1,7 @@
 """A NIXL agent (UCX backend) that registers each memory region once and counts its work.
 
 Shared by the receiver's transport (:mod:`~megarefit.transport.nixl`), the trainer's
-:class:`~megarefit.online.publisher.Publisher` and the replicas. ``nixl`` is imported
+:class:`~megarefit.online.trainer.publisher.Publisher` and the replicas. ``nixl`` is imported
 lazily; install the ``nixl`` extra.
 """
 

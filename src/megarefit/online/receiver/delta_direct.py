@@ -14,7 +14,7 @@ later cycle can patch them with the elements changed since, and stream only the 
               prepared READs); the checksums of a group cover its patched direct targets too
     hold      after a cycle fenced whole (not torn), the direct tensors hold its version
 
-Never patched: direct tensors replaced by :meth:`~megarefit.online.receiver.RefitReceiver.set_direct`
+Never patched: direct tensors replaced by :meth:`~megarefit.online.receiver.receiver.RefitReceiver.set_direct`
 or written by anyone else between cycles (the receiver cannot see that: call ``set_direct``
 again, which forgets the version held), and a cycle that tore (the next one is full).
 """
@@ -26,10 +26,10 @@ from collections.abc import Mapping
 
 import torch
 
-from megarefit.online.delta_apply import DeltaChoice, DeltaReceiver
-from megarefit.online.fence import FenceStart, VersionFence
-from megarefit.online.receiver_memory import StreamRing
-from megarefit.online.stream import sub_plan
+from megarefit.online.delta.apply import DeltaChoice, DeltaReceiver
+from megarefit.online.receiver.fence import FenceStart, VersionFence
+from megarefit.online.receiver.memory import StreamRing
+from megarefit.online.receiver.stream import sub_plan
 from megarefit.plan import Plan, TensorRef
 from megarefit.plan.ops import digest_of
 from megarefit.transport.nixl import NixlTransport
@@ -91,7 +91,7 @@ class DirectDelta:
 
     def stats(self, plan: Plan, stream: StreamRing, direct_bytes: int) -> tuple[int, dict]:
         """The cycle's bytes placed (a patch: its bytes read plus the streamed targets') and its
-        :class:`~megarefit.online.cycle.CycleStats` delta fields, with ``"read"``: the patch's bytes
+        :class:`~megarefit.online.receiver.cycle.CycleStats` delta fields, with ``"read"``: the patch's bytes
         read (0 for a full cycle)."""
         patch = self.choice
         if patch is None:

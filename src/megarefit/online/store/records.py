@@ -1,4 +1,4 @@
-"""The signed-record codec of the rendezvous (:mod:`megarefit.online.rendezvous`).
+"""The signed-record codec of the rendezvous (:mod:`megarefit.online.store.rendezvous`).
 
 A record is ``mr1:<mac>:<n>:<payload>``: the HMAC-SHA256 (job secret) over the job, the
 key, ``n`` and the payload, ``n`` drawn from the job's counter in the store. A reader
@@ -16,7 +16,7 @@ import secrets
 import threading
 
 from megarefit.errors import MegarefitError
-from megarefit.online.store_server import check_secret
+from megarefit.online.store.server import check_secret
 
 SECRET_ENV = "MEGAREFIT_JOB_SECRET"
 RECORD_FORMAT = b"mr1"

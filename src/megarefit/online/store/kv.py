@@ -3,7 +3,7 @@ and nothing received is ever unpickled or executed.
 
 :class:`KeyValueStore` serves the small API megarefit needs (``set`` / ``get`` / ``add`` /
 ``check`` / ``multi_get`` / ``wait`` / ``delete_key``, bytes values, blocking reads with a
-timeout) over its own protocol (:mod:`~megarefit.online.store_server`, standard library
+timeout) over its own protocol (:mod:`~megarefit.online.store.server`, standard library
 only): JSON headers and raw byte values in length-prefixed frames, a mutual HMAC-SHA256
 handshake keyed with the job secret and fresh nonces, then an HMAC-SHA256 tag on every
 message in both directions. A process without the secret can neither read nor write, and a
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from megarefit.errors import MegarefitError
-from megarefit.online.store_server import (
+from megarefit.online.store.server import (
     FRAME_MAX,
     HELLO_MAX,
     NONCE_BYTES,
@@ -215,7 +215,7 @@ class KeyValueStore:
     @classmethod
     def serve(cls, host: str, port: int, secret: bytes | str, timeout: float, *,
               tls: StoreTLS | None = None) -> KeyValueStore:
-        """Start a table's server process (:mod:`~megarefit.online.store_server`) on ``host:port``
+        """Start a table's server process (:mod:`~megarefit.online.store.server`) on ``host:port``
         (``port=0``: a free one) and connect to it. The server lives until this process exits.
 
         Raises:
@@ -225,7 +225,7 @@ class KeyValueStore:
             key = check_secret(secret)
         except ValueError as exc:
             raise StoreError(str(exc)) from None
-        args = [sys.executable, str(Path(__file__).with_name("store_server.py")), host, str(port)]
+        args = [sys.executable, str(Path(__file__).with_name("server.py")), host, str(port)]
         if tls is not None and tls.certfile is not None:
             args += ["--certfile", tls.certfile] + (["--keyfile", tls.keyfile] if tls.keyfile else [])
         server = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""One fused launch per parameter on a GPU for :mod:`~megarefit.online.delta_track`: cast the new
+"""One fused launch per parameter on a GPU for :mod:`~megarefit.online.delta.track`: cast the new
 values to the parameter's dtype, compare their bits with the old ones, OR the changes into the
 parameter's bitmap (and, for ``ChangeTracker.copy_``, write the new values), in one pass.
 

@@ -21,8 +21,14 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
 from megarefit.plan import CopyOp, Plan, TensorRef
-from megarefit.transport.checksum import (ChecksumMismatchError, SumFrame, UncheckableBoxError, box_kind, box_sums,
-                                         sum_frame)
+from megarefit.transport.checksum import (
+    ChecksumMismatchError,
+    SumFrame,
+    UncheckableBoxError,
+    box_kind,
+    box_sums,
+    sum_frame,
+)
 from megarefit.transport.checksum_kernel import BoxSums
 from megarefit.transport.local import squeezed
 from megarefit.transport.manifest import Manifest

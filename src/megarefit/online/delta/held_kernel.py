@@ -1,4 +1,4 @@
-"""The held arena's fingerprint in one read on a GPU (:mod:`~megarefit.online.held` defines it).
+"""The held arena's fingerprint in one read on a GPU (:mod:`~megarefit.online.delta.held` defines it).
 
 PyTorch has no integer matrix-vector product on CUDA, so its path writes the weighted words to a
 temporary and sums them: three passes over the bytes. This kernel reads each word once: program

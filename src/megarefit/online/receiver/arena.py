@@ -1,8 +1,8 @@
 """Fan-out records: a receiver's arena described in the rendezvous, for its replicas.
 
-A :class:`~megarefit.online.receiver.RefitReceiver` with a ``replica_group`` publishes
+A :class:`~megarefit.online.receiver.receiver.RefitReceiver` with a ``replica_group`` publishes
 its arena here after every pull (:func:`publish_arena`); a
-:class:`~megarefit.online.replica.ReplicaReceiver` reads it and picks its parent with
+:class:`~megarefit.online.receiver.replica.ReplicaReceiver` reads it and picks its parent with
 :func:`tree_parent`. Keys, under the rendezvous prefix::
 
     replica_meta/<group>/<id>   NIXL agent metadata of <id>
@@ -17,7 +17,7 @@ import json
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.store.rendezvous import Rendezvous
 from megarefit.transport.nixl_agent import mem_type
 
 

@@ -2,7 +2,7 @@
 
 Staged (no memory budget): one **arena** per dtype holds every target of the plan, laid out
 in trainer order, between cycles (replicas read it). Streamed (``memory_budget``): one
-registered **ring** (:mod:`~megarefit.online.stream`) shares the budget with the
+registered **ring** (:mod:`~megarefit.online.receiver.stream`) shares the budget with the
 transport's scratch; each group of layers lands in it in turn. ``direct`` targets are
 READ straight into the consumer's own tensors and take no ring bytes::
 
@@ -22,7 +22,7 @@ import torch
 
 from megarefit.errors import MissingParameterError, ShapeMismatchError
 from megarefit.layout import RankCoord
-from megarefit.online.stream import (
+from megarefit.online.receiver.stream import (
     ALIGN,
     SCRATCH_SHARE,
     MemoryBudgetError,

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megarefit.layout import RankCoord
-from megarefit.online.cycle import StaleVersionError, TornUpdateError, VersionMismatchError
-from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.receiver.cycle import StaleVersionError, TornUpdateError, VersionMismatchError
+from megarefit.online.store.rendezvous import Rendezvous
 from megarefit.transport.manifest import Manifest
 
 

@@ -1,5 +1,5 @@
 """Rendezvous for manifests and versions over an authenticated key-value store
-(:class:`~megarefit.online.store.KeyValueStore`: bound to the address asked for, open only to
+(:class:`~megarefit.online.store.kv.KeyValueStore`: bound to the address asked for, open only to
 holders of the job secret).
 
 Keys, under a job prefix (``megarefit/<job>/``)::
@@ -32,12 +32,12 @@ whose clock is behind still writes newer records), so an older record written ag
 its key is refused as replayed. A record that is unsigned, signed with another secret or
 replayed raises :class:`RecordAuthenticationError` and nothing acts on it. Heartbeat and
 registry counters are plain store counters (the store itself admits only holders of the
-secret, and authenticates every message: :mod:`~megarefit.online.store`).
+secret, and authenticates every message: :mod:`~megarefit.online.store.kv`).
 docs/security.md says what this protects and what it does not.
 
 Parts: the record codec, the job secret and the errors are
-:mod:`~megarefit.online.rendezvous_records`; receiver registration, leases and
-acknowledgements are :mod:`~megarefit.online.rendezvous_receivers` (:class:`Rendezvous`
+:mod:`~megarefit.online.store.records`; receiver registration, leases and
+acknowledgements are :mod:`~megarefit.online.store.receivers` (:class:`Rendezvous`
 delegates to both; its names stay importable from here).
 """
 
@@ -53,8 +53,9 @@ from collections.abc import Iterable
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
-from megarefit.online.rendezvous_receivers import ReceiverRegistry
-from megarefit.online.rendezvous_records import (
+from megarefit.online.store.kv import KeyValueStore, StoreTLS
+from megarefit.online.store.receivers import ReceiverRegistry
+from megarefit.online.store.records import (
     SECRET_ENV,
     RecordAuthenticationError,
     RecordCodec,
@@ -62,7 +63,6 @@ from megarefit.online.rendezvous_records import (
     ensure_job_secret,
     resolve_secret,
 )
-from megarefit.online.store import KeyValueStore, StoreTLS
 from megarefit.transport.manifest import Manifest
 
 
@@ -327,7 +327,7 @@ class Rendezvous:
         """Block until every live registered receiver acknowledged ``version`` (or later);
         ``{receiver id: "acked" | "dropped"}`` (dead after ``lease`` seconds without a heartbeat;
         ``RendezvousTimeout`` after ``timeout``): :meth:`ReceiverRegistry.wait_receivers
-        <megarefit.online.rendezvous_receivers.ReceiverRegistry.wait_receivers>`."""
+        <megarefit.online.store.receivers.ReceiverRegistry.wait_receivers>`."""
         return self._registry.wait_receivers(version, timeout=timeout, lease=lease)
 
 

@@ -11,7 +11,7 @@ bytes (a last partial word zero-padded)::
 
 The weights are odd, so a change to any one word always changes its chunk's sum, and words
 moved within a chunk change it too (rows permuted in place). Computed on the arena's device: on a
-GPU by one Triton launch that reads each word once (:mod:`~megarefit.online.held_kernel`), else by
+GPU by one Triton launch that reads each word once (:mod:`~megarefit.online.delta.held_kernel`), else by
 PyTorch ops; benchmarks/bench_held.py measures it (docs/delta.md has the table).
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from megarefit.online.held_kernel import chunk_sums, usable
+from megarefit.online.delta.held_kernel import chunk_sums, usable
 
 CHUNK = 4096  # words (8 bytes each) per sum: the fingerprint is 1/4096 of the arena's bytes
 BLOCK = 1 << 24  # words weighted at once by the PyTorch path on a GPU (the temporary: 128 MiB)
@@ -67,7 +67,7 @@ def weighted_sums(words: torch.Tensor, chunk: int = CHUNK, blocked: bool | None 
 def fingerprint(t: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """The chunk sums of ``t`` (see the module docstring): int64 ``[ceil(words / CHUNK)]`` on
     ``t``'s device. ``t`` must be contiguous and start 8-byte aligned (an arena). ``fused``
-    (default: where :func:`~megarefit.online.held_kernel.usable` on ``t``'s device): one Triton
+    (default: where :func:`~megarefit.online.delta.held_kernel.usable` on ``t``'s device): one Triton
     launch reading each word once, else :func:`weighted_sums`."""
     words, tail = _words(t)
     if fused is None:

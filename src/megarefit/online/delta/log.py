@@ -37,7 +37,7 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
-from megarefit.online.delta_records import (
+from megarefit.online.delta.records import (
     INDICES,
     PAGE,
     PAGED,
@@ -48,8 +48,8 @@ from megarefit.online.delta_records import (
     epoch_key,
     segment_bytes,
 )
-from megarefit.online.delta_track import ChangeTracker
-from megarefit.online.rendezvous import Rendezvous
+from megarefit.online.delta.track import ChangeTracker
+from megarefit.online.store.rendezvous import Rendezvous
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by itemsize
@@ -294,7 +294,7 @@ class DeltaLog:
 
 
 def pack_paged(idx: torch.Tensor, numel: int) -> torch.Tensor:
-    """``idx`` (ascending) as pages of :data:`~megarefit.online.delta_records.PAGE` elements:
+    """``idx`` (ascending) as pages of :data:`~megarefit.online.delta.records.PAGE` elements:
     int32 ``[pages]`` changed counts, then the 16-bit offsets within each page, as uint8."""
     pages = (numel + PAGE - 1) // PAGE
     counts = torch.bincount(idx // PAGE, minlength=pages).to(torch.int32)

@@ -1,8 +1,8 @@
 """One refit cycle, staged or streamed, run over the receiver's parts.
 
-The pipeline asks the fence (:mod:`~megarefit.online.fence`) what to pull, the plan cache
-(:mod:`~megarefit.online.plan_cache`) how, and the receiver memory
-(:mod:`~megarefit.online.receiver_memory`) where, then moves the bytes with the transport::
+The pipeline asks the fence (:mod:`~megarefit.online.receiver.fence`) what to pull, the plan cache
+(:mod:`~megarefit.online.receiver.plan_cache`) how, and the receiver memory
+(:mod:`~megarefit.online.receiver.memory`) where, then moves the bytes with the transport::
 
     staged     fence start -> plan -> prepare -> pull all (+ FP8 / value steps) -> fence end
                -> checksums -> hand every target over (views of the arena); a rank that wrote
@@ -13,7 +13,7 @@ The pipeline asks the fence (:mod:`~megarefit.online.fence`) what to pull, the p
 
 ``direct`` targets (streamed) land in the consumer's own tensors and are not handed over;
 once they hold a version whole, a later cycle patches them with its delta before the groups
-stream the other targets (:mod:`~megarefit.online.delta_direct`).
+stream the other targets (:mod:`~megarefit.online.receiver.delta_direct`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from collections.abc import Callable, Generator, Iterator
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.online.arena import arena_key, publish_arena
-from megarefit.online.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
-from megarefit.online.delta_apply import DeltaChoice, DeltaReceiver
-from megarefit.online.delta_direct import DirectDelta
-from megarefit.online.fence import FenceStart, VersionFence
-from megarefit.online.integrity import ChecksumVerifier
-from megarefit.online.plan_cache import PlanCache
-from megarefit.online.receiver_memory import ReceiverMemory, StreamRing
+from megarefit.online.delta.apply import DeltaChoice, DeltaReceiver
+from megarefit.online.receiver.arena import arena_key, publish_arena
+from megarefit.online.receiver.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
+from megarefit.online.receiver.delta_direct import DirectDelta
+from megarefit.online.receiver.fence import FenceStart, VersionFence
+from megarefit.online.receiver.integrity import ChecksumVerifier
+from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
+from megarefit.online.receiver.plan_cache import PlanCache
 from megarefit.plan import Plan
 from megarefit.plan.columns import plan_threads
 from megarefit.transport.checksum import ChecksumMismatchError

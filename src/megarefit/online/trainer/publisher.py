@@ -31,17 +31,22 @@ from typing import Any
 
 import torch
 
-from megarefit.errors import (LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError,
-                              UnexpectedParameterError)
+from megarefit.errors import (
+    LayoutError,
+    MegarefitError,
+    MissingParameterError,
+    ShapeMismatchError,
+    UnexpectedParameterError,
+)
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.geometry import SourceTensor, global_shape, source_tensors
 from megarefit.layout.megatron_model import check_stated, read_chunks
-from megarefit.online.delta_log import DeltaLog, DeltaOptions, DeltaStats
-from megarefit.online.delta_track import ChangeTracker
-from megarefit.online.param_sync import check_param_sync
-from megarefit.online.rendezvous import Rendezvous
-from megarefit.online.served import (
+from megarefit.online.delta.log import DeltaLog, DeltaOptions, DeltaStats
+from megarefit.online.delta.track import ChangeTracker
+from megarefit.online.store.rendezvous import Rendezvous
+from megarefit.online.trainer.param_sync import check_param_sync
+from megarefit.online.trainer.served import (
     checksum_buffer,
     export_ipc,
     fp8_buffers,
@@ -130,20 +135,20 @@ class Publisher:
     ``overlap_param_gather``, parameters are whole again only after the next forward's
     all-gather; ``publish`` / ``updating`` then wait for gathers in flight and refuse
     (``ParamSyncPendingError``) if one was not dispatched: call
-    :func:`megarefit.online.param_sync.finish_param_sync` on every data-parallel rank after the step.
+    :func:`megarefit.online.trainer.param_sync.finish_param_sync` on every data-parallel rank after the step.
 
     ``ipc`` (default on): CUDA storages served are also exported for CUDA IPC (PyTorch's
     reduction; :mod:`~megarefit.transport.cuda_ipc`), so a receiver on the same GPU (colocated
     RL) reads them by device copies instead of NIXL through the host. If PyTorch cannot
     export them, a warning says so and receivers use NIXL.
 
-    ``delta`` (``True`` or :class:`~megarefit.online.delta_log.DeltaOptions`): every publish also
+    ``delta`` (``True`` or :class:`~megarefit.online.delta.log.DeltaOptions`): every publish also
     packs the elements that changed since the previous published version into registered host
-    slots and publishes them (:mod:`~megarefit.online.delta_log`), so receivers holding that
+    slots and publishes them (:mod:`~megarefit.online.delta.log`), so receivers holding that
     version pull only those (a delta refit). Costs a host copy of the served tensors and
     ``keep`` slots; ``last_delta`` reports each publish's changed fraction and seconds.
-    ``tracker`` (a :class:`~megarefit.online.delta_track.ChangeTracker`, from
-    :func:`~megarefit.online.delta_track.track_changes` of the Megatron optimizer on every
+    ``tracker`` (a :class:`~megarefit.online.delta.track.ChangeTracker`, from
+    :func:`~megarefit.online.delta.track.track_changes` of the Megatron optimizer on every
     data-parallel rank): the changes of every parameter it tracks come from the optimizer's
     main-to-model copy instead, so only untracked tensors (FP8 buffers, parameters the optimizer
     does not copy) keep a mirror.

@@ -2,7 +2,7 @@
 
 A staged refit cycle does all its network work before it hands over its first tensor:
 discover, wait for the version, plan, pull into the arena, fence (seqlock), verify
-checksums. :meth:`RefitReceiver.prefetch <megarefit.online.receiver.RefitReceiver.prefetch>`
+checksums. :meth:`RefitReceiver.prefetch <megarefit.online.receiver.receiver.RefitReceiver.prefetch>`
 runs exactly that part on a background thread, so a vLLM worker keeps generating while the
 bytes arrive; the arena is the receiver's own memory, which no trainer writes, so once
 fenced it holds the version whole for as long as needed. The next ``refit`` /

@@ -1,7 +1,7 @@
 """Delta records: what a trainer rank publishes about one version's changed elements.
 
-A delta refit (:mod:`~megarefit.online.delta_log` on the trainer,
-:mod:`~megarefit.online.delta_apply` on the receiver) moves only the elements of the served
+A delta refit (:mod:`~megarefit.online.delta.log` on the trainer,
+:mod:`~megarefit.online.delta.apply` on the receiver) moves only the elements of the served
 tensors that changed between two published versions. Per version and rank the trainer packs,
 into one of ``keep`` registered slot buffers, one **segment** per changed tensor, and publishes
 one signed record under ``delta/<tp>.<pp>.<ep>/<epoch>/<version>`` (:func:`delta_key`; the epoch:
@@ -139,7 +139,7 @@ def decode_record(payload: bytes) -> DeltaRecord:
 
 def epoch_key(rank: RankCoord) -> str:
     """The rendezvous key of ``rank``'s delta epoch: a random text each trainer process's
-    :class:`~megarefit.online.delta_log.DeltaLog` writes when it starts, so records of a process
+    :class:`~megarefit.online.delta.log.DeltaLog` writes when it starts, so records of a process
     that was restarted are never chained with the new one's."""
     return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/epoch"
 

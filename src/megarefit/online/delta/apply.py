@@ -3,7 +3,7 @@ between the delta and a full read, pull, and scatter into an arena holding the o
 
 A staged receiver whose arena holds version ``p`` whole (the last cycle completed and was
 fenced) and is asked for ``v > p`` follows each rank's records back from ``v`` to ``p``
-(:mod:`~megarefit.online.delta_records`; at most the ``keep`` versions a trainer keeps)::
+(:mod:`~megarefit.online.delta.records`; at most the ``keep`` versions a trainer keeps)::
 
     records   every rank's chain v -> ... -> p, or the reason there is none (a version no longer
               kept, a version too large for its slot, a new layout): then the cycle is a full one
@@ -15,7 +15,7 @@ fenced) and is asked for ``v > p`` follows each rank's records back from ``v`` t
     apply     per tensor, in version order: decode indices (or bitmap), map each source element
               through the plan's copy ops to its target element (:func:`map_through`), scatter
               the values; where the ops are contiguous runs into one arena, on a GPU, one fused
-              launch per segment does it all (:mod:`~megarefit.online.delta_kernel`); a tensor
+              launch per segment does it all (:mod:`~megarefit.online.delta.kernel`); a tensor
               read whole is placed by the ops themselves
 
 The same bits land as a full pull would place (elements compare and move as integers of their
@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from megarefit.layout import RankCoord
-from megarefit.online.delta_kernel import MAX_RUNS, fused, place, warm_up
-from megarefit.online.delta_log import BITS
-from megarefit.online.delta_records import (
+from megarefit.online.delta.held import HeldFingerprint, written
+from megarefit.online.delta.kernel import MAX_RUNS, fused, place, warm_up
+from megarefit.online.delta.log import BITS
+from megarefit.online.delta.records import (
     INDICES,
     PAGE,
     PAGED,
@@ -47,9 +48,8 @@ from megarefit.online.delta_records import (
     mask_bytes,
     segment_bytes,
 )
-from megarefit.online.held import HeldFingerprint, written
-from megarefit.online.rendezvous import Rendezvous
-from megarefit.online.store import StoreError
+from megarefit.online.store.kv import StoreError
+from megarefit.online.store.rendezvous import Rendezvous
 from megarefit.plan import CopyOp, Plan, TensorRef
 from megarefit.plan.ops import squeezed_lengths
 from megarefit.transport.execute import torch_dtype
@@ -192,7 +192,7 @@ def segment_parts(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, item
 def segment_elements(raw: torch.Tensor, seg: DeltaSegment, entry: TensorEntry, itemsize: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The changed flat indices (int64, ascending) and values (integers of ``itemsize`` bytes)
-    of one segment's bytes ``raw`` (uint8; :mod:`~megarefit.online.delta_records` formats)."""
+    of one segment's bytes ``raw`` (uint8; :mod:`~megarefit.online.delta.records` formats)."""
     numel = entry.nbytes // itemsize
     mask = mask_bytes(seg.format, seg.count, numel)
     if seg.format == INDICES:
@@ -237,7 +237,7 @@ class DeltaChoice:
 
 
 def read_epochs(rendezvous: Rendezvous, ranks: Sequence[RankCoord]) -> dict[RankCoord, str] | None:
-    """Every rank's delta epoch (:func:`~megarefit.online.delta_records.epoch_key`), read without
+    """Every rank's delta epoch (:func:`~megarefit.online.delta.records.epoch_key`), read without
     waiting, or ``None`` when a rank publishes no deltas."""
     keys = [epoch_key(r) for r in ranks]
     try:
@@ -536,7 +536,7 @@ class DeltaReceiver:
              layout: list[tuple[str, str, int, tuple[int, ...]]] | None = None) -> None:
         """The arena holds ``version`` whole (the cycle was fenced), as of the trainers' delta
         epochs read when the cycle began. ``arenas`` (per dtype, their targets' ``layout``):
-        fingerprinted now (:mod:`~megarefit.online.held`) where the trainers publish deltas, so
+        fingerprinted now (:mod:`~megarefit.online.delta.held`) where the trainers publish deltas, so
         that a later delta first checks nobody wrote them; ``None`` (a streamed receiver's direct
         targets): not checked."""
         self.held = (version, self.key(plan, manifests), self._epochs)

@@ -22,8 +22,8 @@ job's members out. TLS (``--certfile`` / ``--keyfile``) encrypts the wire: the s
 (TLS starts inside the connection's handshake window, so pending TLS connections are capped
 and timed out like any other).
 
-Run as a script by :meth:`megarefit.online.store.KeyValueStore.serve`:
-``python store_server.py HOST PORT [--certfile F --keyfile F]``, the job secret as hex on
+Run as a script by :meth:`megarefit.online.store.kv.KeyValueStore.serve`:
+``python server.py HOST PORT [--certfile F --keyfile F]``, the job secret as hex on
 the first line of standard input (never on the command line). It binds ``HOST:PORT``
 (``PORT`` 0: a free one), prints the port, and serves one table until its standard input
 closes, i.e. until the serving process exits. Its own process, so it answers at once however

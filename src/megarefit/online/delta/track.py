@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from megarefit.errors import MegarefitError
-from megarefit.online import delta_mark
+from megarefit.online.delta import mark as delta_mark
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by itemsize
 CHUNK = 1 << 24  # elements compared (or unpacked) at once: bounds the temporaries
@@ -93,7 +93,7 @@ def check_span(param: torch.Tensor, source: torch.Tensor, start: int, label: str
 def _mark(param: torch.Tensor, source: torch.Tensor, bitmap: torch.Tensor, start: int) -> None:
     """OR into ``bitmap`` the elements ``start ..`` of flat ``param`` whose bits a copy of
     ``source`` (cast as ``Tensor.copy_`` casts) would change: one fused launch on a GPU
-    (:mod:`~megarefit.online.delta_mark`), else in chunks of :data:`CHUNK` elements."""
+    (:mod:`~megarefit.online.delta.mark`), else in chunks of :data:`CHUNK` elements."""
     check_span(param, source, start)
     if delta_mark.usable(param, source):
         delta_mark.mark(param, source, bitmap, start, copy=False)

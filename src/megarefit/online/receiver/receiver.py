@@ -18,7 +18,7 @@
 Then it yields ``(hf_name, tensor)`` views of the arena, valid until the next
 cycle (vLLM's ``load_weights`` copies them). They are the receiver's own memory and read-only
 by contract: read or copy them, never write them. A write is seen before the next delta (the
-arena's fingerprint, :mod:`~megarefit.online.held`), which then pulls in full and says why.
+arena's fingerprint, :mod:`~megarefit.online.delta.held`), which then pulls in full and says why.
 
 :class:`RefitReceiver` is a facade over named parts, one module each::
 
@@ -38,15 +38,15 @@ from typing import Literal
 import torch
 
 from megarefit.errors import LayoutError, MegarefitError
-from megarefit.online.cycle import CycleStats, StaleVersionError, TornUpdateError, VersionMismatchError
-from megarefit.online.delta_apply import DeltaReceiver
-from megarefit.online.fence import VersionFence
-from megarefit.online.integrity import ChecksumVerifier
-from megarefit.online.pipeline import CyclePipeline
-from megarefit.online.plan_cache import PlanCache
-from megarefit.online.prefetch import Prepare, PrefetchSlot, PrefetchState, refuse_streamed
-from megarefit.online.receiver_memory import ReceiverMemory, StreamRing
-from megarefit.online.rendezvous import Heartbeat, Rendezvous
+from megarefit.online.delta.apply import DeltaReceiver
+from megarefit.online.receiver.cycle import CycleStats, StaleVersionError, TornUpdateError, VersionMismatchError
+from megarefit.online.receiver.fence import VersionFence
+from megarefit.online.receiver.integrity import ChecksumVerifier
+from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
+from megarefit.online.receiver.pipeline import CyclePipeline
+from megarefit.online.receiver.plan_cache import PlanCache
+from megarefit.online.receiver.prefetch import PrefetchSlot, PrefetchState, Prepare, refuse_streamed
+from megarefit.online.store.rendezvous import Heartbeat, Rendezvous
 from megarefit.plan import Plan
 from megarefit.planner import plan_megatron_to_hf
 from megarefit.planner.megatron_to_hf import MODEL_PARTS, ModelPart
@@ -109,16 +109,16 @@ class RefitReceiver:
         heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
             seconds on a daemon thread, so trainers waiting in ``Publisher.wait_receivers``
             know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
-        replica_group: serve each pulled version to :class:`~megarefit.online.replica.ReplicaReceiver`
+        replica_group: serve each pulled version to :class:`~megarefit.online.receiver.replica.ReplicaReceiver`
             s of this group (same target) from the arena, guarded by a seqlock of its own.
-        memory_budget: bytes for a **streamed** refit (:mod:`~megarefit.online.stream`): the
+        memory_budget: bytes for a **streamed** refit (:mod:`~megarefit.online.receiver.stream`): the
             plan is cut into groups of whole layers pulled through one ring buffer (the budget
             less the scratch), and each group is handed over as it lands, so the receiver
             holds at most the budget (ring + scratch) instead of the whole share. ``"auto"``:
             the larger of 1 GiB and a ring holding the two largest layers. ``None``
             (default): staged, the whole share pulled and fenced before the first tensor.
         verify_checksums: check every pulled box against the checksums its trainer rank
-            publishes (``Publisher(checksums=True)``; :mod:`~megarefit.online.integrity`) on
+            publishes (``Publisher(checksums=True)``; :mod:`~megarefit.online.receiver.integrity`) on
             this receiver's device, before the box is handed over; a mismatch raises
             :class:`~megarefit.transport.checksum.ChecksumMismatchError` (streamed, after
             earlier groups were handed over: :class:`TornUpdateError`, not retried). A plan
@@ -138,7 +138,7 @@ class RefitReceiver:
         delta: staged only: where the arena holds an older version whole and the trainer ranks
             publish deltas (``Publisher(delta=True)``) of every version since, pull only the
             elements that changed, per tensor where cheaper than the tensor itself
-            (:mod:`~megarefit.online.delta_apply`); ``stats.refit`` says which ran and
+            (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
             ``stats.delta_reason`` why a cycle was full. ``False``: always full.
     """
 
@@ -189,7 +189,7 @@ class RefitReceiver:
 
     @property
     def delta_model(self) -> DeltaReceiver:
-        """The delta refit's state and cost model (:class:`~megarefit.online.delta_apply.DeltaReceiver`:
+        """The delta refit's state and cost model (:class:`~megarefit.online.delta.apply.DeltaReceiver`:
         ``rates``, ``learn``, ``reason``)."""
         return self._pipeline.delta
 
@@ -303,7 +303,7 @@ class RefitReceiver:
     # ---- prefetch -------------------------------------------------------------
     def prefetch(self, version: int | None = None, prepare: Prepare | None = None) -> PrefetchState:
         """Pull ``version`` (default: the current one) into the arena on a background thread, return
-        at once (:mod:`~megarefit.online.prefetch`); the next :meth:`refit` / :meth:`run_refit_cycle`
+        at once (:mod:`~megarefit.online.receiver.prefetch`); the next :meth:`refit` / :meth:`run_refit_cycle`
         of that version hands it over without pulling. Asked again: the running prefetch's state;
         another version drops it first. ``prepare``: run on the thread once fenced, on every
         ``(name, arena view)``; its result is :attr:`prepared` from the cycle that takes the

@@ -70,7 +70,7 @@ def check_param_sync(model_chunks: Iterable[Any], rank: Any) -> None:
         raise ParamSyncPendingError(
             f"rank {rank}: Megatron DDP has not all-gathered the parameters of the last optimizer step "
             f"(distributed optimizer with overlap_param_gather defers it to the next forward): {pending[:3]}"
-            f"{' ...' if len(pending) > 3 else ''}. Call megarefit.online.param_sync.finish_param_sync(model_chunks) "
+            f"{' ...' if len(pending) > 3 else ''}. Call megarefit.online.trainer.param_sync.finish_param_sync(model_chunks) "
             "on every data-parallel rank after the step, before publishing")
 
 

@@ -1,6 +1,6 @@
 """One fused launch per delta segment on a GPU: decode the changed elements' names (int32
 indices, or 16-bit offsets in pages), find each element's contiguous run, write its value into
-the arena. The PyTorch path (:mod:`~megarefit.online.delta_apply`) takes about twenty launches per
+the arena. The PyTorch path (:mod:`~megarefit.online.delta.apply`) takes about twenty launches per
 tensor; this one takes three (two for the pages' exclusive prefix sum, one kernel), with no host
 synchronization.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megarefit.cuda import KernelCheck, kernel_device
-from megarefit.online.delta_records import PAGE
+from megarefit.online.delta.records import PAGE
 
 try:  # Triton ships with CUDA builds of torch
     import triton
@@ -104,7 +104,7 @@ def place(names: torch.Tensor, pages: torch.Tensor | None, values: torch.Tensor,
           ends: torch.Tensor, dst: torch.Tensor, root: torch.Tensor) -> None:
     """Write ``values`` into ``root`` (flat, the values' dtype) at the changed elements named by
     ``names`` (int32 indices; with ``pages``, the int32 changed counts per page of
-    :data:`~megarefit.online.delta_records.PAGE` elements, int16 offsets within them), each
+    :data:`~megarefit.online.delta.records.PAGE` elements, int16 offsets within them), each
     through its run (``starts`` / ``ends``: source elements, ``dst``: the run's first element in
     ``root``; int64, sorted by start). Asynchronous; every tensor on one GPU."""
     count = values.numel()

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from megarefit.online.arena import arena_key, publish_arena, tree_parent
-from megarefit.online.receiver import RefitReceiver, StaleVersionError
-from megarefit.online.rendezvous import Heartbeat, Rendezvous, RendezvousTimeout
+from megarefit.online.receiver.arena import arena_key, publish_arena, tree_parent
+from megarefit.online.receiver.receiver import RefitReceiver, StaleVersionError
+from megarefit.online.store.rendezvous import Heartbeat, Rendezvous, RendezvousTimeout
 from megarefit.transport.execute import torch_dtype
 from megarefit.transport.nixl_agent import NixlAgent, TransferError, mem_type
 

@@ -1,6 +1,6 @@
 """What a refit cycle reports: its errors, its :class:`CycleStats`, and the timing of its stages.
 
-The lowest of the receiver's modules (:mod:`~megarefit.online.receiver` re-exports every
+The lowest of the receiver's modules (:mod:`~megarefit.online.receiver.receiver` re-exports every
 name here)::
 
     receiver (RefitReceiver, the facade)

@@ -1,5 +1,5 @@
 """Receiver registration on the rendezvous: append-only registries, heartbeats (leases) and
-acknowledgements (:class:`ReceiverRegistry`; :class:`~megarefit.online.rendezvous.Rendezvous`
+acknowledgements (:class:`ReceiverRegistry`; :class:`~megarefit.online.store.rendezvous.Rendezvous`
 delegates to it).
 
 Keys, under the job prefix: ``<registry>/n`` and ``<registry>/<i>`` (members, signed),
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from megarefit.online.rendezvous_records import RendezvousTimeout
+from megarefit.online.store.records import RendezvousTimeout
 
 
 class RecordStore(Protocol):
