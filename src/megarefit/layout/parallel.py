@@ -30,14 +30,25 @@ from megarefit.specs.table import ExpertLayout, LayerSpec
 
 
 class RankCoord(NamedTuple):
-    """A Megatron rank's coordinates in the model-parallel grid (a plain tuple)."""
+    """A Megatron rank's coordinates in the model-parallel grid (a plain tuple).
+
+    ``copy``: which data-parallel copy of the ``(tp, pp, ep)`` shard (0 .. ``SourceLayout.copies``
+    - 1): stage-local rank ``r = pair position + pair_period * copy`` in Megatron's default rank
+    order (:func:`stage_pair`). Copy 0 is the coordinate's first holder, the one plans name; a
+    receiver reads from any holder (:mod:`megarefit.planner.holders`)."""
 
     tp: int
     pp: int
     ep: int = 0
+    copy: int = 0
 
     def __str__(self) -> str:
-        return f"(tp={self.tp}, pp={self.pp}, ep={self.ep})"
+        return f"(tp={self.tp}, pp={self.pp}, ep={self.ep}" + (f", copy={self.copy})" if self.copy else ")")
+
+    @property
+    def first(self) -> RankCoord:
+        """The coordinate's first copy (``copy=0``)."""
+        return RankCoord(self.tp, self.pp, self.ep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +132,10 @@ class SourceLayout:
         megatron: the trainer's Megatron-Core version and layout flags, which decide parameter
             names and layouts that moved between releases (default: megarefit's reference
             layout, megatron-core 0.16.1; the Publisher records the trainer's own).
+        dp: Megatron's data-parallel size (with context parallel: the dp-cp group's), so that
+            ``tp * dp`` ranks make one pipeline stage; every data-parallel copy of a shard serves
+            it (:attr:`copies` per ``(tp, ep)`` pair). 0 (default): one copy, the fewest ranks
+            Megatron's expert grid needs (``lcm(tp, etp * ep) / tp``).
     """
 
     tp: int
@@ -133,6 +148,7 @@ class SourceLayout:
     expert_layout: ExpertLayout = "sequential"
     mtp_layers: int = 0
     megatron: MegatronCore = REFERENCE
+    dp: int = 0
 
     def __post_init__(self) -> None:
         if self.etp == 0:
@@ -155,13 +171,19 @@ class SourceLayout:
             raise LayoutError(f"layer_spec must be 'local' or 'te', got {self.layer_spec!r}")
         if not isinstance(self.megatron, MegatronCore):
             raise LayoutError(f"megatron must be a MegatronCore record, got {self.megatron!r}")
+        if self.dp == 0:  # one copy: the fewest data-parallel ranks the expert grid needs
+            object.__setattr__(self, "dp", pair_period(self.tp, self.ep, self.etp) // self.tp)
+        if not isinstance(self.dp, int) or self.dp < 1 or (self.tp * self.dp) % pair_period(self.tp, self.ep, self.etp):
+            raise LayoutError(f"dp={self.dp!r}: tp * dp = {self.tp} * {self.dp} ranks per stage must be a positive "
+                              f"multiple of lcm(tp, etp * ep) = {pair_period(self.tp, self.ep, self.etp)} (Megatron's "
+                              "expert grid etp-ep-edp inside the stage)")
 
     @classmethod
     def build(cls, *, tp: int, pp: int, ep: int = 1, padded_vocab_size: int, num_layers: int,
               first_stage_layers: int | None = None, last_stage_layers: int | None = None,
               layer_spec: LayerSpec = "local", etp: int | None = None,
               expert_layout: ExpertLayout = "sequential", mtp_layers: int = 0,
-              megatron: MegatronCore = REFERENCE) -> SourceLayout:
+              megatron: MegatronCore = REFERENCE, dp: int = 0) -> SourceLayout:
         """Split ``num_layers`` over ``pp`` stages the way Megatron-Core does.
 
         Without ``first_stage_layers`` / ``last_stage_layers`` (Megatron's
@@ -198,7 +220,7 @@ class SourceLayout:
         per = rest // middle if middle else 0
         stages = tuple(fixed.get(i, per) for i in range(pp))
         return cls(tp, pp, ep, padded_vocab_size, stages, layer_spec, tp if etp is None else etp, expert_layout,
-                   mtp_layers, megatron)
+                   mtp_layers, megatron, dp)
 
     @property
     def num_layers(self) -> int:
@@ -225,8 +247,18 @@ class SourceLayout:
         return _tp_ep_pairs(self.tp, self.ep, self.etp)
 
     def ranks(self) -> list[RankCoord]:
-        """Every distinct ``(tp, pp, ep)`` coordinate of Megatron's process grid."""
+        """Every distinct ``(tp, pp, ep)`` coordinate of Megatron's process grid (their first copies)."""
         return [RankCoord(t, p, e) for p in range(self.pp) for t, e in self.tp_ep_pairs()]
+
+    @property
+    def copies(self) -> int:
+        """Data-parallel copies of each ``(tp, pp, ep)`` shard: ``tp * dp / lcm(tp, etp * ep)``."""
+        return self.tp * self.dp // pair_period(self.tp, self.ep, self.etp)
+
+    def all_ranks(self) -> list[RankCoord]:
+        """Every rank of the grid, each copy of each coordinate (``tp * dp * pp`` of them)."""
+        return [RankCoord(t, p, e, c) for p in range(self.pp) for c in range(self.copies)
+                for t, e in self.tp_ep_pairs()]
 
     def dense_ep(self, tp_rank: int) -> int:
         """The ep rank whose copy of TP shard ``tp_rank`` of a non-expert tensor is read
@@ -250,14 +282,15 @@ class SourceLayout:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "padded_vocab_size": self.padded_vocab_size,
                 "stage_layers": list(self.stage_layers), "layer_spec": self.layer_spec, "etp": self.etp,
                 "expert_layout": self.expert_layout, "mtp_layers": self.mtp_layers,
-                "megatron": self.megatron.to_dict()}
+                "megatron": self.megatron.to_dict(), **({"dp": self.dp} if self.copies > 1 else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> SourceLayout:
         return cls(d["tp"], d["pp"], d["ep"], d["padded_vocab_size"], tuple(d["stage_layers"]),  # type: ignore[arg-type]
                    d["layer_spec"], d.get("etp", 0), d.get("expert_layout", "sequential"),  # type: ignore[arg-type]
                    d.get("mtp_layers", 0),  # type: ignore[arg-type]
-                   MegatronCore.from_dict(d["megatron"]) if "megatron" in d else REFERENCE)  # type: ignore[arg-type]
+                   MegatronCore.from_dict(d["megatron"]) if "megatron" in d else REFERENCE,  # type: ignore[arg-type]
+                   d.get("dp", 0))  # type: ignore[arg-type]
 
 
 def virtual_stage(pp_rank: int, vp_stage: int, pp: int) -> int:

@@ -163,7 +163,7 @@ class Manifest:
 
     def to_json(self) -> str:
         data: dict[str, Any] = {
-            "format": self.format, "rank": list(self.rank), "dims": self.dims.to_dict(),
+            "format": self.format, "rank": list(self.rank) if self.rank.copy else list(self.rank[:3]), "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(), "agent": self.agent, "dtype": self.dtype,
             "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
             "checksums": None if self.checksums is None else list(self.checksums),
@@ -205,6 +205,8 @@ class Manifest:
         for s in ipc:
             if not all(isinstance(v, int) and 0 <= v < _MAX_ADDRESS for v in (s.base, s.nbytes, s.offset, s.dev)):
                 raise ManifestError(f"CUDA IPC record sizes out of range: {s}")
+        if not isinstance(data["rank"], list) or len(data["rank"]) not in (3, 4):
+            raise ManifestError(f"rank {data['rank']!r}: expected [tp, pp, ep] or [tp, pp, ep, copy]")
         rank = RankCoord(*(_count(v, "rank") for v in data["rank"]))
         return cls(rank, ModelDims(**data["dims"]), SourceLayout.from_dict(data["layout"]),
                    str(data["agent"]), tensors, dtype=str(data.get("dtype", "")),

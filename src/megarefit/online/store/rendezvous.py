@@ -9,6 +9,7 @@ Keys, under a job prefix (``megarefit/<job>/``)::
     generation/<tp>.<pp>.<ep> digest of both, set last (receivers re-read a rank's manifest only
                               when it changes: a warm cycle reads one short key per rank)
     version/<tp>.<pp>.<ep>    weight version, decimal  (bumped after each optimizer step)
+    (a data-parallel copy past the first: <tp>.<pp>.<ep>.<copy>)
     seq/<tp>.<pp>.<ep>        update sequence (a seqlock): odd while the rank rewrites its weights,
                               even when they are stable; receivers accept a pull only if every
                               rank's sequence was even before it and unchanged after it
@@ -67,7 +68,8 @@ from megarefit.transport.manifest import Manifest
 
 
 def _rank_key(rank: RankCoord) -> str:
-    return f"{rank.tp}.{rank.pp}.{rank.ep}"
+    """``tp.pp.ep``, and ``.copy`` for a data-parallel copy past the first."""
+    return f"{rank.tp}.{rank.pp}.{rank.ep}" + (f".{rank.copy}" if rank.copy else "")
 
 
 class Rendezvous:
