@@ -57,15 +57,29 @@ def _first_holder() -> bool:
 
     me = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
           ps.get_expert_model_parallel_rank())
+    return _copy_index(me) == 0
+
+
+def _copy_index(me: tuple[int, int, int]) -> int:
+    """How many processes of lower global rank hold this one's ``(tp, pp, ep)`` coordinate: the
+    oracle of ``RankCoord.copy``, from the coordinates every process reports."""
     coords: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(coords, me)
-    return coords.index(me) == torch.distributed.get_rank()
+    return coords[:torch.distributed.get_rank()].count(me)
 
 
 def _check_replica(key: str, read: dict[str, Any], rank: int) -> None:
     """Fail this worker at once (the test's receiver is waiting on it) where the read ``replica``
     disagrees with :func:`_first_holder`, naming both."""
-    serves = _first_holder()
+    from megatron.core import parallel_state as ps
+
+    me = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+          ps.get_expert_model_parallel_rank())
+    copy = _copy_index(me)
+    if "ranks" in read and any((r[3] if len(r) > 3 else 0) != copy for r in read["ranks"]):
+        raise AssertionError(f"{key}: process {rank} read ranks {read['ranks']}, but it is copy {copy} of its "
+                             "(tp, pp, ep) coordinate in Megatron's grid")
+    serves = copy == 0
     if "replica" in read and read["replica"] != [not serves] * len(read["replica"]):
         raise AssertionError(f"{key}: process {rank} read replica={read['replica']}, but it is "
                              f"{'the first' if serves else 'not the first'} process holding its (tp, pp, ep) "
@@ -118,10 +132,14 @@ def read_job(rank: int, world_size: int, port: int, cases: list[Case], rdzv: tup
             single = build_gpt_model(gpt_arch_from_hf(case.cfg, tp=1), seed=0)
             out["dp2"] = _read(single, case.cfg)
             _check_replica("dp2", out["dp2"], rank)
-            if rank == 1:  # the data-parallel copy: checked, served by rank 0 (nothing published here)
+            if rank == 1:  # the data-parallel copy: serves as copy 1, or (serve_copies=False) publishes nothing
                 host, port_, job = rdzv
-                empty = Publisher.from_megatron(single, case.cfg, rendezvous=Rendezvous.connect(host, port_, job=job))
+                rdzv_ = Rendezvous.connect(host, port_, job=job)
+                empty = Publisher.from_megatron(single, case.cfg, rendezvous=rdzv_, serve_copies=False)
                 out["dp2"]["publisher"] = (type(empty).__name__, empty.serving, len(empty))
+                pub = Publisher.from_megatron(single, case.cfg, rendezvous=rdzv_)
+                out["dp2"]["copy"] = (type(pub).__name__, pub.serving, tuple(pub.rank), pub.layout.copies,
+                                      rdzv_.manifests([pub.rank])[0][pub.rank].agent)
         if case.vpp > 1:
             out["one-chunk-of-two"] = _read(chunks[0], case.cfg)
             out["one-stage-refuses"] = _read(chunks if rank == 0 else chunks[0], case.cfg)  # no stage is left waiting

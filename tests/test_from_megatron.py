@@ -178,13 +178,15 @@ def test_ddp_and_float16_wrappers_are_seen_through(read):
                    for w in r["unwrapped-warning"]), r["unwrapped-warning"]
 
 
-def test_one_process_per_coordinate_serves(read):
-    """At dp=2 both processes read rank (0, 0, 0); the data-parallel copy (rank 1) gets an empty
-    PublisherGroup: nothing of its own is published for the coordinate rank 0 serves."""
+def test_every_copy_serves_unless_asked_not_to(read):
+    """At dp=2 both processes read coordinate (0, 0, 0), the data-parallel copy (rank 1) as copy 1
+    (checked in the job against the coordinates every process reports); it serves as copy 1 under
+    its own rendezvous keys and agent; with ``serve_copies=False`` it gets an empty PublisherGroup."""
     per_rank, _ = read
-    assert [r["dp2"]["ranks"] for r in per_rank] == [[(0, 0, 0)], [(0, 0, 0)]]
+    assert [r["dp2"]["ranks"] for r in per_rank] == [[(0, 0, 0)], [(0, 0, 0, 1)]]
     assert [r["dp2"]["replica"] for r in per_rank] == [[False], [True]]
     assert per_rank[1]["dp2"]["publisher"] == ("PublisherGroup", False, 0)
+    assert per_rank[1]["dp2"]["copy"] == ("Publisher", True, (0, 0, 0, 1), 2, "megarefit-trainer-0-0-0-1")
     assert all(r[c.key]["replica"] == [False] * len(r[c.key]["ranks"]) for r in per_rank for c in CASES)
 
 

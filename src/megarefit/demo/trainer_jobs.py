@@ -137,14 +137,17 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
 def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
                         rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01,
-                        snapshot_dir: str | None = None) -> dict[str, Any]:
+                        snapshot_dir: str | None = None, serve_copies: bool = True) -> dict[str, Any]:
     """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
 
     Builds the case's GPTModel, serves it through ``Publisher.from_megatron``
     (registered once), then for v = 1..versions: (v > 1) changes every weight in
     place as an optimizer step would, runs the forward pass, snapshots the
     shards, publishes version v, and waits until a receiver marks v consumed.
-    Returns ``{"coord", "snapshots": {v: params}, "logits": {v: tensor | None}, "counters"}``;
+    Every data-parallel copy serves (``serve_copies=False``: only each coordinate's first; the
+    others return at once with nothing served). Returns ``{"coord", "snapshots": {v: params},
+    "logits": {v: tensor | None}, "counters"}`` (``coord``: ``(tp, pp, ep)``, ``+ (copy,)`` past
+    the first copy);
     with ``snapshot_dir`` each version's shards are also saved there as
     ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published, and the last stage's
     logits of ``case.tokens`` (fp32 ``[batch, seq, padded_vocab]``) as ``logits-v{v}-tp{t}.pt``.
@@ -160,11 +163,13 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     perturb_parameters_(model, seed=case.seed)
     coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
              ps.get_expert_model_parallel_rank())
-    if not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
+    if not serve_copies and not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
         return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     host, port, job = rendezvous
     rdzv = Rendezvous.connect(host, port, job=job)
-    pub = Publisher.from_megatron(model, case.hf_config, rendezvous=rdzv)  # the layout read from Megatron
+    pub = Publisher.from_megatron(model, case.hf_config, rendezvous=rdzv,  # the layout read from Megatron
+                                  serve_copies=serve_copies)
+    coord = tuple(pub.rank)
     out: dict[str, Any] = {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     for v in range(1, versions + 1):
         if v > 1:
@@ -172,7 +177,8 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
         out["logits"][v] = forward_logits(model, case.tokens)
         out["snapshots"][v] = local_named_parameters(model)
         if snapshot_dir is not None:
-            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord)))
+            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord[:3])
+                                                         .replace(".pt", f"-copy{coord[3]}.pt" if len(coord) > 3 else ".pt")))
             if out["logits"][v] is not None:
                 torch.save(out["logits"][v], os.path.join(snapshot_dir, f"logits-v{v}-tp{coord[0]}.pt"))
         pub.publish(v)

@@ -141,6 +141,7 @@ class ParallelState:
     pp_rank: int
     ep_rank: int
     dp_cp_rank: int = 0  # data-parallel rank with context parallelism (Megatron's dp-cp group)
+    dp_cp: int = 1  # that group's size
 
     @classmethod
     def read(cls) -> ParallelState:
@@ -159,7 +160,8 @@ class ParallelState:
                    vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
                    tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                    ep_rank=ps.get_expert_model_parallel_rank(),
-                   dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True))
+                   dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+                   dp_cp=ps.get_data_parallel_world_size(with_context_parallel=True))
 
     @property
     def replica(self) -> bool:
@@ -178,6 +180,16 @@ class ParallelState:
                               f"not Megatron's default rank order tp-cp-ep-dp-pp (tp={self.tp}, etp={self.etp}, "
                               f"ep={self.ep}); from_megatron reads that order only")
         return r >= pair_period(self.tp, self.ep, self.etp)
+
+    @property
+    def copy(self) -> int:
+        """Which data-parallel copy of its ``(tp, pp, ep)`` shard this process holds
+        (:attr:`RankCoord.copy <megarefit.layout.parallel.RankCoord.copy>`; 0: the first).
+
+        Raises:
+            LayoutError: as :attr:`replica`."""
+        self.replica  # noqa: B018 -- checks the rank order
+        return (self.tp_rank + self.tp * self.dp_cp_rank) // pair_period(self.tp, self.ep, self.etp)
 
     def check_config(self, config: Any) -> None:
         """Refuse a ``TransformerConfig`` whose parallel sizes differ from the process grid.
@@ -334,10 +346,10 @@ def read_chunk(model: torch.nn.Module, dims: ModelDims, state: ParallelState, in
                           f"the HF config's vocab_size={dims.vocab_size} (is this the right hf_config?)")
     vp = _vp_stage(inner, index, state)
     rank = RankCoord(state.tp_rank, state.pp_rank if vp is None else virtual_stage(state.pp_rank, vp, state.pp),
-                     state.ep_rank)
+                     state.ep_rank, state.copy)
     layout = SourceLayout(state.tp, state.pp * state.vpp, state.ep, padded, layers, etp=state.etp,
                           mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
-                          megatron=megatron_core_of(inner))
+                          megatron=megatron_core_of(inner), dp=state.dp_cp)
     params = refit_tensors(inner)
     fits, experts = _spelling(dims, layout, rank, [c for n in params if (c := canonical_name(n)) is not None])
     _check_layers(inner, layout, rank.pp)
@@ -458,6 +470,10 @@ def check_stated(read: SourceLayout, stated: SourceLayout | None) -> None:
     """
     if stated is None or stated == read:
         return
+    if stated.copies == 1 and read.copies > 1:  # stated without dp: the model's data-parallel size
+        stated = dataclasses.replace(stated, dp=read.dp)
+        if stated == read:
+            return
     if (stated.megatron.flags is None or stated.megatron.table_flags) and (
             stated.megatron.version, stated.megatron.assume) == (read.megatron.version, read.megatron.assume):
         stated = dataclasses.replace(stated, megatron=read.megatron)  # stated without flags: the version is checked

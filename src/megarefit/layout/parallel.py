@@ -22,33 +22,55 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
-from typing import NamedTuple
 
 from megarefit.errors import LayoutError
 from megarefit.specs.megatron_core import REFERENCE, MegatronCore
 from megarefit.specs.table import ExpertLayout, LayerSpec
 
 
-class RankCoord(NamedTuple):
-    """A Megatron rank's coordinates in the model-parallel grid (a plain tuple).
+class RankCoord(tuple):
+    """A Megatron rank's coordinates in the model-parallel grid: ``(tp, pp, ep)``, a plain tuple
+    (equal to ``(tp, pp, ep)``), or ``(tp, pp, ep, copy)`` for a data-parallel copy past the first.
 
     ``copy``: which data-parallel copy of the ``(tp, pp, ep)`` shard (0 .. ``SourceLayout.copies``
     - 1): stage-local rank ``r = pair position + pair_period * copy`` in Megatron's default rank
     order (:func:`stage_pair`). Copy 0 is the coordinate's first holder, the one plans name; a
     receiver reads from any holder (:mod:`megarefit.planner.holders`)."""
 
-    tp: int
-    pp: int
-    ep: int = 0
-    copy: int = 0
+    __slots__ = ()
 
-    def __str__(self) -> str:
-        return f"(tp={self.tp}, pp={self.pp}, ep={self.ep}" + (f", copy={self.copy})" if self.copy else ")")
+    def __new__(cls, tp: int, pp: int, ep: int = 0, copy: int = 0) -> RankCoord:
+        return tuple.__new__(cls, (tp, pp, ep) if copy == 0 else (tp, pp, ep, copy))
+
+    def __getnewargs__(self) -> tuple[int, ...]:
+        return tuple(self)
+
+    @property
+    def tp(self) -> int:
+        return self[0]
+
+    @property
+    def pp(self) -> int:
+        return self[1]
+
+    @property
+    def ep(self) -> int:
+        return self[2]
+
+    @property
+    def copy(self) -> int:
+        return self[3] if len(self) > 3 else 0
 
     @property
     def first(self) -> RankCoord:
         """The coordinate's first copy (``copy=0``)."""
-        return RankCoord(self.tp, self.pp, self.ep)
+        return RankCoord(self[0], self[1], self[2])
+
+    def __repr__(self) -> str:
+        return f"RankCoord(tp={self.tp}, pp={self.pp}, ep={self.ep}" + (f", copy={self.copy})" if self.copy else ")")
+
+    def __str__(self) -> str:
+        return f"(tp={self.tp}, pp={self.pp}, ep={self.ep}" + (f", copy={self.copy})" if self.copy else ")")
 
 
 @dataclass(frozen=True, slots=True)

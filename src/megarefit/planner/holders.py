@@ -162,6 +162,15 @@ def _on(g: TensorGroup, rank: RankCoord) -> TensorGroup:
     return g if g.rank == rank else TensorGroup(rank, g.spec, g.hf_index, g.meta, g.suffix)
 
 
+def read_ranks(plan: Plan) -> list[RankCoord]:
+    """The trainer ranks ``plan``'s ops read from, sorted (a receiver fences only these)."""
+    if isinstance(plan.ops, OpTable):
+        table = plan.ops.sources
+        groups = torch.unique(table.group[plan.ops.columns.src_id]).tolist()
+        return sorted({r for g in groups if (r := table.groups[g].rank) is not None})
+    return sorted({op.src.rank for op in plan.ops if op.src.rank is not None})
+
+
 def served_by_readers(plan: Plan, readers: Iterable[Reader]) -> dict[RankCoord, int]:
     """Bytes each trainer rank serves when every reader of ``readers`` runs ``plan`` (one
     receiver's plan, before :func:`assign_holders`): the same sums as
@@ -197,4 +206,5 @@ def served_bytes(plans: Iterable[Plan]) -> dict[RankCoord, int]:
     return out
 
 
-__all__ = ["Reader", "assign_holders", "holder_index", "holders", "served_bytes", "served_by_readers"]
+__all__ = ["Reader", "assign_holders", "holder_index", "holders", "read_ranks", "served_bytes",
+           "served_by_readers"]

@@ -163,7 +163,7 @@ class Manifest:
 
     def to_json(self) -> str:
         data: dict[str, Any] = {
-            "format": self.format, "rank": list(self.rank) if self.rank.copy else list(self.rank[:3]), "dims": self.dims.to_dict(),
+            "format": self.format, "rank": list(self.rank), "dims": self.dims.to_dict(),
             "layout": self.layout.to_dict(), "agent": self.agent, "dtype": self.dtype,
             "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
             "checksums": None if self.checksums is None else list(self.checksums),

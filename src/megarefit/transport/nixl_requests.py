@@ -184,7 +184,7 @@ def describe_pulls(pulls: SourcePulls, what: str) -> str:
     """An error text naming the peer, the trainer rank, its first ops and their byte ranges."""
     first = ", ".join(f"{op.src.name} bytes [{op.src_byte_offset}, {op.src_byte_offset + op.nbytes})"
                       for op in pulls.ops[:3])
-    rank = f"{pulls.rank.tp}.{pulls.rank.pp}.{pulls.rank.ep}"
+    rank = f"{pulls.rank.tp}.{pulls.rank.pp}.{pulls.rank.ep}" + (f".{pulls.rank.copy}" if pulls.rank.copy else "")
     return (f"READ from peer {pulls.agent!r} (trainer rank {rank} as tp.pp.ep) of {len(pulls.ops)} ops "
             f"({sum(op.nbytes for op in pulls.ops)} bytes): {what}; first ops: {first}")
 

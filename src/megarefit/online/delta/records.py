@@ -137,17 +137,22 @@ def decode_record(payload: bytes) -> DeltaRecord:
     return DeltaRecord(version, base, addr, capacity, used, "VRAM" if mem else "DRAM", dev, segments)
 
 
+def _rank(rank: RankCoord) -> str:
+    """``tp.pp.ep`` (``.copy`` past the first copy), as the rendezvous spells ranks."""
+    return f"{rank.tp}.{rank.pp}.{rank.ep}" + (f".{rank.copy}" if rank.copy else "")
+
+
 def epoch_key(rank: RankCoord) -> str:
     """The rendezvous key of ``rank``'s delta epoch: a random text each trainer process's
     :class:`~megarefit.online.delta.log.DeltaLog` writes when it starts, so records of a process
     that was restarted are never chained with the new one's."""
-    return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/epoch"
+    return f"delta/{_rank(rank)}/epoch"
 
 
 def delta_key(rank: RankCoord, epoch: str, version: int) -> str:
     """The rendezvous key (relative to the job prefix) of ``rank``'s delta into ``version``,
     written in delta epoch ``epoch``."""
-    return f"delta/{rank.tp}.{rank.pp}.{rank.ep}/{epoch}/{int(version)}"
+    return f"delta/{_rank(rank)}/{epoch}/{int(version)}"
 
 
 __all__ = ["BITMAP", "FORMATS", "INDICES", "PAGE", "PAGED", "DeltaRecord", "DeltaRecordError", "DeltaSegment",

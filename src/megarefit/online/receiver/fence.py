@@ -46,9 +46,13 @@ class VersionFence:
     """The version fence of receiver ``name`` (see the module docstring); it remembers the
     ranks it discovered last, so a warm cycle reads only their manifests."""
 
-    def __init__(self, rendezvous: Rendezvous, name: str):
+    def __init__(self, rendezvous: Rendezvous, name: str,
+                 ranks_for: Callable[[Manifest], list[RankCoord]] | None = None):
+        """``ranks_for``: the ranks to fence, given a rank's manifest (its layout): the ranks the
+        receiver's plan reads (``PlanCache.ranks_for``); default every coordinate's first copy."""
         self.rendezvous = rendezvous
         self.name = name
+        self.ranks_for = ranks_for or (lambda first: first.layout.ranks())
         self.manifests: dict[RankCoord, Manifest] = {}  # the last discovery's
 
     def where(self) -> str:
@@ -65,8 +69,9 @@ class VersionFence:
         manifests, metadata, state = self.rendezvous.manifests_and_state(self.manifests.keys() or None,
                                                                          timeout=timeout)
         first = manifests[min(manifests)]
-        if set(manifests) != set(first.layout.ranks()):  # a new layout: rediscover every rank
-            manifests, metadata, state = self.rendezvous.manifests_and_state(first.layout.ranks(), timeout=timeout)
+        wanted = self.ranks_for(first)
+        if set(manifests) != set(wanted):  # a new layout: discover the ranks it reads
+            manifests, metadata, state = self.rendezvous.manifests_and_state(wanted, timeout=timeout)
         self.manifests = manifests
         return manifests, metadata, state
 

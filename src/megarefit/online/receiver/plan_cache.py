@@ -4,7 +4,8 @@ Planning reads only shapes (the manifests' dims, layout, dtype and FP8 format) a
 receiver pulls (a vLLM worker's :class:`~megarefit.targets.VllmTarget`, or full HF tensors:
 ``part`` and ``experts``); it never touches memory or the wire::
 
-    key = (dims, layout, dtype, FP8 format, target, part)
+    key = (dims, layout, dtype, FP8 format, target, part)   (then each source read from one of its
+                                                              holders: planner/holders.py)
     same as the current plan's           -> the current plan               (not new)
     seen before (EPLB moved experts back) -> that plan, no planning again  (new)
     else                                  -> planned, cached               (new, plans_built + 1)
@@ -20,7 +21,9 @@ from collections.abc import Callable
 from megarefit.errors import LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
 from megarefit.layout import RankCoord
 from megarefit.plan import Plan
+from megarefit.plan.table import OpTable
 from megarefit.planner import plan_megatron_to_hf
+from megarefit.planner.holders import Reader, assign_holders, read_ranks
 from megarefit.planner.megatron_to_hf import ModelPart
 from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.planning import plan_fp8
@@ -53,10 +56,14 @@ class PlanCache:
         part: which full HF tensors (``"all"``, ``"model"``, ``"draft"``; ``"all"`` with a target).
         experts: the global routed experts pulled (full HF tensors only); ``None``: all.
         hf_planner: plans full HF tensors (``plan_megatron_to_hf``'s signature).
+        reader: which holder of each source tensor this receiver reads from
+            (:func:`~megarefit.planner.holders.assign_holders`); ``None``: with a target, worker
+            ``tp_rank + tp * dp_rank`` of its engine, else the only reader.
     """
 
     def __init__(self, target: VllmTarget | None, part: ModelPart = "all", experts: frozenset[int] | None = None,
-                 hf_planner: Callable[..., Plan] = plan_megatron_to_hf):
+                 hf_planner: Callable[..., Plan] = plan_megatron_to_hf, reader: Reader | None = None):
+        self.reader = reader
         self.target = target
         self.part: ModelPart = part
         self.experts = experts
@@ -65,6 +72,7 @@ class PlanCache:
         self._plan: Plan | None = None
         self._fmt: Fp8Format | None = None
         self._plans: dict[tuple, Plan] = {}  # per (dims, layout, dtype, FP8 format, vLLM target): placements seen
+        self._ranks: dict[tuple, list[RankCoord]] = {}  # per key: the ranks its plan reads
         self._checked: tuple[str, ...] = ()  # the memory digests the current plan was checked against
 
     @property
@@ -95,29 +103,51 @@ class PlanCache:
         Raises:
             LayoutError: the ranks disagree on dims, layout or quantization."""
         first = _common(manifests)
-        dtype = first.model_dtype  # per-tensor dtypes (fp32 router bias, float8 shards) checked by check_manifests
         fmt = None if first.quantization is None else Fp8Format(*first.quantization)
         plan = self._plan
-        if plan is not None and (plan.dims, plan.layout, plan.dtype, self._fmt) == (first.dims, first.layout, dtype,
-                                                                                   fmt):
+        if plan is not None and (plan.dims, plan.layout, plan.dtype, self._fmt) == (first.dims, first.layout,
+                                                                                   first.model_dtype, fmt):
             return plan, False
+        plan = self._planned(first)
+        self._fmt = fmt
+        self._plan = plan
+        self._checked = ()
+        return plan, True
+
+    def _planned(self, first: Manifest) -> Plan:
+        """The plan for ``first``'s dims, layout, dtype and FP8 format, holders chosen: from the
+        cache, else planned and cached (``plans_built`` + 1)."""
+        dtype = first.model_dtype  # per-tensor dtypes (fp32 router bias, float8 shards) checked by check_manifests
+        fmt = None if first.quantization is None else Fp8Format(*first.quantization)
         key = (first.dims, first.layout, dtype, fmt, self.target, self.part)
-        cached = self._plans.get(key)  # a placement seen before (EPLB moves experts back and forth)
-        if cached is not None:
-            plan = cached
-        elif self.target is not None:
+        plan = self._plans.get(key)  # a placement seen before (EPLB moves experts back and forth)
+        if plan is not None:
+            return plan
+        if self.target is not None:
             plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
         else:
             plan = self._hf_planner(first.dims, first.layout, dtype, self.experts, part=self.part)
             if fmt is not None:
                 plan = plan_fp8(plan, fmt)
-        if cached is None:
-            self._plans[key] = plan
-            self.plans_built += 1
-        self._fmt = fmt
-        self._plan = plan
-        self._checked = ()
-        return plan, True
+        if isinstance(plan.ops, OpTable) or plan.layout.copies > 1:  # (op-by-op plans: one copy, as planned)
+            plan = assign_holders(plan, self._reader())
+        self._plans[key] = plan
+        self._ranks[key] = read_ranks(plan)
+        self.plans_built += 1
+        return plan
+
+    def _reader(self) -> Reader:
+        if self.reader is not None:
+            return self.reader
+        t = self.target
+        return Reader() if t is None else Reader.of(0, 1, t.rank + t.tp * t.dp_rank, t.tp * t.dp)
+
+    def ranks_for(self, first: Manifest) -> list[RankCoord]:
+        """The trainer ranks the plan for ``first``'s layout reads (holders chosen): the ranks a
+        fence reads. Plans and caches that plan; the current plan stays as it is."""
+        self._planned(first)
+        fmt = None if first.quantization is None else Fp8Format(*first.quantization)
+        return self._ranks[(first.dims, first.layout, first.model_dtype, fmt, self.target, self.part)]
 
     def check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
         """Every source tensor ``plan`` reads is published with its shape, dtype and bytes

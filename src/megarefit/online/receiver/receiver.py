@@ -49,6 +49,7 @@ from megarefit.online.receiver.prefetch import PrefetchSlot, PrefetchState, Prep
 from megarefit.online.store.rendezvous import Heartbeat, Rendezvous
 from megarefit.plan import Plan
 from megarefit.planner import plan_megatron_to_hf
+from megarefit.planner.holders import Reader
 from megarefit.planner.megatron_to_hf import MODEL_PARTS, ModelPart
 from megarefit.targets import VllmTarget
 from megarefit.transport.boxcopy import BoxCopies
@@ -140,6 +141,12 @@ class RefitReceiver:
             elements that changed, per tensor where cheaper than the tensor itself
             (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
             ``stats.delta_reason`` why a cycle was full. ``False``: always full.
+        reader: this receiver among all that read the trainers
+            (:class:`~megarefit.planner.holders.Reader`, e.g. ``Reader.of(replica, replicas,
+            worker, workers)``): each source tensor is read from one of its holders (every
+            data-parallel copy serves; :mod:`~megarefit.planner.holders`), chosen so that all
+            readers together spread the bytes evenly over the trainer GPUs. Default: with a
+            ``target``, its worker's place in one engine; else the only reader.
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
@@ -148,7 +155,7 @@ class RefitReceiver:
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
                  memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
                  direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto",
-                 part: ModelPart = "all", delta: bool = True):
+                 part: ModelPart = "all", delta: bool = True, reader: Reader | None = None):
         _check_options(memory_budget, replica_group, experts, target, part, direct)
         self.rendezvous = rendezvous
         self.part: ModelPart = part
@@ -166,9 +173,9 @@ class RefitReceiver:
         rendezvous.register_receiver(name)
         self._heartbeat = Heartbeat(rendezvous, name, heartbeat_s)
         # the HF planner is named here, where it always was (callers patch this module's plan_megatron_to_hf)
-        self._plans = PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf)
+        self._plans = PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf, reader=reader)
         self._memory = ReceiverMemory(self.transport, self.device, memory_budget, scratch_budget, direct)
-        self._pipeline = CyclePipeline(VersionFence(rendezvous, name), self._plans, self._memory, self.transport,
+        self._pipeline = CyclePipeline(VersionFence(rendezvous, name, self._plans.ranks_for), self._plans, self._memory, self.transport,
                                        verifier=self._verifier, replica_group=replica_group, timeout=timeout,
                                        delta=delta)
         self._prefetch = PrefetchSlot(self.device, lambda: self._pipeline.stats, self.transport.polite)

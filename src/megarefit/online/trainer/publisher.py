@@ -93,10 +93,11 @@ def _checked_layout(layout: SourceLayout, dims: ModelDims, rank: RankCoord) -> S
     if layout.num_layers != dims.num_layers or layout.padded_vocab_size < dims.vocab_size:
         raise LayoutError(f"layout holds {layout.num_layers} layers and {layout.padded_vocab_size} vocab rows; "
                           f"the HF config has {dims.num_layers} layers and vocab_size={dims.vocab_size}")
-    if rank not in set(layout.ranks()):
+    if rank not in set(layout.all_ranks()):
         raise LayoutError(f"rank {rank} is not a coordinate of Megatron's process grid for tp={layout.tp} "
                           f"pp={layout.pp} ep={layout.ep} etp={layout.etp} (with etp=1 < tp, tp and ep ranks "
-                          f"are tied; publish from the ranks {[tuple(r) for r in layout.ranks()]} only)")
+                          f"are tied; publish from the ranks {[tuple(r) for r in layout.ranks()]} only; copies 0 .. "
+                          f"{layout.copies - 1} of each at dp={layout.dp})")
     return layout
 
 
@@ -181,7 +182,7 @@ class Publisher:
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.quantization is not None:
             plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
-            self.fp8 = fp8_buffers(self.params, [ref.name for ref in fp8_sources(plan, self.rank)], self.quantization)
+            self.fp8 = fp8_buffers(self.params, [ref.name for ref in fp8_sources(plan, self.rank.first)], self.quantization)
         # snapshot: receivers read a registered copy that publish() refreshes, never the live
         # parameters (training goes on during the pull: one-step off-policy RL)
         self.snapshot: dict[str, torch.Tensor] = {}
@@ -189,7 +190,8 @@ class Publisher:
             self.snapshot = snapshot_buffers(self.params, [n for n in expected if n not in self.fp8])
         entries, served = self._served_entries(expected)
         warn_expandable_segments(served, f"rank {self.rank}")
-        name = agent_name or f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
+        name = agent_name or (f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
+                               + (f"-{self.rank.copy}" if self.rank.copy else ""))
         self.agent = NixlAgent(name, device=served[0].device if served else None)  # the shards' GPU's NIC
         self.agent.register(served)
         self.checksums = _checksum_buffer(self, served, entries) if checksums else None
@@ -214,7 +216,7 @@ class Publisher:
 
     @classmethod
     def from_megatron(cls, model: torch.nn.Module | Sequence[torch.nn.Module], hf_config: Any, *,
-                      rendezvous: Rendezvous, layout: SourceLayout | None = None,
+                      rendezvous: Rendezvous, layout: SourceLayout | None = None, serve_copies: bool = True,
                       **options: Any) -> Publisher | PublisherGroup:
         """Serve this rank's Megatron-Core model, its layout read from Megatron itself.
 
@@ -230,11 +232,17 @@ class Publisher:
         ``quantization``, ``snapshot``, ``checksums``, ``ipc``, ``delta``, ``tracker``.
 
         Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for
-        several. One process per rank coordinate serves it (the first in Megatron's rank order,
-        :attr:`~megarefit.layout.megatron_model.ParallelState.replica`): on its data-parallel copies
-        (data and context parallel ranks repeating a ``(tp, pp, ep)`` shard) the layout is read and
-        checked the same way, and an empty ``PublisherGroup`` comes back whose ``publish`` /
-        ``updating`` do nothing (``serving`` is ``False``).
+        several. Every process serves, data-parallel copies too (data and context parallel ranks
+        repeating a ``(tp, pp, ep)`` shard, :attr:`RankCoord.copy
+        <megarefit.layout.parallel.RankCoord.copy>`), so receivers spread their reads over every
+        holder (:mod:`megarefit.planner.holders`). Call ``publish`` on every rank, after the
+        optimizer step (with the distributed optimizer: after its parameter all-gather, when every
+        copy holds whole parameters). A copy costs what copy 0 costs: its NIXL registration (no
+        copy of the weights), and where asked its FP8 buffers, snapshot and checksums.
+        ``serve_copies=False``: only each coordinate's first copy serves (the layout published
+        says one copy); on the others the layout is read and checked the same way, and an empty
+        ``PublisherGroup`` comes back whose ``publish`` / ``updating`` do nothing (``serving`` is
+        ``False``).
 
         Raises:
             LayoutError: Megatron's parallel state is not initialized; config and process grid
@@ -246,8 +254,10 @@ class Publisher:
         cfg = load_hf_config(hf_config)
         chunks = read_chunks(model, ModelDims.from_hf_config(cfg))
         check_stated(chunks[0].layout, layout)
-        if chunks[0].replica:  # a data-parallel copy: the coordinate's first copy serves these bytes
-            return PublisherGroup([], rendezvous, chunks[0].layout)
+        if not serve_copies:
+            if chunks[0].replica:  # a data-parallel copy: the coordinate's first copy serves these bytes
+                return PublisherGroup([], rendezvous, chunks[0].layout)
+            chunks = [dataclasses.replace(c, layout=dataclasses.replace(c.layout, dp=0)) for c in chunks]  # one copy
         ddp = options.pop("ddp", None)
         pubs = [cls(c.params, cfg, rank=c.rank, layout=c.layout, rendezvous=rendezvous, ddp=ddp or c.ddp, **options)
                 for c in chunks]
@@ -260,7 +270,7 @@ class Publisher:
         Raises:
             MissingParameterError / UnexpectedParameterError / ShapeMismatchError: as the class says.
         """
-        expected = source_tensors(self.dims, self.layout)[self.rank]
+        expected = source_tensors(self.dims, self.layout)[self.rank.first]
         missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())
         if missing:
             raise MissingParameterError(f"rank {self.rank} lacks {len(missing)} parameter(s) the layout places "
