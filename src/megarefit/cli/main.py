@@ -74,7 +74,8 @@ def _layout(args: argparse.Namespace) -> tuple[Any, Any, Any, int]:
                                 num_layers=dims.num_layers, first_stage_layers=args.first_stage_layers,
                                 last_stage_layers=args.last_stage_layers, layer_spec=args.layer_spec,
                                 etp=args.etp, expert_layout=args.expert_layout, mtp_layers=args.mtp_layers,
-                                megatron=MegatronCore.verified(args.megatron_version or _installed_megatron()))
+                                megatron=MegatronCore.verified(args.megatron_version or _installed_megatron()),
+                                dp=getattr(args, "dp", 0))
     return cfg, dims, layout, padded
 
 
@@ -151,7 +152,23 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.svg:
         _picture(args, plan, target, dims, layout, fmt)
         console.print(f"picture written to {escape(args.svg)}")
+    if args.dp or args.served_json:
+        _print_served(args, console, dims, layout, target, fmt)
     return 0
+
+
+def _print_served(args: argparse.Namespace, console: Console, dims: Any, layout: Any, target: Any, fmt: Any) -> None:
+    """``--dp``: what each trainer GPU serves to ``--replicas`` whole engines (cli/serving.py)."""
+    from megarefit.cli import serving
+
+    workers = len(serving.engine_targets(target))
+    s = serving.summary(serving.served(dims, layout, args.dtype, target, fmt, args.replicas), layout, args.replicas,
+                        workers)
+    console.print(serving.served_table(s))
+    console.print(serving.served_line(s))
+    if args.served_json:
+        serving.write(s, args.served_json)
+        console.print(f"bytes per trainer GPU written to {escape(args.served_json)}")
 
 
 def _whole_model_bytes(dims: Any, layout: Any, dtype: str, fmt: Any) -> int:
@@ -565,6 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draw bytes per trainer rank and receiver (every vLLM worker with --vllm-tp), and which "
                            "are strided, as SVG/PNG/PDF by the suffix (needs matplotlib: megarefit[bench])")
     _add_vllm_args(plan)
+    plan.add_argument("--dp", type=int, default=0,
+                      help="the trainer's data-parallel size (with context parallel: dp x cp); every copy serves. "
+                           "Prints the bytes each trainer GPU serves to whole vLLM engines (every worker's plan "
+                           "summed, holders chosen as receivers choose them)")
+    plan.add_argument("--replicas", type=int, default=1, help="with --dp: how many vLLM engines read (default 1)")
+    plan.add_argument("--served-json", metavar="FILE", type=output_path,
+                      help="write the bytes each trainer GPU serves as JSON")
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="time a warm refit against a plain copy of the same bytes, on this machine")

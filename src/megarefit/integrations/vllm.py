@@ -88,6 +88,7 @@ from megarefit.integrations.vllm_install import (
 from megarefit.integrations.vllm_shadow import Shadows, prepare_shadows
 from megarefit.online.receiver.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
+from megarefit.planner.holders import Reader
 from megarefit.transport.checksum import tensor_checksum
 
 ENGINE_NAME = "megarefit"
@@ -158,10 +159,12 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               model: torch.nn.Module | None, sharded: bool = False, parallel_config: Any = None,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
               transport: str = "auto", secret: str | None = None,
-              physical_to_logical: tuple[tuple[int, ...], ...] | None = None, draft: bool = False
-              ) -> RefitReceiver:
+              physical_to_logical: tuple[tuple[int, ...], ...] | None = None, draft: bool = False,
+              replica: tuple[int, int] = (0, 1)) -> RefitReceiver:
     """A receiver for ``model``: the worker's target model, or (``draft``) its MTP draft model;
-    full HF tensors pull only what that model loads (the MTP layers go to the draft)."""
+    full HF tensors pull only what that model loads (the MTP layers go to the draft).
+    ``replica``: (this engine's index, how many engines read the trainers), so that the readers
+    of all engines spread their reads over every trainer copy (:class:`Reader`)."""
     secret = check_init_secret(secret)
     name = f"megarefit-vllm-{rank}-{'draft-' if draft else ''}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
@@ -176,8 +179,11 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
             eplb_checked(parallel_config, physical_to_logical)
     experts = owned_experts(model) if model is not None and target is None else None
     device = "cpu" if _is_cpu() or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
+    workers = max(1, int(getattr(parallel_config, "world_size", 1) or 1))
+    worker = target.rank + target.tp * target.dp_rank if target is not None else rank % workers
+    workers = target.tp * target.dp if target is not None else workers
     return RefitReceiver(Rendezvous.connect(host, port, job=job, timeout=timeout, secret=secret), name=name,
-                         timeout=timeout,
+                         timeout=timeout, reader=Reader.of(replica[0], replica[1], worker, workers),
                          experts=experts, target=target, device=device, memory_budget=memory_budget,
                          verify_checksums=verify_checksums, transport=transport,  # type: ignore[arg-type]
                          part="all" if target is not None else "draft" if draft else "model")
@@ -465,7 +471,7 @@ class MegarefitWorkerExtension:
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
                        sharded: bool = False, memory_budget: int | str | None = None,
                        verify_checksums: bool = False, direct: bool = False, transport: str = "auto",
-                       secret: str | None = None) -> None:
+                       secret: str | None = None, replica: int = 0, replicas: int = 1) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
@@ -492,6 +498,9 @@ class MegarefitWorkerExtension:
         (colocated RL) and the rest over NIXL; ``"nixl"`` / ``"ipc"`` force one
         (:class:`~megarefit.online.receiver.receiver.RefitReceiver`). ``secret``: the job secret the
         trainers sign their records with (default: ``$MEGAREFIT_JOB_SECRET`` in the worker).
+        ``replica`` / ``replicas``: this engine's index among the engines that read the trainers
+        (default: the only one): every data-parallel copy of the trainers serves, and the workers
+        of all engines spread their reads over them (:mod:`megarefit.planner.holders`).
 
         Raises:
             MegarefitError: ``direct`` without ``sharded``.
@@ -506,7 +515,8 @@ class MegarefitWorkerExtension:
         config = getattr(self, "vllm_config", None) or runner.vllm_config
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
                                     config.parallel_config, memory_budget, verify_checksums, transport, secret,
-                                    eplb_placement(runner, runner.model_config, model) if sharded else None)
+                                    eplb_placement(runner, runner.model_config, model) if sharded else None,
+                                    replica=(replica, replicas))
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -671,6 +681,8 @@ class MegarefitInitInfo:
     verify_checksums: bool = False  # check pulled boxes against the trainers' checksums (Publisher(checksums=True))
     transport: str = "auto"  # "auto": CUDA IPC for trainer ranks on this GPU, NIXL for the rest; "nixl"; "ipc"
     secret: str | None = None  # the job secret (default: $MEGAREFIT_JOB_SECRET in the worker)
+    replica: int = 0  # this engine's index among the engines reading the trainers (reads spread over every copy)
+    replicas: int = 1
     # bytes of host memory for each layer's previous weights during an update, so that a failed install
     # puts the previous version back ("auto": half the host's available memory, shared by its GPUs or the
     # engine's workers). Costs one device-to-host copy of the worker's weights per update, so it is off by
@@ -783,7 +795,7 @@ class _EngineLifecycle:
         placement = eplb_placement(model=model) if info.sharded and model is not None else None
         return _receiver(info.host, info.port, info.job, info.timeout, getattr(self.parallel_config, "rank", 0),
                          model, info.sharded, self.parallel_config, info.memory_budget, info.verify_checksums,
-                         info.transport, info.secret, placement, draft)
+                         info.transport, info.secret, placement, draft, replica=(info.replica, info.replicas))
 
     def _drafting(self) -> bool:
         """vLLM retargeted this update to the worker's MTP draft model (``start_draft_weight_update``

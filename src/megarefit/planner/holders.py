@@ -31,6 +31,7 @@ Source: Megatron-Core's process groups (``tp-cp-ep-dp-pp``, expert grid ``etp-ep
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -150,12 +151,33 @@ def assign_holders(plan: Plan, reader: Reader = Reader()) -> Plan:
     if choice.width == 1:
         return plan
     table, sets, width = ops.sources, choice.sets, choice.width
-    used, new_group = torch.unique(table.group * width + choice.index(reader), return_inverse=True)
-    groups = [_on(table.groups[p // width], sets[p // width][p % width]) for p in used.tolist()]
-    sources = TensorTable(groups, new_group, table.layer, table.expert)
-    out = OpTable(ops.columns, sources, ops.targets, ops.itemsize, ops.transpose)
+    used, pair_of_row = torch.unique(table.group * width + choice.index(reader), return_inverse=True)
+    groups, canon = _canonical([_on(table.groups[p // width], sets[p // width][p % width]) for p in used.tolist()])
+    # two rows may now name one tensor (the planner read a replicated tensor from tp ranks in turn):
+    # one row per tensor, the ops re-pointed
+    rows = torch.stack([canon[pair_of_row], table.layer, table.expert], 1)
+    unique, row_of = torch.unique(rows, dim=0, return_inverse=True)
+    first = torch.full((len(unique),), len(table), dtype=torch.int64).scatter_reduce_(
+        0, row_of, torch.arange(len(table)), "amin")
+    sources = TensorTable(groups, unique[:, 0], unique[:, 1], unique[:, 2])
+    cols = dataclasses.replace(ops.columns, src_id=row_of[ops.columns.src_id], src_shape=ops.columns.src_shape[first])
+    out = OpTable(cols, sources, ops.targets, ops.itemsize, ops.transpose)
     return Plan(plan.direction, plan.dims, plan.layout, plan.dtype, sources, plan.targets, out,  # type: ignore[arg-type]
                 digest_of("holders", plan.digest, reader.index, reader.count), plan.quantize, plan.transforms)
+
+
+def _canonical(groups: list[TensorGroup]) -> tuple[list[TensorGroup], torch.Tensor]:
+    """Equal groups (one rank, row, HF index, suffix and meta) once, and each group's index among them."""
+    index: dict[tuple, int] = {}
+    out: list[TensorGroup] = []
+    of = []
+    for g in groups:
+        key = (g.rank, id(g.spec), g.hf_index, g.suffix, g.meta)
+        if key not in index:
+            index[key] = len(out)
+            out.append(g)
+        of.append(index[key])
+    return out, torch.tensor(of or [0], dtype=torch.int64)
 
 
 def _on(g: TensorGroup, rank: RankCoord) -> TensorGroup:
