@@ -25,6 +25,7 @@ from megarefit.demo.workers import start_workers  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
 from megarefit.planner.holders import Reader, read_ranks  # noqa: E402
+from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -88,3 +89,41 @@ def test_only_first_copies_serve_when_asked():
     assert sorted(tuple(t["coord"]) for t in trainers if t["snapshots"]) == [(0, 0, 0), (1, 0, 0)]
     assert all(read_ranks(p) == [(0, 0, 0), (1, 0, 0)] for p in plans)
     assert all(got[0].keys() == g.keys() and all(torch.equal(got[0][n], g[n]) for n in g) for g in got)
+
+
+def test_a_dead_copy_fails_over_to_the_other_holders():
+    """Copy 1 of tp rank 0 (global rank 2) is SIGKILLed after version 1 was pulled; each receiver
+    that read from it pulls version 1 again from the other holders: bytes equal the first pull,
+    ``stats.failovers`` names the dead rank and who served its share; one that did not read from
+    it is untouched. Killing the last holder of tp rank 0's shards then fails naming that rank."""
+    job = "failover"
+    rdzv = Rendezvous.serve(job=job)
+    case = TrainerCase(job, tiny_config("Qwen3-0.6B"), 2, 1, TOKENS)
+    group = start_workers(serving_trainer_job, world_size=4, args=(case, ("127.0.0.1", rdzv.port, job), 1))
+    try:
+        receivers = [RefitReceiver(rdzv, name=f"{job}-{i}", timeout=20, reader=Reader(i, READERS))
+                     for i in range(READERS)]
+        first = [{n: t.clone() for n, t in r.run_refit_cycle(1)} for r in receivers]
+        dead = (0, 0, 0, 1)
+        readers = [dead in read_ranks(r.plan) for r in receivers]
+        assert any(readers)
+        group.kill(2)
+        for r, want in zip(receivers, first):
+            got = {n: t.clone() for n, t in r.run_refit_cycle(1)}
+            assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+            if dead in [tuple(x) for x in read_ranks(r.plan)]:
+                raise AssertionError("the plan still reads the dead rank")
+        for r, read in zip(receivers, readers):
+            if read:
+                (rank, replaced), = r.stats.failovers
+                live = {(0, 0, 0), (1, 0, 0), (1, 0, 0, 1)}
+                assert rank == dead and (0, 0, 0) in replaced and set(replaced) <= live  # tp 0's shards: one left
+            else:
+                assert r.stats.failovers == ()
+        group.kill(0)  # (0, 0, 0): tp rank 0's last holder
+        with pytest.raises(TransferError, match=r"trainer rank 0\.0\.0 as tp\.pp\.ep.*no other trainer rank serves"):
+            list(next(r for r, read in zip(receivers, readers) if read).run_refit_cycle(1))
+        rdzv.mark_consumed(1)
+    finally:
+        with pytest.raises(RuntimeError, match="worker"):
+            group.join(timeout=60)

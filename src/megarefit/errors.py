@@ -64,5 +64,9 @@ class PlanValidationError(MegarefitError):
     """A plan fails validation: out-of-bounds box, overlap, or incomplete cover."""
 
 
+class NoHolderError(MegarefitError):
+    """Every trainer rank holding a source tensor is excluded (failed): nothing can serve it."""
+
+
 class ClassificationError(MegarefitError):
     """A live Megatron model disagrees with the spec table on parameter roles."""

@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import torch
 
-from megarefit.errors import PlanValidationError
+from megarefit.errors import NoHolderError, PlanValidationError
 from megarefit.layout.parallel import RankCoord, SourceLayout
 from megarefit.plan import Plan, digest_of
 from megarefit.plan.table import OpTable, TensorGroup, TensorTable
@@ -120,9 +120,30 @@ class _Choice:
         self.base = key[g] + table.layer + 1 + (table.expert + 1) * span
         self.width = max((len(s) for s in self.sets), default=1)
 
-    def index(self, reader: Reader) -> torch.Tensor:
-        """``[sources]`` int64: which of its holders each source row is read from."""
-        return (self.base + reader.index) % self.size
+    def index(self, reader: Reader, exclude: frozenset[RankCoord] = frozenset()) -> torch.Tensor:
+        """``[sources]`` int64: which of its holders each source row is read from. A row whose
+        holder is in ``exclude`` (failed ranks) takes one of its remaining holders, by the same
+        rule over those; every other row keeps its holder.
+
+        Raises:
+            NoHolderError: every holder of a row is excluded (names the tensor and the ranks)."""
+        idx = (self.base + reader.index) % self.size
+        if not exclude:
+            return idx
+        for g, s in enumerate(self.sets):
+            gone = [k for k, r in enumerate(s) if r in exclude]
+            if not gone:
+                continue
+            rows = (self.table.group == g) & torch.isin(idx, torch.tensor(gone))
+            if not bool(rows.any()):
+                continue
+            left = torch.tensor([k for k, r in enumerate(s) if r not in exclude], dtype=torch.int64)
+            if not len(left):
+                grp = self.table.groups[g]
+                raise NoHolderError(f"no trainer rank left to serve {grp.spec.megatron}{grp.suffix} (coordinate "
+                                    f"{grp.rank}): its holders {[str(r) for r in s]} all failed this cycle")
+            idx[rows] = left[(self.base[rows] + reader.index) % len(left)]
+        return idx
 
 
 def holder_index(table: TensorTable, layout: SourceLayout, reader: Reader) -> torch.Tensor:
@@ -138,20 +159,22 @@ def _columnar(plan: Plan) -> OpTable:
     return plan.ops
 
 
-def assign_holders(plan: Plan, reader: Reader = Reader()) -> Plan:
+def assign_holders(plan: Plan, reader: Reader = Reader(), exclude: frozenset[RankCoord] = frozenset()) -> Plan:
     """``plan`` with each source tensor read from the holder :class:`Reader` ``reader`` takes
     (module docstring). With one copy and no other holder (``layout.dp`` one copy, no EP, tp 1)
-    the plan comes back as is.
+    the plan comes back as is. ``exclude``: failed ranks; what they served goes to other holders
+    of the same tensors (:meth:`_Choice.index`).
 
     Raises:
+        NoHolderError: a source tensor has no holder outside ``exclude``.
         PlanValidationError: ``plan`` is not columnar (built by ``plan_megatron_to_hf`` /
             ``plan_megatron_to_vllm``, with or without FP8): its source rows' spec rows are unknown."""
     ops = _columnar(plan)
     choice = _Choice(ops.sources, plan.layout)
-    if choice.width == 1:
+    if choice.width == 1 and not exclude:
         return plan
     table, sets, width = ops.sources, choice.sets, choice.width
-    used, pair_of_row = torch.unique(table.group * width + choice.index(reader), return_inverse=True)
+    used, pair_of_row = torch.unique(table.group * width + choice.index(reader, exclude), return_inverse=True)
     groups, canon = _canonical([_on(table.groups[p // width], sets[p // width][p % width]) for p in used.tolist()])
     # two rows may now name one tensor (the planner read a replicated tensor from tp ranks in turn):
     # one row per tensor, the ops re-pointed
@@ -193,6 +216,26 @@ def read_ranks(plan: Plan) -> list[RankCoord]:
     return sorted({op.src.rank for op in plan.ops if op.src.rank is not None})
 
 
+def replacements(plan: Plan, reader: Reader, exclude: frozenset[RankCoord],
+                 failed: RankCoord) -> list[RankCoord]:
+    """The ranks that serve, once ``failed`` joins ``exclude``, what ``failed`` served to
+    ``reader`` of ``plan`` (a plan before :func:`assign_holders`), sorted.
+
+    Raises:
+        NoHolderError: as :func:`assign_holders`."""
+    ops = _columnar(plan)
+    choice = _Choice(ops.sources, plan.layout)
+    read = torch.zeros(len(ops.sources), dtype=torch.bool)
+    read[ops.columns.src_id] = True
+    before, after = choice.index(reader, exclude), choice.index(reader, exclude | {failed})
+    out = set()
+    for row in torch.nonzero(read).flatten().tolist():
+        group = int(ops.sources.group[row])
+        if choice.sets[group][int(before[row])] == failed:
+            out.add(choice.sets[group][int(after[row])])
+    return sorted(out)
+
+
 def served_by_readers(plan: Plan, readers: Iterable[Reader]) -> dict[RankCoord, int]:
     """Bytes each trainer rank serves when every reader of ``readers`` runs ``plan`` (one
     receiver's plan, before :func:`assign_holders`): the same sums as
@@ -228,5 +271,5 @@ def served_bytes(plans: Iterable[Plan]) -> dict[RankCoord, int]:
     return out
 
 
-__all__ = ["Reader", "assign_holders", "holder_index", "holders", "read_ranks", "served_bytes",
+__all__ = ["Reader", "assign_holders", "holder_index", "holders", "read_ranks", "replacements", "served_bytes",
            "served_by_readers"]

@@ -55,7 +55,7 @@ from megarefit.transport.nixl_requests import (
     RequestBuilder,
     Scratch,
     SourcePulls,
-    describe_pulls,
+    pull_error,
     post_read,
     release_requests,
 )
@@ -110,9 +110,9 @@ class InFlight:
             try:
                 state = agent.check_xfer_state(handle)
             except Exception as exc:
-                raise TransferError(describe_pulls(pulls, f"transfer failed: {exc!r}")) from exc
+                raise pull_error(pulls, f"transfer failed: {exc!r}") from exc
             if state == "ERR":
-                raise TransferError(describe_pulls(pulls, "transfer reported ERR"))
+                raise pull_error(pulls, "transfer reported ERR")
             if state != "DONE":
                 still.append((pulls, w))
             elif w >= 0:
@@ -267,7 +267,7 @@ class NixlTransport:
             if flight.pending and self.poll_sleep:
                 time.sleep(self.poll_sleep)
             if flight.pending and time.monotonic() > deadline:
-                raise TransferError(describe_pulls(flight.pending[0][0], f"no completion after {timeout:.1f} s"))
+                raise pull_error(flight.pending[0][0], f"no completion after {timeout:.1f} s")
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                 buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
@@ -361,8 +361,34 @@ class NixlTransport:
         post to done, less placements) and ``scratch`` (placements) seconds.
 
         Raises:
-            TransferError: a transfer failed, or ``timeout`` seconds passed (from this call)."""
+            TransferError: a transfer failed, or ``timeout`` seconds passed (from this call); the
+                other READs still in flight are waited for first (until the deadline), so no late
+                byte lands in the buffers after this returns (a retry may free or reuse them)."""
         deadline = time.monotonic() + timeout
+        try:
+            self._wait(flight, deadline, timeout)
+        except TransferError:
+            flight.queued = []
+            self._drain(flight, deadline)
+            raise
+
+    def _drain(self, flight: InFlight, deadline: float) -> None:
+        """Wait until no READ of ``flight`` is in flight (done, failed, or the deadline passed)."""
+        while flight.pending and time.monotonic() < deadline:
+            still = []
+            for pulls, w in flight.pending:
+                handle = pulls.handle if w < 0 else pulls.waves[w].handle
+                try:
+                    state = self.nixl.agent.check_xfer_state(handle)
+                except Exception:  # noqa: BLE001 -- this one failed: nothing more lands from it
+                    continue
+                if state not in ("DONE", "ERR"):
+                    still.append((pulls, w))
+            flight.pending = still
+            if still:
+                time.sleep(self.poll_sleep or 0.001)
+
+    def _wait(self, flight: InFlight, deadline: float, timeout: float) -> None:
         scratch_s = 0.0
         gpu: torch.device | None = None  # the device of the fused placements, if any
         while flight.pending or flight.queued:
@@ -392,7 +418,7 @@ class NixlTransport:
                 time.sleep(self.poll_sleep)
             if (flight.pending or flight.queued) and time.monotonic() > deadline:
                 who = flight.pending[0][0] if flight.pending else flight.queued[0][0]
-                raise TransferError(describe_pulls(who, f"no completion after {timeout:.1f} s"))
+                raise pull_error(who, f"no completion after {timeout:.1f} s")
         if gpu is not None:
             t0 = time.perf_counter()
             torch.cuda.current_stream(gpu).synchronize()

@@ -23,7 +23,12 @@ from megarefit.transport.nics import NicChoice, choose, gpu_address, net_devices
 
 
 class TransferError(MegarefitError, RuntimeError):
-    """A NIXL transfer failed or timed out; names the peer, tensors and byte ranges."""
+    """A NIXL transfer failed or timed out; names the peer, tensors and byte ranges. ``rank``: the
+    trainer rank whose READ failed, where one did (a receiver fails over to another holder)."""
+
+    def __init__(self, message: str, rank: tuple[int, ...] | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 def _nixl():

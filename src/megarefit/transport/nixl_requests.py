@@ -180,6 +180,11 @@ class PreparedPlan:
         return sum(p.descriptors for p in self.per_source)
 
 
+def pull_error(pulls: SourcePulls, what: str) -> TransferError:
+    """A :class:`TransferError` naming ``pulls`` (:func:`describe_pulls`), its ``rank`` set."""
+    return TransferError(describe_pulls(pulls, what), rank=pulls.rank)
+
+
 def describe_pulls(pulls: SourcePulls, what: str) -> str:
     """An error text naming the peer, the trainer rank, its first ops and their byte ranges."""
     first = ", ".join(f"{op.src.name} bytes [{op.src_byte_offset}, {op.src_byte_offset + op.nbytes})"
@@ -197,7 +202,7 @@ def post_read(nixl: NixlAgent, pulls: SourcePulls, handle: Any) -> None:
     try:
         nixl.agent.transfer(handle)
     except Exception as exc:  # nixl raises its own error types per failure
-        raise TransferError(describe_pulls(pulls, f"could not post READ: {exc!r}")) from exc
+        raise pull_error(pulls, f"could not post READ: {exc!r}") from exc
     nixl.counters["posts"] += 1
 
 

@@ -31,6 +31,7 @@ from megarefit.online.delta.apply import DeltaChoice, DeltaReceiver
 from megarefit.online.receiver.arena import arena_key, publish_arena
 from megarefit.online.receiver.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
 from megarefit.online.receiver.delta_direct import DirectDelta
+from megarefit.online.receiver.failover import Failover
 from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
@@ -55,8 +56,8 @@ def naming_the_job(where: str, version: int | None, streamed: bool = False) -> I
             f"{where}, pulling version {'latest' if version is None else version}: {exc}. The trainer rank named may "
             "have died or re-registered its memory: check that process, restart it if needed, then refit "
             "again; " + ("groups handed over before it may hold this version: the consumer must not serve until a "
-                         "refit completes" if streamed else "nothing pulled in this attempt was handed over")
-        ) from exc
+                         "refit completes" if streamed else "nothing pulled in this attempt was handed over"),
+            rank=exc.rank) from exc
 
 
 def _count_nics(meter: NicMeter | None, nic: NicChoice | None, stats: CycleStats) -> None:
@@ -92,6 +93,7 @@ class CyclePipeline:
         nic = getattr(transport.nixl, "nic", None)  # a GPU receiver on a node with RDMA NICs: bytes per NIC
         self.nics = NicMeter() if nic is not None and nic.port is not None else None
         self._verified = (0, 0)  # (checked bytes, checked boxes) of the last cycle
+        self.failover = Failover(fence.rendezvous, plans)
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
 
     @property
@@ -126,8 +128,10 @@ class CyclePipeline:
             StaleVersionError: still rejected after ``retries`` pulls, or not retryable.
             (and what the fence, plan cache, memory and transport raise)"""
         attempt = 0
+        failovers = []
         if self.nics is not None:
             self.nics.start()
+        self.failover.readmit()
         while True:
             try:
                 plan, pulled, got, seconds, cold = self._pull(version)
@@ -136,12 +140,15 @@ class CyclePipeline:
                 if not exc.retryable or attempt >= retries:
                     raise
                 attempt += 1
+            except TransferError as exc:  # a rank died or its link failed: its share from other holders
+                failovers.append(self.failover.fail(exc))
         if self.replica_group is not None:  # the arena holds version `got` whole: serve it
             publish_arena(self.fence.rendezvous, self.replica_group, self.fence.name, self.memory.arenas,
                           self.memory.layout, got, self.transport.nixl.metadata)
             self._bump_replica_seq()
             self._serving = False
         self.stats = self._staged_stats(plan, pulled, got, seconds, cold, attempt)
+        self.stats.failovers = tuple(failovers)
         _count_nics(self.nics, getattr(self.transport.nixl, "nic", None), self.stats)
         staging = plan.staging
         for ref, tensor in self.memory.buffers.items():

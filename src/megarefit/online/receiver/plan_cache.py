@@ -23,7 +23,7 @@ from megarefit.layout import RankCoord
 from megarefit.plan import Plan
 from megarefit.plan.table import OpTable
 from megarefit.planner import plan_megatron_to_hf
-from megarefit.planner.holders import Reader, assign_holders, read_ranks
+from megarefit.planner.holders import Reader, assign_holders, read_ranks, replacements
 from megarefit.planner.megatron_to_hf import ModelPart
 from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.planning import plan_fp8
@@ -73,6 +73,8 @@ class PlanCache:
         self._fmt: Fp8Format | None = None
         self._plans: dict[tuple, Plan] = {}  # per (dims, layout, dtype, FP8 format, vLLM target): placements seen
         self._ranks: dict[tuple, list[RankCoord]] = {}  # per key: the ranks its plan reads
+        self._base: dict[tuple, Plan] = {}  # per key less the exclusions: the plan before holders were chosen
+        self.excluded: frozenset[RankCoord] = frozenset()  # ranks whose READs failed: read from other holders
         self._checked: tuple[str, ...] = ()  # the memory digests the current plan was checked against
 
     @property
@@ -119,18 +121,22 @@ class PlanCache:
         cache, else planned and cached (``plans_built`` + 1)."""
         dtype = first.model_dtype  # per-tensor dtypes (fp32 router bias, float8 shards) checked by check_manifests
         fmt = None if first.quantization is None else Fp8Format(*first.quantization)
-        key = (first.dims, first.layout, dtype, fmt, self.target, self.part)
+        key = (first.dims, first.layout, dtype, fmt, self.target, self.part, self.excluded)
         plan = self._plans.get(key)  # a placement seen before (EPLB moves experts back and forth)
         if plan is not None:
             return plan
-        if self.target is not None:
-            plan = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
-        else:
-            plan = self._hf_planner(first.dims, first.layout, dtype, self.experts, part=self.part)
-            if fmt is not None:
-                plan = plan_fp8(plan, fmt)
+        base = self._base.get(key[:-1])
+        if base is None:
+            if self.target is not None:
+                base = plan_megatron_to_vllm(first.dims, first.layout, dtype, self.target, fmt)
+            else:
+                base = self._hf_planner(first.dims, first.layout, dtype, self.experts, part=self.part)
+                if fmt is not None:
+                    base = plan_fp8(base, fmt)
+            self._base[key[:-1]] = base
+        plan = base
         if isinstance(plan.ops, OpTable) or plan.layout.copies > 1:  # (op-by-op plans: one copy, as planned)
-            plan = assign_holders(plan, self._reader())
+            plan = assign_holders(plan, self._reader(), self.excluded)
         self._plans[key] = plan
         self._ranks[key] = read_ranks(plan)
         self.plans_built += 1
@@ -147,7 +153,28 @@ class PlanCache:
         fence reads. Plans and caches that plan; the current plan stays as it is."""
         self._planned(first)
         fmt = None if first.quantization is None else Fp8Format(*first.quantization)
-        return self._ranks[(first.dims, first.layout, first.model_dtype, fmt, self.target, self.part)]
+        return self._ranks[(first.dims, first.layout, first.model_dtype, fmt, self.target, self.part, self.excluded)]
+
+    def fail_over(self, rank: RankCoord) -> list[RankCoord]:
+        """Read from other holders what ``rank`` served (its READ failed): the next plan excludes
+        it. Returns the ranks that serve its share instead.
+
+        Raises:
+            NoHolderError: some tensor ``rank`` served has no other holder.
+            MegarefitError: there is no current plan, or it is not columnar."""
+        plan = self._plan
+        if plan is None or not isinstance(plan.ops, OpTable):
+            raise MegarefitError(f"rank {rank} failed, and this receiver has no plan with holders to fail over in")
+        base = self._base[(plan.dims, plan.layout, plan.dtype, self._fmt, self.target, self.part)]
+        replaced = replacements(base, self._reader(), self.excluded, rank)
+        self.excluded = self.excluded | {rank}
+        self._plan = None
+        return replaced
+
+    def readmit(self, rank: RankCoord) -> None:
+        """Read from ``rank`` again (it re-registered after it failed)."""
+        self.excluded = self.excluded - {rank}
+        self._plan = None
 
     def check_manifests(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> None:
         """Every source tensor ``plan`` reads is published with its shape, dtype and bytes

@@ -259,6 +259,13 @@ class Rendezvous:
             manifests[r], metadata[r] = cached[1], cached[2]
         return manifests, metadata, state
 
+    def generations(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, bytes | None]:
+        """Each rank's registration generation (``None``: never registered); it changes when the
+        rank publishes a new manifest (a restarted trainer)."""
+        ranks = list(ranks)
+        keys = [self.prefix + "generation/" + _rank_key(r) for r in ranks]
+        return {r: self.store.get(k) if self.store.check([k]) else None for r, k in zip(ranks, keys)}
+
     def versions(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int | None]:
         """Current version per rank (``None`` where none was published yet); one round trip
         when every rank published one."""
