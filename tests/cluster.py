@@ -58,7 +58,7 @@ class ClusterError(RuntimeError):
 def _run(args: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
     """Run ``args`` (an ``ip`` / ``tc`` command); raise :class:`ClusterError` on failure."""
     try:
-        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(args), check=False, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ClusterError(f"`{' '.join(args)}` could not run: {exc}") from exc
     if check and done.returncode:
@@ -115,17 +115,33 @@ def sweep_stale() -> list[str]:
     return stale
 
 
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2
+
+
 def enter(ns: str) -> None:
-    """Move the calling process (its calling thread, and every thread it starts afterwards)
-    into network namespace ``ns``: for a worker forked from a server outside it, before it
-    opens any socket. Raises :class:`ClusterError` if ``setns`` fails."""
+    """Move the calling process into network namespace ``ns`` as ``ip netns exec`` does: the
+    namespace (``setns``), then a mount namespace of its own with ``/sys`` mounted afresh, so
+    ``/sys/class/net`` shows the node's NIC (UCX reads it as its TCP transport starts). For a
+    worker forked from a server outside it, before it starts threads or opens sockets.
+
+    Raises:
+        ClusterError: a ``setns``, ``unshare`` or ``mount`` call failed (its errno)."""
     libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            raise ClusterError(f"entering {ns}: {what} failed: {os.strerror(ctypes.get_errno())}")
+
     fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise ClusterError(f"setns into {ns} failed: {os.strerror(ctypes.get_errno())}")
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
     finally:
         os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
+    check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs /sys")
 
 
 @dataclass(frozen=True)
@@ -334,7 +350,7 @@ class Cluster:
         if errors:
             raise ClusterError("; ".join(errors))
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Cluster:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:
