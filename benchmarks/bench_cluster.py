@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,9 +72,9 @@ def machine() -> dict:
 
 
 def table(records: list[dict]) -> str:
-    rows = ["| date | cpus | tbf rate | raw NIXL READ per veth | efficiency | trainers | receivers | "
-            "bytes per serving veth per cycle | warm cycle, median (range) | cycle / (busiest veth bytes / READ rate) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| date | cpus | tbf rate | raw NIXL READ per veth | efficiency | trainers | receivers | "
+            "bytes per serving veth per cycle | warm cycle, median (range) | cycle / (busiest veth bytes / READ rate) |")
+    rows = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         link, rf = r["link"], r["refit"]
         serving = [b for b in rf["trainer_bytes_per_cycle"].values() if b > 1e6]
