@@ -1,0 +1,92 @@
+"""Worker jobs (megarefit.demo.workers) that live in nodes of an emulated cluster (tests/cluster.py).
+
+Each job first enters its node's network namespace (:meth:`cluster.NodeSpec.enter`: ``setns``
+plus ``UCX_TLS=tcp``, ``UCX_NET_DEVICES=nic0``, ``GLOO_SOCKET_IFNAME=nic0``), then runs
+megarefit's own code:
+
+* :func:`store_job`: the rendezvous store, bound to its node's address; it marks a version
+  consumed once every registered receiver acknowledged it;
+* :func:`trainer_job`: one Megatron-Core rank (gloo across nodes) running
+  :func:`~megarefit.demo.trainer_jobs.serving_trainer_job`;
+* :func:`receiver_job`: a :class:`~megarefit.online.RefitReceiver` pulling every version.
+
+Ports are fixed (:data:`STORE_PORT`, the gloo master's): each node is a namespace this run
+made, with nothing else listening in it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from cluster import NodeSpec
+
+STORE_PORT = 29400
+GLOO_PORT = 29500
+
+
+def store_job(_rank: int, _world: int, _port: int, node: NodeSpec, job: str, receivers: int, versions: int,
+              stop_file: str, timeout: float) -> dict[str, Any]:
+    """Serve the rendezvous at ``node.ip:STORE_PORT``; for v = 1..versions wait until all
+    ``receivers`` acknowledged v, then mark it consumed; serve until ``stop_file`` exists (``stop_file.ready`` says it serves)."""
+    node.enter()
+    from megarefit.online.store.rendezvous import Rendezvous
+
+    rdzv = Rendezvous.serve(host=node.ip, port=STORE_PORT, job=job)
+    open(stop_file + ".ready", "w").close()
+    deadline = time.monotonic() + timeout
+    while len(rdzv.receivers()) < receivers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{receivers} receivers did not register within {timeout}s: {rdzv.receivers()}")
+        time.sleep(0.05)
+    acked = {}
+    for v in range(1, versions + 1):
+        acked[v] = rdzv.wait_receivers(v, timeout=timeout)
+        rdzv.mark_consumed(v)
+    while not os.path.exists(stop_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"acked": acked}
+
+
+def trainer_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], case: Any, store: tuple[str, str],
+                versions: int, every_copy: bool) -> dict[str, Any]:
+    """Trainer rank ``rank`` in ``nodes[rank]``: gloo rendezvous at ``nodes[0]``, then
+    :func:`~megarefit.demo.trainer_jobs.serving_trainer_job` (``store``: host, job)."""
+    nodes[rank].enter()
+    import torch.distributed as dist
+
+    from megarefit.demo.trainer_jobs import serving_trainer_job
+
+    if every_copy:
+        raise NotImplementedError("every data-parallel copy serving is issue 58 item 1 (not in this tree yet): "
+                                  "run with every_copy=False")
+    dist.init_process_group("gloo", init_method=f"tcp://{nodes[0].ip}:{GLOO_PORT}", rank=rank, world_size=world)
+    host, job = store
+    return serving_trainer_job(rank, world, GLOO_PORT, case, (host, STORE_PORT, job), versions)
+
+
+def receiver_job(rank: int, _world: int, _port: int, nodes: list[NodeSpec], store: tuple[str, str], versions: int,
+                 timeout: float) -> dict[str, Any]:
+    """Receiver ``rank`` in ``nodes[rank]``: pull versions 1..versions, acknowledge each.
+
+    Returns ``{"received": {v: {hf name: tensor}}, "done": {v: wall time the cycle ended},
+    "pull_s": {v: seconds pulling}, "bytes": {v: bytes moved}}``."""
+    nodes[rank].enter()
+    from megarefit.online import RefitReceiver
+    from megarefit.online.store.rendezvous import Rendezvous
+
+    host, job = store
+    receiver = RefitReceiver(Rendezvous.connect(host, STORE_PORT, job=job), name=f"receiver-{rank}",
+                             timeout=timeout)
+    out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}}
+    for v in range(1, versions + 1):
+        out["received"][v] = {name: t.clone() for name, t in receiver.run_refit_cycle(v)}
+        out["done"][v] = time.time()
+        out["pull_s"][v] = receiver.stats.seconds["pull"]
+        out["bytes"][v] = receiver.stats.bytes_moved
+        receiver.acknowledge(v)
+    return out
+
+
+__all__ = ["GLOO_PORT", "STORE_PORT", "receiver_job", "store_job", "trainer_job"]
