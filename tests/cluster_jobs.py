@@ -50,41 +50,43 @@ def store_job(_rank: int, _world: int, _port: int, node: NodeSpec, job: str, rec
 
 
 def trainer_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], case: Any, store: tuple[str, str],
-                versions: int, every_copy: bool) -> dict[str, Any]:
+                versions: int, every_copy: bool, snapshot_dir: str | None = None) -> dict[str, Any]:
     """Trainer rank ``rank`` in ``nodes[rank]``: gloo rendezvous at ``nodes[0]``, then
-    :func:`~megarefit.demo.trainer_jobs.serving_trainer_job` (``store``: host, job)."""
+    :func:`~megarefit.demo.trainer_jobs.serving_trainer_job` (``store``: host, job; every
+    data-parallel copy serving, or only the first; each version's shards saved in ``snapshot_dir``)."""
     nodes[rank].enter()
     import torch.distributed as dist
 
     from megarefit.demo.trainer_jobs import serving_trainer_job
 
-    if every_copy:
-        raise NotImplementedError("every data-parallel copy serving is issue 58 item 1 (not in this tree yet): "
-                                  "run with every_copy=False")
     dist.init_process_group("gloo", init_method=f"tcp://{nodes[0].ip}:{GLOO_PORT}", rank=rank, world_size=world)
     host, job = store
-    return serving_trainer_job(rank, world, GLOO_PORT, case, (host, STORE_PORT, job), versions)
+    return serving_trainer_job(rank, world, GLOO_PORT, case, (host, STORE_PORT, job), versions,
+                               snapshot_dir=snapshot_dir, serve_copies=every_copy)
 
 
-def receiver_job(rank: int, _world: int, _port: int, nodes: list[NodeSpec], store: tuple[str, str], versions: int,
+def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store: tuple[str, str], versions: int,
                  timeout: float) -> dict[str, Any]:
     """Receiver ``rank`` in ``nodes[rank]``: pull versions 1..versions, acknowledge each.
 
-    Returns ``{"received": {v: {hf name: tensor}}, "done": {v: wall time the cycle ended},
-    "pull_s": {v: seconds pulling}, "bytes": {v: bytes moved}}``."""
+    Each is reader ``rank`` of ``world`` (:class:`~megarefit.planner.holders.Reader`). Returns
+    ``{"received": {v: {hf name: tensor}}, "done": {v: wall time the cycle ended}, "pull_s": {v:
+    seconds pulling}, "bytes": {v: bytes moved}, "failovers": {v: stats.failovers}}``."""
     nodes[rank].enter()
     from megarefit.online import RefitReceiver
     from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.planner.holders import Reader
 
     host, job = store
     receiver = RefitReceiver(Rendezvous.connect(host, STORE_PORT, job=job), name=f"receiver-{rank}",
-                             timeout=timeout)
-    out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}}
+                             timeout=timeout, reader=Reader(rank, world))
+    out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}, "failovers": {}}
     for v in range(1, versions + 1):
         out["received"][v] = {name: t.clone() for name, t in receiver.run_refit_cycle(v)}
         out["done"][v] = time.time()
         out["pull_s"][v] = receiver.stats.seconds["pull"]
         out["bytes"][v] = receiver.stats.bytes_moved
+        out["failovers"][v] = receiver.stats.failovers
         receiver.acknowledge(v)
     return out
 

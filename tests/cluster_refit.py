@@ -7,8 +7,8 @@ node's address, no rate limit). Every trainer and receiver NIC is limited to ``r
 
 :func:`refit_on_cluster` returns a :class:`ClusterRefit`: the trainers' snapshots of every
 version (the oracle's input), what each receiver got, and the bytes through every NIC while the
-receivers ran. Today only data-parallel copy 0 serves (``every_copy=False``); ``every_copy=True``
-is the parameter for issue 58 item 1.
+receivers ran. ``every_copy``: every data-parallel copy serves (the default), or only copy 0;
+the receivers spread their reads over what serves (each a different reader).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class ClusterRefit:
     receivers: list[dict]
     moved: dict[str, dict[str, int]]
     rates: dict[str, float | None] = field(default_factory=dict)
+    snapshots: dict[int, dict[tuple[int, ...], dict[str, torch.Tensor]]] = field(default_factory=dict)
 
     def trainer_tx(self) -> dict[str, int]:
         """Bytes each trainer node sent while the receivers ran."""
@@ -77,7 +78,8 @@ def _wait_ready(store: WorkerGroup, ready: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: int = 3, every_copy: bool = False,
+def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: int = 3, every_copy: bool = True,
+                     trainers_may_die: bool = False,
                      rate_mbit: float = 300.0, rates: Mapping[str, float | None] | None = None,
                      timeout: float = 120.0, receiver_timeout: float = 60.0, during: Callable[[Cluster, dict[str, WorkerGroup]], None] | None = None,
                      config: dict | None = None) -> ClusterRefit:
@@ -99,7 +101,7 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
                                                                         versions, stop, timeout))}
         _wait_ready(groups["store"], Path(stop + ".ready"), timeout)
         groups["trainers"] = start_workers(trainer_job, world_size=world, args=(
-            [c[f"t{i}"].spec for i in range(world)], case, store, versions, every_copy))
+            [c[f"t{i}"].spec for i in range(world)], case, store, versions, every_copy, d))
         before = c.counters()
         groups["receivers"] = start_workers(receiver_job, world_size=receivers, args=(
             [c[f"r{i}"].spec for i in range(receivers)], store, versions, receiver_timeout))
@@ -109,13 +111,31 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
             got = groups["receivers"].join(timeout)
             after = c.counters()
             Path(stop).touch()
-            trained = groups["trainers"].join(timeout)
+            try:
+                trained = groups["trainers"].join(timeout)
+            except RuntimeError:  # a trainer the fault killed
+                if not trainers_may_die:
+                    raise
+                trained = []
             groups["store"].join(timeout)
         finally:
             Path(stop).touch()
         moved = {n: {k: after[n][k] - before[n][k] for k in ("tx_bytes", "rx_bytes")} for n in after}
         return ClusterRefit(case, dp, versions, trained, got, moved,
-                            {n: node.rate_mbit for n, node in c.nodes.items()})
+                            {n: node.rate_mbit for n, node in c.nodes.items()}, _snapshots(Path(d)))
+
+
+def _snapshots(d: Path) -> dict[int, dict[tuple[int, ...], dict[str, torch.Tensor]]]:
+    """``{version: {rank coordinate: shards}}`` the trainers saved before publishing each version."""
+    import re
+
+    out: dict[int, dict[tuple[int, ...], dict[str, torch.Tensor]]] = {}
+    for f in d.glob("v*-tp*.pt"):
+        m = re.fullmatch(r"v(\d+)-tp(\d+)-pp(\d+)-ep(\d+)(?:-copy(\d+))?\.pt", f.name)
+        if m:
+            v, *coord = (int(x) for x in m.groups() if x is not None)
+            out.setdefault(v, {})[tuple(coord)] = torch.load(f)
+    return out
 
 
 __all__ = ["ClusterRefit", "cluster_config", "refit_on_cluster"]

@@ -3,10 +3,13 @@
 Real Megatron-Core trainers on CPU (gloo across nodes, data-parallel 2 x TP 2, one node each),
 the rendezvous store bound to its own node's address, four RefitReceivers on four more nodes,
 NIXL over UCX TCP on 300 Mbit veths. Every received byte equals the independent reference
-sharder's unsharding (tests/reference.py) of the trainers' own snapshots; the bytes are on the
-serving trainers' veths; the cycle takes about the busiest veth's bytes over its rate. Faults: a
-serving trainer SIGKILLed mid-pull, its link set down mid-pull: a clear error within the
-receivers' timeout, never a hang, never a version handed on.
+sharder's unsharding (tests/reference.py) of the trainers' own snapshots. Every data-parallel
+copy serving, the bytes spread over every trainer veth within 10% of the mean; with only copy 0
+serving, they cross copy 0's veths alone; the cycle takes about the busiest veth's bytes over its
+rate. Faults: a copy SIGKILLed or its link set down mid-pull: the receivers that read from it
+fail over to the other copy and complete, bytes exact (``stats.failovers`` names it); with no
+other holder (copy 0 alone serving), a clear error within the receivers' timeout, never a hang,
+never a version handed on. (No ``netem`` on this kernel: loss and delay are not emulated.)
 """
 
 from __future__ import annotations
@@ -34,9 +37,15 @@ def run():
     return refit_on_cluster(dp=DP, tp=TP, receivers=RECEIVERS, versions=VERSIONS, rate_mbit=RATE_MBIT)
 
 
-def oracle(run, v: int) -> dict[str, torch.Tensor]:
-    """The HF tensors of version ``v``, from the trainers' own snapshots by the reference sharder."""
-    snaps = {tuple(t["coord"]): t["snapshots"][v] for t in run.trainers if t["snapshots"]}
+@pytest.fixture(scope="module")
+def one_copy():
+    return refit_on_cluster(dp=DP, tp=TP, receivers=RECEIVERS, versions=2, rate_mbit=RATE_MBIT, every_copy=False)
+
+
+def oracle(run, v: int, copy: int = 0) -> dict[str, torch.Tensor]:
+    """The HF tensors of version ``v``, from the trainers' own snapshots (copy ``copy``'s, as saved
+    before publishing) by the reference sharder."""
+    snaps = {c[:3]: s for c, s in run.snapshots[v].items() if (c[3] if len(c) > 3 else 0) == copy}
     dtype = next(iter(snaps[(0, 0, 0)].values())).dtype
     shard = functools.partial(reference_shards, cfg=run.case.hf_config, tp=TP, pp=1)
     return unshard(snaps, reference_hf_state(run.case.hf_config, "qwen3", dtype=dtype), shard)
@@ -45,6 +54,7 @@ def oracle(run, v: int) -> dict[str, torch.Tensor]:
 def test_every_received_byte_equals_the_oracle(run):
     for v in range(1, VERSIONS + 1):
         want = oracle(run, v)
+        assert all(torch.equal(oracle(run, v, copy=1)[n], t) for n, t in want.items())  # the copies agree
         for r in run.receivers:
             assert r["received"][v].keys() == want.keys()
             for name, tensor in want.items():
@@ -53,7 +63,18 @@ def test_every_received_byte_equals_the_oracle(run):
     assert not torch.equal(run.receivers[0]["received"][1][name], run.receivers[0]["received"][2][name])
 
 
-def test_the_bytes_cross_the_serving_trainers_veths(run):
+def test_every_copy_serving_the_bytes_spread_over_every_trainer_veth(run):
+    pulled = sum(sum(r["bytes"].values()) for r in run.receivers)  # every receiver, every version
+    tx = run.trainer_tx()
+    assert pulled <= sum(tx.values()) <= pulled * 1.1, (tx, pulled)
+    mean = sum(tx.values()) / len(tx)
+    assert all(abs(b - mean) <= 0.10 * mean for b in tx.values()), tx
+
+
+def test_one_copy_serving_the_bytes_cross_copy_0s_veths(one_copy):
+    run = one_copy
+    want = oracle(run, 2)
+    assert all(torch.equal(r["received"][2][n], t) for r in run.receivers for n, t in want.items())
     pulled = sum(sum(r["bytes"].values()) for r in run.receivers)  # every receiver, every version
     tx = run.trainer_tx()
     serving = {f"t{i}" for i in range(TP)}  # data-parallel copy 0 (Megatron puts TP ranks first)
@@ -80,6 +101,7 @@ def _when_pulling(c, threshold: int = 1 << 20) -> None:
 
 
 def _fails_within(fault, receiver_timeout: float = 15.0) -> tuple[str, float]:
+    """Copy 0 alone serving (no other holder), ``fault`` mid-pull: the error and how long after."""
     marks = {}
 
     def during(c, groups):
@@ -89,8 +111,29 @@ def _fails_within(fault, receiver_timeout: float = 15.0) -> tuple[str, float]:
 
     with pytest.raises(RuntimeError) as info:
         refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=40.0, receiver_timeout=receiver_timeout,
-                         during=during)
+                         during=during, every_copy=False)
     return str(info.value), time.monotonic() - marks["fault"]
+
+
+def _fails_over(fault):
+    """Every copy serving, ``fault`` on copy 1 of tp rank 0 (node t2) mid-pull: the run completes."""
+    def during(c, groups):
+        _when_pulling(c)
+        fault(c, groups)
+
+    return refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=40.0, receiver_timeout=10.0,
+                            during=during, trainers_may_die=True)
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "link-down"])
+def test_a_copy_that_fails_mid_pull_is_replaced_by_the_other(fault):
+    run = _fails_over((lambda c, groups: groups["trainers"].kill(2)) if fault == "sigkill"
+                      else (lambda c, groups: c["t2"].set_link(False)))
+    want = oracle(run, 1)
+    for r in run.receivers:
+        assert all(torch.equal(r["received"][1][n], t) for n, t in want.items())
+    failed = [f for r in run.receivers for f in r["failovers"][1]]
+    assert failed and all(tuple(rank) == (0, 0, 0, 1) and (0, 0, 0) in [tuple(x) for x in by] for rank, by in failed)
 
 
 def test_a_serving_trainer_sigkilled_mid_pull_is_a_clear_error_within_the_timeout():
