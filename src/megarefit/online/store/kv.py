@@ -208,7 +208,9 @@ IDEMPOTENT = frozenset({"set", "get", "check", "delete"})  # sent again on a new
 
 class KeyValueStore:
     """A client of a served table. ``timeout``: seconds a blocking read waits by default;
-    ``secret``: the job secret, ``str`` or ``bytes`` of at least 16 bytes.
+    ``secret``: the job secret, ``str`` or ``bytes`` of at least 16 bytes; ``connect_timeout``:
+    seconds a connection may take in all, retried with jittered exponential backoff while the
+    server refuses, resets or stalls it (starting, restarting, or past its pending cap).
 
     Raises:
         StoreError: the secret is too short, the store cannot be reached, refused the secret,
@@ -302,6 +304,11 @@ class KeyValueStore:
             raise
         client._server = server  # its stdin pipe stays open while this process lives
         return client
+
+    def reopen(self, timeout: float) -> KeyValueStore:
+        """Another client of the same store (its own connections), reads waiting ``timeout`` s."""
+        return KeyValueStore(self.host, self.port, self._secret, timeout, tls=self.tls,
+                             connect_timeout=self.connect_timeout)
 
     def set(self, key: str, value: bytes | str) -> None:
         self._call({"op": "set", "key": key}, (value.encode() if isinstance(value, str) else bytes(value),))
