@@ -130,7 +130,13 @@ def test_a_record_written_into_redis_by_anyone_else_is_refused(redis_port):
     assert Rendezvous.connect(url, 0, job="rl", secret=SECRET).fetch("version/0.0.0") == b"7"
 
 
-def test_the_redis_password_never_shows(redis_port):
+def test_the_redis_password_never_shows(redis_port, monkeypatch):
+    """Given in the URL or the environment, it is in no address or error."""
+    with pytest.raises(StoreError, match=r"refused this process's credentials.*MEGAREFIT_REDIS_PASSWORD"):
+        RedisStore(f"redis://127.0.0.1:{redis_port}/0", 1.0)
+    monkeypatch.setenv("MEGAREFIT_REDIS_PASSWORD", PASSWORD)
+    assert RedisStore(f"redis://127.0.0.1:{redis_port}/0", 1.0).add("k", 1) == 1
+    monkeypatch.delenv("MEGAREFIT_REDIS_PASSWORD")
     url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
     store = RedisStore(url, 1.0)
     assert store.where == f"redis://127.0.0.1:{redis_port}/0" and PASSWORD not in repr(vars(store).get("where"))

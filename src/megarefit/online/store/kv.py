@@ -11,10 +11,16 @@ server that does not prove the secret is not talked to. TLS is optional (:class:
 
 The server is a process of its own (a busy serving process, a training loop, does not delay
 its answers), listening on the one address it is given (loopback by default). Each client
-thread gets its own connection.
+thread gets its own connection, retried with jittered exponential backoff while the server
+refuses, resets or stalls it, within the client's ``connect_timeout`` (a wrong secret fails
+at once); a request that needs no answer twice is sent again on a new connection when its
+connection breaks.
 
-Why not Redis or etcd: docs/security.md ("Choosing the store") compares them; the embedded
-store needs no server install, and a job can serve it from any trainer process.
+On a cluster a Redis can hold the table instead
+(:class:`~megarefit.online.store.redis_kv.RedisStore`, records still signed with the job
+secret); docs/security.md ("Choosing the store") compares them and etcd, with the server
+CPU each spends under 512 clients. The embedded store needs no server install, and a job
+can serve it from any trainer process.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Selected explicitly, by a ``redis://`` or ``rediss://`` (TLS) address in place o
 Records stay signed end to end: :class:`~megarefit.online.store.rendezvous.Rendezvous` signs
 every record with the job secret (:mod:`~megarefit.online.store.records`) and verifies it on
 read, so a Redis that anyone on the cluster can write cannot forge or alter a record (a reader
-refuses it, naming the key). Redis's own password (``redis://user:password@host``, or
-``password=``) only keeps others off the server; it never appears in :attr:`RedisStore.where`
-or any error. What Redis cannot give: its counters (heartbeats, the registry's slots, the
+refuses it, naming the key). Redis's own password (``password=``, else the URL's
+``redis://user:password@host``, else ``$MEGAREFIT_REDIS_PASSWORD``: keep it out of addresses
+that get logged) only keeps others off the server; it never appears in
+:attr:`RedisStore.where` or any error. What Redis cannot give: its counters (heartbeats, the registry's slots, the
 record clock) and key deletion are open to whoever can write it; docs/security.md ("Choosing
 the store") says what follows.
 
@@ -20,6 +21,7 @@ that exists answers in one round trip. Needs ``pip install redis``.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterable
@@ -30,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 from megarefit.online.store.kv import BACKOFF_CAP, BACKOFF_FIRST, StoreError, StoreTLS
 
 SCHEMES = ("redis://", "rediss://")
+PASSWORD_ENV = "MEGAREFIT_REDIS_PASSWORD"  # the Redis password when neither password= nor the URL gives one
 POLL_FIRST, POLL_CAP = 0.001, 0.05  # seconds between reads of missing keys: first, and at most
 IDEMPOTENT = frozenset({"SET", "MGET", "EXISTS", "DEL"})  # sent again on a new connection if one breaks
 
@@ -78,7 +81,7 @@ class RedisStore:
         options: dict[str, Any] = {
             "host": self.host, "port": self.port, "db": self.db, "socket_connect_timeout": self.connect_timeout,
             "username": unquote(parts.username) if parts.username else None,
-            "password": password if password is not None else (unquote(parts.password) if parts.password else None)}
+            "password": password or (unquote(parts.password) if parts.password else None) or os.environ.get(PASSWORD_ENV)}
         if parts.scheme.lower() == "rediss":
             tls = self.tls or StoreTLS()
             options.update(ssl=True, ssl_ca_certs=tls.cafile, ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile,
@@ -104,7 +107,7 @@ class RedisStore:
                 return client
             except redis.AuthenticationError as exc:
                 raise StoreError(f"the Redis at {self.where} refused this process's credentials ({exc}): give "
-                                 "its password in the URL or password=") from None
+                                 f"its password as password=, in the URL, or in ${PASSWORD_ENV}") from None
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 client.close()
                 left = deadline - time.monotonic()
