@@ -274,13 +274,13 @@ def test_tls_handshakes_count_as_pending(tmp_path):
 
 def test_the_server_exits_with_its_process_even_with_members_connected():
     store = KeyValueStore.serve("127.0.0.1", 0, SECRET, 5.0)
-    member = KeyValueStore("127.0.0.1", store.port, SECRET, 5.0)
+    member = KeyValueStore("127.0.0.1", store.port, SECRET, 5.0, connect_timeout=1.0)  # it retries that long
     member.set("k", b"v")
     server = store._server
     assert server is not None and server.poll() is None
     server.stdin.close()  # what happens when the serving process exits
     server.wait(timeout=10)
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=rf"cannot reach the rendezvous at 127\.0\.0\.1:{store.port}"):
         member.get("k")
 
 

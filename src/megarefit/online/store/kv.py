@@ -11,10 +11,16 @@ server that does not prove the secret is not talked to. TLS is optional (:class:
 
 The server is a process of its own (a busy serving process, a training loop, does not delay
 its answers), listening on the one address it is given (loopback by default). Each client
-thread gets its own connection.
+thread gets its own connection, retried with jittered exponential backoff while the server
+refuses, resets or stalls it, within the client's ``connect_timeout`` (a wrong secret fails
+at once); a request that needs no answer twice is sent again on a new connection when its
+connection breaks.
 
-Why not Redis or etcd: docs/security.md ("Choosing the store") compares them; the embedded
-store needs no server install, and a job can serve it from any trainer process.
+On a cluster a Redis can hold the table instead
+(:class:`~megarefit.online.store.redis_kv.RedisStore`, records still signed with the job
+secret); docs/security.md ("Choosing the store") compares them and etcd, with the server
+CPU each spends under 512 clients. The embedded store needs no server install, and a job
+can serve it from any trainer process.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import random
 import socket
 import ssl
 import subprocess
@@ -109,6 +116,15 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(len(payload).to_bytes(4, "big") + payload)
 
 
+class _Unreachable(Exception):
+    """A connection attempt that may succeed later: refused, reset, closed or timed out before the
+    handshake finished (a server starting, restarting, or dropping pending connections past its cap)."""
+
+
+RETRYABLE_SSL = (ssl.SSLEOFError, ssl.SSLZeroReturnError)  # closed mid-TLS-handshake: like a reset
+BACKOFF_FIRST, BACKOFF_CAP = 0.02, 1.0  # seconds: the first retry's delay bound, and its ceiling
+
+
 class _Connection:
     """One authenticated connection (one thread's)."""
 
@@ -117,7 +133,7 @@ class _Connection:
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
-            raise StoreError(f"cannot reach the rendezvous at {where}: {exc}") from None
+            raise _Unreachable(str(exc) or type(exc).__name__) from None
         try:
             deadline = time.monotonic() + connect_timeout
             if tls is not None:
@@ -125,6 +141,9 @@ class _Connection:
                     raise ProtocolError("it does not serve TLS (StoreTLS given here)")
                 sock = tls.client_context().wrap_socket(sock, server_hostname=tls.server_hostname or host)
             self.channel = self._handshake(sock, secret, where, deadline)
+        except (*RETRYABLE_SSL, ConnectionError, TimeoutError) as exc:
+            sock.close()
+            raise _Unreachable(f"{type(exc).__name__} during the handshake: {exc}") from None
         except (ProtocolError, OSError, ssl.SSLError, RecursionError) as exc:
             sock.close()
             raise StoreError(f"the server at {where} is not a megarefit rendezvous of this job ({exc}); "
@@ -165,9 +184,39 @@ class _Connection:
         self.sock.close()
 
 
+def connect(host: str, port: int, secret: bytes, tls: StoreTLS | None, timeout: float) -> _Connection:
+    """An authenticated connection, retried with jittered exponential backoff (full jitter:
+    a random delay up to 20 ms, doubling to 1 s) while the server refuses, resets, closes or
+    stalls it, for at most ``timeout`` seconds in all. A wrong secret, a server without it, or a
+    server that is not a megarefit rendezvous fails at once.
+
+    Raises:
+        StoreError: refused or not a rendezvous (at once), or unreachable for ``timeout`` seconds
+            (names host:port, the attempts and the last error)."""
+    start = time.monotonic()
+    deadline, bound, attempts = start + timeout, BACKOFF_FIRST, 0
+    while True:
+        attempts += 1
+        try:
+            return _Connection(host, port, secret, tls, max(deadline - time.monotonic(), 0.01))
+        except _Unreachable as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError(f"cannot reach the rendezvous at {host}:{port} within {timeout:.1f} s "
+                                 f"({attempts} attempts; last: {exc}); check that it is serving there and "
+                                 "that host and port are the serving side's") from None
+            time.sleep(min(left, random.uniform(0.0, bound)))
+            bound = min(2 * bound, BACKOFF_CAP)
+
+
+IDEMPOTENT = frozenset({"set", "get", "check", "delete"})  # sent again on a new connection if one breaks
+
+
 class KeyValueStore:
     """A client of a served table. ``timeout``: seconds a blocking read waits by default;
-    ``secret``: the job secret, ``str`` or ``bytes`` of at least 16 bytes.
+    ``secret``: the job secret, ``str`` or ``bytes`` of at least 16 bytes; ``connect_timeout``:
+    seconds a connection may take in all, retried with jittered exponential backoff while the
+    server refuses, resets or stalls it (starting, restarting, or past its pending cap).
 
     Raises:
         StoreError: the secret is too short, the store cannot be reached, refused the secret,
@@ -190,7 +239,7 @@ class KeyValueStore:
     def _connection(self) -> _Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = _Connection(self.host, self.port, self._secret, self.tls, self.connect_timeout)
+            conn = connect(self.host, self.port, self._secret, self.tls, self.connect_timeout)
             self._local.conn = conn
             with self._lock:
                 self._connections.append(conn)
@@ -198,19 +247,35 @@ class KeyValueStore:
 
     def _call(self, header: dict[str, Any], values: tuple[bytes, ...] = (), wait: float = 0.0
               ) -> tuple[dict[str, Any], list[bytes]]:
-        conn = self._connection()
+        """One request; an idempotent one (:data:`IDEMPOTENT`) whose connection breaks (the
+        server restarted) is sent once more on a new connection, which is retried for up to
+        ``connect_timeout``. ``add`` is never sent twice: it may have been applied."""
         try:
-            head, out = conn.request(header, values, wait + self.connect_timeout)
-        except BaseException as exc:  # the answer may still come: this connection cannot be used again
-            self._local.conn = None
-            conn.close()
-            if isinstance(exc, (ProtocolError, OSError)):
-                raise StoreError(f"the rendezvous at {self.host}:{self.port} failed during {header['op']!r}: "
-                                 f"{exc}") from None
-            raise
+            head, out = self._request(header, values, wait)
+        except (ProtocolError, OSError) as exc:
+            if header["op"] not in IDEMPOTENT or isinstance(exc, ProtocolError):
+                raise self._failed(header, exc) from None
+            try:
+                head, out = self._request(header, values, wait)
+            except (ProtocolError, OSError) as again:
+                raise self._failed(header, again) from None
         if "error" in head:
             raise StoreError(f"the rendezvous at {self.host}:{self.port} refused {header['op']!r}: {head['error']}")
         return head, out
+
+    def _failed(self, header: dict[str, Any], exc: BaseException) -> StoreError:
+        return StoreError(f"the rendezvous at {self.host}:{self.port} failed during {header['op']!r}: {exc}"
+                          + ("" if header["op"] in IDEMPOTENT else " (it may or may not have been applied)"))
+
+    def _request(self, header: dict[str, Any], values: tuple[bytes, ...], wait: float
+                 ) -> tuple[dict[str, Any], list[bytes]]:
+        conn = self._connection()
+        try:
+            return conn.request(header, values, wait + self.connect_timeout)
+        except BaseException:  # the answer may still come: this connection cannot be used again
+            self._local.conn = None
+            conn.close()
+            raise
 
     @classmethod
     def serve(cls, host: str, port: int, secret: bytes | str, timeout: float, *,
@@ -245,6 +310,11 @@ class KeyValueStore:
             raise
         client._server = server  # its stdin pipe stays open while this process lives
         return client
+
+    def reopen(self, timeout: float) -> KeyValueStore:
+        """Another client of the same store (its own connections), reads waiting ``timeout`` s."""
+        return KeyValueStore(self.host, self.port, self._secret, timeout, tls=self.tls,
+                             connect_timeout=self.connect_timeout)
 
     def set(self, key: str, value: bytes | str) -> None:
         self._call({"op": "set", "key": key}, (value.encode() if isinstance(value, str) else bytes(value),))

@@ -64,6 +64,7 @@ from megarefit.online.store.records import (
     ensure_job_secret,
     resolve_secret,
 )
+from megarefit.online.store.redis_kv import RedisStore, is_redis_address
 from megarefit.transport.manifest import Manifest
 
 
@@ -76,7 +77,7 @@ class Rendezvous:
     """Manifest and version exchange between trainer ranks and receivers (records signed with
     the job secret; see the module docstring)."""
 
-    def __init__(self, store: KeyValueStore, job: str = "default", secret: bytes | str | None = None):
+    def __init__(self, store: KeyValueStore | RedisStore, job: str = "default", secret: bytes | str | None = None):
         self.store = store
         self.job = job
         self.prefix = f"megarefit/{job}/"
@@ -103,7 +104,9 @@ class Rendezvous:
         and ``$MEGAREFIT_JOB_SECRET`` a random secret is generated (:attr:`secret`), with a
         warning: hand it to every process of the job as you hand out host and port.
         ``tls``: serve over TLS (``StoreTLS(certfile=, keyfile=, cafile=)``; the connecting
-        sides pass ``StoreTLS(cafile=)``).
+        sides pass ``StoreTLS(cafile=)``). ``host`` a ``redis://`` / ``rediss://`` URL: the
+        cluster's Redis holds the table (:class:`~megarefit.online.store.redis_kv.RedisStore`),
+        nothing is started here, and this side connects like :meth:`connect`.
 
         Raises:
             MegarefitError: the secret is shorter than 16 bytes.
@@ -114,6 +117,8 @@ class Rendezvous:
                           f"receiver of job {job!r} (Rendezvous.connect(..., secret=...), or {SECRET_ENV}) the way "
                           "you pass host and port: whoever learns it can publish weights to this job",
                           stacklevel=2)
+        if is_redis_address(host):  # a cluster's Redis serves it: this side only connects
+            return cls(RedisStore(host, timeout, tls=tls), job, key)
         return cls(KeyValueStore.serve(host, port, key, timeout, tls=tls), job, key)
 
     @classmethod
@@ -121,13 +126,18 @@ class Rendezvous:
                 secret: bytes | str | None = None, tls: StoreTLS | None = None) -> Rendezvous:
         """Join a served store with the job's secret (``secret=``, else ``$MEGAREFIT_JOB_SECRET``;
         ``str`` or ``bytes``, at least 16 bytes). ``tls``: the store serves TLS
-        (``StoreTLS(cafile=...)``).
+        (``StoreTLS(cafile=...)``). ``host`` a ``redis://`` or ``rediss://`` URL (``port``
+        ignored): the table is on that Redis
+        (:class:`~megarefit.online.store.redis_kv.RedisStore`), records still signed and
+        verified with the job secret.
 
         Raises:
             MegarefitError: no secret given, or one shorter than 16 bytes (names the fix).
             StoreError: the store cannot be reached, refused the secret, or is not a megarefit
                 rendezvous of this job."""
         key, _ = resolve_secret(secret, serving=False)
+        if is_redis_address(host):
+            return cls(RedisStore(host, timeout, tls=tls), job, key)
         return cls(KeyValueStore(host, port, key, timeout, tls=tls), job, key)
 
     @property
@@ -355,8 +365,7 @@ class Heartbeat:
 
     def __init__(self, rendezvous: Rendezvous, rid: str, interval: float = 1.0):
         store = rendezvous.store
-        self._rdzv = Rendezvous(KeyValueStore(store.host, store.port, rendezvous._secret, 30.0, tls=store.tls),
-                                rendezvous.job, rendezvous._secret)
+        self._rdzv = Rendezvous(store.reopen(30.0), rendezvous.job, rendezvous._secret)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(rid, interval), daemon=True,
                                         name=f"megarefit-heartbeat-{rid}")

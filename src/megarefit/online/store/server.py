@@ -51,7 +51,8 @@ TAG_BYTES = 32
 HELLO_MAX = 4096  # bytes of a handshake frame (before authentication)
 FRAME_MAX = 1 << 30  # bytes of an authenticated frame (manifests of large models are tens of MB)
 HANDSHAKE_TIMEOUT = 10.0  # seconds
-MAX_PENDING = 256  # connections not yet authenticated; past it the oldest is dropped
+MAX_PENDING = 256  # connections not yet authenticated; past it the oldest is dropped (clients retry)
+BACKLOG = 4096  # connections the kernel queues before accept (capped by net.core.somaxconn)
 MAX_WAIT = 86400.0  # seconds a blocking read may wait
 TLS_PREAMBLE = b"MRSTLS1\n"  # a TLS store's first (plain) bytes: the client starts TLS after them
 OPS = ("set", "get", "add", "check", "delete")
@@ -264,6 +265,7 @@ class StoreServer:
             write_frame(writer, json.dumps({"error": "wrong job secret"}).encode())
             await writer.drain()
             raise ProtocolError("a client without the job secret")
+        self._pending.pop(id(writer), None)  # proven: no longer droppable, though the drain below may yield
         write_frame(writer, json.dumps({"proof": proof(self.secret, "server", server_nonce,
                                                        client_nonce).hex()}).encode())
         await writer.drain()
@@ -324,7 +326,7 @@ async def serve(host: str, port: int, secret: bytes, tls: ssl.SSLContext | None,
     """Serve until cancelled; the bound port goes to ``box`` and ``started`` is set."""
     store = StoreServer(secret, tls=tls)
     asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)  # nothing a peer does is logged
-    server = await asyncio.start_server(store.handle, host, port, backlog=128)
+    server = await asyncio.start_server(store.handle, host, port, backlog=BACKLOG)
     if box is not None:
         box.append(server.sockets[0].getsockname()[1])
     if started is not None:
