@@ -10,10 +10,11 @@ Measured in one run, appended to ``--out`` (docs/cluster_cpu.jsonl) as one recor
 * ``link``: a raw NIXL READ (UCX TCP) of ``--read-mb`` MB between two nodes whose veths are
   tbf-limited to ``--rate-mbit``, ``--repeats`` times: MB/s and its efficiency vs the tbf rate
   (the link term a model of the cluster uses);
-* ``refit``: tests/cluster_refit.py's refit (Megatron-Core trainers dp x tp, one node each, and
-  ``--receivers`` RefitReceivers), ``--versions`` versions: the warm cycles (every version after
-  the first), the bytes each trainer veth sent per cycle, and the cycle over the busiest veth's
-  bytes at the measured link rate.
+* ``refits``: tests/cluster_refit.py's refit (Megatron-Core trainers dp x tp, one node each, and
+  ``--receivers`` RefitReceivers), ``--versions`` versions, twice in the same run: only copy 0 of
+  each coordinate serving, then every data-parallel copy (issue 58): the warm cycles (every
+  version after the first), the bytes each trainer veth sent per cycle, the cycle over the busiest
+  veth's bytes at the measured link rate, and every copy's speed-up over copy 0 alone (medians).
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def calibrate(rate_mbit: float, nbytes: int, repeats: int) -> dict:
             "efficiency": statistics.median(rates) / (rate_mbit / 8)}
 
 
-def refit(args: argparse.Namespace, link_mb_s: float) -> dict:
+def refit(args: argparse.Namespace, link_mb_s: float, every_copy: bool) -> dict:
     from cluster_refit import refit_on_cluster
 
     run = refit_on_cluster(dp=args.dp, tp=args.tp, receivers=args.receivers, versions=args.versions,
-                           rate_mbit=args.rate_mbit, every_copy=args.every_copy)
+                           rate_mbit=args.rate_mbit, every_copy=every_copy)
     per_cycle = {n: b / args.versions for n, b in sorted(run.trainer_tx().items())}
     busiest = max(per_cycle.values())
     cycles = run.warm_cycles()
@@ -73,18 +74,23 @@ def machine() -> dict:
 
 def table(records: list[dict]) -> str:
     head = ("| date | cpus | tbf rate | raw NIXL READ per veth | efficiency | trainers | receivers | "
-            "bytes per serving veth per cycle | warm cycle, median (range) | cycle / (busiest veth bytes / READ rate) |")
-    rows = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+            "bytes per serving veth per cycle | warm cycle, median (range) | cycle / (busiest veth bytes / READ rate) "
+            "| speed-up over copy 0 alone |")
+    rows = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        link, rf = r["link"], r["refit"]
-        serving = [b for b in rf["trainer_bytes_per_cycle"].values() if b > 1e6]
-        rows.append(
-            f"| {r['date']} | {r['cpus']} | {r['rate_mbit']:.0f} Mbit/s | {link['mb_s']:.1f} MB/s "
-            f"({link['mb_s_range'][0]:.1f}-{link['mb_s_range'][1]:.1f}) | {link['efficiency']:.2f} | "
-            f"dp{r['dp']} x tp{r['tp']}, {'every copy' if r['every_copy'] else 'copy 0'} serves | {r['receivers']} | "
-            f"{statistics.mean(serving) / 1e6:.1f} MB on {len(serving)} of {len(rf['trainer_bytes_per_cycle'])} | "
-            f"{rf['median_warm_s']:.2f} s ({rf['range_warm_s'][0]:.2f}-{rf['range_warm_s'][1]:.2f}) | "
-            f"{rf['cycle_over_busiest']:.2f} |")
+        link = r["link"]
+        refits = r.get("refits") or {("every copy" if r.get("every_copy") else "copy 0"): r["refit"]}
+        for who, rf in refits.items():
+            serving = [b for b in rf["trainer_bytes_per_cycle"].values() if b > 1e6]
+            faster = (f"{refits['copy 0']['median_warm_s'] / rf['median_warm_s']:.2f}x"
+                      if who == "every copy" and "copy 0" in refits else "")
+            rows.append(
+                f"| {r['date']} | {r['cpus']} | {r['rate_mbit']:.0f} Mbit/s | {link['mb_s']:.1f} MB/s "
+                f"({link['mb_s_range'][0]:.1f}-{link['mb_s_range'][1]:.1f}) | {link['efficiency']:.2f} | "
+                f"dp{r['dp']} x tp{r['tp']}, {who} serves | {r['receivers']} | "
+                f"{statistics.mean(serving) / 1e6:.1f} MB on {len(serving)} of {len(rf['trainer_bytes_per_cycle'])} | "
+                f"{rf['median_warm_s']:.2f} s ({rf['range_warm_s'][0]:.2f}-{rf['range_warm_s'][1]:.2f}) | "
+                f"{rf['cycle_over_busiest']:.2f} | {faster} |")
     return "\n".join(rows)
 
 
@@ -95,7 +101,6 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--receivers", type=int, default=4)
     ap.add_argument("--versions", type=int, default=4)
-    ap.add_argument("--every-copy", action="store_true", help="every data-parallel copy serves (issue 58 item 1)")
     ap.add_argument("--read-mb", type=float, default=8.0)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--out", default=str(ROOT / "docs" / "cluster_cpu.jsonl"))
@@ -108,8 +113,8 @@ def main() -> None:
 
     link = calibrate(args.rate_mbit, int(args.read_mb * 1e6), args.repeats)
     rec = {"date": time.strftime("%Y-%m-%d"), **machine(), "rate_mbit": args.rate_mbit, "dp": args.dp, "tp": args.tp,
-           "receivers": args.receivers, "versions": args.versions, "every_copy": args.every_copy, "link": link,
-           "refit": refit(args, link["mb_s"])}
+           "receivers": args.receivers, "versions": args.versions, "link": link,
+           "refits": {"copy 0": refit(args, link["mb_s"], False), "every copy": refit(args, link["mb_s"], True)}}
     with open(args.out, "a") as f:
         f.write(json.dumps(rec) + "\n")
     print(table([rec]))

@@ -53,7 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # releases) go first, so no worker is left running one alone at the end (measured: --durations).
 SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17_0_18.py", "test_vllm_http.py",
               "test_vllm_failsafe.py", "test_cli.py", "test_vllm_refit_families.py", "test_vllm_draft.py",
-              "test_vllm_install.py", "test_example_http.py", "test_handover.py", "test_bridge.py", "test_qwen35.py")
+              "test_vllm_install.py", "test_example_http.py", "test_handover.py", "test_bridge.py", "test_qwen35.py",
+              "test_cluster_refit.py", "test_every_copy.py")
 
 
 # The fast tier for iterating (``pytest -m "not slow"``): every module but those that start vLLM
@@ -62,7 +63,7 @@ SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17
 SLOW = frozenset(SLOW_FIRST) | {
     "test_vllm_dsv4_target.py", "test_vllm_fp8_target.py", "test_vllm_gdn_fp8.py", "test_vllm_moe_target.py",
     "test_vllm_target.py", "test_nemotron_h.py", "test_qwen3_next.py", "test_demo_families.py",
-    "test_demo_configs.py", "test_megatron_gdn.py", "test_fp8.py"}
+    "test_demo_configs.py", "test_megatron_gdn.py", "test_fp8.py", "test_cluster.py", "test_holders.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
