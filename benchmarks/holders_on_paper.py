@@ -39,7 +39,8 @@ def layouts(name: str, gpus: int):
     trainer = gpus // 2
     _, dims = paper._dims(m.config)
     ep = min(m.trainer_ep, trainer)
-    layout = SourceLayout.build(tp=m.trainer_tp, pp=1, ep=ep, etp=1, padded_vocab_size=dims.padded_vocab_size(m.trainer_tp),
+    layout = SourceLayout.build(tp=m.trainer_tp, pp=1, ep=ep, etp=1,
+                                padded_vocab_size=dims.padded_vocab_size(m.trainer_tp),
                                 num_layers=dims.num_layers, dp=trainer // m.trainer_tp)
     return dims, layout, (m.vllm_tp, m.vllm_dp, m.vllm_ep), (gpus - trainer) // m.engine
 

@@ -152,12 +152,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.svg:
         _picture(args, plan, target, dims, layout, fmt)
         console.print(f"picture written to {escape(args.svg)}")
-    if args.dp or args.served_json:
-        _print_served(args, console, dims, layout, target, fmt)
-    return 0
+    return _print_served(args, console, dims, layout, target, fmt) if args.dp or args.served_json else 0
 
 
-def _print_served(args: argparse.Namespace, console: Console, dims: Any, layout: Any, target: Any, fmt: Any) -> None:
+def _print_served(args: argparse.Namespace, console: Console, dims: Any, layout: Any, target: Any, fmt: Any) -> int:
     """``--dp``: what each trainer GPU serves to ``--replicas`` whole engines (cli/serving.py)."""
     from megarefit.cli import serving
 
@@ -169,6 +167,7 @@ def _print_served(args: argparse.Namespace, console: Console, dims: Any, layout:
     if args.served_json:
         serving.write(s, args.served_json)
         console.print(f"bytes per trainer GPU written to {escape(args.served_json)}")
+    return 0
 
 
 def _whole_model_bytes(dims: Any, layout: Any, dtype: str, fmt: Any) -> int:

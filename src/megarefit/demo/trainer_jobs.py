@@ -177,8 +177,8 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
         out["logits"][v] = forward_logits(model, case.tokens)
         out["snapshots"][v] = local_named_parameters(model)
         if snapshot_dir is not None:
-            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}.pt".format(v, *coord[:3])
-                                                         .replace(".pt", f"-copy{coord[3]}.pt" if len(coord) > 3 else ".pt")))
+            copy = f"-copy{coord[3]}" if len(coord) > 3 else ""
+            torch.save(out["snapshots"][v], os.path.join(snapshot_dir, "v{}-tp{}-pp{}-ep{}{}.pt".format(v, *coord[:3], copy)))
             if out["logits"][v] is not None:
                 torch.save(out["logits"][v], os.path.join(snapshot_dir, f"logits-v{v}-tp{coord[0]}.pt"))
         pub.publish(v)

@@ -369,24 +369,8 @@ class NixlTransport:
             self._wait(flight, deadline, timeout)
         except TransferError:
             flight.queued = []
-            self._drain(flight, deadline)
+            drain(self.nixl.agent, flight, deadline, self.poll_sleep)
             raise
-
-    def _drain(self, flight: InFlight, deadline: float) -> None:
-        """Wait until no READ of ``flight`` is in flight (done, failed, or the deadline passed)."""
-        while flight.pending and time.monotonic() < deadline:
-            still = []
-            for pulls, w in flight.pending:
-                handle = pulls.handle if w < 0 else pulls.waves[w].handle
-                try:
-                    state = self.nixl.agent.check_xfer_state(handle)
-                except Exception:  # noqa: BLE001 -- this one failed: nothing more lands from it
-                    continue
-                if state not in ("DONE", "ERR"):
-                    still.append((pulls, w))
-            flight.pending = still
-            if still:
-                time.sleep(self.poll_sleep or 0.001)
 
     def _wait(self, flight: InFlight, deadline: float, timeout: float) -> None:
         scratch_s = 0.0
@@ -436,6 +420,24 @@ class NixlTransport:
         if manifest.agent not in self._remotes:
             raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
         return manifest.agent
+
+
+def drain(agent: Any, flight: InFlight, deadline: float, poll_sleep: float) -> None:
+    """Wait until no READ of ``flight`` is in flight on ``agent`` (done, failed, or ``deadline``
+    passed): after a failed READ, the others must not land in buffers a retry frees or reuses."""
+    while flight.pending and time.monotonic() < deadline:
+        still = []
+        for pulls, w in flight.pending:
+            handle = pulls.handle if w < 0 else pulls.waves[w].handle
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception:  # noqa: BLE001 -- this one failed: nothing more lands from it
+                continue
+            if state not in ("DONE", "ERR"):
+                still.append((pulls, w))
+        flight.pending = still
+        if still:
+            time.sleep(poll_sleep or 0.001)
 
 
 def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequence[tuple[int, int, int, str, int]]]],

@@ -60,6 +60,23 @@ def naming_the_job(where: str, version: int | None, streamed: bool = False) -> I
             rank=exc.rank) from exc
 
 
+def staged_stats(pipe: CyclePipeline, plan: Plan, pulled: object, got: int, seconds: dict[str, float], cold: bool,
+                 attempt: int) -> CycleStats:
+    """A staged cycle's stats; ``pulled``: its prepared plan, or the delta it applied."""
+    model_bytes, arena_bytes = pipe.memory.sizes
+    checks = {"checked_bytes": pipe._verified[0], "checked_boxes": pipe._verified[1]}
+    if isinstance(pulled, DeltaChoice):
+        return CycleStats(got, cold, seconds, pulled.nbytes, model_bytes, pulled.nbytes, dict(pipe.counters),
+                          arena_bytes, 0, sum(len(r) for r in pulled.reads.values()), attempt,
+                          peak_extra_bytes=arena_bytes + pipe.delta.local_bytes, refit="delta",
+                          delta_base=pulled.base, delta_tensors=len(pulled.delta), full_tensors=len(pulled.full),
+                          changed_elements=pulled.changed, **checks)
+    return CycleStats(got, cold, seconds, plan.nbytes, model_bytes, pulled.wire_bytes, dict(pipe.counters),
+                      arena_bytes, pulled.scratch_bytes, pulled.descriptors, attempt,
+                      peak_extra_bytes=arena_bytes + pulled.scratch_bytes, ipc_bytes=pulled.ipc_bytes,
+                      ipc_ranks=len(pipe.transport.ipc.ranks), delta_reason=pipe.delta.reason, **checks)
+
+
 def _count_nics(meter: NicMeter | None, nic: NicChoice | None, stats: CycleStats) -> None:
     """The bytes each RDMA port moved during the pull (``nic_bytes``); a warning when the NIC of
     ``nic``'s GPU was passed over or the node's NICs carried unevenly (:mod:`~megarefit.transport.nic_meter`)."""
@@ -147,29 +164,13 @@ class CyclePipeline:
                           self.memory.layout, got, self.transport.nixl.metadata)
             self._bump_replica_seq()
             self._serving = False
-        self.stats = self._staged_stats(plan, pulled, got, seconds, cold, attempt)
+        self.stats = staged_stats(self, plan, pulled, got, seconds, cold, attempt)
         self.stats.failovers = tuple(failovers)
         _count_nics(self.nics, getattr(self.transport.nixl, "nic", None), self.stats)
         staging = plan.staging
         for ref, tensor in self.memory.buffers.items():
             if ref not in staging:
                 yield ref.name, tensor
-
-    def _staged_stats(self, plan: Plan, pulled: object, got: int, seconds: dict[str, float], cold: bool,
-                      attempt: int) -> CycleStats:
-        """A staged cycle's stats; ``pulled``: its prepared plan, or the delta it applied."""
-        model_bytes, arena_bytes = self.memory.sizes
-        checks = {"checked_bytes": self._verified[0], "checked_boxes": self._verified[1]}
-        if isinstance(pulled, DeltaChoice):
-            return CycleStats(got, cold, seconds, pulled.nbytes, model_bytes, pulled.nbytes, dict(self.counters),
-                              arena_bytes, 0, sum(len(r) for r in pulled.reads.values()), attempt,
-                              peak_extra_bytes=arena_bytes + self.delta.local_bytes, refit="delta",
-                              delta_base=pulled.base, delta_tensors=len(pulled.delta), full_tensors=len(pulled.full),
-                              changed_elements=pulled.changed, **checks)
-        return CycleStats(got, cold, seconds, plan.nbytes, model_bytes, pulled.wire_bytes, dict(self.counters),
-                          arena_bytes, pulled.scratch_bytes, pulled.descriptors, attempt,
-                          peak_extra_bytes=arena_bytes + pulled.scratch_bytes, ipc_bytes=pulled.ipc_bytes,
-                          ipc_ranks=len(self.transport.ipc.ranks), delta_reason=self.delta.reason, **checks)
 
     def _bump_replica_seq(self) -> None:
         """Move the arena's seqlock counter for the replicas (odd: being rewritten)."""

@@ -105,8 +105,8 @@ class RefitReceiver:
             large runs, then placed by one batched copy; :mod:`~megarefit.transport.gather`).
             ``None``: 5% of the target bytes, at least 64 MiB (streamed: 1/8 of ``memory_budget``).
             Smaller budgets read in more waves through two reused halves per trainer rank.
-        retries: pulls to repeat when a trainer rank wrote during one (seen through its
-            update sequence or version), before StaleVersionError; counted in ``stats.retries``.
+        retries: pulls repeated when a rank wrote during one (its sequence or version moved), before
+            StaleVersionError (``stats.retries``); a rank whose READ failed is failed over (:mod:`.failover`).
         heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
             seconds on a daemon thread, so trainers waiting in ``Publisher.wait_receivers``
             know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
@@ -141,12 +141,7 @@ class RefitReceiver:
             elements that changed, per tensor where cheaper than the tensor itself
             (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
             ``stats.delta_reason`` why a cycle was full. ``False``: always full.
-        reader: this receiver among all that read the trainers
-            (:class:`~megarefit.planner.holders.Reader`, e.g. ``Reader.of(replica, replicas,
-            worker, workers)``): each source tensor is read from one of its holders (every
-            data-parallel copy serves; :mod:`~megarefit.planner.holders`), chosen so that all
-            readers together spread the bytes evenly over the trainer GPUs. Default: with a
-            ``target``, its worker's place in one engine; else the only reader.
+        reader: its place among all readers (``Reader.of(...)``): who serves each source (planner/holders.py).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
@@ -168,16 +163,15 @@ class RefitReceiver:
                                        ipc=ipc, device=self.device)  # its GPU's nearest NIC
         self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
-        self.retries = retries
-        self.name = name
+        self.retries, self.name = retries, name
         rendezvous.register_receiver(name)
         self._heartbeat = Heartbeat(rendezvous, name, heartbeat_s)
         # the HF planner is named here, where it always was (callers patch this module's plan_megatron_to_hf)
         self._plans = PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf, reader=reader)
         self._memory = ReceiverMemory(self.transport, self.device, memory_budget, scratch_budget, direct)
-        self._pipeline = CyclePipeline(VersionFence(rendezvous, name, self._plans.ranks_for), self._plans, self._memory, self.transport,
-                                       verifier=self._verifier, replica_group=replica_group, timeout=timeout,
-                                       delta=delta)
+        fence = VersionFence(rendezvous, name, self._plans.ranks_for)  # fences the ranks its plan reads
+        self._pipeline = CyclePipeline(fence, self._plans, self._memory, self.transport, verifier=self._verifier,
+                                       replica_group=replica_group, timeout=timeout, delta=delta)
         self._prefetch = PrefetchSlot(self.device, lambda: self._pipeline.stats, self.transport.polite)
 
     @property

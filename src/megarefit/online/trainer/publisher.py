@@ -227,22 +227,15 @@ class Publisher:
         ETP/VPP ranks and sizes, the (uneven) stage split as Megatron builds it, ``mtp_num_layers``,
         the padded vocab (``model.vocab_size``), the layer spec and expert layout (from the
         parameter names), and the Megatron-Core version and layout flags
-        (:mod:`megarefit.layout.megatron_model`). ``layout``: a statement of what the caller
-        expects, checked against what was read. ``options``: the constructor's ``agent_name``,
-        ``quantization``, ``snapshot``, ``checksums``, ``ipc``, ``delta``, ``tracker``.
+        (:mod:`megarefit.layout.megatron_model`). ``layout``: what the caller expects, checked.
 
         Returns a :class:`Publisher` for one chunk, a :class:`PublisherGroup` (same methods) for
-        several. Every process serves, data-parallel copies too (data and context parallel ranks
-        repeating a ``(tp, pp, ep)`` shard, :attr:`RankCoord.copy
-        <megarefit.layout.parallel.RankCoord.copy>`), so receivers spread their reads over every
-        holder (:mod:`megarefit.planner.holders`). Call ``publish`` on every rank, after the
-        optimizer step (with the distributed optimizer: after its parameter all-gather, when every
-        copy holds whole parameters). A copy costs what copy 0 costs: its NIXL registration (no
-        copy of the weights), and where asked its FP8 buffers, snapshot and checksums.
-        ``serve_copies=False``: only each coordinate's first copy serves (the layout published
-        says one copy); on the others the layout is read and checked the same way, and an empty
-        ``PublisherGroup`` comes back whose ``publish`` / ``updating`` do nothing (``serving`` is
-        ``False``).
+        several. Every process serves, data-parallel copies too (``RankCoord.copy``), so receivers
+        spread their reads over every holder (:mod:`megarefit.planner.holders`): publish on every
+        rank after the step (distributed optimizer: after its parameter all-gather). A copy costs
+        what copy 0 costs (its NIXL registration; where asked FP8 buffers, snapshot, checksums).
+        ``serve_copies=False``: copy 0 alone serves (a one-copy layout is published); the others
+        get an empty ``PublisherGroup`` whose ``publish`` / ``updating`` do nothing.
 
         Raises:
             LayoutError: Megatron's parallel state is not initialized; config and process grid
@@ -254,10 +247,9 @@ class Publisher:
         cfg = load_hf_config(hf_config)
         chunks = read_chunks(model, ModelDims.from_hf_config(cfg))
         check_stated(chunks[0].layout, layout)
-        if not serve_copies:
-            if chunks[0].replica:  # a data-parallel copy: the coordinate's first copy serves these bytes
-                return PublisherGroup([], rendezvous, chunks[0].layout)
-            chunks = [dataclasses.replace(c, layout=dataclasses.replace(c.layout, dp=0)) for c in chunks]  # one copy
+        if not serve_copies and chunks[0].replica:  # a data-parallel copy: copy 0 serves these bytes
+            return PublisherGroup([], rendezvous, chunks[0].layout)
+        chunks = chunks if serve_copies else [_one_copy(c) for c in chunks]  # receivers read copy 0 alone
         ddp = options.pop("ddp", None)
         pubs = [cls(c.params, cfg, rank=c.rank, layout=c.layout, rendezvous=rendezvous, ddp=ddp or c.ddp, **options)
                 for c in chunks]
@@ -419,6 +411,11 @@ class Publisher:
             if self.checksums[0].is_cuda:
                 torch.cuda.synchronize(self.checksums[0].device)
             self.last_checksum_s = time.perf_counter() - t0
+
+
+def _one_copy(chunk: Any) -> Any:
+    """``chunk`` with a one-copy layout (``serve_copies=False``: copy 0 alone serves)."""
+    return dataclasses.replace(chunk, layout=dataclasses.replace(chunk.layout, dp=0))
 
 
 def _checksum_buffer(pub: Publisher, served: list[torch.Tensor], entries: list[TensorEntry]
