@@ -1,6 +1,6 @@
 """On paper: how long one refit takes across nodes, 16 to 1024 GPUs (issue 43).
 
-    python benchmarks/refit_on_paper.py [--json docs/refit_on_paper.jsonl]       # plan, model, print
+    python benchmarks/refit_on_paper.py [--json docs/refit_on_paper.jsonl] [--processes 1] [--cache DIR]
     python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl    # the predictions table only
     python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl --summary calibration
     python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl --summary anchors
@@ -8,15 +8,14 @@
 Units: bytes and seconds in the code and the JSON lines; tables print GB (1e9 bytes), GB/s
 (1e9 bytes per second), seconds, and ms where a column says so.
 
-Bytes come from megarefit's planner, as in ``memory_on_paper.py``: for each case the vLLM
-workers that matter are planned (``plan_megatron_to_vllm`` on the real HF config): the engine's
-first and last worker (rank 0 and rank tp*dp-1), the slower one decides. Under vLLM's EP every
-worker holds the same number of experts, so two plans stand for all 16-1024. What each trainer
-GPU serves comes from the planner too: ``plan_megatron_to_hf`` (bf16, every HF element once)
-per trainer coordinate, split into expert and other bytes with ``source_tensors``; one vLLM
-replica reads its experts once and its other bytes once per vLLM dp rank (each dp rank holds
-every non-expert tensor), scaled to FP8 by the worker's FP8 / bf16 bytes
-(tests/test_refit_on_paper.py checks this against planning every worker of an engine).
+Bytes come from megarefit's planner, as in ``memory_on_paper.py``: for each case EVERY vLLM
+worker of one engine is planned (``plan_megatron_to_vllm`` on the real HF config, cached under
+``--cache`` per megarefit source digest); the slowest worker decides the receiver side. What each
+trainer GPU serves one replica is the sum over every worker's plan of the bytes it reads from
+that trainer coordinate, at the wire dtype: tensors vLLM keeps whole on every tp rank (norms,
+routers, MLA's fused_qkv_a_proj, shared experts under EP) are read by every worker of a vLLM dp
+rank, not once per dp rank (tests/test_refit_on_paper.py checks the sum against the plans' ops).
+``plan_megatron_to_hf`` (bf16) per trainer coordinate gives only the FP8 quantize term.
 
 The model of one cycle (the slowest worker decides)::
 
@@ -29,17 +28,36 @@ The model of one cycle (the slowest worker decides)::
     pull, direct: every replica's worker reads the trainers
         max(receiver, sender)
         receiver = max(remote bytes / NIC, same-node bytes / NVLink)
-        sender   = the most one trainer GPU serves: replicas x its share, over its NIC (and NVLink)
+        sender   = the most one trainer GPU serves: replicas x its bytes per replica, over its NIC (and NVLink)
     pull, fan-out tree of k: one replica reads the trainers, every other replica mirrors a
         parent's arena (``megarefit.online.receiver.replica``, store and forward, whole arena)
         max(receiver, sender for one replica) + depth x k x worker bytes / NIC
     the smaller of direct and trees k = 1..4 is taken.
 
-A trainer coordinate (tp, pp, ep) is served by its first copy in Megatron's rank order
-(``Publisher.from_megatron``): data-parallel copies serve nothing, so the senders are the first
-max(tp, ep) trainer GPUs. A delta refit (``docs/delta.md``) moves a fraction ``f`` of the pulled
+Two designs of who serves (every prediction row has both):
+
+- today: a trainer coordinate (tp, pp, ep) is served by its first copy in Megatron's rank order
+  (``Publisher.from_megatron``: data-parallel copies serve nothing), and the planner reads a
+  tensor several coordinates hold from the first of them: the busiest trainer GPU serves
+  replicas x max over coordinates of the engine's sum (``sender_bytes``);
+- new (issue 58): every data-parallel copy serves and every source byte is spread evenly over
+  all its holders (``spread_sender_bytes``): a TP shard is held by every GPU of its stage with
+  its dense tp rank (data-parallel copies; under EP the stage's ranks of that tp rank), an expert
+  shard by its expert-data-parallel copies, a Megatron-replicated tensor (``Role.REPLICATED``:
+  norms, routers, MLA's q/kv down projections) by its whole stage. A trainer GPU sends, per
+  replica, the sum over the pieces it holds of what every worker reads of each, over its holders.
+  Predicted at NIC efficiency 0.8 and 0.5 (``NEW_EFFICIENCIES``).
+
+A delta refit (``docs/delta.md``) moves a fraction ``f`` of the pulled
 bytes: the changed elements plus their index, 16-bit offsets (2 bytes a change) or a bitmap,
 whichever is smaller; replicas still mirror whole arenas, vLLM still reloads every tensor.
+
+The link terms on the emulated cluster (issue 58, item 5): ``cluster_link`` reads the link rows
+``benchmarks/bench_cluster.py`` records in ``docs/cluster_*.jsonl`` (the busiest trainer veth's
+bytes, the pull's seconds, the veth's tc rate), fits the NIC efficiency on the rows marked fit and
+checks every row within ``TOLERANCE``; where such rows exist the new design is also predicted at
+that efficiency (its line rate stays the assumed 400 Gb/s: the veths are slower, the share of
+line rate is what carries over). Until they are recorded the tables say so.
 
 Calibrated on the recorded two-GPU runs (``docs/refit_nixl_h200.jsonl``: two H200s, NIXL over
 CUDA IPC, so the link there is NVLink): the link rate is bytes / raw NIXL READ; the fixed
@@ -51,12 +69,13 @@ are held out. The predicted quantity is the median warm cycle (``bench_nixl.py``
 
 Assumptions (ASSUMPTIONS below, printed with every table): 8 GPUs per node, one 400 Gb/s NIC
 per GPU (50 GB/s line) at an achievable efficiency; NVLink at the calibrated rate; trainer
-Megatron tp (per model), pp 1, ep min(ep_max, trainer GPUs), etp 1; split placement gives half
+Megatron tp (per model), pp 1 (NeMo-RL's anchor: pp 16), ep min(ep_max, trainer GPUs per stage), etp 1; split placement gives half
 the GPUs to the trainer, colocated shares them; fan-out hops always cross nodes. Not modelled:
 vLLM's pause and resume, its post-load processing, stragglers, congestion in the fabric.
 
 Published numbers set beside the predictions (ANCHORS) are other systems' measurements on
-their own setups, not megarefit's; each names its source.
+their own setups, not megarefit's; each names its source and is set beside a like case (split
+or colocated as published, their layouts where published).
 """
 
 from __future__ import annotations
@@ -671,22 +690,45 @@ def _gpus(r: dict) -> str:
     return f"{r['gpus']} colocated" if r["placement"] == "colocated" else f"{r['trainer_gpus']} + {r['vllm_gpus']}"
 
 
+def _new_s(r: dict) -> str:
+    """The new design's seconds at each recorded NIC efficiency, ``" / "``-joined."""
+    return " / ".join(f"{v['seconds']:.2f}" for v in r["new"].values())
+
+
+def _new_heading(r: dict) -> str:
+    return "new design s, NIC " + " / ".join(r["new"])
+
+
+def _cluster_line(r: dict) -> str:
+    link = r.get("cluster_link")
+    if not link:
+        return ("Link terms not yet calibrated on the emulated cluster: no link rows in "
+                f"{CLUSTER_GLOB} (``cluster_link`` reads them when benchmarks/bench_cluster.py records them).")
+    worst = max(abs(c["error"]) for c in link["rows"])
+    return (f"Link terms calibrated on the emulated cluster ({', '.join(link['sources'])}): NIC efficiency "
+            f"{link['nic_efficiency']:.3f}, largest error {worst:.1%} over {len(link['rows'])} rows (bar "
+            f"{TOLERANCE:.0%}); the last new-design column is at that efficiency.")
+
+
 def predictions_table(rows: list[dict]) -> str:
     preds = [r for r in rows if r["kind"] == "prediction" and not r["anchor"]]
     low = {(r["model"], r["gpus"], r["quant"]): r for r in preds if r["delta"] < 1}
-    lines = [_assumption_line(preds[0]), "",
-             f"| model | GPUs: trainer + vLLM | wire | vLLM engine | worker GB | pull path | quantize s | pull s "
-             f"| copies + fixed s | **refit s** | refit s, delta {preds[0]['assumptions']['delta_low']:g} |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    first = next(r for r in preds if r["infeasible"] is None)
+    lines = [_assumption_line(preds[0]), "", _cluster_line(preds[0]), "",
+             f"| model | GPUs: trainer + vLLM | wire | vLLM engine | worker GB | today: pull path | quantize s "
+             f"| pull s | copies + fixed s | **today s** | today s, delta {preds[0]['assumptions']['delta_low']:g} "
+             f"| new design: busiest / mean | **{_new_heading(first)}** |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in (r for r in preds if r["delta"] == 1):
         head = f"| {r['model']} | {_gpus(r)} | {r['quant']} | {_engine(r)}"
         if r["infeasible"]:
-            lines.append(f"{head} | - | {r['infeasible']} | - | - | - | - | - |")
+            lines.append(f"{head} | - | {r['infeasible']} | - | - | - | - | - | - | - |")
             continue
         d = low[(r["model"], r["gpus"], r["quant"])]
         lines.append(f"{head} x {r['replicas']} | {r['worker_bytes'] / GB:.1f} | {r['pull_path']} "
                      f"| {r['quantize_s']:.3f} | {r['pull_s']:.2f} | {r['copies_s'] + r['fixed_s']:.3f} "
-                     f"| **{r['seconds']:.2f}** | {d['seconds']:.2f} |")
+                     f"| **{r['seconds']:.2f}** | {d['seconds']:.2f} | {r['new_busiest_over_mean']:.3f} "
+                     f"| **{_new_s(r)}** |")
     return "\n".join(lines)
 
 
@@ -711,18 +753,23 @@ def calibration_table(rows: list[dict]) -> str:
 
 def anchors_table(rows: list[dict]) -> str:
     preds = {r["anchor"]: r for r in rows if r["kind"] == "prediction" and r["anchor"]}
+    first = next(iter(preds.values()))
     lines = ["Published by other systems, on their own setups (not megarefit measurements), beside the model's "
-             "prediction for megarefit on a like setup.", "",
+             "prediction for megarefit on a like setup: today's design, and the new one (every trainer copy "
+             "serves, every byte spread over all its holders).", "",
              "| published by | their setup | what they timed | their s | source | model: megarefit, GPUs, trainer, "
-             "vLLM engine | model worker GB (theirs) | model pull path | **model s** |",
-             "|---|---|---|---:|---|---|---:|---|---:|"]
+             "vLLM engine | model worker GB (theirs) | today: pull path | model s, today "
+             f"| **model s, {_new_heading(first)}** |",
+             "|---|---|---|---:|---|---|---:|---|---:|---:|"]
     for a in (r for r in rows if r["kind"] == "anchor"):
         p = preds[a["key"]]
         theirs = f" ({a['published_gb']:.3f})" if a["published_gb"] else ""
+        t = p["trainer"]
+        layout = f"pp{t['pp']} " * (t["pp"] > 1) + f"tp{t['tp']} ep{t['ep']}"
         lines.append(f"| {a['system']} | {a['setup']} | {a['timed']} | {a['seconds']} | {a['source']} "
-                     f"| {p['model']}, {_gpus(p)}, trainer tp{p['trainer']['tp']} ep{p['trainer']['ep']}, "
-                     f"{_engine(p)} x {p['replicas']}, {p['quant']} "
-                     f"| {p['worker_bytes'] / GB:.3f}{theirs} | {p['pull_path']} | **{p['seconds']:.2f}** |")
+                     f"| {p['model']}, {_gpus(p)}, trainer {layout}, {_engine(p)} x {p['replicas']}, {p['quant']} "
+                     f"| {p['worker_bytes'] / GB:.3f}{theirs} | {p['pull_path']} | {p['seconds']:.2f} "
+                     f"| **{_new_s(p)}** |")
     return "\n".join(lines)
 
 
