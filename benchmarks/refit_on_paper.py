@@ -695,15 +695,15 @@ def _new_s(r: dict) -> str:
     return " / ".join(f"{v['seconds']:.2f}" for v in r["new"].values())
 
 
-def _new_heading(r: dict) -> str:
-    return "new design s, NIC " + " / ".join(r["new"])
+def _new_heading(r: dict, unit: str = " s") -> str:
+    return f"new design{unit}, NIC " + " / ".join(r["new"])
 
 
 def _cluster_line(r: dict) -> str:
     link = r.get("cluster_link")
     if not link:
         return ("Link terms not yet calibrated on the emulated cluster: no link rows in "
-                f"{CLUSTER_GLOB} (``cluster_link`` reads them when benchmarks/bench_cluster.py records them).")
+                f"{CLUSTER_GLOB} (`cluster_link` reads them once benchmarks/bench_cluster.py records them).")
     worst = max(abs(c["error"]) for c in link["rows"])
     return (f"Link terms calibrated on the emulated cluster ({', '.join(link['sources'])}): NIC efficiency "
             f"{link['nic_efficiency']:.3f}, largest error {worst:.1%} over {len(link['rows'])} rows (bar "
@@ -759,7 +759,7 @@ def anchors_table(rows: list[dict]) -> str:
              "serves, every byte spread over all its holders).", "",
              "| published by | their setup | what they timed | their s | source | model: megarefit, GPUs, trainer, "
              "vLLM engine | model worker GB (theirs) | today: pull path | model s, today "
-             f"| **model s, {_new_heading(first)}** |",
+             f"| **model s, {_new_heading(first, '')}** |",
              "|---|---|---|---:|---|---|---:|---|---:|---:|"]
     for a in (r for r in rows if r["kind"] == "anchor"):
         p = preds[a["key"]]
