@@ -191,7 +191,7 @@ ANCHORS = [  # other systems' published numbers (not megarefit measurements), wi
      "setup": "DeepSeek-V3 on H100, bf16, Megatron PP16 x EP16 -> vLLM TP32 x DP8: 256 + 256 GPUs, non-colocated "
               "(model: 8 engines of vLLM tp32, EP off; pp stages of 3, 4 x 14, 2 layers, assumed)",
      "timed": "refit", "published_gb": None,
-     "source": "NVIDIA-NeMo/RL docs/design-docs/nccl-reshard-refit.md "
+     "source": "NVIDIA-NeMo/RL's design doc nccl-reshard-refit.md "
                "(https://github.com/NVIDIA-NeMo/RL/blob/main/docs/design-docs/nccl-reshard-refit.md)",
      "case": Case(NEMO_DSV3, 512, anchor="nemo-dsv3")},
     {"key": "nemo-30b-32", "system": "NeMo-RL", "seconds": "1.96-2.41 (32-1024 GPUs)",
@@ -703,7 +703,7 @@ def _cluster_line(r: dict) -> str:
     link = r.get("cluster_link")
     if not link:
         return ("Link terms not yet calibrated on the emulated cluster: no link rows in "
-                f"{CLUSTER_GLOB} (`cluster_link` reads them once benchmarks/bench_cluster.py records them).")
+                f"{CLUSTER_GLOB} (`cluster_link` reads them once the emulated-cluster benchmark records them).")
     worst = max(abs(c["error"]) for c in link["rows"])
     return (f"Link terms calibrated on the emulated cluster ({', '.join(link['sources'])}): NIC efficiency "
             f"{link['nic_efficiency']:.3f}, largest error {worst:.1%} over {len(link['rows'])} rows (bar "
