@@ -597,9 +597,10 @@ def meta() -> dict:
 
 
 def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, common: dict,
-             efficiencies: tuple[float, ...] = NEW_EFFICIENCIES) -> dict:
+             efficiencies: dict[str, float] | None = None) -> dict:
     """One case's row: today's design at the assumed NIC efficiency (top level), the new design
-    at each of ``efficiencies`` (``new``, keyed ``f"{e:.2f}"``), and the new design's balance
+    at each of ``efficiencies`` (``new``, keyed by label; default ``NEW_EFFICIENCIES`` labelled
+    ``f"{e:.2f}"``), and the new design's balance
     (``new_busiest_over_mean``: busiest trainer GPU's bytes over the mean)."""
     m = case.model
     row = {"kind": "prediction", "model": m.name, "config": m.config, "gpus": case.gpus,
@@ -612,7 +613,8 @@ def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, comm
         workers = case_workers(case, plans[0])
         shares = plans[1][(m.config, trainer_key(m, case.trainer_ep))]
         row.update(predict(case, delta, workers, shares, cal))
-        row["new"] = {f"{e:.2f}": predict(case, delta, workers, shares, cal, e, "new") for e in efficiencies}
+        effs = efficiencies or {f"{e:.2f}": e for e in NEW_EFFICIENCIES}
+        row["new"] = {k: predict(case, delta, workers, shares, cal, e, "new") for k, e in effs.items()}
         spread = spread_sender_bytes(case, workers).values()
         row["new_busiest_over_mean"] = max(spread) / (sum(spread) / len(spread))
     return row
@@ -624,7 +626,9 @@ def run(cache: Path | None = None, processes: int = 2, cluster: list[str] | None
     predicted at the NIC efficiency measured there."""
     cal = calibrate()
     link = cluster_link(cluster or [])
-    effs = NEW_EFFICIENCIES + ((link["nic_efficiency"],) if link else ())
+    effs = {f"{e:.2f}": e for e in NEW_EFFICIENCIES}
+    if link:
+        effs[f"{link['nic_efficiency']:.3f} (cluster)"] = link["nic_efficiency"]
     common = {**meta(), "assumptions": ASSUMPTIONS, "rates": model_rates(cal),
               "calibrated_on": RECORDED["nixl"], "cluster_link": link}  # the commit as planning starts
     anchors = [a["case"] for a in ANCHORS]

@@ -271,6 +271,8 @@ def test_cluster_link_fits_the_nic_efficiency_on_its_fit_rows(tmp_path):
     assert link["nic_efficiency"] == pytest.approx(0.8)
     assert [c["error"] for c in link["rows"]] == pytest.approx([0.7 / 0.8 - 1, 0, 0.9 / 0.8 - 1, 0.5 / 0.8 - 1])
     assert link["within_tolerance"] is False  # the held-out row is 37.5% off
+    assert "NIC efficiency 0.800, largest error 37.5% over 4 rows" in rop._cluster_line({"cluster_link": link})
+    assert "not yet calibrated" in rop._cluster_line({"cluster_link": None})
     (tmp_path / "empty.jsonl").write_text(json.dumps({"kind": "cycle"}) + "\n")
     assert rop.cluster_link([str(tmp_path / "empty.jsonl")]) is None
     path.write_text(json.dumps({**rows[3]}) + "\n")
