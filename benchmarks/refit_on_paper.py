@@ -1,6 +1,6 @@
 """On paper: how long one refit takes across nodes, 16 to 1024 GPUs (issue 43).
 
-    python benchmarks/refit_on_paper.py [--json docs/refit_on_paper.jsonl]       # plan, model, print
+    python benchmarks/refit_on_paper.py [--json docs/refit_on_paper.jsonl] [--processes 1] [--cache DIR]
     python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl    # the predictions table only
     python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl --summary calibration
     python benchmarks/refit_on_paper.py --from-json docs/refit_on_paper.jsonl --summary anchors
@@ -8,15 +8,14 @@
 Units: bytes and seconds in the code and the JSON lines; tables print GB (1e9 bytes), GB/s
 (1e9 bytes per second), seconds, and ms where a column says so.
 
-Bytes come from megarefit's planner, as in ``memory_on_paper.py``: for each case the vLLM
-workers that matter are planned (``plan_megatron_to_vllm`` on the real HF config): the engine's
-first and last worker (rank 0 and rank tp*dp-1), the slower one decides. Under vLLM's EP every
-worker holds the same number of experts, so two plans stand for all 16-1024. What each trainer
-GPU serves comes from the planner too: ``plan_megatron_to_hf`` (bf16, every HF element once)
-per trainer coordinate, split into expert and other bytes with ``source_tensors``; one vLLM
-replica reads its experts once and its other bytes once per vLLM dp rank (each dp rank holds
-every non-expert tensor), scaled to FP8 by the worker's FP8 / bf16 bytes
-(tests/test_refit_on_paper.py checks this against planning every worker of an engine).
+Bytes come from megarefit's planner, as in ``memory_on_paper.py``: for each case EVERY vLLM
+worker of one engine is planned (``plan_megatron_to_vllm`` on the real HF config, cached under
+``--cache`` per megarefit source digest); the slowest worker decides the receiver side. What each
+trainer GPU serves one replica is the sum over every worker's plan of the bytes it reads from
+that trainer coordinate, at the wire dtype: tensors vLLM keeps whole on every tp rank (norms,
+routers, MLA's fused_qkv_a_proj, shared experts under EP) are read by every worker of a vLLM dp
+rank, not once per dp rank (tests/test_refit_on_paper.py checks the sum against the plans' ops).
+``plan_megatron_to_hf`` (bf16) per trainer coordinate gives only the FP8 quantize term.
 
 The model of one cycle (the slowest worker decides)::
 
@@ -29,17 +28,36 @@ The model of one cycle (the slowest worker decides)::
     pull, direct: every replica's worker reads the trainers
         max(receiver, sender)
         receiver = max(remote bytes / NIC, same-node bytes / NVLink)
-        sender   = the most one trainer GPU serves: replicas x its share, over its NIC (and NVLink)
+        sender   = the most one trainer GPU serves: replicas x its bytes per replica, over its NIC (and NVLink)
     pull, fan-out tree of k: one replica reads the trainers, every other replica mirrors a
         parent's arena (``megarefit.online.receiver.replica``, store and forward, whole arena)
         max(receiver, sender for one replica) + depth x k x worker bytes / NIC
     the smaller of direct and trees k = 1..4 is taken.
 
-A trainer coordinate (tp, pp, ep) is served by its first copy in Megatron's rank order
-(``Publisher.from_megatron``): data-parallel copies serve nothing, so the senders are the first
-max(tp, ep) trainer GPUs. A delta refit (``docs/delta.md``) moves a fraction ``f`` of the pulled
+Two designs of who serves (every prediction row has both):
+
+- today: a trainer coordinate (tp, pp, ep) is served by its first copy in Megatron's rank order
+  (``Publisher.from_megatron``: data-parallel copies serve nothing), and the planner reads a
+  tensor several coordinates hold from the first of them: the busiest trainer GPU serves
+  replicas x max over coordinates of the engine's sum (``sender_bytes``);
+- new (issue 58): every data-parallel copy serves and every source byte is spread evenly over
+  all its holders (``spread_sender_bytes``): a TP shard is held by every GPU of its stage with
+  its dense tp rank (data-parallel copies; under EP the stage's ranks of that tp rank), an expert
+  shard by its expert-data-parallel copies, a Megatron-replicated tensor (``Role.REPLICATED``:
+  norms, routers, MLA's q/kv down projections) by its whole stage. A trainer GPU sends, per
+  replica, the sum over the pieces it holds of what every worker reads of each, over its holders.
+  Predicted at NIC efficiency 0.8 and 0.5 (``NEW_EFFICIENCIES``).
+
+A delta refit (``docs/delta.md``) moves a fraction ``f`` of the pulled
 bytes: the changed elements plus their index, 16-bit offsets (2 bytes a change) or a bitmap,
 whichever is smaller; replicas still mirror whole arenas, vLLM still reloads every tensor.
+
+The link terms on the emulated cluster (issue 58, item 5): ``cluster_link`` reads the link rows
+``benchmarks/bench_cluster.py`` records in ``docs/cluster_*.jsonl`` (the busiest trainer veth's
+bytes, the pull's seconds, the veth's tc rate), fits the NIC efficiency on the rows marked fit and
+checks every row within ``TOLERANCE``; where such rows exist the new design is also predicted at
+that efficiency (its line rate stays the assumed 400 Gb/s: the veths are slower, the share of
+line rate is what carries over). Until they are recorded the tables say so.
 
 Calibrated on the recorded two-GPU runs (``docs/refit_nixl_h200.jsonl``: two H200s, NIXL over
 CUDA IPC, so the link there is NVLink): the link rate is bytes / raw NIXL READ; the fixed
@@ -51,22 +69,27 @@ are held out. The predicted quantity is the median warm cycle (``bench_nixl.py``
 
 Assumptions (ASSUMPTIONS below, printed with every table): 8 GPUs per node, one 400 Gb/s NIC
 per GPU (50 GB/s line) at an achievable efficiency; NVLink at the calibrated rate; trainer
-Megatron tp (per model), pp 1, ep min(ep_max, trainer GPUs), etp 1; split placement gives half
+Megatron tp (per model), pp 1 (NeMo-RL's anchor: pp 16), ep min(ep_max, trainer GPUs per stage), etp 1; split placement gives half
 the GPUs to the trainer, colocated shares them; fan-out hops always cross nodes. Not modelled:
 vLLM's pause and resume, its post-load processing, stragglers, congestion in the fabric.
 
 Published numbers set beside the predictions (ANCHORS) are other systems' measurements on
-their own setups, not megarefit's; each names its source.
+their own setups, not megarefit's; each names its source and is set beside a like case (split
+or colocated as published, their layouts where published).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
+import pickle
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +99,8 @@ NODE_GPUS = 8
 RECORDED = {"nixl": "docs/refit_nixl_h200.jsonl", "box": "docs/box_copies_h200.jsonl",
             "install": "docs/install_gpu_h200.jsonl"}
 FIT = ("dense-tp2", "moe-ep2-te_grouped", "dense-tp2-fp8", "moe-ep2-te_grouped-fp8", "moe-etp2-sequential")
+CLUSTER_GLOB = "docs/cluster_*.jsonl"  # emulated-cluster records (benchmarks/bench_cluster.py), see cluster_link
+NEW_EFFICIENCIES = (0.8, 0.5)  # the new design is predicted at each of these NIC efficiencies
 TOLERANCE = 0.15  # the done-when bar: every recorded two-GPU row within 15% of its median warm cycle
 ASSUMPTIONS = {
     "gpus_per_node": NODE_GPUS,
@@ -91,7 +116,8 @@ ASSUMPTIONS = {
 @dataclass(frozen=True)
 class Model:
     """A model and the layouts it is run with: the HF config, the trainer's Megatron tp and
-    largest ep, the vLLM engine (tp x dp GPUs, ``ep``: vLLM's enable_expert_parallel)."""
+    largest ep (and pp, with its first / last stage layers), the vLLM engine (tp x dp GPUs,
+    ``ep``: vLLM's enable_expert_parallel)."""
 
     name: str
     config: str
@@ -100,6 +126,9 @@ class Model:
     vllm_tp: int
     vllm_dp: int
     vllm_ep: bool
+    trainer_pp: int = 1
+    first_stage_layers: int | None = None  # Megatron's num_layers_in_first_pipeline_stage (pp > 1)
+    last_stage_layers: int | None = None
 
     @property
     def engine(self) -> int:
@@ -127,7 +156,7 @@ class Case:
 
     @property
     def trainer_ep(self) -> int:
-        return min(self.model.trainer_ep, self.trainer_gpus)
+        return min(self.model.trainer_ep, self.trainer_gpus // self.model.trainer_pp)
 
 
 MODELS = {m.name: m for m in (
@@ -140,7 +169,9 @@ MODELS = {m.name: m for m in (
 GPUS = (16, 64, 256, 1024)
 CASES = [Case(MODELS[n], g, quant=q) for n in MODELS for g in GPUS for q in ("bf16", "fp8")]
 
-ANCHORS = [  # other systems' published numbers (not megarefit measurements), with the case set beside each
+NEMO_DSV3 = Model("DeepSeek-V3", "DeepSeek-V3.json", 1, 16, 32, 1, False, trainer_pp=16,
+                  first_stage_layers=3, last_stage_layers=2)  # NeMo-RL's layouts; the stage split is assumed
+ANCHORS = [  # other systems' published numbers (not megarefit measurements), with the like case set beside each
     {"key": "prime-rl", "system": "prime-rl (NIXL pulls, PR #3341)", "seconds": "2.842",
      "setup": "GLM-5.2, 64 trainer -> 32 inference H200s (one engine, EP32), bf16 served",
      "timed": "inference client's weight update, median (RDMA alone 1.864 s)", "published_gb": 82.501,
@@ -151,19 +182,27 @@ ANCHORS = [  # other systems' published numbers (not megarefit measurements), wi
      "timed": "warm sync at the engine level", "published_gb": None,
      "source": "https://github.com/vllm-project/vllm/pull/43375",
      "case": Case(MODELS["Qwen3-235B-A22B"], 16, anchor="sharded_rdt")},
-    {"key": "nemo-dsv3", "system": "NeMo-RL", "seconds": "2.39",
-     "setup": "DeepSeek-V3; GPU count and layouts not given with the figure (model: 256 GPUs, colocated)",
+    {"key": "sharded_rdt-kimi", "system": "vLLM sharded_rdt (Ray + NIXL)", "seconds": "7.53",
+     "setup": "Kimi-K2, 256 trainer -> 128 inference GPUs, bf16; layouts not given (model: megarefit's Kimi-K2 "
+              "layouts)", "timed": "weight sync", "published_gb": None,
+     "source": "issue 58, citing vLLM sharded_rdt (https://github.com/vllm-project/vllm/pull/43375)",
+     "case": Case(MODELS["Kimi-K2"], 384, anchor="sharded_rdt-kimi", split_at=256)},
+    {"key": "nemo-dsv3", "system": "NeMo-RL (NCCL reshard refit)", "seconds": "2.39-2.83",
+     "setup": "DeepSeek-V3 on H100, bf16, Megatron PP16 x EP16 -> vLLM TP32 x DP8: 256 + 256 GPUs, non-colocated "
+              "(model: 8 engines of vLLM tp32, EP off; pp stages of 3, 4 x 14, 2 layers, assumed)",
      "timed": "refit", "published_gb": None,
-     "source": "issue 43; figure not found in a reachable source (NeMo-RL blog post \"Journey of Optimizing Weight "
-               "Transfer in Large MoE Models by 10x\", https://nvidia-nemo.github.io/blog/category/nemo-rl)",
-     "case": Case(MODELS["DeepSeek-V3"], 256, "colocated", anchor="nemo-dsv3")},
+     "source": "NVIDIA-NeMo/RL's design doc nccl-reshard-refit.md "
+               "(https://github.com/NVIDIA-NeMo/RL/blob/main/docs/design-docs/nccl-reshard-refit.md)",
+     "case": Case(NEMO_DSV3, 512, anchor="nemo-dsv3")},
     {"key": "nemo-30b-32", "system": "NeMo-RL", "seconds": "1.96-2.41 (32-1024 GPUs)",
-     "setup": "Qwen3-30B-A3B at 32 to 1024 GPUs; placement and layouts not given with the figure (model: colocated)",
-     "timed": "refit", "published_gb": None, "source": "issue 43 (as above)",
-     "case": Case(MODELS["Qwen3-30B-A3B"], 32, "colocated", anchor="nemo-30b-32")},
+     "setup": "Qwen3-30B-A3B at 32 to 1024 GPUs, a 1:1 split of trainer and inference GPUs; layouts not given "
+              "(model: megarefit's Qwen3-30B-A3B layouts), the 32-GPU end",
+     "timed": "refit", "published_gb": None, "source": "NVIDIA-NeMo/RL#3334 (https://github.com/NVIDIA-NeMo/RL/issues/3334)",
+     "case": Case(MODELS["Qwen3-30B-A3B"], 32, anchor="nemo-30b-32")},
     {"key": "nemo-30b-1024", "system": "NeMo-RL", "seconds": "1.96-2.41 (32-1024 GPUs)",
-     "setup": "as above, the 1024-GPU end", "timed": "refit", "published_gb": None, "source": "issue 43 (as above)",
-     "case": Case(MODELS["Qwen3-30B-A3B"], 1024, "colocated", anchor="nemo-30b-1024")},
+     "setup": "as above, the 1024-GPU end", "timed": "refit", "published_gb": None,
+     "source": "NVIDIA-NeMo/RL#3334 (as above)",
+     "case": Case(MODELS["Qwen3-30B-A3B"], 1024, anchor="nemo-30b-1024")},
 ]
 
 
@@ -235,6 +274,15 @@ def calibration_rows(cal: dict[str, float]) -> list[dict]:
 
 # ---- planning (megarefit; imported only here) -----------------------------------------------
 
+KINDS = ("tp", "expert", "replicated")  # what a source piece is, for who else holds it (``holders``)
+
+
+def trainer_key(model: Model, ep: int) -> tuple:
+    """The trainer layout a plan is made for: ``(tp, pp, ep, first_stage_layers, last_stage_layers)``."""
+    return (model.trainer_tp, model.trainer_pp, ep, model.first_stage_layers, model.last_stage_layers)
+
+
+@functools.lru_cache(maxsize=8)
 def _dims(config: str):
     from megarefit import ModelDims
     from megarefit.layout.dims import load_hf_config
@@ -243,42 +291,72 @@ def _dims(config: str):
     return cfg, ModelDims.from_hf_config(cfg)
 
 
-def _layout(dims, tp: int, ep: int):
+def _layout(dims, key: tuple):
     from megarefit import SourceLayout
 
-    return SourceLayout.build(tp=tp, pp=1, ep=ep, etp=1, padded_vocab_size=dims.padded_vocab_size(tp),
-                              num_layers=dims.num_layers)
+    tp, pp, ep, first, last = key
+    return SourceLayout.build(tp=tp, pp=pp, ep=ep, etp=1, padded_vocab_size=dims.padded_vocab_size(tp),
+                              num_layers=dims.num_layers, first_stage_layers=first, last_stage_layers=last)
+
+
+def _kind(spec) -> str:
+    """A source tensor's holders class: Megatron-replicated (``Role.REPLICATED``: every rank of
+    its stage), expert (its expert-data-parallel copies), or a TP shard (every rank of the stage
+    with its dense tp rank)."""
+    from megarefit.specs.table import Role
+
+    if spec.role is Role.REPLICATED:
+        return "replicated"
+    return "expert" if spec.per_expert or spec.role.value.startswith("expert_") else "tp"
+
+
+def per_kind_bytes(plan) -> dict[tuple[int, int, int, str], int]:
+    """Bytes a plan reads from each trainer coordinate, by the kind of source tensor:
+    ``{(tp, pp, ep, kind): bytes}`` (``kind`` in ``KINDS``)."""
+    import torch
+
+    table, cols = plan.ops.sources, plan.ops.columns  # plan_megatron_to_vllm plans are columnar
+    group = table.group[cols.src_id]
+    nbytes = torch.zeros(len(table.groups), dtype=torch.int64).index_add_(0, group, plan.ops.nbytes()).tolist()
+    out: Counter = Counter()
+    for g, b in zip(table.groups, nbytes):
+        if b:
+            out[(g.rank.tp, g.rank.pp, g.rank.ep, _kind(g.spec))] += b
+    return dict(out)
 
 
 def plan_worker(job: tuple) -> dict:
-    """One vLLM worker's plan: bytes, ops, scratch bytes, and bytes per trainer coordinate."""
-    config, tp, ep, vtp, vdp, vep, rank, quant = job
+    """One vLLM worker's plan: bytes, ops, scratch bytes, bytes per trainer coordinate
+    (``per_source``: ``{(tp, pp, ep): bytes}``) and per coordinate and kind (``per_kind``).
+    ``job``: ``(config, trainer_key, vllm tp, vllm dp, vllm ep, rank, quant)``."""
+    config, key, vtp, vdp, vep, rank, quant = job
     from megarefit.quant.fp8 import resolve_quantization
     from megarefit.targets import VllmTarget, plan_megatron_to_vllm
 
     cfg, dims = _dims(config)
     q = resolve_quantization("fp8", cfg) if quant == "fp8" else None
     target = VllmTarget(vtp, rank % vtp, dp=vdp, dp_rank=rank // vtp, expert_parallel=vep)
-    s = plan_megatron_to_vllm(dims, _layout(dims, tp, ep), "bfloat16", target, quantization=q).summary()
+    plan = plan_megatron_to_vllm(dims, _layout(dims, key), "bfloat16", target, quantization=q)
+    s = plan.summary()
     return {"rank": rank, "bytes": s["total"]["bytes"], "ops": s["total"]["ops"],
             "scratch_bytes": s["total"]["scratch_bytes"],
-            "per_source": {(c.tp, c.ep): v["bytes"] for c, v in s["per_rank"].items()}}
+            "per_source": {tuple(c): v["bytes"] for c, v in s["per_rank"].items()}, "per_kind": per_kind_bytes(plan)}
 
 
 def plan_trainer(job: tuple) -> dict:
     """Bytes each trainer coordinate serves for one copy of every HF tensor (bf16), and of
-    them its expert bytes: ``{(tp, ep): (served, expert)}``."""
-    config, tp, ep = job
+    them its expert bytes: ``{(tp, pp, ep): (served, expert)}``. ``job``: ``(config, trainer_key)``."""
+    config, key = job
     from megarefit.layout.geometry import source_tensors
     from megarefit.planner import plan_megatron_to_hf
 
     _, dims = _dims(config)
-    layout = _layout(dims, tp, ep)
+    layout = _layout(dims, key)
     served = plan_megatron_to_hf(dims, layout, "bfloat16").summary()["per_rank"]
     out = {}
     for c, tensors in source_tensors(dims, layout).items():
         expert = sum(2 * _numel(t.shape) for t in tensors.values() if t.expert is not None)
-        out[(c.tp, c.ep)] = (served.get(c, {"bytes": 0})["bytes"], expert)
+        out[tuple(c)] = (served.get(c, {"bytes": 0})["bytes"], expert)
     return out
 
 
@@ -290,10 +368,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def worker_jobs(case: Case, quant: str | None = None) -> list[tuple]:
-    """The plans a case needs: its engine's first and last worker, at ``quant`` (default: the case's)."""
+    """The plans a case needs: every worker of its engine, at ``quant`` (default: the case's)."""
     m = case.model
-    return [(m.config, m.trainer_tp, m.trainer_ep, m.vllm_tp, m.vllm_dp, m.vllm_ep, r, quant or case.quant)
-            for r in (0, m.engine - 1)]
+    return [(m.config, trainer_key(m, case.trainer_ep), m.vllm_tp, m.vllm_dp, m.vllm_ep, r, quant or case.quant)
+            for r in range(m.engine)]
 
 
 def case_workers(case: Case, plans: dict) -> list[dict]:
@@ -302,17 +380,40 @@ def case_workers(case: Case, plans: dict) -> list[dict]:
             for j, b in zip(worker_jobs(case), worker_jobs(case, "bf16"))]
 
 
-def plan_all(cases: list[Case], processes: int = 2) -> tuple[dict, dict]:
-    """Every distinct worker and trainer plan the cases need, in ``processes`` processes."""
+def _source_digest() -> str:
+    """A digest of megarefit's source (the plans' inputs besides the job): the cache key's salt."""
+    import megarefit
+
+    h = hashlib.sha256()
+    for f in sorted(Path(megarefit.__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cached(fn, jobs: list[tuple], cache: Path | None, processes: int) -> dict:
+    """``{job: fn(job)}``, from ``cache`` (one pickle per function and source digest) where it
+    has them, the rest planned in ``processes`` processes and added to it."""
     from concurrent.futures import ProcessPoolExecutor
 
+    path = cache / f"{fn.__name__}-{_source_digest()}.pkl" if cache else None
+    done = pickle.loads(path.read_bytes()) if path and path.exists() else {}
+    todo = [j for j in jobs if j not in done]
+    if todo:
+        with ProcessPoolExecutor(processes) as pool:
+            done.update(zip(todo, pool.map(fn, todo, chunksize=4)))
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(pickle.dumps(done))
+    return {j: done[j] for j in jobs}
+
+
+def plan_all(cases: list[Case], processes: int = 2, cache: Path | None = None) -> tuple[dict, dict]:
+    """Every distinct worker and trainer plan the cases need, in ``processes`` processes,
+    kept in ``cache`` (a folder; None: no cache)."""
     ok = [c for c in cases if feasible(c) is None]
     workers = sorted({j for c in ok for q in {c.quant, "bf16"} for j in worker_jobs(c, q)}, key=str)
-    trainers = sorted({(c.model.config, c.model.trainer_tp, c.trainer_ep) for c in ok})
-    with ProcessPoolExecutor(processes) as pool:
-        w = dict(zip(workers, pool.map(plan_worker, workers)))
-        t = dict(zip(trainers, pool.map(plan_trainer, trainers)))
-    return w, t
+    trainers = sorted({(c.model.config, trainer_key(c.model, c.trainer_ep)) for c in ok}, key=str)
+    return _cached(plan_worker, workers, cache, processes), _cached(plan_trainer, trainers, cache, processes)
 
 
 # ---- the multi-node model -------------------------------------------------------------------
@@ -322,8 +423,8 @@ def feasible(case: Case) -> str | None:
     m = case.model
     if m.engine > case.vllm_gpus:
         return f"the vLLM engine needs {m.engine} GPUs, the case gives it {case.vllm_gpus}"
-    if case.trainer_gpus % max(m.trainer_tp, case.trainer_ep):
-        return f"{case.trainer_gpus} trainer GPUs do not hold tp {m.trainer_tp} x ep {case.trainer_ep}"
+    if case.trainer_gpus % (m.trainer_pp * max(m.trainer_tp, case.trainer_ep)):
+        return f"{case.trainer_gpus} trainer GPUs do not hold pp {m.trainer_pp} x tp {m.trainer_tp} x ep {case.trainer_ep}"
     return None
 
 
@@ -334,26 +435,75 @@ def delta_fraction(delta: float, quant: str) -> float:
     return min(1.0, delta * (1 + 2 / width), delta + 1 / (8 * width))
 
 
-def coordinate_gpu(coord: tuple[int, int], tp: int, ep: int, world: int) -> int:
-    """The first GPU in Megatron's rank order (tp fastest; experts ep_rank = rank % ep with etp 1)
-    holding trainer coordinate ``(tp_rank, ep_rank)``: the one that serves it."""
-    return next(g for g in range(world) if (g % tp, g % ep) == coord)
+def gpu_coordinate(g: int, tp: int, pp: int, ep: int, world: int) -> tuple[int, int, int]:
+    """Trainer GPU ``g``'s ``(tp, pp, ep)`` in Megatron's rank order (tp-cp-ep-dp-pp: pp slowest,
+    tp fastest; with etp 1 the expert rank is the stage-local rank mod ep)."""
+    stage = world // pp
+    return g % stage % tp, g // stage, g % stage % ep
 
 
-def sender_bytes(case: Case, shares: dict, wire_ratio: float) -> dict:
-    """Bytes each serving trainer GPU sends for ONE vLLM replica: its experts once, its other
-    bytes once per vLLM data-parallel rank (each holds every non-expert tensor), at the wire dtype."""
-    dp = case.model.vllm_dp
-    return {c: wire_ratio * (expert + dp * (served - expert)) for c, (served, expert) in shares.items()}
+def coordinate_gpu(coord: tuple[int, int, int], tp: int, ep: int, world: int, pp: int = 1) -> int:
+    """The first GPU in Megatron's rank order holding trainer coordinate ``(tp, pp, ep)``: the
+    one that serves it today (``Publisher.from_megatron``: data-parallel copies serve nothing)."""
+    return next(g for g in range(world) if gpu_coordinate(g, tp, pp, ep, world) == tuple(coord))
+
+
+def engine_bytes(workers: list[dict]) -> Counter:
+    """What one vLLM replica reads: every worker's ``per_kind`` summed, ``{(tp, pp, ep, kind): bytes}``."""
+    total: Counter = Counter()
+    for w in workers:
+        total.update(w["per_kind"])
+    return total
+
+
+def sender_bytes(case: Case, workers: list[dict]) -> dict:
+    """Today: bytes each serving trainer coordinate sends ONE vLLM replica, ``{(tp, pp, ep): bytes}``:
+    the sum over every worker of the engine of what it reads there (tensors vLLM keeps whole on
+    every tp rank -- norms, routers, MLA's fused_qkv_a_proj, shared experts under EP -- are read
+    by every worker that holds them). Each coordinate is served by one GPU, its first copy."""
+    out: Counter = Counter()
+    for (t, p, e, _), b in engine_bytes(workers).items():
+        out[(t, p, e)] += b
+    return dict(out)
+
+
+def holders(kind: str, world: int, tp: int, pp: int, ep: int) -> int:
+    """Trainer GPUs that hold a piece of ``kind`` (etp 1): a TP shard every GPU of its stage with
+    its dense tp rank (data-parallel copies, and under EP the stage's ranks of that tp rank); an
+    expert shard its expert-data-parallel copies; a Megatron-replicated tensor its whole stage."""
+    stage = world // pp
+    return {"tp": stage // tp, "expert": stage // ep, "replicated": stage}[kind]
+
+
+def spread_sender_bytes(case: Case, workers: list[dict]) -> dict[int, float]:
+    """The new design: every trainer data-parallel copy serves and every source byte is spread
+    evenly over all its holders. Bytes each trainer GPU sends ONE vLLM replica, ``{gpu: bytes}``:
+    over every piece it holds, the bytes every worker reads of it over the piece's holders."""
+    m, world = case.model, case.trainer_gpus
+    tp, pp, ep = m.trainer_tp, m.trainer_pp, case.trainer_ep
+    tp_b, ex_b, rep_b = Counter(), Counter(), Counter()  # by (pp, tp rank), (pp, ep rank), pp
+    for (t, p, e, kind), b in engine_bytes(workers).items():
+        if kind == "tp":
+            tp_b[(p, t)] += b / holders(kind, world, tp, pp, ep)
+        elif kind == "expert":
+            ex_b[(p, e)] += b / holders(kind, world, tp, pp, ep)
+        else:
+            rep_b[p] += b / holders(kind, world, tp, pp, ep)
+    out = {}
+    for g in range(world):
+        t, p, e = gpu_coordinate(g, tp, pp, ep, world)
+        out[g] = tp_b[(p, t)] + ex_b[(p, e)] + rep_b[p]
+    return out
 
 
 def receiver_s(case: Case, worker: dict, gpu: int, f: float, rates: dict) -> float:
     """One worker's pull: remote bytes over its NIC, same-node bytes over NVLink, at once."""
     if case.placement == "split":
         return f * worker["bytes"] / rates["nic"]
-    tp, ep = case.model.trainer_tp, case.trainer_ep
+    m = case.model
     local = sum(b for c, b in worker["per_source"].items()
-                if coordinate_gpu(c, tp, ep, case.trainer_gpus) // NODE_GPUS == gpu // NODE_GPUS)
+                if coordinate_gpu(c, m.trainer_tp, case.trainer_ep, case.trainer_gpus, m.trainer_pp) // NODE_GPUS
+                == gpu // NODE_GPUS)
     return f * max((worker["bytes"] - local) / rates["nic"], local / rates["link"])
 
 
@@ -397,16 +547,26 @@ def model_rates(cal: dict[str, float], efficiency: float | None = None) -> dict[
     return {**cal, "nic": ASSUMPTIONS["nic_line_bytes_per_s"] * eff}
 
 
+def busiest_sender(case: Case, workers: list[dict], design: str = "today") -> float:
+    """Bytes the busiest trainer GPU sends one vLLM replica, at the wire dtype: ``design``
+    "today" (first copies serve, ``sender_bytes``) or "new" (every copy, ``spread_sender_bytes``)."""
+    if design == "today":
+        return max(sender_bytes(case, workers).values())
+    if design == "new":
+        return max(spread_sender_bytes(case, workers).values())
+    raise ValueError(f"design must be 'today' or 'new', got {design!r}")
+
+
 def predict(case: Case, delta: float, workers: list[dict], shares: dict, cal: dict,
-            efficiency: float | None = None) -> dict:
+            efficiency: float | None = None, design: str = "today") -> dict:
     """Seconds per term for one case: the slowest of its planned workers decides. ``workers``:
-    ``plan_worker`` results with ``bf16_bytes``; ``shares``: ``plan_trainer``'s."""
+    ``plan_worker`` results (every worker of the engine) with ``bf16_bytes``; ``shares``:
+    ``plan_trainer``'s; ``design``: who serves (``busiest_sender``)."""
     rates = model_rates(cal, efficiency)
     f = delta_fraction(delta, case.quant)
-    gpus = (0, case.vllm_gpus - 1)  # colocated: the first engine's rank 0, the last engine's last rank
-    recvs = [receiver_s(case, w, g, f, rates) for w, g in zip(workers, gpus)]
+    recvs = [receiver_s(case, w, w["rank"], f, rates) for w in workers]  # colocated: the first engine, rank r on GPU r
     worst = workers[max(range(len(workers)), key=lambda i: (recvs[i], workers[i]["bytes"]))]
-    per_replica = max(sender_bytes(case, shares, worst["bytes"] / worst["bf16_bytes"]).values())
+    per_replica = busiest_sender(case, workers, design)
     pull, how = pull_s(case, worst, max(recvs), per_replica, f, rates)
     quantize = max(s for s, _ in shares.values()) / rates["quantize"] if case.quant == "fp8" else 0.0
     fixed = rates["overhead_s"] + rates["per_op_s"] * worst["ops"]
@@ -414,7 +574,8 @@ def predict(case: Case, delta: float, workers: list[dict], shares: dict, cal: di
     return {"quantize_s": quantize, "pull_s": pull, "copies_s": copies, "fixed_s": fixed,
             "seconds": quantize + pull + copies + fixed, "pull_path": how, "delta": delta, "delta_bytes_share": f,
             "worker_bytes": worst["bytes"], "worker_rank": worst["rank"], "worker_ops": worst["ops"],
-            "sender_bytes_per_replica": per_replica, "replicas": case.vllm_gpus // case.model.engine}
+            "sender_bytes_per_replica": per_replica, "replicas": case.vllm_gpus // case.model.engine,
+            "design": design, "nic_efficiency": rates["nic"] / ASSUMPTIONS["nic_line_bytes_per_s"]}
 
 
 # ---- rows, tables, main ---------------------------------------------------------------------
@@ -435,34 +596,79 @@ def meta() -> dict:
             "megarefit": getattr(megarefit, "__version__", "?")}
 
 
-def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, common: dict) -> dict:
+def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, common: dict,
+             efficiencies: dict[str, float] | None = None) -> dict:
+    """One case's row: today's design at the assumed NIC efficiency (top level), the new design
+    at each of ``efficiencies`` (``new``, keyed by label; default ``NEW_EFFICIENCIES`` labelled
+    ``f"{e:.2f}"``), and the new design's balance
+    (``new_busiest_over_mean``: busiest trainer GPU's bytes over the mean)."""
     m = case.model
     row = {"kind": "prediction", "model": m.name, "config": m.config, "gpus": case.gpus,
            "trainer_gpus": case.trainer_gpus, "vllm_gpus": case.vllm_gpus, "placement": case.placement,
            "quant": case.quant, "anchor": case.anchor, "delta": delta,
-           "trainer": {"tp": m.trainer_tp, "pp": 1, "ep": case.trainer_ep, "etp": 1},
+           "trainer": {"tp": m.trainer_tp, "pp": m.trainer_pp, "ep": case.trainer_ep, "etp": 1},
            "vllm": {"tp": m.vllm_tp, "dp": m.vllm_dp, "expert_parallel": m.vllm_ep, "engine_gpus": m.engine},
            "infeasible": feasible(case), **common}
     if row["infeasible"] is None:
-        workers, shares = case_workers(case, plans[0]), plans[1][(m.config, m.trainer_tp, case.trainer_ep)]
+        workers = case_workers(case, plans[0])
+        shares = plans[1][(m.config, trainer_key(m, case.trainer_ep))]
         row.update(predict(case, delta, workers, shares, cal))
+        effs = efficiencies or {f"{e:.2f}": e for e in NEW_EFFICIENCIES}
+        row["new"] = {k: predict(case, delta, workers, shares, cal, e, "new") for k, e in effs.items()}
+        spread = spread_sender_bytes(case, workers).values()
+        row["new_busiest_over_mean"] = max(spread) / (sum(spread) / len(spread))
     return row
 
 
-def run() -> list[dict]:
-    """Calibrate, plan every case, model it: the rows ``--json`` records."""
+def run(cache: Path | None = None, processes: int = 2, cluster: list[str] | None = None) -> list[dict]:
+    """Calibrate, plan every case, model it: the rows ``--json`` records. ``cluster``: emulated
+    cluster records (``cluster_link``); where they hold link rows, the new design is also
+    predicted at the NIC efficiency measured there."""
     cal = calibrate()
+    link = cluster_link(cluster or [])
+    effs = {f"{e:.2f}": e for e in NEW_EFFICIENCIES}
+    if link:
+        effs[f"{link['nic_efficiency']:.3f} (cluster)"] = link["nic_efficiency"]
     common = {**meta(), "assumptions": ASSUMPTIONS, "rates": model_rates(cal),
-              "calibrated_on": RECORDED["nixl"]}  # the commit as planning starts
+              "calibrated_on": RECORDED["nixl"], "cluster_link": link}  # the commit as planning starts
     anchors = [a["case"] for a in ANCHORS]
     t0 = time.perf_counter()
-    plans = plan_all(CASES + anchors)
+    plans = plan_all(CASES + anchors, processes, cache)
     print(f"planned in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    rows = [case_row(c, d, plans, cal, common) for c in CASES for d in (1.0, ASSUMPTIONS["delta_low"])]
-    rows += [case_row(c, 1.0, plans, cal, common) for c in anchors]
+    rows = [case_row(c, d, plans, cal, common, effs) for c in CASES for d in (1.0, ASSUMPTIONS["delta_low"])]
+    rows += [case_row(c, 1.0, plans, cal, common, effs) for c in anchors]
     rows += [{**r, **common} for r in calibration_rows(cal)]
     rows += [{"kind": "anchor", **{k: v for k, v in a.items() if k != "case"}, **common} for a in ANCHORS]
     return rows
+
+
+# ---- calibrating the link terms on the emulated cluster (issue 58, item 5) ------------------
+
+def cluster_link(paths: list[str]) -> dict | None:
+    """The NIC efficiency measured on the emulated cluster, or None where no file holds link rows.
+
+    Reads rows ``{"kind": "link", "label", "role": "fit" | "held out", "line_bytes_per_s": the
+    veth's configured (tc) rate, "bytes": the busiest trainer veth's bytes in one pull,
+    "seconds": that pull's measured seconds}`` from the JSON-lines files ``paths`` (recorded by
+    ``benchmarks/bench_cluster.py``, e.g. ``docs/cluster_*.jsonl``). The efficiency is the median
+    of ``bytes / seconds / line`` over the fit rows; ``rows`` gives every row's predicted link
+    seconds (``bytes / (line x efficiency)``) and its error, the bar being ``TOLERANCE``.
+
+    Raises:
+        ValueError: link rows but none marked "fit" (nothing to calibrate on).
+    """
+    rows = [r for path in paths for r in load(path) if r.get("kind") == "link"]
+    if not rows:
+        return None
+    fit = [r for r in rows if r.get("role") == "fit"]
+    if not fit:
+        raise ValueError(f"{paths}: {len(rows)} link rows, none with role 'fit'; mark the rows to calibrate on")
+    eff = statistics.median(r["bytes"] / r["seconds"] / r["line_bytes_per_s"] for r in fit)
+    checked = [{"label": r.get("label", ""), "role": r.get("role", "held out"), "measured_s": r["seconds"],
+                "predicted_s": (p := r["bytes"] / (r["line_bytes_per_s"] * eff)), "error": p / r["seconds"] - 1}
+               for r in rows]
+    return {"nic_efficiency": eff, "sources": list(paths), "rows": checked,
+            "within_tolerance": all(abs(c["error"]) <= TOLERANCE for c in checked)}
 
 
 def _assumption_line(r: dict) -> str:
@@ -488,22 +694,45 @@ def _gpus(r: dict) -> str:
     return f"{r['gpus']} colocated" if r["placement"] == "colocated" else f"{r['trainer_gpus']} + {r['vllm_gpus']}"
 
 
+def _new_s(r: dict) -> str:
+    """The new design's seconds at each recorded NIC efficiency, ``" / "``-joined."""
+    return " / ".join(f"{v['seconds']:.2f}" for v in r["new"].values())
+
+
+def _new_heading(r: dict, unit: str = " s") -> str:
+    return f"new design{unit}, NIC " + " / ".join(r["new"])
+
+
+def _cluster_line(r: dict) -> str:
+    link = r.get("cluster_link")
+    if not link:
+        return ("Link terms not yet calibrated on the emulated cluster: no link rows in "
+                f"{CLUSTER_GLOB} (`cluster_link` reads them once the emulated-cluster benchmark records them).")
+    worst = max(abs(c["error"]) for c in link["rows"])
+    return (f"Link terms calibrated on the emulated cluster ({', '.join(link['sources'])}): NIC efficiency "
+            f"{link['nic_efficiency']:.3f}, largest error {worst:.1%} over {len(link['rows'])} rows (bar "
+            f"{TOLERANCE:.0%}); the last new-design column is at that efficiency.")
+
+
 def predictions_table(rows: list[dict]) -> str:
     preds = [r for r in rows if r["kind"] == "prediction" and not r["anchor"]]
     low = {(r["model"], r["gpus"], r["quant"]): r for r in preds if r["delta"] < 1}
-    lines = [_assumption_line(preds[0]), "",
-             f"| model | GPUs: trainer + vLLM | wire | vLLM engine | worker GB | pull path | quantize s | pull s "
-             f"| copies + fixed s | **refit s** | refit s, delta {preds[0]['assumptions']['delta_low']:g} |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    first = next(r for r in preds if r["infeasible"] is None)
+    lines = [_assumption_line(preds[0]), "", _cluster_line(preds[0]), "",
+             f"| model | GPUs: trainer + vLLM | wire | vLLM engine | worker GB | today: pull path | quantize s "
+             f"| pull s | copies + fixed s | **today s** | today s, delta {preds[0]['assumptions']['delta_low']:g} "
+             f"| new design: busiest / mean | **{_new_heading(first)}** |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in (r for r in preds if r["delta"] == 1):
         head = f"| {r['model']} | {_gpus(r)} | {r['quant']} | {_engine(r)}"
         if r["infeasible"]:
-            lines.append(f"{head} | - | {r['infeasible']} | - | - | - | - | - |")
+            lines.append(f"{head} | - | {r['infeasible']} | - | - | - | - | - | - | - |")
             continue
         d = low[(r["model"], r["gpus"], r["quant"])]
         lines.append(f"{head} x {r['replicas']} | {r['worker_bytes'] / GB:.1f} | {r['pull_path']} "
                      f"| {r['quantize_s']:.3f} | {r['pull_s']:.2f} | {r['copies_s'] + r['fixed_s']:.3f} "
-                     f"| **{r['seconds']:.2f}** | {d['seconds']:.2f} |")
+                     f"| **{r['seconds']:.2f}** | {d['seconds']:.2f} | {r['new_busiest_over_mean']:.3f} "
+                     f"| **{_new_s(r)}** |")
     return "\n".join(lines)
 
 
@@ -528,18 +757,23 @@ def calibration_table(rows: list[dict]) -> str:
 
 def anchors_table(rows: list[dict]) -> str:
     preds = {r["anchor"]: r for r in rows if r["kind"] == "prediction" and r["anchor"]}
+    first = next(iter(preds.values()))
     lines = ["Published by other systems, on their own setups (not megarefit measurements), beside the model's "
-             "prediction for megarefit on a like setup.", "",
+             "prediction for megarefit on a like setup: today's design, and the new one (every trainer copy "
+             "serves, every byte spread over all its holders).", "",
              "| published by | their setup | what they timed | their s | source | model: megarefit, GPUs, trainer, "
-             "vLLM engine | model worker GB (theirs) | model pull path | **model s** |",
-             "|---|---|---|---:|---|---|---:|---|---:|"]
+             "vLLM engine | model worker GB (theirs) | today: pull path | model s, today "
+             f"| **model s, {_new_heading(first, '')}** |",
+             "|---|---|---|---:|---|---|---:|---|---:|---:|"]
     for a in (r for r in rows if r["kind"] == "anchor"):
         p = preds[a["key"]]
         theirs = f" ({a['published_gb']:.3f})" if a["published_gb"] else ""
+        t = p["trainer"]
+        layout = f"pp{t['pp']} " * (t["pp"] > 1) + f"tp{t['tp']} ep{t['ep']}"
         lines.append(f"| {a['system']} | {a['setup']} | {a['timed']} | {a['seconds']} | {a['source']} "
-                     f"| {p['model']}, {_gpus(p)}, trainer tp{p['trainer']['tp']} ep{p['trainer']['ep']}, "
-                     f"{_engine(p)} x {p['replicas']}, {p['quant']} "
-                     f"| {p['worker_bytes'] / GB:.3f}{theirs} | {p['pull_path']} | **{p['seconds']:.2f}** |")
+                     f"| {p['model']}, {_gpus(p)}, trainer {layout}, {_engine(p)} x {p['replicas']}, {p['quant']} "
+                     f"| {p['worker_bytes'] / GB:.3f}{theirs} | {p['pull_path']} | {p['seconds']:.2f} "
+                     f"| **{_new_s(p)}** |")
     return "\n".join(lines)
 
 
@@ -548,8 +782,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here (JSON lines)")
     ap.add_argument("--from-json", default=None, help="print a table of recorded rows (a --json file)")
     ap.add_argument("--summary", choices=["calibration", "anchors"], help="that table instead of the predictions")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache/megarefit/refit_on_paper"),
+                    help="keep plans here, per megarefit source digest ('' for none)")
+    ap.add_argument("--processes", type=int, default=1, help="planning processes")
+    ap.add_argument("--cluster", nargs="*", default=None, metavar="JSONL",
+                    help="emulated-cluster records to calibrate the NIC efficiency on (default: docs/cluster_*.jsonl)")
     ns = ap.parse_args(argv)
-    rows = load(ns.from_json) if ns.from_json else run()
+    cluster = ns.cluster if ns.cluster is not None else [str(f.relative_to(ROOT)) for f in
+                                                        sorted(ROOT.glob(CLUSTER_GLOB))]
+    rows = load(ns.from_json) if ns.from_json else run(Path(ns.cache) if ns.cache else None, ns.processes, cluster)
     if ns.json:
         Path(ns.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
     print({"calibration": calibration_table, "anchors": anchors_table}.get(ns.summary, predictions_table)(rows))
