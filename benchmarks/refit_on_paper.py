@@ -657,7 +657,7 @@ def cluster_link(paths: list[str]) -> dict | None:
     Raises:
         ValueError: link rows but none marked "fit" (nothing to calibrate on).
     """
-    rows = [r for path in paths for r in load(path) if r.get("kind") == "link"]
+    rows = [x for path in paths for r in load(path) for x in ([r] if r.get("kind") == "link" else _bench_rows(r))]
     if not rows:
         return None
     fit = [r for r in rows if r.get("role") == "fit"]
@@ -669,6 +669,37 @@ def cluster_link(paths: list[str]) -> dict | None:
                for r in rows]
     return {"nic_efficiency": eff, "sources": list(paths), "rows": checked,
             "within_tolerance": all(abs(c["error"]) <= TOLERANCE for c in checked)}
+
+
+def _bench_rows(r: dict) -> list[dict]:
+    """Link rows of one ``benchmarks/bench_cluster.py`` record: its raw NIXL READs (fit: the
+    efficiency), then each refit's busiest trainer veth per warm cycle (held out)."""
+    if "link" not in r or "refits" not in r:
+        return []
+    line = r["rate_mbit"] * 1e6 / 8
+    link = r["link"]
+    out = [{"kind": "link", "label": f"raw READ, {r['rate_mbit']:.0f} Mbit/s", "role": "fit",
+            "line_bytes_per_s": line, "bytes": link["nbytes"], "seconds": statistics.median(link["seconds"])}]
+    for who, rf in r["refits"].items():
+        out.append({"kind": "link", "label": f"refit, {who} serving (dp{r['dp']} x tp{r['tp']}, {r['receivers']} "
+                    "receivers), busiest veth", "role": "held out", "line_bytes_per_s": line,
+                    "bytes": max(rf["trainer_bytes_per_cycle"].values()), "seconds": rf["median_warm_s"]})
+    return out
+
+
+def cluster_table(paths: list[str]) -> str:
+    """The link term against the emulated cluster: every row's measured and predicted seconds."""
+    link = cluster_link(paths)
+    if link is None:
+        return f"No emulated-cluster records in {paths}."
+    out = ["| row | fit or held out | measured s | predicted s (bytes / (line x efficiency)) | error |",
+           "|---|---|---|---|---|"]
+    out += [f"| {c['label']} | {c['role']} | {c['measured_s']:.3f} | {c['predicted_s']:.3f} | {c['error']:+.1%} |"
+            for c in link["rows"]]
+    verdict = "within" if link["within_tolerance"] else "NOT within"
+    out += ["", f"NIC efficiency {link['nic_efficiency']:.3f} (fit on the raw READs); every row {verdict} "
+                f"{TOLERANCE:.0%} ({', '.join(link['sources'])})."]
+    return "\n".join(out)
 
 
 def _assumption_line(r: dict) -> str:
@@ -781,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the rows here (JSON lines)")
     ap.add_argument("--from-json", default=None, help="print a table of recorded rows (a --json file)")
-    ap.add_argument("--summary", choices=["calibration", "anchors"], help="that table instead of the predictions")
+    ap.add_argument("--summary", choices=["calibration", "anchors", "cluster"],
+                    help="that table instead of the predictions (cluster: the link term against docs/cluster_*.jsonl)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache/megarefit/refit_on_paper"),
                     help="keep plans here, per megarefit source digest ('' for none)")
     ap.add_argument("--processes", type=int, default=1, help="planning processes")
@@ -790,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     cluster = ns.cluster if ns.cluster is not None else [str(f.relative_to(ROOT)) for f in
                                                         sorted(ROOT.glob(CLUSTER_GLOB))]
+    if ns.summary == "cluster":
+        print(cluster_table(cluster))
+        return 0
     rows = load(ns.from_json) if ns.from_json else run(Path(ns.cache) if ns.cache else None, ns.processes, cluster)
     if ns.json:
         Path(ns.json).write_text("".join(json.dumps(r) + "\n" for r in rows))

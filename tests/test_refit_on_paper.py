@@ -278,3 +278,12 @@ def test_cluster_link_fits_the_nic_efficiency_on_its_fit_rows(tmp_path):
     path.write_text(json.dumps({**rows[3]}) + "\n")
     with pytest.raises(ValueError, match="none with role 'fit'"):
         rop.cluster_link([str(path)])
+
+
+def test_the_recorded_emulated_cluster_agrees_with_the_link_term_within_tolerance():
+    """docs/cluster_cpu.jsonl (benchmarks/bench_cluster.py): fit on the raw READs, every refit
+    (copy 0 alone and every copy serving) predicted within the 15% bar."""
+    link = rop.cluster_link([str(ROOT / "docs" / "cluster_cpu.jsonl")])
+    assert link is not None and link["within_tolerance"], link
+    held = [c for c in link["rows"] if c["role"] == "held out"]
+    assert len(held) >= 2 and all(abs(c["error"]) <= rop.TOLERANCE for c in held)
