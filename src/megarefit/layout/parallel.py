@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
+from typing import Any
 
 from megarefit.errors import LayoutError
 from megarefit.specs.megatron_core import REFERENCE, MegatronCore
@@ -39,7 +40,9 @@ class RankCoord(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, tp: int, pp: int, ep: int = 0, copy: int = 0) -> RankCoord:
+    def __new__(cls, tp: Any, pp: int | None = None, ep: int = 0, copy: int = 0) -> RankCoord:
+        if pp is None:  # RankCoord(iterable), as ``dataclasses.asdict`` / ``copy.deepcopy`` rebuild a tuple
+            return cls(*tp)
         return tuple.__new__(cls, (tp, pp, ep) if copy == 0 else (tp, pp, ep, copy))
 
     def __getnewargs__(self) -> tuple[int, ...]:
