@@ -10,7 +10,8 @@ layouts: trainer tp 8, ep up to 64, etp 1, every remaining factor data-parallel;
 (:func:`megarefit.planner.holders.served_by_readers`, reader ``replica + replicas * worker``),
 and the bytes every trainer GPU serves are summed. Reported: bytes per trainer GPU, the busiest
 over the mean (the mean over every trainer GPU, idle ones included), and the same for today's
-rule (only copy 0 serves, each tensor from its first holder). Units: bytes in the JSON, GB
+rule (only copy 0 serves, each tensor from its first holder), and the most trainer ranks one
+receiver reads (it connects to and fences those: one copy's). Units: bytes in the JSON, GB
 (1e9 bytes) in the table. Nothing is measured: planner bytes only.
 """
 
@@ -55,10 +56,13 @@ def case(name: str, gpus: int) -> dict:
     workers = vtp * vdp
     spread: dict = {}
     first: dict = {}
+    reads = 0  # the most trainer ranks one receiver reads (connects to and fences)
     for w in range(workers):
         target = VllmTarget(vtp, w % vtp, dp=vdp, dp_rank=w // vtp, expert_parallel=vep)
         plan = plan_megatron_to_vllm(dims, layout, "bfloat16", target)
-        got = served_by_readers(plan, [Reader.of(r, replicas, w, workers) for r in range(replicas)])
+        readers = [Reader.of(r, replicas, w, workers) for r in range(replicas)]
+        got = served_by_readers(plan, readers)
+        reads = max([reads] + [len(served_by_readers(plan, [r])) for r in readers[:2]])
         for rank, b in got.items():
             spread[rank] = spread.get(rank, 0) + b
         for rank, row in plan.summary()["per_rank"].items():
@@ -69,20 +73,22 @@ def case(name: str, gpus: int) -> dict:
     return {"model": name, "gpus": gpus, "trainer_gpus": gpus_t, "trainer": [layout.tp, layout.ep, layout.dp],
             "engine": [vtp, vdp, bool(vep)], "replicas": replicas, "bytes": total,
             "busiest": max(spread.values()), "mean": total / gpus_t, "serving": len(spread),
-            "today_busiest": max(first.values()), "today_serving": len(first),
+            "today_busiest": max(first.values()), "today_serving": len(first), "ranks_per_receiver": reads,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def table(rows: list[dict]) -> str:
     out = ["| model | GPUs (train + serve) | trainer tp x ep, dp | vLLM engine x replicas | GB per refit "
-           "| busiest / mean, every copy serving | GPUs serving | today: busiest / mean | today: GPUs serving |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| busiest / mean, every copy serving | GPUs serving | ranks one receiver reads | today: busiest / mean "
+           "| today: GPUs serving |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tp, ep, dp = r["trainer"]
         vtp, vdp, vep = r["engine"]
         out.append(f"| {r['model']} | {r['trainer_gpus']} + {r['gpus'] - r['trainer_gpus']} | {tp} x {ep}, dp {dp} "
                    f"| tp{vtp} x dp{vdp}{' EP' if vep else ''} x {r['replicas']} | {r['bytes'] / 1e9:.1f} "
                    f"| {r['busiest'] / r['mean']:.3f} | {r['serving']} of {r['trainer_gpus']} "
+                   f"| {r.get('ranks_per_receiver', '-')} "
                    f"| {r['today_busiest'] / r['mean']:.1f} | {r['today_serving']} of {r['trainer_gpus']} |")
     return "\n".join(out)
 

@@ -201,7 +201,7 @@ def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
     tracker = track_changes(opt)
     params = refit_tensors(model)
     rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
-    pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer",
+    pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer", serve_copies=False,
                                   delta=DeltaOptions(keep=2, capacity=1.0), tracker=tracker, checksums=True)
     version = 1
     if pub.serving:

@@ -16,12 +16,18 @@ replicated (norms, ..)  every rank of its pipeline stage
 :func:`assign_holders` rewrites a columnar plan so that each source tensor is read from one
 of its holders, chosen by a rule every receiver applies alone (no coordinator, all agree)::
 
-    holder index = (key(group) + layer + expert * L + reader.index) mod len(holders)
+    turn   = key(group) + layer + expert * L
+    copy   = replica mod copies                        (the copies divide the engines evenly)
+    holder = copy's block of holders [(turn + reader.index div copies) mod holders per copy]
+    holder = holders[(turn + reader.index) mod len(holders)]           (else)
 
 ``key(group)`` a CRC-32 of the source row and rank, ``L`` the layers plus one; readers are
-numbered ``replica + replicas * worker`` (:class:`Reader`), so the readers of one tensor, across
-replicas first, take consecutive holders, and the tensors of a row (layer after layer, expert
-after expert) do too: bytes per trainer GPU come out even over every receiver of every replica.
+numbered ``replica + replicas * worker`` (:class:`Reader`). Where the copies divide the engines
+(replicas) evenly, each engine reads one data-parallel copy (each receiver connects to and fences
+one copy's ranks, however many copies serve): a whole engine reads every tensor, so each copy
+serves the same bytes. Within a copy, or over every holder otherwise, the readers of one tensor,
+and the tensors of a row (layer after layer, expert after expert), take consecutive holders:
+bytes per trainer GPU come out even over every receiver of every replica.
 The choice is data: the rewritten plan's sources name ``RankCoord(tp, pp, ep, copy)``, its
 digest changes with the reader, and :func:`served_bytes` sums what each trainer GPU serves.
 
@@ -48,31 +54,37 @@ from megarefit.specs.table import ParamSpec, Role
 
 @dataclass(frozen=True)
 class Reader:
-    """A receiver among all that read one trainer: ``index`` in ``[0, count)``.
+    """A receiver among all that read one trainer: ``index`` in ``[0, count)``, of ``replicas``
+    identical engines (0: as many as readers, each reader an engine of its own).
 
     :meth:`of` numbers worker ``worker`` (of ``workers`` in one vLLM engine) of replica
     ``replica`` (of ``replicas`` identical engines) as ``replica + replicas * worker``.
 
     Raises:
-        PlanValidationError: ``index`` outside ``[0, count)``."""
+        PlanValidationError: ``index`` outside ``[0, count)``, or ``count`` not a multiple of ``replicas``."""
 
     index: int = 0
     count: int = 1
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.index, int) and isinstance(self.count, int) and 0 <= self.index < self.count):
             raise PlanValidationError(f"reader index {self.index!r} of {self.count!r}: need 0 <= index < count")
+        if self.replicas == 0:
+            object.__setattr__(self, "replicas", self.count)
+        if not (isinstance(self.replicas, int) and self.replicas > 0 and self.count % self.replicas == 0):
+            raise PlanValidationError(f"{self.count} readers cannot be {self.replicas!r} identical engines")
 
     @classmethod
     def of(cls, replica: int, replicas: int, worker: int = 0, workers: int = 1) -> Reader:
         if not (0 <= replica < replicas and 0 <= worker < workers):
             raise PlanValidationError(f"replica {replica} of {replicas}, worker {worker} of {workers}: out of range")
-        return cls(replica + replicas * worker, replicas * workers)
+        return cls(replica + replicas * worker, replicas * workers, replicas)
 
 
 def holders(layout: SourceLayout, row: ParamSpec, rank: RankCoord) -> tuple[RankCoord, ...]:
-    """Every rank that holds source row ``row``'s tensors of coordinate ``rank`` byte for byte,
-    ``rank``'s own first copy first (see the module table)."""
+    """Every rank that holds source row ``row``'s tensors of coordinate ``rank`` byte for byte
+    (see the module table), copy by copy: ``layout.copies`` blocks of equal length."""
     role = row.role
     kind = "replicated" if role is Role.REPLICATED else (
         ("expert_whole" if layout.etp == 1 or role is Role.EXPERT_REPLICATED_FUSED else "expert") if role.is_expert
@@ -89,9 +101,7 @@ def _holders(tp: int, ep: int, etp: int, copies: int, kind: str, rank: RankCoord
         same = tuple((t, e) for t, e in pairs if e == rank.ep and (kind == "expert_whole" or t == rank.tp))
     else:
         same = tuple((t, e) for t, e in pairs if t == rank.tp)
-    out = [RankCoord(t, rank.pp, e, c) for c in range(copies) for t, e in same]
-    out.remove(rank)
-    return (rank, *out)
+    return tuple(RankCoord(t, rank.pp, e, c) for c in range(copies) for t, e in same)  # copy-major
 
 
 def _pairs(tp: int, ep: int, etp: int) -> tuple[tuple[int, int], ...]:
@@ -119,6 +129,7 @@ class _Choice:
         self.size = size[g]
         self.base = key[g] + table.layer + 1 + (table.expert + 1) * span
         self.width = max((len(s) for s in self.sets), default=1)
+        self.copies = layout.copies
 
     def index(self, reader: Reader, exclude: frozenset[RankCoord] = frozenset()) -> torch.Tensor:
         """``[sources]`` int64: which of its holders each source row is read from. A row whose
@@ -127,7 +138,12 @@ class _Choice:
 
         Raises:
             NoHolderError: every holder of a row is excluded (names the tensor and the ranks)."""
-        idx = (self.base + reader.index) % self.size
+        if reader.replicas % self.copies == 0:  # one copy per engine, the engines spread evenly over the copies
+            block = (self.size // self.copies).clamp(min=1)  # (a group of one holder: block 1, copy 0)
+            copy = torch.where(self.size >= self.copies, (reader.index % reader.replicas) % self.copies, 0)
+            idx = copy * block + (self.base + reader.index // self.copies) % block
+        else:
+            idx = (self.base + reader.index) % self.size
         if not exclude:
             return idx
         for g, s in enumerate(self.sets):
@@ -245,7 +261,7 @@ def served_by_readers(plan: Plan, readers: Iterable[Reader]) -> dict[RankCoord, 
         PlanValidationError: as :func:`assign_holders`."""
     ops = _columnar(plan)
     choice = _Choice(ops.sources, plan.layout)
-    ranks = sorted({r for s in choice.sets for r in s})
+    ranks = sorted({r for s in choice.sets for r in s if r is not None})
     rid = {r: i for i, r in enumerate(ranks)}
     flat = torch.zeros((len(choice.sets), choice.width), dtype=torch.int64)
     for g, s in enumerate(choice.sets):
@@ -254,10 +270,9 @@ def served_by_readers(plan: Plan, readers: Iterable[Reader]) -> dict[RankCoord, 
     per_row = torch.zeros(len(table), dtype=torch.int64).index_add_(0, ops.columns.src_id, ops.nbytes())
     read = per_row > 0
     group, per_row = table.group[read], per_row[read]
-    base, size = choice.base[read], choice.size[read]
     total = torch.zeros(len(ranks), dtype=torch.int64)
     for reader in readers:
-        total.index_add_(0, flat[group, (base + reader.index) % size], per_row)
+        total.index_add_(0, flat[group, choice.index(reader)[read]], per_row)
     return {r: int(b) for r, b in zip(ranks, total.tolist()) if b}
 
 
