@@ -147,6 +147,8 @@ def test_the_recorded_models_serve_within_ten_percent_of_the_mean():
     assert got == {(m, g) for m in ("DeepSeek-V3", "Kimi-K2", "GLM-5", "Qwen3-235B-A22B") for g in (64, 256, 1024)}
     for r in rows:
         assert r["serving"] == r["trainer_gpus"] and r["busiest"] <= 1.10 * r["mean"], r
+        tp, ep, dp = r["trainer"]
+        assert r["ranks_per_receiver"] <= max(tp, ep), r  # one copy's ranks (pp 1), however large dp
 
 
 def test_plan_dp_writes_bytes_per_trainer_gpu(tmp_path, capsys):
