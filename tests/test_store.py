@@ -377,3 +377,12 @@ def test_a_vllm_server_with_a_job_secret_joins_no_store_a_caller_picks(monkeypat
     callers = Rendezvous.serve(job="rl", secret="the-callers-own-secret-0123456789")
     with pytest.raises(StoreError, match="refused this process: wrong job secret"):
         Rendezvous.connect("127.0.0.1", callers.port, job="rl")  # what the worker does without init's secret
+
+
+def test_a_version_no_receiver_consumed_is_not_named_as_a_rank():
+    from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout
+
+    rdzv = Rendezvous.serve(job="consumed-message")
+    with pytest.raises(RendezvousTimeout, match=r"no receiver consumed version 7 after .* check that the receivers") as e:
+        rdzv.wait_consumed(7, timeout=0.2)
+    assert "trainer ranks" not in str(e.value)

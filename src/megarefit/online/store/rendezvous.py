@@ -219,9 +219,11 @@ class Rendezvous:
                 return
             if time.monotonic() > deadline:
                 ranks = [k.rsplit("/", 1)[1] for k in missing[:8]]
+                by = "receivers" if what.startswith("receiver") else "trainers"  # consumed/<version>: not a rank
+                source = "" if by == "receivers" else f" from trainer ranks {ranks} (tp.pp.ep[.copy])"
                 raise RendezvousTimeout(
-                    f"no {what} after {timeout:.1f} s from trainer ranks {ranks} (tp.pp.ep) of job {self.job!r} at the "
-                    f"rendezvous {self.store.host}:{self.store.port} (keys {missing[:8]}): check that the trainers "
+                    f"no {what} after {timeout:.1f} s{source} of job {self.job!r} at the "
+                    f"rendezvous {self.store.host}:{self.store.port} (keys {missing[:8]}): check that the {by} "
                     "were started with this job name and rendezvous, and are alive")
             time.sleep(0.01)
 
