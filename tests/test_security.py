@@ -58,8 +58,9 @@ def test_forged_version_is_refused_before_any_pull(job):
     intruder = _intruder(rdzv)
     for p in pubs:
         intruder.publish_version(p.rank, 99)  # the attack of the issue: "version 99" for every rank
-    with pytest.raises(RecordAuthenticationError, match=r"version/0\.0\.0' has a wrong signature: written with "
-                                                        r"another job secret, or forged"):
+    # its publish also rewrites the copy's write marker (copy_fence), which a warm fence reads first
+    with pytest.raises(RecordAuthenticationError, match=r"(version/0\.0\.0|writes/0)' has a wrong signature: "
+                                                        r"written with another job secret, or forged"):
         dict(receiver.run_refit_cycle())
     assert receiver.counters["posts"] == posts  # nothing was read
     for p in pubs:  # the trainers publish again: the job goes on
@@ -83,15 +84,21 @@ def test_unsigned_record_is_refused(job):
         dict(receiver.run_refit_cycle(1))
 
 
-def test_replayed_record_is_refused(job):
+@pytest.mark.parametrize("keys", [("version/0.0.0",), ("writes/0", "fence/0")], ids=["rank-record", "copy-record"])
+def test_replayed_record_is_refused(job, keys):
+    """A record of version 1 written again after the receiver read version 2's: a rank's own
+    (read where the copy's fence record is missing) or the copy's fence record and marker."""
     hf, rdzv, pubs, receiver = job
-    key = rdzv.prefix + "version/0.0.0"
-    old = rdzv.store.get(key)  # version 1, correctly signed
+    dict(receiver.run_refit_cycle(1))
+    old = {k: rdzv.store.get(rdzv.prefix + k) for k in keys}  # version 1, correctly signed
     for p in pubs:
         p.publish(2)
+    if "fence/0" not in keys:  # without the copy's record every cycle reads each rank's
+        assert rdzv.store.delete_key(rdzv.prefix + "fence/0")
     dict(receiver.run_refit_cycle(2))
-    rdzv.store.set(key, old)  # written again by someone who kept it
-    with pytest.raises(RecordAuthenticationError, match=r"version/0\.0\.0' is older than one already read"):
+    for k, record in old.items():
+        rdzv.store.set(rdzv.prefix + k, record)  # written again by someone who kept it
+    with pytest.raises(RecordAuthenticationError, match=rf"{keys[0]}' is older than one already read"):
         dict(receiver.run_refit_cycle())
 
 

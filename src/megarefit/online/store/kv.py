@@ -319,6 +319,10 @@ class KeyValueStore:
     def set(self, key: str, value: bytes | str) -> None:
         self._call({"op": "set", "key": key}, (value.encode() if isinstance(value, str) else bytes(value),))
 
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        """Set several keys in one request, at once: a reader sees all of them written or none."""
+        self._call({"op": "mset", "keys": list(items)}, tuple(bytes(v) for v in items.values()))
+
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store's timeout for it to appear.
 

@@ -85,6 +85,15 @@ class RecordCodec:
         Raises:
             RecordAuthenticationError: unsigned, malformed, signed with another secret, or older
                 than a record already read under this key (by this thread)."""
+        return self.unseal_counted(key, record)[1]
+
+    def unseal_counted(self, key: str, record: bytes) -> tuple[int, bytes]:
+        """``(n, payload)`` of a signed record read under full key ``key``: :meth:`unseal`, and
+        the record's counter (drawn from the job's clock when it was sealed; a record written
+        later under any key has a larger one).
+
+        Raises:
+            RecordAuthenticationError: as :meth:`unseal`."""
         parts = bytes(record).split(b":", 3)
         if (len(parts) != 4 or parts[0] != RECORD_FORMAT or len(parts[1]) != 64 or not parts[2].isdigit()
                 or len(parts[2]) > MAX_COUNTER_DIGITS):
@@ -101,7 +110,7 @@ class RecordCodec:
             raise RecordAuthenticationError(
                 f"record {key!r} is older than one already read under that key (replayed); nothing was done with it")
         latest[key] = n
-        return parts[3]
+        return n, parts[3]
 
 
 __all__ = ["MAX_COUNTER_DIGITS", "RECORD_FORMAT", "SECRET_ENV", "RecordAuthenticationError", "RecordCodec",

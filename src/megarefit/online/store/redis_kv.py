@@ -34,7 +34,7 @@ from megarefit.online.store.kv import BACKOFF_CAP, BACKOFF_FIRST, StoreError, St
 SCHEMES = ("redis://", "rediss://")
 PASSWORD_ENV = "MEGAREFIT_REDIS_PASSWORD"  # the Redis password when neither password= nor the URL gives one
 POLL_FIRST, POLL_CAP = 0.001, 0.05  # seconds between reads of missing keys: first, and at most
-IDEMPOTENT = frozenset({"SET", "MGET", "EXISTS", "DEL"})  # sent again on a new connection if one breaks
+IDEMPOTENT = frozenset({"SET", "MSET", "MGET", "EXISTS", "DEL"})  # sent again on a new connection if one breaks
 
 
 def _is_tls_failure(exc: BaseException) -> bool:
@@ -153,6 +153,10 @@ class RedisStore:
 
     def set(self, key: str, value: bytes | str) -> None:
         self._do("SET", key, value.encode() if isinstance(value, str) else bytes(value))
+
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        """Set several keys in one request, at once (``MSET``: a reader sees all or none)."""
+        self._do("MSET", *[part for k, v in items.items() for part in (k, bytes(v))])
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store's timeout for it to appear.

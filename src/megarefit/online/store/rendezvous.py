@@ -13,6 +13,9 @@ Keys, under a job prefix (``megarefit/<job>/``)::
     seq/<tp>.<pp>.<ep>        update sequence (a seqlock): odd while the rank rewrites its weights,
                               even when they are stable; receivers accept a pull only if every
                               rank's sequence was even before it and unchanged after it
+    writes/<copy>, fence/<copy> one fence record per data-parallel copy, valid while no rank of
+                              the copy wrote since: a warm fence reads it, not every rank's keys
+                              (:mod:`~megarefit.online.store.copy_fence`)
     consumed/<version>        set by a receiver when it no longer reads that version
     receivers/n, receivers/<i> registered receiver ids (a receiver registers once per process)
     beat/<id>                 the receiver's heartbeat counter (its lease: trainers drop a receiver
@@ -54,6 +57,7 @@ from collections.abc import Iterable
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
+from megarefit.online.store.copy_fence import CopyFences, CopyState, rank_key, writes_key
 from megarefit.online.store.kv import KeyValueStore, StoreTLS
 from megarefit.online.store.receivers import ReceiverRegistry
 from megarefit.online.store.records import (
@@ -68,11 +72,6 @@ from megarefit.online.store.redis_kv import RedisStore, is_redis_address
 from megarefit.transport.manifest import Manifest
 
 
-def _rank_key(rank: RankCoord) -> str:
-    """``tp.pp.ep``, and ``.copy`` for a data-parallel copy past the first."""
-    return f"{rank.tp}.{rank.pp}.{rank.ep}" + (f".{rank.copy}" if rank.copy else "")
-
-
 class Rendezvous:
     """Manifest and version exchange between trainer ranks and receivers (records signed with
     the job secret; see the module docstring)."""
@@ -84,6 +83,8 @@ class Rendezvous:
         self._secret, _ = resolve_secret(secret, serving=False)
         self._codec = RecordCodec(job, self._secret)  # signs and verifies (replays refused per thread)
         self._registry = ReceiverRegistry(self)  # receivers/, beat/, acked/
+        self._copies = CopyFences(self)  # writes/, ended/, fence/ (one fence record per copy)
+        self._seq: dict[RankCoord, int] = {}  # this process's ranks: their update sequences
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
@@ -162,6 +163,12 @@ class Rendezvous:
         """Write a signed record under ``key`` (relative to the job prefix)."""
         self.store.set(self.prefix + key, self.seal(self.prefix + key, payload))
 
+    def put_many(self, items: dict[str, bytes | str]) -> None:
+        """Write signed records under several keys at once (one counter for all; a reader sees
+        all of them or none)."""
+        n = self.store.add(self.prefix + "clock", 1)
+        self.store.multi_set({self.prefix + k: self._codec.seal(self.prefix + k, n, v) for k, v in items.items()})
+
     def fetch(self, key: str) -> bytes:
         """Read and verify the record under ``key`` (relative to the job prefix; waits for it
         like ``TCPStore.get``). Raises RecordAuthenticationError as :meth:`unseal`."""
@@ -173,40 +180,83 @@ class Rendezvous:
         full = [self.prefix + k for k in keys]
         return [self.unseal(k, r) for k, r in zip(full, self.store.multi_get(full, timeout))]
 
+    def fetch_counted(self, keys: list[str]) -> list[tuple[int, bytes]]:
+        """:meth:`fetch_many`, each record as ``(its counter, payload)``."""
+        full = [self.prefix + k for k in keys]
+        return [self._codec.unseal_counted(k, r) for k, r in zip(full, self.store.multi_get(full))]
+
     @property
     def port(self) -> int:
         return self.store.port
 
     # ---- trainer side ----------------------------------------------------
     def publish_manifest(self, manifest: Manifest, nixl_metadata: bytes = b"") -> None:
-        key = _rank_key(manifest.rank)
+        key = rank_key(manifest.rank)
         text = manifest.to_json()
         self.put("nixl/" + key, nixl_metadata)
         self.put("manifest/" + key, text)
         digest = hashlib.sha256(text.encode() + b"\0" + bytes(nixl_metadata)).hexdigest()[:16]
         if not self.store.check([self.prefix + "seq/" + key]):  # stable from the start: a receiver's fence
             self.put("seq/" + key, "0")  # then reads generations, sequences and versions in one round trip
-        self.put("generation/" + key, f"{self.store.add(self.prefix + 'clock', 1)}-{digest}")
+        self.put_many({"generation/" + key: f"{self.store.add(self.prefix + 'clock', 1)}-{digest}",
+                       writes_key(manifest.rank.copy): key})  # the copy's fence record no longer holds
 
-    def publish_version(self, rank: RankCoord, version: int) -> None:
-        self.put("version/" + _rank_key(rank), str(int(version)))
+    def publish_version(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] = ()) -> None:
+        """Publish ``version`` for ``rank`` (bytes already stable: no update sequence moves).
+        ``copy_ranks``: every rank of its copy (the layout's coordinates), to keep the copy's
+        fence record (:mod:`~megarefit.online.store.copy_fence`); none: receivers read each rank."""
+        self.put_many({"version/" + rank_key(rank): str(int(version)), writes_key(rank.copy): rank_key(rank)})
+        self._complete(rank, version, copy_ranks)
 
-    def _bump(self, rank: RankCoord) -> int:
-        """The rank's update sequence plus one, written (only the rank's own publisher writes it)."""
-        key = "seq/" + _rank_key(rank)
-        seq = int(self.fetch(key)) + 1 if self.store.check([self.prefix + key]) else 1
-        self.put(key, str(seq))
-        return seq
+    def _next_seq(self, rank: RankCoord) -> int:
+        """The rank's update sequence plus one (only the rank's own publisher writes it; read
+        from the store once per process, as a restarted rank continues its sequence)."""
+        if rank not in self._seq:
+            key = "seq/" + rank_key(rank)
+            self._seq[rank] = int(self.fetch(key)) if self.store.check([self.prefix + key]) else 0
+        self._seq[rank] += 1
+        return self._seq[rank]
 
     def begin_update(self, rank: RankCoord) -> int:
         """Mark ``rank`` writing (its sequence becomes odd) before the first byte changes; the
         new sequence."""
-        return self._bump(rank)
+        seq = self._next_seq(rank)
+        self.put_many({"seq/" + rank_key(rank): str(seq), writes_key(rank.copy): rank_key(rank)})
+        return seq
 
-    def end_update(self, rank: RankCoord, version: int) -> int:
-        """Publish ``version`` for ``rank``, then mark it stable (its sequence becomes even)."""
-        self.publish_version(rank, version)
-        return self._bump(rank)
+    def end_update(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] = ()) -> int:
+        """Publish ``version`` for ``rank`` and mark it stable (its sequence becomes even), in
+        one store write; ``copy_ranks``: as :meth:`publish_version`."""
+        seq = self._next_seq(rank)
+        key = rank_key(rank)
+        self.put_many({"version/" + key: str(int(version)), "seq/" + key: str(seq), writes_key(rank.copy): key})
+        self._complete(rank, version, copy_ranks)
+        return seq
+
+    def _complete(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord]) -> None:
+        copy_ranks = list(copy_ranks)
+        if copy_ranks:
+            self._copies.completed(rank, version, copy_ranks)
+
+    def copy_state(self, ranks: Iterable[RankCoord]) -> CopyState | None:
+        """The version, sequences and generations of ``ranks`` from their copies' fence records
+        (two records per copy, one round trip), or ``None`` where those do not hold now
+        (:meth:`CopyFences.state <megarefit.online.store.copy_fence.CopyFences.state>`)."""
+        return self._copies.state(ranks)
+
+    def copy_writes(self, copies: Iterable[int]) -> dict[int, int]:
+        """Each copy's write counter (one record per copy): unchanged since a :meth:`copy_state`
+        means no rank of the copy wrote since."""
+        return self._copies.writes(copies)
+
+    def cached_manifests(self, ranks: Iterable[RankCoord], generations: dict[RankCoord, bytes]
+                         ) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]] | None:
+        """The manifests and metadata this object read before for ``ranks``, where each was read
+        at the given generation; ``None`` where one was not (read them again)."""
+        seen = [self._seen.get(r) for r in ranks]
+        if any(c is None or c[0] != generations.get(r) for r, c in zip(ranks, seen)):
+            return None
+        return {r: c[1] for r, c in zip(ranks, seen)}, {r: c[2] for r, c in zip(ranks, seen)}
 
     # ---- receiver side ---------------------------------------------------
     def _wait(self, keys: list[str], timeout: float, what: str) -> None:
@@ -251,10 +301,10 @@ class Rendezvous:
             first = Manifest.from_json(self.fetch("manifest/0.0.0"))
             ranks = first.layout.ranks()
         ranks = list(ranks)
-        self._wait([f"generation/{_rank_key(r)}" for r in ranks], timeout, "manifest")  # names the missing ranks
+        self._wait([f"generation/{rank_key(r)}" for r in ranks], timeout, "manifest")  # names the missing ranks
         manifests, metadata = {}, {}
-        keys = ["generation/" + _rank_key(r) for r in ranks]
-        both = [kind + _rank_key(r) for kind in ("seq/", "version/") for r in ranks]
+        keys = ["generation/" + rank_key(r) for r in ranks]
+        both = [kind + rank_key(r) for kind in ("seq/", "version/") for r in ranks]
         with_state = self._all_present([self.prefix + k for k in both])
         values = self.fetch_many(keys + both if with_state else keys)
         generations = values[:len(ranks)]
@@ -263,7 +313,7 @@ class Rendezvous:
             numbers = [int(v) for v in values[len(ranks):]]
             state = dict(zip(ranks, numbers[:len(ranks)])), dict(zip(ranks, numbers[len(ranks):]))
         for r, gen in zip(ranks, generations):
-            key = _rank_key(r)
+            key = rank_key(r)
             cached = self._seen.get(r)
             if cached is None or cached[0] != gen:  # new or re-registered: read and parse once
                 cached = (gen, Manifest.from_json(self.fetch("manifest/" + key)), self.fetch("nixl/" + key))
@@ -275,14 +325,14 @@ class Rendezvous:
         """Each rank's registration generation (``None``: never registered); it changes when the
         rank publishes a new manifest (a restarted trainer)."""
         ranks = list(ranks)
-        keys = [self.prefix + "generation/" + _rank_key(r) for r in ranks]
+        keys = [self.prefix + "generation/" + rank_key(r) for r in ranks]
         return {r: self.store.get(k) if self.store.check([k]) else None for r, k in zip(ranks, keys)}
 
     def versions(self, ranks: Iterable[RankCoord]) -> dict[RankCoord, int | None]:
         """Current version per rank (``None`` where none was published yet); one round trip
         when every rank published one."""
         ranks = list(ranks)
-        keys = ["version/" + _rank_key(r) for r in ranks]
+        keys = ["version/" + rank_key(r) for r in ranks]
         if self._all_present([self.prefix + k for k in keys]):
             return {r: int(v) for r, v in zip(ranks, self.fetch_many(keys))}
         return {r: int(self.fetch(k)) if self.store.check([self.prefix + k]) else None for r, k in zip(ranks, keys)}
@@ -291,7 +341,7 @@ class Rendezvous:
         """Current update sequence per rank (0 where the rank never began an update; odd:
         writing now); one round trip when every rank has begun an update before."""
         ranks = list(ranks)
-        keys = ["seq/" + _rank_key(r) for r in ranks]
+        keys = ["seq/" + rank_key(r) for r in ranks]
         if self._all_present([self.prefix + k for k in keys]):
             return {r: int(v) for r, v in zip(ranks, self.fetch_many(keys))}
         return {r: int(self.fetch(k)) if self.store.check([self.prefix + k]) else 0 for r, k in zip(ranks, keys)}
@@ -300,7 +350,7 @@ class Rendezvous:
         """(update sequences, versions) of ``ranks`` read together: one round trip (a snapshot of
         the store) once every key exists, else as :meth:`sequences` then :meth:`versions`."""
         ranks = list(ranks)
-        keys = [kind + _rank_key(r) for kind in ("seq/", "version/") for r in ranks]
+        keys = [kind + rank_key(r) for kind in ("seq/", "version/") for r in ranks]
         if not self._all_present([self.prefix + k for k in keys]):
             return self.sequences(ranks), self.versions(ranks)
         values = [int(v) for v in self.fetch_many(keys)]

@@ -55,7 +55,7 @@ MAX_PENDING = 256  # connections not yet authenticated; past it the oldest is dr
 BACKLOG = 4096  # connections the kernel queues before accept (capped by net.core.somaxconn)
 MAX_WAIT = 86400.0  # seconds a blocking read may wait
 TLS_PREAMBLE = b"MRSTLS1\n"  # a TLS store's first (plain) bytes: the client starts TLS after them
-OPS = ("set", "get", "add", "check", "delete")
+OPS = ("set", "mset", "get", "add", "check", "delete")
 
 
 class ProtocolError(Exception):
@@ -208,6 +208,13 @@ class Table:
         op = header.get("op")
         if op == "set":
             self._data[str(header["key"])] = values[0]
+            self._notify()
+            return {}, []
+        if op == "mset":  # several keys in one step: no reader sees some written and not the others
+            keys = [str(k) for k in header["keys"]]
+            if len(keys) != len(values):
+                raise ValueError(f"mset of {len(keys)} keys with {len(values)} values")
+            self._data.update(zip(keys, values))
             self._notify()
             return {}, []
         if op == "get":
