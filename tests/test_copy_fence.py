@@ -29,19 +29,25 @@ SECRET = "the-job-secret-of-the-copy-fence-test"
 
 
 class CountingStore:
-    """A real store, counting the keys each read asks for (what the server serves)."""
+    """A real store, counting the requests sent to it and the keys they read."""
 
     def __init__(self, store):
         self._store = store
-        self.keys_read = 0
+        self.keys_read = self.requests = 0
 
     def multi_get(self, keys, timeout=None):
         self.keys_read += len(keys)
+        self.requests += 1
         return self._store.multi_get(keys, timeout)
 
     def get(self, key):
         self.keys_read += 1
+        self.requests += 1
         return self._store.get(key)
+
+    def check(self, keys):
+        self.requests += 1
+        return self._store.check(keys)
 
     def __getattr__(self, name):
         return getattr(self._store, name)
@@ -85,11 +91,12 @@ def test_a_warm_fence_reads_records_per_copy_not_per_rank(config, tp):
     assert cold.writes is None and cold.version == 1 and cold.ranks == copy1
     for version in (2, 3):
         _publish(trainer, layout, ranks, version)
-        before = counting.keys_read
+        before, requests = counting.keys_read, counting.requests
         warm = fence.start(None, 5.0)
         fence.end(warm)
         assert warm.version == version and warm.ranks == copy1 and warm.writes is not None
         assert counting.keys_read - before == 3  # writes/1 and fence/1, then writes/1: whatever tp is
+        assert counting.requests - requests == (2 if version == 3 else 3)  # (+ whether they exist, once)
         assert warm.metadata[copy1[-1]] == b"metadata of " + repr(copy1[-1]).encode()
 
 

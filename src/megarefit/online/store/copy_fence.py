@@ -52,6 +52,8 @@ class SignedRecords(Protocol):
 
     def fetch_counted(self, keys: list[str]) -> list[tuple[int, bytes]]: ...
 
+    def all_present(self, keys: list[str]) -> bool: ...
+
 
 @dataclass(frozen=True)
 class CopyState:
@@ -107,7 +109,7 @@ class CopyFences:
         ranks = list(ranks)
         copies = sorted({r.copy for r in ranks})
         keys = [key for c in copies for key in (writes_key(c), f"fence/{c}")]
-        if not self.records.store.check([self.records.prefix + k for k in keys]):
+        if not self.records.all_present([self.records.prefix + k for k in keys]):  # once seen: no request
             return None
         values = self.records.fetch_counted(keys)
         writes, tables, versions = {}, {}, set()

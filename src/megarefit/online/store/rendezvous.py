@@ -88,8 +88,9 @@ class Rendezvous:
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
-    def _all_present(self, keys: list[str]) -> bool:
-        """Whether every key exists (one round trip, none once all were seen)."""
+    def all_present(self, keys: list[str]) -> bool:
+        """Whether every key (full, with the job prefix) exists: one round trip, none once all
+        were seen (megarefit never deletes the keys it asks this of)."""
         if self._present.issuperset(keys):
             return True
         if self.store.check(keys):
@@ -260,7 +261,7 @@ class Rendezvous:
 
     # ---- receiver side ---------------------------------------------------
     def _wait(self, keys: list[str], timeout: float, what: str) -> None:
-        if self._all_present([self.prefix + k for k in keys]):  # all there: at most one round trip
+        if self.all_present([self.prefix + k for k in keys]):  # all there: at most one round trip
             return
         deadline = time.monotonic() + timeout
         while True:
@@ -305,7 +306,7 @@ class Rendezvous:
         manifests, metadata = {}, {}
         keys = ["generation/" + rank_key(r) for r in ranks]
         both = [kind + rank_key(r) for kind in ("seq/", "version/") for r in ranks]
-        with_state = self._all_present([self.prefix + k for k in both])
+        with_state = self.all_present([self.prefix + k for k in both])
         values = self.fetch_many(keys + both if with_state else keys)
         generations = values[:len(ranks)]
         state = None
@@ -333,7 +334,7 @@ class Rendezvous:
         when every rank published one."""
         ranks = list(ranks)
         keys = ["version/" + rank_key(r) for r in ranks]
-        if self._all_present([self.prefix + k for k in keys]):
+        if self.all_present([self.prefix + k for k in keys]):
             return {r: int(v) for r, v in zip(ranks, self.fetch_many(keys))}
         return {r: int(self.fetch(k)) if self.store.check([self.prefix + k]) else None for r, k in zip(ranks, keys)}
 
@@ -342,7 +343,7 @@ class Rendezvous:
         writing now); one round trip when every rank has begun an update before."""
         ranks = list(ranks)
         keys = ["seq/" + rank_key(r) for r in ranks]
-        if self._all_present([self.prefix + k for k in keys]):
+        if self.all_present([self.prefix + k for k in keys]):
             return {r: int(v) for r, v in zip(ranks, self.fetch_many(keys))}
         return {r: int(self.fetch(k)) if self.store.check([self.prefix + k]) else 0 for r, k in zip(ranks, keys)}
 
@@ -351,7 +352,7 @@ class Rendezvous:
         the store) once every key exists, else as :meth:`sequences` then :meth:`versions`."""
         ranks = list(ranks)
         keys = [kind + rank_key(r) for kind in ("seq/", "version/") for r in ranks]
-        if not self._all_present([self.prefix + k for k in keys]):
+        if not self.all_present([self.prefix + k for k in keys]):
             return self.sequences(ranks), self.versions(ranks)
         values = [int(v) for v in self.fetch_many(keys)]
         return dict(zip(ranks, values[:len(ranks)])), dict(zip(ranks, values[len(ranks):]))
