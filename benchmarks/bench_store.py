@@ -136,6 +136,9 @@ def _client_loop(open_client, keys: list[str], waits: list[str], cycles: int, re
     go.wait()
     try:
         for _ in range(cycles):
+            if hasattr(client, "cycle"):  # a real receiver's fence (fence rows)
+                client.cycle()
+                continue
             client.multi_get(keys)
             if waits:
                 client.wait(waits)

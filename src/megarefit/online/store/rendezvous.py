@@ -27,9 +27,9 @@ One side serves the store (``Rendezvous.serve``), the others connect
 else running.
 
 Every record megarefit acts on (manifest, NIXL metadata, generation, version, update
-sequence, consumed marks, acknowledgements, registry members, replica arena records) is
-signed with the job's secret (``secret=``, else ``MEGAREFIT_JOB_SECRET``; HMAC-SHA256 from the
-standard library) and checked before use: ``mr1:<mac>:<n>:<payload>``, the MAC over the
+sequence, copy write markers and fence records, consumed marks, acknowledgements, registry
+members, replica arena records) is signed with the job's secret (``secret=``, else
+``MEGAREFIT_JOB_SECRET``; HMAC-SHA256 from the standard library) and checked before use: ``mr1:<mac>:<n>:<payload>``, the MAC over the
 job, the key, ``n`` and the payload, ``n`` drawn from the job's counter in the store
 (``clock``: one atomic add per record, never a wall clock, so a writer restarted on a host
 whose clock is behind still writes newer records), so an older record written again under
