@@ -205,3 +205,31 @@ def test_a_restarted_redis_is_reconnected_to():
         store.set("k", b"2")  # its connection broke: sent again on a new one
         assert store.get("k") == b"2"
         assert counter.add("n", 1) == 1 and counter.add("n", 0) == 1
+
+
+def test_threads_sharing_a_store_survive_their_connections_being_killed(redis_port):
+    """32 threads of one process read through one RedisStore (a receiver's threads) while Redis
+    drops every client connection: each read is sent again and answers; no thread sees the
+    client another thread reopened being closed under it."""
+    store = RedisStore(f"redis://:{PASSWORD}@127.0.0.1:{redis_port}", 5.0, connect_timeout=20.0)
+    admin = redis.Redis(host="127.0.0.1", port=redis_port, password=PASSWORD)
+    store.multi_set({f"k{i}": str(i).encode() for i in range(8)})
+    errors, stop = [], threading.Event()
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                assert store.multi_get([f"k{i}" for i in range(8)]) == [str(i).encode() for i in range(8)]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for _ in range(5):
+        time.sleep(0.2)
+        admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, f"{len(errors)} readers failed, e.g. {errors[0]!r}"

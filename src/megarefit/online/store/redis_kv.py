@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -75,6 +76,7 @@ class RedisStore:
         self.timeout, self.tls, self.connect_timeout = timeout, tls, connect_timeout
         self.where = f"{parts.scheme}://{self.host}:{self.port}/{self.db}"  # never the credentials
         self._options = self._redis_options(parts, password)
+        self._lock = threading.Lock()
         self._client = self._open()
 
     def _redis_options(self, parts: Any, password: str | None) -> dict[str, Any]:
@@ -126,6 +128,7 @@ class RedisStore:
         other = object.__new__(RedisStore)
         other.__dict__.update(self.__dict__)
         other.timeout = timeout
+        other._lock = threading.Lock()
         other._client = other._open()
         return other
 
@@ -134,8 +137,9 @@ class RedisStore:
         once more on a new connection. ``INCRBY`` is never sent twice: it may have been applied."""
         import redis
 
+        client = self._client
         try:
-            return self._client.execute_command(op, *args)
+            return client.execute_command(op, *args)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if op not in IDEMPOTENT:
                 raise StoreError(f"the rendezvous at {self.where} failed during {op!r} (it may or may not have "
@@ -143,8 +147,9 @@ class RedisStore:
         except (redis.RedisError, OSError) as exc:
             raise StoreError(f"the rendezvous at {self.where} failed during {op!r}: {type(exc).__name__}: "
                              f"{exc}") from None
-        self._client.close()
-        self._client = self._open()
+        with self._lock:  # threads share this store: one reopens, none closes a client another is using
+            if self._client is client:
+                self._client = self._open()
         try:
             return self._client.execute_command(op, *args)
         except (redis.RedisError, OSError) as exc:
