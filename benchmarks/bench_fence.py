@@ -1,7 +1,7 @@
 """Server CPU of receivers' real warm fences under hundreds of receivers: one record per copy
 against every rank's records.
 
-    python benchmarks/bench_fence.py [--clients 512] [--procs 4] [--cycles 8] [--ranks 8,64] [--repeat 3] [--record docs/fence_cpu.jsonl]
+    python benchmarks/bench_fence.py [--clients 512] [--procs 8] [--cycles 8] [--ranks 8,64] [--repeat 3] [--record docs/fence_cpu.jsonl]
     python benchmarks/bench_fence.py --from-json docs/fence_cpu.jsonl    # the recorded table
 
 A trainer job of two data-parallel copies of ``--ranks`` ranks each registers on the store (a
@@ -176,7 +176,7 @@ def print_table(result: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=512)
-    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=8, help="client processes (redis-py pools hold 100 connections)")
     ap.add_argument("--cycles", type=int, default=8, help="warm cycles per client per run")
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64],
                     help="trainer ranks per data-parallel copy, comma-separated")
