@@ -53,6 +53,16 @@ class CountingStore:
         return getattr(self._store, name)
 
 
+_SERVED: list[Rendezvous] = []
+
+
+def _server() -> Rendezvous:
+    """One store for the module's jobs (each its own job name: its own keys)."""
+    if not _SERVED:
+        _SERVED.append(Rendezvous.serve(job="copy-fence", secret=SECRET))
+    return _SERVED[0]
+
+
 def _manifest(rank: RankCoord, layout: SourceLayout, dims: ModelDims) -> Manifest:
     entry = TensorEntry("embedding.word_embeddings.weight", "vocab", "bfloat16", (256, 64), (256, 64), 4096,
                         256 * 64 * 2, "DRAM", 0, 4096)
@@ -65,7 +75,7 @@ def _job(tiny_config, tp: int, copies: int = 2):
     dims = ModelDims.from_hf_config(tiny_config("Qwen3-0.6B"))
     layout = SourceLayout.build(tp=tp, pp=1, padded_vocab_size=dims.padded_vocab_size(tp),
                                 num_layers=dims.num_layers, dp=copies)
-    trainer = Rendezvous.serve(job=f"copy-fence-{next(_JOBS)}", secret=SECRET)
+    trainer = Rendezvous(_server().store, f"copy-fence-{next(_JOBS)}", SECRET)  # a job of its own
     ranks = layout.all_ranks()
     for r in ranks:
         trainer.publish_manifest(_manifest(r, layout, dims), b"metadata of " + repr(r).encode())
