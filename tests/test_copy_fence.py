@@ -87,7 +87,7 @@ def _publish(trainer: Rendezvous, layout: SourceLayout, ranks, version: int) -> 
     for r in ranks:
         trainer.begin_update(r)
     for r in ranks:
-        trainer.end_update(r, version, [RankCoord(q.tp, q.pp, q.ep, r.copy) for q in layout.ranks()])
+        trainer.end_update(r, version)  # its copy's ranks: as its manifest's layout states them
 
 
 @pytest.mark.parametrize("tp", [2, 16])

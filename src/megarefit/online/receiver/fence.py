@@ -146,7 +146,7 @@ class VersionFence:
         if not self.manifests:
             return None
         ranks = sorted(self.ranks_for(self.manifests[min(self.manifests)]))
-        state = self.rendezvous.copy_state(ranks)
+        state = self.rendezvous.copies.state(ranks)
         if state is None or (version is not None and state.version != version):
             return None
         cached = self.rendezvous.cached_manifests(ranks, state.generations)
@@ -195,7 +195,7 @@ class VersionFence:
         Raises:
             StaleVersionError: a rank moved past ``start.version`` (``retryable`` if no version
                 was asked for) or wrote during the pull (``retryable``)."""
-        if start.writes is not None and self.rendezvous.copy_writes(start.writes) == start.writes:
+        if start.writes is not None and self.rendezvous.copies.writes(start.writes) == start.writes:
             return  # no rank of those copies wrote since their fence records: one record per copy
         ranks, seq, got = start.ranks, start.seq, start.version
         seq_after, after = self.rendezvous.state(ranks)  # seqlock: read after the bytes landed

@@ -50,6 +50,10 @@ class SignedRecords(Protocol):
 
     def put(self, key: str, payload: bytes | str) -> None: ...
 
+    def put_many(self, items: dict[str, bytes | str]) -> None: ...
+
+    def fetch(self, key: str) -> bytes: ...
+
     def fetch_counted(self, keys: list[str]) -> list[tuple[int, bytes]]: ...
 
     def all_present(self, keys: list[str]) -> bool: ...
@@ -73,6 +77,47 @@ class CopyFences:
 
     def __init__(self, records: SignedRecords):
         self.records = records
+        self._seq: dict[RankCoord, int] = {}  # this process's ranks: their update sequences
+        self._copy: dict[RankCoord, list[RankCoord]] = {}  # this process's ranks: every rank of their copy
+
+    def registered(self, rank: RankCoord, layout_ranks: Iterable[RankCoord]) -> None:
+        """``rank`` published its manifest; ``layout_ranks``: its layout's coordinates, whose
+        copies with its copy index are every rank of its copy (:meth:`completed` waits for all)."""
+        self._copy[rank] = [RankCoord(r.tp, r.pp, r.ep, rank.copy) for r in layout_ranks]
+
+    def _next_seq(self, rank: RankCoord) -> int:
+        """The rank's update sequence plus one (only the rank's own publisher writes it; read
+        from the store once per process, as a restarted rank continues its sequence)."""
+        if rank not in self._seq:
+            key = "seq/" + rank_key(rank)
+            present = self.records.store.check([self.records.prefix + key])
+            self._seq[rank] = int(self.records.fetch(key)) if present else 0
+        self._seq[rank] += 1
+        return self._seq[rank]
+
+    def begin_update(self, rank: RankCoord) -> int:
+        """Mark ``rank`` writing (its sequence becomes odd) before the first byte changes, with
+        its copy's write marker in the same store write; the new sequence."""
+        seq = self._next_seq(rank)
+        self.records.put_many({"seq/" + rank_key(rank): str(seq), writes_key(rank.copy): rank_key(rank)})
+        return seq
+
+    def end_update(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] | None = None) -> int:
+        """Publish ``version`` for ``rank`` and mark it stable (its sequence becomes even), with
+        its copy's write marker, in one store write; then :meth:`completed` over ``copy_ranks``
+        (every rank of its copy; default: as :meth:`registered` recorded; none: no fence
+        record is kept, receivers read each rank). The new sequence."""
+        seq, key = self._next_seq(rank), rank_key(rank)
+        self.records.put_many({"version/" + key: str(int(version)), "seq/" + key: str(seq),
+                               writes_key(rank.copy): key})
+        self.completed(rank, version, self._copy.get(rank, ()) if copy_ranks is None else copy_ranks)
+        return seq
+
+    def publish_version(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] | None = None) -> None:
+        """Publish ``version`` for ``rank`` whose bytes did not change (no sequence moves), with
+        its copy's write marker; ``copy_ranks``: as :meth:`end_update`."""
+        self.records.put_many({"version/" + rank_key(rank): str(int(version)), writes_key(rank.copy): rank_key(rank)})
+        self.completed(rank, version, self._copy.get(rank, ()) if copy_ranks is None else copy_ranks)
 
     def completed(self, rank: RankCoord, version: int, ranks: Iterable[RankCoord]) -> bool:
         """Rank ``rank`` published ``version``; ``ranks``: every rank of its copy (its layout's
@@ -81,7 +126,7 @@ class CopyFences:
         (not where a rank already moved on, or wrote meanwhile: receivers read every rank)."""
         ranks = sorted({RankCoord(r.tp, r.pp, r.ep, rank.copy) for r in ranks})
         store, prefix = self.records.store, self.records.prefix
-        if store.add(f"{prefix}ended/{rank.copy}/{int(version)}", 1) < len(ranks):
+        if not ranks or store.add(f"{prefix}ended/{rank.copy}/{int(version)}", 1) < len(ranks):
             return False
         keys = [writes_key(rank.copy)] + [kind + rank_key(r) for kind in ("generation/", "seq/", "version/")
                                           for r in ranks]

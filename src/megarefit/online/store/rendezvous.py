@@ -57,7 +57,7 @@ from collections.abc import Iterable
 
 from megarefit.errors import MegarefitError
 from megarefit.layout import RankCoord
-from megarefit.online.store.copy_fence import CopyFences, CopyState, rank_key, writes_key
+from megarefit.online.store.copy_fence import CopyFences, rank_key, writes_key
 from megarefit.online.store.kv import KeyValueStore, StoreTLS
 from megarefit.online.store.receivers import ReceiverRegistry
 from megarefit.online.store.records import (
@@ -83,8 +83,7 @@ class Rendezvous:
         self._secret, _ = resolve_secret(secret, serving=False)
         self._codec = RecordCodec(job, self._secret)  # signs and verifies (replays refused per thread)
         self._registry = ReceiverRegistry(self)  # receivers/, beat/, acked/
-        self._copies = CopyFences(self)  # writes/, ended/, fence/ (one fence record per copy)
-        self._seq: dict[RankCoord, int] = {}  # this process's ranks: their update sequences
+        self.copies = CopyFences(self)  # seq/, version/, writes/, ended/, fence/ (one fence record per copy)
         self._seen: dict[RankCoord, tuple[bytes, Manifest, bytes]] = {}  # rank -> (generation, manifest, metadata)
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
@@ -199,56 +198,24 @@ class Rendezvous:
         digest = hashlib.sha256(text.encode() + b"\0" + bytes(nixl_metadata)).hexdigest()[:16]
         if not self.store.check([self.prefix + "seq/" + key]):  # stable from the start: a receiver's fence
             self.put("seq/" + key, "0")  # then reads generations, sequences and versions in one round trip
+        self.copies.registered(manifest.rank, manifest.layout.ranks())
         self.put_many({"generation/" + key: f"{self.store.add(self.prefix + 'clock', 1)}-{digest}",
                        writes_key(manifest.rank.copy): key})  # the copy's fence record no longer holds
 
-    def publish_version(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] = ()) -> None:
-        """Publish ``version`` for ``rank`` (bytes already stable: no update sequence moves).
-        ``copy_ranks``: every rank of its copy (the layout's coordinates), to keep the copy's
-        fence record (:mod:`~megarefit.online.store.copy_fence`); none: receivers read each rank."""
-        self.put_many({"version/" + rank_key(rank): str(int(version)), writes_key(rank.copy): rank_key(rank)})
-        self._complete(rank, version, copy_ranks)
-
-    def _next_seq(self, rank: RankCoord) -> int:
-        """The rank's update sequence plus one (only the rank's own publisher writes it; read
-        from the store once per process, as a restarted rank continues its sequence)."""
-        if rank not in self._seq:
-            key = "seq/" + rank_key(rank)
-            self._seq[rank] = int(self.fetch(key)) if self.store.check([self.prefix + key]) else 0
-        self._seq[rank] += 1
-        return self._seq[rank]
+    def publish_version(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] | None = None) -> None:
+        """Publish ``version`` for ``rank``, its bytes unchanged (``copy_ranks``: see :meth:`end_update`)."""
+        self.copies.publish_version(rank, version, copy_ranks)
 
     def begin_update(self, rank: RankCoord) -> int:
-        """Mark ``rank`` writing (its sequence becomes odd) before the first byte changes; the
-        new sequence."""
-        seq = self._next_seq(rank)
-        self.put_many({"seq/" + rank_key(rank): str(seq), writes_key(rank.copy): rank_key(rank)})
-        return seq
+        """Mark ``rank`` writing (its sequence turns odd) before its first byte changes; the sequence."""
+        return self.copies.begin_update(rank)
 
-    def end_update(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] = ()) -> int:
-        """Publish ``version`` for ``rank`` and mark it stable (its sequence becomes even), in
-        one store write; ``copy_ranks``: as :meth:`publish_version`."""
-        seq = self._next_seq(rank)
-        key = rank_key(rank)
-        self.put_many({"version/" + key: str(int(version)), "seq/" + key: str(seq), writes_key(rank.copy): key})
-        self._complete(rank, version, copy_ranks)
-        return seq
-
-    def _complete(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord]) -> None:
-        copy_ranks = list(copy_ranks)
-        if copy_ranks:
-            self._copies.completed(rank, version, copy_ranks)
-
-    def copy_state(self, ranks: Iterable[RankCoord]) -> CopyState | None:
-        """The version, sequences and generations of ``ranks`` from their copies' fence records
-        (two records per copy, one round trip), or ``None`` where those do not hold now
-        (:meth:`CopyFences.state <megarefit.online.store.copy_fence.CopyFences.state>`)."""
-        return self._copies.state(ranks)
-
-    def copy_writes(self, copies: Iterable[int]) -> dict[int, int]:
-        """Each copy's write counter (one record per copy): unchanged since a :meth:`copy_state`
-        means no rank of the copy wrote since."""
-        return self._copies.writes(copies)
+    def end_update(self, rank: RankCoord, version: int, copy_ranks: Iterable[RankCoord] | None = None) -> int:
+        """Publish ``version`` for ``rank`` and mark it stable (its sequence turns even); the
+        sequence. ``copy_ranks``: every rank of its copy, to keep the copy's fence record (default
+        the published manifest's; :meth:`CopyFences.end_update
+        <megarefit.online.store.copy_fence.CopyFences.end_update>`)."""
+        return self.copies.end_update(rank, version, copy_ranks)
 
     def cached_manifests(self, ranks: Iterable[RankCoord], generations: dict[RankCoord, bytes]
                          ) -> tuple[dict[RankCoord, Manifest], dict[RankCoord, bytes]] | None:

@@ -345,16 +345,11 @@ class Publisher:
             self.writing = True
         self._settle(version)
         if self.writing:
-            self.rendezvous.end_update(self.rank, version, self._copy_ranks())
+            self.rendezvous.end_update(self.rank, version)
             self.writing = False
         else:
-            self.rendezvous.publish_version(self.rank, version, self._copy_ranks())
+            self.rendezvous.publish_version(self.rank, version)
         self.version = version
-
-    def _copy_ranks(self) -> list[RankCoord]:
-        """Every rank of this rank's data-parallel copy (its layout's coordinates): the copy's
-        fence record is written once all of them published a version."""
-        return [RankCoord(r.tp, r.pp, r.ep, self.rank.copy) for r in self.manifest.layout.ranks()]
 
     @contextlib.contextmanager
     def updating(self, version: int) -> Iterator[None]:
@@ -378,7 +373,7 @@ class Publisher:
         yield
         _check_moved(self)
         self._settle(version)
-        self.rendezvous.end_update(self.rank, version, self._copy_ranks())
+        self.rendezvous.end_update(self.rank, version)
         self.writing = False
         self.version = version
 
