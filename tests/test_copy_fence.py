@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -121,6 +123,39 @@ def test_a_rank_writing_during_the_pull_is_seen(config):
     trainer.begin_update(ranks[1])
     with pytest.raises(StaleVersionError, match=r"wrote their weights during the pull of version 2"):
         fence.end(start)
+
+
+def test_a_fence_waiting_for_a_version_blocks_at_the_store_not_polling(config):
+    """Version 3 asked while the trainers are still at 2: the fence waits at the store for the
+    copy to complete it (a handful of requests in 1.5 s, where polling every rank's version
+    every 5 ms sends hundreds), and starts as soon as it is published."""
+    trainer, rx, counting, layout, ranks = _job(config, 4)
+    fence = VersionFence(rx, "rx", ranks_for=lambda first: [r for r in ranks if r.copy == 1])
+    for version in (1, 2):
+        _publish(trainer, layout, ranks, version)
+        fence.end(fence.start(None, 5.0))
+    later = threading.Timer(1.5, _publish, (trainer, layout, ranks, 3))
+    requests, began = counting.requests, time.monotonic()
+    later.start()
+    start = fence.start(3, 30.0)
+    waited = time.monotonic() - began
+    later.join()
+    assert start.version == 3 and start.writes is not None and 1.4 < waited < 3.0
+    assert counting.requests - requests < 12, counting.requests - requests
+
+
+def test_a_fence_waiting_for_a_version_a_copy_passed_fails_at_once(config):
+    trainer, rx, _, layout, ranks = _job(config, 2)
+    fence = VersionFence(rx, "rx", ranks_for=lambda first: [r for r in ranks if r.copy == 0])
+    _publish(trainer, layout, ranks, 1)
+    fence.end(fence.start(None, 5.0))
+    began = time.monotonic()
+    later = threading.Timer(0.3, _publish, (trainer, layout, ranks, 5))  # version 4 never comes
+    later.start()
+    with pytest.raises(VersionMismatchError, match=r"already publish a version newer than the asked version 4"):
+        fence.start(4, 20.0)
+    later.join()
+    assert time.monotonic() - began < 3.0
 
 
 # ---- the fence against a per-rank model, over random interleavings -------------------------

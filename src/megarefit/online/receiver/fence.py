@@ -154,6 +154,21 @@ class VersionFence:
             return None
         return FenceStart(cached[0], cached[1], ranks, state.seq, state.version, version, state.writes)
 
+    def _await_records(self, version: int | None, timeout: float) -> FenceStart | None:
+        """A warm start for an asked ``version`` the copies' records do not name yet: wait for
+        every copy to complete it, blocking at the store (``CopyFences.wait_complete``), then
+        read it from the records; ``None`` where there is nothing to wait on this way (no
+        version asked, a cold fence, no record yet, a copy already past it)."""
+        if version is None or not self.manifests:
+            return None
+        copies = {r.copy for r in self.ranks_for(self.manifests[min(self.manifests)])}
+        latest = self.rendezvous.copies.latest(copies)
+        if latest is None or max(latest.values()) >= version:
+            return None
+        if not self.rendezvous.copies.wait_complete(copies, version, timeout):
+            return None
+        return self._from_records(version)
+
     def start(self, version: int | None, timeout: float, lap: Callable[[str], None] = _no_lap) -> FenceStart:
         """Discover the ranks, read their update sequences once none is writing (the seqlock,
         before the bytes) and wait for the version (``lap``: called after ``"discover"`` and
@@ -162,11 +177,13 @@ class VersionFence:
         Raises:
             RendezvousTimeout / StaleVersionError / VersionMismatchError: see the methods above;
             StaleVersionError (retryable) also when the ranks changed while waiting."""
-        warm = self._from_records(version)
+        began = time.monotonic()
+        warm = self._from_records(version) or self._await_records(version, timeout)
         if warm is not None:  # two records per copy instead of three per rank
             lap("discover")
             lap("version")
             return warm
+        timeout = max(0.05, timeout - (time.monotonic() - began))  # what a wait above left of it
         manifests, metadata, state = self.discover(timeout)
         lap("discover")
         ranks = sorted(manifests)

@@ -8,6 +8,8 @@ Keys, under the job prefix (``<c>``: the copy index, ``0`` for the first)::
                    (a manifest published, an update begun, a version published), so its record
                    counter ``n`` changes with each of them
     ended/<c>/<v>  a plain counter: how many ranks of copy c published version v
+    complete/<c>/<v> signed, written with fence/<c>: a receiver waiting for version v blocks on
+                   it at the store, instead of polling every rank's version
     fence/<c>      signed JSON ``{"version": v, "writes": n, "ranks": {"tp.pp.ep[.c]": [generation,
                    sequence]}}``, written by the rank whose end of version v brought the counter to
                    the copy's size, from one snapshot of the store in which every rank of the copy
@@ -24,12 +26,16 @@ make a rank build the record, which it builds from signed records alone.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megarefit.layout import RankCoord
+from megarefit.online.store.kv import StoreError
 from megarefit.online.store.records import RecordAuthenticationError
+
+WAIT_SLICE = 1.0  # seconds a blocking wait for a version lasts before the copies' records are read again
 
 
 def rank_key(rank: RankCoord) -> str:
@@ -141,6 +147,7 @@ class CopyFences:
         table = {rank_key(r): [g.decode(), s] for r, g, s in zip(ranks, rows[:k], seqs)}
         self.records.put(f"fence/{rank.copy}", json.dumps({"version": int(version), "writes": n, "ranks": table},
                                                           separators=(",", ":")))
+        self.records.put(f"complete/{rank.copy}/{int(version)}", "1")  # what a waiting receiver blocks on
         store.delete_key(f"{prefix}ended/{rank.copy}/{int(version)}")
         return True
 
@@ -169,6 +176,32 @@ class CopyFences:
             return None
         return CopyState(versions.pop(), {r: int(row[1]) for r, row in zip(ranks, rows)},
                          {r: str(row[0]).encode() for r, row in zip(ranks, rows)}, writes)
+
+    def latest(self, copies: Iterable[int]) -> dict[int, int] | None:
+        """The version each copy's fence record names (held or not: what was completed last),
+        one round trip; ``None`` where a copy has none yet."""
+        copies = sorted(set(copies))
+        keys = [f"fence/{c}" for c in copies]
+        if not self.records.all_present([self.records.prefix + k for k in keys]):
+            return None
+        return {c: _parse(k, v)["version"] for c, k, (_, v) in zip(copies, keys, self.records.fetch_counted(keys))}
+
+    def wait_complete(self, copies: Iterable[int], version: int, timeout: float) -> bool:
+        """Block until every copy completed ``version`` (its ``complete/<c>/<v>`` key, written
+        with the fence record), at most ``timeout`` seconds, the store waiting (the embedded
+        store answers when the key is set; Redis polls at 1 to 50 ms). Returns early, ``False``,
+        where a copy's record names a newer version (it will never complete this one)."""
+        copies = sorted(set(copies))
+        keys = [f"{self.records.prefix}complete/{c}/{int(version)}" for c in copies]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.records.store.wait(keys, max(0.0, min(WAIT_SLICE, deadline - time.monotonic())))
+                return True
+            except StoreError:
+                latest = self.latest(copies)
+                if time.monotonic() >= deadline or (latest is not None and max(latest.values()) > version):
+                    return False
 
     def writes(self, copies: Iterable[int]) -> dict[int, int]:
         """Each copy's write counter now (one round trip)."""
