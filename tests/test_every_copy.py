@@ -96,7 +96,8 @@ def test_a_dead_copy_fails_over_to_the_other_holders():
     """Copy 1 of tp rank 0 (global rank 2) is SIGKILLed after version 1 was pulled; each receiver
     that read from it pulls version 1 again from the other holders: bytes equal the first pull,
     ``stats.failovers`` names the dead rank and who served its share; one that did not read from
-    it is untouched. Killing the last holder of tp rank 0's shards then fails naming that rank."""
+    it is untouched. A receiver that first connects after the death (a new engine) fails over the
+    same way. Killing the last holder of tp rank 0's shards then fails naming that rank."""
     job = "failover"
     rdzv = Rendezvous.serve(job=job)
     case = TrainerCase(job, tiny_config("Qwen3-0.6B"), 2, 1, TOKENS)
@@ -121,6 +122,13 @@ def test_a_dead_copy_fails_over_to_the_other_holders():
                 assert rank == dead and (0, 0, 0) in replaced and set(replaced) <= live  # tp 0's shards: one left
             else:
                 assert r.stats.failovers == ()
+        # a receiver that first connects after the death (a new engine): NIXL cannot load the dead
+        # agent's metadata (no listener), a TransferError naming the rank, failed over the same way
+        i = readers.index(True)
+        fresh = RefitReceiver(rdzv, name=f"{job}-fresh", timeout=20, reader=Reader(i, READERS))
+        got = {n: t.clone() for n, t in fresh.run_refit_cycle(1)}
+        assert got.keys() == first[i].keys() and all(torch.equal(got[n], first[i][n]) for n in got)
+        assert [rank for rank, _ in fresh.stats.failovers] == [dead], fresh.stats.failovers
         group.kill(0)  # (0, 0, 0): tp rank 0's last holder
         with pytest.raises(TransferError, match=r"trainer rank 0\.0\.0 as tp\.pp\.ep.*no other trainer rank serves"):
             list(next(r for r, read in zip(receivers, readers) if read).run_refit_cycle(1))

@@ -138,6 +138,27 @@ NEEDS_SHARDED = {
 }
 
 
+def check_replica(replica: Any, replicas: Any) -> None:
+    """Check an engine's place among the vLLM engines that read one set of trainers:
+    ``replica`` (this engine's index) in ``[0, replicas)``, ``replicas`` (how many engines) >= 1,
+    both ints. Checked where an init call arrives (``init_megarefit``, ``init_info``), before any
+    receiver is built or replaced.
+
+    Raises:
+        MegarefitError: names the field, the values given and what to give instead."""
+    how = ("give engine i of N engines replica=i, replicas=N (init_megarefit(..., replica=i, replicas=N), or "
+           '"replica": i, "replicas": N in init_info); one engine alone: replica=0, replicas=1')
+    for field, value in (("replica", replica), ("replicas", replicas)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MegarefitError(f"{field}={value!r}: an int is needed; {how}")
+    if replicas < 1:
+        raise MegarefitError(f"replicas={replicas}: the number of vLLM engines reading the trainers is at least 1; "
+                             f"{how}")
+    if not 0 <= replica < replicas:
+        raise MegarefitError(f"replica={replica} with replicas={replicas}: replica is this engine's index among "
+                             f"the {replicas} engines, 0 <= replica < replicas (0..{replicas - 1}); {how}")
+
+
 def check_init_secret(secret: str | None) -> str | None:
     """The job secret an init call (``init_info["secret"]``, ``init_megarefit(secret=...)``) passes,
     checked against this worker's ``$MEGAREFIT_JOB_SECRET``: where the server was started with
@@ -166,6 +187,7 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
     ``replica``: (this engine's index, how many engines read the trainers), so that the readers
     of all engines spread their reads over every trainer copy (:class:`Reader`)."""
     secret = check_init_secret(secret)
+    check_replica(*replica)
     name = f"megarefit-vllm-{rank}-{'draft-' if draft else ''}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target = None
     if not sharded and model is not None and type(model).__name__ in NEEDS_SHARDED:
@@ -200,7 +222,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "peak_extra_bytes": stats.peak_extra_bytes, "retries": stats.retries,
             "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes,
             "direct_bytes": stats.direct_bytes, "ipc_bytes": stats.ipc_bytes, "ipc_ranks": stats.ipc_ranks,
-            "refit": stats.refit, "delta_base": stats.delta_base, "delta_reason": stats.delta_reason,
+            "refit": stats.refit, "failovers": stats.failovers, "delta_base": stats.delta_base,
+            "delta_reason": stats.delta_reason,
             "prefetched": stats.prefetched, "prefetch_wait_s": stats.prefetch_wait_s}
 
 
@@ -503,8 +526,10 @@ class MegarefitWorkerExtension:
         of all engines spread their reads over them (:mod:`megarefit.planner.holders`).
 
         Raises:
-            MegarefitError: ``direct`` without ``sharded``.
+            MegarefitError: ``direct`` without ``sharded``; ``replica`` / ``replicas`` out of range
+                (:func:`check_replica`).
         """
+        check_replica(replica, replicas)
         if direct and not sharded:
             raise MegarefitError("direct writes need a sharded refit (sharded=True): only a worker's own shards "
                                  "are its parameters byte for byte")
@@ -670,7 +695,11 @@ def _engine_base():
 
 @dataclass
 class MegarefitInitInfo:
-    """``init_info`` of the ``megarefit`` backend: where the trainers publish."""
+    """``init_info`` of the ``megarefit`` backend: where the trainers publish.
+
+    Raises:
+        MegarefitError: ``replica`` / ``replicas`` out of range (:func:`check_replica`), as vLLM
+            parses the ``init_info`` dict: the engine's receiver stays as it was."""
 
     host: str
     port: int
@@ -692,6 +721,9 @@ class MegarefitInitInfo:
     # sharded and staged: after the first update, copy the shards of modules vLLM's reload leaves byte for byte
     # (checksum evidence) straight into their live tensors, skipping the reload's per-layer work for them
     direct: bool = False
+
+    def __post_init__(self) -> None:  # vLLM builds it from the init_info dict (parse_init_info): refused there
+        check_replica(self.replica, self.replicas)
 
 
 @dataclass

@@ -121,6 +121,20 @@ class InFlight:
         return landed
 
 
+def _add_remote(nixl: NixlAgent, rank: RankCoord, name: str, blob: bytes) -> Any:
+    """``add_remote_agent(blob)``; a failure (nixl's own error types: UCX could not create an
+    endpoint, e.g. the peer's process is gone) as a :class:`TransferError` naming the rank."""
+    try:
+        return nixl.agent.add_remote_agent(blob)
+    except Exception as exc:  # nixl raises its own error types (nixlBackendError, ...)
+        with contextlib.suppress(Exception):  # whatever NIXL kept of it: loaded again on the next connect
+            nixl.agent.remove_remote_agent(name)
+        coord = f"{rank.tp}.{rank.pp}.{rank.ep}" + (f".{rank.copy}" if rank.copy else "")
+        raise TransferError(f"trainer rank {coord} as tp.pp.ep (NIXL agent {name!r}): NIXL could not load its "
+                            f"metadata ({type(exc).__name__}: {exc}); its process may have died, or its address "
+                            "is unreachable from this receiver", rank=tuple(rank)) from exc
+
+
 class NixlTransport:
     """Executes whole plans over NIXL into preallocated target buffers.
 
@@ -188,7 +202,8 @@ class NixlTransport:
         their exports change).
 
         Raises:
-            TransferError: metadata names another agent than the manifest.
+            TransferError: metadata names another agent than the manifest; or NIXL cannot load it
+                (no listener: the trainer died first), ``rank`` set: the receiver fails over.
             IpcError: ``transport="ipc"`` and a rank cannot be read through CUDA IPC.
         """
         if self.ipc is not None and self.ipc.connect(manifests):
@@ -202,7 +217,7 @@ class NixlTransport:
                 self._release_prepared()
                 self.nixl.agent.remove_remote_agent(name)
                 del self._remotes[name]
-            added = self.nixl.agent.add_remote_agent(blob)
+            added = _add_remote(self.nixl, rank, name, blob)
             added = added.decode() if isinstance(added, bytes) else added
             if added != name:
                 raise TransferError(f"rank {rank}: NIXL metadata names agent {added!r}, manifest says {name!r}")
