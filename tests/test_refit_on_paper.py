@@ -238,7 +238,7 @@ def test_recorded_new_design_is_balanced_and_never_slower_than_today():
     assert len(big) == 4 * 3 * 2 * 2  # bf16 and fp8, full and delta
     assert all(r["new_busiest_over_mean"] <= 1.10 for r in big)
     for r in preds:
-        assert list(r["new"]) == ["0.80", "0.50"]
+        assert list(r["new"])[:2] == ["0.80", "0.50"]  # (then the cluster-calibrated one, where recorded)
         assert r["new"]["0.80"]["seconds"] <= r["seconds"] * (1 + 1e-9), (r["model"], r["gpus"], r["anchor"])
         assert r["new"]["0.50"]["seconds"] >= r["new"]["0.80"]["seconds"]
 
