@@ -116,7 +116,7 @@ def test_the_next_group_is_pulled_while_a_group_is_installed(config):
     receiver = RefitReceiver(rdzv, name=f"{job}-streamed", timeout=60, memory_budget=int(0.09 * _share(want)))
     started = []
     start = receiver.transport.start
-    receiver.transport.start = lambda prepared: (started.append(prepared), start(prepared))[1]
+    receiver.transport.start = lambda prepared, **kw: (started.append(prepared), start(prepared, **kw))[1]
     for cycle in range(2):
         started.clear()
         seen = [(name, len(started), t.clone()) for name, t in receiver.run_refit_cycle(1)]

@@ -341,24 +341,23 @@ class NixlTransport:
                 seconds passed; the message names the peer, its first tensors
                 and byte ranges.
         """
-        self.wait(self.start(prepared), timeout=timeout)
+        self.wait(self.start(prepared, timeout=timeout), timeout=timeout)
 
-    def start(self, prepared: PreparedPlan) -> InFlight:
+    def start(self, prepared: PreparedPlan, *, timeout: float = 60.0) -> InFlight:
         """Post every source's direct READ and its first two waves; return without waiting.
         The READs move while the caller does other work (a streamed receiver hands the
         previous group over meanwhile); :meth:`wait` places the waves and finishes. Nothing
         else may use the scratch until then.
 
         Raises:
-            TransferError: a READ could not be posted (names the peer and its first tensors)."""
+            TransferError: a READ could not be posted (names the peer and its first tensors); those
+                posted before are waited for first (up to ``timeout`` s): no late byte lands after."""
         flight = InFlight(prepared, time.perf_counter())
-        for pulls in prepared.per_source:
-            if pulls.handle is not None:
-                post_read(self.nixl, pulls, pulls.handle)
-                flight.pending.append((pulls, -1))
-            for w in range(min(2, len(pulls.waves))):
-                post_read(self.nixl, pulls, pulls.waves[w].handle)
-                flight.pending.append((pulls, w))
+        try:
+            _post_first(self.nixl, flight)
+        except TransferError:
+            drain(self.nixl.agent, flight, time.monotonic() + timeout, self.poll_sleep)
+            raise
         if prepared.local is not None:  # CUDA IPC ranks: device copies, asynchronous on the current stream
             device = prepared.local.device
             with torch.cuda.device(device):
@@ -435,6 +434,17 @@ class NixlTransport:
         if manifest.agent not in self._remotes:
             raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
         return manifest.agent
+
+
+def _post_first(nixl: NixlAgent, flight: InFlight) -> None:
+    """Post every source's direct READ and its first two waves, each recorded in ``flight`` once posted."""
+    for pulls in flight.prepared.per_source:
+        if pulls.handle is not None:
+            post_read(nixl, pulls, pulls.handle)
+            flight.pending.append((pulls, -1))
+        for w in range(min(2, len(pulls.waves))):
+            post_read(nixl, pulls, pulls.waves[w].handle)
+            flight.pending.append((pulls, w))
 
 
 def drain(agent: Any, flight: InFlight, deadline: float, poll_sleep: float) -> None:

@@ -13,6 +13,10 @@ A warm start reads, instead of every rank's keys, one fence record per data-para
 plan reads, and the end that copy's write counter (:mod:`megarefit.online.store.copy_fence`),
 while those hold; else every rank's, as above.
 
+A streamed cycle that fails over (:mod:`~megarefit.online.receiver.streamed`) checks the failed
+rank then (still as at the start) and adds its replacements, their sequences read before their
+bytes (:meth:`VersionFence.failed_over`): the end fence covers every byte handed over.
+
 The fence reads only the rendezvous: it moves no bytes and holds no memory.
 """
 
@@ -226,6 +230,38 @@ class VersionFence:
             raise StaleVersionError(f"ranks wrote their weights during the pull of version {got} (update sequence "
                                     "moved): " + ", ".join(f"{tuple(r)} {seq[r]} -> {seq_after[r]}" for r in rewritten),
                                     retryable=True)
+
+    def failed_over(self, start: FenceStart, rank: RankCoord, ranks: list[RankCoord], timeout: float) -> FenceStart:
+        """The fence of a streamed cycle once ``rank``'s READ failed and a new plan reads ``ranks``
+        instead: ``rank`` left out, its sequence and version still as at ``start`` (nothing it served
+        was written while read); the ranks of ``ranks`` not fenced yet added, their manifests read
+        and their sequences read now, before their bytes, at ``start.version``. The end fence
+        (:meth:`torn`) then checks every rank left.
+
+        Raises:
+            RendezvousTimeout: a new rank publishes no manifest within ``timeout`` seconds.
+            StaleVersionError: ``rank`` wrote or moved since ``start``, or a new rank is writing or
+                serves another version (names them; ``retryable`` where a new cycle can succeed)."""
+        added = sorted(r for r in ranks if r not in start.seq and r != rank)
+        manifests, metadata = dict(start.manifests), dict(start.metadata)
+        if added:
+            new, meta, _ = self.rendezvous.manifests_and_state(added, timeout=timeout)
+            manifests.update(new)
+            metadata.update(meta)
+        seq, versions = self.rendezvous.state([rank, *added])
+        bad = [f"{tuple(r)}{' (failed)' if r == rank else ''}: sequence {start.seq.get(r, 'even')} -> {seq[r]}, "
+               f"version {versions[r]}" for r in [rank, *added]
+               if versions[r] != start.version or (seq[r] != start.seq[r] if r == rank else seq[r] % 2)]
+        if bad:
+            raise StaleVersionError(f"failing over from trainer rank {tuple(rank)} during the streamed pull of version "
+                                    f"{start.version} ({self.where()}): " + "; ".join(bad),
+                                    retryable=start.asked is None or all(versions[r] == start.version for r in versions))
+        keep = [r for r in start.ranks if r != rank] + added
+        manifests.pop(rank, None)
+        metadata.pop(rank, None)
+        self.manifests = manifests
+        return FenceStart(manifests, metadata, sorted(keep), {r: start.seq[r] if r in start.seq else seq[r] for r in keep},
+                          start.version, start.asked)
 
     def torn(self, start: FenceStart, handed: int) -> TornUpdateError | None:
         """The end fence of a streamed cycle that handed ``handed`` groups over: the

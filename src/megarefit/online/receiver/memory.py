@@ -238,6 +238,41 @@ class ReceiverMemory:
                                 f"beside a ring of {stream.nbytes} bytes; use memory_budget >= {fits}, "
                                 "'auto', or None for a staged refit")
 
+    def prepare_again(self, manifests: dict[RankCoord, Manifest], first: int, plans: list[Plan] | None = None) -> list:
+        """The READs of groups ``first`` on (``plans``, default the groups' own: their plans
+        changed, a failover moved them to other holders) prepared again in the same ring, one
+        entry per group from ``first`` on. Their scratch must fit beside the ring, which was cut
+        for the scratch measured before: where it does not, they are prepared again with half the
+        scratch budget (more, smaller waves), up to three times; check :meth:`within_budget` after."""
+        stream = self.stream
+        assert stream is not None
+        plans = [g.plan for g in stream.groups] if plans is None else plans
+        given = self.transport.scratch_budget
+        try:
+            for attempt in range(4):
+                prepared = self.transport.prepare_groups(plans[first:], manifests, stream.buffers[first:])
+                if stream.nbytes + self.transport.scratch_allocated <= stream.budget or not given or attempt == 3:
+                    return prepared
+                self.transport.release_scratch()  # (it only grows) these requests too: prepared again
+                self.transport.scratch_budget = max(ALIGN, given >> (attempt + 1))
+        finally:
+            self.transport.scratch_budget = given
+        return prepared
+
+    def within_budget(self, what: str) -> None:
+        """Check that the ring and the scratch prepared since hold within the memory budget.
+
+        Raises:
+            MemoryBudgetError: they do not (the scratch is freed first); names ``what`` prepared them."""
+        stream = self.stream
+        assert stream is not None
+        scratch = self.transport.scratch_allocated
+        if stream.nbytes + scratch > stream.budget:
+            self.transport.release_scratch()
+            raise MemoryBudgetError(f"{what}: the gathered pulls need {scratch} bytes of scratch beside the ring of "
+                                    f"{stream.nbytes} bytes, more than memory_budget={stream.budget}; use a larger "
+                                    "memory_budget (or 'auto'), or None for a staged refit")
+
     def scratch_bound(self, sizes: GatherSizes, budget: int) -> int:
         """The most scratch (bytes) the gathered pulls of any groups of the plan of ``sizes`` can
         need under memory budget ``budget`` (its scratch budget and direct-READ threshold)."""

@@ -22,11 +22,10 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from megarefit.errors import MegarefitError
 from megarefit.online.delta.apply import DeltaChoice, DeltaReceiver
 from megarefit.online.receiver.arena import arena_key, publish_arena
 from megarefit.online.receiver.cycle import CycleStats, Laps, StaleVersionError, TornUpdateError, gc_paused
@@ -36,13 +35,13 @@ from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
 from megarefit.online.receiver.plan_cache import PlanCache
+from megarefit.online.receiver.streamed import GroupStream
 from megarefit.plan import Plan
 from megarefit.plan.columns import plan_threads
-from megarefit.transport.checksum import ChecksumMismatchError
 from megarefit.transport.execute import run_value_step, torch_dtype
 from megarefit.transport.nic_meter import NicMeter
 from megarefit.transport.nics import NicChoice
-from megarefit.transport.nixl import InFlight, NixlTransport
+from megarefit.transport.nixl import NixlTransport
 from megarefit.transport.nixl_agent import TransferError
 
 
@@ -250,14 +249,12 @@ class CyclePipeline:
             (and what the staged cycle raises before the first tensor)"""
         lap = Laps()
         before = self._setup_count()
+        self.failover.readmit()
         start = self.fence.start(version, self.timeout, lap)
         with gc_paused(), plan_threads():
             plan = self._plan(start, lap)
-        self._verified = (0, 0)
-        check = None
         if self.verifier is not None:  # read before the delta's fence check: inside the same seqlock window
             self.verifier.pull(start.manifests, self.timeout)
-            check = functools.partial(self._check_group, start)
         with naming_the_job(self.fence.where(), version, streamed=True):
             stream = self.memory.stream  # (allocated by _plan)
             self.memory.wait_consumer()  # a delta lands in the ring: the last cycle's copies out of it are done
@@ -276,9 +273,12 @@ class CyclePipeline:
                 stream = self.memory.stream  # (re-cut when the scratch needed did not fit beside it)
             lap("prepare")
             cold = before != self._setup_count()
-            lap.seconds["pull"] = yield from self._stream_groups(stream, prepared, check)
+            groups = GroupStream(self, start, plan, prepared, patched=patched)  # fails over a rank whose READ fails
+            lap.seconds["pull"] = yield from groups.run()
         lap.restart()
-        error = self.fence.torn(start, len(stream.groups))
+        self._verified = groups.verified
+        start, plan, prepared = groups.start, groups.plan, groups.prepared
+        error = groups.error or self.fence.torn(start, len(stream.groups))
         if error is not None:
             if torn is None:
                 raise error
@@ -287,6 +287,7 @@ class CyclePipeline:
         lap("fence")
         self.direct_delta.hold(plan, stream, start, lap.seconds["pull"], sum(p.wire_bytes for p in prepared), cold)
         self.stats = self._streamed_stats(plan, stream, prepared, start.version, cold, lap.seconds)
+        self.stats.failovers = tuple(groups.failovers)
 
     def _streamed_stats(self, plan: Plan, stream: StreamRing, prepared: list, got: int, cold: bool,
                         seconds: dict[str, float]) -> CycleStats:
@@ -301,82 +302,6 @@ class CyclePipeline:
                           checked_boxes=self._verified[1], direct_bytes=self.memory.direct_bytes(),
                           ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks),
                           **delta)
-
-    def _finish_group(self, k: int) -> None:
-        """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),
-        run its receiver-side FP8 steps, and wait for them on a GPU."""
-        stream = self.memory.stream
-        assert stream is not None
-        group, bufs = stream.groups[k], stream.buffers[k]
-        for ref, meta in group.plan.targets.items():
-            for box in meta.zero_fill:
-                bufs[ref][box.slices()].zero_()
-        for t in group.plan.transforms:
-            run_value_step(t, bufs[t.staging], bufs[t.target])
-        if not group.plan.quantize:
-            return
-        self.memory.group_quantizer(k)()
-        if self.memory.device.type == "cuda":
-            torch.cuda.synchronize(self.memory.device)
-
-    def _land(self, k: int, flight: InFlight | None, prepared: list) -> None:
-        """Group ``k`` in the ring, finished: its READs (posted by ``flight``, else now) waited
-        for, its zero fills and FP8 steps run."""
-        if flight is None:
-            self.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
-            flight = self.transport.start(prepared[k])
-        self.transport.wait(flight, timeout=self.timeout)
-        self._finish_group(k)
-
-    def _check_group(self, start: FenceStart, k: int) -> bool:
-        """Verify streamed group ``k`` against the checksums; ``False`` (stop checking: the
-        end fence reports the cycle torn) when a mismatch comes from a rank that wrote.
-
-        Raises:
-            ChecksumMismatchError: group 0 differs (nothing handed over yet).
-            TornUpdateError: a later group differs, and no rank wrote (not retried)."""
-        stream = self.memory.stream
-        assert stream is not None and self.verifier is not None
-        try:
-            checked, boxes = self.verifier.verify(stream.groups[k].plan, stream.buffers[k], start.manifests,
-                                                  start.version)
-        except ChecksumMismatchError as exc:
-            if self.fence.torn(start, k) is not None:
-                return False
-            if k == 0:
-                raise
-            raise TornUpdateError(f"{exc}; {k} earlier group(s) were already handed over, so the consumer holds a mix of "
-                                  "versions: it must not serve until a refit cycle completes", retryable=False) from exc
-        self._verified = (self._verified[0] + checked, self._verified[1] + boxes)
-        return True
-
-    def _stream_groups(self, stream: StreamRing, prepared: list, check: Callable[[int], bool] | None = None
-                       ) -> Generator[tuple[str, torch.Tensor], None, float]:
-        """Hand over each group's tensors in turn; group ``k + 1``'s READs are posted before
-        group ``k`` is handed over when their ring bytes differ (they move while the consumer
-        installs group ``k``), else after. Returns the seconds spent pulling (waiting for
-        READs, placing, FP8 steps), not installing."""
-        pull_s, flight = 0.0, None
-        groups = stream.groups
-        try:
-            for k, (group, bufs) in enumerate(zip(groups, stream.buffers)):
-                t_pull = time.perf_counter()
-                self._land(k, flight, prepared)
-                flight = None
-                if check is not None and not check(k):
-                    check = None
-                if k + 1 < len(groups) and not groups[k + 1].overlaps(group):
-                    self.memory.wait_consumer()  # group k + 1 lands where group k - 1 was: its copies must be done
-                    flight = self.transport.start(prepared[k + 1])
-                pull_s += time.perf_counter() - t_pull
-                for ref, tensor in bufs.items():
-                    if ref not in group.plan.staging and ref not in stream.direct:
-                        yield ref.name, tensor  # valid until the next item is requested
-        finally:
-            if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
-                with contextlib.suppress(MegarefitError):
-                    self.transport.wait(flight, timeout=self.timeout)
-        return pull_s
 
 
 __all__ = ["CyclePipeline", "naming_the_job"]

@@ -23,7 +23,7 @@ offsets, in plan order.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -204,5 +204,15 @@ def stream_groups(plan: Plan, ring_bytes: int, direct: frozenset[TensorRef] = fr
     return out
 
 
+def regroup(groups: list[StreamGroup], plan: Plan) -> list[StreamGroup]:
+    """The same groups (targets, ring offsets) with their sub-plans cut from ``plan`` instead: the
+    same targets read from other holders (a failover re-planned them); no memory moves.
+
+    Raises:
+        PlanError: a group's targets are not targets of ``plan``."""
+    return [replace(g, plan=sub_plan(plan, list(g.plan.targets), digest_of(plan.digest, "regroup", g.plan.digest)))
+            for g in groups]
+
+
 __all__ = ["ALIGN", "SCRATCH_SHARE", "GiB", "MemoryBudgetError", "StreamGroup", "budget_for", "default_memory_budget",
-           "layer_of", "layer_runs", "ring_needed", "stream_groups", "sub_plan", "target_bytes"]
+           "layer_of", "layer_runs", "regroup", "ring_needed", "stream_groups", "sub_plan", "target_bytes"]
