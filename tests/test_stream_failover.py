@@ -117,3 +117,26 @@ def test_with_no_other_holder_a_streamed_cycle_fails_naming_the_rank(tmp_path):
     finally:
         with pytest.raises(RuntimeError, match="worker"):
             group.join(timeout=60)
+
+
+def test_the_failover_fence_drops_the_failed_rank_only_if_it_wrote_nothing():
+    """VersionFence.failed_over on a real store: the failed rank leaves the fence while its
+    sequence and version are as at the start; once it wrote (its sequence moved), failing over
+    is refused naming it (bytes read from it may be torn)."""
+    from megarefit.layout import RankCoord
+    from megarefit.online.receiver.cycle import StaleVersionError
+    from megarefit.online.receiver.fence import FenceStart, VersionFence
+
+    rdzv = Rendezvous.serve(job="fence-failover")
+    r0, r1 = RankCoord(0, 0, 0), RankCoord(1, 0, 0)
+    for r in (r0, r1):
+        rdzv.publish_version(r, 1)
+    seq, _ = rdzv.state([r0, r1])
+    start = FenceStart({}, {}, [r0, r1], seq, 1, None)
+    fence = VersionFence(rdzv, "fence-failover-r")
+    after = fence.failed_over(start, r1, [r0], timeout=5)
+    assert after.ranks == [r0] and after.seq == {r0: seq[r0]} and after.version == 1
+    rdzv.begin_update(r1)
+    rdzv.end_update(r1, 1)  # r1 rewrote its weights (same version number) after the start
+    with pytest.raises(StaleVersionError, match=r"failing over from trainer rank \(1, 0, 0\).*\(1, 0, 0\) \(failed\)"):
+        fence.failed_over(start, r1, [r0], timeout=5)
