@@ -74,7 +74,8 @@ class CycleStats:
     prefetch_wait_s: float = 0.0  # prefetched: seconds the handover waited for the pull still running
     nic_bytes: dict[str, int] = field(default_factory=dict)  # bytes each RDMA port of the node moved during the pull
     # trainer ranks whose READs failed this cycle, each with the ranks that served its share instead
-    # (the cycle was pulled again from them, the same version: planner/holders.py)
+    # (staged: the cycle was pulled again from them; streamed: the groups not yet handed over; the same
+    # version: planner/holders.py)
     failovers: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
 
 

@@ -7,6 +7,11 @@ tensor R served goes to another of its holders, the rest stay where they were. `
 names R and the ranks that took its share. With no other holder of some tensor the cycle fails
 naming R; nothing of that cycle was handed over. R is read again once it re-registers (its
 generation key changes: a restarted trainer publishes a new manifest).
+
+A streamed cycle fails over mid-stream (:mod:`~megarefit.online.receiver.streamed`): the groups
+handed over stay, the group in flight and the rest are re-planned onto the other holders, in the
+same ring, the fence extended to them; with no other holder it fails naming R, the groups handed
+over before it being of the fenced version but the install incomplete.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ The pipeline asks the fence (:mod:`~megarefit.online.receiver.fence`) what to pu
                during the pull: pulled again, up to ``retries`` times
     streamed   fence start -> plan -> prepare groups -> per group: land (+ zero fills, FP8 /
                value steps) -> checksums -> hand over, the next group's READs already posted
-               where its ring bytes differ -> fence end after the last group (TornUpdateError)
+               where its ring bytes differ -> fence end after the last group (TornUpdateError);
+               a rank whose READ fails: the rest re-planned onto other holders, same ring
+               (:mod:`~megarefit.online.receiver.streamed`)
 
 ``direct`` targets (streamed) land in the consumer's own tensors and are not handed over;
 once they hold a version whole, a later cycle patches them with its delta before the groups
@@ -244,8 +246,13 @@ class CyclePipeline:
         the iterator ends normally (the consumer finishes its install, e.g. vLLM's reload)
         instead of raising.
 
+        A trainer rank whose READ fails mid-stream is failed over (:mod:`~megarefit.online.receiver.streamed`):
+        the groups not yet handed over come from its other holders, ``stats.failovers`` names it.
+
         Raises:
             TornUpdateError: a rank moved on or wrote during the cycle, after tensors were handed over.
+            TransferError: a READ failed and no other rank holds what its rank served (names it).
+            MemoryBudgetError: failing over, the new holders' scratch does not fit beside the ring.
             (and what the staged cycle raises before the first tensor)"""
         lap = Laps()
         before = self._setup_count()

@@ -26,6 +26,7 @@ arena's fingerprint, :mod:`~megarefit.online.delta.held`), which then pulls in f
     plan_cache       PlanCache        a plan per layout and placement, manifests checked against it
     receiver_memory  ReceiverMemory   the arena (staged) or ring (streamed), direct targets, release
     pipeline         CyclePipeline    the staged and streamed cycles over the parts, their CycleStats
+    streamed         GroupStream      one streamed cycle's groups, a failed rank failed over mid-stream
     cycle            the errors (re-exported here), CycleStats, the stage timer
 """
 
@@ -335,6 +336,7 @@ class RefitReceiver:
         of layers is yielded as it lands, as views of the ring valid only until the next
         item is requested (copy or install each before asking for the next); a rank that
         moves on during the cycle is seen after the last group (:class:`TornUpdateError`).
+        Both fail over a rank whose READ fails to its other holders (``stats.failovers``).
 
         Raises:
             RendezvousTimeout: a rank never published a manifest.
