@@ -336,15 +336,14 @@ class RefitReceiver:
         of layers is yielded as it lands, as views of the ring valid only until the next
         item is requested (copy or install each before asking for the next); a rank that
         moves on during the cycle is seen after the last group (:class:`TornUpdateError`).
-        Both fail over a rank whose READ fails to its other holders (``stats.failovers``).
 
         Raises:
             RendezvousTimeout: a rank never published a manifest.
             VersionMismatchError / StaleVersionError: see the module docstring.
             MissingParameterError / ShapeMismatchError: a manifest lacks a tensor
                 or disagrees on its shape / dtype (names tensor and rank).
-            TransferError: a peer died, a READ failed or timed out (names peer,
-                tensor, byte range).
+            TransferError: a peer died, a READ failed or timed out (names peer, tensor, byte range),
+                and no other rank holds its share (one that does is failed over: ``stats.failovers``).
             MemoryBudgetError: streamed, a layer does not fit the ring (the budget less the scratch).
             TornUpdateError: streamed, a rank moved on or wrote after tensors were handed over.
         """

@@ -35,7 +35,7 @@ from megarefit.online.receiver.delta_direct import DirectDelta
 from megarefit.online.receiver.failover import Failover
 from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
-from megarefit.online.receiver.memory import ReceiverMemory
+from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
 from megarefit.online.receiver.plan_cache import PlanCache
 from megarefit.online.receiver.stream import regroup
 from megarefit.plan import Plan
@@ -74,7 +74,8 @@ class GroupStream:
         self.error: TornUpdateError | None = None
 
     @property
-    def stream(self):
+    def stream(self) -> StreamRing:
+        """The receiver's ring and its groups (regrouped at a failover)."""
         stream = self.parts.memory.stream
         assert stream is not None
         return stream
