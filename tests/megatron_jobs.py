@@ -94,13 +94,15 @@ def vpp_layout_job(rank: int, world_size: int, port: int, cfg: dict, pp: int, vp
 
 
 def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: int, job: str,
-                              cfg: dict) -> dict[str, Any]:
+                              cfg: dict, every_copy: bool = False) -> dict[str, Any]:
     """Data-parallel rank ``rank`` of 2 (tp=1) under real Megatron-Core DDP with the
     distributed optimizer's buffer layout and ``overlap_param_gather``: a real backward and
     gradient sync, then the distributed optimizer's step as Megatron does it (each rank
     writes only its own shard of the parameter buffer: rank r adds r + 1). Rank 0's
     Publisher (``ddp=``) must refuse to publish until ``finish_param_sync`` ran on both
-    ranks, and then serve the whole new parameters."""
+    ranks, and then serve the whole new parameters. ``every_copy``: rank 1 (data-parallel copy 1)
+    serves too, and each serving rank reports the bytes at every address its manifest names
+    (what a receiver READs) against the buffers the step makes whole."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
@@ -126,9 +128,10 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
         shard_buffer(data, world_size)[rank].add_(float(rank + 1))
     out: dict[str, Any] = {"rank": rank}
     pub = None
-    if rank == 0:
+    if rank == 0 or every_copy:
         rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
-        pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer")  # finds the DDP wrapper
+        pub = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer-{rank}")  # finds the DDP wrapper
+        out["coord"] = tuple(pub.rank)
         out["stale_before"] = any(not torch.equal(d, e) for d, e in zip(buffers, expected))
         try:
             pub.publish(2)
@@ -143,7 +146,25 @@ def deferred_param_gather_job(rank: int, world_size: int, port: int, rdzv_port: 
         out["served_is_buffer"] = all(any(t.data_ptr() >= d.data_ptr() and t.data_ptr() < d.data_ptr()
                                           + d.numel() * d.element_size() for d in buffers)
                                       for t in pub.params.values() if t.requires_grad)
+        out["served_bytes"] = _served_against(pub.manifest, buffers, expected)
     return out
+
+
+def _served_against(manifest: Any, buffers: list[torch.Tensor], expected: list[torch.Tensor]) -> dict[str, Any]:
+    """The bytes at each address ``manifest`` names (read from raw memory, as a receiver READs them)
+    against the same range of ``expected``: entries inside a parameter buffer, and those that differ."""
+    import ctypes
+
+    inside, differ = 0, []
+    for e in manifest.tensors:
+        raw = torch.frombuffer((ctypes.c_char * e.nbytes).from_address(e.addr), dtype=torch.uint8)
+        for data, want in zip(buffers, expected):
+            start = e.addr - data.data_ptr()
+            if 0 <= start and start + e.nbytes <= data.numel() * data.element_size():
+                inside += 1
+                if not torch.equal(raw, want.view(-1).view(torch.uint8)[start:start + e.nbytes]):
+                    differ.append(e.name)
+    return {"entries": len(manifest.tensors), "inside": inside, "differ": differ}
 
 
 def _step_once(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:

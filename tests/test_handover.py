@@ -133,6 +133,33 @@ def test_deferred_param_gather_is_finished_before_publishing():
     assert first["served_is_buffer"]
 
 
+@pytest.mark.megatron
+def test_a_data_parallel_copy_serves_whole_parameters_after_the_gather():
+    """The same two data-parallel processes, both serving (``serve_copies=True``): rank 1 is copy 1.
+    Each refuses to publish while the all-gather is pending (naming its own coordinate, copy 1's
+    too); after ``finish_param_sync`` the bytes at every address each manifest names (raw memory,
+    what a receiver READs) equal the whole new parameters, every shard's update included -- the
+    buffers computed apart from Megatron's gather, each shard plus its rank's step."""
+    pytest.importorskip("megatron.core")
+    from megatron_jobs import deferred_param_gather_job
+
+    job = "handover-ddp-copies"
+    rdzv = Rendezvous.serve(job=job)
+    cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=2)
+    results = start_workers(deferred_param_gather_job, world_size=2,
+                            args=(rdzv.port, job, cfg, True)).join(timeout=300)
+    by_rank = {r["rank"]: r for r in results}
+    assert [by_rank[r]["coord"] for r in (0, 1)] == [(0, 0, 0), (0, 0, 0, 1)]
+    for r in (0, 1):
+        got = by_rank[r]
+        assert got["stale_before"]
+        assert got["refused"] and "has not all-gathered" in got["refused"], (r, got["refused"])
+        assert ("copy=1" in got["refused"]) == (r == 1), got["refused"]
+        served = got["served_bytes"]
+        assert served["entries"] > 0 and served["inside"] == served["entries"], served  # all live parameters
+        assert served["differ"] == [], (r, served["differ"])
+
+
 def test_trainer_killed_mid_pull_then_restarted():
     """A trainer process is SIGKILLed: the next pull raises TransferError naming that
     trainer and hands nothing over (what the consumer installed before is untouched). The
