@@ -95,23 +95,30 @@ class CyclePipeline:
         verifier: checks every pulled box against the trainers' checksums, or ``None``.
         replica_group: the arena is served to replicas of this group (staged only), or ``None``.
         timeout: seconds to wait for manifests, versions and transfers (may be changed between cycles).
+        transfer_timeout: seconds one pull's READs may take (from their wait's start; a rank whose
+            READs are not done by then fails over, as one whose READ failed); ``None``: ``timeout``.
     """
 
     def __init__(self, fence: VersionFence, plans: PlanCache, memory: ReceiverMemory, transport: NixlTransport, *,
                  verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0,
-                 delta: bool = True):
+                 delta: bool = True, transfer_timeout: float | None = None):
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
         self.delta = DeltaReceiver(transport, memory.device, delta)
         self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
         self.replica_group = replica_group
-        self.timeout = timeout
+        self.timeout, self.transfer_timeout = timeout, transfer_timeout
         self.stats: CycleStats | None = None
         nic = getattr(transport.nixl, "nic", None)  # a GPU receiver on a node with RDMA NICs: bytes per NIC
         self.nics = NicMeter() if nic is not None and nic.port is not None else None
         self._verified = (0, 0)  # (checked bytes, checked boxes) of the last cycle
         self.failover = Failover(fence.rendezvous, plans)
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
+
+    @property
+    def read_timeout(self) -> float:
+        """Seconds a pull's READs may take: ``transfer_timeout``, else ``timeout``."""
+        return self.timeout if self.transfer_timeout is None else self.transfer_timeout
 
     @property
     def counters(self) -> dict[str, int]:
@@ -198,16 +205,16 @@ class CyclePipeline:
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
         with naming_the_job(self.fence.where(), version):
             if isinstance(pulled, DeltaChoice):
-                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout,
+                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.read_timeout,
                                 stable=functools.partial(self.fence.end, start))
             else:
                 t_read = time.perf_counter()
-                self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)
+                self.transport.execute(pulled, self.memory.buffers, timeout=self.read_timeout)
                 if before == self._setup_count():  # warm: the cost model learns from pulls, not set-up
                     self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
                     self.delta.measured("full", 0, time.perf_counter() - t_read)
             if self.verifier is not None:
-                self.verifier.pull(start.manifests, self.timeout)
+                self.verifier.pull(start.manifests, self.read_timeout)
         full = not isinstance(pulled, DeltaChoice)
         quant_s = self._after_pull(plan) if full else 0.0
         lap("pull")
@@ -256,7 +263,7 @@ class CyclePipeline:
         self._verified = (0, 0)
         check = None
         if self.verifier is not None:  # read before the delta's fence check: inside the same seqlock window
-            self.verifier.pull(start.manifests, self.timeout)
+            self.verifier.pull(start.manifests, self.read_timeout)
             check = functools.partial(self._check_group, start)
         with naming_the_job(self.fence.where(), version, streamed=True):
             stream = self.memory.stream  # (allocated by _plan)
@@ -325,7 +332,7 @@ class CyclePipeline:
         if flight is None:
             self.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
             flight = self.transport.start(prepared[k])
-        self.transport.wait(flight, timeout=self.timeout)
+        self.transport.wait(flight, timeout=self.read_timeout)
         self._finish_group(k)
 
     def _check_group(self, start: FenceStart, k: int) -> bool:
@@ -375,7 +382,7 @@ class CyclePipeline:
         finally:
             if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
                 with contextlib.suppress(MegarefitError):
-                    self.transport.wait(flight, timeout=self.timeout)
+                    self.transport.wait(flight, timeout=self.read_timeout)
         return pull_s
 
 
