@@ -66,8 +66,9 @@ def trainer_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], case: 
 
 
 def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store: tuple[str, str], versions: int,
-                 timeout: float) -> dict[str, Any]:
-    """Receiver ``rank`` in ``nodes[rank]``: pull versions 1..versions, acknowledge each.
+                 timeout: float, transfer_timeout: float | None = None) -> dict[str, Any]:
+    """Receiver ``rank`` in ``nodes[rank]``: pull versions 1..versions, acknowledge each
+    (``timeout``, ``transfer_timeout``: the receiver's).
 
     Each is reader ``rank`` of ``world`` (:class:`~megarefit.planner.holders.Reader`). Returns
     ``{"received": {v: {hf name: tensor}}, "done": {v: wall time the cycle ended}, "pull_s": {v:
@@ -79,7 +80,7 @@ def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store
 
     host, job = store
     receiver = RefitReceiver(Rendezvous.connect(host, STORE_PORT, job=job), name=f"receiver-{rank}",
-                             timeout=timeout, reader=Reader(rank, world))
+                             timeout=timeout, reader=Reader(rank, world), transfer_timeout=transfer_timeout)
     out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}, "failovers": {}}
     for v in range(1, versions + 1):
         out["received"][v] = {name: t.clone() for name, t in receiver.run_refit_cycle(v)}

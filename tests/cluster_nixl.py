@@ -3,12 +3,17 @@ inside a node (``ip netns exec``):
 
     python tests/cluster_nixl.py serve DIR NBYTES SEED   # registers NBYTES seeded bytes, serves until DIR/done
     python tests/cluster_nixl.py read DIR REPEATS TIMEOUT  # READs them REPEATS times
+    python tests/cluster_nixl.py timeout DIR TIMEOUT       # one READ through NixlTransport.wait, which times out
 
 Both use megarefit's :class:`~megarefit.transport.nixl_agent.NixlAgent` (UCX backend); the
 server's agent metadata and block address travel through files in DIR (the namespaces share
 the file system). The reader writes ``DIR/read.json`` (``{"seconds": [per READ], "nbytes"}``)
 and ``DIR/received.pt`` (the bytes of the last READ); a READ not done within TIMEOUT seconds,
-or one that fails, exits 3 with the reason on stderr (the agent's state, never a hang).
+or one that fails, exits 3 with the reason on stderr (the agent's state, never a hang). ``timeout``
+posts the READ as megarefit's transport does (:meth:`~megarefit.transport.nixl.NixlTransport.start`
+/ ``wait``), lets it time out, releases its request (what the failover's next prepare does) and
+writes ``DIR/timeout.json``: the error, the bytes landed when ``wait`` raised, 2 s later (the
+worker idle) and after 3 s of other READs (the worker progressing).
 """
 
 from __future__ import annotations
@@ -78,9 +83,58 @@ def read(d: Path, repeats: int, timeout: float) -> None:
     (d / "read.json").write_text(json.dumps({"seconds": seconds, "nbytes": info["nbytes"]}))
 
 
+def timeout_read(d: Path, timeout: float) -> None:
+    from megarefit.layout import RankCoord
+    from megarefit.transport.nixl import NixlTransport
+    from megarefit.transport.nixl_agent import TransferError
+    from megarefit.transport.nixl_requests import PreparedPlan, SourcePulls, release_requests
+
+    _wait_file(d / "server.json", 120)
+    info = json.loads((d / "server.json").read_text())
+    transport = NixlTransport("cluster-reader")
+    agent = transport.nixl.agent
+    remote = agent.add_remote_agent((d / "server.meta").read_bytes())
+    local = torch.zeros(info["nbytes"], dtype=torch.uint8)  # the served bytes are never all zero
+    transport.nixl.register([local])
+    rh = agent.prep_xfer_dlist(remote, [(info["addr"], info["nbytes"], 0)], "DRAM")
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr(), info["nbytes"], 0)], "DRAM")
+    pulls = SourcePulls(RankCoord(0, 0, 0), "cluster-server", [], agent.make_prepped_xfer("READ", lh, [0], rh, [0]),
+                        dlists=(rh, lh))
+    prepared = PreparedPlan(("cluster-timeout",), [pulls])
+    out: dict = {}
+    try:
+        transport.wait(transport.start(prepared), timeout=timeout)
+    except TransferError as exc:
+        out["error"], out["rank"] = str(exc), exc.rank
+    try:  # NIXL: releasing an active transfer "will attempt to cancel it", else returns an error
+        pulls.handle.release()
+        out["release_error"] = None
+    except Exception as exc:  # noqa: BLE001 -- recorded for the test
+        out["release_error"] = repr(exc)
+    pulls.handle = None
+    release_requests([prepared], [])  # its descriptor lists
+    out["landed"] = int((local != 0).sum())
+    time.sleep(2.0)  # no progress on the worker meanwhile
+    out["landed_2s_later"] = int((local != 0).sum())
+    other = torch.zeros(1 << 16, dtype=torch.uint8)  # then other READs (the worker progresses) for 3 s
+    transport.nixl.register([other])
+    oh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(other.data_ptr(), other.numel(), 0)], "DRAM")
+    small = agent.prep_xfer_dlist(remote, [(info["addr"], other.numel(), 0)], "DRAM")
+    handle, t0, reads = agent.make_prepped_xfer("READ", oh, [0], small, [0]), time.monotonic(), 0
+    while time.monotonic() - t0 < 3.0:
+        agent.transfer(handle)
+        while agent.check_xfer_state(handle) not in ("DONE", "ERR"):
+            time.sleep(0.001)
+        reads += 1
+    out["landed_after_progress"], out["other_reads"] = int((local != 0).sum()), reads
+    (d / "timeout.json").write_text(json.dumps(out))
+
+
 if __name__ == "__main__":
     role, d = sys.argv[1], Path(sys.argv[2])
     if role == "serve":
         serve(d, int(sys.argv[3]), int(sys.argv[4]))
+    elif role == "timeout":
+        timeout_read(d, float(sys.argv[3]))
     else:
         read(d, int(sys.argv[3]), float(sys.argv[4]))

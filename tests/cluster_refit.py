@@ -81,11 +81,13 @@ def _wait_ready(store: WorkerGroup, ready: Path, timeout: float) -> None:
 def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: int = 3, every_copy: bool = True,
                      trainers_may_die: bool = False,
                      rate_mbit: float = 300.0, rates: Mapping[str, float | None] | None = None,
-                     timeout: float = 120.0, receiver_timeout: float = 60.0, during: Callable[[Cluster, dict[str, WorkerGroup]], None] | None = None,
+                     timeout: float = 120.0, receiver_timeout: float = 60.0, transfer_timeout: float | None = None,
+                     during: Callable[[Cluster, dict[str, WorkerGroup]], None] | None = None,
                      config: dict | None = None) -> ClusterRefit:
     """Make the cluster, run store, trainers and receivers in it, remove it all; ``during(c,
     groups)`` runs while the receivers pull (fault injection; ``groups``: "store", "trainers",
-    "receivers").
+    "receivers"). ``receiver_timeout`` / ``transfer_timeout``: the receivers' ``timeout`` /
+    ``transfer_timeout``.
 
     Raises:
         RuntimeError / TimeoutError: a job failed (its traceback) or did not end within ``timeout``."""
@@ -104,7 +106,7 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
             [c[f"t{i}"].spec for i in range(world)], case, store, versions, every_copy, d))
         before = c.counters()
         groups["receivers"] = start_workers(receiver_job, world_size=receivers, args=(
-            [c[f"r{i}"].spec for i in range(receivers)], store, versions, receiver_timeout))
+            [c[f"r{i}"].spec for i in range(receivers)], store, versions, receiver_timeout, transfer_timeout))
         try:
             if during is not None:
                 during(c, groups)

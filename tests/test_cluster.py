@@ -3,7 +3,8 @@
 Namespaces, veths and processes are made and removed (also on failure, SIGTERM and a SIGKILLed
 run); a READ between two nodes is bit-exact, its bytes are on both nodes' veths and its rate
 follows the veth's tbf rate; without ``UCX_TLS``/``UCX_NET_DEVICES`` the veth carries nothing
-(UCX uses shared memory across namespaces); a link set down mid-READ, loss and delay.
+(UCX uses shared memory across namespaces); a link set down mid-READ, loss and delay; a READ
+released after its timeout still lands once the worker progresses (what a failover must honour).
 """
 
 from __future__ import annotations
@@ -166,6 +167,28 @@ def test_a_link_set_down_mid_read_is_a_clear_error_within_the_timeout(cluster_of
     assert "not done within 8.0s" in err or "failed (state ERR)" in err, err
     assert time.monotonic() - t_down < 8 + 10
     assert not (tmp_path / "received.pt").exists()  # nothing half-read is handed on
+
+
+def test_a_read_released_after_its_timeout_still_lands_once_the_worker_progresses(cluster_of, tmp_path):
+    """What a failover after a READ timeout must honour (a straggler; tests/test_cluster_refit.py):
+    the READ's error names its rank, but releasing its request does not stop its bytes. Over UCX
+    TCP (nixl 1.5.1) the rest of the READ lands in its target memory as soon as the receiver's
+    worker progresses again (any later READ), seconds after the release: memory a timed-out READ
+    targeted must not be reused or freed until that READ is done."""
+    nbytes = 24 << 20
+    c = cluster_of(["server", "reader"], rate_mbit=20.0)  # 24 MB: ~10 s a READ
+    server = _serve(c["server"], tmp_path, nbytes)
+    reader = c["reader"].popen([sys.executable, SCRIPT, "timeout", str(tmp_path), "2"], stderr=subprocess.PIPE, text=True)
+    _, err = reader.communicate(timeout=120)
+    (tmp_path / "done").touch()
+    server.wait(timeout=30)
+    assert reader.returncode == 0, err
+    got = json.loads((tmp_path / "timeout.json").read_text())
+    assert "no completion after 2.0 s" in got["error"] and got["rank"] == [0, 0, 0], got
+    assert got["release_error"] is None, got  # released without an error: NIXL reports no failed cancel
+    assert 0 < got["landed"] < nbytes // 2, got  # a part had landed: the READ was under way
+    assert got["landed_2s_later"] == got["landed"], got  # the worker idle: nothing moves
+    assert got["landed_after_progress"] > nbytes * 0.9, got  # then the rest of the released READ lands
 
 
 def test_a_short_outage_slows_a_read_that_stays_bit_exact(cluster_of, tmp_path):

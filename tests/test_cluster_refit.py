@@ -6,7 +6,10 @@ NIXL over UCX TCP on 300 Mbit veths. Every received byte equals the independent 
 sharder's unsharding (tests/reference.py) of the trainers' own snapshots. Every data-parallel
 copy serving, the bytes spread over every trainer veth within 10% of the mean; with only copy 0
 serving, they cross copy 0's veths alone; the cycle takes about the busiest veth's bytes over its
-rate. Faults: a copy SIGKILLed or its link set down mid-pull: the receivers that read from it
+rate. A straggler (one copy's NIC at 1/8 of the rate): the cycle takes its bytes over its rate,
+the other copy's readers are not slowed; at 1/32, its READs past the receivers' transfer timeout:
+failed over to the other copy, the cycle done within the timeout plus a normal pull (but not
+bit-exact yet: a strict xfail, the released READs still land; docs/multinode.md). Faults: a copy SIGKILLed or its link set down mid-pull: the receivers that read from it
 fail over to the other copy and complete, bytes exact (``stats.failovers`` names it); with no
 other holder (copy 0 alone serving), a clear error within the receivers' timeout, never a hang,
 never a version handed on. (No ``netem`` on this kernel: loss and delay are not emulated.)
@@ -146,3 +149,66 @@ def test_a_serving_trainers_link_down_mid_pull_is_a_clear_error_within_the_timeo
     err, after = _fails_within(lambda c, groups: c["t0"].set_link(False))
     assert "TransferError" in err and "megarefit-trainer-0-0-0" in err, err
     assert after < 15.0 + 20.0
+
+
+STRAGGLER = "t2"  # data-parallel copy 1 of tp rank 0 (Megatron puts TP ranks first): rank (0, 0, 0, 1)
+
+
+def _exact(run) -> None:
+    for v in range(1, run.versions + 1):
+        want = oracle(run, v)
+        for r in run.receivers:
+            assert r["received"][v].keys() == want.keys()
+            assert all(torch.equal(r["received"][v][n], t) for n, t in want.items()), v
+
+
+@pytest.mark.slow
+def test_a_slow_nic_bounds_the_cycle_by_its_bytes_over_its_rate():
+    """t2 at 1/8 of the others' rate: every cycle completes, bytes exact, in about t2's bytes over
+    t2's rate (its veth counters); the receivers reading copy 0 pull at the full rate."""
+    slow = RATE_MBIT / 8
+    run = refit_on_cluster(dp=DP, tp=TP, receivers=RECEIVERS, versions=VERSIONS, rate_mbit=RATE_MBIT,
+                           rates={STRAGGLER: slow})
+    _exact(run)
+    floor_s = run.trainer_tx()[STRAGGLER] / VERSIONS / (slow * 1e6 / 8)  # its bytes per cycle over its rate
+    for s in run.warm_cycles():
+        assert 0.9 * floor_s < s < 1.3 * floor_s, (s, floor_s)
+    assert all(not r["failovers"][v] for r in run.receivers for v in r["failovers"])
+    pulls = sorted(max(r["pull_s"][v] for v in range(2, VERSIONS + 1)) for r in run.receivers)
+    assert pulls[RECEIVERS // 2 - 1] < 0.25 * floor_s < 0.5 * floor_s < pulls[RECEIVERS // 2], pulls  # half read copy 1
+
+
+TRANSFER_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def too_slow():
+    """t2 at 1/32 of the rate (its share of a cycle: ~6 s), the receivers' transfer timeout 2 s."""
+    return refit_on_cluster(dp=DP, tp=TP, receivers=RECEIVERS, versions=VERSIONS, rate_mbit=RATE_MBIT,
+                            rates={STRAGGLER: RATE_MBIT / 32}, transfer_timeout=TRANSFER_TIMEOUT)
+
+
+@pytest.mark.slow
+def test_a_nic_too_slow_for_the_transfer_timeout_fails_over_to_the_other_copy(too_slow):
+    """t2's READs are not done within the transfer timeout: the share goes to the other holders,
+    the cycle ends within the timeout plus a normal pull, ``stats.failovers`` names t2; later
+    cycles read t2 no more and pull at the full rate."""
+    run = too_slow
+    failed = [f for r in run.receivers for f in r["failovers"][1]]
+    assert len(failed) == RECEIVERS // 2, failed  # every receiver that read copy 1
+    assert all(tuple(rank) == (0, 0, 0, 1) and (0, 0, 0) in [tuple(x) for x in by] for rank, by in failed), failed
+    normal_s = max(r["pull_s"][v] for r in run.receivers for v in range(2, VERSIONS + 1))
+    assert normal_s < 0.15 * TRANSFER_TIMEOUT, normal_s  # no later pull waits on t2
+    assert TRANSFER_TIMEOUT < run.cycle_s(1) < TRANSFER_TIMEOUT + 1.0 + 2 * normal_s, run.cycle_s(1)
+    assert all(not r["failovers"][v] for r in run.receivers for v in range(2, VERSIONS + 1))
+    share = run.trainer_tx()["t3"] / VERSIONS  # what a copy-1 rank serves a cycle, t2's share had it kept up
+    assert run.trainer_tx()[STRAGGLER] < share, (run.trainer_tx(), share)  # asked no more after version 1
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the timed-out READs are released, not stopped: their bytes land seconds "
+                   "later in memory the failover reuses (tests/test_cluster.py::"
+                   "test_a_read_released_after_its_timeout_still_lands_once_the_worker_progresses); "
+                   "needs a quarantine of that memory until the READ is done")
+def test_after_a_transfer_timeout_failover_every_byte_equals_the_oracle(too_slow):
+    _exact(too_slow)

@@ -96,23 +96,30 @@ class CyclePipeline:
         verifier: checks every pulled box against the trainers' checksums, or ``None``.
         replica_group: the arena is served to replicas of this group (staged only), or ``None``.
         timeout: seconds to wait for manifests, versions and transfers (may be changed between cycles).
+        transfer_timeout: seconds one pull's READs may take (from their wait's start; a rank whose
+            READs are not done by then fails over, as one whose READ failed); ``None``: ``timeout``.
     """
 
     def __init__(self, fence: VersionFence, plans: PlanCache, memory: ReceiverMemory, transport: NixlTransport, *,
                  verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0,
-                 delta: bool = True):
+                 delta: bool = True, transfer_timeout: float | None = None):
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
         self.delta = DeltaReceiver(transport, memory.device, delta)
         self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
         self.replica_group = replica_group
-        self.timeout = timeout
+        self.timeout, self.transfer_timeout = timeout, transfer_timeout
         self.stats: CycleStats | None = None
         nic = getattr(transport.nixl, "nic", None)  # a GPU receiver on a node with RDMA NICs: bytes per NIC
         self.nics = NicMeter() if nic is not None and nic.port is not None else None
         self._verified = (0, 0)  # (checked bytes, checked boxes) of the last cycle
         self.failover = Failover(fence.rendezvous, plans)
         self._serving = False  # replica_group: this arena is being rewritten (its sequence is odd)
+
+    @property
+    def read_timeout(self) -> float:
+        """Seconds a pull's READs may take: ``transfer_timeout``, else ``timeout``."""
+        return self.timeout if self.transfer_timeout is None else self.transfer_timeout
 
     @property
     def counters(self) -> dict[str, int]:
@@ -199,16 +206,16 @@ class CyclePipeline:
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
         with naming_the_job(self.fence.where(), version):
             if isinstance(pulled, DeltaChoice):
-                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.timeout,
+                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.read_timeout,
                                 stable=functools.partial(self.fence.end, start))
             else:
                 t_read = time.perf_counter()
-                self.transport.execute(pulled, self.memory.buffers, timeout=self.timeout)
+                self.transport.execute(pulled, self.memory.buffers, timeout=self.read_timeout)
                 if before == self._setup_count():  # warm: the cost model learns from pulls, not set-up
                     self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
                     self.delta.measured("full", 0, time.perf_counter() - t_read)
             if self.verifier is not None:
-                self.verifier.pull(start.manifests, self.timeout)
+                self.verifier.pull(start.manifests, self.read_timeout)
         full = not isinstance(pulled, DeltaChoice)
         quant_s = self._after_pull(plan) if full else 0.0
         lap("pull")
@@ -261,7 +268,7 @@ class CyclePipeline:
         with gc_paused(), plan_threads():
             plan = self._plan(start, lap)
         if self.verifier is not None:  # read before the delta's fence check: inside the same seqlock window
-            self.verifier.pull(start.manifests, self.timeout)
+            self.verifier.pull(start.manifests, self.read_timeout)
         with naming_the_job(self.fence.where(), version, streamed=True):
             stream = self.memory.stream  # (allocated by _plan)
             self.memory.wait_consumer()  # a delta lands in the ring: the last cycle's copies out of it are done

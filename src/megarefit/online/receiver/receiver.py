@@ -90,6 +90,8 @@ class RefitReceiver:
         rendezvous: where trainer ranks publish manifests and versions.
         name: this receiver's NIXL agent name (unique per receiver process).
         timeout: seconds to wait for manifests, versions and transfers.
+        transfer_timeout: seconds one pull's READs may take (a straggler whose READs are not done
+            by then fails over, :mod:`.failover`); ``None`` (default): ``timeout``.
         experts: global routed experts this receiver owns (vLLM expert
             parallelism); it pulls only those experts' tensors. ``None``: all.
         target: a vLLM tensor-parallel worker (:class:`~megarefit.targets.VllmTarget`):
@@ -151,7 +153,8 @@ class RefitReceiver:
                  heartbeat_s: float = 1.0, replica_group: str | None = None,
                  memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
                  direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto",
-                 part: ModelPart = "all", delta: bool = True, reader: Reader | None = None):
+                 part: ModelPart = "all", delta: bool = True, reader: Reader | None = None,
+                 transfer_timeout: float | None = None):
         _check_options(memory_budget, replica_group, experts, target, part, direct)
         self.rendezvous = rendezvous
         self.part: ModelPart = part
@@ -172,7 +175,8 @@ class RefitReceiver:
         self._memory = ReceiverMemory(self.transport, self.device, memory_budget, scratch_budget, direct)
         fence = VersionFence(rendezvous, name, self._plans.ranks_for)  # fences the ranks its plan reads
         self._pipeline = CyclePipeline(fence, self._plans, self._memory, self.transport, verifier=self._verifier,
-                                       replica_group=replica_group, timeout=timeout, delta=delta)
+                                       replica_group=replica_group, timeout=timeout, delta=delta,
+                                       transfer_timeout=transfer_timeout)
         self._prefetch = PrefetchSlot(self.device, lambda: self._pipeline.stats, self.transport.polite)
 
     @property
@@ -210,14 +214,10 @@ class RefitReceiver:
         """Bytes (or ``"auto"``) of a streamed receiver; ``None``: staged."""
         return self._memory.memory_budget
 
-    @property
-    def timeout(self) -> float:
-        """Seconds to wait for manifests, versions and transfers (may be changed between cycles)."""
-        return self._pipeline.timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float) -> None:
-        self._pipeline.timeout = seconds
+    timeout = property(lambda self: self._pipeline.timeout, lambda self, s: setattr(self._pipeline, "timeout", s),
+                       doc="Seconds to wait for manifests, versions and transfers (settable between cycles).")
+    transfer_timeout = property(lambda self: self._pipeline.transfer_timeout, lambda self, s: setattr(
+        self._pipeline, "transfer_timeout", s), doc="Seconds a pull's READs may take, or ``None`` (``timeout``).")
 
     @property
     def _stream(self) -> StreamRing | None:

@@ -56,6 +56,7 @@ class StreamParts(Protocol):
     failover: Failover
     direct_delta: DirectDelta
     timeout: float
+    read_timeout: float  # a pull's READs (transfer_timeout, else timeout)
 
 
 class GroupStream:
@@ -117,7 +118,7 @@ class GroupStream:
         finally:
             if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
                 with contextlib.suppress(MegarefitError):
-                    self.parts.transport.wait(flight, timeout=self.parts.timeout)
+                    self.parts.transport.wait(flight, timeout=self.parts.read_timeout)
         return pull_s
 
     def _post_next(self, k: int) -> InFlight | None:
@@ -128,7 +129,7 @@ class GroupStream:
             return None
         memory.wait_consumer()  # group k + 1 lands where group k - 1 was: its copies must be done
         try:
-            return self.parts.transport.start(self.prepared[k + 1], timeout=self.parts.timeout)
+            return self.parts.transport.start(self.prepared[k + 1], timeout=self.parts.read_timeout)
         except TransferError as exc:  # (the READs posted before it were drained)
             self._fail_over(exc, k + 1)
             return None
@@ -136,7 +137,7 @@ class GroupStream:
     def _land(self, k: int, flight: InFlight | None) -> None:
         """Group ``k`` in the ring, finished: its READs (posted by ``flight``, else now) waited
         for, its zero fills and FP8 steps run."""
-        transport, timeout = self.parts.transport, self.parts.timeout
+        transport, timeout = self.parts.transport, self.parts.read_timeout
         if flight is None:
             self.parts.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
             flight = transport.start(self.prepared[k], timeout=timeout)
@@ -208,7 +209,7 @@ class GroupStream:
         parts.plans.check_manifests(plan, manifests)
         if parts.verifier is not None:
             parts.verifier.require(plan, manifests)
-            parts.verifier.pull(manifests, parts.timeout)
+            parts.verifier.pull(manifests, parts.read_timeout)
         parts.transport.connect(manifests, self.start.metadata)
         stream = self.stream
         stream.groups = regroup(stream.groups, plan)
