@@ -102,10 +102,16 @@ def timeout_read(d: Path, timeout: float) -> None:
                         dlists=(rh, lh))
     prepared = PreparedPlan(("cluster-timeout",), [pulls])
     out: dict = {}
-    try:
-        transport.wait(transport.start(prepared), timeout=timeout)
+    try:  # no grace: what NIXL does with a READ released while it runs
+        transport.wait(transport.start(prepared), timeout=timeout, grace=0.0)
     except TransferError as exc:
         out["error"], out["rank"] = str(exc), exc.rank
+    out["late"] = transport.late
+    try:  # the transport knows its buffers may still be written: it posts nothing more
+        transport.start(prepared)
+        out["refused"] = None
+    except TransferError as exc:
+        out["refused"] = str(exc)
     try:  # NIXL: releasing an active transfer "will attempt to cancel it", else returns an error
         pulls.handle.release()
         out["release_error"] = None

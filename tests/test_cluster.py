@@ -174,7 +174,8 @@ def test_a_read_released_after_its_timeout_still_lands_once_the_worker_progresse
     the READ's error names its rank, but releasing its request does not stop its bytes. Over UCX
     TCP (nixl 1.5.1) the rest of the READ lands in its target memory as soon as the receiver's
     worker progresses again (any later READ), seconds after the release: memory a timed-out READ
-    targeted must not be reused or freed until that READ is done."""
+    targeted must not be reused or freed until that READ is done. Waited for with no grace
+    (``NixlTransport.wait(grace=0)``), the transport then refuses every later pull, naming why."""
     nbytes = 24 << 20
     c = cluster_of(["server", "reader"], rate_mbit=20.0)  # 24 MB: ~10 s a READ
     server = _serve(c["server"], tmp_path, nbytes)
@@ -185,6 +186,8 @@ def test_a_read_released_after_its_timeout_still_lands_once_the_worker_progresse
     assert reader.returncode == 0, err
     got = json.loads((tmp_path / "timeout.json").read_text())
     assert "no completion after 2.0 s" in got["error"] and got["rank"] == [0, 0, 0], got
+    assert "still in flight after timing out" in got["late"] and "pulls nothing more" in got["late"], got
+    assert got["refused"] == got["late"], got  # every later pull through this transport refused, loudly
     assert got["release_error"] is None, got  # released without an error: NIXL reports no failed cancel
     assert 0 < got["landed"] < nbytes // 2, got  # a part had landed: the READ was under way
     assert got["landed_2s_later"] == got["landed"], got  # the worker idle: nothing moves

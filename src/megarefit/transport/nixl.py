@@ -162,6 +162,7 @@ class NixlTransport:
         self._blocks: dict[tuple, tuple[Any, ...]] = {}  # read_blocks: (agent, addr, nbytes, local) -> request
         self.last_seconds: dict[str, float] = {}
         self.poll_sleep = 0.0  # seconds slept between completion polls (0: spin; see polite())
+        self.late = ""  # READs that timed out still land in the buffers: why this transport pulls no more
 
     @property
     def counters(self) -> Counter[str]:
@@ -252,8 +253,8 @@ class NixlTransport:
 
         Raises:
             TransferError: as :meth:`execute`."""
-        agent = self.nixl.agent
-        posted = []
+        agent, posted = self.nixl.agent, []
+        _refuse_late(self.late)
         local_ranks = self._ipc_ranks()
         for manifest, (addr, nbytes, mem, dev), local in reads:
             if manifest.rank in local_ranks:  # a device copy from the mapped block
@@ -273,7 +274,7 @@ class NixlTransport:
             posted.append((pulls, -1))
         self.wait_posted(posted, timeout)
 
-    def wait_posted(self, posted: list[tuple[SourcePulls, int]], timeout: float) -> None:
+    def wait_posted(self, posted: list[tuple[SourcePulls, int]], timeout: float, grace: float = 60.0) -> None:
         """Wait for READs posted outside a prepared plan (raises TransferError as :meth:`wait`)."""
         flight = InFlight(PreparedPlan((), []), time.perf_counter(), posted)
         deadline = time.monotonic() + timeout
@@ -282,7 +283,9 @@ class NixlTransport:
             if flight.pending and self.poll_sleep:
                 time.sleep(self.poll_sleep)
             if flight.pending and time.monotonic() > deadline:
-                raise pull_error(flight.pending[0][0], f"no completion after {timeout:.1f} s")
+                exc = pull_error(flight.pending[0][0], f"no completion after {timeout:.1f} s")
+                self.late = settle(self.nixl.agent, flight, exc, time.monotonic() + grace, self.poll_sleep)
+                raise exc
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                 buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
@@ -330,18 +333,16 @@ class NixlTransport:
         return out
 
     def execute(self, prepared: PreparedPlan, buffers: Mapping[TensorRef, torch.Tensor], *,
-                timeout: float = 60.0) -> None:
+                timeout: float = 60.0, grace: float = 60.0) -> None:
         """Post every source's direct READ and first two waves, and wait (:meth:`start`, then
         :meth:`wait`). Each wave is placed (one batched copy) as soon as it lands, and the wave
         after next reuses its scratch half once that placement has finished, overlapping the
         other READs.
 
         Raises:
-            TransferError: a peer disconnected, a transfer failed, or ``timeout``
-                seconds passed; the message names the peer, its first tensors
-                and byte ranges.
-        """
-        self.wait(self.start(prepared, timeout=timeout), timeout=timeout)
+            TransferError: a peer disconnected, a transfer failed, or ``timeout`` seconds passed
+                (names the peer, its first tensors and byte ranges; ``grace``: :meth:`wait`)."""
+        self.wait(self.start(prepared, timeout=timeout), timeout=timeout, grace=grace)
 
     def start(self, prepared: PreparedPlan, *, timeout: float = 60.0) -> InFlight:
         """Post every source's direct READ and its first two waves; return without waiting.
@@ -351,7 +352,8 @@ class NixlTransport:
 
         Raises:
             TransferError: a READ could not be posted (names the peer and its first tensors); those
-                posted before are waited for first (up to ``timeout`` s): no late byte lands after."""
+                posted before are waited for first (up to ``timeout`` s); :attr:`late` set: at once."""
+        _refuse_late(self.late)
         flight = InFlight(prepared, time.perf_counter())
         try:
             _post_first(self.nixl, flight)
@@ -369,21 +371,20 @@ class NixlTransport:
             self.nixl.counters["ipc_launches"] += 1
         return flight
 
-    def wait(self, flight: InFlight, *, timeout: float = 60.0) -> None:
+    def wait(self, flight: InFlight, *, timeout: float = 60.0, grace: float = 60.0) -> None:
         """Finish a :meth:`start`: place each wave as it lands, post the later waves as
         scratch halves free up, until every READ is done; ``last_seconds``: ``read`` (from
         post to done, less placements) and ``scratch`` (placements) seconds.
 
         Raises:
-            TransferError: a transfer failed, or ``timeout`` seconds passed (from this call); the
-                other READs still in flight are waited for first (until the deadline), so no late
-                byte lands in the buffers after this returns (a retry may free or reuse them)."""
+            TransferError: a transfer failed, or ``timeout`` s passed; the READs in flight are
+                waited for first, up to ``grace`` s more (:func:`settle`: a released READ lands later)."""
         deadline = time.monotonic() + timeout
         try:
             self._wait(flight, deadline, timeout)
-        except TransferError:
+        except TransferError as exc:
             flight.queued = []
-            drain(self.nixl.agent, flight, deadline, self.poll_sleep)
+            self.late = settle(self.nixl.agent, flight, exc, max(deadline, time.monotonic() + grace), self.poll_sleep)
             raise
 
     def _wait(self, flight: InFlight, deadline: float, timeout: float) -> None:
@@ -465,6 +466,25 @@ def drain(agent: Any, flight: InFlight, deadline: float, poll_sleep: float) -> N
             time.sleep(poll_sleep or 0.001)
 
 
+def _refuse_late(late: str) -> None:
+    """Raise TransferError(``late``) where READs that timed out still land in the buffers."""
+    if late:
+        raise TransferError(late)
+
+
+def settle(agent: Any, flight: InFlight, exc: TransferError, deadline: float, poll_sleep: float) -> str:
+    """After ``exc`` failed a wait: wait until no READ of ``flight`` is in flight (until
+    ``deadline``); ``""`` then, else why the transport must pull nothing more -- a READ still in
+    flight writes its buffers later, and a retry, failover or next cycle reuses them."""
+    drain(agent, flight, deadline, poll_sleep)
+    if not flight.pending:
+        return ""
+    ranks = sorted({str(tuple(pulls.rank)) for pulls, _ in flight.pending})
+    return (f"READs from trainer ranks {', '.join(ranks)} are still in flight after timing out ({exc}): their "
+            "bytes may still land in this receiver's buffers, so it pulls nothing more; close it and start a new "
+            "receiver process (or give the READs more time: transfer_timeout / timeout)")
+
+
 def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequence[tuple[int, int, int, str, int]]]],
                 local: torch.Tensor, *, timeout: float = 60.0) -> int:
     """READ byte ranges of sources into ``local`` (contiguous, registered here once) over
@@ -475,6 +495,7 @@ def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequen
 
     Raises:
         TransferError: as :meth:`NixlTransport.execute`."""
+    _refuse_late(transport.late)
     transport.nixl.register([local])
     lmem, ldev = mem_type(local)
     agent, base = transport.nixl.agent, local.data_ptr()

@@ -210,7 +210,7 @@ class CyclePipeline:
                                 stable=functools.partial(self.fence.end, start))
             else:
                 t_read = time.perf_counter()
-                self.transport.execute(pulled, self.memory.buffers, timeout=self.read_timeout)
+                self.transport.execute(pulled, self.memory.buffers, timeout=self.read_timeout, grace=self.timeout)
                 if before == self._setup_count():  # warm: the cost model learns from pulls, not set-up
                     self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
                     self.delta.measured("full", 0, time.perf_counter() - t_read)

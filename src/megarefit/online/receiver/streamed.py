@@ -141,7 +141,7 @@ class GroupStream:
         if flight is None:
             self.parts.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
             flight = transport.start(self.prepared[k], timeout=timeout)
-        transport.wait(flight, timeout=timeout)
+        transport.wait(flight, timeout=timeout, grace=self.parts.timeout)
         self._finish_group(k)
 
     def _finish_group(self, k: int) -> None:
