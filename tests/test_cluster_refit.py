@@ -18,6 +18,7 @@ never a version handed on. (No ``netem`` on this kernel: loss and delay are not 
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import pytest
@@ -128,14 +129,23 @@ def _fails_over(fault):
                             during=during, trainers_may_die=True)
 
 
-def test_a_link_down_mid_pull_whose_reads_never_settle_stops_the_receiver_loudly():
-    """t2's link set down mid-pull and left down: its READs time out and stay in flight (over UCX
-    TCP a released READ still lands once the link is back), so the receivers reading t2 refuse
-    to pull into those buffers again, naming the rank: no failover into memory a late READ may
-    still write, and no version handed over. (Failing over into fresh buffers: not yet.)"""
-    with pytest.raises(RuntimeError, match=r"READs from trainer ranks \(0, 0, 0, 1\) are still in flight after "
-                                           r"timing out .* pulls nothing more"):
-        _fails_over(lambda c, groups: c["t2"].set_link(False))
+def test_a_link_down_mid_pull_fails_over_or_stops_loudly_never_wrong():
+    """t2's link set down mid-pull and left down. Where UCX ends its READs (an error) within the
+    receivers' timeout and grace, they fail over and every byte is exact; where the READs stay in
+    flight (a released READ still lands once the link is back), the receivers reading t2 refuse to
+    pull into those buffers again, naming the rank, and hand no version over. Which one happens
+    is UCX's (both seen on this machine); failing over into fresh buffers is not built yet."""
+    try:
+        run = _fails_over(lambda c, groups: c["t2"].set_link(False))
+    except RuntimeError as exc:
+        assert re.search(r"READs from trainer ranks \(0, 0, 0, 1\) are still in flight after timing out .* pulls "
+                         r"nothing more", str(exc)), exc
+        return
+    want = oracle(run, 1)
+    for r in run.receivers:
+        assert all(torch.equal(r["received"][1][n], t) for n, t in want.items())
+    failed = [f for r in run.receivers for f in r["failovers"][1]]
+    assert failed and all(tuple(rank) == (0, 0, 0, 1) for rank, _ in failed), failed
 
 
 @pytest.mark.parametrize("fault", ["sigkill"])

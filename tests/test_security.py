@@ -98,6 +98,10 @@ def test_replayed_record_is_refused(job, keys):
     dict(receiver.run_refit_cycle(2))
     for k, record in old.items():
         rdzv.store.set(rdzv.prefix + k, record)  # written again by someone who kept it
+    if keys[0] == "writes/0":  # a copy's marker has several writers, so no counter order: a fence record naming
+        got = dict(receiver.run_refit_cycle())  # a version older than one read sends the fence to each rank's records
+        assert receiver.stats.version == 2 and all(torch.equal(got[k], hf[k]) for k in hf)
+        return
     with pytest.raises(RecordAuthenticationError, match=rf"{keys[0]}' is older than one already read"):
         dict(receiver.run_refit_cycle())
 

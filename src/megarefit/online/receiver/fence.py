@@ -65,6 +65,7 @@ class VersionFence:
         self.name = name
         self.ranks_for = ranks_for or (lambda first: first.layout.ranks())
         self.manifests: dict[RankCoord, Manifest] = {}  # the last discovery's
+        self.version = 0  # the newest version a start read (fence records naming an older one: replayed)
 
     def where(self) -> str:
         """This receiver's job and rendezvous, for error messages."""
@@ -153,6 +154,8 @@ class VersionFence:
         state = self.rendezvous.copies.state(ranks)
         if state is None or (version is not None and state.version != version):
             return None
+        if state.version < self.version:  # an old pair written again, or a trainer restarted from a checkpoint:
+            return None  # each rank's own records say which (a replayed one is refused there, by its counter)
         cached = self.rendezvous.cached_manifests(ranks, state.generations)
         if cached is None:
             return None
@@ -186,6 +189,7 @@ class VersionFence:
         if warm is not None:  # two records per copy instead of three per rank
             lap("discover")
             lap("version")
+            self.version = max(self.version, warm.version)
             return warm
         timeout = max(0.05, timeout - (time.monotonic() - began))  # what a wait above left of it
         manifests, metadata, state = self.discover(timeout)
@@ -208,6 +212,7 @@ class VersionFence:
                                             retryable=version is None)
                 got, _ = self.wait_version(ranks, None, seen, timeout)  # the latest: wait for it to be common again
         lap("version")
+        self.version = max(self.version, got)
         return FenceStart(manifests, metadata, ranks, seq, got, version)
 
     def end(self, start: FenceStart) -> None:

@@ -87,13 +87,15 @@ class RecordCodec:
                 than a record already read under this key (by this thread)."""
         return self.unseal_counted(key, record)[1]
 
-    def unseal_counted(self, key: str, record: bytes) -> tuple[int, bytes]:
+    def unseal_counted(self, key: str, record: bytes, *, ordered: bool = True) -> tuple[int, bytes]:
         """``(n, payload)`` of a signed record read under full key ``key``: :meth:`unseal`, and
-        the record's counter (drawn from the job's clock when it was sealed; a record written
-        later under any key has a larger one).
+        the record's counter (drawn from the job's clock when it was sealed; a record sealed
+        later under any key has a larger one). ``ordered=False``: a key several processes write
+        (a copy's write marker and fence record), whose last write may carry a smaller counter
+        than one read before; no replay check (readers compare such records for equality).
 
         Raises:
-            RecordAuthenticationError: as :meth:`unseal`."""
+            RecordAuthenticationError: as :meth:`unseal` (not "older" where ``ordered`` is false)."""
         parts = bytes(record).split(b":", 3)
         if (len(parts) != 4 or parts[0] != RECORD_FORMAT or len(parts[1]) != 64 or not parts[2].isdigit()
                 or len(parts[2]) > MAX_COUNTER_DIGITS):
@@ -105,6 +107,8 @@ class RecordCodec:
                 f"record {key!r} has a wrong signature: written with another job secret, or forged; check that "
                 f"every process of job {self.job!r} uses the same secret ({SECRET_ENV}); nothing was done with it")
         n = int(parts[2])
+        if not ordered:
+            return n, parts[3]
         latest = self._reads.__dict__.setdefault("latest", {})
         if n < latest.get(key, 0):
             raise RecordAuthenticationError(

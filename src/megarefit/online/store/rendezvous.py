@@ -180,10 +180,12 @@ class Rendezvous:
         full = [self.prefix + k for k in keys]
         return [self.unseal(k, r) for k, r in zip(full, self.store.multi_get(full, timeout))]
 
-    def fetch_counted(self, keys: list[str]) -> list[tuple[int, bytes]]:
-        """:meth:`fetch_many`, each record as ``(its counter, payload)``."""
+    def fetch_counted(self, keys: list[str], shared: frozenset[str] = frozenset()) -> list[tuple[int, bytes]]:
+        """:meth:`fetch_many`, each record as ``(its counter, payload)``; ``shared``: keys several
+        processes write (no replay check: ``RecordCodec.unseal_counted(ordered=False)``)."""
         full = [self.prefix + k for k in keys]
-        return [self._codec.unseal_counted(k, r) for k, r in zip(full, self.store.multi_get(full))]
+        return [self._codec.unseal_counted(f, r, ordered=k not in shared)
+                for k, f, r in zip(keys, full, self.store.multi_get(full))]
 
     @property
     def port(self) -> int:
