@@ -72,7 +72,9 @@ def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store
 
     Each is reader ``rank`` of ``world`` (:class:`~megarefit.planner.holders.Reader`). Returns
     ``{"received": {v: {hf name: tensor}}, "done": {v: wall time the cycle ended}, "pull_s": {v:
-    seconds pulling}, "bytes": {v: bytes moved}, "failovers": {v: stats.failovers}}``."""
+    seconds pulling}, "bytes": {v: bytes moved}, "failovers": {v: stats.failovers}, "quarantined": {v:
+    (counters["quarantined_bytes"], stats.quarantined_bytes)}, "registered": {v: (bytes registered so
+    far, stats.arena_bytes)}}``."""
     nodes[rank].enter()
     from megarefit.online import RefitReceiver
     from megarefit.online.store.rendezvous import Rendezvous
@@ -81,13 +83,16 @@ def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store
     host, job = store
     receiver = RefitReceiver(Rendezvous.connect(host, STORE_PORT, job=job), name=f"receiver-{rank}",
                              timeout=timeout, reader=Reader(rank, world), transfer_timeout=transfer_timeout)
-    out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}, "failovers": {}}
+    out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}, "failovers": {}, "quarantined": {},
+                           "registered": {}}
     for v in range(1, versions + 1):
         out["received"][v] = {name: t.clone() for name, t in receiver.run_refit_cycle(v)}
         out["done"][v] = time.time()
         out["pull_s"][v] = receiver.stats.seconds["pull"]
         out["bytes"][v] = receiver.stats.bytes_moved
         out["failovers"][v] = receiver.stats.failovers
+        out["quarantined"][v] = (receiver.counters.get("quarantined_bytes", 0), receiver.stats.quarantined_bytes)
+        out["registered"][v] = (receiver.counters["registered_bytes"], receiver.stats.arena_bytes)
         receiver.acknowledge(v)
     return out
 

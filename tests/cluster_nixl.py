@@ -4,6 +4,7 @@ inside a node (``ip netns exec``):
     python tests/cluster_nixl.py serve DIR NBYTES SEED   # registers NBYTES seeded bytes, serves until DIR/done
     python tests/cluster_nixl.py read DIR REPEATS TIMEOUT  # READs them REPEATS times
     python tests/cluster_nixl.py timeout DIR TIMEOUT       # one READ through NixlTransport.wait, which times out
+    python tests/cluster_nixl.py quarantine DIR TIMEOUT    # the same, its memory quarantined, then fresh READs
 
 Both use megarefit's :class:`~megarefit.transport.nixl_agent.NixlAgent` (UCX backend); the
 server's agent metadata and block address travel through files in DIR (the namespaces share
@@ -13,7 +14,12 @@ or one that fails, exits 3 with the reason on stderr (the agent's state, never a
 posts the READ as megarefit's transport does (:meth:`~megarefit.transport.nixl.NixlTransport.start`
 / ``wait``), lets it time out, releases its request (what the failover's next prepare does) and
 writes ``DIR/timeout.json``: the error, the bytes landed when ``wait`` raised, 2 s later (the
-worker idle) and after 3 s of other READs (the worker progressing).
+worker idle) and after 3 s of other READs (the worker progressing). ``quarantine`` lets it time
+out the same way, hands its memory to the transport's quarantine
+(:meth:`~megarefit.transport.nixl.NixlTransport.quarantine`), then READs the first 64 KiB again
+into fresh memory through the same transport, sweeping the quarantine after each, until it frees
+the held memory (at most 60 s), and
+writes ``DIR/quarantine.json`` and ``DIR/received.pt`` (the fresh bytes).
 """
 
 from __future__ import annotations
@@ -83,6 +89,61 @@ def read(d: Path, repeats: int, timeout: float) -> None:
     (d / "read.json").write_text(json.dumps({"seconds": seconds, "nbytes": info["nbytes"]}))
 
 
+def _one_read(d: Path, local: torch.Tensor, name: str):
+    """A transport, its remote and a prepared READ of the served bytes' first ``local.numel()``
+    bytes into ``local`` (registered here)."""
+    from megarefit.layout import RankCoord
+    from megarefit.transport.nixl import NixlTransport
+    from megarefit.transport.nixl_requests import PreparedPlan, SourcePulls
+
+    _wait_file(d / "server.json", 120)
+    info = json.loads((d / "server.json").read_text())
+    transport = NixlTransport(name)
+    remote = transport.nixl.agent.add_remote_agent((d / "server.meta").read_bytes())
+    return transport, remote, info, _prepared_read(transport, remote, info["addr"], local, PreparedPlan, SourcePulls,
+                                                   RankCoord)
+
+
+def _prepared_read(transport, remote, addr: int, local: torch.Tensor, prepared_plan, source_pulls, coord):
+    agent = transport.nixl.agent
+    transport.nixl.register([local])
+    rh = agent.prep_xfer_dlist(remote, [(addr, local.numel(), 0)], "DRAM")
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local.data_ptr(), local.numel(), 0)], "DRAM")
+    pulls = source_pulls(coord(0, 0, 0), "cluster-server", [], agent.make_prepped_xfer("READ", lh, [0], rh, [0]),
+                         dlists=(rh, lh))
+    return prepared_plan(("cluster-read", local.data_ptr()), [pulls])
+
+
+def quarantine_read(d: Path, timeout: float) -> None:
+    from megarefit.layout import RankCoord
+    from megarefit.transport.nixl_agent import TransferError
+    from megarefit.transport.nixl_requests import PreparedPlan, SourcePulls
+
+    _wait_file(d / "server.json", 120)
+    nbytes = json.loads((d / "server.json").read_text())["nbytes"]
+    local = torch.zeros(nbytes, dtype=torch.uint8)  # the served bytes are never all zero
+    transport, remote, info, prepared = _one_read(d, local, "cluster-reader")
+    out: dict = {}
+    try:
+        transport.wait(transport.start(prepared), timeout=timeout, grace=0.0)
+    except TransferError as exc:
+        out["error"] = str(exc)
+    out["held"] = transport.quarantine([local])
+    out["late_after"], out["held_now"] = transport.late, transport.quarantined.nbytes
+    out["sweep_at_once"] = transport.quarantined.sweep()  # the READ is still running: nothing freed
+    out["landed"] = int((local != 0).sum())
+    fresh = torch.zeros(1 << 16, dtype=torch.uint8)
+    again = _prepared_read(transport, remote, info["addr"], fresh, PreparedPlan, SourcePulls, RankCoord)
+    t0, sweeps = time.monotonic(), []
+    while time.monotonic() - t0 < 60.0 and not any(sweeps):  # fresh READs: the worker progresses
+        transport.wait(transport.start(again), timeout=30.0)
+        sweeps.append(transport.quarantined.sweep())
+    out["sweeps"], out["landed_after_progress"] = sweeps, int((local != 0).sum())
+    out["registered_after"] = transport.nixl.registered(local)
+    torch.save(fresh, d / "received.pt")
+    (d / "quarantine.json").write_text(json.dumps(out))
+
+
 def timeout_read(d: Path, timeout: float) -> None:
     from megarefit.layout import RankCoord
     from megarefit.transport.nixl import NixlTransport
@@ -142,5 +203,7 @@ if __name__ == "__main__":
         serve(d, int(sys.argv[3]), int(sys.argv[4]))
     elif role == "timeout":
         timeout_read(d, float(sys.argv[3]))
+    elif role == "quarantine":
+        quarantine_read(d, float(sys.argv[3]))
     else:
         read(d, int(sys.argv[3]), float(sys.argv[4]))

@@ -78,6 +78,17 @@ def _wait_ready(store: WorkerGroup, ready: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _wait_first_version(trainers: WorkerGroup, d: Path, files: int, timeout: float) -> None:
+    """Until the trainer ranks saved ``files`` snapshots of version 1 (right before publishing it): the receivers'
+    timeout then bounds the pull, not the trainers' start on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while len(list(d.glob("v1-tp*.pt"))) < files:
+        trainers.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer ranks did not save {files} snapshots of version 1 within {timeout}s")
+        time.sleep(0.05)
+
+
 def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: int = 3, every_copy: bool = True,
                      trainers_may_die: bool = False,
                      rate_mbit: float = 300.0, rates: Mapping[str, float | None] | None = None,
@@ -104,6 +115,7 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
         _wait_ready(groups["store"], Path(stop + ".ready"), timeout)
         groups["trainers"] = start_workers(trainer_job, world_size=world, args=(
             [c[f"t{i}"].spec for i in range(world)], case, store, versions, every_copy, d))
+        _wait_first_version(groups["trainers"], Path(d), world if every_copy else tp, timeout)  # copies: one file
         before = c.counters()
         groups["receivers"] = start_workers(receiver_job, world_size=receivers, args=(
             [c[f"r{i}"].spec for i in range(receivers)], store, versions, receiver_timeout, transfer_timeout))
@@ -112,13 +124,13 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
                 during(c, groups)
             got = groups["receivers"].join(timeout)
             after = c.counters()
-            Path(stop).touch()
-            try:
+            try:  # the store serves until the trainers end (a slowed one may still wait for it)
                 trained = groups["trainers"].join(timeout)
             except RuntimeError:  # a trainer the fault killed
                 if not trainers_may_die:
                     raise
                 trained = []
+            Path(stop).touch()
             groups["store"].join(timeout)
         finally:
             Path(stop).touch()

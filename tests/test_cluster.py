@@ -194,6 +194,31 @@ def test_a_read_released_after_its_timeout_still_lands_once_the_worker_progresse
     assert got["landed_after_progress"] > nbytes * 0.9, got  # then the rest of the released READ lands
 
 
+def test_memory_a_late_read_may_write_is_held_until_it_lands_and_fresh_reads_stay_exact(cluster_of, tmp_path):
+    """The failover's way past a READ still in flight after its timeout (a link left down): its
+    memory goes to the transport's quarantine, the transport pulls again into fresh memory only.
+    The late READ then lands in the held memory, never in the fresh one, and the quarantine frees
+    it (deregistered) once that READ is done, not before."""
+    nbytes = 24 << 20
+    c = cluster_of(["server", "reader"], rate_mbit=20.0)  # 24 MB: ~10 s a READ
+    server = _serve(c["server"], tmp_path, nbytes)
+    reader = c["reader"].popen([sys.executable, SCRIPT, "quarantine", str(tmp_path), "2"], stderr=subprocess.PIPE,
+                               text=True)
+    _, err = reader.communicate(timeout=120)
+    (tmp_path / "done").touch()
+    server.wait(timeout=30)
+    assert reader.returncode == 0, err
+    got = json.loads((tmp_path / "quarantine.json").read_text())
+    assert "no completion after 2.0 s" in got["error"], got
+    assert got["held"] == nbytes and got["late_after"] == "", got  # held, and the transport pulls again
+    assert 0 < got["landed"] < nbytes // 2, got  # the READ was under way when it was quarantined
+    assert got["landed_after_progress"] > nbytes * 0.99, got  # it landed later, whole, in the held memory
+    assert got["sweep_at_once"] == 0 and got["held_now"] == nbytes, got  # not while the READ runs
+    assert sum(got["sweeps"]) == nbytes and got["sweeps"][-1] == nbytes, got  # freed once, after it ended
+    assert not got["registered_after"], got
+    assert torch.equal(torch.load(tmp_path / "received.pt"), _expected(nbytes)[:1 << 16])  # the fresh READs: exact
+
+
 def test_a_short_outage_slows_a_read_that_stays_bit_exact(cluster_of, tmp_path):
     """A burst of loss: the server's NIC down for 1 s mid-READ, then up (TCP retransmits)."""
     c = cluster_of(["server", "reader"], rate_mbit=100.0)  # 6 MB: 0.5 s a READ

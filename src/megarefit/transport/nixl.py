@@ -45,6 +45,7 @@ from megarefit.plan import Plan, TensorRef
 from megarefit.transport.cuda_ipc import DeviceCopies, IpcSources
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl_agent import NixlAgent, TransferError, mem_type
+from megarefit.transport.quarantine import Quarantine
 from megarefit.transport.nixl_requests import (
     DIRECT_MIN_BYTES,
     GAP_BYTES,
@@ -163,6 +164,8 @@ class NixlTransport:
         self.last_seconds: dict[str, float] = {}
         self.poll_sleep = 0.0  # seconds slept between completion polls (0: spin; see polite())
         self.late = ""  # READs that timed out still land in the buffers: why this transport pulls no more
+        self._late: list[Any] | None = []  # their handles (a plan's pull); None: READs into memory not held here
+        self.quarantined = Quarantine(self.nixl)  # memory late READs may still write (quarantine.py)
 
     @property
     def counters(self) -> Counter[str]:
@@ -285,6 +288,7 @@ class NixlTransport:
             if flight.pending and time.monotonic() > deadline:
                 exc = pull_error(flight.pending[0][0], f"no completion after {timeout:.1f} s")
                 self.late = settle(self.nixl.agent, flight, exc, time.monotonic() + grace, self.poll_sleep)
+                self._late = None if self.late else self._late  # delta / checksum buffers: not quarantined
                 raise exc
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
@@ -385,6 +389,8 @@ class NixlTransport:
         except TransferError as exc:
             flight.queued = []
             self.late = settle(self.nixl.agent, flight, exc, max(deadline, time.monotonic() + grace), self.poll_sleep)
+            if self.late and self._late is not None:
+                self._late += [p.handle if w < 0 else p.waves[w].handle for p, w in flight.pending]
             raise
 
     def _wait(self, flight: InFlight, deadline: float, timeout: float) -> None:
@@ -430,6 +436,23 @@ class NixlTransport:
         self.last_seconds = {"read": total - scratch_s, "scratch": scratch_s}
         if ipc_s is not None:
             self.last_seconds["ipc"] = ipc_s
+
+    def quarantine(self, memory: Sequence[torch.Tensor]) -> int | None:
+        """After a pull whose READs are still in flight (:attr:`late`): hold ``memory`` (the
+        buffers, registered by one call), the scratch and every prepared request until those
+        READs end (:class:`~megarefit.transport.quarantine.Quarantine`), and pull again, into
+        fresh memory only. Returns the bytes held; ``None`` (nothing changed, :attr:`late`
+        stays) where nothing is late or late READs write memory not held here (a delta's or
+        the checksums' buffers)."""
+        if not self.late or not self._late:
+            return None
+        scratch, self._scratch_memory.tensor = self._scratch_memory.tensor, None
+        held = self.quarantined.hold(self._late, [memory, [scratch] if scratch is not None else []],
+                                     [p for group in self._prepared.values() for p in group],
+                                     list(self._blocks.values()), self.late)
+        self._prepared, self._blocks, self._late, self.late = {}, {}, [], ""
+        self.nixl.counters["quarantined_bytes"] += held
+        return held
 
     def _remote_name(self, manifest: Manifest) -> str:
         if manifest.agent not in self._remotes:

@@ -77,6 +77,9 @@ class CycleStats:
     # (staged: the cycle was pulled again from them; streamed: the groups not yet handed over; the same
     # version: planner/holders.py)
     failovers: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
+    # memory (bytes) held at the cycle's end for READs that timed out and are still in flight: an
+    # arena and scratch they may still write, never read again, freed once they end (transport/quarantine.py)
+    quarantined_bytes: int = 0
 
 
 class Laps:

@@ -105,7 +105,8 @@ class ReceiverMemory:
         self._quantizer = None
         if self.memory_budget is not None:
             self.stream = self.ring_for(plan)
-        else:
+        else:  # the previous plan's arenas: deregistered before they are freed (a quarantine took its own)
+            self.transport.release([t for t in self.arenas.values() if self.transport.nixl.registered(t)])
             self.arena_for(plan, manifests)
 
     def wait_consumer(self) -> None:
@@ -126,6 +127,19 @@ class ReceiverMemory:
         freed += self.transport.release_scratch()
         self.arenas, self.buffers, self.stream, self._quantizer = {}, {}, None, None
         return freed
+
+    def quarantine(self) -> int | None:
+        """Staged, after a pull whose READs are still in flight (``transport.late``): hand the
+        arenas and the scratch to the transport's quarantine (held until those READs end, never
+        read again: :mod:`~megarefit.transport.quarantine`); the next cycle allocates fresh ones.
+        Returns the bytes held, ``None`` where the transport cannot quarantine (it keeps
+        refusing to pull)."""
+        if self.stream is not None:
+            return None
+        held = self.transport.quarantine([t for t in self.arenas.values() if self.transport.nixl.registered(t)])
+        if held is not None:
+            self.arenas, self.buffers, self._quantizer = {}, {}, None
+        return held
 
     def quantizer(self, plan: Plan) -> Fp8Quantizer:
         """Staged: ``plan``'s FP8 steps on the arena, compiled once per allocation."""

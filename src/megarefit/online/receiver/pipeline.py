@@ -157,6 +157,7 @@ class CyclePipeline:
         if self.nics is not None:
             self.nics.start()
         self.failover.readmit()
+        self.transport.quarantined.sweep()  # memory READs that timed out wrote, once they all ended
         while True:
             try:
                 plan, pulled, got, seconds, cold = self._pull(version)
@@ -166,6 +167,7 @@ class CyclePipeline:
                     raise
                 attempt += 1
             except TransferError as exc:  # a rank died or its link failed: its share from other holders
+                self._quarantine_late()
                 failovers.append(self.failover.fail(exc))
         if self.replica_group is not None:  # the arena holds version `got` whole: serve it
             publish_arena(self.fence.rendezvous, self.replica_group, self.fence.name, self.memory.arenas,
@@ -174,11 +176,23 @@ class CyclePipeline:
             self._serving = False
         self.stats = staged_stats(self, plan, pulled, got, seconds, cold, attempt)
         self.stats.failovers = tuple(failovers)
+        self.stats.quarantined_bytes = self.transport.quarantined.nbytes
         _count_nics(self.nics, getattr(self.transport.nixl, "nic", None), self.stats)
         staging = plan.staging
         for ref, tensor in self.memory.buffers.items():
             if ref not in staging:
                 yield ref.name, tensor
+
+    def _quarantine_late(self) -> None:
+        """READs of the failed pull still in flight (``transport.late``) may land later in the
+        arena and scratch: those are held until the READs end, never read again, and the pull
+        is retried into fresh ones (:mod:`~megarefit.transport.quarantine`). Without it the
+        transport refuses every later pull, naming the ranks."""
+        if not self.transport.late or self.memory.quarantine() is None:
+            return
+        self.delta.forget("READs that timed out may still land in the old arena")
+        if self.verifier is not None:
+            self.verifier.forget()
 
     def _bump_replica_seq(self) -> None:
         """Move the arena's seqlock counter for the replicas (odd: being rewritten)."""
