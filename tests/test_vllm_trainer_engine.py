@@ -1,0 +1,188 @@
+"""vLLM's trainer-side engine chosen by name: ``backend="megarefit"`` on both ends, through vLLM's
+own factories (``WeightTransferTrainerFactory`` in the trainers, ``WeightTransferEngineFactory``
+from ``WeightTransferConfig(backend="megarefit")`` in vLLM), registered by vLLM's plugin loader.
+
+Two real Megatron-Core trainer processes (gloo, tp 2) each call vLLM's
+``WeightTransferTrainerFactory.trainer_init(MegarefitTrainerInitInfo(...))`` and ``send_weights()``
+for two versions (a step between them): each rank publishes, rank 0 drives vLLM's update, the
+workers pull, every rank returns once they acknowledged. Once into an in-process ``LLM`` (vllm-cpu;
+rank 0 reaches it over a pipe, as vLLM's Ray client reaches an ``LLM`` actor, and the test process
+runs the calls with megarefit's ``LLMWeightSyncClient``), once into a real ``vllm serve`` through
+vLLM's own ``HTTPVLLMWeightSyncClient`` (sharded refits). After each version, greedy tokens and
+logprobs equal HF transformers' loaded with the trainers' weights of that version (unsharded by
+tests/reference.py, not megarefit). Then the refusals: bad init info, a foreign source / client /
+init info, vLLM internals missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Listener
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+pytest.importorskip("megatron.core")
+
+from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
+from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server  # noqa: E402
+from vllm_helpers import e2e_config, hf_generate, initial_checkpoint, same_generation, vllm_generate  # noqa: E402
+from vllm_trainer_jobs import engine_trainer_job  # noqa: E402
+
+from megarefit.demo.workers import start_workers  # noqa: E402
+from megarefit.integrations.hf import save_checkpoint  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+VERSIONS = 2
+
+
+def _serve_pipe(listener: Listener, llm, out: dict) -> None:
+    """Run trainer rank 0's weight-sync calls on ``llm`` (megarefit's ``LLMWeightSyncClient``); after
+    each finish, record the engine's greedy generation and weight label under the version."""
+    from megarefit.integrations.vllm_trainer import LLMWeightSyncClient
+
+    client = LLMWeightSyncClient(llm)
+    accepted: list = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+    thread.start()
+    thread.join(timeout=300)
+    assert accepted, "trainer rank 0 never connected"
+    conn = accepted[0]
+    while True:
+        assert conn.poll(300), f"no call from trainer rank 0 for 300 s after {out['calls'][-1:]}"
+        method, args, kwargs = conn.recv()
+        out["calls"].append(method)
+        if method == "close":
+            return
+        try:
+            getattr(client, method)(*args, **kwargs)
+            if method == "finish_weight_update":
+                version = int(kwargs["weight_version"])
+                out[version], out["labels"][version] = vllm_generate(llm), llm.get_weight_version()
+            conn.send(("ok", None))
+        except Exception as exc:  # noqa: BLE001 - sent to the trainer, which raises it
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    from vllm.config import WeightTransferConfig
+
+    from megarefit.integrations.vllm import register
+
+    register()  # the entry point does this in vLLM's own processes; explicit here for in-process use
+    cfg, job = e2e_config(), "vllm-trainer-engine"
+    rdzv = Rendezvous.serve(job=job)
+    ckpt, snapdir = tmp_path_factory.mktemp("initial"), tmp_path_factory.mktemp("snapshots")
+    initial_checkpoint(ckpt, cfg)
+    authkey = os.urandom(16)
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        trainers = start_workers(engine_trainer_job, world_size=2, start_method="spawn",
+                                 args=(cfg, ("127.0.0.1", rdzv.port, job), ("pipe", listener.address, authkey),
+                                       VERSIONS, str(snapdir), {}))
+        llm = vllm.LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=128,
+                       weight_transfer_config=WeightTransferConfig(backend="megarefit"))
+        out: dict = {"initial": vllm_generate(llm), "calls": [], "labels": {}}
+        _serve_pipe(listener, llm, out)
+        out["trainers"] = trainers.join(timeout=300)
+    return cfg, out, _snapshots(snapdir)
+
+
+@pytest.fixture(scope="module")
+def over_http(tmp_path_factory):
+    cfg, job = e2e_config(), "vllm-trainer-engine-http"
+    rdzv = Rendezvous.serve(job=job)
+    ckpt, snapdir = tmp_path_factory.mktemp("initial-http"), tmp_path_factory.mktemp("snapshots-http")
+    initial_checkpoint(ckpt, cfg)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115 - closed below
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+                               "--max-model-len", "128", "--weight-transfer-config",
+                               json.dumps({"backend": "megarefit"})], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        trainers = start_workers(engine_trainer_job, world_size=2, start_method="spawn",  # wait in the first POST
+                                 args=(cfg, ("127.0.0.1", rdzv.port, job), ("http", base), VERSIONS, str(snapdir),
+                                       {"sharded": True}))
+        _wait_healthy(base, server, log)
+        out = {"trainers": trainers.join(timeout=300)}
+        out[VERSIONS] = _completions(base, str(ckpt))  # the last version (the trainers' reports name each)
+        with __import__("urllib.request").request.urlopen(f"{base}/weight_info", timeout=30) as response:
+            out["label"] = json.loads(response.read())["weight_version"]
+    finally:
+        stop_server(server)
+        log.close()
+    return cfg, out, _snapshots(snapdir)
+
+
+def _snapshots(snapdir) -> dict:
+    return {v: {(t, 0, 0): torch.load(snapdir / f"v{v}-tp{t}-pp0-ep0.pt") for t in range(2)}
+            for v in range(1, VERSIONS + 1)}
+
+
+def _hf(cfg, shards, tmp_path):
+    import transformers
+
+    like = hf_checkpoint_state(cfg, tmp_path / "like")  # HF's own names and shapes (save_pretrained)
+    hf = unshard(shards, like, functools.partial(reference_shards, cfg=cfg, tp=2, pp=1))  # no megarefit layout code
+    save_checkpoint(tmp_path / "hf", cfg, hf)
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("version", range(1, VERSIONS + 1))
+def test_in_process_llm_serves_each_version_sent_by_name(in_process, version, tmp_path):
+    cfg, out, snapshots = in_process
+    want = hf_generate(_hf(cfg, snapshots[version], tmp_path))
+    assert same_generation(out[version], want), (out[version], want)
+    assert out[version] != out["initial"]
+    assert out["labels"][version] == str(version)  # finish_weight_update labelled it
+
+
+def test_vllms_factory_picked_megarefit_and_it_stayed_a_pull(in_process):
+    """Each rank got megarefit's engine from vLLM's factory; rank 0 alone drove the four calls, in
+    order, once per version; every rank returned only after the workers acknowledged its version;
+    the init info sent to vLLM names the rendezvous, never the secret."""
+    _, out, _ = in_process
+    assert out["calls"] == (["init_weight_transfer_engine"]
+                            + ["start_weight_update", "update_weights", "finish_weight_update"] * VERSIONS + ["close"])
+    for result in out["trainers"]:
+        assert result["engine"] == "MegarefitTrainerWeightTransferEngine"
+        assert [r["version"] for r in result["reports"]] == list(range(1, VERSIONS + 1))
+        assert all(list(r["receivers"].values()) == ["acked"] for r in result["reports"]), result["reports"]
+        assert "secret" not in json.dumps(result["worker_init"]) and result["worker_init"]["port"] > 0
+
+
+def test_source_metadata_lists_hfs_own_tensors(in_process, tmp_path):
+    """``MegatronSource.metadata()`` (vLLM's WeightSource channel) names every HF tensor with HF's
+    own shape (save_pretrained's names; the tied lm_head is not one)."""
+    cfg, out, _ = in_process
+    like = hf_checkpoint_state(cfg, tmp_path / "like")
+    for result in out["trainers"]:
+        got = {name: tuple(shape) for name, _, shape in result["metadata"]}
+        assert got == {n: tuple(t.shape) for n, t in like.items()}
+
+
+@pytest.mark.parametrize("version", [VERSIONS])
+def test_vllms_http_client_carries_it(over_http, version, tmp_path):
+    """Through vLLM's own HTTPVLLMWeightSyncClient, sharded refits: the server serves the last
+    version, labelled, and every rank saw each version acknowledged."""
+    cfg, out, snapshots = over_http
+    want = hf_generate(_hf(cfg, snapshots[version], tmp_path))
+    assert same_generation(out[version], want), (out[version], want)
+    assert out["label"] == str(VERSIONS)
+    for result in out["trainers"]:
+        assert [r["version"] for r in result["reports"]] == list(range(1, VERSIONS + 1))
+        assert all("acked" in r["receivers"].values() for r in result["reports"]), result["reports"]
+        assert result["worker_init"]["sharded"] is True
