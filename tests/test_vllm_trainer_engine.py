@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Listener
 
 import pytest
@@ -113,18 +114,32 @@ def over_http(tmp_path_factory):
                                "--max-model-len", "128", "--weight-transfer-config",
                                json.dumps({"backend": "megarefit"})], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        trainers = start_workers(engine_trainer_job, world_size=2, start_method="spawn",  # wait in the first POST
+        _wait_healthy(base, server, log)  # vLLM's HTTP client does not retry a refused connection
+        initial = _completions(base, str(ckpt))
+        trainers = start_workers(engine_trainer_job, world_size=2, start_method="spawn",
                                  args=(cfg, ("127.0.0.1", rdzv.port, job), ("http", base), VERSIONS, str(snapdir),
-                                       {"sharded": True}))
-        _wait_healthy(base, server, log)
-        out = {"trainers": trainers.join(timeout=300)}
-        out[VERSIONS] = _completions(base, str(ckpt))  # the last version (the trainers' reports name each)
-        with __import__("urllib.request").request.urlopen(f"{base}/weight_info", timeout=30) as response:
-            out["label"] = json.loads(response.read())["weight_version"]
+                                       {"sharded": True}, True))
+        out: dict = {"initial": initial, "labels": {}}
+        for v in range(1, VERSIONS + 1):
+            deadline = time.monotonic() + 300
+            while _weight_info(base) != str(v):  # labelled at finish_weight_update: served from then on
+                trainers.check()  # a trainer's error, now
+                assert time.monotonic() < deadline, f"version {v} never served"
+                time.sleep(0.05)
+            out[v], out["labels"][v] = _completions(base, str(ckpt)), _weight_info(base)
+            rdzv.mark_consumed(v)  # the trainers step to the next version
+        out["trainers"] = trainers.join(timeout=300)
     finally:
         stop_server(server)
         log.close()
     return cfg, out, _snapshots(snapdir)
+
+
+def _weight_info(base: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base}/weight_info", timeout=30) as response:
+        return json.loads(response.read())["weight_version"]
 
 
 def _snapshots(snapdir) -> dict:
@@ -174,15 +189,15 @@ def test_source_metadata_lists_hfs_own_tensors(in_process, tmp_path):
         assert got == {n: tuple(t.shape) for n, t in like.items()}
 
 
-@pytest.mark.parametrize("version", [VERSIONS])
+@pytest.mark.parametrize("version", range(1, VERSIONS + 1))
 def test_vllms_http_client_carries_it(over_http, version, tmp_path):
-    """Through vLLM's own HTTPVLLMWeightSyncClient, sharded refits: the server serves the last
-    version, labelled, and every rank saw each version acknowledged."""
+    """Through vLLM's own HTTPVLLMWeightSyncClient (sharded refits): the server serves each version,
+    labelled, and every rank saw it acknowledged."""
     cfg, out, snapshots = over_http
     want = hf_generate(_hf(cfg, snapshots[version], tmp_path))
     assert same_generation(out[version], want), (out[version], want)
-    assert out["label"] == str(VERSIONS)
+    assert out[version] != out["initial"] and out["labels"][version] == str(version)
     for result in out["trainers"]:
-        assert [r["version"] for r in result["reports"]] == list(range(1, VERSIONS + 1))
-        assert all("acked" in r["receivers"].values() for r in result["reports"]), result["reports"]
+        report = result["reports"][version - 1]
+        assert report["version"] == version and list(report["receivers"].values()) == ["acked"], report
         assert result["worker_init"]["sharded"] is True

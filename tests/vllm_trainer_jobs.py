@@ -46,13 +46,14 @@ class PipeClient:
 
 
 def engine_trainer_job(rank: int, world_size: int, master_port: int, cfg: dict, rendezvous: tuple[str, int, str],
-                       client: tuple, versions: int, snapshot_dir: str, worker: dict) -> dict[str, Any]:
+                       client: tuple, versions: int, snapshot_dir: str, worker: dict, hold: bool = False) -> dict[str, Any]:
     """Trainer rank ``rank`` of 2 (tp 2): vLLM's ``WeightTransferTrainerFactory.trainer_init`` with a
     ``MegarefitTrainerInitInfo`` (backend ``"megarefit"``, registered through vLLM's own plugin
     loader), then ``versions`` times: a step (v > 1: every weight changed in place), the shards saved
     to ``snapshot_dir`` as ``v{v}-tp{t}-pp0-ep0.pt``, ``send_weights()``. ``client``: ``("http", url)``
     (vLLM's ``HTTPVLLMWeightSyncClient``) or ``("pipe", address, authkey)`` (:class:`PipeClient`).
-    Returns the engine's reports and what the init info / factory said."""
+    ``hold``: after each ``send_weights`` wait until the test marks the version consumed (it samples
+    the server first). Returns the engine's reports and what the init info / factory said."""
     apply_cpu_patches()
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
     from vllm.plugins import load_general_plugins
@@ -76,6 +77,8 @@ def engine_trainer_job(rank: int, world_size: int, master_port: int, cfg: dict, 
             perturb_parameters_(model, seed=1234 + v, scale=0.01)  # stands in for optimizer.step()
         torch.save(local_named_parameters(model), os.path.join(snapshot_dir, f"v{v}-tp{rank}-pp0-ep0.pt"))
         out["reports"].append(engine.send_weights())
+        if hold:
+            engine.rendezvous.wait_consumed(v, timeout=300)
     if isinstance(sync, PipeClient):
         sync.close()
     return out
