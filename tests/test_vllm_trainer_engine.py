@@ -34,14 +34,14 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
-from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
-from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server  # noqa: E402
-from vllm_helpers import e2e_config, hf_generate, initial_checkpoint, same_generation, vllm_generate  # noqa: E402
-from vllm_trainer_jobs import engine_trainer_job  # noqa: E402
+from reference import hf_checkpoint_state, reference_shards, unshard
+from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
+from vllm_helpers import e2e_config, hf_generate, initial_checkpoint, same_generation, vllm_generate
+from vllm_trainer_jobs import engine_trainer_job
 
-from megarefit.demo.workers import start_workers  # noqa: E402
-from megarefit.integrations.hf import save_checkpoint  # noqa: E402
-from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.demo.workers import start_workers
+from megarefit.integrations.hf import save_checkpoint
+from megarefit.online.store.rendezvous import Rendezvous
 
 pytestmark = pytest.mark.megatron
 VERSIONS = 2
@@ -201,3 +201,74 @@ def test_vllms_http_client_carries_it(over_http, version, tmp_path):
         report = result["reports"][version - 1]
         assert report["version"] == version and list(report["receivers"].values()) == ["acked"], report
         assert result["worker_init"]["sharded"] is True
+
+
+def _info(**fields):
+    from megarefit.integrations.vllm_trainer import MegarefitTrainerInitInfo
+
+    return MegarefitTrainerInitInfo(**{"rank": 0, "host": "127.0.0.1", "port": 29600, **fields})
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"rank": -1}, "rank=-1"), ({"port": "29600"}, "port='29600'"), ({"port": 0}, "port=0"), ({"host": ""}, "host=''"),
+    ({"ack_timeout": 0}, "ack_timeout=0"), ({"worker": {"secret": "s" * 32}}, "MEGAREFIT_JOB_SECRET"),
+    ({"worker": {"sharded": True, "bogus": 1}}, "unknown worker options ['bogus']")])
+def test_bad_init_info_is_refused_naming_the_field(fields, says):
+    from megarefit.integrations.vllm_trainer import TrainerInitError
+
+    with pytest.raises(TrainerInitError, match=f"^MegarefitTrainerInitInfo .*{__import__('re').escape(says)}"):
+        _info(**fields)
+    with pytest.raises(TypeError, match="secret"):  # no field carries the job secret
+        _info(secret="s" * 32)
+    assert "secret" not in _info(worker={"sharded": True}).worker_init_info()
+
+
+def test_a_foreign_init_info_source_or_client_is_refused_before_any_connection():
+    """vLLM's factory dispatches on ``backend``: a foreign init info of that name, a source that
+    is not a MegatronSource, a client without vLLM's four calls are refused, naming the fix."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ModuleSource, TrainerInitInfo
+
+    from megarefit.integrations.vllm import register
+    from megarefit.integrations.vllm_trainer import TrainerInitError, megatron_source_class
+
+    register()
+
+    @dataclass(kw_only=True)
+    class Foreign(TrainerInitInfo):
+        backend: ClassVar[str] = "megarefit"
+
+    source = megatron_source_class()(torch.nn.Linear(2, 2), e2e_config())
+    with pytest.raises(TrainerInitError, match="takes a megarefit.integrations.vllm_trainer.MegarefitTrainerInitInfo"):
+        WeightTransferTrainerFactory.trainer_init(Foreign(rank=0), client=None, source=source)
+    with pytest.raises(TrainerInitError, match=r"source is a ModuleSource.*MegatronSource\(model, hf_config\)"):
+        WeightTransferTrainerFactory.trainer_init(_info(), client=None, source=ModuleSource(torch.nn.Linear(2, 2)))
+    with pytest.raises(TrainerInitError, match=r"client object lacks \['init_weight_transfer_engine'"):
+        WeightTransferTrainerFactory.trainer_init(_info(), client=object(), source=source)
+    with pytest.raises(Exception, match="never gathers full HF tensors"):
+        next(iter(source))
+
+
+def test_missing_vllm_internals_are_refused_naming_the_version(monkeypatch):
+    """A vLLM without the trainer factory (before 0.32): asking for the trainer engine raises
+    VllmVersionError naming the installed version; the worker engine still registers."""
+    from vllm.distributed.weight_transfer import factory
+
+    from megarefit.integrations import vllm_trainer
+    from megarefit.integrations.vllm import register
+    from megarefit.integrations.vllm_install import VllmVersionError
+
+    vllm_trainer.trainer_api.cache_clear()
+    monkeypatch.delattr(factory, "WeightTransferTrainerFactory")
+    monkeypatch.setattr(factory.WeightTransferEngineFactory, "_registry",
+                        {k: v for k, v in factory.WeightTransferEngineFactory._registry.items() if k != "megarefit"})
+    try:
+        with pytest.raises(VllmVersionError, match=rf"^vLLM {vllm.__version__}: .*'WeightTransferTrainerFactory'"):
+            vllm_trainer.register_trainer()
+        register()  # the entry point in a vLLM process: the worker side, no trainer side to register
+        assert "megarefit" in factory.WeightTransferEngineFactory._registry
+    finally:
+        vllm_trainer.trainer_api.cache_clear()

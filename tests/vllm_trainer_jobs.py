@@ -9,8 +9,13 @@ from typing import Any
 
 import torch
 
-from megarefit.demo.megatron_cpu import apply_cpu_patches, build_gpt_model, gpt_arch_from_hf, init_parallel, \
-    perturb_parameters_
+from megarefit.demo.megatron_cpu import (
+    apply_cpu_patches,
+    build_gpt_model,
+    gpt_arch_from_hf,
+    init_parallel,
+    perturb_parameters_,
+)
 from megarefit.integrations.megatron import local_named_parameters
 
 
@@ -46,7 +51,8 @@ class PipeClient:
 
 
 def engine_trainer_job(rank: int, world_size: int, master_port: int, cfg: dict, rendezvous: tuple[str, int, str],
-                       client: tuple, versions: int, snapshot_dir: str, worker: dict, hold: bool = False) -> dict[str, Any]:
+                       client: tuple, versions: int, snapshot_dir: str, worker: dict,
+                       hold: bool = False) -> dict[str, Any]:
     """Trainer rank ``rank`` of 2 (tp 2): vLLM's ``WeightTransferTrainerFactory.trainer_init`` with a
     ``MegarefitTrainerInitInfo`` (backend ``"megarefit"``, registered through vLLM's own plugin
     loader), then ``versions`` times: a step (v > 1: every weight changed in place), the shards saved

@@ -134,7 +134,7 @@ def check_trainer_init(info: Any) -> None:
     unknown = sorted(set(info.worker) - WORKER_OPTIONS)
     if unknown:
         _refuse("worker", info.worker, f"unknown worker options {unknown}; the worker engine takes "
-                                       f"{sorted(WORKER_OPTIONS)} (host, port, job and timeout come from this init info)")
+                                       f"{sorted(WORKER_OPTIONS)} (host, port, job and timeout: this init info's)")
 
 
 def _make_init_info_class() -> type:
@@ -342,7 +342,9 @@ class _TrainerMethods:
 
 
 def _make_engine_class() -> type:
-    class MegarefitTrainerWeightTransferEngine(_TrainerMethods, trainer_api().TrainerWeightTransferEngine):  # type: ignore[misc]
+    base = trainer_api().TrainerWeightTransferEngine
+
+    class MegarefitTrainerWeightTransferEngine(_TrainerMethods, base):  # type: ignore[misc, valid-type]
         __doc__ = _TrainerMethods.__doc__
         init_info_cls = trainer_init_info_class()
 
