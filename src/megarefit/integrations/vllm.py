@@ -1023,9 +1023,18 @@ def __getattr__(name: str):
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register the ``megarefit`` backend (idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    """``vllm.general_plugins`` entry point: register the ``megarefit`` backend on vLLM's worker
+    factory (``WeightTransferEngineFactory``) and, where the installed vLLM has one, on its trainer
+    factory (``WeightTransferTrainerFactory``, vLLM 0.32+:
+    :mod:`megarefit.integrations.vllm_trainer`), both lazily by module path (idempotent). A vLLM
+    without the trainer factory still gets the worker engine; asking for the trainer engine there
+    raises ``VllmVersionError`` (:func:`megarefit.integrations.vllm_trainer.trainer_api`)."""
+    from vllm.distributed.weight_transfer import factory
 
-    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(ENGINE_NAME, "megarefit.integrations.vllm",
-                                                    "MegarefitWeightTransferEngine")
+    if ENGINE_NAME not in factory.WeightTransferEngineFactory._registry:
+        factory.WeightTransferEngineFactory.register_engine(ENGINE_NAME, "megarefit.integrations.vllm",
+                                                            "MegarefitWeightTransferEngine")
+    trainers = getattr(factory, "WeightTransferTrainerFactory", None)
+    if trainers is not None and ENGINE_NAME not in trainers._registry:
+        trainers.register_engine(ENGINE_NAME, "megarefit.integrations.vllm_trainer",
+                                 "MegarefitTrainerWeightTransferEngine")
