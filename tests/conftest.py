@@ -29,7 +29,7 @@ CONFIG_DIR = Path(__file__).parent / "data" / "configs"
 # MEGAREFIT_REQUIRE_DEPS=1 (.ci/run sets it) a missing one fails the run before any test.
 # The GPU scripts (benchmarks/run_*.sh) run single modules on machines without vLLM: unset there.
 REQUIRED_IMPORTS = ("nixl", "vllm", "megatron.core", "transformers", "safetensors", "triton", "matplotlib",
-                    "hypothesis")
+                    "hypothesis", "ray")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,10 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # modules that take minutes (vLLM engines and servers, child runs on other megatron-core
 # releases) go first, so no worker is left running one alone at the end (measured: --durations).
 SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17_0_18.py", "test_vllm_http.py",
-              "test_vllm_failsafe.py", "test_cli.py", "test_vllm_refit_families.py", "test_vllm_draft.py",
-              "test_vllm_install.py", "test_example_http.py", "test_handover.py", "test_bridge.py", "test_qwen35.py",
-              "test_cluster_refit.py", "test_every_copy.py", "test_vllm_replicas.py", "test_stream_failover.py",
-              "test_vllm_trainer_engine.py")
+              "test_vllm_failsafe.py", "test_ray.py", "test_vllm_trainer_engine.py", "test_cli.py",
+              "test_vllm_refit_families.py", "test_vllm_draft.py", "test_vllm_install.py", "test_example_http.py",
+              "test_handover.py", "test_bridge.py", "test_qwen35.py", "test_cluster_refit.py", "test_every_copy.py",
+              "test_vllm_replicas.py", "test_stream_failover.py")
 
 
 # The fast tier for iterating (``pytest -m "not slow"``): every module but those that start vLLM

@@ -137,7 +137,8 @@ def trainer_job(rank: int, world_size: int, master_port: int, cases: list[Traine
 
 def serving_trainer_job(rank: int, world_size: int, master_port: int, case: TrainerCase,
                         rendezvous: tuple[str, int, str], versions: int, step_scale: float = 0.01,
-                        snapshot_dir: str | None = None, serve_copies: bool = True) -> dict[str, Any]:
+                        snapshot_dir: str | None = None, serve_copies: bool = True,
+                        secret: str | None = None) -> dict[str, Any]:
     """Worker body: a trainer rank that serves its live shards over NIXL for ``versions`` versions.
 
     Builds the case's GPTModel, serves it through ``Publisher.from_megatron``
@@ -151,6 +152,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     with ``snapshot_dir`` each version's shards are also saved there as
     ``v{v}-tp{t}-pp{p}-ep{e}.pt`` before the version is published, and the last stage's
     logits of ``case.tokens`` (fp32 ``[batch, seq, padded_vocab]``) as ``logits-v{v}-tp{t}.pt``.
+    ``secret``: the job secret (default ``$MEGAREFIT_JOB_SECRET``).
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
@@ -166,7 +168,7 @@ def serving_trainer_job(rank: int, world_size: int, master_port: int, case: Trai
     if not serve_copies and not _first_copy(case.ep):  # one publisher per (tp, pp, ep) shard
         return {"coord": coord, "snapshots": {}, "logits": {}, "counters": []}
     host, port, job = rendezvous
-    rdzv = Rendezvous.connect(host, port, job=job)
+    rdzv = Rendezvous.connect(host, port, job=job, secret=secret)
     pub = Publisher.from_megatron(model, case.hf_config, rendezvous=rdzv,  # the layout read from Megatron
                                   serve_copies=serve_copies)
     coord = tuple(pub.rank)
