@@ -46,8 +46,8 @@ actor_rollout_ref:
 """
 STEPS = (1, 2)  # global_steps; step s loads reference weights of seed s
 
-from verl.single_controller.base import Worker  # noqa: E402
-from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
 
 
 class MegatronTrainer(Worker):
@@ -98,7 +98,7 @@ class MegatronTrainer(Worker):
         return self.read
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
         per_tensor_param, _ = self.actor.engine.get_per_tensor_param()  # as engine_workers.py 0.9.1
         metrics = await self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps)
         return metrics or {}

@@ -92,7 +92,12 @@ class MegarefitCheckpointEngine(CheckpointEngine):
     The job secret: ``$MEGAREFIT_JOB_SECRET`` where set in every process, else trainer rank 0
     draws one and it travels with the Rendezvous address through verl's actor calls
     (``prepare`` -> ``build_topology`` -> ``init_process_group``), never through ``runtime_env``.
+
+    ``consumes_engine``: the flag of the upstream change in docs/verl.md (verl then hands
+    ``send_weights`` the training engine); verl 0.9.1 does not read it.
     """
+
+    consumes_engine = True
 
     def __init__(self, bucket_size: int, is_master: bool = False, host: str | None = None, port: int = 0,
                  job: str = "verl", timeout: float = 300.0, device: str | None = None,
