@@ -54,8 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17_0_18.py", "test_vllm_http.py",
               "test_vllm_failsafe.py", "test_ray.py", "test_vllm_trainer_engine.py", "test_cli.py",
               "test_vllm_refit_families.py", "test_vllm_draft.py", "test_vllm_install.py", "test_example_http.py",
-              "test_handover.py", "test_bridge.py", "test_qwen35.py", "test_cluster_refit.py", "test_every_copy.py",
-              "test_vllm_replicas.py", "test_stream_failover.py")
+              "test_handover.py", "test_bridge.py", "test_verl.py", "test_qwen35.py", "test_cluster_refit.py",
+              "test_every_copy.py", "test_vllm_replicas.py", "test_stream_failover.py")
 
 
 # The fast tier for iterating (``pytest -m "not slow"``): every module but those that start vLLM
