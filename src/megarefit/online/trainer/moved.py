@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -46,8 +46,7 @@ from megarefit.quant.planning import SCALE_SUFFIX
 from megarefit.specs.table import canonical_name
 from megarefit.transport.nixl_agent import mem_type
 
-if TYPE_CHECKING:
-    from megarefit.online.trainer.publisher import Publisher
+Publisher = Any  # megarefit.online.trainer.publisher.Publisher (above this module: no import)
 
 
 @dataclasses.dataclass(frozen=True)
