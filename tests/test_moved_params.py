@@ -255,3 +255,39 @@ def test_moves_a_publisher_cannot_follow_are_refused(served):
     served["version"] += 1
     pub.publish(served["version"])  # the rank was marked writing by the refused calls: publishing ends it
     served["pubs"][1].publish(served["version"])
+
+
+def test_a_tensor_moved_out_of_a_shared_buffer_leaves_its_neighbours_registered():
+    """Parameters that are views of one flat buffer per rank (registered as one region, as
+    Megatron's DDP buffer is): one moves out of it (``p.data`` re-allocated elsewhere). The
+    buffer's region is dropped, so its neighbours, which stayed, are registered again with it:
+    every manifest entry lies in a registered region of the agent, and the refit is exact."""
+    job = f"moved-flat-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    shards = reference_shards(reference_hf_state(QWEN, "qwen3", seed=1), QWEN, tp=2, pp=1)
+    pubs = []
+    for r, s in shards.items():
+        flat = torch.cat([t.reshape(-1) for t in s.values()])
+        views, at = {}, 0
+        for n, t in s.items():
+            views[n], at = flat[at:at + t.numel()].view(t.shape), at + t.numel()
+        pubs.append(Publisher(views, QWEN, rank=r, layout=source_layout(QWEN, tp=2, pp=1), rendezvous=rdzv,
+                              agent_name=f"{job}-t{r[0]}"))
+    for p in pubs:
+        p.publish(1)
+    receiver = RefitReceiver(rdzv, name=f"{job}-rx", timeout=10)
+    try:
+        dict(receiver.run_refit_cycle(1))
+        pub = pubs[0]
+        name = sorted(pub.params)[len(pub.params) // 2]
+        pub.params[name].data = pub.params[name].data.clone()
+        stats = pub.params_moved()
+        assert name in stats.moved and len(stats.moved) == len(pub.params)  # its neighbours lost the region too
+        for p in pubs:
+            p.publish(2)
+            assert all(e.region >= 0 and p.agent.region(e.addr, e.nbytes) is not None for e in p.manifest.tensors)
+        got = {n: t.clone() for n, t in receiver.run_refit_cycle(2)}
+        want = _oracle({tuple(p.rank)[:3]: p.params for p in pubs}, got, QWEN)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    finally:
+        receiver.close()

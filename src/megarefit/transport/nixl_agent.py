@@ -123,7 +123,7 @@ class NixlAgent:
         for t in tensors:
             if not t.is_contiguous():
                 raise MegarefitError(f"cannot register a non-contiguous tensor of shape {tuple(t.shape)}")
-            base = t._base if t._base is not None and t._base.is_contiguous() else t
+            base = t._base if t._base is not None and t._base.is_contiguous() and _inside(t, t._base) else t
             key = (base.data_ptr(), base.numel() * base.element_size())
             if self.region(t.data_ptr(), t.numel() * t.element_size()) is None:
                 roots.setdefault(key, base)
@@ -210,6 +210,12 @@ class NixlAgent:
     @property
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
+
+
+def _inside(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie inside ``base``'s (a tensor whose ``.data`` was replaced keeps its old ``_base``)."""
+    start = base.data_ptr()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + base.numel() * base.element_size()
 
 
 def _warn_not_current(name: str, tensors: Sequence[torch.Tensor]) -> None:
