@@ -2,7 +2,7 @@
 
 * :func:`offload_like_verl`: what verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu``
   do to each Megatron-Core DDP parameter buffer -- keep a host copy, ``storage().resize_(0)`` (the
-  memory is freed), later ``resize_`` back and copy the values in. Here another allocation takes
+  memory is freed), later ``resize_`` back and copy the values in. Here other allocations take
   the freed memory meanwhile (as the rollout's would), so the parameters come back at new addresses.
 * :func:`remap_like_memory_saver`: what ``torch_memory_saver``'s pause / resume does -- the physical
   pages behind the buffer are released and fresh ones mapped at the same virtual addresses (here
@@ -42,19 +42,42 @@ def offload_like_verl(ddp: Any, only: Sequence[int] | None = None) -> Iterator[l
         data = buf.param_data
         saved.append((data.data_ptr(), data.detach().clone(), data.untyped_storage().nbytes()))
         data.untyped_storage().resize_(0)
-    squatters = [torch.empty(nbytes, dtype=torch.uint8) for _, _, nbytes in saved]  # the rollout's memory
+    squatters = [_squat(old, nbytes) for old, _, nbytes in saved]  # the rollout's memory, over the freed
     moves: list[tuple[int, int]] = []
     yield moves
     for buf, (old, host, nbytes) in zip(chosen, saved):
         buf.param_data.untyped_storage().resize_(nbytes)
         buf.param_data.copy_(host)
         moves.append((old, buf.param_data.data_ptr()))
+    for held in squatters:
+        if isinstance(held, tuple):
+            _LIBC.munmap(*held)
     del squatters
+
+
+def _squat(addr: int, nbytes: int, tries: int = 8) -> object:
+    """Take the memory at ``addr`` freed by a resize, so the buffer comes back elsewhere: where it
+    was unmapped (glibc serves large blocks by mmap), a reservation of its pages (``(start,
+    length)`` to unmap later); else allocations of ``nbytes`` until one lands on it (at most ``tries``)."""
+    page = mmap.PAGESIZE
+    lo, hi = addr // page * page, -(-(addr + nbytes) // page) * page
+    got = _LIBC.mmap(lo, hi - lo, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000, -1, 0)
+    if got == lo:  # 0x100000: MAP_FIXED_NOREPLACE, refused where anything is mapped there
+        return (lo, hi - lo)
+    if got not in (None, ctypes.c_void_p(-1).value):
+        _LIBC.munmap(got, hi - lo)  # an old kernel took the flag as a hint: not ours
+    held = []
+    for _ in range(tries):
+        held.append(torch.empty(nbytes, dtype=torch.uint8))
+        if held[-1].data_ptr() == addr:
+            break
+    return held
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def _remap(addr: int, nbytes: int) -> tuple[int, int]:
