@@ -22,19 +22,19 @@ import torch
 pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
-from conftest import tiny_config  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
+from conftest import tiny_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_hf_state, reference_shards, unshard
 
-from megarefit.demo.workers import start_workers  # noqa: E402
-from megarefit.errors import MegarefitError, ShapeMismatchError  # noqa: E402
-from megarefit.layout import RankCoord  # noqa: E402
-from megarefit.layout.megatron_model import source_layout  # noqa: E402
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.store.copy_fence import rank_key  # noqa: E402
-from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout  # noqa: E402
-from megarefit.online.trainer.publisher import Publisher  # noqa: E402
+from megarefit.demo.workers import start_workers
+from megarefit.errors import MegarefitError, ShapeMismatchError
+from megarefit.layout import RankCoord
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver
+from megarefit.online.store.copy_fence import rank_key
+from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout
+from megarefit.online.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.megatron
 
@@ -169,7 +169,7 @@ def test_only_the_moved_rank_is_reloaded(run):
 
 def test_a_warm_cycle_sets_nothing_up_again(run):
     """Version 2 (no move): no metadata re-loaded, no registration, no plan."""
-    _, _, counters, _, records = run
+    _, _, counters, _, _ = run
     v = V["none"]
     for key in ("remote_agents", "registrations", "plans_built", "xfers"):
         assert counters[v][key] == counters[v - 1][key], key
@@ -247,7 +247,7 @@ def test_moves_a_publisher_cannot_follow_are_refused(served):
     pub = served["pubs"][0]
     with pytest.raises(MegarefitError, match="not live parameters"):
         pub.params_moved(remapped=["decoder.layers.0.no_such.weight"])
-    name = sorted(pub.params)[0]
+    name = min(pub.params)
     with pytest.raises(MegarefitError, match=name):
         pub.params_moved(params={n: t for n, t in pub.params.items() if n != name})
     with pytest.raises(ShapeMismatchError, match=name):
