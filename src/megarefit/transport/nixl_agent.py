@@ -110,6 +110,7 @@ class NixlAgent:
         self.serving = progress_thread  # peers READ what this agent registers
         self.counters: Counter[str] = Counter()
         self._registered: dict[tuple[int, int], Any] = {}
+        self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # region -> NIXL (memory type, device id)
         self._starts: list[tuple[int, int]] = []  # sorted (start, length) of the registrations
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -122,7 +123,7 @@ class NixlAgent:
         for t in tensors:
             if not t.is_contiguous():
                 raise MegarefitError(f"cannot register a non-contiguous tensor of shape {tuple(t.shape)}")
-            base = t._base if t._base is not None and t._base.is_contiguous() else t
+            base = t._base if t._base is not None and t._base.is_contiguous() and _inside(t, t._base) else t
             key = (base.data_ptr(), base.numel() * base.element_size())
             if self.region(t.data_ptr(), t.numel() * t.element_size()) is None:
                 roots.setdefault(key, base)
@@ -134,6 +135,7 @@ class NixlAgent:
         handle = self.agent.register_memory(list(new))
         for t in new:
             self._registered[(t.data_ptr(), t.numel() * t.element_size())] = handle
+            self._kinds[(t.data_ptr(), t.numel() * t.element_size())] = mem_type(t)
         self.counters["registrations"] += 1
         self.counters["registered_bytes"] += sum(t.numel() * t.element_size() for t in new)
 
@@ -156,7 +158,39 @@ class NixlAgent:
             self.agent.deregister_memory(handle)
         for k in keys:
             del self._registered[k]
+            self._kinds.pop(k, None)
         self.counters["deregistrations"] += 1
+
+    def drop(self, starts: Sequence[int]) -> int:
+        """Deregister the registered regions that start at ``starts`` (their memory was freed,
+        re-allocated or re-mapped: a trainer's declared move), however they were registered; the
+        other regions of the same :meth:`register` calls are registered again at once, by address
+        (one call per memory type). Returns the bytes dropped.
+
+        Raises:
+            MegarefitError: an address in ``starts`` starts no registered region."""
+        wanted = set(starts)
+        gone = [k for k in self._registered if k[0] in wanted]
+        if {k[0] for k in gone} != wanted:
+            raise MegarefitError(f"no registered region starts at {sorted(wanted - {k[0] for k in gone})} "
+                                 f"(agent {self.name!r})")
+        handles = {id(self._registered[k]): self._registered[k] for k in gone}
+        kept = [k for k, h in self._registered.items() if id(h) in handles and k[0] not in wanted]
+        kinds = {k: self._kinds[k] for k in kept}
+        for handle in handles.values():
+            self.agent.deregister_memory(handle)
+        for k in gone + kept:
+            del self._registered[k]
+            self._kinds.pop(k, None)
+        self.counters["deregistrations"] += len(handles)
+        for mem in sorted({m for m, _ in kinds.values()}):  # the survivors, by address
+            mine = [k for k in kept if kinds[k][0] == mem]
+            handle = self.agent.register_memory([(a, n, kinds[(a, n)][1], "") for a, n in mine], mem)
+            for k in mine:
+                self._registered[k], self._kinds[k] = handle, kinds[k]
+            self.counters["registrations"] += 1
+            self.counters["registered_bytes"] += sum(n for _, n in mine)
+        return sum(n for _, n in gone)
 
     def region(self, addr: int, nbytes: int) -> int | None:
         """Start address of the registered region holding bytes ``[addr, addr + nbytes)``
@@ -176,6 +210,12 @@ class NixlAgent:
     @property
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
+
+
+def _inside(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie inside ``base``'s (a tensor whose ``.data`` was replaced keeps its old ``_base``)."""
+    start = base.data_ptr()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + base.numel() * base.element_size()
 
 
 def _warn_not_current(name: str, tensors: Sequence[torch.Tensor]) -> None:

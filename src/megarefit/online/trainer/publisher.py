@@ -45,6 +45,7 @@ from megarefit.layout.megatron_model import check_stated, read_chunks
 from megarefit.online.delta.log import DeltaLog, DeltaOptions, DeltaStats
 from megarefit.online.delta.track import ChangeTracker
 from megarefit.online.store.rendezvous import Rendezvous
+from megarefit.online.trainer.moved import MoveStats, reregister
 from megarefit.online.trainer.param_sync import check_param_sync
 from megarefit.online.trainer.served import (
     checksum_buffer,
@@ -175,7 +176,7 @@ class Publisher:
         self.quantization = resolve_quantization(quantization, cfg)
         self.layout = _checked_layout(layout, self.dims, self.rank)
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
-        expected = self._check_params()
+        expected = _checked_params(self)
         self.dtype = _dtype_name(_most_common_dtype(self.params.values()))
         # FP8: the shards whose blocks lie inside this rank are served quantized, from buffers
         # allocated and registered once and re-filled by every publish() (quant/planning.py)
@@ -188,13 +189,14 @@ class Publisher:
         self.snapshot: dict[str, torch.Tensor] = {}
         if snapshot:
             self.snapshot = snapshot_buffers(self.params, [n for n in expected if n not in self.fp8])
-        entries, served = self._served_entries(expected)
+        entries, served = _served_entries(self, expected)
         warn_expandable_segments(served, f"rank {self.rank}")
         name = agent_name or (f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
                                + (f"-{self.rank.copy}" if self.rank.copy else ""))
         self.agent = NixlAgent(name, device=served[0].device if served else None)  # the shards' GPU's NIC
         self.agent.register(served)
         self.checksums = _checksum_buffer(self, served, entries) if checksums else None
+        self.ipc_enabled = ipc
         self.ipc = export_ipc(served + ([self.checksums[0]] if self.checksums is not None else []),
                               f"rank {self.rank}") if ipc else ()
         self.manifest = self._build_manifest(name, entries)
@@ -212,6 +214,7 @@ class Publisher:
                                tracker, _delta_sources(expected, self.params, self.fp8), [e.name for e in entries])
                       if delta else None)
         self.version: int | None = None  # the last version published
+        self.last_move: MoveStats | None = None  # what the last declared move re-registered
         rendezvous.publish_manifest(self.manifest, self.agent.metadata)
 
     @classmethod
@@ -255,46 +258,6 @@ class Publisher:
                 for c in chunks]
         return pubs[0] if len(pubs) == 1 else PublisherGroup(pubs, rendezvous, chunks[0].layout)
 
-    def _check_params(self) -> dict[str, SourceTensor]:
-        """The shards the layout places on this rank (canonical name -> source tensor), checked
-        against ``self.params``: the same names, the same (local) shapes, contiguous.
-
-        Raises:
-            MissingParameterError / UnexpectedParameterError / ShapeMismatchError: as the class says.
-        """
-        expected = source_tensors(self.dims, self.layout)[self.rank.first]
-        missing, extra = sorted(expected.keys() - self.params.keys()), sorted(self.params.keys() - expected.keys())
-        if missing:
-            raise MissingParameterError(f"rank {self.rank} lacks {len(missing)} parameter(s) the layout places "
-                                        f"there, e.g. {missing[:3]}")
-        if extra:
-            raise UnexpectedParameterError(f"rank {self.rank} has {len(extra)} parameter(s) the layout does not "
-                                           f"place there, e.g. {extra[:3]}")
-        for name, t in expected.items():
-            p = self.params[name]
-            if tuple(p.shape) != t.shape or not p.is_contiguous():
-                raise ShapeMismatchError(f"parameter {name} on rank {self.rank}: expected contiguous {t.shape}, "
-                                         f"got {tuple(p.shape)} contiguous={p.is_contiguous()}")
-        return expected
-
-    def _served_entries(self, expected: Mapping[str, SourceTensor]) -> tuple[list[TensorEntry], list[torch.Tensor]]:
-        """Manifest entries (global shapes, addresses; region not yet known) of the tensors this
-        rank serves, in layout order, and those tensors: an FP8 shard's weight and float32 scales,
-        else the snapshot copy, else the live parameter."""
-        entries, served = [], []
-        for name, t in expected.items():
-            gshape = global_shape(t.spec, self.dims, self.layout)
-            if name in self.fp8:
-                weight, scale = self.fp8[name]
-                entries.append(_entry(name, t.spec.role.value, weight, gshape))
-                entries.append(_entry(name + SCALE_SUFFIX, "fp8_scale", scale, self.quantization.scale_shape(gshape)))
-                served += [weight, scale]
-            else:
-                tensor = self.snapshot.get(name, self.params[name])
-                entries.append(_entry(name, t.spec.role.value, tensor, gshape))
-                served.append(tensor)
-        return entries, served
-
     def _build_manifest(self, agent_name: str, entries: list[TensorEntry]) -> Manifest:
         """The rank's manifest: ``entries`` with the agent's registered region of each (-1 if none)."""
         entries = [dataclasses.replace(e, region=-1 if (r := self.agent.region(e.addr, e.nbytes)) is None else r)
@@ -331,8 +294,8 @@ class Publisher:
         that already hold the version keep what they pulled, so publish new weights as a new version.
 
         Raises:
-            ShapeMismatchError: a parameter moved in memory since registration
-                (e.g. re-allocated by a resharding step); create a new Publisher.
+            ShapeMismatchError: a parameter moved in memory since registration and no move was
+                declared (:meth:`moving` / :meth:`params_moved`; names the tensor and both addresses).
             VersionOrderError: ``version`` is older than the last one published (nothing changes).
             RepublishError: ``delta``, the last version again with other weights; the rank stays
                 marked writing until a newer version is published.
@@ -377,6 +340,44 @@ class Publisher:
         self.writing = False
         self.version = version
 
+    @contextlib.contextmanager
+    def moving(self, *, remapped: bool | Iterable[str] = False,
+               params: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
+        """``with pub.moving(): offload(model); ...; reload(model)`` -- a declared move.
+
+        Before the block the rank is marked writing (its update sequence turns odd: no receiver
+        accepts bytes read while its memory is freed); after it, :meth:`params_moved`. It stays
+        writing until the next :meth:`publish` / :meth:`updating` (the same version again where the
+        reloaded weights are that version's); if the block raises, nothing is re-registered.
+
+        Raises: what :meth:`params_moved` raises."""
+        if not self.writing:
+            self.rendezvous.begin_update(self.rank)
+            self.writing = True
+        yield
+        self.params_moved(remapped=remapped, params=params)
+
+    def params_moved(self, *, remapped: bool | Iterable[str] = False,
+                     params: Mapping[str, torch.Tensor] | None = None) -> MoveStats:
+        """The trainer brought its parameters back at new addresses (verl's offload: storages
+        resized to 0 and re-allocated), or re-mapped in place (``remapped``: ``True`` for every
+        parameter, or their names; torch_memory_saver): re-register only the moved buffers with
+        NIXL and republish this rank's manifest and metadata, signed (:mod:`~megarefit.online.
+        trainer.moved`). Receivers keep their plans and caches. ``params``: the trainer's tensors
+        now, where the move replaced tensor objects (``refit_tensors(model)`` after ``model.to``).
+
+        Marks the rank writing (until the next ``publish``) if :meth:`moving` did not: outside it,
+        only when no receiver reads during the move (after :meth:`wait_receivers`). Returns a ``MoveStats``.
+
+        Raises:
+            MegarefitError: ``delta=`` publishers do not follow moves yet; a ``remapped`` name not served.
+            MissingParameterError / ShapeMismatchError: ``params`` lacks a served tensor or changes one."""
+        if not self.writing:
+            self.rendezvous.begin_update(self.rank)
+            self.writing = True
+        self.last_move = reregister(self, remapped, params)
+        return self.last_move
+
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
         """Block until every live registered receiver acknowledged ``version`` (receivers
         whose heartbeat stopped for ``lease`` seconds are dropped); then the trainer may
@@ -413,6 +414,49 @@ class Publisher:
             self.last_checksum_s = time.perf_counter() - t0
 
 
+def _checked_params(pub: Publisher) -> dict[str, SourceTensor]:
+    """The shards the layout places on ``pub``'s rank (canonical name -> source tensor), checked
+    against ``pub.params``: the same names, the same (local) shapes, contiguous.
+
+    Raises:
+        MissingParameterError / UnexpectedParameterError / ShapeMismatchError: as the class says.
+    """
+    expected = source_tensors(pub.dims, pub.layout)[pub.rank.first]
+    missing, extra = sorted(expected.keys() - pub.params.keys()), sorted(pub.params.keys() - expected.keys())
+    if missing:
+        raise MissingParameterError(f"rank {pub.rank} lacks {len(missing)} parameter(s) the layout places "
+                                    f"there, e.g. {missing[:3]}")
+    if extra:
+        raise UnexpectedParameterError(f"rank {pub.rank} has {len(extra)} parameter(s) the layout does not "
+                                       f"place there, e.g. {extra[:3]}")
+    for name, t in expected.items():
+        p = pub.params[name]
+        if tuple(p.shape) != t.shape or not p.is_contiguous():
+            raise ShapeMismatchError(f"parameter {name} on rank {pub.rank}: expected contiguous {t.shape}, "
+                                     f"got {tuple(p.shape)} contiguous={p.is_contiguous()}")
+    return expected
+
+
+def _served_entries(pub: Publisher, expected: Mapping[str, SourceTensor]
+                    ) -> tuple[list[TensorEntry], list[torch.Tensor]]:
+    """Manifest entries (global shapes, addresses; region not yet known) of the tensors ``pub``'s
+    rank serves, in layout order, and those tensors: an FP8 shard's weight and float32 scales,
+    else the snapshot copy, else the live parameter."""
+    entries, served = [], []
+    for name, t in expected.items():
+        gshape = global_shape(t.spec, pub.dims, pub.layout)
+        if name in pub.fp8:
+            weight, scale = pub.fp8[name]
+            entries.append(_entry(name, t.spec.role.value, weight, gshape))
+            entries.append(_entry(name + SCALE_SUFFIX, "fp8_scale", scale, pub.quantization.scale_shape(gshape)))
+            served += [weight, scale]
+        else:
+            tensor = pub.snapshot.get(name, pub.params[name])
+            entries.append(_entry(name, t.spec.role.value, tensor, gshape))
+            served.append(tensor)
+    return entries, served
+
+
 def _one_copy(chunk: Any) -> Any:
     """``chunk`` with a one-copy layout (``serve_copies=False``: copy 0 alone serves)."""
     return dataclasses.replace(chunk, layout=dataclasses.replace(chunk.layout, dp=0))
@@ -440,8 +484,11 @@ def _check_moved(pub: Publisher) -> None:
     for entry in pub.manifest.tensors:
         if entry.name in pub.params and entry.name not in pub.fp8 and entry.name not in pub.snapshot and (
                 pub.params[entry.name].data_ptr() != entry.addr):
-            raise ShapeMismatchError(f"parameter {entry.name} on rank {pub.rank} moved since registration; "
-                                     "re-create the Publisher")
+            raise ShapeMismatchError(f"parameter {entry.name} on rank {pub.rank} moved since registration (registered "
+                                     f"at {entry.addr:#x}, now at {pub.params[entry.name].data_ptr():#x}) and no move "
+                                     "was declared: wrap the offload and reload in `with pub.moving():`, or call "
+                                     "pub.params_moved() once the parameters are back (receivers keep their plans); "
+                                     "or re-create the Publisher")
 
 
 class PublisherGroup:
@@ -481,6 +528,18 @@ class PublisherGroup:
             for pub in self.publishers:
                 stack.enter_context(pub.updating(version))
             yield
+
+    @contextlib.contextmanager
+    def moving(self, *, remapped: bool | Iterable[str] = False) -> Iterator[None]:
+        """:meth:`Publisher.moving` around the block for every chunk (all marked writing first)."""
+        with contextlib.ExitStack() as stack:
+            for pub in self.publishers:
+                stack.enter_context(pub.moving(remapped=remapped))
+            yield
+
+    def params_moved(self, *, remapped: bool | Iterable[str] = False) -> list[MoveStats]:
+        """:meth:`Publisher.params_moved` on every chunk, in order."""
+        return [pub.params_moved(remapped=remapped) for pub in self.publishers]
 
     def wait_receivers(self, version: int, *, timeout: float = 300.0, lease: float = 10.0) -> dict[str, str]:
         """:meth:`Publisher.wait_receivers` (receivers acknowledge a version for every rank at once)."""

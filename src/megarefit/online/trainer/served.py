@@ -96,14 +96,16 @@ def refresh_snapshot(snapshot: Mapping[str, torch.Tensor], params: Mapping[str, 
 
 
 def checksum_buffer(served: Sequence[torch.Tensor], entries: Sequence[TensorEntry],
-                    local_experts: int) -> tuple[torch.Tensor, Callable[[], None]]:
+                    local_experts: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
     """One int64 buffer holding every served tensor's checksum back to back (in manifest order,
     on the device of the first; legacy GroupedMLP tensors summed per local expert,
     :func:`~megarefit.transport.checksum.sum_frame`), and what fills it: one fused pass over
     every served tensor (:class:`~megarefit.transport.checksum_kernel.BoxSums`; per tensor where
-    the tensors span devices). The caller registers the buffer."""
+    the tensors span devices). The caller registers the buffer. ``out``: that buffer again, for the
+    tensors at their new addresses after a declared move (the fill reads addresses)."""
     frames = [sum_frame(t.shape, e.role, local_experts) for t, e in zip(served, entries, strict=True)]
-    flat = torch.zeros(sum(f.numel for f in frames), dtype=torch.int64, device=served[0].device)
+    flat = out if out is not None else torch.zeros(sum(f.numel for f in frames), dtype=torch.int64,
+                                                   device=served[0].device)
     boxes, starts, at = [], [], 0
     for t, f in zip(served, frames):
         boxes += frame_entries(t, f, at)
