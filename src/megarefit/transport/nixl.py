@@ -164,7 +164,7 @@ class NixlTransport:
         self.last_seconds: dict[str, float] = {}
         self.poll_sleep = 0.0  # seconds slept between completion polls (0: spin; see polite())
         self.late = ""  # READs that timed out still land in the buffers: why this transport pulls no more
-        self._late: list[Any] | None = []  # their handles (a plan's pull); None: READs into memory not held here
+        self._late: list[Any] | None = []  # their handles; None: READs into memory a quarantine cannot hold
         self.quarantined = Quarantine(self.nixl)  # memory late READs may still write (quarantine.py)
 
     @property
@@ -186,11 +186,6 @@ class NixlTransport:
     def scratch_allocated(self) -> int:
         """Bytes of scratch allocated (and registered) for gathered pulls; it only grows."""
         return self._scratch_memory.allocated
-
-    @property
-    def _scratch(self) -> torch.Tensor | None:
-        """The scratch tensor (None before the first gathered pull)."""
-        return self._scratch_memory.tensor
 
     @property
     def prepared(self) -> list[PreparedPlan]:
@@ -275,21 +270,7 @@ class NixlTransport:
             pulls = SourcePulls(manifest.rank, key[0], [], self._blocks[key][0])
             post_read(self.nixl, pulls, pulls.handle)
             posted.append((pulls, -1))
-        self.wait_posted(posted, timeout)
-
-    def wait_posted(self, posted: list[tuple[SourcePulls, int]], timeout: float, grace: float = 60.0) -> None:
-        """Wait for READs posted outside a prepared plan (raises TransferError as :meth:`wait`)."""
-        flight = InFlight(PreparedPlan((), []), time.perf_counter(), posted)
-        deadline = time.monotonic() + timeout
-        while flight.pending:
-            flight.poll(self.nixl.agent)
-            if flight.pending and self.poll_sleep:
-                time.sleep(self.poll_sleep)
-            if flight.pending and time.monotonic() > deadline:
-                exc = pull_error(flight.pending[0][0], f"no completion after {timeout:.1f} s")
-                self.late = settle(self.nixl.agent, flight, exc, time.monotonic() + grace, self.poll_sleep)
-                self._late = None if self.late else self._late  # delta / checksum buffers: not quarantined
-                raise exc
+        wait_posted(self, posted, timeout)
 
     def prepare(self, plan: Plan, manifests: Mapping[RankCoord, Manifest],
                 buffers: Mapping[TensorRef, torch.Tensor]) -> PreparedPlan:
@@ -339,9 +320,8 @@ class NixlTransport:
     def execute(self, prepared: PreparedPlan, buffers: Mapping[TensorRef, torch.Tensor], *,
                 timeout: float = 60.0, grace: float = 60.0) -> None:
         """Post every source's direct READ and first two waves, and wait (:meth:`start`, then
-        :meth:`wait`). Each wave is placed (one batched copy) as soon as it lands, and the wave
-        after next reuses its scratch half once that placement has finished, overlapping the
-        other READs.
+        :meth:`wait`): each wave placed (one batched copy) as soon as it lands, the wave after
+        next reusing its scratch half once that placement has finished, beside the other READs.
 
         Raises:
             TransferError: a peer disconnected, a transfer failed, or ``timeout`` seconds passed
@@ -438,12 +418,10 @@ class NixlTransport:
             self.last_seconds["ipc"] = ipc_s
 
     def quarantine(self, memory: Sequence[torch.Tensor]) -> int | None:
-        """After a pull whose READs are still in flight (:attr:`late`): hold ``memory`` (the
-        buffers, registered by one call), the scratch and every prepared request until those
-        READs end (:class:`~megarefit.transport.quarantine.Quarantine`), and pull again, into
-        fresh memory only. Returns the bytes held; ``None`` (nothing changed, :attr:`late`
-        stays) where nothing is late or late READs write memory not held here (a delta's or
-        the checksums' buffers)."""
+        """After a pull whose READs are still in flight (:attr:`late`): hold ``memory`` (registered
+        by one call), the scratch and the prepared requests until they end (quarantine.py), pull
+        again into fresh memory. Returns the bytes held; ``None`` (:attr:`late` stays) where
+        nothing is late or late READs write other memory (a delta's or the checksums' buffers)."""
         if not self.late or not self._late:
             return None
         scratch, self._scratch_memory.tensor = self._scratch_memory.tensor, None
@@ -508,6 +486,23 @@ def settle(agent: Any, flight: InFlight, exc: TransferError, deadline: float, po
             "receiver process (or give the READs more time: transfer_timeout / timeout)")
 
 
+def wait_posted(transport: NixlTransport, posted: list[tuple[SourcePulls, int]], timeout: float,
+                grace: float = 60.0) -> None:
+    """Wait for READs posted outside a prepared plan (raises TransferError as
+    :meth:`NixlTransport.wait`; late READs into memory a quarantine cannot take: refused after)."""
+    flight = InFlight(PreparedPlan((), []), time.perf_counter(), posted)
+    deadline = time.monotonic() + timeout
+    while flight.pending:
+        flight.poll(transport.nixl.agent)
+        if flight.pending and transport.poll_sleep:
+            time.sleep(transport.poll_sleep)
+        if flight.pending and time.monotonic() > deadline:
+            exc = pull_error(flight.pending[0][0], f"no completion after {timeout:.1f} s")
+            transport.late = settle(transport.nixl.agent, flight, exc, time.monotonic() + grace, transport.poll_sleep)
+            transport._late = None if transport.late else transport._late  # delta / checksum memory: not held
+            raise exc
+
+
 def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequence[tuple[int, int, int, str, int]]]],
                 local: torch.Tensor, *, timeout: float = 60.0) -> int:
     """READ byte ranges of sources into ``local`` (contiguous, registered here once) over
@@ -538,7 +533,7 @@ def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequen
                 post_read(transport.nixl, pulls, handle)
                 posted.append((pulls, -1))
                 total += sum(n for _, n, _, _, _ in rs)
-        transport.wait_posted(posted, timeout)
+        wait_posted(transport, posted, timeout)
     finally:
         for handle in handles:
             with contextlib.suppress(Exception):
