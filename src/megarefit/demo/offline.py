@@ -142,11 +142,14 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     from megarefit.demo.trainer_jobs import TrainerCase
     from megarefit.integrations.hf import hf_logits
 
+    status("config: checking the config, the layout and what this install can build")
     setup = prepare_demo(config, tp=tp, pp=pp, ep=ep, etp=etp, expert_layout=expert_layout, shrink=shrink)
     dims, cfg = setup.dims, setup.cfg
     tokens = torch.randint(0, dims.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     stages: dict[str, float] = {}
-    status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
+    model_class = "MambaModel" if dims.layer_pattern else "GPTModel"
+    status(f"trainer: spawning {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep}) that build a Megatron-Core "
+           f"{model_class} and run its forward")
     case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, setup.etp, expert_layout)
     shards, megatron_logits, read = _train(case, stages)
     status("plan: building and validating the slice plan")
