@@ -12,6 +12,13 @@ Three parts, usually three kinds of processes (docs/http.md)::
 or all of it, on one CPU box, in one command (what CI runs)::
 
     python examples/rl_http.py demo --workdir /tmp/rl --steps 2   # MEGAREFIT_JOB_SECRET set as above
+    python examples/rl_http.py demo --workdir /tmp/rl --steps 2 --prefetch   # prefetch while serving
+
+``--prefetch`` (``serve`` and ``train``, or ``demo``): the server loads megarefit's worker extension,
+each refit prefetches the version while the server serves and pauses only to install it, and the
+stall a streaming client saw is printed (docs/http.md, "Prefetch while serving"). Errors are one
+line (``--verbose`` or ``MEGAREFIT_VERBOSE=1``: the whole traceback, a trainer worker's included);
+``--config`` is checked (it exists, its family is supported) before anything starts.
 
 ``train`` starts ``--tp`` real Megatron-Core trainer processes (gloo, CPU; the model is built by
 megarefit's CPU harness, ``megarefit.demo.megatron_cpu``: your trainer builds its own). Every
