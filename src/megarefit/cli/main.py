@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,18 @@ def _execute_on_meta(plan: Any) -> float:
     return time.perf_counter() - t0
 
 
+def progress(console: Console, status: Any) -> Callable[[str], None]:
+    """The demos' ``status`` callback: each stage as a line on the console (``... trainer: building
+    ...``), printed before the stage starts, so a pipe or a log shows what runs while the trainers
+    spawn; on a terminal the spinner shows the stage too."""
+
+    def update(message: str) -> None:
+        console.print(f"... {escape(message)}", highlight=False)
+        status.update(escape(message))
+
+    return update
+
+
 def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
     from megarefit.demo.live import run_live_demo
 
@@ -420,7 +433,7 @@ def cmd_live_demo(args: argparse.Namespace, console: Console) -> int:
                              "builds dense trainers only")
     with console.status("starting") as status:
         result = run_live_demo(args.config, engine=args.engine, tp=args.tp, pp=args.pp, versions=args.versions,
-                               shrink=args.shrink, status=lambda msg: status.update(msg))
+                               shrink=args.shrink, status=progress(console, status))
     for note in result.notes:
         console.print(f"config: {escape(note)}")
     console.print(_model_line(result.dims, result.dims.padded_vocab_size(args.tp)))
@@ -459,7 +472,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     with console.status("starting") as status:
         result = run_demo(args.config, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, seq=args.seq,
                           expert_layout=args.expert_layout,
-                          quantization=args.quantization, shrink=args.shrink, status=lambda msg: status.update(msg))
+                          quantization=args.quantization, shrink=args.shrink, status=progress(console, status))
     plan, stats = result.plan, result.stats
     for note in result.notes:
         console.print(f"config: {escape(note)}")

@@ -114,9 +114,8 @@ def check_expert_layout(expert_layout: str, dims: ModelDims) -> None:
 
 
 def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None, seq: int = 16,
-             batch: int = 2, expert_layout: str = "sequential",
-             seed: int = 1234, quantization: str = "none", shrink: bool = True,
-             status: Callable[[str], None] = lambda _: None) -> DemoResult:
+             batch: int = 2, expert_layout: str = "sequential", seed: int = 1234, quantization: str = "none",
+             shrink: bool = True, status: Callable[[str], None] = lambda _: None) -> DemoResult:
     """Run the demo end to end and return what happened (the CLI prints it).
 
     ``shrink`` (default): a config larger than a CPU demo is shrunk to a model of the same
@@ -142,13 +141,14 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
     from megarefit.demo.trainer_jobs import TrainerCase
     from megarefit.integrations.hf import hf_logits
 
-    setup = prepare_demo(config, tp=tp, pp=pp, ep=ep, etp=etp, expert_layout=expert_layout, shrink=shrink)
+    setup = prepare_demo(config, tp=tp, pp=pp, ep=ep, etp=etp, expert_layout=expert_layout, shrink=shrink,
+                         status=status)
     dims, cfg = setup.dims, setup.cfg
     tokens = torch.randint(0, dims.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     stages: dict[str, float] = {}
-    status(f"trainer: building Megatron-Core GPTModel on {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep})")
-    case = TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, setup.etp, expert_layout)
-    shards, megatron_logits, read = _train(case, stages)
+    status(_trainer_line(dims, tp, pp, ep))
+    shards, megatron_logits, read = _train(TrainerCase("demo", cfg, tp, pp, tokens, seed, ep, setup.etp, expert_layout),
+                                           stages)
     status("plan: building and validating the slice plan")
     plain_plan, plan, fmt = _plan(setup, shards, read, quantization, stages)
     pulled = shards
@@ -175,6 +175,13 @@ def run_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: 
                       cosine, plain_plan.nbytes, setup.notes, reference)
 
 
+def _trainer_line(dims: ModelDims, tp: int, pp: int, ep: int) -> str:
+    """The progress line before the trainers spawn (the longest stage: seconds per process)."""
+    model_class = "MambaModel" if dims.layer_pattern else "GPTModel"
+    return (f"trainer: spawning {tp * pp * ep} gloo process(es) (tp={tp}, pp={pp}, ep={ep}) that build a Megatron-Core "
+            f"{model_class} and run its forward")
+
+
 @dataclass(frozen=True)
 class DemoSetup:
     """What :func:`prepare_demo` checked: the trainers' config, the HF model's config (the same,
@@ -191,8 +198,10 @@ class DemoSetup:
 
 
 def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None,
-                 expert_layout: str = "sequential", shrink: bool = True) -> DemoSetup:
-    """Load (and shrink) ``config`` and check everything the demo needs before any process starts.
+                 expert_layout: str = "sequential", shrink: bool = True,
+                 status: Callable[[str], None] = lambda _: None) -> DemoSetup:
+    """Load (and shrink) ``config`` and check everything the demo needs before any process starts
+    (``status``: told so first, as :func:`run_demo`'s stages).
 
     Raises:
         MegarefitError: the config, layout or expert layout is unsupported, the model would not
@@ -202,6 +211,7 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
     from megarefit.demo.shrink import shrink_config
     from megarefit.demo.trainer_jobs import check_buildable, is_hybrid
 
+    status("config: checking the config, the layout and what this install can build")
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
     check_demo_family(cfg)
     notes: list[str] = []

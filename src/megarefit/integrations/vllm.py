@@ -76,6 +76,7 @@ from megarefit.integrations.vllm_install import (
     direct_candidates,
     draft_shared,
     eplb_placement,
+    explain_unloaded,
     host_budget,
     install_shards,
     quiet_reload,
@@ -846,6 +847,7 @@ class _EngineLifecycle:
             self.draft_receiver = self._make_receiver(self.model, draft=True)
         receiver = self.draft_receiver if draft else self.receiver
         assert receiver is not None
+        explain_unloaded(self.model)  # vLLM's "Failed to load weights" for tied / cache-only layers: expected
         stack = contextlib.ExitStack()
         stack.enter_context(_cpu_moe_reload(self.model))
         staged = receiver.memory_budget is None

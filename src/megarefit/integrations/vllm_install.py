@@ -224,11 +224,60 @@ def _streamed_targets(model: torch.nn.Module, weights: Iterable[tuple[str, torch
     return stream()
 
 
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32's layerwise reload
+UNLOADED = "%s: Failed to load weights"  # what it logs (WARNING) for a layer no weight reached on a reload
+
+
+def never_loaded(model: torch.nn.Module) -> frozenset[str]:
+    """Class names of the layers no refit loads, by construction: every module of the class holds
+    only buffers (a cache vLLM computes, e.g. ``RotaryEmbedding``'s ``cos_sin_cache``: in no
+    checkpoint) or only parameters first owned by an earlier module (a tied alias, e.g. a tied
+    ``ParallelLMHead`` whose weight is ``embed_tokens``': refit through the embedding). A class
+    with one module that holds a parameter of its own is not in the set."""
+    first_owner: dict[int, torch.nn.Module] = {}
+    expected, own = set(), set()
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if not params and not any(True for _ in module.buffers(recurse=False)):
+            continue
+        aliases = [first_owner.setdefault(id(q), module) is not module for q in params]
+        (expected if all(aliases) else own).add(type(module).__name__)
+    return frozenset(expected - own)
+
+
+class ExpectedUnloaded(logging.Filter):
+    """On vLLM's layerwise-reload logger: its ``"<layer>: Failed to load weights"`` for the layers
+    of :func:`never_loaded` is demoted to DEBUG (shown with ``VLLM_LOGGING_LEVEL=DEBUG``) and says
+    why it is expected; vLLM puts those layers' live tensors back. Any other layer's stays a warning."""
+
+    def __init__(self, classes: frozenset[str]) -> None:
+        super().__init__("megarefit")
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == UNLOADED and record.args and record.args[0] in self.classes:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg = (UNLOADED + " (expected: it holds only a computed cache or a tied alias, which no "
+                          "checkpoint and no megarefit refit names; vLLM keeps its tensors)")
+        return True
+
+
+def explain_unloaded(model: torch.nn.Module) -> ExpectedUnloaded:
+    """Put an :class:`ExpectedUnloaded` for ``model`` on vLLM's reload logger (replacing an earlier
+    one: the last model refit decides) and return it."""
+    log = logging.getLogger(RELOAD_LOGGER)
+    for old in [f for f in log.filters if isinstance(f, ExpectedUnloaded)]:
+        log.removeFilter(old)
+    filt = ExpectedUnloaded(never_loaded(model))
+    log.addFilter(filt)
+    return filt
+
+
 @contextlib.contextmanager
 def quiet_reload(quiet: bool) -> Iterator[None]:
     """vLLM's layerwise-reload logger at ERROR while ``quiet`` (modules written in place load
     nothing, which it reports as a warning per module)."""
-    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    log = logging.getLogger(RELOAD_LOGGER)
     level = log.level
     if quiet:
         log.setLevel(logging.ERROR)
@@ -680,6 +729,7 @@ def draft_shared(model: torch.nn.Module) -> frozenset[str]:
         tuple("." + s for s in _DRAFT_SHARED)))
 
 
-__all__ = ["TESTED_VLLM", "PreviousWeights", "VllmVersionError", "check_shards", "draft_shared", "engine_expert_map", "eplb_placement",
-           "host_budget", "install_shards", "model_format_params", "quiet_reload", "reload_api", "routed_experts",
+__all__ = ["ExpectedUnloaded", "PreviousWeights", "RELOAD_LOGGER", "TESTED_VLLM", "VllmVersionError", "check_shards",
+           "draft_shared", "engine_expert_map", "eplb_placement", "explain_unloaded", "host_budget",
+           "install_shards", "model_format_params", "never_loaded", "quiet_reload", "reload_api", "routed_experts",
            "vllm_internal", "vllm_target_of", "vllm_version"]
