@@ -16,7 +16,7 @@ posts the READ as megarefit's transport does (:meth:`~megarefit.transport.nixl.N
 writes ``DIR/timeout.json``: the error, the bytes landed when ``wait`` raised, 2 s later (the
 worker idle) and after 3 s of other READs (the worker progressing). ``quarantine`` lets it time
 out the same way, hands its memory to the transport's quarantine
-(:meth:`~megarefit.transport.nixl.NixlTransport.quarantine`), then READs the first 64 KiB again
+(:func:`~megarefit.transport.nixl.quarantine`), then READs the first 64 KiB again
 into fresh memory through the same transport, sweeping the quarantine after each, until it frees
 the held memory (at most 60 s), and
 writes ``DIR/quarantine.json`` and ``DIR/received.pt`` (the fresh bytes).
@@ -116,6 +116,7 @@ def _prepared_read(transport, remote, addr: int, local: torch.Tensor, prepared_p
 
 def quarantine_read(d: Path, timeout: float) -> None:
     from megarefit.layout import RankCoord
+    from megarefit.transport.nixl import quarantine
     from megarefit.transport.nixl_agent import TransferError
     from megarefit.transport.nixl_requests import PreparedPlan, SourcePulls
 
@@ -128,7 +129,7 @@ def quarantine_read(d: Path, timeout: float) -> None:
         transport.wait(transport.start(prepared), timeout=timeout, grace=0.0)
     except TransferError as exc:
         out["error"] = str(exc)
-    out["held"] = transport.quarantine([local])
+    out["held"] = quarantine(transport, [local])
     out["late_after"], out["held_now"] = transport.late, transport.quarantined.nbytes
     out["sweep_at_once"] = transport.quarantined.sweep()  # the READ is still running: nothing freed
     out["landed"] = int((local != 0).sum())

@@ -114,7 +114,7 @@ def _fails_within(fault, receiver_timeout: float = 15.0) -> tuple[str, float]:
         marks["fault"] = time.monotonic()
 
     with pytest.raises(RuntimeError) as info:
-        refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=40.0, receiver_timeout=receiver_timeout,
+        refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=15.0, receiver_timeout=receiver_timeout,
                          during=during, every_copy=False)
     return str(info.value), time.monotonic() - marks["fault"]
 
@@ -125,7 +125,7 @@ def _fails_over(fault):
         _when_pulling(c)
         fault(c, groups)
 
-    return refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=40.0, receiver_timeout=10.0,
+    return refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=15.0, receiver_timeout=10.0,
                             during=during, trainers_may_die=True)
 
 

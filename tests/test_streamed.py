@@ -92,7 +92,7 @@ def test_streamed_equals_staged_and_the_offline_translation(config, case):
         stats = streamed.stats
         assert stats.install == "streamed" and stats.groups > 4 and stats.cold == (cycle == 0)
         ring = streamed._stream
-        measured = ring.ring.numel() + streamed.transport._scratch.numel()
+        measured = ring.ring.numel() + streamed.transport.scratch_allocated
         assert stats.peak_extra_bytes == measured <= budget < 0.1 * share
     if target is None:  # the model the shards were made from: no NIXL, no ring, no megarefit layout code
         offline = hf if quantization is None else vllm_fp8_checkpoint(

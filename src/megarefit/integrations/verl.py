@@ -114,6 +114,7 @@ class MegarefitCheckpointEngine(CheckpointEngine):
         self.model: Any = None
         self.hf_config: Any = None
         self.version: int | None = None
+        self._drawn = False  # the job secret was drawn here (none in the environment)
 
     # -- topology (verl calls these on every sync; megarefit sets up once) ------------------------
     def prepare(self) -> dict[str, Any] | None:
@@ -122,11 +123,14 @@ class MegarefitCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return None
         if self._served is None:
-            host = self.host or ray.util.get_node_ip_address()
+            bind = self.host or ray.util.get_node_ip_address()
+            self._drawn = not os.environ.get(SECRET_ENV)  # drawn here: it travels through verl's calls
             secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
-            self._served = Rendezvous.serve(host, self.port, job=self.job, secret=secret, timeout=self.timeout)
-            self.host = host
-        return {"host": self.host, "port": self._served.port, "job": self.job, "secret": self._served.secret}
+            self._served = Rendezvous.serve(bind, self.port, job=self.job, secret=secret, timeout=self.timeout)
+            # a wildcard bind is advertised as the node's address: clients elsewhere cannot reach 0.0.0.0
+            self.host = ray.util.get_node_ip_address() if bind in ("0.0.0.0", "::", "") else bind
+        info = {"host": self.host, "port": self._served.port, "job": self.job}
+        return {**info, "secret": self._served.secret} if self._drawn else info
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -150,7 +154,7 @@ class MegarefitCheckpointEngine(CheckpointEngine):
         address = (rendezvous["host"], int(rendezvous["port"]))
         if self._address != address:
             self.rendezvous = (self._served if self._served is not None else
-                               Rendezvous.connect(*address, job=rendezvous["job"], secret=rendezvous["secret"],
+                               Rendezvous.connect(*address, job=rendezvous["job"], secret=rendezvous.get("secret"),
                                                   timeout=self.timeout))
             self._address, self.publisher, self.receiver = address, None, None
         if rank is not None and self.receiver is None:

@@ -273,6 +273,7 @@ class _TrainerMethods:
         self.publisher = publisher
         self.session = session  # the rendezvous keys of this set of engines (one per trainer rank)
         self.version: int | None = None  # the last version sent
+        self.sends = 0  # send_weights calls so far: every rank counts its own, in the same order
         self.last_report: dict[str, Any] | None = None
 
     @classmethod
@@ -316,7 +317,8 @@ class _TrainerMethods:
         v = (info.first_version if self.version is None else self.version + 1) if version is None else version
         t0 = time.perf_counter()
         self.publisher.publish(v)  # VersionOrderError for an older version: nothing is sent
-        key = f"{self.session}/sent/{v}"
+        self.sends += 1  # a version sent again has its own outcome key: never an earlier send's record
+        key = f"{self.session}/sent/{self.sends}/{v}"
         if self.is_sender:
             try:
                 self.client.start_weight_update()

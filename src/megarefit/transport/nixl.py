@@ -224,8 +224,9 @@ class NixlTransport:
             self.nixl.counters["remote_agents"] += 1
 
     def release_scratch(self) -> int:
-        """Drop every prepared request and free the scratch (deregistered first); bytes freed. The
-        next :meth:`prepare` allocates it again."""
+        """Drop every prepared request and free the scratch (deregistered first; refused while READs
+        are late, :func:`refuse_late`); bytes freed. The next :meth:`prepare` allocates it again."""
+        refuse_late(self.late)
         self._release_prepared()
         return self._scratch_memory.release()
 
@@ -233,8 +234,9 @@ class NixlTransport:
         return frozenset() if self.ipc is None else self.ipc.ranks
 
     def release(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Drop every prepared request and deregister ``tensors`` (registered together by
-        :meth:`NixlAgent.register`), before the caller frees them."""
+        """Drop every prepared request and deregister ``tensors`` (registered together by one
+        :meth:`NixlAgent.register`; refused while READs are late), before the caller frees them."""
+        refuse_late(self.late)
         self._release_prepared()
         self.nixl.deregister(tensors)
 
@@ -252,7 +254,7 @@ class NixlTransport:
         Raises:
             TransferError: as :meth:`execute`."""
         agent, posted = self.nixl.agent, []
-        _refuse_late(self.late)
+        refuse_late(self.late)
         local_ranks = self._ipc_ranks()
         for manifest, (addr, nbytes, mem, dev), local in reads:
             if manifest.rank in local_ranks:  # a device copy from the mapped block
@@ -337,7 +339,7 @@ class NixlTransport:
         Raises:
             TransferError: a READ could not be posted (names the peer and its first tensors); those
                 posted before are waited for first (up to ``timeout`` s); :attr:`late` set: at once."""
-        _refuse_late(self.late)
+        refuse_late(self.late)
         flight = InFlight(prepared, time.perf_counter())
         try:
             _post_first(self.nixl, flight)
@@ -417,21 +419,6 @@ class NixlTransport:
         if ipc_s is not None:
             self.last_seconds["ipc"] = ipc_s
 
-    def quarantine(self, memory: Sequence[torch.Tensor]) -> int | None:
-        """After a pull whose READs are still in flight (:attr:`late`): hold ``memory`` (registered
-        by one call), the scratch and the prepared requests until they end (quarantine.py), pull
-        again into fresh memory. Returns the bytes held; ``None`` (:attr:`late` stays) where
-        nothing is late or late READs write other memory (a delta's or the checksums' buffers)."""
-        if not self.late or not self._late:
-            return None
-        scratch, self._scratch_memory.tensor = self._scratch_memory.tensor, None
-        held = self.quarantined.hold(self._late, [memory, [scratch] if scratch is not None else []],
-                                     [p for group in self._prepared.values() for p in group],
-                                     list(self._blocks.values()), self.late)
-        self._prepared, self._blocks, self._late, self.late = {}, {}, [], ""
-        self.nixl.counters["quarantined_bytes"] += held
-        return held
-
     def _remote_name(self, manifest: Manifest) -> str:
         if manifest.agent not in self._remotes:
             raise TransferError(f"rank {manifest.rank}: NIXL agent {manifest.agent!r} was never connected")
@@ -467,8 +454,28 @@ def drain(agent: Any, flight: InFlight, deadline: float, poll_sleep: float) -> N
             time.sleep(poll_sleep or 0.001)
 
 
-def _refuse_late(late: str) -> None:
-    """Raise TransferError(``late``) where READs that timed out still land in the buffers."""
+def quarantine(transport: NixlTransport, memory: Sequence[torch.Tensor],
+               keep: Sequence[torch.Tensor] = ()) -> int | None:
+    """After a pull whose READs are still in flight (``transport.late``): hold ``memory``
+    (registered by one call), the scratch and the prepared requests until they end
+    (:class:`~megarefit.transport.quarantine.Quarantine`); the transport then pulls again, into
+    fresh memory only. Returns the bytes held; ``None`` (``late`` stays) where nothing is late or
+    late READs write other memory (a delta's or the checksums' buffers). ``keep``: memory held alive
+    too, not deregistered (a registration covering it belongs to other memory)."""
+    if not transport.late or not transport._late:
+        return None
+    scratch, transport._scratch_memory.tensor = transport._scratch_memory.tensor, None
+    held = transport.quarantined.hold(transport._late, [memory, [scratch] if scratch is not None else []],
+                                      [p for group in transport._prepared.values() for p in group],
+                                      list(transport._blocks.values()), transport.late, keep)
+    transport._prepared, transport._blocks, transport._late, transport.late = {}, {}, [], ""
+    transport.nixl.counters["quarantined_bytes"] += held
+    return held
+
+
+def refuse_late(late: str) -> None:
+    """Raise TransferError(``late``) where READs that timed out still land in the buffers (nothing
+    may be freed, allocated again or pulled through that transport)."""
     if late:
         raise TransferError(late)
 
@@ -513,7 +520,7 @@ def read_ranges(transport: NixlTransport, reads: Sequence[tuple[Manifest, Sequen
 
     Raises:
         TransferError: as :meth:`NixlTransport.execute`."""
-    _refuse_late(transport.late)
+    refuse_late(transport.late)
     transport.nixl.register([local])
     lmem, ldev = mem_type(local)
     agent, base = transport.nixl.agent, local.data_ptr()

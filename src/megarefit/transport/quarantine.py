@@ -19,6 +19,7 @@ The cost is a second arena while the late READs run; ``counters["quarantined_byt
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class Held:
     blocks: list[tuple[Any, ...]]  # block-read requests, likewise
     nbytes: int
     why: str
+    keep: list[torch.Tensor]  # memory held alive but not deregistered here (registered with other memory, or not)
 
 
 def _running(agent: Any, handles: Iterable[Any]) -> list[Any]:
@@ -67,12 +69,14 @@ class Quarantine:
         return sum(h.nbytes for h in self.held)
 
     def hold(self, pending: Sequence[Any], memory: Sequence[Sequence[torch.Tensor]],
-             prepared: Sequence[PreparedPlan], blocks: Sequence[tuple[Any, ...]], why: str) -> int:
-        """Hold ``memory`` (groups of tensors, each registered by one register call) and the
-        requests until the ``pending`` request handles end; returns the bytes held."""
+             prepared: Sequence[PreparedPlan], blocks: Sequence[tuple[Any, ...]], why: str,
+             keep: Sequence[torch.Tensor] = ()) -> int:
+        """Hold ``memory`` (groups of tensors, each registered by one register call) and ``keep``
+        (held alive only) and the requests until the ``pending`` request handles end; returns the
+        bytes held."""
         groups = [list(g) for g in memory if g]
-        nbytes = sum(t.numel() * t.element_size() for g in groups for t in g)
-        self.held.append(Held(list(pending), groups, list(prepared), list(blocks), nbytes, why))
+        nbytes = sum(t.numel() * t.element_size() for t in [*(t for g in groups for t in g), *keep])
+        self.held.append(Held(list(pending), groups, list(prepared), list(blocks), nbytes, why, list(keep)))
         return nbytes
 
     def sweep(self) -> int:
@@ -85,8 +89,9 @@ class Quarantine:
                 kept.append(held)
                 continue
             release_requests(held.prepared, held.blocks)
-            for group in held.memory:
-                self.nixl.deregister(group)
+            for group in held.memory:  # ended: a failed deregistration only leaves a registration behind
+                with contextlib.suppress(Exception):
+                    self.nixl.deregister(group)
             freed += held.nbytes
         self.held = kept
         return freed

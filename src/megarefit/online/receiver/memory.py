@@ -37,7 +37,7 @@ from megarefit.quant.fp8 import Fp8Format
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
-from megarefit.transport.nixl import DIRECT_MIN_BYTES, NixlTransport
+from megarefit.transport.nixl import DIRECT_MIN_BYTES, NixlTransport, quarantine
 from megarefit.transport.nixl_requests import GatherSizes
 
 
@@ -136,7 +136,9 @@ class ReceiverMemory:
         refusing to pull)."""
         if self.stream is not None:
             return None
-        held = self.transport.quarantine([t for t in self.arenas.values() if self.transport.nixl.registered(t)])
+        registered = [t for t in self.arenas.values() if self.transport.nixl.registered(t)]
+        held = quarantine(self.transport, registered, [t for t in self.arenas.values()
+                                                       if not any(t is r for r in registered)])
         if held is not None:
             self.arenas, self.buffers, self._quantizer = {}, {}, None
         return held

@@ -43,7 +43,7 @@ from megarefit.plan.columns import plan_threads
 from megarefit.transport.execute import run_value_step, torch_dtype
 from megarefit.transport.nic_meter import NicMeter
 from megarefit.transport.nics import NicChoice
-from megarefit.transport.nixl import NixlTransport
+from megarefit.transport.nixl import NixlTransport, refuse_late
 from megarefit.transport.nixl_agent import TransferError
 
 
@@ -135,6 +135,9 @@ class CyclePipeline:
         checked against it (and the checksums' cover), the ranks connected."""
         plan, new = self.plans.plan_for(start.manifests)
         if new or not self.memory.holds:  # release() freed the memory of the current plan: allocate again
+            if self.replica_group is not None and not self._serving:  # replicas must not read the old arena
+                self._bump_replica_seq()
+                self._serving = True
             self.memory.allocate(plan, start.manifests)
             self.delta.forget("a new arena")
         self.plans.check_manifests(plan, start.manifests)
@@ -203,6 +206,7 @@ class CyclePipeline:
         """One attempt: discover, fence, plan, pull into the arena (a delta where the arena holds
         an older version whole and the trainers still keep the way there, else in full),
         re-check (raises StaleVersionError, ``retryable`` where a new attempt can succeed)."""
+        refuse_late(self.transport.late)  # before anything is freed or allocated again: READs still land
         lap = Laps()
         seconds = lap.seconds
         before = self._setup_count()
@@ -275,6 +279,7 @@ class CyclePipeline:
             TransferError: a READ failed and no other rank holds what its rank served (names it).
             MemoryBudgetError: failing over, the new holders' scratch does not fit beside the ring.
             (and what the staged cycle raises before the first tensor)"""
+        refuse_late(self.transport.late)  # a ring or direct tensors late READs still write: never freed
         lap = Laps()
         before = self._setup_count()
         self.failover.readmit()

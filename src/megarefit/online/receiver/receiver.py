@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -81,6 +81,18 @@ def _check_options(memory_budget: int | Literal["auto"] | None, replica_group: s
     if direct and memory_budget is None:
         raise MegarefitError("direct writes need a streamed refit (memory_budget=...): a staged refit leaves "
                              "the consumer's tensors untouched until every byte is fenced")
+
+
+_KEPT_FOR_LATE_READS: list[tuple[object, object]] = []  # closed receivers' memory late READs may write
+
+
+def _closed(heartbeat: Any, transport: NixlTransport, memory: ReceiverMemory) -> None:
+    """Stop the heartbeat. Where READs that timed out may still land (``transport.late``, a
+    quarantine), the transport and memory are kept alive for the process's life: never freed
+    under a READ."""
+    heartbeat.stop()
+    if transport.late or transport.quarantined.held:
+        _KEPT_FOR_LATE_READS.append((transport, memory))
 
 
 class RefitReceiver:
@@ -255,9 +267,9 @@ class RefitReceiver:
         self.rendezvous.acknowledge(self.name, version)
 
     def close(self) -> None:
-        """Stop the heartbeat (trainers drop it once its lease expires); drop a prefetch."""
+        """Stop the heartbeat (trainers drop it once its lease expires); drop a prefetch (:func:`_closed`)."""
         self._prefetch.drop()
-        self._heartbeat.stop()
+        _closed(self._heartbeat, self.transport, self._memory)
 
     def __del__(self) -> None:
         heartbeat = getattr(self, "_heartbeat", None)

@@ -136,7 +136,10 @@ def reregister(pub: Publisher, remapped: bool | Iterable[str] = False,
                                      pub.quantization)
     live = {e.name: e for e in pub.manifest.tensors if e.name in pub.params and e.name not in pub.fp8
             and e.name not in pub.snapshot}
-    moved = {n for n, e in live.items() if pub.params[n].data_ptr() != e.addr} | _named(pub, remapped, live)
+    # a CUDA tensor back at its old address may hold new physical pages (cudaMalloc after a free, a
+    # re-mapping allocator): on a declared move every CUDA tensor is registered and exported again
+    moved = ({n for n, e in live.items() if pub.params[n].data_ptr() != e.addr or pub.params[n].is_cuda}
+             | _named(pub, remapped, live))
     if not moved:
         return MoveStats((), 0, 0, False, time.perf_counter() - t0)
     stale = sorted({live[n].region for n in moved if live[n].region >= 0})
