@@ -59,7 +59,7 @@ def test_demo_passes():
     # in a pipe (no spinner) each long stage is a line before it runs, in order, before the results
     lines = proc.stdout.splitlines()
     stages = [next((i for i, line in enumerate(lines) if line.startswith(f"... {s}")), None)
-              for s in ("config: checking", "trainer: spawning 4 gloo process(es) (tp=2, pp=2, ep=1) that build a "
+              for s in ("trainer: spawning 4 gloo process(es) (tp=2, pp=2, ep=1) that build a "
                         "Megatron-Core GPTModel", "plan: building", "refit: streaming", "check: HF forward")]
     assert None not in stages and stages == sorted(stages), (stages, proc.stdout)
     assert stages[-1] < next(i for i, line in enumerate(lines) if line.startswith("qwen3:")), proc.stdout

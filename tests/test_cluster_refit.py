@@ -97,9 +97,9 @@ def test_a_cycle_takes_about_the_busiest_veths_bytes_over_its_rate(run):
         assert 0.9 * floor_s < s < 3.0 * floor_s, (s, floor_s)  # never faster than the link; loose above
 
 
-def _when_pulling(c, threshold: int = 1 << 20) -> None:
+def _when_pulling(c, threshold: int = 1 << 20, node: str = "r0", key: str = "rx_bytes") -> None:
     t0 = time.monotonic()
-    while c["r0"].counters()["rx_bytes"] < threshold:
+    while c[node].counters()[key] < threshold:
         assert time.monotonic() - t0 < 180, "the receivers never started pulling"
         time.sleep(0.02)
 
@@ -120,13 +120,15 @@ def _fails_within(fault, receiver_timeout: float = 15.0) -> tuple[str, float]:
 
 
 def _fails_over(fault):
-    """Every copy serving, ``fault`` on copy 1 of tp rank 0 (node t2) mid-pull: the run completes."""
-    def during(c, groups):
-        _when_pulling(c)
+    """Every copy serving, ``fault`` on copy 1 of tp rank 0 (node t2, at 5 Mbit: its share takes
+    ~6 s) once t2 has sent 256 KiB more after the receivers started: mid-pull of its share, whatever the poll's delay. The run
+    completes."""
+    def during(c, groups):  # the receivers just started: t2's bytes from here on are theirs
+        _when_pulling(c, c["t2"].counters()["tx_bytes"] + (1 << 18), node="t2", key="tx_bytes")
         fault(c, groups)
 
     return refit_on_cluster(dp=DP, tp=TP, receivers=2, versions=1, rate_mbit=15.0, receiver_timeout=10.0,
-                            during=during, trainers_may_die=True)
+                            rates={"t2": 5.0}, during=during, trainers_may_die=True)
 
 
 def test_a_link_down_mid_pull_fails_over_and_completes_exact():

@@ -201,7 +201,7 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
                  expert_layout: str = "sequential", shrink: bool = True,
                  status: Callable[[str], None] = lambda _: None) -> DemoSetup:
     """Load (and shrink) ``config`` and check everything the demo needs before any process starts
-    (``status``: told so first, as :func:`run_demo`'s stages).
+    (``status``: unused here, kept for callers; the check is quick, and a refusal stays one line).
 
     Raises:
         MegarefitError: the config, layout or expert layout is unsupported, the model would not
@@ -211,7 +211,6 @@ def prepare_demo(config: Any = None, *, tp: int = 2, pp: int = 1, ep: int = 1, e
     from megarefit.demo.shrink import shrink_config
     from megarefit.demo.trainer_jobs import check_buildable, is_hybrid
 
-    status("config: checking the config, the layout and what this install can build")
     cfg = dict(load_hf_config(config)) if config is not None else default_config()
     check_demo_family(cfg)
     notes: list[str] = []
