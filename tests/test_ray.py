@@ -28,7 +28,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ pytest.importorskip("megatron.core")
 
 import ray_jobs  # noqa: E402
 from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
-from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
+from vllm_helpers import PROMPTS, completions, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
 
 from megarefit.demo.trainer_jobs import TrainerCase  # noqa: E402
 from megarefit.errors import MegarefitError  # noqa: E402
@@ -85,19 +84,6 @@ def cluster():
                 os.environ[k] = v
 
 
-def _completions(base: str, model: str) -> list[tuple[list[int], list[float]]]:
-    out = []
-    for prompt in PROMPTS:
-        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
-                "return_token_ids": True, "ignore_eos": True}
-        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            choice = json.loads(response.read())["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-    return out
-
-
 @pytest.fixture(scope="module")
 def refitted(cluster, tmp_path_factory):
     cfg, job = e2e_config(), "ray-e2e"
@@ -117,14 +103,14 @@ def refitted(cluster, tmp_path_factory):
     try:
         base = ray.get(server.start.remote(str(ckpt), secret, log), timeout=360)
         out["started_s"] = time.perf_counter() - t0
-        out["initial"] = _completions(base, str(ckpt))
+        out["initial"] = completions(base, str(ckpt))
         refit = VllmHttpRefit(base)
         refit.init(**address.init_info(), timeout=120.0)
         for v in range(1, VERSIONS + 1):
             refit.refit(v)
             out["stats"][v] = refit.stats
             out["versions"][v] = refit.weight_version()
-            out[v] = _completions(base, str(ckpt))
+            out[v] = completions(base, str(ckpt))
             out["acked"][v] = ray.get(rdzv.wait_receivers.remote(v, 60.0), timeout=90)
             ray.get(rdzv.mark_consumed.remote(v))
         out["trainers"] = ray.get(runs, timeout=120)

@@ -43,10 +43,19 @@ pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
 from reference import hf_checkpoint_state, reference_shards, unshard  # noqa: E402
-from vllm_helpers import MAX_TOKENS, PROMPTS, e2e_config, hf_generate, initial_checkpoint, same_generation  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    PROMPTS,
+    completions,
+    e2e_config,
+    hf_generate,
+    initial_checkpoint,
+    same_generation,
+    stop_server,
+    wait_healthy,
+)
 
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
-from megarefit.demo.workers import start_workers  # noqa: E402
+from megarefit.demo.workers import free_port, start_workers  # noqa: E402
 from megarefit.integrations.hf import save_checkpoint  # noqa: E402
 from megarefit.integrations.vllm_http import (  # noqa: E402
     ABANDONED,
@@ -60,26 +69,6 @@ from megarefit.integrations.vllm_stall import StallProbe  # noqa: E402
 from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
 
 pytestmark = pytest.mark.megatron
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _completions(base: str, model: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy ``/v1/completions`` of every prompt (token ids in, token ids and logprobs out)."""
-    out = []
-    for prompt in PROMPTS:
-        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
-                "return_token_ids": True, "ignore_eos": True}
-        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            choice = json.loads(response.read())["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-    return out
 
 
 def _is_paused(base: str) -> bool:
@@ -159,7 +148,7 @@ def _restarted_controller(base: str, model: str, rdzv, init_info: dict) -> dict:
     out["recovered"], out["label"] = restarted.recovered, restarted.weight_version()
     out["acked"] = {rid: rdzv.acked(rid) for rid in rdzv.receivers()}
     assert _post(base, "resume")[0] == 200
-    out["served"] = _completions(base, model)
+    out["served"] = completions(base, model)
     return out
 
 
@@ -235,30 +224,6 @@ def _prefetched_refits(base, refit_to, rdzv, out, init) -> None:
         out["probe3"] = [t - t0 for t in probe.arrivals]
 
 
-def _wait_healthy(base: str, server: subprocess.Popen, log, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            log.seek(0)
-            raise AssertionError("vLLM server exited:\n" + log.read()[-4000:])
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"vLLM server not healthy after {timeout} s")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    """Terminate the server, killing it if it has not exited after 60 s."""
-    server.terminate()
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     cfg = e2e_config()
@@ -270,7 +235,7 @@ def served(tmp_path_factory):
     trainers = start_workers(serving_trainer_job, world_size=2,
                              args=(TrainerCase(job, cfg, 2, 1, torch.tensor([PROMPTS[0]])),
                                    ("127.0.0.1", rdzv.port, job), 5, 0.01, str(snapdir)))
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     flag = tmp_path_factory.mktemp("fault") / "fault"
     fault_dir = str(Path(__file__).with_name("vllm_fault"))
@@ -284,17 +249,17 @@ def served(tmp_path_factory):
                                json.dumps({"backend": "megarefit"})], env=env, stdout=log, stderr=subprocess.STDOUT)
     out: dict = {"versions": {}, "acked": {}, "seconds": {}, "stats": {}}
     try:
-        _wait_healthy(base, server, log)
+        wait_healthy(base, server, log)
         model = str(ckpt)
-        out["initial"] = _completions(base, model)
-        out["initial_again"] = _completions(base, model)  # these prefixes are now in the prefix cache
+        out["initial"] = completions(base, model)
+        out["initial_again"] = completions(base, model)  # these prefixes are now in the prefix cache
         refit = VllmHttpRefit(base, mode="abort")
 
         def refit_to(v: int, controller: VllmHttpRefit = refit, probe=None, consumed: bool = True) -> None:
             out["seconds"][v] = controller.refit(v, probe=probe)
             out["stats"][v] = controller.stats
             out["versions"][v] = refit.weight_version()
-            out[v] = _completions(base, model)
+            out[v] = completions(base, model)
             out["acked"][v] = rdzv.wait_receivers(v, timeout=60)
             if consumed:
                 rdzv.mark_consumed(v)
@@ -307,7 +272,7 @@ def served(tmp_path_factory):
         rdzv.mark_consumed(3)
         refit.init("127.0.0.1", rdzv.port, job, timeout=120.0, sharded=True, keep_previous="auto")
         out["fault_kept"] = _faulty(refit, 4, flag)
-        out["after_fault_kept"] = _completions(base, model)  # resumed: serves version 3
+        out["after_fault_kept"] = completions(base, model)  # resumed: serves version 3
         out["died"] = _controller_dies_mid_refit(base, 4)  # its update of version 4 completes in the server
         # keep_previous=0 (the default); direct: once an update completed, modules vLLM leaves byte for byte are copied
         out["restarted"] = _restarted_controller(base, model, rdzv, {"host": "127.0.0.1", "port": rdzv.port,
@@ -326,7 +291,7 @@ def served(tmp_path_factory):
             refit.refit(6, timeout=2.0)  # the trainers stop after version 5: never published
         except RefitHTTPError as exc:
             out["error"] = exc
-        out["after_error"] = _completions(base, model)
+        out["after_error"] = completions(base, model)
         out["version_after_error"] = refit.weight_version()
         trainers.join(timeout=120)
     finally:

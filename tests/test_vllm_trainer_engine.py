@@ -35,11 +35,19 @@ pytest.importorskip("nixl")
 pytest.importorskip("megatron.core")
 
 from reference import hf_checkpoint_state, reference_shards, unshard
-from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
-from vllm_helpers import e2e_config, hf_generate, initial_checkpoint, same_generation, vllm_generate
+from vllm_helpers import (
+    completions,
+    e2e_config,
+    hf_generate,
+    initial_checkpoint,
+    same_generation,
+    stop_server,
+    vllm_generate,
+    wait_healthy,
+)
 from vllm_trainer_jobs import engine_trainer_job
 
-from megarefit.demo.workers import start_workers
+from megarefit.demo.workers import free_port, start_workers
 from megarefit.integrations.hf import save_checkpoint
 from megarefit.online.store.rendezvous import Rendezvous
 
@@ -105,7 +113,7 @@ def over_http(tmp_path_factory):
     rdzv = Rendezvous.serve(job=job)
     ckpt, snapdir = tmp_path_factory.mktemp("initial-http"), tmp_path_factory.mktemp("snapshots-http")
     initial_checkpoint(ckpt, cfg)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115 - closed below
@@ -114,8 +122,8 @@ def over_http(tmp_path_factory):
                                "--max-model-len", "128", "--weight-transfer-config",
                                json.dumps({"backend": "megarefit"})], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(base, server, log)  # vLLM's HTTP client does not retry a refused connection
-        initial = _completions(base, str(ckpt))
+        wait_healthy(base, server, log)  # vLLM's HTTP client does not retry a refused connection
+        initial = completions(base, str(ckpt))
         trainers = start_workers(engine_trainer_job, world_size=2, start_method="spawn",
                                  args=(cfg, ("127.0.0.1", rdzv.port, job), ("http", base), VERSIONS, str(snapdir),
                                        {"sharded": True}, True))
@@ -126,7 +134,7 @@ def over_http(tmp_path_factory):
                 trainers.check()  # a trainer's error, now
                 assert time.monotonic() < deadline, f"version {v} never served"
                 time.sleep(0.05)
-            out[v], out["labels"][v] = _completions(base, str(ckpt)), _weight_info(base)
+            out[v], out["labels"][v] = completions(base, str(ckpt)), _weight_info(base)
             rdzv.mark_consumed(v)  # the trainers step to the next version
         out["trainers"] = trainers.join(timeout=300)
     finally:

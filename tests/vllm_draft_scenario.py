@@ -139,10 +139,10 @@ def main_http(work: Path) -> dict:
     import subprocess
 
     from conftest import hf_model_from
-    from test_vllm_http import _completions, _free_port, _wait_healthy, stop_server
-    from vllm_helpers import bpe_tokenizer, hf_generate
+    from vllm_helpers import bpe_tokenizer, completions, hf_generate, stop_server, wait_healthy
 
     import megarefit
+    from megarefit.demo.workers import free_port
     from megarefit.integrations.hf import save_checkpoint
     from megarefit.integrations.vllm_http import VllmHttpRefit
     from megarefit.layout.megatron_model import source_layout
@@ -160,7 +160,7 @@ def main_http(work: Path) -> dict:
     pubs = [Publisher({k: t.clone() for k, t in params[r].items()}, cfg, rank=r,
                       layout=source_layout(cfg, tp=2, pp=1, mtp_layers=1), rendezvous=rdzv,
                       agent_name=f"{job}-trainer-{r[0]}") for r in sorted(params)]
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     out: dict = {}
@@ -172,7 +172,7 @@ def main_http(work: Path) -> dict:
                                    "--weight-transfer-config", json.dumps({"backend": "megarefit"})],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(base, server, log)
+            wait_healthy(base, server, log)
             for p in pubs:
                 p.publish(1)
             refit = VllmHttpRefit(base)
@@ -180,7 +180,7 @@ def main_http(work: Path) -> dict:
             out["seconds"] = refit.refit(1, draft=True)
             out["version"] = refit.weight_version()
             out["acks"] = sorted(pubs[0].wait_receivers(1, timeout=60).values())
-            out["vllm"] = _completions(base, str(work / "ckpt"))
+            out["vllm"] = completions(base, str(work / "ckpt"))
         finally:
             stop_server(server)
     hf = {k: v for k, v in states[1].items() if not k.startswith(f"model.layers.{n}.")}

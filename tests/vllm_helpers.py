@@ -118,3 +118,52 @@ def initial_checkpoint(directory, cfg: dict):
     model = build_hf_model(cfg)
     save_checkpoint(directory, cfg, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
     return tokenizer, model
+
+
+def completions(base: str, model: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy ``/v1/completions`` of every prompt of a vLLM server at ``base`` (token ids in,
+    token ids and logprobs out)."""
+    import json
+    import urllib.request
+
+    out = []
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True}
+        request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choice = json.loads(response.read())["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out
+
+
+def wait_healthy(base: str, server, log, timeout: float = 300.0) -> None:
+    """Until the vLLM server at ``base`` answers ``/health`` (``server``: its Popen, ``log``: its
+    output file, shown when it exits first)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            raise AssertionError("vLLM server exited:\n" + log.read()[-4000:])
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"vLLM server not healthy after {timeout} s")
+
+
+def stop_server(server) -> None:
+    """Terminate the server, killing it if it has not exited after 60 s."""
+    import subprocess
+
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()

@@ -31,7 +31,7 @@ import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -86,21 +86,30 @@ _RELOAD_API = {
 }
 
 
+def vllm_api(table: Mapping[str, Sequence[str]], why: str) -> SimpleNamespace:
+    """The names ``table`` lists (``{vLLM module: names}``), imported from the installed vLLM.
+
+    Raises:
+        VllmVersionError: a module or name is absent, naming vLLM's version, the module or name,
+            ``why`` megarefit reads it and the tested versions (:func:`vllm_internal`)."""
+    out = {}
+    for module_name, names in table.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise VllmVersionError(f"vLLM {vllm_version()} has no module {module_name} ({exc}; megarefit reads it "
+                                   f"{why}; tested with vllm{TESTED_VLLM})") from exc
+        for name in names:
+            out[name] = vllm_internal(module, name, why, module_name)
+    return SimpleNamespace(**out)
+
+
 def reload_api() -> SimpleNamespace:
     """vLLM's layerwise-reload functions and tables megarefit installs through, by name.
 
     Raises:
-        VllmVersionError: a module or name is absent (see :func:`vllm_internal`)."""
-    out = {}
-    for module_name, names in _RELOAD_API.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise VllmVersionError(f"vLLM {vllm_version()} has no module {module_name} (megarefit installs weights "
-                                   f"through its layerwise reload; tested with vllm{TESTED_VLLM})") from exc
-        for name in names:
-            out[name] = vllm_internal(module, name, "to install weights through vLLM's layerwise reload", module_name)
-    return SimpleNamespace(**out)
+        VllmVersionError: a module or name is absent (:func:`vllm_api`)."""
+    return vllm_api(_RELOAD_API, "to install weights through vLLM's layerwise reload")
 
 
 def _shard_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import time
 from collections.abc import Iterator
@@ -52,7 +51,7 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.integrations.vllm import ENGINE_NAME, MegarefitInitInfo
-from megarefit.integrations.vllm_install import TESTED_VLLM, VllmVersionError, vllm_internal, vllm_version
+from megarefit.integrations.vllm_install import vllm_api, vllm_internal
 from megarefit.layout.dims import ModelDims, load_hf_config
 from megarefit.layout.megatron_model import read_chunks
 from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
@@ -81,23 +80,13 @@ class SendError(MegarefitError, RuntimeError):
 
 @functools.cache
 def trainer_api() -> SimpleNamespace:
-    """vLLM's trainer-side weight-transfer API (:data:`TRAINER_API`), checked once.
+    """vLLM's trainer-side weight-transfer API (:data:`TRAINER_API`).
 
     Raises:
         VllmVersionError: a module or name is missing from the installed vLLM (before 0.32 there
-            is no trainer factory), naming vLLM's version and the tested ones."""
-    out = {}
-    for module_name, names in TRAINER_API.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise VllmVersionError(f"vLLM {vllm_version()}: no {module_name} ({exc}); megarefit's trainer-side "
-                                   f"engine plugs into vLLM's trainer factory there (tested with vllm{TESTED_VLLM})"
-                                   ) from exc
-        for name in names:
-            out[name] = vllm_internal(module, name, "to register megarefit's trainer-side weight-transfer engine",
-                                      module_name)
-    return SimpleNamespace(**out)
+            is no trainer factory), naming vLLM's version and the tested ones (:func:`vllm_api`)."""
+    return vllm_api(TRAINER_API, "to register megarefit's trainer-side weight-transfer engine with vLLM's trainer "
+                                 "factory")
 
 
 def _refuse(field: str, value: Any, need: str) -> None:
