@@ -20,17 +20,17 @@ import torch
 
 pytest.importorskip("nixl")
 
-from conftest import tiny_config  # noqa: E402
-from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
+from conftest import tiny_config
+from reference import reference_hf_state, reference_shards, unshard
 
-from megarefit.errors import MegarefitError  # noqa: E402
-from megarefit.layout import RankCoord  # noqa: E402
-from megarefit.layout.megatron_model import source_layout  # noqa: E402
-from megarefit.online import RefitReceiver  # noqa: E402
-from megarefit.online.delta.log import BITS, DeltaOptions  # noqa: E402
-from megarefit.online.delta.track import ChangeTracker  # noqa: E402
-from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
-from megarefit.online.trainer.publisher import Publisher  # noqa: E402
+from megarefit.errors import MegarefitError
+from megarefit.layout import RankCoord
+from megarefit.layout.megatron_model import source_layout
+from megarefit.online import RefitReceiver
+from megarefit.online.delta.log import BITS, DeltaOptions
+from megarefit.online.delta.track import ChangeTracker
+from megarefit.online.store.rendezvous import Rendezvous
+from megarefit.online.trainer.publisher import Publisher
 
 QWEN = tiny_config("Qwen3-0.6B", tie_word_embeddings=False)
 _JOBS = itertools.count()
@@ -137,3 +137,90 @@ def test_a_moved_rank_refits_as_a_delta_and_only_its_requests_are_prepared_again
         rx.close()
         full.close()
     del hold
+
+
+@pytest.mark.megatron
+def test_megatron_tracked_delta_publisher_follows_verl_offload():
+    """Real Megatron-Core (2 data-parallel processes, gloo, bf16 Adam, ``DistributedOptimizer``,
+    its changes tracked by ``track_changes``; rank 0 serves every tensor from the tracker, no
+    mirror): versions 3 and 4 follow verl's offload of every DDP parameter buffer (storage resized
+    to 0, re-allocated elsewhere, refilled), declared with ``pub.moving()``, and a real step. Each
+    version's delta receiver cycle after the first is a delta, its bytes equal the trainer's
+    weights through the reference sharder and a full receiver's pull, bit for bit; every publish
+    recorded a delta (the tracker re-indexed the moved parameters, their marks kept)."""
+    pytest.importorskip("megatron.core")
+    from moved_jobs import moved_delta_job
+
+    from megarefit.demo.workers import start_workers
+
+    job = "moved-delta-megatron"
+    cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=2, tie_word_embeddings=False)
+    moves = [False, True, True]
+    rdzv = Rendezvous.serve(job=job)
+    workers = start_workers(moved_delta_job, world_size=2, args=(rdzv.port, job, cfg, moves))
+    rx = RefitReceiver(rdzv, name=f"{job}-delta", timeout=120)
+    rx.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9)
+    rx.delta_model.learn = False
+    full = RefitReceiver(rdzv, name=f"{job}-full", timeout=120, delta=False)
+    pulls, kinds = {}, []
+    try:
+        for v in range(1, len(moves) + 2):
+            pulls[v] = {n: t.clone() for n, t in rx.run_refit_cycle(v)}
+            kinds.append((rx.stats.refit, rx.stats.delta_reason, rx.stats.bytes_moved))
+            want = dict(full.run_refit_cycle(v))
+            assert all(torch.equal(pulls[v][n].view(torch.uint8), want[n].view(torch.uint8)) for n in want), v
+            rdzv.store.set(f"{rdzv.prefix}pulled/{v}", "1")
+    except Exception:
+        for v in range(1, len(moves) + 2):
+            rdzv.store.set(f"{rdzv.prefix}pulled/{v}", "1")
+        workers.join(timeout=60)  # a trainer's failure, if there is one, is what to report
+        raise
+    else:
+        results = workers.join(timeout=300)
+    finally:
+        rx.close()
+        full.close()
+    first = next(r for r in results if r["rank"] == 0)
+    for v, got in pulls.items():
+        want = _oracle({(0, 0, 0): first["params"][v]}, got, cfg, tp=1)
+        differ = [n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))]
+        assert differ == [], f"v{v}: {len(differ)} tensors differ from the trainer's weights, e.g. {differ[:3]}"
+    assert kinds[0][0] == "full" and all(k == "delta" for k, *_ in kinds[1:]), kinds
+    assert first["tracked"][0] == first["tracked"][1] > 0  # every served tensor from the tracker
+    assert all(recorded and changed for recorded, changed, _ in first["deltas"]), first["deltas"]
+    for addresses in first["addresses"]:
+        assert addresses and all(old != new for old, new in addresses), addresses
+    assert all(moved == served and republished for moved, served, republished in first["moves"]), first["moves"]
+
+
+def test_a_move_the_tracker_cannot_follow_is_refused_naming_rank_tensor_and_fix():
+    """Publishers whose changes come from a tracker (every tensor watched, written through
+    ``tracker.copy_``): a move that hands the Publisher new tensor objects the optimizer does not
+    write (``params=`` clones) is refused, naming the rank, a tensor and the fix; nothing changed
+    (the Publisher still serves its tensors, same manifest), the rank stays marked writing until
+    the tensors are back and the next version refits as a delta, exactly."""
+    job = f"moved-delta-refused-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    tracker = ChangeTracker()
+    pubs = _publishers(job, rdzv, tracker)
+    rx = _delta_receiver(rdzv, f"{job}-rx")
+    try:
+        _publish(pubs, 1)
+        _pull_and_check(rx, pubs, 1)
+        pub = pubs[0]
+        assert pub.delta.tracked == len(pub.delta.served)
+        served, manifest = list(pub.delta.served), pub.manifest
+        with pytest.raises(MegarefitError) as err:
+            pub.params_moved(params={n: t.clone() for n, t in pub.params.items()})
+        msg = str(err.value)
+        assert "rank (0, 0, 0)" in msg and "no longer tracks" in msg and "track_changes()" in msg, msg
+        assert any(n in msg for n in pub.params), msg
+        assert pub.manifest is manifest and all(a is b for a, b in zip(pub.delta.served, served))
+        assert pub.writing
+        for p in pubs:
+            _change(p.params, seed=5, write=lambda t, new: tracker.copy_(t, new))
+        _publish(pubs, 2)
+        _pull_and_check(rx, pubs, 2)
+        assert rx.stats.refit == "delta", rx.stats.delta_reason
+    finally:
+        rx.close()
