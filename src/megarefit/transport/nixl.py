@@ -5,7 +5,8 @@ transfer request: a remote descriptor list (each op's source run inside the
 trainer's registered tensor) and a local one (the op's destination run in the
 receiver's registered arena, or a scratch slot for strided targets). Requests
 are prepared once and re-posted on every warm cycle; nothing is registered or
-prepared again until a source re-registers its memory or the layout changes.
+prepared again until a source re-registers its memory (then only that source's requests:
+``RequestBuilder.rebuild``) or the layout changes.
 
 ::
 

@@ -25,7 +25,8 @@ after it) and :func:`reregister` then, on that rank only:
 Ranks that did not move publish nothing. Receivers see the new generation in their fence (the
 copy's fence record no longer holds: its write marker moved), re-read that rank's manifest and
 re-load its NIXL metadata only, keep their plans, arenas and scratch (the plan key has no
-addresses) and prepare their READ requests against the new addresses. Buffers a Publisher owns
+addresses) and prepare the moved ranks' READ requests again against the new addresses, the other
+ranks' kept (:meth:`RequestBuilder.rebuild <megarefit.transport.nixl_requests.RequestBuilder.rebuild>`). Buffers a Publisher owns
 (FP8 weights and scales, snapshot copies, checksums) never move: with ``snapshot=True`` or FP8
 shards only, nothing is republished.
 
