@@ -105,10 +105,10 @@ def print_table(r: dict) -> None:
     print("| cycle | what happens | ranks prepared again | seconds | x warm |")
     print("|---|---|---|---:|---:|")
     rows = [("warm", "no move: fence records, READs re-posted"),
-            ("moved", "after a declared verl offload of both ranks: their manifests and NIXL metadata re-read, "
-                      "their READs prepared again"),
-            ("moved1", "after a declared verl offload of rank 0 only: its manifest and metadata re-read, its READs "
-                       "prepared again, rank 1's kept"),
+            ("moved", ("after a declared verl offload of both ranks: their manifests and NIXL metadata re-read, "
+                       "their READs prepared again")),
+            ("moved1", ("after a declared verl offload of rank 0 only: its manifest and metadata re-read, its READs "
+                        "prepared again, rank 1's kept")),
             ("cold", "a new receiver's first: discover, plan, allocate, register, prepare")]
     warm = c["warm"]["median"]
     for key, what in rows:
