@@ -89,3 +89,69 @@ def moved_trainer_job(rank: int, world_size: int, port: int, rdzv_port: int, job
     time.sleep(0.1)
     return out
 
+
+
+def _train_step(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:
+    """One real step: next-token loss on a random batch, backward, Megatron's gradient sync and
+    optimizer step (the optimizer on CPU)."""
+    from megarefit.demo.megatron_cpu import optimizer_on_cpu
+
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 9), generator=g)
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1)[None, None]
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(tokens[:, :-1], torch.arange(8)[None].expand(2, 8), attention_mask=mask,
+        labels=tokens[:, 1:]).float().mean().backward()
+    with optimizer_on_cpu():
+        ddp.finish_grad_sync()
+        opt.step()
+
+
+def moved_delta_job(rank: int, world_size: int, port: int, rdzv_port: int, job: str, cfg: dict,
+                    moves: list[bool]) -> dict[str, Any]:
+    """Data-parallel rank ``rank`` of 2 (tp 1) trains the demo GPT in bf16 with Megatron's
+    ``DistributedOptimizer``, its changes tracked by ``track_changes`` on both ranks; rank 0
+    serves it with ``delta=`` and the tracker (no mirror). Version 1 as built; then per entry of
+    ``moves`` (``True``: verl's offload of every DDP parameter buffer, declared with
+    ``pub.moving()``, on both ranks as verl offloads them) a real step and the next version's
+    publish, after the test's ``pulled/<v>``. Returns rank 0's parameters per version, each
+    publish's ``last_delta``, each move's (old, new) buffer addresses and ``MoveStats``, and how
+    many served tensors the tracker covers."""
+    from megarefit.demo.megatron_cpu import bf16_adam_trainer, init_parallel
+    from megarefit.demo.offload import offload_like_verl
+    from megarefit.integrations.megatron import refit_tensors
+    from megarefit.online.delta.log import DeltaOptions
+    from megarefit.online.delta.track import track_changes
+    from megarefit.online.store.rendezvous import Rendezvous
+    from megarefit.online.trainer.publisher import Publisher
+
+    torch.set_num_threads(1)
+    init_parallel(rank=rank, world_size=world_size, master_port=port, tp=1, pp=1)
+    g = torch.Generator().manual_seed(rank)
+    model, ddp, opt = bf16_adam_trainer(cfg, lr=1e-6)
+    tracker = track_changes(opt)
+    params = refit_tensors(model)
+    rdzv = Rendezvous.connect("127.0.0.1", rdzv_port, job=job)
+    group = Publisher.from_megatron(ddp, cfg, rendezvous=rdzv, agent_name=f"{job}-trainer", serve_copies=False,
+                                    delta=DeltaOptions(keep=2, capacity=1.0), tracker=tracker)
+    pub = group if isinstance(group, Publisher) else next(iter(group), None)
+    out: dict[str, Any] = {"rank": rank, "params": {}, "deltas": [], "addresses": [], "moves": [],
+                           "tracked": None if pub is None else (pub.delta.tracked, len(pub.delta.served))}
+    group.publish(1)
+    for version, move in enumerate(moves, start=2):
+        out["params"][version - 1] = {n: p.detach().clone() for n, p in params.items()}
+        rdzv.store.wait([f"{rdzv.prefix}pulled/{version - 1}"], 120.0)
+        if move:
+            with group.moving(), offload_like_verl(ddp) as addresses:
+                pass
+            out["addresses"].append(addresses)
+            if pub is not None:
+                out["moves"].append((len(pub.last_move.moved), len(pub.manifest.tensors), pub.last_move.republished))
+        _train_step(ddp, opt, cfg, g)
+        group.publish(version)
+        if pub is not None:
+            out["deltas"].append((pub.last_delta.recorded, pub.last_delta.changed, pub.last_delta.elements))
+    out["params"][len(moves) + 1] = {n: p.detach().clone() for n, p in params.items()}
+    rdzv.store.wait([f"{rdzv.prefix}pulled/{len(moves) + 1}"], 120.0)
+    torch.distributed.barrier()
+    return out

@@ -158,6 +158,13 @@ class Manifest:
         return digest_of(self.agent, [(t.name, t.addr, t.nbytes, t.mem, t.dev) for t in self.tensors], self.checksums,
                          [asdict(s) for s in self.ipc])
 
+    @cached_property
+    def entries_digest(self) -> str:
+        """Digest of what a delta record's segments index (agent; each entry's name, role, dtype,
+        shapes and bytes, in order), not addresses: unchanged by a declared parameter move."""
+        return digest_of(self.agent, [(t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.nbytes)
+                                      for t in self.tensors])
+
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
 

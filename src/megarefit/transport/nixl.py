@@ -5,7 +5,8 @@ transfer request: a remote descriptor list (each op's source run inside the
 trainer's registered tensor) and a local one (the op's destination run in the
 receiver's registered arena, or a scratch slot for strided targets). Requests
 are prepared once and re-posted on every warm cycle; nothing is registered or
-prepared again until a source re-registers its memory or the layout changes.
+prepared again until a source re-registers its memory (then only that source's requests:
+``RequestBuilder.rebuild``) or the layout changes.
 
 ::
 
@@ -58,6 +59,7 @@ from megarefit.transport.nixl_requests import (
     SourcePulls,
     pull_error,
     post_read,
+    release_stale,
     release_requests,
 )
 
@@ -188,6 +190,11 @@ class NixlTransport:
         return self._scratch_memory.allocated
 
     @property
+    def rank_prepares(self) -> Counter[RankCoord]:
+        """Per trainer rank, how many times its READ requests were prepared (once per plan each time)."""
+        return self._builder.rank_prepares
+
+    @property
     def prepared(self) -> list[PreparedPlan]:
         """The prepared plans of the last :meth:`prepare` / :meth:`prepare_groups` (empty before)."""
         return next(iter(self._prepared.values()), [])
@@ -212,8 +219,10 @@ class NixlTransport:
             name = manifests[rank].agent
             if rank in local or not blob or self._remotes.get(name) == blob:
                 continue
-            if name in self._remotes:
-                self._release_prepared()
+            if name in self._remotes:  # only its requests go (prepare_groups makes them again)
+                release_stale(p for group in self._prepared.values() for plan in group for p in plan.per_source
+                              if p.agent == name)
+                release_requests((), [self._blocks.pop(k) for k in [k for k in self._blocks if k[0] == name]])
                 self.nixl.agent.remove_remote_agent(name)
                 del self._remotes[name]
             added = _add_remote(self.nixl, rank, name, blob)
@@ -309,6 +318,10 @@ class NixlTransport:
         every = [t for b in buffers for t in b.values()]
         if remote:
             self.nixl.register(every)
+        old = next(iter(self._prepared.values()), None)  # a declared move: only the moved ranks' again
+        if old is not None and self._builder.rebuild(key, old, plans, buffers, manifests, local, every):
+            self._prepared = {key: old}
+            return old
         out = self._builder.build(key, plans, buffers, manifests, remote, local, every)
         if local:
             assert self.ipc is not None

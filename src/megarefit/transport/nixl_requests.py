@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -73,6 +74,7 @@ class SourcePulls:
     scratch_bytes: int = 0  # this rank's scratch (one or two halves)
     remote: list[tuple[int, int]] = field(default_factory=list)  # every descriptor's remote (address, bytes)
     dlists: tuple[Any, ...] = ()
+    stale: bool = False  # released (its source's NIXL metadata was replaced): prepared again before a READ
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -220,6 +222,16 @@ def release_requests(prepared: Iterable[PreparedPlan], blocks: Iterable[tuple[An
                 handle.release()
 
 
+def release_stale(pulls: Iterable[SourcePulls]) -> None:
+    """Release the requests and descriptor lists of ``pulls`` (their source's metadata is about to
+    be replaced) and mark them stale: :meth:`RequestBuilder.rebuild` prepares them again."""
+    for p in pulls:
+        release_requests([PreparedPlan((), [p])], ())
+        p.handle, p.dlists, p.stale = None, (), True
+        for w in p.waves:
+            w.handle = None
+
+
 def _half(cap: int, piece: int) -> int:
     """Bytes of one scratch half whose waves are packed to ``cap`` bytes, when no gathered piece
     is larger than ``piece`` (a run is at most ``max(cap, piece)`` bytes, placed up to 15 bytes
@@ -340,6 +352,15 @@ class RequestBuilder:
     def __init__(self, nixl: NixlAgent, scratch: Scratch, settings: PullSettings,
                  remote_name: Callable[[Manifest], str]):
         self.nixl, self.scratch, self.settings, self.remote_name = nixl, scratch, settings, remote_name
+        self.rank_prepares: Counter[RankCoord] = Counter()  # per source rank: its requests prepared (per plan)
+        self._built: tuple | None = None  # what the last build was for (rebuild checks it)
+        self._memory: dict[RankCoord, str] = {}  # each remote rank's memory digest at the last (re)build
+
+    def _built_for(self, plans: Iterable[Plan], every: list[torch.Tensor], skip: frozenset[RankCoord]) -> tuple:
+        s = self.settings
+        return (tuple(p.digest for p in plans), tuple((t.data_ptr(), t.nbytes) for t in every), skip,
+                (s.direct_min_bytes, s.max_direct, s.gap_bytes, s.scratch_budget),
+                None if self.scratch.tensor is None else (id(self.scratch.tensor), self.scratch.tensor.data_ptr()))
 
     def build(self, key: tuple[str, ...], plans: Iterable[Plan], buffers: Iterable[Mapping[TensorRef, torch.Tensor]],
               manifests: Mapping[RankCoord, Manifest], remote: Mapping[RankCoord, Manifest],
@@ -363,7 +384,10 @@ class RequestBuilder:
             need = max(need, scratch_bytes)
         self.scratch.ensure(need, device, (lmem, ldev), bool(every))
         # pass 2: descriptor lists, requests and the placement of each wave
-        return [self.prepare_plan(key, *one, manifests, lmem, ldev) for one in passes]
+        out = [self.prepare_plan(key, *one, manifests, lmem, ldev) for one in passes]
+        self._built = self._built_for(plans, every, skip)
+        self._memory = {r: m.memory_digest for r, m in remote.items()}
+        return out
 
     def prepare_plan(self, key: tuple[str, ...], plan: Plan, buffers: Mapping[TensorRef, torch.Tensor],
                        by_rank: dict[RankCoord, SourcePulls], layouts: dict[RankCoord, RankLayout],
@@ -418,16 +442,16 @@ class RequestBuilder:
             pieces.append(Piece(e.region, e.addr + first * op.itemsize, (stop - first) * op.itemsize, i))
         return RankLayout(direct, gathered, pieces, rdev)
 
-    def waves_per_rank(self, layouts: Mapping[RankCoord, RankLayout], buffers: Mapping[TensorRef, torch.Tensor]
-                    ) -> tuple[dict[RankCoord, tuple[list, int]], int]:
+    def waves_per_rank(self, layouts: Mapping[RankCoord, RankLayout], buffers: Mapping[TensorRef, torch.Tensor],
+                       sharing: int | None = None) -> tuple[dict[RankCoord, tuple[list, int]], int]:
         """(rank -> (gathered waves, scratch half size), total scratch bytes): the scratch budget is
-        shared by the ranks that gather; a rank whose runs do not fit its share reads them in
-        waves through two halves."""
+        shared by the ranks that gather (``sharing``: how many, where ``layouts`` are some of
+        them); a rank whose runs do not fit its share reads them in waves through two halves."""
         budget = self.settings.scratch_budget
         if budget is None:
             total = sum(b.numel() * b.element_size() for b in buffers.values())
             budget = max(SCRATCH_MIN_BYTES, int(SCRATCH_FRACTION * total))
-        share = budget // max(1, sum(1 for v in layouts.values() if v.pieces))
+        share = budget // max(1, sum(1 for v in layouts.values() if v.pieces) if sharing is None else sharing)
         waves_of: dict[RankCoord, tuple[list, int]] = {}  # rank -> (waves, half size)
         scratch_bytes = 0
         for rank, layout in layouts.items():
@@ -439,6 +463,69 @@ class RequestBuilder:
             waves_of[rank] = (waves, half)
             scratch_bytes += half * min(2, len(waves))
         return waves_of, scratch_bytes
+
+    def rebuild(self, key: tuple[str, ...], prepared: list[PreparedPlan], plans: Sequence[Plan],
+                buffers: Sequence[Mapping[TensorRef, torch.Tensor]], manifests: Mapping[RankCoord, Manifest],
+                skip: frozenset[RankCoord], every: list[torch.Tensor]) -> bool:
+        """Prepare again only the source ranks of ``prepared`` (the last :meth:`build`, for the same
+        plans, buffers, settings and scratch) whose memory digest changed or whose requests went
+        stale (a declared move republished them); the other ranks' requests are kept. Each rebuilt
+        rank's gathered runs go in its old scratch slot. Whether it did: ``False`` (nothing
+        changed) where that does not hold exactly -- other plans or buffers, a rank added or
+        gone, another count of ranks gathering, or a rank's runs that no longer fit its slot:
+        the caller builds all.
+
+        Raises:
+            TransferError: a rebuilt rank serves from several memories."""
+        moved = {r for r, d in self._memory.items() if r not in manifests or manifests[r].memory_digest != d}
+        moved |= {p.rank for plan in prepared for p in plan.per_source if p.stale}
+        remote = {r for r in manifests if r not in skip}
+        if self._built != self._built_for(plans, every, skip) or remote != self._memory.keys() or not moved:
+            return False
+        lmem, ldev = local_memory({i: t for i, t in enumerate(every)})
+        todo = self._moved_layouts(prepared, plans, buffers, manifests, moved, ldev)
+        if todo is None:
+            return False
+        for k, i, fresh, base, layout, waves, half in todo:
+            old = prepared[k].per_source[i]
+            release_stale([old])
+            remote_d, local_d, spans, places = self.descriptors(plans[k], layout, waves, half, base, buffers[k], ldev)
+            rmem = manifests[fresh.rank].by_name()[fresh.ops[0].src.name].mem
+            self.make_requests(fresh, manifests[fresh.rank], remote_d, local_d, spans, places, (rmem, lmem),
+                               bool(layout.direct))
+            fresh.scratch_bytes = old.scratch_bytes  # (its slot: the next ranks' bases stay)
+            prepared[k].per_source[i] = fresh
+        for plan in prepared:
+            plan.key = key
+        self._memory = {r: manifests[r].memory_digest for r in remote}
+        return True
+
+    def _moved_layouts(self, prepared: list[PreparedPlan], plans: Sequence[Plan],
+                       buffers: Sequence[Mapping[TensorRef, torch.Tensor]], manifests: Mapping[RankCoord, Manifest],
+                       moved: set[RankCoord], ldev: int) -> list[tuple] | None:
+        """Per plan and moved rank: (plan index, position in ``per_source``, fresh pulls, scratch
+        base, layout, waves, half); ``None`` where the count of ranks gathering changes or a moved
+        rank's waves no longer fit its old scratch slot (addresses only: nothing is prepared)."""
+        todo = []
+        for k, (plan, bufs, old) in enumerate(zip(plans, buffers, prepared)):
+            before = gathering = sum(1 for p in old.per_source if p.waves)
+            base, mine, layouts = 0, [], {}
+            for i, pulls in enumerate(old.per_source):
+                if pulls.rank in moved:
+                    fresh = SourcePulls(pulls.rank, manifests[pulls.rank].agent, pulls.ops)
+                    layouts[pulls.rank] = self.rank_layout(plan, fresh, manifests[pulls.rank], bufs, ldev)
+                    gathering += bool(layouts[pulls.rank].pieces) - bool(pulls.waves)
+                    mine.append((k, i, fresh, base))
+                base += pulls.scratch_bytes
+            waves_of, _ = self.waves_per_rank(layouts, bufs, sharing=gathering)
+            if gathering != before:
+                return None
+            for k_, i, fresh, base_ in mine:
+                waves, half = waves_of[fresh.rank]
+                if half * min(2, len(waves)) > old.per_source[i].scratch_bytes:
+                    return None
+                todo.append((k_, i, fresh, base_, layouts[fresh.rank], waves, half))
+        return todo
 
     def descriptors(self, plan: Plan, layout: RankLayout, waves: list, half: int, base: int,
                      buffers: Mapping[TensorRef, torch.Tensor], ldev: int
@@ -477,6 +564,7 @@ class RequestBuilder:
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
         pulls.dlists = (lh, rh)
         self.nixl.counters["dlists"] += 2
+        self.rank_prepares[pulls.rank] += 1
         handles = []
         for lo, hi in spans:
             idx = list(range(lo, hi))
@@ -502,4 +590,4 @@ class RequestBuilder:
 __all__ = ["DIRECT_MIN_BYTES", "GAP_BYTES", "MAX_DIRECT", "SCRATCH_FRACTION", "SCRATCH_MIN_BYTES", "GatherSizes",
            "PreparedPlan", "PullSettings", "RankLayout", "RequestBuilder", "Scratch", "SourcePulls", "PreparedWave",
            "coalesce", "contiguous_strides", "describe_pulls", "local_memory", "ops_by_rank", "post_read",
-           "release_requests", "source_run"]
+           "release_requests", "release_stale", "source_run"]

@@ -513,7 +513,7 @@ class DeltaReceiver:
 
     @staticmethod
     def key(plan: Plan, manifests: Mapping[RankCoord, Manifest]) -> tuple:
-        return plan.digest, tuple(sorted((r, m.memory_digest) for r, m in manifests.items()))
+        return plan.digest, tuple(sorted((r, m.entries_digest) for r, m in manifests.items()))  # (a move: the same)
 
     @property
     def local_bytes(self) -> int:
@@ -614,7 +614,7 @@ class DeltaReceiver:
     def _refused(self, plan: Plan, manifests: Mapping[RankCoord, Manifest], base: int, version: int,
                  key: tuple) -> str:
         if key != self.key(plan, manifests):
-            return "the plan or a trainer rank's memory changed"
+            return "the plan or a trainer rank's served tensors changed"
         if version <= base:
             return f"v{version} asked while the arena holds v{base}"
         if plan.quantize or plan.transforms:

@@ -180,6 +180,41 @@ class DeltaLog:
         """Served tensors whose changes come from the tracker (the rest are compared with the mirror)."""
         return sum(s is not None for s in self.sources)
 
+    def follow(self, served: Sequence[torch.Tensor], sources: Sequence[torch.Tensor | None]) -> None:
+        """After a declared move (:mod:`~megarefit.online.trainer.moved`): ``served`` / ``sources``
+        as the constructor's, where the tensors are now. What holds no address stays: the mirrors
+        (the last version's bits), the slots and published records (the log's own memory; a
+        segment names its tensor by manifest index), the base version. A tensor whose changes come
+        from the tracker takes them where the tracker indexes its parameter now (call
+        :meth:`ChangeTracker.rekey <megarefit.online.delta.track.ChangeTracker.rekey>` first). The
+        move must bring the bytes back as they left (a write the tracker did not see: its
+        ``invalidate()``); a mirrored tensor is compared by content anyway.
+
+        Raises:
+            MegarefitError: another count of served tensors, one with another element count or
+                dtype, or a tracked one whose parameter the tracker no longer covers (or covers on
+                another device): names the rank, the tensor and the fix; nothing is changed."""
+        if len(served) != len(self.served) or len(sources) != len(self.served):
+            raise MegarefitError(f"rank {tuple(self.rank)}: a move brought {len(served)} served tensors back, the "
+                                 f"delta log holds {len(self.served)}: re-create the Publisher")
+        for name, old, new in zip(self.names, self.served, served):
+            if new.numel() != old.numel() or new.dtype != old.dtype:
+                raise MegarefitError(f"rank {tuple(self.rank)}: {name} came back from a move as {new.dtype} "
+                                     f"[{new.numel()}], its delta log holds {old.dtype} [{old.numel()}]: re-create "
+                                     "the Publisher")
+        for name, was, src in zip(self.names, self.sources, sources):
+            if was is None:
+                continue  # compared against its mirror: content, no address
+            if src is None or not self.tracker.covers(src) or self.tracker.device_of(src) != src.device:
+                raise MegarefitError(
+                    f"rank {tuple(self.rank)}: {name} took its changes from the tracker, which no longer tracks "
+                    f"the parameter where it is now ({'none' if src is None else f'{src.data_ptr():#x} on {src.device}'}"
+                    "): the move replaced the tensor the optimizer writes, or it came back on another device. "
+                    "Move the optimizer's own parameters (verl: the DDP buffers in place), or track_changes() "
+                    "the optimizer that steps them now and re-create the Publisher")
+        self.served = list(served)
+        self.sources = [s if was is not None else None for was, s in zip(self.sources, sources)]
+
     def record(self, version: int) -> DeltaStats:
         """Find, pack and publish the delta from the last recorded version into ``version``
         (call inside the rank's seqlock, after the served tensors hold ``version``). The first

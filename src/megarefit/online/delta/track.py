@@ -157,6 +157,28 @@ class ChangeTracker:
             self.index[_key(p)] = (len(self.parts) - 1, i)
         return len(self.parts) - 1
 
+    def rekey(self) -> int:
+        """After a declared move (the tracked parameters' memory freed and re-allocated or
+        re-mapped, the tensor objects kept, e.g. verl's offload of Megatron's parameter buffers):
+        index every tracked parameter where it is now; its marks stay. A parameter whose storage
+        is empty now (freed, not re-allocated) is no longer covered. Returns the parameters indexed."""
+        index: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}
+        names: dict[tuple[int, int, torch.dtype], str] = {}
+        for old, (part_id, i) in self.index.items():
+            p = self.parts[part_id].params[i]
+            key = _key(p)
+            if (p.data_ptr() == 0 and p.numel()) or key in index:  # freed; or aliasing one indexed first
+                continue
+            index[key] = (part_id, i)
+            if old in self.names:
+                names[key] = self.names[old]
+        self.index, self.names = index, names
+        return len(index)
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """The device of tracked ``t``'s bitmap (where its marks are set)."""
+        return self.parts[self._where(t)[0]].bits.device
+
     def label(self, t: torch.Tensor) -> str:
         """``t``'s name (where known), shape, dtype and the process rank, for errors."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -16,13 +16,17 @@ after it) and :func:`reregister` then, on that rank only:
 2. deregisters only the NIXL regions that held them (:meth:`NixlAgent.drop
    <megarefit.transport.nixl_agent.NixlAgent.drop>`; other regions of the same registration are
    registered again by address) and registers the moved tensors where they are now;
-3. re-points what reads addresses (the FP8 quantizer, the checksum fill, CUDA IPC exports);
+3. re-points what reads addresses (the FP8 quantizer, the checksum fill, CUDA IPC exports, and a
+   delta log's served tensors and the tracker's index of their parameters, :func:`follow_delta`:
+   its mirrors, slots, records and base version hold no address and stay, so the next version's
+   delta is recorded against the version before the move);
 4. republishes the rank's manifest and NIXL metadata, signed, under a new generation.
 
 Ranks that did not move publish nothing. Receivers see the new generation in their fence (the
 copy's fence record no longer holds: its write marker moved), re-read that rank's manifest and
 re-load its NIXL metadata only, keep their plans, arenas and scratch (the plan key has no
-addresses) and prepare their READ requests against the new addresses. Buffers a Publisher owns
+addresses) and prepare the moved ranks' READ requests again against the new addresses, the other
+ranks' kept (:meth:`RequestBuilder.rebuild <megarefit.transport.nixl_requests.RequestBuilder.rebuild>`). Buffers a Publisher owns
 (FP8 weights and scales, snapshot copies, checksums) never move: with ``snapshot=True`` or FP8
 shards only, nothing is republished.
 
@@ -116,21 +120,40 @@ def _named(pub: Publisher, remapped: bool | Iterable[str], live: Iterable[str]) 
     return names
 
 
+def follow_delta(pub: Publisher) -> None:
+    """Point ``pub``'s delta log (``delta=``) at the tensors it serves where they are now: the
+    tracker's index first (:meth:`~megarefit.online.delta.track.ChangeTracker.rekey`), then the
+    log's served tensors and tracked sources (:meth:`~megarefit.online.delta.log.DeltaLog.follow`).
+
+    Raises:
+        MegarefitError: as ``DeltaLog.follow`` (a tracked tensor the tracker no longer covers)."""
+    if pub.delta is None:
+        return
+    if pub.delta.tracker is not None:
+        pub.delta.tracker.rekey()
+    sources = [None if e.name.removesuffix(SCALE_SUFFIX) in pub.fp8 else pub.params[e.name]
+               for e in pub.manifest.tensors]
+    pub.delta.follow(served_tensors(pub), sources)
+
+
 def reregister(pub: Publisher, remapped: bool | Iterable[str] = False,
                params: Mapping[str, torch.Tensor] | None = None) -> MoveStats:
     """Follow a declared move on ``pub``'s rank (see the module docstring); the caller marked the
     rank writing first.
 
     Raises:
-        MegarefitError: ``pub`` keeps a delta log (``delta=``): it does not follow moves yet; or
-            ``remapped`` names a tensor it does not serve live.
+        MegarefitError: ``remapped`` names a tensor it does not serve live; or ``pub``'s delta log
+            cannot follow the move (:func:`follow_delta`; nothing is re-registered then).
         MissingParameterError / ShapeMismatchError: as :func:`rebind`."""
     t0 = time.perf_counter()
-    if pub.delta is not None:
-        raise MegarefitError(f"rank {pub.rank}: a Publisher with delta= does not follow a declared move yet (its "
-                             "mirrors and change marks hold the old tensors); re-create the Publisher")
+    before = pub.params
     if params is not None:
         rebind(pub, params)
+    try:
+        follow_delta(pub)
+    except MegarefitError:
+        pub.params = before  # (nothing else was changed: the rank stays marked writing)
+        raise
     if pub.fp8:  # the quantizer reads the live parameters by address
         pub._quantize = Fp8Quantizer([(pub.params[n].detach(), w, sc) for n, (w, sc) in pub.fp8.items()],
                                      pub.quantization)
@@ -162,4 +185,4 @@ def reregister(pub: Publisher, remapped: bool | Iterable[str] = False,
                      time.perf_counter() - t0)
 
 
-__all__ = ["MoveStats", "rebind", "reregister", "served_tensors"]
+__all__ = ["MoveStats", "follow_delta", "rebind", "reregister", "served_tensors"]

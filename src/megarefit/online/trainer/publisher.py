@@ -370,7 +370,7 @@ class Publisher:
         only when no receiver reads during the move (after :meth:`wait_receivers`). Returns a ``MoveStats``.
 
         Raises:
-            MegarefitError: ``delta=`` publishers do not follow moves yet; a ``remapped`` name not served.
+            MegarefitError: a ``remapped`` name not served; a delta log that cannot follow (``moved.follow_delta``).
             MissingParameterError / ShapeMismatchError: ``params`` lacks a served tensor or changes one."""
         if not self.writing:
             self.rendezvous.begin_update(self.rank)
