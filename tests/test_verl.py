@@ -81,11 +81,13 @@ def run(tmp_path_factory) -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=["hybrid", "vllm"])
+def in_vllm(request, tmp_path_factory) -> dict:
+    """Syncs pulled by vLLM's workers: hybrid mode, and standalone with ``pull: vllm``."""
     pytest.importorskip("vllm")
     pytest.importorskip("nixl")
-    return _scenario(tmp_path_factory.mktemp("verl-hybrid"), e2e_config(), "hybrid")
+    out = _scenario(tmp_path_factory.mktemp(f"verl-{request.param}"), e2e_config(), request.param)
+    return {**out, "mode": request.param}
 
 
 def test_verl_resolves_the_backend_and_manager_by_name(run):
@@ -112,7 +114,7 @@ def test_no_gather_and_metrics_reach_verl(run):
 
 
 @pytest.mark.parametrize("step", STEPS)
-def test_hybrid_sync_serves_the_trainers_weights(hybrid, step, tmp_path):
+def test_vllm_pulled_sync_serves_the_trainers_weights(in_vllm, step, tmp_path):
     import transformers
 
     from megarefit.integrations.hf import save_checkpoint
@@ -121,22 +123,31 @@ def test_hybrid_sync_serves_the_trainers_weights(hybrid, step, tmp_path):
     save_checkpoint(tmp_path, cfg, servable_hf_state(cfg, "qwen3", seed=step))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     want = hf_generate(model)
-    assert same_generation(hybrid["generated"][str(step)], want), (hybrid["generated"][str(step)], want)
-    assert not same_generation(hybrid["initial"], want)  # the engine served other weights before
+    got = in_vllm["generated"][str(step)]
+    assert same_generation(got, want), (got, want)
+    assert not same_generation(in_vllm["initial"], want)  # the engine served other weights before
 
 
-def test_hybrid_sync_runs_in_verls_order_through_collective_rpc(hybrid):
-    per_sync = ["wake_up:weights", "start_weight_update", "update_weights", "finish_weight_update",
-                "wake_up:kv_cache"]
-    assert hybrid["calls"] == ["init_weight_transfer_engine", *per_sync * len(STEPS)]
-    assert hybrid["export_read"] == [False, False]
+def test_vllm_pulled_sync_runs_in_verls_order_through_collective_rpc(in_vllm):
+    pull = ["start_weight_update", "update_weights", "finish_weight_update"]
+    if in_vllm["mode"] == "hybrid":  # verl's naive order
+        per_sync, replica = ["wake_up:weights", *pull, "wake_up:kv_cache"], []
+    else:  # verl's manager's order around the pull
+        per_sync = pull
+        replica = ["abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"] * len(STEPS)
+    assert in_vllm["calls"] == ["init_weight_transfer_engine", *per_sync * len(STEPS)]
+    assert in_vllm["replica_calls"] == replica
+    assert in_vllm["export_read"] == [False, False]
 
 
-def test_hybrid_and_standalone_replicas_in_one_manager_are_refused(hybrid):
-    assert hybrid["mixed"].startswith("MegarefitError: megarefit: replicas of modes ['None', 'hybrid'] in one")
+def test_hybrid_and_standalone_replicas_in_one_manager_are_refused(in_vllm):
+    assert in_vllm["mixed"].startswith("MegarefitError: megarefit: replicas of modes ['None', 'hybrid'] in one")
 
 
-def test_hybrid_offload_declares_a_move_every_later_sync(hybrid):
+def test_hybrid_offload_declares_a_move_every_later_sync(in_vllm):
+    if in_vllm["mode"] != "hybrid":
+        pytest.skip("standalone trainers keep their parameters in place")
+    hybrid = in_vllm
     # the trainers offloaded after each sync and brought the parameters back before the next step
     assert [len(m) for m in hybrid["moves"]] == [len(STEPS) - 1] * 2
     print("parameters back at other addresses:", hybrid["moves"])

