@@ -450,7 +450,7 @@ def nemotron_h_reference_shards(hf: dict[str, torch.Tensor], cfg: dict, ranks, *
     chunked over tp (a part of a group per rank when tp > groups); ``ranks``: the (tp, pp, ep)
     ranks to build, experts whole on ep rank e."""
     pattern = cfg["hybrid_override_pattern"]
-    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    groups = cfg["num_key_value_heads"]
     d, hidden, vocab = cfg["head_dim"], cfg["hidden_size"], cfg["vocab_size"]
     inner, gs = cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["n_groups"] * cfg["ssm_state_size"]
     experts = cfg["n_routed_experts"]

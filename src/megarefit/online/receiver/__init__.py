@@ -10,5 +10,6 @@
 * :mod:`~megarefit.online.receiver.cycle` (errors, CycleStats), :mod:`~megarefit.online.receiver.arena`
   (the arena described for replicas), :mod:`~megarefit.online.receiver.integrity` (checksums),
   :mod:`~megarefit.online.receiver.stream` (layer groups through a two-slot ring),
-  :mod:`~megarefit.online.receiver.prefetch` (pulls while serving).
+  :mod:`~megarefit.online.receiver.prefetch` (pulls while serving), :mod:`~megarefit.online.receiver.node`
+  (node groups: the receivers that share a host).
 """
