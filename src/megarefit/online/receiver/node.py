@@ -37,7 +37,7 @@ import torch
 from megarefit.errors import MegarefitError
 from megarefit.online.store.records import RendezvousTimeout
 
-__all__ = ["NODE_ENV", "NodeGroup", "NodeIdentity", "NodeMate", "join_node", "node_identity"]
+__all__ = ["NODE_ENV", "NodeGroup", "NodeIdentity", "NodeMember", "join_node", "node_identity"]
 
 NODE_ENV = "MEGAREFIT_NODE"
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -59,7 +59,7 @@ class NodeIdentity:
 
 
 @dataclass(frozen=True)
-class NodeMate:
+class NodeMember:
     """One member of a node group: its receiver id, GPU UUID and CUDA index (``None`` on CPU)."""
 
     rid: str
@@ -73,11 +73,11 @@ class NodeGroup:
     ``index`` this receiver's place in it, ``key`` the node's identity key."""
 
     key: str
-    mates: tuple[NodeMate, ...]
+    mates: tuple[NodeMember, ...]
     index: int
 
     @property
-    def me(self) -> NodeMate:
+    def me(self) -> NodeMember:
         return self.mates[self.index]
 
     def to_dict(self) -> dict:
@@ -115,9 +115,9 @@ def node_identity(device: torch.device | str | None = None) -> NodeIdentity:
     return NodeIdentity(key, source, str(torch.cuda.get_device_properties(index).uuid), index)
 
 
-def _record(rendezvous, key: str, rid: str) -> NodeMate:
+def _record(rendezvous, key: str, rid: str) -> NodeMember:
     raw = json.loads(rendezvous.fetch(f"node/{key}/member/{rid}").decode())
-    mate = NodeMate(rid=str(raw["rid"]), gpu_uuid=raw.get("gpu_uuid"), device=raw.get("device"))
+    mate = NodeMember(rid=str(raw["rid"]), gpu_uuid=raw.get("gpu_uuid"), device=raw.get("device"))
     if mate.rid != rid:
         raise MegarefitError(f"node {key}: the record of receiver {rid!r} names {mate.rid!r}; a foreign record")
     return mate
