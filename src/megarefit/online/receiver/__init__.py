@@ -11,5 +11,6 @@
   (the arena described for replicas), :mod:`~megarefit.online.receiver.integrity` (checksums),
   :mod:`~megarefit.online.receiver.stream` (layer groups through a two-slot ring),
   :mod:`~megarefit.online.receiver.prefetch` (pulls while serving), :mod:`~megarefit.online.receiver.node`
-  (node groups: the receivers that share a host).
+  (node groups: the receivers that share a host), :mod:`~megarefit.online.receiver.node_copy` (byte ranges
+  of a node-mate's arena, version-fenced).
 """

@@ -1,0 +1,145 @@
+"""Same-host copies: byte ranges of a node-mate's arena READ into this receiver's arena (issue 60).
+
+A node-mate that pulled its share of the node's shared bytes serves its arena as a replica
+parent does (:mod:`~megarefit.online.receiver.arena`: a :class:`RefitReceiver` with
+``replica_group`` set to the node group's name publishes its arena and NIXL metadata after every
+pull, under a seqlock that is odd while it rewrites the arena). A :class:`MateReader` copies only
+the ranges this receiver needs from it, in one NIXL READ per cycle::
+
+    mate's arena   [....|piece a|.........|piece b|....]      (served, version v, sequence even)
+                          |  READ, one descriptor per range       |
+    own arena      [..|piece a|....|piece b|..............]    (this receiver pulled the rest itself)
+
+Between the GPUs of one host NIXL's UCX backend copies over CUDA IPC (NVLink); between CPU
+processes over shared memory, or over loopback TCP where ``UCX_TLS=tcp`` (the emulated cluster):
+never through the node's NICs.
+
+**Never a mix of versions.** A read starts only once the mate's sequence is even and its served
+version is the one asked for; the sequence is read again after the READ, and a change (the mate
+began rewriting its arena meanwhile) raises ``StaleVersionError(retryable=True)``: the bytes
+copied are not handed over.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarefit.online.receiver.arena import arena_key
+from megarefit.online.receiver.cycle import StaleVersionError
+from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout
+from megarefit.transport.nixl_agent import NixlAgent, TransferError, mem_type
+
+__all__ = ["MateReader", "RangeCopy"]
+
+
+@dataclass(frozen=True)
+class RangeCopy:
+    """Copy ``nbytes`` bytes from byte ``src`` of the mate's ``dtype`` arena to byte ``dst`` of
+    this receiver's ``dtype`` arena (offsets and sizes in bytes, not elements)."""
+
+    dtype: str
+    src: int
+    nbytes: int
+    dst: int
+
+
+class MateReader:
+    """Reads ranges of node-mate ``mate``'s served arena (group ``group``) into local arenas.
+
+    ``nixl``: this receiver's agent (its arenas registered with it: they are the READ's local side).
+    ``timeout``: seconds to wait for the mate to serve the version and for the READ to end.
+
+    Raises (:meth:`read`):
+        RendezvousTimeout: the mate served no arena, or not ``version``, within ``timeout``.
+        StaleVersionError: the mate serves a newer version (not retryable), or rewrote its arena
+            during the READ (retryable).
+        TransferError: a range lies outside the mate's or this receiver's arena, or the READ
+            failed or did not end within ``timeout``."""
+
+    def __init__(self, rendezvous: Rendezvous, nixl: NixlAgent, *, group: str, mate: str, timeout: float = 60.0):
+        self.rendezvous, self.nixl, self.group, self.mate, self.timeout = rendezvous, nixl, group, mate, timeout
+        self._loaded: bytes | None = None
+        self.bytes_read = 0  # bytes READ from the mate by the last read()
+
+    def _key(self, kind: str) -> str:
+        return arena_key(kind, self.group, self.mate)
+
+    def _seq(self) -> int:
+        return self.rendezvous.store.add(self.rendezvous.prefix + self._key("seq"), 0)
+
+    def _served(self, version: int, deadline: float) -> tuple[int, dict[str, Any]]:
+        """The mate's (even sequence, arena info) once it serves ``version``."""
+        while True:
+            seq = self._seq()
+            if seq % 2 == 0 and self.rendezvous.store.check([self.rendezvous.prefix + self._key("info")]):
+                info = json.loads(self.rendezvous.fetch(self._key("info")))
+                if info["version"] == version and self._seq() == seq:
+                    return seq, info
+                if info["version"] > version:
+                    raise StaleVersionError(f"node-mate {self.mate!r} serves version {info['version']}, "
+                                            f"newer than the {version} asked for")
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"node-mate {self.mate!r} (group {self.group!r}) did not serve version "
+                                        f"{version} within {self.timeout:g} s (sequence {seq})")
+            time.sleep(0.001)
+
+    def _descriptors(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor],
+                     info: dict[str, Any]) -> tuple[list, list, str, str]:
+        remote, local, rmems, lmems = [], [], set(), set()
+        for c in copies:
+            if c.dtype not in info["arenas"] or c.dtype not in arenas:
+                raise TransferError(f"node-mate {self.mate!r}: no {c.dtype} arena on both sides for {c}")
+            addr, numel, rmem, rdev = info["arenas"][c.dtype]
+            mine = arenas[c.dtype]
+            if c.src < 0 or c.nbytes <= 0 or c.src + c.nbytes > numel * mine.element_size() \
+                    or c.dst < 0 or c.dst + c.nbytes > mine.numel() * mine.element_size():
+                raise TransferError(f"node-mate {self.mate!r}: {c} lies outside the {c.dtype} arenas "
+                                    f"({numel * mine.element_size()} bytes there, "
+                                    f"{mine.numel() * mine.element_size()} here)")
+            lmem, ldev = mem_type(mine)
+            remote.append((addr + c.src, c.nbytes, rdev))
+            local.append((mine.data_ptr() + c.dst, c.nbytes, ldev))
+            rmems.add(rmem)
+            lmems.add(lmem)
+        if len(rmems) != 1 or len(lmems) != 1:
+            raise TransferError(f"node-mate {self.mate!r}: arenas of several memory kinds ({rmems}, {lmems}) in one READ")
+        return remote, local, rmems.pop(), lmems.pop()
+
+    def read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], version: int) -> int:
+        """Copy ``copies`` of the mate's ``version`` into ``arenas``; returns the bytes READ."""
+        self.bytes_read = 0
+        if not copies:
+            return 0
+        deadline = time.monotonic() + self.timeout
+        seq, info = self._served(version, deadline)
+        meta = self.rendezvous.fetch(self._key("meta"))
+        agent = self.nixl.agent
+        if meta != self._loaded:
+            agent.add_remote_agent(meta)
+            self._loaded = meta
+        remote, local, rmem, lmem = self._descriptors(copies, arenas, info)
+        rh = agent.prep_xfer_dlist(info["agent"], remote, rmem)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
+        idx = list(range(len(copies)))
+        handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
+        try:
+            agent.transfer(handle)
+            while (state := agent.check_xfer_state(handle)) != "DONE":
+                if state == "ERR" or time.monotonic() > deadline:
+                    raise TransferError(f"READ of {len(copies)} ranges from node-mate {self.mate!r}: "
+                                        f"{'ERR' if state == 'ERR' else f'no completion after {self.timeout:g} s'}")
+        finally:
+            if agent.check_xfer_state(handle) != "PROC":  # a READ still in flight keeps its handles
+                agent.release_xfer_handle(handle)
+                agent.release_dlist_handle(lh)
+                agent.release_dlist_handle(rh)
+        if self._seq() != seq:
+            raise StaleVersionError(f"node-mate {self.mate!r} rewrote its arena during the READ", retryable=True)
+        self.bytes_read = sum(c.nbytes for c in copies)
+        return self.bytes_read
