@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import PASSWORD, PER_CLUSTER, _free_port, _process, _summary, redis_binary, run_load  # noqa: E402
+from recorded import recorded_main
 
 MODES = ("per rank", "copy record")
 _PROCESS: dict = {}  # in each forked client process: its one Rendezvous
@@ -181,16 +182,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64],
                     help="trainer ranks per data-parallel copy, comma-separated")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--record", help="write the result to this JSONL file")
-    ap.add_argument("--from-json", help="print the table of a recorded file and exit")
-    ns = ap.parse_args()
-    if ns.from_json:
-        print_table(json.loads(Path(ns.from_json).read_text().splitlines()[-1]))
-        return
-    result = measure(ns)
-    if ns.record:
-        Path(ns.record).write_text(json.dumps(result) + "\n")
-    print_table(result)
+    recorded_main(ap, measure, print_table)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ registration and the republish on one rank).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from recorded import recorded_main  # benchmarks/recorded.py: the script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -129,16 +130,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=8, help="(no move, both ranks move, rank 0 moves) triples of versions")
-    ap.add_argument("--record", help="write the result to this JSONL file")
-    ap.add_argument("--from-json", help="print the table of a recorded file and exit")
-    ns = ap.parse_args()
-    if ns.from_json:
-        print_table(json.loads(Path(ns.from_json).read_text().splitlines()[-1]))
-        return
-    result = measure(ns)
-    if ns.record:
-        Path(ns.record).write_text(json.dumps(result) + "\n")
-    print_table(result)
+    recorded_main(ap, measure, print_table)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import shutil
 import socket
@@ -33,7 +32,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
+
+from recorded import recorded_main  # benchmarks/recorded.py: the script's folder is on sys.path
 
 
 def _free_port() -> int:
@@ -211,16 +211,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--record", help="write the result to this JSONL file")
-    ap.add_argument("--from-json", help="print the table of a recorded file and exit")
-    ns = ap.parse_args()
-    if ns.from_json:
-        print_table(json.loads(Path(ns.from_json).read_text().splitlines()[-1]))
-        return
-    result = measure(ns)
-    if ns.record:
-        Path(ns.record).write_text(json.dumps(result) + "\n")
-    print_table(result)
+    recorded_main(ap, measure, print_table)
 
 
 if __name__ == "__main__":

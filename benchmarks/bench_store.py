@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from recorded import recorded_main  # benchmarks/recorded.py: the script's folder is on sys.path
+
 PASSWORD = "bench-redis-" + secrets.token_hex(8)
 PER_CLUSTER = 1024  # receivers whose warm cycles the summary line adds up
 
@@ -369,16 +371,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[64, 1024],
                     help="trainer ranks whose records are in the table, comma-separated")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--record", help="write the result to this JSONL file")
-    ap.add_argument("--from-json", help="print the table of a recorded file and exit")
-    ns = ap.parse_args()
-    if ns.from_json:
-        print_table(json.loads(Path(ns.from_json).read_text().splitlines()[-1]))
-        return
-    result = measure(ns)
-    if ns.record:
-        Path(ns.record).write_text(json.dumps(result) + "\n")
-    print_table(result)
+    recorded_main(ap, measure, print_table)
 
 
 if __name__ == "__main__":

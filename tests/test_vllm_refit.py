@@ -19,7 +19,9 @@ same in bf16, with bf16 trainers (the CPU harness in bfloat16) and a bf16 engine
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import time
 
@@ -55,6 +57,28 @@ from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 pytestmark = pytest.mark.megatron
 
 
+@contextlib.contextmanager
+def _reload_log():
+    """Every record vLLM's layerwise-reload logger (the engine runs in this process) hands its
+    handlers meanwhile, each as (level, message); no megarefit filter on it to begin with (one left
+    by an earlier module's engine would hide what this refit's own path installs)."""
+    from vllm.logger import init_logger
+
+    from megarefit.integrations.vllm_install import RELOAD_LOGGER, ExpectedUnloaded
+
+    log = init_logger(RELOAD_LOGGER)
+    for old in [f for f in log.filters if isinstance(f, ExpectedUnloaded)]:
+        log.removeFilter(old)
+    seen: list[tuple[int, str]] = []
+    handler = logging.Handler(logging.NOTSET)
+    handler.emit = lambda record: seen.append((record.levelno, record.getMessage()))
+    log.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        log.removeHandler(handler)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from vllm.config import WeightTransferConfig
@@ -77,9 +101,10 @@ def run(tmp_path_factory):
     out = {"initial": _vllm_generate(llm), "initial_hf": _hf_generate(initial), "reports": {}, "prompt": {},
            "tokens": tokens[0].tolist()}
 
-    llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0),
-                       kwargs={"sharded": True, "direct": True})
-    out["reports"][1] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
+    with _reload_log() as out["reload_log"]:  # the extension's first refit, before any engine call
+        llm.collective_rpc("init_megarefit", args=("127.0.0.1", rdzv.port, job, 120.0),
+                           kwargs={"sharded": True, "direct": True})
+        out["reports"][1] = llm.collective_rpc("update_weights_from_megatron", args=(1,))[0]
     out[1] = _vllm_generate(llm)
     out["prompt"][1] = vllm_prompt_logprobs(llm, PROMPT_TEXT, cfg["vocab_size"])
     rdzv.mark_consumed(1)
@@ -181,6 +206,21 @@ def test_vllm_matches_hf_after_each_refit(run, version, tmp_path):
     want = _hf_generate(_hf_model(cfg, snapshots[version], tmp_path))
     _assert_same(out[version], want)
     assert out[version] != out["initial"]  # the refit really changed the engine's weights
+
+
+def test_an_extension_refit_logs_no_failed_to_load_warning(run):
+    """The worker extension's own path (init_megarefit, then a refit, no weight-transfer engine
+    call yet) quiets vLLM's "Failed to load weights" for the layers no refit loads (the rotary
+    cache, the tied head): each is logged, demoted to DEBUG and explained, none at WARNING. After
+    the extension's and the engine's refits, vLLM's reload logger holds one such filter."""
+    _, out, _ = run
+    failed = [(level, msg) for level, msg in out["reload_log"] if "Failed to load weights" in msg]
+    assert failed, "vLLM's layerwise reload logged no 'Failed to load weights' at all: the test sees nothing"
+    assert all(level == logging.DEBUG and "(expected:" in msg for level, msg in failed), failed
+    from megarefit.integrations.vllm_install import RELOAD_LOGGER, ExpectedUnloaded
+
+    filters = [f for f in logging.getLogger(RELOAD_LOGGER).filters if isinstance(f, ExpectedUnloaded)]
+    assert len(filters) == 1, filters  # installed by init_megarefit and every engine update: one, replaced
 
 
 def test_engine_follows_vllms_update_lifecycle(run):

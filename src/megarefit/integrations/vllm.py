@@ -498,6 +498,9 @@ class MegarefitWorkerExtension:
                        secret: str | None = None, replica: int = 0, replicas: int = 1) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
+        vLLM's reload logger gets an :class:`~megarefit.integrations.vllm_install.ExpectedUnloaded`
+        for this model (replacing an earlier one): its expected "Failed to load weights" lines on
+        every refit go to DEBUG, the others stay warnings.
         Under vLLM expert parallelism the receiver pulls only :func:`owned_experts`.
         ``sharded=True`` (unquantized models of every family in the spec tables): pull
         only this worker's own parameter shards (its tensor-parallel slices and its
@@ -538,6 +541,7 @@ class MegarefitWorkerExtension:
         self._megarefit_copy: dict[str, torch.Tensor] | None = None  # staged + direct: known after a cycle
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
+        explain_unloaded(model)  # vLLM's "Failed to load weights" for tied / cache-only layers: expected
         config = getattr(self, "vllm_config", None) or runner.vllm_config
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
                                     config.parallel_config, memory_budget, verify_checksums, transport, secret,

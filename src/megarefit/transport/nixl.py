@@ -251,8 +251,9 @@ class NixlTransport:
 
     def _release_prepared(self) -> None:
         release_requests((p for group in self._prepared.values() for p in group), self._blocks.values())
-        self._prepared = {}
-        self._blocks = {}
+        self._prepared, self._blocks = {}, {}
+        if not self.late:  # an outgrown scratch: no request on it now (late READs: quarantine() takes it)
+            self._scratch_memory.drop_retired()
 
     def read_blocks(self, reads: Sequence[tuple[Manifest, tuple[int, int, str, int], torch.Tensor]], *,
                     timeout: float = 60.0) -> None:
@@ -477,8 +478,8 @@ def quarantine(transport: NixlTransport, memory: Sequence[torch.Tensor],
     too, not deregistered (a registration covering it belongs to other memory)."""
     if not transport.late or not transport._late:
         return None
-    scratch, transport._scratch_memory.tensor = transport._scratch_memory.tensor, None
-    held = transport.quarantined.hold(transport._late, [memory, [scratch] if scratch is not None else []],
+    scratch = transport._scratch_memory.take()  # the current and any outgrown one: each its own registration
+    held = transport.quarantined.hold(transport._late, [memory, *[[t] for t in scratch]],
                                       [p for group in transport._prepared.values() for p in group],
                                       list(transport._blocks.values()), transport.late, keep)
     transport._prepared, transport._blocks, transport._late, transport.late = {}, {}, [], ""

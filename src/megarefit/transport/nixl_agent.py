@@ -139,6 +139,11 @@ class NixlAgent:
         self.counters["registrations"] += 1
         self.counters["registered_bytes"] += sum(t.numel() * t.element_size() for t in new)
 
+    @property
+    def regions(self) -> int:
+        """Memory regions registered now (one per whole tensor a :meth:`register` call took)."""
+        return len(self._registered)
+
     def registered(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (a whole registered tensor, not a view inside one) is registered here."""
         return (tensor.data_ptr(), tensor.numel() * tensor.element_size()) in self._registered

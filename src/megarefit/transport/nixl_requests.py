@@ -299,36 +299,61 @@ class GatherSizes:
 
 class Scratch:
     """The receiver's scratch for gathered runs: one uint8 tensor registered with ``nixl``,
-    beside the target buffers; it only grows until :meth:`release`."""
+    beside the target buffers; it only grows until :meth:`release`. An outgrown scratch stays
+    allocated and registered (``retired``) until the requests prepared on it are released
+    (:meth:`drop_retired`), or goes to a quarantine with the current one where READs into it
+    are late (:meth:`take`): one scratch registration per transport otherwise."""
 
     def __init__(self, nixl: NixlAgent):
         self.nixl = nixl
         self.tensor: torch.Tensor | None = None
+        self.retired: list[torch.Tensor] = []  # outgrown, each registered by its own register call
 
     @property
     def allocated(self) -> int:
-        """Bytes allocated (and registered)."""
+        """Bytes allocated (and registered) for the current scratch."""
         return 0 if self.tensor is None else self.tensor.numel()
 
     def release(self) -> int:
-        """Deregister and free the scratch; bytes freed."""
+        """Deregister and free the scratch (and any outgrown one); bytes freed."""
+        freed = self.drop_retired()
         if self.tensor is None:
-            return 0
-        freed = self.tensor.numel()
+            return freed
+        freed += self.tensor.numel()
         self.nixl.deregister([self.tensor])
         self.tensor = None
         return freed
 
+    def drop_retired(self) -> int:
+        """Deregister and free the outgrown scratch; call it once no prepared request uses it and
+        no READ into it is in flight. Bytes freed."""
+        freed = 0
+        while self.retired:
+            old = self.retired.pop()
+            self.nixl.deregister([old])
+            freed += old.numel()
+        return freed
+
+    def take(self) -> list[torch.Tensor]:
+        """Hand over every scratch tensor, outgrown and current, still registered (to a quarantine:
+        late READs may write them); the next :meth:`ensure` allocates a fresh one."""
+        out = [*self.retired, *([] if self.tensor is None else [self.tensor])]
+        self.tensor, self.retired = None, []
+        return out
+
     def ensure(self, scratch_bytes: int, device: torch.device, local: tuple[str, int],
                         check: bool) -> None:
         """(Re)allocate and register the scratch beside the buffers when it is too small or on
-        another device; with ``check``, it must be in the buffers' memory ``local``.
+        another device (the old one to ``retired``); with ``check``, it must be in the buffers'
+        memory ``local``.
 
         Raises:
             TransferError: the scratch's memory differs from the buffers'.
         """
         if scratch_bytes and (self.tensor is None or self.tensor.numel() < scratch_bytes
                               or self.tensor.device != device):
+            if self.tensor is not None:  # requests prepared on it may still exist: deregistered once released
+                self.retired.append(self.tensor)
             self.tensor = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)  # beside the buffers
             self.nixl.register([self.tensor])
         if scratch_bytes and mem_type(self.tensor) != local and check:
