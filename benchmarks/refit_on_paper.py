@@ -638,7 +638,8 @@ def tree_depth(replicas: int, k: int) -> int:
 def pull_s(case: Case, worst: dict, recv: float, per_replica: float, f: float, rates: dict,
            hop_bytes: float | None = None, group_bytes: float | None = None) -> tuple[float, str]:
     """The pull's seconds and how: direct, or the best fan-out tree. A tree member sends its
-    ``k`` children ``hop_bytes`` each (default: the worker's bytes) over its NIC: store and
+    ``k`` children ``hop_bytes`` each (default: the worker's bytes; a delta refit's replicas
+    still mirror whole arenas) over its NIC: store and
     forward (``group_bytes`` None: a whole arena per hop, ``first + depth x send``) or
     cut-through (each layer group forwarded as it lands: a pipeline of ``G = hop_bytes /
     group_bytes`` groups through the root's pull and ``depth`` sends, ``a + depth x b + (G - 1) x
@@ -649,7 +650,7 @@ def pull_s(case: Case, worst: dict, recv: float, per_replica: float, f: float, r
     bound = "worker link" if recv >= send_all else f"trainer NIC, {replicas} replica" + "s" * (replicas > 1)
     best = (max(recv, send_all), f"direct; {bound}")
     first = max(recv, sender_s(case, per_replica, 1, f, rates))
-    hop = f * (worst["bytes"] if hop_bytes is None else hop_bytes) / rates["nic"]
+    hop = (worst["bytes"] if hop_bytes is None else hop_bytes) / rates["nic"]  # a delta too: whole arenas
     for k in range(1, ASSUMPTIONS["fanout_max"] + 1 if replicas > 1 else 1):
         d = tree_depth(replicas, k)
         if group_bytes is None:
