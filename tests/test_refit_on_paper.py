@@ -443,6 +443,9 @@ def test_node_dedup_with_nothing_shared_is_the_new_design(replicas):
     assert rop.predict_dedup(case, 1.0, workers, nodes, shares, cal)["seconds"] == pytest.approx(new["seconds"])
     half = {r: {**x, "shared": 16e9, "nic": 18e9, "nvlink": 14e9} for r, x in alone.items()}
     assert rop.predict_dedup(case, 1.0, workers, [{**nodes[0], "ranks": half}], shares, cal)["seconds"] < new["seconds"]
+    # NVLink can bind: 10 link-seconds of node-mate bytes cost at least 10 s, whatever the NIC carries
+    slow = {r: {**x, "shared": 32e9, "nic": 1e9, "nvlink": 10 * cal["link"]} for r, x in alone.items()}
+    assert rop.predict_dedup(case, 1.0, workers, [{**nodes[0], "ranks": slow}], shares, cal)["pull_s"] >= 10
 
 
 ISSUE_60 = {"DeepSeek-V3": (7.2, 51.4), "Kimi-K2": (7.5, 72.9), "GLM-5": (9.9, 58.7), "Qwen3-235B-A22B": (16.0, 72.8)}
