@@ -143,7 +143,7 @@ class Case:
     gpus: int
     placement: str = "split"
     quant: str = "bf16"
-    anchor: str = ""  # the ANCHORS entry this case is set beside
+    anchor: str = ""  # the ANCHORS entry this case is set beside, or "trees" (TREE_CASES)
     split_at: int = 0  # split placement: trainer GPUs (0: half of ``gpus``)
 
     @property
@@ -168,6 +168,15 @@ MODELS = {m.name: m for m in (
 )}
 GPUS = (16, 64, 256, 1024)
 CASES = [Case(MODELS[n], g, quant=q) for n in MODELS for g in GPUS for q in ("bf16", "fp8")]
+
+TREE_CASES = [  # trainer GPUs far fewer than vLLM GPUs: where fan-out trees, store and forward or cut-through, pay
+    Case(MODELS[n], 1024, quant=q, anchor="trees", split_at=t) for n, t in (("DeepSeek-V3", 64), ("Qwen3-30B-A3B", 16))
+    for q in ("bf16", "fp8")]
+DEDUP_TABLE = [("DeepSeek-V3", 1024, ""), ("Kimi-K2", 1024, ""), ("GLM-5", 1024, ""), ("Qwen3-235B-A22B", 1024, ""),
+               ("Qwen3-30B-A3B", 1024, ""), ("GLM-5.2", 96, "prime-rl"), ("DeepSeek-V3", 1024, "trees"),
+               ("Qwen3-30B-A3B", 1024, "trees")]  # (model, GPUs, anchor): the node-dedup table's rows
+TARGETS = {("DeepSeek-V3", 1024, ""): ("1.2", "0.65"), ("Qwen3-30B-A3B", 1024, ""): ("0.3", ""),
+           ("GLM-5.2", 96, "prime-rl"): ("1.4", "")}  # issue 60's done-when, bf16 and FP8 seconds at NIC 0.8
 
 NEMO_DSV3 = Model("DeepSeek-V3", "DeepSeek-V3.json", 1, 16, 32, 1, False, trainer_pp=16,
                   first_stage_layers=3, last_stage_layers=2)  # NeMo-RL's layouts; the stage split is assumed
@@ -343,6 +352,98 @@ def plan_worker(job: tuple) -> dict:
             "per_source": {tuple(c): v["bytes"] for c, v in s["per_rank"].items()}, "per_kind": per_kind_bytes(plan)}
 
 
+def _logical(group) -> tuple:
+    """The logical tensor a source group's instances are shards of, whichever trainer holder
+    serves it: its Megatron name template and suffix, its pipeline stage, and the shard -- the
+    tp rank of a TP shard, the expert rank of an expert shard, nothing for a replicated tensor
+    (every holder of a stage keeps the same bytes)."""
+    r = group.rank
+    kind = _kind(group.spec)
+    shard = {"tp": (r.tp,), "expert": (r.ep,), "replicated": ()}[kind]
+    return (group.spec.megatron, group.suffix, kind, r.pp, *shard)
+
+
+def plan_pieces(plan) -> tuple[dict[tuple, int], dict[tuple, tuple], int]:
+    """A plan's reads by logical identity: ``{piece: bytes}``, each piece ``(logical tensor
+    (_logical), local layer, local expert, flat element offset, box lengths)`` -- the same
+    bytes of the same HF tensor whichever holder a plan names; ``{piece: (tp, pp, ep, kind)}``
+    (the coordinate read, for the sender term); and the bytes of its largest layer group (a
+    decoder layer's targets, or one non-layer target: what a streamed receiver pulls at once)."""
+    import torch
+
+    table, cols = plan.ops.sources, plan.ops.columns
+    logical = [_logical(g) for g in table.groups]
+    coord = [(g.rank.tp, g.rank.pp, g.rank.ep, _kind(g.spec)) for g in table.groups]
+    nbytes = plan.ops.nbytes()
+    lens = cols.src_len.tolist()
+    pieces: dict[tuple, int] = {}
+    where: dict[tuple, tuple] = {}
+    for g, lay, exp, flat, ln, b in zip(table.group[cols.src_id].tolist(), table.layer[cols.src_id].tolist(),
+                                        table.expert[cols.src_id].tolist(), cols.src_flat.tolist(), lens,
+                                        nbytes.tolist()):
+        while len(ln) > 1 and ln[0] == 1:
+            ln = ln[1:]
+        key = (logical[g], lay, exp, flat, tuple(ln))
+        pieces[key] = pieces.get(key, 0) + b
+        where[key] = coord[g]
+    from megarefit.online.receiver.stream import layer_of
+
+    targets = plan.ops.targets
+    layers = torch.tensor([-1 if (x := layer_of(targets.ref(i).name)) is None else x for i in range(len(targets))],
+                          dtype=torch.int64)
+    layer = layers[cols.dst_id]
+    run = torch.where(layer >= 0, layer, -2 - cols.dst_id)
+    _, inverse = torch.unique(run, return_inverse=True)
+    group = torch.zeros(int(inverse.max()) + 1 if len(inverse) else 1, dtype=torch.int64).index_add_(0, inverse, nbytes)
+    return pieces, where, int(group.max())
+
+
+def plan_node(job: tuple) -> dict:
+    """One vLLM node's receivers and what they share. ``job``: ``(config, trainer_key, vllm tp,
+    vllm dp, vllm ep, quant, members)``, ``members`` the engine ranks of the node's GPUs (a rank
+    once per replica on the node). Each distinct rank is planned (``plan_megatron_to_vllm``).
+
+    Returns ``{"ranks": {rank: {"bytes": W, "shared": S, "nic": bytes over its own NIC,
+    "nvlink": bytes in (= out) over NVLink, "group": largest layer group}}, "distinct": bytes
+    the node pulls, each piece once, "per_kind": {(tp, pp, ep, kind): those bytes}}``. A piece
+    more than one node-mate needs (``c`` of them) is split evenly among them: each pulls 1/c
+    over its NIC and sends it to the others over NVLink (so NIC = W - S + sum b/c, NVLink in =
+    out = sum b (c-1)/c; W - (n-1)/n S when every shared piece is needed by all n)."""
+    config, key, vtp, vdp, vep, quant, members = job
+    from megarefit.quant.fp8 import resolve_quantization
+    from megarefit.targets import VllmTarget, plan_megatron_to_vllm
+
+    cfg, dims = _dims(config)
+    q = resolve_quantization("fp8", cfg) if quant == "fp8" else None
+    planned = {}
+    for rank in sorted(set(members)):
+        target = VllmTarget(vtp, rank % vtp, dp=vdp, dp_rank=rank // vtp, expert_parallel=vep)
+        planned[rank] = plan_pieces(plan_megatron_to_vllm(dims, _layout(dims, key), "bfloat16", target, quantization=q))
+    return node_sharing({r: p for r, (p, _, _) in planned.items()}, members,
+                        {r: w for r, (_, w, _) in planned.items()}, {r: g for r, (_, _, g) in planned.items()})
+
+
+def node_sharing(pieces: dict[int, dict], members: tuple[int, ...], where: dict[int, dict],
+                 groups: dict[int, int]) -> dict:
+    """``plan_node``'s sums from each distinct rank's ``plan_pieces``."""
+    need = Counter(k for r in members for k in pieces[r])
+    ranks = {}
+    for r, own in pieces.items():
+        shared = {k: b for k, b in own.items() if need[k] > 1}
+        s = sum(shared.values())
+        w = sum(own.values())
+        ranks[r] = {"bytes": w, "shared": s, "nic": w - s + sum(b / need[k] for k, b in shared.items()),
+                    "nvlink": sum(b * (need[k] - 1) / need[k] for k, b in shared.items()), "group": groups[r]}
+    distinct: dict[tuple, int] = {}
+    per_kind: Counter = Counter()
+    for r, own in pieces.items():
+        for k, b in own.items():
+            if k not in distinct:
+                distinct[k] = b
+                per_kind[where[r][k]] += b
+    return {"ranks": ranks, "distinct": sum(distinct.values()), "per_kind": dict(per_kind)}
+
+
 def plan_trainer(job: tuple) -> dict:
     """Bytes each trainer coordinate serves for one copy of every HF tensor (bf16), and of
     them its expert bytes: ``{(tp, pp, ep): (served, expert)}``. ``job``: ``(config, trainer_key)``."""
@@ -407,13 +508,15 @@ def _cached(fn, jobs: list[tuple], cache: Path | None, processes: int) -> dict:
     return {j: done[j] for j in jobs}
 
 
-def plan_all(cases: list[Case], processes: int = 2, cache: Path | None = None) -> tuple[dict, dict]:
-    """Every distinct worker and trainer plan the cases need, in ``processes`` processes,
-    kept in ``cache`` (a folder; None: no cache)."""
+def plan_all(cases: list[Case], processes: int = 2, cache: Path | None = None) -> tuple[dict, dict, dict]:
+    """Every distinct worker, trainer and vLLM-node plan the cases need, in ``processes``
+    processes, kept in ``cache`` (a folder; None: no cache)."""
     ok = [c for c in cases if feasible(c) is None]
     workers = sorted({j for c in ok for q in {c.quant, "bf16"} for j in worker_jobs(c, q)}, key=str)
     trainers = sorted({(c.model.config, trainer_key(c.model, c.trainer_ep)) for c in ok}, key=str)
-    return _cached(plan_worker, workers, cache, processes), _cached(plan_trainer, trainers, cache, processes)
+    nodes = sorted({j for c in ok for j in node_jobs(c)}, key=str)
+    return (_cached(plan_worker, workers, cache, processes), _cached(plan_trainer, trainers, cache, processes),
+            _cached(plan_node, nodes, cache, processes))
 
 
 # ---- the multi-node model -------------------------------------------------------------------
@@ -479,10 +582,16 @@ def spread_sender_bytes(case: Case, workers: list[dict]) -> dict[int, float]:
     """The new design: every trainer data-parallel copy serves and every source byte is spread
     evenly over all its holders. Bytes each trainer GPU sends ONE vLLM replica, ``{gpu: bytes}``:
     over every piece it holds, the bytes every worker reads of it over the piece's holders."""
+    return spread_bytes(case, engine_bytes(workers))
+
+
+def spread_bytes(case: Case, per_kind: Counter) -> dict[int, float]:
+    """``per_kind`` (``{(tp, pp, ep, kind): bytes}`` one vLLM replica reads) spread evenly over
+    every trainer GPU holding each piece (``holders``): ``{gpu: bytes}``."""
     m, world = case.model, case.trainer_gpus
     tp, pp, ep = m.trainer_tp, m.trainer_pp, case.trainer_ep
     tp_b, ex_b, rep_b = Counter(), Counter(), Counter()  # by (pp, tp rank), (pp, ep rank), pp
-    for (t, p, e, kind), b in engine_bytes(workers).items():
+    for (t, p, e, kind), b in per_kind.items():
         if kind == "tp":
             tp_b[(p, t)] += b / holders(kind, world, tp, pp, ep)
         elif kind == "expert":
@@ -526,18 +635,32 @@ def tree_depth(replicas: int, k: int) -> int:
     return depth
 
 
-def pull_s(case: Case, worst: dict, recv: float, per_replica: float, f: float, rates: dict) -> tuple[float, str]:
-    """The pull's seconds and how: direct, or the best fan-out tree."""
+def pull_s(case: Case, worst: dict, recv: float, per_replica: float, f: float, rates: dict,
+           hop_bytes: float | None = None, group_bytes: float | None = None) -> tuple[float, str]:
+    """The pull's seconds and how: direct, or the best fan-out tree. A tree member sends its
+    ``k`` children ``hop_bytes`` each (default: the worker's bytes; a delta refit's replicas
+    still mirror whole arenas) over its NIC: store and
+    forward (``group_bytes`` None: a whole arena per hop, ``first + depth x send``) or
+    cut-through (each layer group forwarded as it lands: a pipeline of ``G = hop_bytes /
+    group_bytes`` groups through the root's pull and ``depth`` sends, ``a + depth x b + (G - 1) x
+    max(a, b)`` with ``a = first / G``, ``b = send / G``: store and forward at ``G = 1``, the
+    slower stage plus one group per hop as ``G`` grows)."""
     replicas = case.vllm_gpus // case.model.engine
     send_all = sender_s(case, per_replica, replicas, f, rates)
     bound = "worker link" if recv >= send_all else f"trainer NIC, {replicas} replica" + "s" * (replicas > 1)
     best = (max(recv, send_all), f"direct; {bound}")
     first = max(recv, sender_s(case, per_replica, 1, f, rates))
+    hop = (worst["bytes"] if hop_bytes is None else hop_bytes) / rates["nic"]  # a delta too: whole arenas
     for k in range(1, ASSUMPTIONS["fanout_max"] + 1 if replicas > 1 else 1):
         d = tree_depth(replicas, k)
-        t = first + d * k * worst["bytes"] / rates["nic"]
+        if group_bytes is None:
+            t, how = first + d * k * hop, f"tree k={k}, {d} hops"
+        else:
+            g = max(1.0, (worst["bytes"] if hop_bytes is None else hop_bytes) / group_bytes)
+            a, b = first / g, k * hop / g
+            t, how = a + d * b + (g - 1) * max(a, b), f"cut-through tree k={k}, {d} hops"
         if t < best[0]:
-            best = (t, f"tree k={k}, {d} hops")
+            best = (t, how)
     return best
 
 
@@ -567,15 +690,79 @@ def predict(case: Case, delta: float, workers: list[dict], shares: dict, cal: di
     recvs = [receiver_s(case, w, w["rank"], f, rates) for w in workers]  # colocated: the first engine, rank r on GPU r
     worst = workers[max(range(len(workers)), key=lambda i: (recvs[i], workers[i]["bytes"]))]
     per_replica = busiest_sender(case, workers, design)
-    pull, how = pull_s(case, worst, max(recvs), per_replica, f, rates)
+    pull = pull_s(case, worst, max(recvs), per_replica, f, rates)
+    return _cycle(case, delta, worst, pull, per_replica, shares, rates, design)
+
+
+def _cycle(case: Case, delta: float, worst: dict, pull: tuple[float, str], per_replica: float, shares: dict,
+           rates: dict, design: str) -> dict:
+    """``predict``'s terms around a pull: quantize, copies and fixed costs of the worst worker."""
+    f = delta_fraction(delta, case.quant)
     quantize = max(s for s, _ in shares.values()) / rates["quantize"] if case.quant == "fp8" else 0.0
     fixed = rates["overhead_s"] + rates["per_op_s"] * worst["ops"]
     copies = f * worst["scratch_bytes"] / rates["box"] + worst["bytes"] / rates["install"]
-    return {"quantize_s": quantize, "pull_s": pull, "copies_s": copies, "fixed_s": fixed,
-            "seconds": quantize + pull + copies + fixed, "pull_path": how, "delta": delta, "delta_bytes_share": f,
-            "worker_bytes": worst["bytes"], "worker_rank": worst["rank"], "worker_ops": worst["ops"],
-            "sender_bytes_per_replica": per_replica, "replicas": case.vllm_gpus // case.model.engine,
-            "design": design, "nic_efficiency": rates["nic"] / ASSUMPTIONS["nic_line_bytes_per_s"]}
+    return {"quantize_s": quantize, "pull_s": pull[0], "copies_s": copies, "fixed_s": fixed,
+            "seconds": quantize + pull[0] + copies + fixed, "pull_path": pull[1], "delta": delta,
+            "delta_bytes_share": f, "worker_bytes": worst["bytes"], "worker_rank": worst["rank"],
+            "worker_ops": worst["ops"], "sender_bytes_per_replica": per_replica,
+            "replicas": case.vllm_gpus // case.model.engine, "design": design,
+            "nic_efficiency": rates["nic"] / ASSUMPTIONS["nic_line_bytes_per_s"]}
+
+
+# ---- node-local dedup (issue 60) ------------------------------------------------------------
+
+def node_members(case: Case) -> tuple[list[tuple[int, ...]], float] | None:
+    """The distinct vLLM nodes of a case (``NODE_GPUS`` GPUs each, engines placed in order: GPU
+    ``g`` is rank ``g % engine`` of replica ``g // engine``), each as its GPUs' engine ranks, and
+    the share of a node one replica is (an engine of 16 GPUs: two nodes, share 1 each; of 2 GPUs:
+    four replicas a node, share 1/4). None where nodes and engines do not tile."""
+    e = case.model.engine
+    if case.placement != "split" or case.vllm_gpus % NODE_GPUS:
+        return None
+    if e % NODE_GPUS == 0:
+        return [tuple(range(k * NODE_GPUS, (k + 1) * NODE_GPUS)) for k in range(e // NODE_GPUS)], 1.0
+    if NODE_GPUS % e == 0:
+        return [tuple(r % e for r in range(NODE_GPUS))], e / NODE_GPUS
+    return None
+
+
+def node_jobs(case: Case) -> list[tuple]:
+    """``plan_node`` jobs of a case (none where ``node_members`` is None)."""
+    m, nodes = case.model, node_members(case)
+    return [(m.config, trainer_key(m, case.trainer_ep), m.vllm_tp, m.vllm_dp, m.vllm_ep, case.quant, members)
+            for members in (nodes[0] if nodes else [])]
+
+
+def dedup_receiver_s(x: dict, f: float, rates: dict) -> float:
+    """A node-mate's pull under node dedup: its NIC bytes and its NVLink bytes (in and out are
+    equal) stream by layer group, overlapped; then the last group's share of NVLink bytes."""
+    tail = x["group"] * x["nvlink"] / x["bytes"] if x["bytes"] else 0.0
+    return f * (max(x["nic"] / rates["nic"], x["nvlink"] / rates["link"]) + tail / rates["link"])
+
+
+def predict_dedup(case: Case, delta: float, workers: list[dict], nodes: list[dict], shares: dict, cal: dict,
+                  efficiency: float | None = None) -> dict:
+    """The node-dedup design: every trainer copy serves, bytes spread over all holders, each
+    piece more than one node-mate needs crosses the node's NICs once (split among its needers)
+    and reaches the others over NVLink; fan-out trees cut through. The slowest node-mate of the
+    slowest node decides (``nodes``: ``plan_node`` results of ``node_jobs(case)``)."""
+    rates = model_rates(cal, efficiency)
+    f = delta_fraction(delta, case.quant)
+    mates = [x | {"rank": r} for n in nodes for r, x in n["ranks"].items()]
+    x = max(mates, key=lambda y: (dedup_receiver_s(y, f, rates), y["bytes"]))
+    worst = next(w for w in workers if w["rank"] == x["rank"])
+    share = node_members(case)[1]
+    per_kind: Counter = Counter()
+    for n in nodes:
+        per_kind.update({k: b * share for k, b in n["per_kind"].items()})
+    per_replica = max(spread_bytes(case, per_kind).values())
+    recv = dedup_receiver_s(x, f, rates)
+    pull = pull_s(case, worst, recv, per_replica, f, rates, x["nic"], x["group"])
+    out = _cycle(case, delta, worst, pull, per_replica, shares, rates, "dedup")
+    stored = pull_s(case, worst, recv, per_replica, f, rates, x["nic"])  # the same with today's trees
+    return out | {"node_bytes": x["bytes"], "node_shared": x["shared"], "node_nic": x["nic"],
+                  "node_nvlink": x["nvlink"], "node_group": x["group"], "node_gpus": NODE_GPUS,
+                  "store_and_forward_s": out["seconds"] - pull[0] + stored[0], "store_and_forward_path": stored[1]}
 
 
 # ---- rows, tables, main ---------------------------------------------------------------------
@@ -596,11 +783,12 @@ def meta() -> dict:
             "megarefit": getattr(megarefit, "__version__", "?")}
 
 
-def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, common: dict,
+def case_row(case: Case, delta: float, plans: tuple[dict, dict, dict], cal: dict, common: dict,
              efficiencies: dict[str, float] | None = None) -> dict:
     """One case's row: today's design at the assumed NIC efficiency (top level), the new design
     at each of ``efficiencies`` (``new``, keyed by label; default ``NEW_EFFICIENCIES`` labelled
-    ``f"{e:.2f}"``), and the new design's balance
+    ``f"{e:.2f}"``), the node-dedup design at the same efficiencies (``dedup``; None where
+    nodes and engines do not tile, ``node_members``), and the new design's balance
     (``new_busiest_over_mean``: busiest trainer GPU's bytes over the mean)."""
     m = case.model
     row = {"kind": "prediction", "model": m.name, "config": m.config, "gpus": case.gpus,
@@ -615,6 +803,9 @@ def case_row(case: Case, delta: float, plans: tuple[dict, dict], cal: dict, comm
         row.update(predict(case, delta, workers, shares, cal))
         effs = efficiencies or {f"{e:.2f}": e for e in NEW_EFFICIENCIES}
         row["new"] = {k: predict(case, delta, workers, shares, cal, e, "new") for k, e in effs.items()}
+        nodes = [plans[2][j] for j in node_jobs(case)]
+        row["dedup"] = {k: predict_dedup(case, delta, workers, nodes, shares, cal, e)
+                        for k, e in effs.items()} if nodes else None
         spread = spread_sender_bytes(case, workers).values()
         row["new_busiest_over_mean"] = max(spread) / (sum(spread) / len(spread))
     return row
@@ -633,10 +824,11 @@ def run(cache: Path | None = None, processes: int = 2, cluster: list[str] | None
               "calibrated_on": RECORDED["nixl"], "cluster_link": link}  # the commit as planning starts
     anchors = [a["case"] for a in ANCHORS]
     t0 = time.perf_counter()
-    plans = plan_all(CASES + anchors, processes, cache)
+    plans = plan_all(CASES + anchors + TREE_CASES, processes, cache)
     print(f"planned in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rows = [case_row(c, d, plans, cal, common, effs) for c in CASES for d in (1.0, ASSUMPTIONS["delta_low"])]
     rows += [case_row(c, 1.0, plans, cal, common, effs) for c in anchors]
+    rows += [case_row(c, 1.0, plans, cal, common, effs) for c in TREE_CASES]
     rows += [{**r, **common} for r in calibration_rows(cal)]
     rows += [{"kind": "anchor", **{k: v for k, v in a.items() if k != "case"}, **common} for a in ANCHORS]
     return rows
@@ -808,11 +1000,46 @@ def anchors_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _dedup_line(r: dict) -> str:
+    x = r["rates"]
+    return (f"Node dedup: {NODE_GPUS} GPUs per vLLM node, one NIC each at {x['nic'] / GB:.0f} GB/s (0.80 x line); "
+            f"same-host copies over NVLink at {x['link'] / GB:.0f} GB/s in and out per GPU (the calibrated link: "
+            f"bytes / raw NIXL READ between two H200s, {r['calibrated_on']}). W: bytes the slowest receiver needs; "
+            "S: those of them a node-mate also needs (same HF tensor, same byte region); NIC: what it pulls over "
+            "its own NIC (W - S + each shared piece / its needers; W - 7/8 S when all 8 need every shared piece); "
+            "NVLink: what it takes from node-mates (and gives). Seconds at NIC 0.80; 'stored' is the same design "
+            "with today's store-and-forward trees.")
+
+
+def _dedup_s(p: dict | None, key: str = "seconds") -> str:
+    return "-" if p is None or p.get("dedup") is None else f"{p['dedup']['0.80'][key]:.2f}"
+
+
+def dedup_table(rows: list[dict]) -> str:
+    """Issue 60's table: now (every copy serving), with node dedup, FP8 with node dedup."""
+    preds = {(r["model"], r["gpus"], r["anchor"], r["quant"]): r for r in rows
+             if r["kind"] == "prediction" and r["delta"] == 1 and r["infeasible"] is None}
+    lines = [_dedup_line(next(iter(preds.values()))), "",
+             ("| model | GPUs: trainer + vLLM | vLLM engine | W GB | S GB | NIC GB | NVLink GB | now, every copy serving s "
+              "| **with node dedup s** | **FP8 with node dedup s** | pull path, node dedup | stored: bf16 / FP8 s "
+              "| issue 60 target s (bf16 / FP8) |"), "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    for key in DEDUP_TABLE:
+        r, q = preds[(*key, "bf16")], preds.get((*key, "fp8"))
+        d = r["dedup"]["0.80"]
+        target = " / ".join(f"<= {t}" if t else "-" for t in TARGETS.get(key, ("", "")))
+        stored = f"{_dedup_s(r, 'store_and_forward_s')} / {_dedup_s(q, 'store_and_forward_s')}"
+        lines.append(f"| {r['model']} | {_gpus(r)} | {_engine(r)} x {r['replicas']} | {d['node_bytes'] / GB:.1f} "
+                     f"| {d['node_shared'] / GB:.1f} | {d['node_nic'] / GB:.1f} | {d['node_nvlink'] / GB:.1f} "
+                     f"| {r['new']['0.80']['seconds']:.2f} | **{_dedup_s(r)}** | **{_dedup_s(q)}** "
+                     f"| {d['pull_path']} | {stored} | {target} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the rows here (JSON lines)")
     ap.add_argument("--from-json", default=None, help="print a table of recorded rows (a --json file)")
-    ap.add_argument("--summary", choices=["calibration", "anchors", "cluster"],
+    ap.add_argument("--summary", choices=["calibration", "anchors", "cluster", "dedup"],
                     help="that table instead of the predictions (cluster: the link term against docs/cluster_*.jsonl)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache/megarefit/refit_on_paper"),
                     help="keep plans here, per megarefit source digest ('' for none)")
@@ -828,7 +1055,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = load(ns.from_json) if ns.from_json else run(Path(ns.cache) if ns.cache else None, ns.processes, cluster)
     if ns.json:
         Path(ns.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print({"calibration": calibration_table, "anchors": anchors_table}.get(ns.summary, predictions_table)(rows))
+    print({"calibration": calibration_table, "anchors": anchors_table,
+           "dedup": dedup_table}.get(ns.summary, predictions_table)(rows))
     return 0
 
 
