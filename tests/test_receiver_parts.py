@@ -247,6 +247,35 @@ def test_memory_staged_arena_holds_every_target_and_release_returns_the_bytes_it
     assert memory.release() == 0
 
 
+def test_transport_prepares_again_a_source_whose_metadata_changed_at_the_same_addresses(served):
+    """A source re-registers (its NIXL metadata changes: here it registers one more block) while
+    what it serves stays where it was (the same manifest, the same memory digest, so the same
+    cache key): the transport's requests against its old metadata were released, and the next
+    prepare makes that rank's again instead of returning the cached, released ones (it once did:
+    a READ posted on a released handle). The pull equals the HF state; only that rank prepared twice."""
+    manifests = _manifests(served)
+    plan, _ = PlanCache(None).plan_for(manifests)
+    transport = _transport("same-addresses")
+    memory = ReceiverMemory(transport, CPU)
+    memory.allocate(plan, manifests)
+    transport.connect(manifests, _metadata(served))
+    transport.execute(transport.prepare(plan, manifests, memory.buffers), memory.buffers)
+    pub, other = served.pubs[(0, 0, 0)], served.pubs[(1, 0, 0)]
+    before, extra = pub.agent.metadata, torch.zeros(1 << 16, dtype=torch.uint8)
+    pub.agent.register([extra])
+    try:
+        assert pub.agent.metadata != before and _manifests(served)[pub.rank].memory_digest == manifests[pub.rank].memory_digest
+        for t in memory.buffers.values():
+            t.zero_()
+        transport.connect(_manifests(served), _metadata(served))
+        transport.execute(transport.prepare(plan, _manifests(served), memory.buffers), memory.buffers)
+        assert [ref.name for ref, t in memory.buffers.items() if not torch.equal(t, served.hf[ref.name])] == []
+        assert (transport.rank_prepares[pub.rank], transport.rank_prepares[other.rank]) == (2, 1)
+    finally:
+        memory.release()
+        pub.agent.deregister([extra])
+
+
 def _fitting_budget(served, plan) -> int:
     """The budget a ring too small names; a ring of it fits the largest layer (an error that names
     none, or a budget that does not fit, fails here)."""

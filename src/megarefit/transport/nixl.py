@@ -312,8 +312,8 @@ class NixlTransport:
         """
         key = tuple(p.digest for p in plans) + tuple(manifests[r].memory_digest for r in sorted(manifests))
         cached = self._prepared.get(key)
-        if cached is not None:
-            return cached
+        if cached is not None and not any(p.stale for plan in cached for p in plan.per_source):
+            return cached  # (a source that re-registered at the same addresses left its requests stale)
         local = self._ipc_ranks() & manifests.keys()
         remote = {r: m for r, m in manifests.items() if r not in local}
         every = [t for b in buffers for t in b.values()]
