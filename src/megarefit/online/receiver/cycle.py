@@ -80,6 +80,11 @@ class CycleStats:
     # memory (bytes) held at the cycle's end for READs that timed out and are still in flight: an
     # arena and scratch they may still write, never read again, freed once they end (transport/quarantine.py)
     quarantined_bytes: int = 0
+    # a node group (RefitReceiver(node=n)): bytes copied from node-mates' arenas over the same-host path
+    # (not in ``wire_bytes``, which counts what this receiver READ from the trainers), and the mates whose
+    # share it pulled itself this cycle, each with why (online/receiver/node_share.py)
+    node_bytes: int = 0
+    node_fallbacks: tuple[tuple[str, str], ...] = ()
 
 
 class Laps:

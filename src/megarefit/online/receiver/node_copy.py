@@ -32,10 +32,19 @@ import torch
 
 from megarefit.online.receiver.arena import arena_key
 from megarefit.online.receiver.cycle import StaleVersionError
+from megarefit.online.store.receivers import ReceiverRegistry
 from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout
+from megarefit.transport.execute import torch_dtype
 from megarefit.transport.nixl_agent import NixlAgent, TransferError, mem_type
 
 __all__ = ["MateReader", "RangeCopy"]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 @dataclass(frozen=True)
@@ -54,16 +63,19 @@ class MateReader:
 
     ``nixl``: this receiver's agent (its arenas registered with it: they are the READ's local side).
     ``timeout``: seconds to wait for the mate to serve the version and for the READ to end.
+    ``lease``: seconds the mate's heartbeat may stand still while this waits (``None``: no check).
 
     Raises (:meth:`read`):
         RendezvousTimeout: the mate served no arena, or not ``version``, within ``timeout``.
         StaleVersionError: the mate serves a newer version (not retryable), or rewrote its arena
             during the READ (retryable).
         TransferError: a range lies outside the mate's or this receiver's arena, or the READ
-            failed or did not end within ``timeout``."""
+            failed or did not end within ``timeout``; the mate's heartbeat stood still ``lease`` s."""
 
-    def __init__(self, rendezvous: Rendezvous, nixl: NixlAgent, *, group: str, mate: str, timeout: float = 60.0):
+    def __init__(self, rendezvous: Rendezvous, nixl: NixlAgent, *, group: str, mate: str, timeout: float = 60.0,
+                 lease: float | None = None):
         self.rendezvous, self.nixl, self.group, self.mate, self.timeout = rendezvous, nixl, group, mate, timeout
+        self.lease, self._beats = lease, ReceiverRegistry(rendezvous)
         self._loaded: bytes | None = None
         self.bytes_read = 0  # bytes READ from the mate by the last read()
 
@@ -75,7 +87,10 @@ class MateReader:
 
     def _served(self, version: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The mate's (even sequence, arena info) once it serves ``version``."""
+        beat = self._beats.beat_count(self.mate), time.monotonic()
         while True:
+            if self.lease is not None:
+                beat = self._alive(beat)
             seq = self._seq()
             if seq % 2 == 0 and self.rendezvous.store.check([self.rendezvous.prefix + self._key("info")]):
                 info = json.loads(self.rendezvous.fetch(self._key("info")))
@@ -88,6 +103,16 @@ class MateReader:
                 raise RendezvousTimeout(f"node-mate {self.mate!r} (group {self.group!r}) did not serve version "
                                         f"{version} within {self.timeout:g} s (sequence {seq})")
             time.sleep(0.001)
+
+    def _alive(self, beat: tuple[int, float]) -> tuple[int, float]:
+        """(beat count, when it last moved); raises TransferError once it stood still ``lease`` s."""
+        now, count = time.monotonic(), self._beats.beat_count(self.mate)
+        if count != beat[0]:
+            return count, now
+        if self.lease is not None and now - beat[1] > self.lease:
+            raise TransferError(f"node-mate {self.mate!r} (group {self.group!r}) stopped beating: no heartbeat "
+                                f"for {now - beat[1]:.1f} s (lease {self.lease:g} s); it died or hangs")
+        return beat
 
     def _descriptors(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor],
                      info: dict[str, Any]) -> tuple[list, list, str, str]:
@@ -118,6 +143,38 @@ class MateReader:
             return 0
         deadline = time.monotonic() + self.timeout
         seq, info = self._served(version, deadline)
+        return self._read(copies, arenas, seq, info, deadline)
+
+    def read_targets(self, wanted: Sequence[tuple[str, str, int, int]], arenas: dict[str, torch.Tensor],
+                     version: int) -> int:
+        """Copy whole targets of the mate's ``version`` into ``arenas``: ``wanted`` is ``(name, dtype,
+        bytes, byte offset here)``, each found by name among the targets the mate serves (their
+        offsets published with its arena); returns the bytes READ.
+
+        Raises:
+            TransferError: the mate serves no such target, or with another dtype or size.
+            (and what :meth:`read` raises)"""
+        self.bytes_read = 0
+        if not wanted:
+            return 0
+        deadline = time.monotonic() + self.timeout
+        seq, info = self._served(version, deadline)
+        served = {n: (d, o, s) for n, d, o, s in info["targets"]}
+        copies = []
+        for name, dtype, nbytes, dst in wanted:
+            if name not in served or served[name][0] != dtype:
+                raise TransferError(f"node-mate {self.mate!r} serves no {dtype} target {name!r} "
+                                    f"({'not served' if name not in served else served[name][0]})")
+            d, offset, shape = served[name]
+            size = torch_dtype(d).itemsize
+            if _numel(shape) * size != nbytes:
+                raise TransferError(f"node-mate {self.mate!r} serves {name!r} as {shape} ({_numel(shape) * size} "
+                                    f"bytes), {nbytes} bytes expected here")
+            copies.append(RangeCopy(d, offset * size, nbytes, dst))
+        return self._read(copies, arenas, seq, info, deadline)
+
+    def _read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], seq: int, info: dict[str, Any],
+              deadline: float) -> int:
         meta = self.rendezvous.fetch(self._key("meta"))
         agent = self.nixl.agent
         if meta != self._loaded:

@@ -36,9 +36,11 @@ from megarefit.online.receiver.failover import Failover
 from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
+from megarefit.online.receiver.node_share import NodeCopies, NodeShare
 from megarefit.online.receiver.plan_cache import PlanCache
+from megarefit.online.receiver.stream import sub_plan
 from megarefit.online.receiver.streamed import GroupStream
-from megarefit.plan import Plan
+from megarefit.plan import Plan, digest_of
 from megarefit.plan.columns import plan_threads
 from megarefit.transport.execute import run_value_step, torch_dtype
 from megarefit.transport.nic_meter import NicMeter
@@ -98,13 +100,19 @@ class CyclePipeline:
         timeout: seconds to wait for manifests, versions and transfers (may be changed between cycles).
         transfer_timeout: seconds one pull's READs may take (from their wait's start; a rank whose
             READs are not done by then fails over, as one whose READ failed); ``None``: ``timeout``.
+        node: this receiver's node group part (staged only): it pulls its share of what node-mates
+            also need, and copies the rest from them (:mod:`~megarefit.online.receiver.node_share`).
     """
 
     def __init__(self, fence: VersionFence, plans: PlanCache, memory: ReceiverMemory, transport: NixlTransport, *,
                  verifier: ChecksumVerifier | None = None, replica_group: str | None = None, timeout: float = 60.0,
-                 delta: bool = True, transfer_timeout: float | None = None):
+                 delta: bool = True, transfer_timeout: float | None = None, node: NodeShare | None = None):
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
-        self.delta = DeltaReceiver(transport, memory.device, delta)
+        self.node = node
+        self.node_copies = NodeCopies()  # the last staged cycle's copies from node-mates
+        self.delta = DeltaReceiver(transport, memory.device, delta and node is None)
+        if node is not None:  # (a delta per receiver would read what its mates copy: later)
+            self.delta.reason = f"node={node.expected}: full pulls, split among the node's receivers"
         self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
         self.replica_group = replica_group
@@ -179,6 +187,9 @@ class CyclePipeline:
             self._serving = False
         self.stats = staged_stats(self, plan, pulled, got, seconds, cold, attempt)
         self.stats.failovers = tuple(failovers)
+        if self.node is not None:
+            self.stats.wire_bytes += self.node_copies.wire_bytes
+            self.stats.node_bytes, self.stats.node_fallbacks = self.node_copies.bytes, tuple(self.node_copies.fallbacks)
         self.stats.quarantined_bytes = self.transport.quarantined.nbytes
         _count_nics(self.nics, getattr(self.transport.nixl, "nic", None), self.stats)
         staging = plan.staging
@@ -216,11 +227,14 @@ class CyclePipeline:
             pulled = self.delta.choice(self.fence.rendezvous, plan, start.manifests, start.ranks, start.version)
             if isinstance(pulled, str):  # a full pull (why: the delta receiver's reason)
                 self.delta.reason = pulled
-                pulled = self.transport.prepare(plan, start.manifests, self.memory.buffers)
+                mine = plan if self.node is None else self.node.restrict(self.plans.base, plan)  # less the mates' share
+                pulled = self.transport.prepare(mine, start.manifests, self.memory.buffers)
             lap("prepare")
         if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
             self._bump_replica_seq()
             self._serving = True
+        if self.node is not None:  # node-mates must not read it now either
+            self.node.begin()
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
         with naming_the_job(self.fence.where(), version):
             if isinstance(pulled, DeltaChoice):
@@ -242,12 +256,31 @@ class CyclePipeline:
             seconds["pull.quantize"] = quant_s
         self.fence.end(start)
         lap("fence")
+        if self.node is not None:
+            self.node_copies = self._from_node_mates(plan, start, version)
+            lap("node")
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
             self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
             lap("verify")
         self.delta.hold(start.version, plan, start.manifests, self.memory.arenas, self.memory.layout)
         seconds.update({k: v for k, v in self.delta.seconds.items() if k.startswith("held.")})
         return plan, pulled, start.version, seconds, before != self._setup_count()
+
+    def _from_node_mates(self, plan: Plan, start: FenceStart, version: int | None) -> NodeCopies:
+        """Serve this receiver's fenced share to its node-mates, copy theirs in; what a mate failed
+        to serve, pulled here from the trainers and fenced again (:mod:`.node_share`)."""
+        assert self.node is not None
+        self.node.serve(self.memory.arenas, self.memory.layout, start.version, self.transport.nixl.metadata)
+        got = self.node.copy_in(plan, self.transport.nixl, self.memory.arenas, self.memory.layout, start.version)
+        if got.missing:
+            names = sorted(r.name for r in got.missing)
+            sub = sub_plan(plan, got.missing, digest_of(plan.digest, "node-fallback", names))
+            prepared = self.transport.prepare(sub, start.manifests, self.memory.buffers)
+            with naming_the_job(self.fence.where(), version):
+                self.transport.execute(prepared, self.memory.buffers, timeout=self.read_timeout, grace=self.timeout)
+            self.fence.end(start)
+            got.wire_bytes = prepared.wire_bytes
+        return got
 
     def _after_pull(self, plan: Plan) -> float:
         """The receiver-side steps of a staged pull: FP8 blocks that straddle trainer shards

@@ -82,6 +82,17 @@ class PlanCache:
         """The current plan (the last cycle's), or ``None`` before the first or after :meth:`invalidate`."""
         return self._plan
 
+    @property
+    def base(self) -> Plan:
+        """The current plan before holders were chosen (every source at its coordinate's first holder).
+
+        Raises:
+            MegarefitError: no current plan."""
+        plan = self._plan
+        if plan is None:
+            raise MegarefitError("no current plan: plan_for() first")
+        return self._base[(plan.dims, plan.layout, plan.dtype, self._fmt, self.target, self.part)]
+
     def invalidate(self) -> None:
         """The next :meth:`plan_for` returns its plan as new (from the cache if seen before)."""
         self._plan = None

@@ -44,6 +44,7 @@ from megarefit.online.receiver.cycle import CycleStats, StaleVersionError, TornU
 from megarefit.online.receiver.fence import VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
+from megarefit.online.receiver.node_share import NodeShare
 from megarefit.online.receiver.pipeline import CyclePipeline
 from megarefit.online.receiver.plan_cache import PlanCache
 from megarefit.online.receiver.prefetch import PrefetchSlot, PrefetchState, Prepare, refuse_streamed
@@ -60,7 +61,7 @@ from megarefit.transport.nixl import NixlTransport
 
 def _check_options(memory_budget: int | Literal["auto"] | None, replica_group: str | None,
                    experts: frozenset[int] | None, target: VllmTarget | None, part: str,
-                   direct: Mapping[str, torch.Tensor] | None) -> None:
+                   direct: Mapping[str, torch.Tensor] | None, node: int | None = None) -> None:
     """Refuse receiver options that contradict each other (see :class:`RefitReceiver`).
 
     Raises:
@@ -78,6 +79,11 @@ def _check_options(memory_budget: int | Literal["auto"] | None, replica_group: s
     if part not in MODEL_PARTS or (target is not None and part != "all"):
         raise MegarefitError(f"part={part!r}: expected one of {MODEL_PARTS}, and 'all' with a vLLM target "
                              "(VllmTarget(draft=True) picks a worker's draft model)")
+    if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 1):
+        raise MegarefitError(f"node={node!r}: give the number of receivers on this node (>= 1), or None")
+    if node is not None and (memory_budget is not None or replica_group is not None):
+        raise MegarefitError("node= splits a staged pull among node-mates that serve each other their arenas: "
+                             "it takes neither memory_budget (streamed) nor replica_group (yet); give one")
     if direct and memory_budget is None:
         raise MegarefitError("direct writes need a streamed refit (memory_budget=...): a staged refit leaves "
                              "the consumer's tensors untouched until every byte is fenced")
@@ -157,6 +163,8 @@ class RefitReceiver:
             (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
             ``stats.delta_reason`` why a cycle was full. ``False``: always full.
         reader: its place among all readers (``Reader.of(...)``): who serves each source (planner/holders.py).
+        node: receivers on this host (this one included) that split the targets several need, each pulling
+            its share, copying the rest from node-mates (:mod:`.node_share`; staged; ``None``: no group).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
@@ -166,8 +174,8 @@ class RefitReceiver:
                  memory_budget: int | Literal["auto"] | None = None, verify_checksums: bool = False,
                  direct: Mapping[str, torch.Tensor] | None = None, transport: IpcMode = "auto",
                  part: ModelPart = "all", delta: bool = True, reader: Reader | None = None,
-                 transfer_timeout: float | None = None):
-        _check_options(memory_budget, replica_group, experts, target, part, direct)
+                 transfer_timeout: float | None = None, node: int | None = None):
+        _check_options(memory_budget, replica_group, experts, target, part, direct, node)
         self.rendezvous = rendezvous
         self.part: ModelPart = part
         self.device = torch.device(device)
@@ -175,7 +183,7 @@ class RefitReceiver:
         self.replica_group = replica_group
         ipc = IpcSources(self.device, transport)  # checks the mode before any agent exists
         self.transport = NixlTransport(name, scratch_budget=scratch_budget,  # the NIXL agent: created here, once
-                                       progress_thread=replica_group is not None,  # replicas READ from it
+                                       progress_thread=replica_group is not None or node is not None,  # mates READ it
                                        ipc=ipc, device=self.device)  # its GPU's nearest NIC
         self._verifier = ChecksumVerifier(self.transport, self.device) if verify_checksums else None
         BoxCopies.warm_up(self.device)  # Triton's start-up and the placement kernels, off the first refit
@@ -186,9 +194,12 @@ class RefitReceiver:
         self._plans = PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf, reader=reader)
         self._memory = ReceiverMemory(self.transport, self.device, memory_budget, scratch_budget, direct)
         fence = VersionFence(rendezvous, name, self._plans.ranks_for)  # fences the ranks its plan reads
+        self.node = None if node is None else NodeShare(rendezvous, name, node, timeout=timeout,
+                                                         lease=3 * heartbeat_s + 2, device=self.device)
         self._pipeline = CyclePipeline(fence, self._plans, self._memory, self.transport, verifier=self._verifier,
                                        replica_group=replica_group, timeout=timeout, delta=delta,
-                                       transfer_timeout=transfer_timeout)
+                                       transfer_timeout=transfer_timeout, node=self.node)
+
         self._prefetch = PrefetchSlot(self.device, lambda: self._pipeline.stats, self.transport.polite)
 
     @property
@@ -237,10 +248,9 @@ class RefitReceiver:
         return self._memory.stream
 
     def set_target(self, target: VllmTarget) -> bool:
-        """Follow the worker's current placement before a cycle (vLLM's expert-parallel load
-        balancer moves experts at run time): a target that differs from the current one
-        re-plans at the next cycle (plans are cached by target, so a placement seen before
-        costs no planning again; a prefetch of the old placement is dropped); returns whether it changed.
+        """Follow the worker's current placement before a cycle (vLLM's expert-parallel load balancer moves
+        experts at run time): another target re-plans at the next cycle (cached by target: a placement seen
+        before costs no planning; a prefetch of the old one is dropped); returns whether it changed.
 
         Raises:
             MegarefitError: this receiver pulls full HF tensors (no vLLM target to follow).
@@ -253,9 +263,8 @@ class RefitReceiver:
         return changed
 
     def acknowledge(self, version: int | None = None) -> None:
-        """Tell the trainers this receiver installed ``version`` (default: the last cycle's)
-        and reads nothing older; ``Publisher.wait_receivers`` returns once every live
-        receiver did. The vLLM extension and engine call it after installing.
+        """Tell the trainers this receiver installed ``version`` (default: the last cycle's) and reads nothing
+        older; ``Publisher.wait_receivers`` returns once every live receiver did (the vLLM engine calls it).
 
         Raises:
             MegarefitError: no cycle ran yet and no ``version`` was given.
@@ -272,17 +281,15 @@ class RefitReceiver:
         _closed(self._heartbeat, self.transport, self._memory)
 
     def __del__(self) -> None:
-        heartbeat = getattr(self, "_heartbeat", None)
-        if heartbeat is not None:
-            heartbeat.stop()
+        if getattr(self, "_heartbeat", None) is not None:
+            self._heartbeat.stop()
 
     def release_memory(self) -> int:
-        """Free what the receiver holds on its device between cycles -- the arena (staged) or the
-        ring (streamed), and the scratch -- e.g. while a colocated trainer trains on the same GPU
-        and vLLM sleeps. Returns the bytes freed. The plan, the CUDA IPC mappings (they hold no
-        memory of the receiver's) and the NIXL connections stay; the next cycle allocates and
-        prepares again (a cold cycle, without planning). Tensors handed over earlier must no
-        longer be read.
+        """Free what the receiver holds on its device between cycles -- the arena (staged) or the ring
+        (streamed), and the scratch -- e.g. while a colocated trainer trains on the same GPU and vLLM
+        sleeps. Returns the bytes freed. The plan, the CUDA IPC mappings (they hold no memory of the
+        receiver's) and the NIXL connections stay; the next cycle allocates and prepares again (a cold
+        cycle, without planning). Tensors handed over earlier must no longer be read.
 
         Raises:
             MegarefitError: the receiver serves a replica group (replicas read its arena)."""
@@ -316,12 +323,11 @@ class RefitReceiver:
 
     # ---- prefetch -------------------------------------------------------------
     def prefetch(self, version: int | None = None, prepare: Prepare | None = None) -> PrefetchState:
-        """Pull ``version`` (default: the current one) into the arena on a background thread, return
-        at once (:mod:`~megarefit.online.receiver.prefetch`); the next :meth:`refit` / :meth:`run_refit_cycle`
-        of that version hands it over without pulling. Asked again: the running prefetch's state;
-        another version drops it first. ``prepare``: run on the thread once fenced, on every
-        ``(name, arena view)``; its result is :attr:`prepared` from the cycle that takes the
-        prefetch until the next cycle or drop (``None`` for a cycle that pulled afresh).
+        """Pull ``version`` (default: the current one) into the arena on a background thread, return at once
+        (:mod:`.prefetch`); the next :meth:`refit` / :meth:`run_refit_cycle` of it hands it over without pulling.
+        Asked again: the running prefetch's state; another version drops it first. ``prepare``: run on the
+        thread once fenced, on every ``(name, arena view)``; its result is :attr:`prepared` from the cycle that
+        takes the prefetch until the next cycle or drop (``None`` for a cycle that pulled afresh).
         Raises MegarefitError for a streamed receiver (``memory_budget``): it holds no whole version."""
         if self.memory_budget is not None:
             raise refuse_streamed(self.name)

@@ -44,6 +44,10 @@ class ReceiverRegistry:
         """Move ``rid``'s heartbeat counter (its lease)."""
         self.records.store.add(self._key(f"beat/{rid}"), 1)
 
+    def beat_count(self, rid: str) -> int:
+        """``rid``'s heartbeat counter (0 before its first beat)."""
+        return self.records.store.add(self._key(f"beat/{rid}"), 0)
+
     def acknowledge(self, rid: str, version: int) -> None:
         """Receiver ``rid`` installed ``version`` (and no longer reads older bytes)."""
         self.records.put(f"acked/{rid}", str(int(version)))

@@ -1,0 +1,244 @@
+"""Node-local dedup at run time (issue 60): receivers of one node split what they all need.
+
+Real parts: in-process Publishers serving the reference sharder's shards over NIXL (UCX), real
+RefitReceivers with ``node=n`` on threads of this process (one node: one ``$MEGAREFIT_NODE``),
+each with its own NIXL agent, copying from each other's arenas.
+
+Oracles: the HF state the shards came from and vLLM's documented TP layout built from it by
+cat / chunk (tests/reference.py), never the planner; the split's contract checked on drawn needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("nixl")
+
+from conftest import tiny_config  # noqa: E402
+from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
+
+from megarefit.errors import MegarefitError  # noqa: E402
+from megarefit.layout.megatron_model import source_layout  # noqa: E402
+from megarefit.online import RefitReceiver  # noqa: E402
+from megarefit.online.receiver.node_split import NodePiece, node_pieces, split_node  # noqa: E402
+from megarefit.online.receiver.plan_cache import PlanCache  # noqa: E402
+from megarefit.online.store.rendezvous import Rendezvous  # noqa: E402
+from megarefit.online.trainer.publisher import Publisher  # noqa: E402
+from megarefit.targets import VllmTarget  # noqa: E402
+
+CFG = tiny_config("Qwen3-0.6B", tie_word_embeddings=False)
+_JOBS = itertools.count()
+
+
+# ---- the split, as data ---------------------------------------------------------------------------
+@st.composite
+def _needs(draw):
+    mates = [f"m{i}" for i in range(draw(st.integers(1, 5)))]
+    sigs = {f"{i:016x}": draw(st.integers(1, 1 << 20)) for i in range(draw(st.integers(0, 30)))}
+    needs = {}
+    for m in mates:
+        mine = draw(st.sets(st.sampled_from(sorted(sigs)), max_size=len(sigs))) if sigs else set()
+        needs[m] = [NodePiece(f"{m}.{s}", "bfloat16", sigs[s], s) for s in sorted(mine)]
+    return mates, needs
+
+
+@settings(max_examples=200, deadline=None)
+@given(_needs(), st.randoms())
+def test_the_split_gives_each_shared_piece_one_needer_and_is_the_same_on_every_mate(drawn, rnd):
+    """Every piece is pulled by exactly one mate that needs it (itself, if only it needs it);
+    pulls and copies of a mate are its pieces, disjoint; the split does not depend on the order
+    the records were read in; replicas (every mate needs every piece) pull within one piece of each other."""
+    mates, needs = drawn
+    split = split_node(needs, mates)
+    shuffled = list(needs.items())
+    rnd.shuffle(shuffled)
+    assert split_node(dict(shuffled), mates) == split
+    pulled_by: dict[str, set[str]] = {}
+    for m in mates:
+        pulls, copies = split.pulls(m, needs[m]), split.copies(m, needs[m])
+        copied = [p.name for ps in copies.values() for p in ps]
+        assert sorted(pulls + copied) == sorted(p.name for p in needs[m]) and not set(pulls) & set(copied)
+        for p in needs[m]:
+            if p.name in pulls:
+                pulled_by.setdefault(p.signature, set()).add(m)
+        for owner, ps in copies.items():
+            assert all(owner in {x for x in mates if p.signature in {q.signature for q in needs[x]}} for p in ps)
+    for sig, owners in pulled_by.items():
+        needers = [m for m in mates if sig in {p.signature for p in needs[m]}]
+        assert len(owners) == 1 and owners <= set(needers), (sig, owners, needers)
+    load = {m: sum(p.nbytes for p in needs[m] if split.owners.get(p.signature) == m) for m in mates}
+    biggest = max((p.nbytes for ps in needs.values() for p in ps), default=0)
+    if len(mates) > 1 and len({frozenset(p.signature for p in needs[m]) for m in mates}) == 1:  # replicas
+        assert max(load.values()) - min(load.values()) <= biggest, load
+
+
+def test_one_signature_with_two_sizes_is_refused():
+    a = [NodePiece("x", "bfloat16", 8, "s")]
+    with pytest.raises(MegarefitError, match="not one piece"):
+        split_node({"a": a, "b": [NodePiece("y", "bfloat16", 16, "s")]}, ["a", "b"])
+    with pytest.raises(MegarefitError, match=r"no pieces from node-mates \['b'\]"):
+        split_node({"a": a}, ["a", "b"])
+
+
+def test_pieces_of_two_vllm_tp_ranks_share_exactly_the_tensors_both_hold_whole():
+    """vLLM tp 2, ranks 0 and 1: a target of one rank has the signature of a target of the other
+    exactly where their reference tensors (vLLM's layout by cat / chunk, random weights) are
+    equal: the replicated ones (norms), and only those."""
+    hf = reference_hf_state(CFG, "qwen3")
+    manifests = _manifests(hf)
+    pieces, want = {}, {}
+    for rank in (0, 1):
+        cache = PlanCache(VllmTarget(2, rank))
+        cache.plan_for(manifests)
+        pieces[rank] = {p.name: p for p in node_pieces(cache.base)}
+        want[rank] = vllm_reference(hf, CFG, 2, rank)
+    same = {n for n in pieces[0] if n in pieces[1] and pieces[0][n].signature == pieces[1][n].signature}
+    equal = {n for n in want[0] if n in want[1] and want[0][n].shape == want[1][n].shape
+             and torch.equal(want[0][n], want[1][n])}
+    assert same == equal and same and all("norm" in n for n in same), sorted(same ^ equal)
+    sigs0 = {p.signature for p in pieces[0].values()}
+    assert {n for n, p in pieces[1].items() if p.signature in sigs0} == same  # no two names for one piece here
+
+
+# ---- at run time -------------------------------------------------------------------------------------
+def _manifests(hf: dict) -> dict:
+    """Manifests of tp 2 publishers of ``hf`` (not serving: planning reads only shapes)."""
+    job = f"node-plan-{next(_JOBS)}"
+    rdzv = Rendezvous.serve(job=job)
+    pubs = _publishers(rdzv, job, hf)
+    try:
+        return {p.rank: p.manifest for p in pubs}
+    finally:
+        rdzv.store.close()
+
+
+def _publishers(rdzv: Rendezvous, job: str, hf: dict) -> list[Publisher]:
+    shards = reference_shards(hf, CFG, tp=2, pp=1)
+    return [Publisher({n: t.clone() for n, t in s.items()}, CFG, rank=r, layout=source_layout(CFG, tp=2, pp=1),
+                      rendezvous=rdzv, agent_name=f"{job}-t{r[0]}") for r, s in shards.items()]
+
+
+def _cycles(receivers, version: int, timeout: float = 60.0) -> list:
+    """Each receiver's cycle of ``version`` on a thread of its own: ``{name: tensor}`` or the error."""
+    out: list = [None] * len(receivers)
+
+    def run(i):
+        try:
+            out[i] = {n: t.clone() for n, t in receivers[i].run_refit_cycle(version)}
+        except Exception as exc:  # noqa: BLE001 (handed to the test)
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(receivers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a receiver's cycle did not end"
+    return out
+
+
+@pytest.fixture
+def node(monkeypatch):
+    """A rendezvous with tp 2 publishers of random HF weights, the version counter, and a node name."""
+    job = f"node-share-{next(_JOBS)}"
+    monkeypatch.setenv("MEGAREFIT_NODE", job)
+    rdzv = Rendezvous.serve(job=job)
+    hf = reference_hf_state(CFG, "qwen3")
+    pubs = _publishers(rdzv, job, hf)
+    yield {"rdzv": rdzv, "job": job, "hf": {n: t.clone() for n, t in hf.items()}, "pubs": pubs}
+    rdzv.store.close()
+
+
+def _publish(node, v: int) -> dict:
+    """Publish version ``v`` (1.0 added to every weight, again); the HF state it is (the same adds)."""
+    for p in node["pubs"]:
+        for t in p.params.values():
+            t.add_(1.0)
+        p.publish(v)
+    for t in node["hf"].values():
+        t.add_(1.0)
+    return {n: t.clone() for n, t in node["hf"].items()}
+
+
+def test_two_full_hf_receivers_of_one_node_pull_half_each_and_both_get_every_byte(node):
+    """Two receivers that both pull full HF tensors: every piece is shared, each pulls about half
+    from the trainers (within one tensor) and copies the other half from its mate; both get
+    every byte of versions 1 and 2, warm the second time (nothing planned or prepared again)."""
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-rx{i}", timeout=30, node=2) for i in range(2)]
+    total = sum(t.numel() * t.element_size() for t in node["hf"].values())
+    biggest = max(t.numel() * t.element_size() for t in node["hf"].values())
+    for v in (1, 2):
+        want = _publish(node, v)
+        got = _cycles(rx, v)
+        for g in got:
+            assert not isinstance(g, Exception), g
+            assert g.keys() == want.keys() and [n for n in want if not torch.equal(g[n], want[n])] == []
+        stats = [r.stats for r in rx]
+        assert sum(s.node_bytes for s in stats) == total and all(s.node_fallbacks == () for s in stats)
+        assert all(s.bytes_moved == total and s.node_bytes + s.wire_bytes >= total for s in stats)
+        assert abs(stats[0].node_bytes - stats[1].node_bytes) <= biggest
+        assert "node=2" in stats[0].delta_reason
+    assert [r.stats.cold for r in rx] == [False, False]
+    for r in rx:
+        r.close()
+
+
+def test_vllm_tp_ranks_of_one_node_copy_only_the_replicated_tensors(node):
+    """vLLM tp 2's two workers on one node: each gets exactly vLLM's layout of its rank; what they
+    copy from each other are the tensors both hold whole, nothing else."""
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-w{i}", timeout=30, node=2, target=VllmTarget(2, i))
+          for i in range(2)]
+    want_hf = _publish(node, 1)
+    got = _cycles(rx, 1)
+    for i, g in enumerate(got):
+        assert not isinstance(g, Exception), g
+        want = vllm_reference(want_hf, CFG, 2, i)
+        assert g.keys() == want.keys() and [n for n in want if not torch.equal(g[n], want[n])] == []
+    ref0, ref1 = (vllm_reference(want_hf, CFG, 2, i) for i in (0, 1))
+    replicated = sum(t.numel() * t.element_size() for n, t in ref0.items()
+                     if n in ref1 and t.shape == ref1[n].shape and torch.equal(t, ref1[n]))
+    assert sum(r.stats.node_bytes for r in rx) == replicated > 0
+    for r in rx:
+        r.close()
+
+
+def test_a_mate_that_stops_serving_is_pulled_around_then_left_out(node):
+    """Three receivers of one node refit version 1; then one closes (its heartbeat stops) and no
+    longer pulls. The other two wait out its lease, pull its share themselves in the same cycle
+    (named in ``stats.node_fallbacks``), and get every byte; the next version splits between the
+    two alone (no fallback, no wait)."""
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-r{i}", timeout=30, heartbeat_s=0.2, node=3)
+          for i in range(3)]
+    want = _publish(node, 1)
+    assert all(not isinstance(g, Exception) for g in _cycles(rx, 1))
+    gone = rx.pop(1)
+    gone.close()
+    for v in (2, 3):
+        want = _publish(node, v)
+        t0 = time.monotonic()
+        got = _cycles(rx, v)
+        for g in got:
+            assert not isinstance(g, Exception), g
+            assert [n for n in want if not torch.equal(g[n], want[n])] == []
+        fallbacks = [r.stats.node_fallbacks for r in rx]
+        if v == 2:
+            assert any(fallbacks) and all(m == gone.name and "stopped beating" in why for f in fallbacks for m, why in f)
+        else:
+            assert fallbacks == [(), ()] and time.monotonic() - t0 < 10
+            assert sum(r.stats.node_bytes for r in rx) == sum(t.numel() * t.element_size() for t in want.values())
+    for r in rx:
+        r.close()
+
+
+def test_node_options_that_cannot_hold_are_refused(node):
+    for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "memory_budget": 1 << 20}, "memory_budget"),
+                      ({"node": 2, "replica_group": "g"}, "replica_group")):
+        with pytest.raises(MegarefitError, match=match):
+            RefitReceiver(node["rdzv"], name=f"{node['job']}-bad", **kw)
