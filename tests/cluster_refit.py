@@ -94,18 +94,19 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
                      rate_mbit: float = 300.0, rates: Mapping[str, float | None] | None = None,
                      timeout: float = 120.0, receiver_timeout: float = 60.0, transfer_timeout: float | None = None,
                      during: Callable[[Cluster, dict[str, WorkerGroup]], None] | None = None,
-                     config: dict | None = None) -> ClusterRefit:
+                     config: dict | None = None, per_node: int = 1, killed: tuple[int, ...] = ()) -> ClusterRefit:
     """Make the cluster, run store, trainers and receivers in it, remove it all; ``during(c,
     groups)`` runs while the receivers pull (fault injection; ``groups``: "store", "trainers",
     "receivers"). ``receiver_timeout`` / ``transfer_timeout``: the receivers' ``timeout`` /
-    ``transfer_timeout``.
+    ``transfer_timeout``. ``per_node``: receivers per receiver node (``r0`` holds receivers 0 ..
+    per_node - 1, ...), a node group each; ``killed``: receivers ``during`` kills (``None`` results).
 
     Raises:
         RuntimeError / TimeoutError: a job failed (its traceback) or did not end within ``timeout``."""
     cfg = config or cluster_config()
     case = TrainerCase("cluster", cfg, tp, 1, TOKENS)
     world = dp * tp
-    names = [f"t{i}" for i in range(world)] + [f"r{i}" for i in range(receivers)] + ["store"]
+    names = [f"t{i}" for i in range(world)] + [f"r{i}" for i in range(-(-receivers // per_node))] + ["store"]
     rates = {"store": None, **(rates or {})}
     with cluster(names, rate_mbit=rate_mbit, rates=rates) as c, tempfile.TemporaryDirectory() as d:
         stop = str(Path(d) / "stop")
@@ -118,11 +119,12 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
         _wait_first_version(groups["trainers"], Path(d), world if every_copy else tp, timeout)  # copies: one file
         before = c.counters()
         groups["receivers"] = start_workers(receiver_job, world_size=receivers, args=(
-            [c[f"r{i}"].spec for i in range(receivers)], store, versions, receiver_timeout, transfer_timeout))
+            [c[f"r{i // per_node}"].spec for i in range(receivers)], store, versions, receiver_timeout,
+            transfer_timeout, per_node))
         try:
             if during is not None:
                 during(c, groups)
-            got = groups["receivers"].join(timeout)
+            got = groups["receivers"].join(timeout, killed=killed)
             after = c.counters()
             try:  # the store serves until the trainers end (a slowed one may still wait for it)
                 trained = groups["trainers"].join(timeout)

@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Collection
 from typing import Any, Callable
 
 import torch
@@ -125,8 +126,9 @@ class WorkerGroup:
         if dead:
             raise RuntimeError("; ".join(dead))
 
-    def join(self, timeout: float = 600.0) -> list:
-        """Wait for every worker's result, ordered by rank.
+    def join(self, timeout: float = 600.0, killed: Collection[int] = ()) -> list:
+        """Wait for every worker's result, ordered by rank (``None`` for the ranks in ``killed``:
+        the caller killed them, :meth:`kill`; their death is not an error).
 
         Raises ``RuntimeError`` carrying the worker's traceback if any worker fails
         or dies, and ``TimeoutError`` after ``timeout`` seconds; remaining workers
@@ -136,8 +138,9 @@ class WorkerGroup:
         results: dict[int, Any] = {r: pickle.loads(payload) for r, payload in self._early.items()}
         deadline = time.monotonic() + timeout
         dead_since: dict[int, float] = {}
+        want = world_size - len(set(killed))
         try:
-            while len(results) < world_size:
+            while len(results.keys() - set(killed)) < want:
                 try:
                     rank, status, payload = q.get(timeout=0.2)
                 except queue.Empty:
@@ -146,19 +149,19 @@ class WorkerGroup:
                         raise TimeoutError(f"workers did not finish within {timeout}s") from None
                     for r, p in enumerate(procs):
                         # a dead worker may still have its result in the pipe: short grace period
-                        if r not in results and p.exitcode is not None:
+                        if r not in results and r not in killed and p.exitcode is not None:
                             if now - dead_since.setdefault(r, now) > 5.0:
                                 raise RuntimeError(f"worker {r} died with exit code {p.exitcode} without a result")
                     continue
                 if status == "err":
                     dead = [f"worker {r} exited with code {p.exitcode}"
-                            for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                            for r, p in enumerate(procs) if r != rank and r not in killed and p.exitcode not in (None, 0)]
                     note = f" ({'; '.join(dead)})" if dead else ""
                     raise RuntimeError(f"worker {rank} failed{note}:\n{payload}")
                 results[rank] = pickle.loads(payload)
         finally:
             for p in procs:
-                if p.is_alive() and len(results) < world_size:
+                if p.is_alive() and len(results.keys() - set(killed)) < want:
                     p.kill()
             for p in procs:
                 p.join(timeout=30)
@@ -166,7 +169,7 @@ class WorkerGroup:
                     p.kill()
                     p.join()
             q.close()
-        return [results[r] for r in range(world_size)]
+        return [results.get(r) if r in killed else results[r] for r in range(world_size)]
 
 
 def start_workers(fn: Callable[..., Any], *, world_size: int, args: tuple = (),
