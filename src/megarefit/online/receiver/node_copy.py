@@ -78,6 +78,7 @@ class MateReader:
         self.lease, self._beats = lease, ReceiverRegistry(rendezvous)
         self._loaded: bytes | None = None
         self.bytes_read = 0  # bytes READ from the mate by the last read()
+        self.wait_s = self.read_s = 0.0  # the last read(): seconds waiting for the mate to serve, then READing
 
     def _key(self, kind: str) -> str:
         return arena_key(kind, self.group, self.mate)
@@ -138,11 +139,13 @@ class MateReader:
 
     def read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], version: int) -> int:
         """Copy ``copies`` of the mate's ``version`` into ``arenas``; returns the bytes READ."""
-        self.bytes_read = 0
+        self.bytes_read, self.wait_s, self.read_s = 0, 0.0, 0.0
         if not copies:
             return 0
         deadline = time.monotonic() + self.timeout
+        t0 = time.perf_counter()
         seq, info = self._served(version, deadline)
+        self.wait_s = time.perf_counter() - t0
         return self._read(copies, arenas, seq, info, deadline)
 
     def read_targets(self, wanted: Sequence[tuple[str, str, int, int]], arenas: dict[str, torch.Tensor],
@@ -154,11 +157,13 @@ class MateReader:
         Raises:
             TransferError: the mate serves no such target, or with another dtype or size.
             (and what :meth:`read` raises)"""
-        self.bytes_read = 0
+        self.bytes_read, self.wait_s, self.read_s = 0, 0.0, 0.0
         if not wanted:
             return 0
         deadline = time.monotonic() + self.timeout
+        t0 = time.perf_counter()
         seq, info = self._served(version, deadline)
+        self.wait_s = time.perf_counter() - t0
         served = {n: (d, o, s) for n, d, o, s in info["targets"]}
         copies = []
         for name, dtype, nbytes, dst in wanted:
@@ -175,6 +180,7 @@ class MateReader:
 
     def _read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], seq: int, info: dict[str, Any],
               deadline: float) -> int:
+        t0 = time.perf_counter()
         meta = self.rendezvous.fetch(self._key("meta"))
         agent = self.nixl.agent
         if meta != self._loaded:
@@ -199,4 +205,5 @@ class MateReader:
         if self._seq() != seq:
             raise StaleVersionError(f"node-mate {self.mate!r} rewrote its arena during the READ", retryable=True)
         self.bytes_read = sum(c.nbytes for c in copies)
+        self.read_s = time.perf_counter() - t0
         return self.bytes_read

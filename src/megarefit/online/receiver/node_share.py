@@ -61,6 +61,8 @@ class NodeCopies:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     missing: list[TensorRef] = field(default_factory=list)
     wire_bytes: int = 0  # bytes the fallback pull READ from the trainers
+    wait_s: float = 0.0  # seconds waiting for mates to serve the version (their pulls still running)
+    read_s: float = 0.0  # seconds of the same-host READs themselves
 
 
 class NodeShare:
@@ -182,6 +184,7 @@ class NodeShare:
             wanted = [(p.name, p.dtype, p.nbytes, here[p.name][1] * torch_dtype(p.dtype).itemsize) for p in pieces]
             try:
                 out.bytes += reader.read_targets(wanted, arenas, version)
+                out.wait_s, out.read_s = out.wait_s + reader.wait_s, out.read_s + reader.read_s
             except (RendezvousTimeout, TransferError, StaleVersionError) as exc:
                 self._give_up(mate, exc)
                 out.fallbacks.append((mate, str(exc)))

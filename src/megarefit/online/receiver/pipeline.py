@@ -258,7 +258,8 @@ class CyclePipeline:
         lap("fence")
         if self.node is not None:
             self.node_copies = self._from_node_mates(plan, start, version)
-            lap("node")
+            lap("node")  # (of which waiting for mates, and their READs:)
+            seconds["node.wait"], seconds["node.read"] = self.node_copies.wait_s, self.node_copies.read_s
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
             self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
             lap("verify")
