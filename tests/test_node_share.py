@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 pytest.importorskip("nixl")
 
 from conftest import tiny_config  # noqa: E402
-from reference import reference_hf_state, reference_shards, vllm_reference  # noqa: E402
+from reference import reference_hf_state, reference_shards, unshard, vllm_reference  # noqa: E402
 
 from megarefit.errors import MegarefitError  # noqa: E402
 from megarefit.layout.megatron_model import source_layout  # noqa: E402
@@ -119,10 +119,10 @@ def _manifests(hf: dict) -> dict:
         rdzv.store.close()
 
 
-def _publishers(rdzv: Rendezvous, job: str, hf: dict) -> list[Publisher]:
+def _publishers(rdzv: Rendezvous, job: str, hf: dict, **kw) -> list[Publisher]:
     shards = reference_shards(hf, CFG, tp=2, pp=1)
     return [Publisher({n: t.clone() for n, t in s.items()}, CFG, rank=r, layout=source_layout(CFG, tp=2, pp=1),
-                      rendezvous=rdzv, agent_name=f"{job}-t{r[0]}") for r, s in shards.items()]
+                      rendezvous=rdzv, agent_name=f"{job}-t{r[0]}", **kw) for r, s in shards.items()]
 
 
 def _cycles(receivers, version: int, timeout: float = 60.0) -> list:
@@ -144,47 +144,57 @@ def _cycles(receivers, version: int, timeout: float = 60.0) -> list:
     return out
 
 
-@pytest.fixture
-def node(monkeypatch):
-    """A rendezvous with tp 2 publishers of random HF weights, the version counter, and a node name."""
+@pytest.fixture(params=[False, True], ids=["full", "delta"])
+def node(monkeypatch, request):
+    """A rendezvous with tp 2 publishers of random HF weights (publishing deltas or not), and a node name."""
     job = f"node-share-{next(_JOBS)}"
     monkeypatch.setenv("MEGAREFIT_NODE", job)
     rdzv = Rendezvous.serve(job=job)
     hf = reference_hf_state(CFG, "qwen3")
-    pubs = _publishers(rdzv, job, hf)
-    yield {"rdzv": rdzv, "job": job, "hf": {n: t.clone() for n, t in hf.items()}, "pubs": pubs}
+    pubs = _publishers(rdzv, job, hf, delta=request.param)
+    yield {"rdzv": rdzv, "job": job, "hf": hf, "pubs": pubs}
     rdzv.store.close()
 
 
 def _publish(node, v: int) -> dict:
-    """Publish version ``v`` (1.0 added to every weight, again); the HF state it is (the same adds)."""
+    """Publish version ``v`` (1.0 added to every 13th element of every shard: a delta the trainers
+    keep); the HF state it is, by the reference sharder's unsharding of the trainers' shards."""
     for p in node["pubs"]:
         for t in p.params.values():
-            t.add_(1.0)
+            t.view(-1)[v % 13::13].add_(1.0)
         p.publish(v)
-    for t in node["hf"].values():
-        t.add_(1.0)
-    return {n: t.clone() for n, t in node["hf"].items()}
+    shards = {tuple(p.rank)[:3]: p.params for p in node["pubs"]}
+    return unshard(shards, node["hf"], lambda hf: reference_shards(hf, CFG, tp=2, pp=1))
 
 
 def test_two_full_hf_receivers_of_one_node_pull_half_each_and_both_get_every_byte(node):
     """Two receivers that both pull full HF tensors: every piece is shared, each pulls about half
     from the trainers (within one tensor) and copies the other half from its mate; both get
-    every byte of versions 1 and 2, warm the second time (nothing planned or prepared again)."""
+    every byte of versions 1 and 2, warm the second time (nothing planned or prepared again).
+    Trainers publishing deltas: from version 2 on each mate pulls its own delta of every target
+    (no split: deltas are small) and still serves its arena; every byte still exact."""
     rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-rx{i}", timeout=30, node=2) for i in range(2)]
+    for r in rx:  # fixed rates: a delta whenever the trainers keep one (this machine's speed aside)
+        r.delta_model.rates.update(wire=8e9, delta_wire=8e9, scatter=1e9, full=8e9)
+        r.delta_model.learn = False
+    deltas = node["pubs"][0].delta is not None
     total = sum(t.numel() * t.element_size() for t in node["hf"].values())
     biggest = max(t.numel() * t.element_size() for t in node["hf"].values())
-    for v in (1, 2):
+    for v in (1, 2, 3):
         want = _publish(node, v)
         got = _cycles(rx, v)
         for g in got:
             assert not isinstance(g, Exception), g
             assert g.keys() == want.keys() and [n for n in want if not torch.equal(g[n], want[n])] == []
         stats = [r.stats for r in rx]
+        if deltas and v > 1:
+            assert [s.refit for s in stats] == ["delta", "delta"] and [s.node_bytes for s in stats] == [0, 0], \
+                [s.delta_reason for s in stats]
+            continue
+        assert [s.refit for s in stats] == ["full", "full"], [s.delta_reason for s in stats]
         assert sum(s.node_bytes for s in stats) == total and all(s.node_fallbacks == () for s in stats)
         assert all(s.bytes_moved == total and s.node_bytes + s.wire_bytes >= total for s in stats)
         assert abs(stats[0].node_bytes - stats[1].node_bytes) <= biggest
-        assert "node=2" in stats[0].delta_reason
     assert [r.stats.cold for r in rx] == [False, False]
     for r in rx:
         r.close()
@@ -193,8 +203,8 @@ def test_two_full_hf_receivers_of_one_node_pull_half_each_and_both_get_every_byt
 def test_vllm_tp_ranks_of_one_node_copy_only_the_replicated_tensors(node):
     """vLLM tp 2's two workers on one node: each gets exactly vLLM's layout of its rank; what they
     copy from each other are the tensors both hold whole, nothing else."""
-    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-w{i}", timeout=30, node=2, target=VllmTarget(2, i))
-          for i in range(2)]
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-w{i}", timeout=30, node=2, target=VllmTarget(2, i),
+                        delta=False) for i in range(2)]
     want_hf = _publish(node, 1)
     got = _cycles(rx, 1)
     for i, g in enumerate(got):
@@ -214,7 +224,7 @@ def test_a_mate_that_stops_serving_is_pulled_around_then_left_out(node):
     longer pulls. The other two wait out its lease, pull its share themselves in the same cycle
     (named in ``stats.node_fallbacks``), and get every byte; the next version splits between the
     two alone (no fallback, no wait)."""
-    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-r{i}", timeout=30, heartbeat_s=0.2, node=3)
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-r{i}", timeout=30, heartbeat_s=0.2, node=3, delta=False)
           for i in range(3)]
     want = _publish(node, 1)
     assert all(not isinstance(g, Exception) for g in _cycles(rx, 1))

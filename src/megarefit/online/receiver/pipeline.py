@@ -110,9 +110,7 @@ class CyclePipeline:
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
         self.node = node
         self.node_copies = NodeCopies()  # the last staged cycle's copies from node-mates
-        self.delta = DeltaReceiver(transport, memory.device, delta and node is None)
-        if node is not None:  # (a delta per receiver would read what its mates copy: later)
-            self.delta.reason = f"node={node.expected}: full pulls, split among the node's receivers"
+        self.delta = DeltaReceiver(transport, memory.device, delta)
         self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
         self.replica_group = replica_group
@@ -256,8 +254,8 @@ class CyclePipeline:
             seconds["pull.quantize"] = quant_s
         self.fence.end(start)
         lap("fence")
-        if self.node is not None:
-            self.node_copies = self._from_node_mates(plan, start, version)
+        if self.node is not None:  # a delta: its own (small) for every target; it still serves its mates
+            self.node_copies = self._from_node_mates(plan, start, version, copy=full)
             lap("node")  # (of which waiting for mates, and their READs:)
             seconds["node.wait"], seconds["node.read"] = self.node_copies.wait_s, self.node_copies.read_s
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
@@ -267,11 +265,14 @@ class CyclePipeline:
         seconds.update({k: v for k, v in self.delta.seconds.items() if k.startswith("held.")})
         return plan, pulled, start.version, seconds, before != self._setup_count()
 
-    def _from_node_mates(self, plan: Plan, start: FenceStart, version: int | None) -> NodeCopies:
-        """Serve this receiver's fenced share to its node-mates, copy theirs in; what a mate failed
-        to serve, pulled here from the trainers and fenced again (:mod:`.node_share`)."""
+    def _from_node_mates(self, plan: Plan, start: FenceStart, version: int | None, copy: bool) -> NodeCopies:
+        """Serve this receiver's fenced arena to its node-mates; ``copy`` (a full pull, split): copy
+        theirs in, and pull here from the trainers what a mate failed to serve, fenced again
+        (:mod:`.node_share`)."""
         assert self.node is not None
         self.node.serve(self.memory.arenas, self.memory.layout, start.version, self.transport.nixl.metadata)
+        if not copy:
+            return NodeCopies()
         got = self.node.copy_in(plan, self.transport.nixl, self.memory.arenas, self.memory.layout, start.version)
         if got.missing:
             names = sorted(r.name for r in got.missing)
