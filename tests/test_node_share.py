@@ -248,6 +248,10 @@ def test_a_mate_that_stops_serving_is_pulled_around_then_left_out(node):
 
 
 def test_node_options_that_cannot_hold_are_refused(node):
+    rx = RefitReceiver(node["rdzv"], name=f"{node['job']}-keeps", node=1)
+    with pytest.raises(MegarefitError, match="node-mates READ it"):
+        rx.release_memory()
+    rx.close()
     for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "memory_budget": 1 << 20}, "memory_budget"),
                       ({"node": 2, "replica_group": "g"}, "replica_group")):
         with pytest.raises(MegarefitError, match=match):

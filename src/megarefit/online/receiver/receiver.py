@@ -292,10 +292,10 @@ class RefitReceiver:
         cycle, without planning). Tensors handed over earlier must no longer be read.
 
         Raises:
-            MegarefitError: the receiver serves a replica group (replicas read its arena)."""
-        if self.replica_group is not None:
-            raise MegarefitError("a receiver serving a replica group keeps its arena (replicas READ it): "
-                                 "release_memory() is for receivers without replica_group")
+            MegarefitError: the receiver serves a replica or node group (they read its arena)."""
+        if self.replica_group is not None or self.node is not None:
+            raise MegarefitError("a receiver serving a replica or node group keeps its arena (replicas and node-mates "
+                                 "READ it): release_memory() is for receivers without replica_group or node")
         self._prefetch.drop()
         freed = self._memory.release()
         self._pipeline.delta.forget("memory released")
