@@ -167,7 +167,7 @@ def _served_against(manifest: Any, buffers: list[torch.Tensor], expected: list[t
     return {"entries": len(manifest.tensors), "inside": inside, "differ": differ}
 
 
-def _step_once(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:
+def step_once(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:
     """One real training step: next-token loss on a random batch, backward, Megatron's gradient
     sync and optimizer step (the optimizer on CPU)."""
     from megarefit.demo.megatron_cpu import optimizer_on_cpu
@@ -232,7 +232,7 @@ def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
     union = _no_changes(params)
     for step in range(1, max(publish_after) + 1):
         before = {n: p.detach().clone() for n, p in params.items()}
-        _step_once(ddp, opt, cfg, g)
+        step_once(ddp, opt, cfg, g)
         _add_changes(union, before, params)
         if step not in publish_after:
             continue
@@ -250,7 +250,7 @@ def delta_track_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
     union = _no_changes(params)
     for _ in range(2):
         before = {n: p.detach().clone() for n, p in params.items()}
-        _step_once(ddp, opt, cfg, g)
+        step_once(ddp, opt, cfg, g)
         _add_changes(union, before, params)
     out["float16"] = _compare(tracker, params, union)
     return out

@@ -91,22 +91,6 @@ def moved_trainer_job(rank: int, world_size: int, port: int, rdzv_port: int, job
 
 
 
-def _train_step(ddp: Any, opt: Any, cfg: dict, g: torch.Generator) -> None:
-    """One real step: next-token loss on a random batch, backward, Megatron's gradient sync and
-    optimizer step (the optimizer on CPU)."""
-    from megarefit.demo.megatron_cpu import optimizer_on_cpu
-
-    tokens = torch.randint(0, cfg["vocab_size"], (2, 9), generator=g)
-    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1)[None, None]
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    ddp(tokens[:, :-1], torch.arange(8)[None].expand(2, 8), attention_mask=mask,
-        labels=tokens[:, 1:]).float().mean().backward()
-    with optimizer_on_cpu():
-        ddp.finish_grad_sync()
-        opt.step()
-
-
 def moved_delta_job(rank: int, world_size: int, port: int, rdzv_port: int, job: str, cfg: dict,
                     moves: list[bool]) -> dict[str, Any]:
     """Data-parallel rank ``rank`` of 2 (tp 1) trains the demo GPT in bf16 with Megatron's
@@ -117,6 +101,8 @@ def moved_delta_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
     publish, after the test's ``pulled/<v>``. Returns rank 0's parameters per version, each
     publish's ``last_delta``, each move's (old, new) buffer addresses and ``MoveStats``, and how
     many served tensors the tracker covers."""
+    from megatron_jobs import step_once
+
     from megarefit.demo.megatron_cpu import bf16_adam_trainer, init_parallel
     from megarefit.demo.offload import offload_like_verl
     from megarefit.integrations.megatron import refit_tensors
@@ -147,7 +133,7 @@ def moved_delta_job(rank: int, world_size: int, port: int, rdzv_port: int, job: 
             out["addresses"].append(addresses)
             if pub is not None:
                 out["moves"].append((len(pub.last_move.moved), len(pub.manifest.tensors), pub.last_move.republished))
-        _train_step(ddp, opt, cfg, g)
+        step_once(ddp, opt, cfg, g)
         group.publish(version)
         if pub is not None:
             out["deltas"].append((pub.last_delta.recorded, pub.last_delta.changed, pub.last_delta.elements))

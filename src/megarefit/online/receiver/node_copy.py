@@ -139,14 +139,20 @@ class MateReader:
 
     def read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], version: int) -> int:
         """Copy ``copies`` of the mate's ``version`` into ``arenas``; returns the bytes READ."""
-        self.bytes_read, self.wait_s, self.read_s = 0, 0.0, 0.0
         if not copies:
+            self.bytes_read, self.wait_s, self.read_s = 0, 0.0, 0.0
             return 0
+        seq, info, deadline = self._wait_served(version)
+        return self._read(copies, arenas, seq, info, deadline)
+
+    def _wait_served(self, version: int) -> tuple[int, dict[str, Any], float]:
+        """(even sequence, arena info, deadline) once the mate serves ``version``; ``wait_s`` set."""
+        self.bytes_read, self.read_s = 0, 0.0
         deadline = time.monotonic() + self.timeout
         t0 = time.perf_counter()
         seq, info = self._served(version, deadline)
         self.wait_s = time.perf_counter() - t0
-        return self._read(copies, arenas, seq, info, deadline)
+        return seq, info, deadline
 
     def read_targets(self, wanted: Sequence[tuple[str, str, int, int]], arenas: dict[str, torch.Tensor],
                      version: int) -> int:
@@ -157,13 +163,10 @@ class MateReader:
         Raises:
             TransferError: the mate serves no such target, or with another dtype or size.
             (and what :meth:`read` raises)"""
-        self.bytes_read, self.wait_s, self.read_s = 0, 0.0, 0.0
         if not wanted:
+            self.bytes_read, self.wait_s, self.read_s = 0, 0.0, 0.0
             return 0
-        deadline = time.monotonic() + self.timeout
-        t0 = time.perf_counter()
-        seq, info = self._served(version, deadline)
-        self.wait_s = time.perf_counter() - t0
+        seq, info, deadline = self._wait_served(version)
         served = {n: (d, o, s) for n, d, o, s in info["targets"]}
         copies = []
         for name, dtype, nbytes, dst in wanted:
