@@ -65,6 +65,28 @@ def test_ranges_land_where_asked_and_nowhere_else(served):
         assert torch.equal(mine[d].view(torch.uint8), want[d]), d
 
 
+def test_a_mate_whose_metadata_changed_is_read_again(served):
+    """The mate registers more memory (its NIXL metadata changes, as a receiver's does when its
+    scratch grows) and publishes it: the same reader reads again, the old metadata replaced by
+    the new one (removed first), every byte where asked."""
+    rdzv, arenas, mine, reader, mate = served
+    rx = MateReader(rdzv, reader, group=GROUP, mate=MATE, timeout=10)
+    assert rx.read(COPIES[:1], mine, 3) == COPIES[0].nbytes
+    extra = torch.zeros(1 << 16, dtype=torch.uint8)
+    mate.register([extra])
+    try:
+        publish_arena(rdzv, GROUP, MATE, arenas, [], 3, mate.metadata)
+        for t in mine.values():
+            t.zero_()
+        assert rx.read(COPIES, mine, 3) == sum(c.nbytes for c in COPIES)
+        for c in COPIES:
+            assert torch.equal(mine[c.dtype].view(torch.uint8)[c.dst:c.dst + c.nbytes],
+                               arenas[c.dtype].view(torch.uint8)[c.src:c.src + c.nbytes]), c
+    finally:
+        mate.deregister([extra])
+        publish_arena(rdzv, GROUP, MATE, arenas, [], 3, mate.metadata)
+
+
 def test_only_the_version_asked_for_is_read(served):
     rdzv, _, mine, reader, _ = served
     with pytest.raises(RendezvousTimeout, match=r"node-mate 'mate-\w+' \(group 'node-n0'\) did not serve version 4"):

@@ -22,6 +22,7 @@ copied are not handed over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ class MateReader:
         self.rendezvous, self.nixl, self.group, self.mate, self.timeout = rendezvous, nixl, group, mate, timeout
         self.lease, self._beats = lease, ReceiverRegistry(rendezvous)
         self._loaded: bytes | None = None
+        self._names: set[str] = set()  # remote agents loaded so far
         self.bytes_read = 0  # bytes READ from the mate by the last read()
         self.wait_s = self.read_s = 0.0  # the last read(): seconds waiting for the mate to serve, then READing
 
@@ -184,29 +186,49 @@ class MateReader:
     def _read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], seq: int, info: dict[str, Any],
               deadline: float) -> int:
         t0 = time.perf_counter()
-        meta = self.rendezvous.fetch(self._key("meta"))
-        agent = self.nixl.agent
-        if meta != self._loaded:
-            agent.add_remote_agent(meta)
-            self._loaded = meta
         remote, local, rmem, lmem = self._descriptors(copies, arenas, info)
-        rh = agent.prep_xfer_dlist(info["agent"], remote, rmem)
+        try:
+            self._load(info["agent"])
+            self._transfer(info["agent"], remote, local, rmem, lmem, deadline)
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL's own errors: a mate gone, metadata it cannot load
+            self._loaded = None  # loaded again next time
+            raise TransferError(f"READ of {len(copies)} ranges from node-mate {self.mate!r} failed: {exc!r}") from exc
+        if self._seq() != seq:
+            raise StaleVersionError(f"node-mate {self.mate!r} rewrote its arena during the READ", retryable=True)
+        self.bytes_read = sum(c.nbytes for c in copies)
+        self.read_s = time.perf_counter() - t0
+        return self.bytes_read
+
+    def _load(self, name: str) -> None:
+        """The mate's current NIXL metadata loaded (an older one of the same agent removed first)."""
+        meta = self.rendezvous.fetch(self._key("meta"))
+        if meta == self._loaded:
+            return
+        agent = self.nixl.agent
+        if name in self._names:
+            with contextlib.suppress(Exception):  # (already gone)
+                agent.remove_remote_agent(name)
+        agent.add_remote_agent(meta)
+        self._names.add(name)
+        self._loaded = meta
+
+    def _transfer(self, name: str, remote: list, local: list, rmem: str, lmem: str, deadline: float) -> None:
+        """One READ of every ``remote`` -> ``local`` descriptor, waited for until ``deadline``."""
+        agent = self.nixl.agent
+        rh = agent.prep_xfer_dlist(name, remote, rmem)
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, lmem)
-        idx = list(range(len(copies)))
+        idx = list(range(len(remote)))
         handle = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
         try:
             agent.transfer(handle)
             while (state := agent.check_xfer_state(handle)) != "DONE":
                 if state == "ERR" or time.monotonic() > deadline:
-                    raise TransferError(f"READ of {len(copies)} ranges from node-mate {self.mate!r}: "
+                    raise TransferError(f"READ of {len(remote)} ranges from node-mate {self.mate!r}: "
                                         f"{'ERR' if state == 'ERR' else f'no completion after {self.timeout:g} s'}")
         finally:
             if agent.check_xfer_state(handle) != "PROC":  # a READ still in flight keeps its handles
                 agent.release_xfer_handle(handle)
                 agent.release_dlist_handle(lh)
                 agent.release_dlist_handle(rh)
-        if self._seq() != seq:
-            raise StaleVersionError(f"node-mate {self.mate!r} rewrote its arena during the READ", retryable=True)
-        self.bytes_read = sum(c.nbytes for c in copies)
-        self.read_s = time.perf_counter() - t0
-        return self.bytes_read
