@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +54,9 @@ class ParentReader:
         self.arenas: dict[str, torch.Tensor] = {}  # in the parent's served order
         self.targets: list[tuple[str, str, int, tuple[int, ...]]] = []
         self.chunks: tuple[Chunk, ...] = ()
-        self.first_read_progress: int | None = None
+        self.first_read_progress: int | None = None  # the parent's progress when the first READ was posted
+        self.parent_landed = 0  # bytes: the parent's progress last seen
+        self.done_bytes = 0  # bytes: the landed, checked prefix of this arena
         self.loaded: bytes | None = None  # the parent's NIXL metadata held by this agent
         self._prepared: tuple[bytes, str] | None = None
         self._handles: list[Any] = []
@@ -203,8 +204,8 @@ class ParentReader:
                 the chunks did not all land before ``deadline``."""
         chunks, n = self.chunks, len(self.chunks)
         posted = done = 0
-        available = self.landed(epoch)
-        self.first_read_progress = None
+        available = self.parent_landed = self.landed(epoch)
+        self.first_read_progress, self.done_bytes = None, 0
         beat = self._beats.beat_count(self.parent), time.monotonic()
         while done < n:
             moved = False
@@ -217,11 +218,13 @@ class ParentReader:
             if finished:
                 self.check(epoch)  # READs that ended before this saw only epoch `epoch`
                 done += finished
-                on_landed(chunks[done - 1].end)
+                self.done_bytes = chunks[done - 1].end
+                on_landed(self.done_bytes)
                 moved = True
             elif posted < n and posted - done < self.inflight:
                 fresh = self.landed(epoch)
                 moved, available = fresh > available, fresh
+                self.parent_landed = available
             if moved:
                 beat = self._beats.beat_count(self.parent), time.monotonic()
                 continue
