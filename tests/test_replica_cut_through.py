@@ -232,3 +232,33 @@ def test_chunks_cover_the_served_order_once(chunk_bytes):
             fits = [b for b in bounds[d] if c.start < b <= c.start + limit]
             assert stop == (max(fits) if fits else min(c.start + limit, numel * esize))
     assert chunks[-1].end == 54 and (chunk_bytes is not None or len(chunks) == 2)
+
+
+def test_a_parent_that_falls_back_lets_its_children_fall_back_at_once(trainers, caplog):
+    """Tier 1 (its own process) is SIGKILLed; its replica falls back to the trainers and marks
+    its mirror abandoned, so its own child (waiting on it, lease off) falls back too at once
+    instead of waiting for its timeout: both bit-exact."""
+    from datetime import timedelta
+
+    from handover_jobs import replica_parent_job
+
+    from megarefit.demo.workers import start_workers
+
+    hf, rdzv, publish = trainers
+    publish(1, 1)
+    group = start_workers(replica_parent_job, world_size=1, args=(rdzv.port, "cut", "g"))
+    rdzv.store.wait([rdzv.prefix + "tier1-ready"], timedelta(seconds=120))
+    group.kill(0)
+    fallbacks = [RefitReceiver(rdzv, name=f"{n}-direct", timeout=20) for n in ("p", "c")]
+    parent = ReplicaReceiver(rdzv, group="g", parent="cut-tier1", name="p", timeout=20, serve=True,
+                             chunk_bytes=CHUNK, fallback=fallbacks[0])
+    child = ReplicaReceiver(rdzv, group="g", parent="p", name="c", timeout=20, chunk_bytes=CHUNK, lease=None,
+                            fallback=fallbacks[1])
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="megarefit.online.receiver.replica"):
+        cc = Cycle(child, 1)
+        assert _exact(Cycle(parent, 1).result(), hf, 1) and parent.fell_back
+        assert _exact(cc.result(), hf, 1) and child.fell_back
+    assert time.monotonic() - t0 < 10 and "parent 'p' gave up mirroring" in caplog.text
+    for r in (parent, child, *fallbacks):
+        r.close()

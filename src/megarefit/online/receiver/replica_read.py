@@ -146,14 +146,22 @@ class ParentReader:
 
     def prepare(self, info: dict[str, Any]) -> None:
         """Load the parent's metadata, size this replica's arenas as the parent's (registered),
-        cut the chunks and prepare one READ per chunk; kept while the parent's memory is."""
+        cut the chunks and prepare one READ per chunk; kept while the parent's memory is.
+
+        Raises:
+            TransferError: NIXL could not load the parent's metadata (it died) or prepare the READs."""
         meta = self.rendezvous.fetch(arena_key("meta", self.group, self.parent))
         agent = self.nixl.agent
         if meta != self.loaded:
-            if self.loaded is not None:
-                agent.remove_remote_agent(info["agent"])
-            agent.add_remote_agent(meta)
-            self.loaded, self._prepared = meta, None
+            try:
+                if self.loaded is not None:
+                    agent.remove_remote_agent(info["agent"])
+                self.loaded, self._prepared = None, None
+                agent.add_remote_agent(meta)
+            except Exception as exc:  # nixl's own errors: a parent that died cannot be reached
+                raise TransferError(f"replica parent {self.parent!r}: loading its NIXL metadata failed: {exc!r}") \
+                    from exc
+            self.loaded = meta
         shape = json.dumps([info["arenas"], info["targets"]])
         if self._prepared == (meta, shape):
             return
@@ -168,7 +176,12 @@ class ParentReader:
         self.chunks = plan_chunks([(d, a.numel(), a.element_size()) for d, a in arenas.items()],
                                   [(d, o, _numel(s)) for _, d, o, s in self.targets], self.chunk_bytes)
         self._release()
-        self._prep_handles(info)
+        try:
+            self._prep_handles(info)
+        except Exception as exc:
+            self._prepared = None
+            raise TransferError(f"replica parent {self.parent!r}: preparing READs of its arena failed: {exc!r}") \
+                from exc
         self._prepared = (meta, shape)
 
     def _prep_handles(self, info: dict[str, Any]) -> None:
