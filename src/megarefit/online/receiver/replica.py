@@ -3,24 +3,45 @@
 A receiver's arena already holds its targets in their final layout, one contiguous
 tensor per dtype. A :class:`RefitReceiver` created with ``replica_group=g`` publishes
 that arena (NIXL metadata, arena addresses, the targets' offsets) after every pull; a
-:class:`ReplicaReceiver` of group ``g`` mirrors it with one READ per dtype arena, so the
-trainers' links carry the model once per target group whatever the number of replicas::
+:class:`ReplicaReceiver` of group ``g`` mirrors it, so the trainers' links carry the model
+once per target group whatever the number of replicas::
 
     trainers ==READ (plan: thousands of pieces)==> tier 1: RefitReceiver(replica_group=g)
-                                                      |  one READ per arena
+                                                      |  chunk READs (whole arena: served once pulled)
                                   +-------------------+-------------------+
                                   v                                       v
                      ReplicaReceiver (parent = tier 1)        ReplicaReceiver ...
-                                  |  one READ per arena
+                                  |  chunk c READ as soon as chunk c landed above
                                   v
                      ReplicaReceiver (parent = that replica)   (a chain, or a tree of fan-out k)
 
-Each serving arena has a seqlock (``replica_seq/<group>/<id>``): odd while its owner
-pulls into it. A replica reads the sequence before and after its READs and re-pulls if it
-moved, so it never hands over a mix of two versions. If its parent dies or stops
-serving, the replica logs a line and pulls from the trainers through its ``fallback``
-receiver (a :class:`RefitReceiver` for the same target), or raises ``TransferError``.
-:func:`tree_parent` arranges replicas in registration order into a tree of fan-out ``k``.
+**Cut-through** (the default): a serving replica forwards its arena chunk by chunk as chunks
+land (``chunk_bytes``, ``inflight`` READs at once; chunks from
+:mod:`~megarefit.online.receiver.replica_chunks`). When it starts mirroring a version it takes a
+new odd sequence (its *epoch*), announces ``replica_info`` with that epoch, and moves
+``replica_progress/<group>/<id>`` ("<epoch> <bytes landed>") after each chunk; its children READ
+what the progress covers, while the rest is still on its way. A chain of depth h costs about
+(arena + (h - 1) x chunk) / link rate instead of h x arena / link rate::
+
+    time ->     | c0 | c1 | c2 | c3 |                     tier 1 -> r0
+                     | c0 | c1 | c2 | c3 |                r0 -> r1
+                          | c0 | c1 | c2 | c3 |           r1 -> r2
+
+``cut_through=False`` is store-and-forward: one READ per dtype arena from a whole parent,
+served once whole.
+
+**Never a mix of versions.** Each serving arena has a seqlock (``replica_seq/<group>/<id>``):
+odd while its owner rewrites it. A replica keeps bytes read from its parent at epoch ``s`` only
+if the parent's sequence is still ``s`` (or ``s + 1``: it finished that mirror) after the READ
+ended, checked after every completion and at the end
+(:class:`~megarefit.online.receiver.replica_read.ParentReader`); a parent that moved to another
+version or restarted raises ``StaleVersionError(retryable=True)`` and the replica starts again
+under a new epoch of its own, so its children drop what they had too. If its parent dies (a READ
+fails, or its heartbeat stands still ``lease`` seconds) or gives up its mirror, the replica logs
+a line, marks its own mirror abandoned (its children fail over at once) and pulls from the
+trainers through its ``fallback`` receiver (a :class:`RefitReceiver` for the same target), or
+raises ``TransferError``. :func:`tree_parent` arranges replicas in registration order into a
+tree of fan-out ``k``.
 """
 
 from __future__ import annotations
