@@ -6,8 +6,11 @@ its arena here after every pull (:func:`publish_arena`); a
 :func:`tree_parent`. Keys, under the rendezvous prefix::
 
     replica_meta/<group>/<id>   NIXL agent metadata of <id>
-    replica_info/<group>/<id>   JSON: version, per-dtype arenas, per-target offsets
-    replica_seq/<group>/<id>    seqlock counter: odd while <id> rewrites its arena
+    replica_info/<group>/<id>       JSON: version, per-dtype arenas, per-target offsets; a
+                                    replica's also its epoch (the odd sequence it mirrors under)
+    replica_seq/<group>/<id>        seqlock counter: odd while <id> rewrites its arena
+    replica_progress/<group>/<id>   a mirroring replica's "<epoch> <bytes landed>" (cut-through:
+                                    :mod:`~megarefit.online.receiver.replica_chunks`)
 """
 
 from __future__ import annotations
@@ -22,15 +25,19 @@ from megarefit.transport.nixl_agent import mem_type
 
 
 def arena_key(kind: str, group: str, rid: str) -> str:
-    """Rendezvous key of replica record ``kind`` (``meta``, ``info``, ``seq``) of ``rid`` in ``group``."""
+    """Rendezvous key of replica record ``kind`` (``meta``, ``info``, ``seq``, ``progress``) of ``rid``
+    in ``group``."""
     return f"replica_{kind}/{group}/{rid}"
 
 
 def publish_arena(rdzv: Rendezvous, group: str, rid: str, arenas: dict[str, torch.Tensor],
-                  targets: list[tuple[str, str, int, tuple[int, ...]]], version: int, metadata: bytes) -> None:
+                  targets: list[tuple[str, str, int, tuple[int, ...]]], version: int, metadata: bytes,
+                  epoch: int | None = None) -> None:
     """Describe ``rid``'s arena for its replicas: per dtype ``(address, elements, memory,
-    device)``, and per target ``(name, dtype, element offset, shape)`` in hand-over order."""
-    info = {"agent": rid, "version": version,
+    device)`` in the served order, and per target ``(name, dtype, element offset, shape)`` in
+    hand-over order. ``epoch``: the odd sequence a replica mirrors ``version`` under (``None``
+    for a receiver, which publishes only once its arena is whole)."""
+    info = {"agent": rid, "version": version, **({} if epoch is None else {"epoch": epoch}),
             "arenas": {d: [a.data_ptr(), a.numel(), *mem_type(a)] for d, a in arenas.items()},
             "targets": [[n, d, o, list(s)] for n, d, o, s in targets]}
     rdzv.put(arena_key("meta", group, rid), metadata)
