@@ -2,6 +2,12 @@
 
     python benchmarks/bench_fanout.py [--config tests/data/configs/Qwen3-0.6B.json] [--replicas 1 2 4] [--fanout 1]
 
+A chain of depth h, cut-through (default) vs store-and-forward, each tier started as soon as its
+parent began (``--overlap``)::
+
+    python benchmarks/bench_fanout.py --layers 4 --replicas 3 --fanout 1 --overlap --chunk-mb 16
+    python benchmarks/bench_fanout.py --layers 4 --replicas 3 --fanout 1 --overlap --store-and-forward
+
 On nvidia-h200-x2 (issue 13's layout: trainer on GPU 0 -> replica A on GPU 1 -> replica B
 on GPU 0)::
 
@@ -32,7 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: list[str], parents: list[str | None],
-                 devices: list[str], cycles: int, make_current: bool = False) -> list[dict]:
+                 devices: list[str], cycles: int, make_current: bool = False, cut_through: bool = True,
+                 chunk_bytes: int = 64 << 20) -> list[dict]:
     """Receiver ``names[index]``: the first tier (no parent) or a replica of ``parents[index]``;
     runs ``cycles`` cycles when told (``go/<name>/<c>``), reports seconds and bytes."""
     from megarefit.online import RefitReceiver
@@ -48,7 +55,7 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
         rx = RefitReceiver(rdzv, name=name, timeout=180, device=device, replica_group="bench")
     else:
         rx = ReplicaReceiver(rdzv, group="bench", parent=parent, name=name, timeout=180, device=device,
-                             serve=True)
+                             serve=True, cut_through=cut_through, chunk_bytes=chunk_bytes)
     out = []
     for c in range(cycles):
         rdzv.store.wait([rdzv.prefix + f"go/{name}/{c}"])
@@ -67,6 +74,15 @@ def receiver_job(index: int, _world: int, _port: int, rdzv_port: int, names: lis
     return out
 
 
+def _wait_odd(rdzv, tier: list[str]) -> None:
+    """Until every receiver of ``tier`` began rewriting its arena (its replica sequence odd)."""
+    from megarefit.online.receiver.arena import arena_key
+
+    keys = [rdzv.prefix + arena_key("seq", "bench", m) for m in tier]
+    while any(rdzv.store.add(k, 0) % 2 == 0 for k in keys):
+        time.sleep(0.0005)
+
+
 def print_recorded(path: str) -> None:
     """The table of a ``--json`` file: one row per recorded run, devices and current device said."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -76,6 +92,11 @@ def print_recorded(path: str) -> None:
     print("|---|---:|---:|---:|---|---:|")
     for r in sorted(rows, key=lambda r: (not r.get("make_current"), r["replicas"])):
         current = "device made current (`--make-current`)" if r.get("make_current") else "device **not** made current"
+        if all(d == "cpu" for d in r["devices"].values()):
+            current = "CPU processes"
+        if "mode" in r:  # a chain or tree run: how replicas forwarded
+            chunk = f", {r['chunk_bytes'] / (1 << 20):g} MiB chunks" if r["mode"] == "cut-through" else ""
+            current += f"; {r['mode']}{chunk}, depth {r['depth']}" + (", tiers overlapped" if r["overlap"] else "")
         each = ", ".join(f"{name} ({r['devices'][name]}) {s:.4f}" for name, s in r["per_receiver_s"].items())
         print(f"| {current} | {r['replicas']} | {r['first_tier_s']:.4f} | {r['total_s']:.4f} | {each} | "
               f"{r['trainer_bytes'] / 1e9:.2f} GB |")
@@ -99,6 +120,11 @@ def main() -> None:
     ap.add_argument("--trainer-device", default="cpu")
     ap.add_argument("--devices", nargs="+", default=["cpu"], help="receiver devices, round robin by tier order")
     ap.add_argument("--make-current", action="store_true", help="each receiver process sets its device current")
+    ap.add_argument("--store-and-forward", action="store_true",
+                    help="replicas read only a whole parent (ReplicaReceiver(cut_through=False))")
+    ap.add_argument("--chunk-mb", type=float, default=64.0, help="cut-through chunk size, MiB")
+    ap.add_argument("--overlap", action="store_true",
+                    help="start each tier as soon as its parents began their cycle (else once they ended)")
     ap.add_argument("--json", help="append one JSON line per replica count")
     ap.add_argument("--from-json", help="print the table of recorded results (a --json file) and exit")
     ns = ap.parse_args()
@@ -123,8 +149,9 @@ def main() -> None:
         names = ["tier1"] + [f"replica{i}" for i in range(n)]
         devices_of = {m: ns.devices[i % len(ns.devices)] for i, m in enumerate(names)}
         parents = [tree_parent(rdzv, "bench", name, ns.fanout) for name in names]
-        group = start_workers(receiver_job, world_size=len(names), args=(rdzv.port, names, parents, ns.devices,
-                                                                         ns.cycles, ns.make_current))
+        group = start_workers(receiver_job, world_size=len(names),
+                              args=(rdzv.port, names, parents, ns.devices, ns.cycles, ns.make_current,
+                                    not ns.store_and_forward, int(ns.chunk_mb * (1 << 20))))
         depth = {"tier1": 0}
         for name, parent in zip(names[1:], parents[1:]):
             depth[name] = depth[parent] + 1
@@ -135,9 +162,13 @@ def main() -> None:
             for tier in tiers:  # tier by tier; the replicas of one tier pull at once
                 for name in tier:
                     rdzv.store.set(rdzv.prefix + f"go/{name}/{c}", "1")
-                rdzv.store.wait([rdzv.prefix + f"done/{name}/{c}" for name in tier])
+                if ns.overlap and tier != tiers[0]:  # the next tier starts once this one began (arenas odd)
+                    _wait_odd(rdzv, tier)
+                else:
+                    rdzv.store.wait([rdzv.prefix + f"done/{name}/{c}" for name in tier])
                 if tier == tiers[0]:
                     firsts.append(time.perf_counter() - t0)
+            rdzv.store.wait([rdzv.prefix + f"done/{name}/{c}" for name in names])
             totals.append(time.perf_counter() - t0)
         rdzv.store.set(rdzv.prefix + "finish", "1")
         results = group.join(timeout=600)
@@ -151,7 +182,9 @@ def main() -> None:
               f"{', '.join(f'{m} ({devices_of[m]}) {s:.4f}' for m, s in each.items())} |", flush=True)
         if ns.json:
             with open(ns.json, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"replicas": n, "fanout": ns.fanout, "first_tier_s": min(firsts[1:] or firsts),
+                f.write(json.dumps({"replicas": n, "fanout": ns.fanout, "depth": len(tiers) - 1,
+                                    "mode": "store-and-forward" if ns.store_and_forward else "cut-through",
+                                    "chunk_bytes": int(ns.chunk_mb * (1 << 20)), "overlap": ns.overlap, "first_tier_s": min(firsts[1:] or firsts),
                                     "total_s": best, "bytes": nbytes, "per_receiver_s": each, "devices": devices_of,
                                     "machine": machine(), "make_current": ns.make_current, "trainer_bytes": results[0][-1]["trainer_bytes"],
                                     "median_total_s": statistics.median(totals[1:] or totals)}) + "\n")

@@ -219,7 +219,7 @@ class ParentReader:
         posted = done = 0
         available = self.parent_landed = self.landed(epoch)
         self.first_read_progress, self.done_bytes = None, 0
-        beat = self._beats.beat_count(self.parent), time.monotonic()
+        beat, idle = (self._beats.beat_count(self.parent), time.monotonic()), 0
         while done < n:
             moved = False
             while posted < n and posted - done < self.inflight and chunks[posted].end <= available:
@@ -239,13 +239,14 @@ class ParentReader:
                 moved, available = fresh > available, fresh
                 self.parent_landed = available
             if moved:
-                beat = self._beats.beat_count(self.parent), time.monotonic()
+                beat, idle = (self._beats.beat_count(self.parent), time.monotonic()), 0
                 continue
             beat = self._alive(beat)
             if time.monotonic() > deadline:
                 raise TransferError(f"READ from replica parent {self.parent!r}: {done} of {n} chunks landed "
                                     f"by the deadline")
-            time.sleep(0.0002)
+            idle = idle + 1 if posted == done else 0  # nothing in flight: waiting on the parent's progress
+            time.sleep(min(0.001, 0.0001 * 2 ** min(idle, 4)))  # back off there: waiting children poll the store
         return chunks[-1].end if chunks else 0
 
     def _post(self, i: int) -> None:
