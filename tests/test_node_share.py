@@ -247,12 +247,71 @@ def test_a_mate_that_stops_serving_is_pulled_around_then_left_out(node):
         r.close()
 
 
+# ---- streamed receivers (memory_budget): a node arena each, copies by layer group -----------------
+STREAM_BUDGET = 720_000  # bytes (model: 819,456): half the model (the node arena), a ring of two layers, scratch
+
+
+@pytest.mark.parametrize("node", [False], indirect=True, ids=["full"])
+def test_streamed_receivers_of_one_node_pull_half_each_within_their_budget(node):
+    """Two streamed receivers (memory_budget below the model's size) of one node: each serves a
+    node arena of its half of the shared targets and copies the other half, group by group, from
+    its mate's; both get every byte of versions 1 and 2 (the second warm), each pulls about half
+    from the trainers (within one tensor), and ring + scratch + node arena stay within the budget."""
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-s{i}", timeout=30, node=2, memory_budget=STREAM_BUDGET)
+          for i in range(2)]
+    total = sum(t.numel() * t.element_size() for t in node["hf"].values())
+    biggest = max(t.numel() * t.element_size() for t in node["hf"].values())
+    assert total > STREAM_BUDGET
+    for v in (1, 2):
+        want = _publish(node, v)
+        for g in _cycles(rx, v):
+            assert not isinstance(g, Exception), g
+            assert g.keys() == want.keys() and [n for n in want if not torch.equal(g[n], want[n])] == []
+        stats = [r.stats for r in rx]
+        assert all(s.install == "streamed" and s.groups > 1 and s.node_fallbacks == () for s in stats)
+        assert sum(s.node_bytes for s in stats) == total and abs(stats[0].node_bytes - stats[1].node_bytes) <= biggest
+        assert all(s.node_bytes + s.wire_bytes == total and s.peak_extra_bytes <= STREAM_BUDGET for s in stats), \
+            [(s.node_bytes, s.wire_bytes, s.peak_extra_bytes) for s in stats]
+    assert [r.stats.cold for r in rx] == [False, False]
+    for r in rx:
+        r.close()
+
+
+@pytest.mark.parametrize("node", [False], indirect=True, ids=["full"])
+def test_a_streamed_mate_that_stops_serving_is_pulled_around_mid_stream(node):
+    """Three streamed receivers refit version 1; one closes. In version 2 the other two find its
+    node arena unserved at the first group holding its targets, pull those and (the later groups
+    prepared again) the rest of its share from the trainers, naming it in ``stats.node_fallbacks``;
+    every byte exact, and still within the budget; version 3 splits between the two alone."""
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-f{i}", timeout=30, heartbeat_s=0.2, node=3,
+                        memory_budget=STREAM_BUDGET) for i in range(3)]
+    _publish(node, 1)
+    assert all(not isinstance(g, Exception) for g in _cycles(rx, 1))
+    gone = rx.pop(1)
+    gone.close()
+    total = sum(t.numel() * t.element_size() for t in node["hf"].values())
+    for v in (2, 3):
+        want = _publish(node, v)
+        for g in _cycles(rx, v):
+            assert not isinstance(g, Exception), g
+            assert [n for n in want if not torch.equal(g[n], want[n])] == []
+        stats = [r.stats for r in rx]
+        assert all(s.node_bytes + s.wire_bytes == total and s.peak_extra_bytes <= STREAM_BUDGET for s in stats)
+        if v == 2:
+            assert all(f and all(m == gone.name for m, _ in f) for f in (s.node_fallbacks for s in stats))
+        else:
+            assert [s.node_fallbacks for s in stats] == [(), ()] and sum(s.node_bytes for s in stats) == total
+    for r in rx:
+        r.close()
+
+
 def test_node_options_that_cannot_hold_are_refused(node):
     rx = RefitReceiver(node["rdzv"], name=f"{node['job']}-keeps", node=1)
     with pytest.raises(MegarefitError, match="node-mates READ it"):
         rx.release_memory()
     rx.close()
-    for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "memory_budget": 1 << 20}, "memory_budget"),
+    direct = {"model.norm.weight": torch.empty(CFG["hidden_size"], dtype=torch.bfloat16)}
+    for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "memory_budget": 1 << 20, "direct": direct}, "direct"),
                       ({"node": 2, "replica_group": "g"}, "replica_group")):
         with pytest.raises(MegarefitError, match=match):
             RefitReceiver(node["rdzv"], name=f"{node['job']}-bad", **kw)

@@ -14,9 +14,9 @@ READ straight into the consumer's own tensors and take no ring bytes::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -39,6 +39,17 @@ from megarefit.transport.execute import slots, torch_dtype
 from megarefit.transport.manifest import Manifest
 from megarefit.transport.nixl import DIRECT_MIN_BYTES, NixlTransport, quarantine
 from megarefit.transport.nixl_requests import GatherSizes
+
+
+class NodePart(Protocol):
+    """A streamed node group's part in preparing the groups (:class:`~.node_stream.NodeStream`)."""
+
+    owned_plan: Plan  # the node arena's targets: the shared ones this receiver pulls for its mates too
+    buffers: dict[TensorRef, torch.Tensor]  # views of the node arena
+
+    def exclude(self, plans: Sequence[Plan]) -> list[Plan]:
+        """Each group's plan less the targets the node arena and the node-mates fill."""
+        ...
 
 
 @dataclass
@@ -91,6 +102,7 @@ class ReceiverMemory:
         self.layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # staged: what replicas mirror
         self.sizes = (0, 0)  # (model bytes handed over, arena bytes) of the current plan
         self._quantizer: Fp8Quantizer | None = None  # staged FP8 steps, compiled per plan and buffers
+        self.reserve = 0  # streamed: bytes of the budget held outside the ring (a node group's node arena)
 
     @property
     def holds(self) -> bool:
@@ -206,7 +218,7 @@ class ReceiverMemory:
             self.transport.scratch_budget = budget // SCRATCH_SHARE
         self.transport.direct_min_bytes = _direct_min(self.transport.scratch_budget)
         scratch = self.transport.scratch_budget if scratch is None else scratch
-        ring_bytes = (budget - scratch) // ALIGN * ALIGN
+        ring_bytes = (budget - scratch - self.reserve) // ALIGN * ALIGN
         direct = self.direct_refs(plan)
         salt = digest_of(sorted((r.name, self.direct[r.name].data_ptr()) for r in direct))
         try:
@@ -214,8 +226,8 @@ class ReceiverMemory:
         except MemoryBudgetError as exc:
             need = exc.ring_bytes_needed
             raise MemoryBudgetError(f"{exc}: memory_budget={budget} (a ring of {ring_bytes} bytes beside "
-                                    f"{scratch} bytes of scratch) is too small; use memory_budget >= "
-                                    f"{self.fitting_budget(plan, need, scratch)}, 'auto', or None "
+                                    f"{scratch} bytes of scratch{self._reserved()}) is too small; use "
+                                    f"memory_budget >= {self.fitting_budget(plan, need, scratch)}, 'auto', or None "
                                     "for a staged refit", need) from None
         if self.stream is not None:  # a new plan or a re-cut ring: the old ring goes
             self.transport.release([self.stream.ring])
@@ -225,7 +237,10 @@ class ReceiverMemory:
         views = [{**g.views(ring), **{r: self.direct[r.name] for r in g.plan.targets if r in direct}} for g in groups]
         return StreamRing(groups, ring, views, [None] * len(groups), budget, direct)
 
-    def prepare_stream(self, plan: Plan, manifests: dict[RankCoord, Manifest]) -> list:
+    def _reserved(self) -> str:
+        return f" and a node arena of {self.reserve} bytes" if self.reserve else ""
+
+    def prepare_stream(self, plan: Plan, manifests: dict[RankCoord, Manifest], node: NodePart | None = None) -> list:
         """The groups' prepared READs, with the ring and the scratch together within the budget: a
         gathered run that cannot be split may need more scratch than its share of the budget; then
         the ring is cut again, smaller, beside the scratch measured, and if the new groups need more
@@ -234,25 +249,32 @@ class ReceiverMemory:
 
         Raises:
             MemoryBudgetError: the scratch the pulls need leaves no room for the largest layer
-                (names a budget that fits, as :meth:`ring_for`)."""
+                (names a budget that fits, as :meth:`ring_for`).
+
+        ``node`` (a streamed node group, :mod:`.node_stream`): its node arena's pull is prepared
+        first (the list's entry 0) and each group's plan is the group's less what the node arena
+        and the mates fill."""
         stream = self.stream
         assert stream is not None
         for attempt in range(3):
-            prepared = self.transport.prepare_groups([g.plan for g in stream.groups], manifests, stream.buffers)
+            plans, buffers = [g.plan for g in stream.groups], stream.buffers
+            if node is not None:
+                plans, buffers = [node.owned_plan, *node.exclude(plans)], [node.buffers, *buffers]
+            prepared = self.transport.prepare_groups(plans, manifests, buffers)
             scratch = self.transport.scratch_allocated
-            if stream.nbytes + scratch <= stream.budget:
+            if stream.nbytes + scratch + self.reserve <= stream.budget:
                 return prepared
             if scratch >= stream.budget:
                 break
             if attempt:  # the new groups' pulls need more again: cut for the most any groups can need, if it fits
                 most = max(scratch, self.scratch_bound(GatherSizes.of(plan, stream.direct), stream.budget))
-                if (stream.budget - most) // ALIGN * ALIGN >= ring_needed(plan, stream.direct):
+                if (stream.budget - most - self.reserve) // ALIGN * ALIGN >= ring_needed(plan, stream.direct):
                     scratch = most
             self.stream = stream = self.ring_for(plan, scratch)
         fits = self.fitting_budget(plan, ring_needed(plan, stream.direct), scratch)
         raise MemoryBudgetError(f"memory_budget={stream.budget}: the gathered pulls need {scratch} bytes of scratch "
-                                f"beside a ring of {stream.nbytes} bytes; use memory_budget >= {fits}, "
-                                "'auto', or None for a staged refit")
+                                f"beside a ring of {stream.nbytes} bytes{self._reserved()}; use memory_budget >= "
+                                f"{fits}, 'auto', or None for a staged refit")
 
     def prepare_again(self, manifests: dict[RankCoord, Manifest], first: int, plans: list[Plan] | None = None) -> list:
         """The READs of groups ``first`` on (``plans``, default the groups' own: their plans
@@ -267,7 +289,8 @@ class ReceiverMemory:
         try:
             for attempt in range(4):
                 prepared = self.transport.prepare_groups(plans[first:], manifests, stream.buffers[first:])
-                if stream.nbytes + self.transport.scratch_allocated <= stream.budget or not given or attempt == 3:
+                if stream.nbytes + self.transport.scratch_allocated + self.reserve <= stream.budget or not given \
+                        or attempt == 3:
                     return prepared
                 self.transport.release_scratch()  # (it only grows) these requests too: prepared again
                 self.transport.scratch_budget = max(ALIGN, given >> (attempt + 1))
@@ -283,11 +306,12 @@ class ReceiverMemory:
         stream = self.stream
         assert stream is not None
         scratch = self.transport.scratch_allocated
-        if stream.nbytes + scratch > stream.budget:
+        if stream.nbytes + scratch + self.reserve > stream.budget:
             self.transport.release_scratch()
             raise MemoryBudgetError(f"{what}: the gathered pulls need {scratch} bytes of scratch beside the ring of "
-                                    f"{stream.nbytes} bytes, more than memory_budget={stream.budget}; use a larger "
-                                    "memory_budget (or 'auto'), or None for a staged refit")
+                                    f"{stream.nbytes} bytes{self._reserved()}, more than memory_budget="
+                                    f"{stream.budget}; use a larger memory_budget (or 'auto'), or None for a "
+                                    "staged refit")
 
     def scratch_bound(self, sizes: GatherSizes, budget: int) -> int:
         """The most scratch (bytes) the gathered pulls of any groups of the plan of ``sizes`` can
@@ -303,9 +327,9 @@ class ReceiverMemory:
         budget (:meth:`scratch_bound`, which grows with the budget: the budget is raised step by
         step, from the least that holds the layer, until it holds both)."""
         sizes = GatherSizes.of(plan, self.direct_refs(plan))
-        budget = max(budget_for(need), need + max(scratch, self._scratch_given or 0) + ALIGN)
+        budget = self.reserve + max(budget_for(need), need + max(scratch, self._scratch_given or 0) + ALIGN)
         while True:  # non-decreasing, bounded: the bound grows by about 1/8 of the budget's growth
-            fits = max(budget, need + self.scratch_bound(sizes, budget) + ALIGN)
+            fits = max(budget, need + self.scratch_bound(sizes, budget) + self.reserve + ALIGN)
             if fits == budget:
                 return budget
             budget = fits

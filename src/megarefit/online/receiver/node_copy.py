@@ -124,12 +124,11 @@ class MateReader:
             if c.dtype not in info["arenas"] or c.dtype not in arenas:
                 raise TransferError(f"node-mate {self.mate!r}: no {c.dtype} arena on both sides for {c}")
             addr, numel, rmem, rdev = info["arenas"][c.dtype]
-            mine = arenas[c.dtype]
-            if c.src < 0 or c.nbytes <= 0 or c.src + c.nbytes > numel * mine.element_size() \
+            mine, theirs = arenas[c.dtype], numel * torch_dtype(c.dtype).itemsize  # (here: a ring of bytes, maybe)
+            if c.src < 0 or c.nbytes <= 0 or c.src + c.nbytes > theirs \
                     or c.dst < 0 or c.dst + c.nbytes > mine.numel() * mine.element_size():
                 raise TransferError(f"node-mate {self.mate!r}: {c} lies outside the {c.dtype} arenas "
-                                    f"({numel * mine.element_size()} bytes there, "
-                                    f"{mine.numel() * mine.element_size()} here)")
+                                    f"({theirs} bytes there, {mine.numel() * mine.element_size()} here)")
             lmem, ldev = mem_type(mine)
             remote.append((addr + c.src, c.nbytes, rdev))
             local.append((mine.data_ptr() + c.dst, c.nbytes, ldev))

@@ -171,17 +171,28 @@ class NodeShare:
         """READ every target a mate pulled for this receiver into ``arenas`` (``layout``: this
         arena's ``(name, dtype, element offset, shape)``), mate by mate. A mate that fails is
         left out (module docstring): its targets come back in ``missing``, to pull."""
-        out = NodeCopies()
         if self.split is None:
-            return out
-        here = {n: (d, o) for n, d, o, _ in layout}
+            return NodeCopies()
+        here = {n: o * torch_dtype(d).itemsize for n, d, o, _ in layout}
+        return self.copy_targets(plan, nixl, arenas, here, version)
+
+    def copy_targets(self, plan: Plan, nixl: NixlAgent, arenas: dict[str, torch.Tensor], here: Mapping[str, int],
+                     version: int, *, only: frozenset[str] | None = None, skip: frozenset[str] = frozenset()
+                     ) -> NodeCopies:
+        """:meth:`copy_in` of the targets a mate pulled for this receiver, those in ``only`` (default:
+        all) of mates not in ``skip``, each to byte ``here[name]`` of ``arenas[dtype]`` (a streamed
+        receiver: its ring, for every dtype)."""
+        out = NodeCopies()
         refs = {r.name: r for r in plan.targets}
-        for mate, pieces in self.split.copies(self.rid, self.pieces).items():
+        for mate, pieces in self.copies().items():
+            pieces = [p for p in pieces if only is None or p.name in only]
+            if not pieces or mate in skip:
+                continue
             reader = self._readers.get(mate)
             if reader is None:
                 reader = self._readers[mate] = MateReader(self.rendezvous, nixl, group=self.name, mate=mate,
                                                           timeout=self.timeout, lease=self.lease)
-            wanted = [(p.name, p.dtype, p.nbytes, here[p.name][1] * torch_dtype(p.dtype).itemsize) for p in pieces]
+            wanted = [(p.name, p.dtype, p.nbytes, here[p.name]) for p in pieces]
             try:
                 out.bytes += reader.read_targets(wanted, arenas, version)
                 out.wait_s, out.read_s = out.wait_s + reader.wait_s, out.read_s + reader.read_s
@@ -190,6 +201,16 @@ class NodeShare:
                 out.fallbacks.append((mate, str(exc)))
                 out.missing.extend(refs[p.name] for p in pieces)
         return out
+
+    def copies(self) -> dict[str, list[NodePiece]]:
+        """This receiver's pieces another mate pulls, per that mate (none before a split)."""
+        return {} if self.split is None else self.split.copies(self.rid, self.pieces)
+
+    def owned(self) -> frozenset[str]:
+        """Names of this receiver's shared pieces it pulls for its mates too (none before a split)."""
+        if self.split is None:
+            return frozenset()
+        return frozenset(p.name for p in self.pieces if self.split.owners.get(p.signature) == self.rid)
 
     def _give_up(self, mate: str, exc: Exception) -> None:
         """Log it, and mark ``mate`` gone (at its heartbeat count) unless it only raced a newer version."""

@@ -37,6 +37,7 @@ from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
 from megarefit.online.receiver.node_share import NodeCopies, NodeShare
+from megarefit.online.receiver.node_stream import NodeStream
 from megarefit.online.receiver.plan_cache import PlanCache
 from megarefit.online.receiver.stream import sub_plan
 from megarefit.online.receiver.streamed import GroupStream
@@ -100,8 +101,9 @@ class CyclePipeline:
         timeout: seconds to wait for manifests, versions and transfers (may be changed between cycles).
         transfer_timeout: seconds one pull's READs may take (from their wait's start; a rank whose
             READs are not done by then fails over, as one whose READ failed); ``None``: ``timeout``.
-        node: this receiver's node group part (staged only): it pulls its share of what node-mates
-            also need, and copies the rest from them (:mod:`~megarefit.online.receiver.node_share`).
+        node: this receiver's node group part: it pulls its share of what node-mates also need, and
+            copies the rest from them (:mod:`~megarefit.online.receiver.node_share`; streamed:
+            :mod:`~megarefit.online.receiver.node_stream`).
     """
 
     def __init__(self, fence: VersionFence, plans: PlanCache, memory: ReceiverMemory, transport: NixlTransport, *,
@@ -110,6 +112,8 @@ class CyclePipeline:
         self.fence, self.plans, self.memory, self.transport = fence, plans, memory, transport
         self.node = node
         self.node_copies = NodeCopies()  # the last staged cycle's copies from node-mates
+        self.node_stream = None if node is None or memory.memory_budget is None else NodeStream(
+            node, transport, memory.device)  # streamed: the node arena it serves (.node_stream)
         self.delta = DeltaReceiver(transport, memory.device, delta)
         self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
@@ -140,12 +144,18 @@ class CyclePipeline:
         """The cycle's plan, its memory allocated (a new plan, or memory released), the manifests
         checked against it (and the checksums' cover), the ranks connected."""
         plan, new = self.plans.plan_for(start.manifests)
+        if self.node_stream is not None:  # the split first: the ring is cut beside this receiver's node arena
+            need = self.node_stream.split(self.plans.base, plan)
+            if need > self.memory.reserve:
+                self.memory.reserve, new = need, True
         if new or not self.memory.holds:  # release() freed the memory of the current plan: allocate again
             if self.replica_group is not None and not self._serving:  # replicas must not read the old arena
                 self._bump_replica_seq()
                 self._serving = True
             self.memory.allocate(plan, start.manifests)
             self.delta.forget("a new arena")
+        if self.node_stream is not None:
+            self.node_stream.allocate(plan)
         self.plans.check_manifests(plan, start.manifests)
         if self.verifier is not None:  # every box covered by a published sum, before a byte moves
             self.verifier.require(plan, start.manifests)
@@ -186,8 +196,7 @@ class CyclePipeline:
         self.stats = staged_stats(self, plan, pulled, got, seconds, cold, attempt)
         self.stats.failovers = tuple(failovers)
         if self.node is not None:
-            self.stats.wire_bytes += self.node_copies.wire_bytes
-            self.stats.node_bytes, self.stats.node_fallbacks = self.node_copies.bytes, tuple(self.node_copies.fallbacks)
+            _with_node(self.stats, self.node_copies)
         self.stats.quarantined_bytes = self.transport.quarantined.nbytes
         _count_nics(self.nics, getattr(self.transport.nixl, "nic", None), self.stats)
         staging = plan.staging
@@ -256,8 +265,7 @@ class CyclePipeline:
         lap("fence")
         if self.node is not None:  # a delta: its own (small) for every target; it still serves its mates
             self.node_copies = self._from_node_mates(plan, start, version, copy=full)
-            lap("node")  # (of which waiting for mates, and their READs:)
-            seconds["node.wait"], seconds["node.read"] = self.node_copies.wait_s, self.node_copies.read_s
+            lap("node")  # (of which waiting for mates, and their READs: _with_node)
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
             self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
             lap("verify")
@@ -327,19 +335,13 @@ class CyclePipeline:
             stream = self.memory.stream  # (allocated by _plan)
             self.memory.wait_consumer()  # a delta lands in the ring: the last cycle's copies out of it are done
             try:
-                patched = stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.timeout)
-            except StaleVersionError as exc:  # a rank wrote during the delta read: nothing was written
+                patched, prepared = self._prepare_streamed(plan, stream, start, lap)
+            except StaleVersionError as exc:  # a rank wrote during the delta or node arena read: nothing handed over
                 if torn is None:
                     raise
                 torn.append(TornUpdateError(f"{exc}; nothing was handed over", retryable=exc.retryable))
                 return
-            if patched:
-                prepared = self.direct_delta.rest_prepared(plan, stream, start.manifests)  # the rest streams
-            else:
-                with gc_paused(), plan_threads():
-                    prepared = self.memory.prepare_stream(plan, start.manifests)
-                stream = self.memory.stream  # (re-cut when the scratch needed did not fit beside it)
-            lap("prepare")
+            stream = self.memory.stream  # (re-cut when the scratch needed did not fit beside it)
             cold = before != self._setup_count()
             groups = GroupStream(self, start, plan, prepared, patched=patched)  # fails over a rank whose READ fails
             lap.seconds["pull"] = yield from groups.run()
@@ -354,22 +356,59 @@ class CyclePipeline:
             return
         lap("fence")
         self.direct_delta.hold(plan, stream, start, lap.seconds["pull"], sum(p.wire_bytes for p in prepared), cold)
-        self.stats = self._streamed_stats(plan, stream, prepared, start.version, cold, lap.seconds)
+        self.stats = streamed_stats(self, plan, stream, prepared, start.version, cold, lap.seconds)
         self.stats.failovers = tuple(groups.failovers)
 
-    def _streamed_stats(self, plan: Plan, stream: StreamRing, prepared: list, got: int, cold: bool,
-                        seconds: dict[str, float]) -> CycleStats:
-        scratch = self.transport.scratch_allocated
-        model_bytes = sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
-                          if r not in plan.staging)
-        moved, delta = self.direct_delta.stats(plan, stream, self.memory.direct_bytes())
-        return CycleStats(got, cold, seconds, moved, model_bytes, sum(p.wire_bytes for p in prepared) + delta.pop("read"),
-                          dict(self.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
-                          install="streamed", peak_extra_bytes=stream.nbytes + scratch,
-                          groups=len(stream.groups), checked_bytes=self._verified[0],
-                          checked_boxes=self._verified[1], direct_bytes=self.memory.direct_bytes(),
-                          ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(self.transport.ipc.ranks),
-                          **delta)
+    def _prepare_streamed(self, plan: Plan, stream: StreamRing | None, start: FenceStart,
+                          lap: Callable[[str], None]) -> tuple[bool, list]:
+        """(patched, the groups' prepared READs): the direct targets patched with a delta and the rest
+        prepared, or every group prepared; in a node group its node arena pulled first, fenced and
+        served (:mod:`.node_stream`).
+
+        Raises:
+            StaleVersionError: a rank wrote during the delta read or the node arena's pull (nothing
+                was handed over)."""
+        if stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.timeout):
+            prepared = self.direct_delta.rest_prepared(plan, stream, start.manifests)  # the rest streams
+            lap("prepare")
+            return True, prepared
+        with gc_paused(), plan_threads():
+            prepared = self.memory.prepare_stream(plan, start.manifests, self.node_stream)
+        lap("prepare")
+        node = self.node_stream
+        if node is None:
+            return False, prepared
+        node.pull(prepared[0], lambda: self.fence.end(start), start.version, self.read_timeout, self.timeout)
+        lap("node.arena")
+        return False, prepared[1:]
+
+
+
+def streamed_stats(pipe: CyclePipeline, plan: Plan, stream: StreamRing, prepared: list, got: int, cold: bool,
+                   seconds: dict[str, float]) -> CycleStats:
+    """A streamed cycle's :class:`CycleStats` (the node group's part: :func:`_with_node`)."""
+    scratch = pipe.transport.scratch_allocated
+    model_bytes = sum(m.numel * torch_dtype(m.dtype).itemsize for r, m in plan.targets.items()
+                      if r not in plan.staging)
+    moved, delta = pipe.direct_delta.stats(plan, stream, pipe.memory.direct_bytes())
+    stats = CycleStats(got, cold, seconds, moved, model_bytes, sum(p.wire_bytes for p in prepared) + delta.pop("read"),
+                       dict(pipe.counters), 0, scratch, sum(p.descriptors for p in prepared), 0,
+                       install="streamed", peak_extra_bytes=stream.nbytes + scratch,
+                       groups=len(stream.groups), checked_bytes=pipe._verified[0],
+                       checked_boxes=pipe._verified[1], direct_bytes=pipe.memory.direct_bytes(),
+                       ipc_bytes=sum(p.ipc_bytes for p in prepared), ipc_ranks=len(pipe.transport.ipc.ranks),
+                       **delta)
+    if pipe.node_stream is not None:
+        _with_node(stats, pipe.node_stream.copies)
+        stats.peak_extra_bytes += pipe.node_stream.nbytes  # (within the budget: memory.reserve)
+    return stats
+
+
+def _with_node(stats: CycleStats, copies: NodeCopies) -> None:
+    """A node group's cycle: the bytes copied from mates and pulled for them, fallbacks, seconds."""
+    stats.wire_bytes += copies.wire_bytes
+    stats.node_bytes, stats.node_fallbacks = copies.bytes, tuple(copies.fallbacks)
+    stats.seconds["node.wait"], stats.seconds["node.read"] = copies.wait_s, copies.read_s
 
 
 __all__ = ["CyclePipeline", "naming_the_job"]

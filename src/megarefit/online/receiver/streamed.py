@@ -36,9 +36,10 @@ from megarefit.online.receiver.failover import Failover
 from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
+from megarefit.online.receiver.node_stream import NodeStream
 from megarefit.online.receiver.plan_cache import PlanCache
-from megarefit.online.receiver.stream import regroup
-from megarefit.plan import Plan
+from megarefit.online.receiver.stream import regroup, sub_plan
+from megarefit.plan import Plan, TensorRef, digest_of
 from megarefit.transport.checksum import ChecksumMismatchError
 from megarefit.transport.execute import run_value_step
 from megarefit.transport.nixl import InFlight, NixlTransport
@@ -57,6 +58,7 @@ class StreamParts(Protocol):
     direct_delta: DirectDelta
     timeout: float
     read_timeout: float  # a pull's READs (transfer_timeout, else timeout)
+    node_stream: NodeStream | None  # a streamed node group's node arena and copies from mates
 
 
 class GroupStream:
@@ -141,8 +143,30 @@ class GroupStream:
         if flight is None:
             self.parts.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
             flight = transport.start(self.prepared[k], timeout=timeout)
+        node = self.parts.node_stream  # the same-host copies while the trainers' READs fly
+        got = None if node is None else node.land(self.stream.groups[k], self.stream.buffers[k], self.stream.ring,
+                                                  self.start.version)
         transport.wait(flight, timeout=timeout, grace=self.parts.timeout)
+        if got is not None and got.missing:
+            self._pull_missing(k, got.missing)
         self._finish_group(k)
+
+    def _pull_missing(self, k: int, missing: list[TensorRef]) -> None:
+        """A node-mate failed to serve group ``k``'s targets ``missing``: pull them from the
+        trainers into the ring now, and prepare the later groups again with its targets pulled
+        here (it is given up for the rest of the cycle: ``node_stream.copies.fallbacks``)."""
+        parts, node = self.parts, self.parts.node_stream
+        assert node is not None
+        plans = node.exclude([g.plan for g in self.stream.groups])
+        group = self.stream.groups[k].plan
+        names = sorted({r.name for r in missing})
+        plans[k] = sub_plan(group, [r for r in group.targets if r.name in names],
+                            digest_of(group.digest, "node-fallback", names))
+        again = parts.memory.prepare_again(self.start.manifests, k, plans)
+        parts.memory.within_budget("pulling a node-mate's share")
+        parts.transport.execute(again[0], self.stream.buffers[k], timeout=parts.read_timeout, grace=parts.timeout)
+        node.copies.wire_bytes += again[0].wire_bytes
+        self.prepared = self.prepared[:k + 1] + again[1:]
 
     def _finish_group(self, k: int) -> None:
         """After group ``k`` landed: zero its never-pulled boxes (the ring held another group),
@@ -214,6 +238,8 @@ class GroupStream:
         stream = self.stream
         stream.groups = regroup(stream.groups, plan)
         rest = parts.direct_delta.plans(plan, stream)[1] if self.patched else None  # (without the patched targets)
+        if parts.node_stream is not None:  # (without what the node arena and the mates fill)
+            rest = parts.node_stream.exclude([g.plan for g in stream.groups])
         self.prepared = self.prepared[:k] + parts.memory.prepare_again(manifests, k, rest)  # (groups before k: done)
         parts.memory.within_budget(f"failing over from trainer rank {rank}")
         self.plan = plan
