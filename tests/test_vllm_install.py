@@ -191,3 +191,4 @@ def test_streamed_install_equals_staged_within_a_tenth_of_the_share(results, key
         assert r["changed"] > 10, r  # the trainers' version really replaced the loaded one
         assert r["install"] == "streamed" and r["groups"] >= 4, r
         assert r["peak_extra"] == r["measured"] <= r["budget"] < 0.1 * r["share"], r
+        assert r["node_bytes"] > 0 and r["node_fallbacks"] == (), r  # the tp workers copied their replicated tensors

@@ -245,13 +245,13 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
     whole vLLM model (vLLM tp=``world_size``, loaded with A by vLLM's own loader) refit from
     trainers publishing version 1 over NIXL at that rendezvous, through the vLLM integration's
     install path: one staged, one streamed with a budget of ``share_fraction`` of this worker's
-    share. ``{"differ": [...], "compared": n, "changed": n, "share": bytes, "budget": bytes,
+    share (the integration's receiver, the two workers one node group). ``{"differ": [...], "compared": n, "changed": n, "share": bytes, "budget": bytes,
     "groups": n, "peak_extra": bytes (counted), "measured": bytes (ring + scratch tensors)}``."""
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm_loader_jobs import init_vllm_tp, model_config_for
 
-    from megarefit.integrations.vllm import _refit_into
+    from megarefit.integrations.vllm import _receiver, _refit_into
     from megarefit.integrations.vllm_install import vllm_target_of
     from megarefit.online import RefitReceiver
     from megarefit.online.store.rendezvous import Rendezvous
@@ -274,9 +274,12 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
         receivers, share = [], 0
         for i, (model, config) in enumerate(built):
             budget = None if i == 0 else max(1, int(share_fraction * share))
-            rx = RefitReceiver(Rendezvous.connect(host, rdzv_port, job=job, timeout=60), timeout=60,
-                               name=f"{job}-{key}-{rank}-{i}", target=vllm_target_of(model, config.parallel_config),
-                               memory_budget=budget)
+            if i == 0:
+                rx = RefitReceiver(Rendezvous.connect(host, rdzv_port, job=job, timeout=60), timeout=60,
+                                   name=f"{job}-{key}-{rank}-{i}", target=vllm_target_of(model, config.parallel_config),
+                                   memory_budget=budget)
+            else:  # the integration's receiver, the two tp workers a node group: the replicated tensors split
+                rx = _receiver(host, rdzv_port, job, 60, rank, model, True, config.parallel_config, budget, node=2)
             with set_current_vllm_config(config):
                 _refit_into(rx, 1, model, model_config, load_full=None)  # type: ignore[arg-type]
             share = share or rx.stats.model_bytes
@@ -289,7 +292,9 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
                         "changed": sum(1 for k, v in streamed.items() if k in before and v.numel()
                                        and not torch.equal(before[k], v)),
                         "groups": rx.stats.groups, "install": rx.stats.install, "peak_extra": rx.stats.peak_extra_bytes,
-                        "measured": rx._stream.ring.numel() + rx.transport.scratch_allocated}
+                        "measured": rx._stream.ring.numel() + rx.transport.scratch_allocated
+                        + rx._pipeline.node_stream.nbytes, "node_bytes": rx.stats.node_bytes,
+                        "node_fallbacks": rx.stats.node_fallbacks}
         for r in receivers:
             r.close()
     return results

@@ -160,6 +160,22 @@ def check_replica(replica: Any, replicas: Any) -> None:
                              f"the {replicas} engines, 0 <= replica < replicas (0..{replicas - 1}); {how}")
 
 
+def check_node(node: Any, direct: bool, memory_budget: Any) -> None:
+    """Check an init call's ``node`` (workers on this host in one node group, or ``None``) before
+    any receiver is built or replaced.
+
+    Raises:
+        MegarefitError: ``node`` not an int >= 1, or given with streamed direct writes (``direct``
+            with ``memory_budget``: READ straight into vLLM's tensors, not copied from node-mates)."""
+    if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 1):
+        raise MegarefitError(f"node={node!r}: give the number of workers on this host that refit together "
+                             "(an int >= 1), or None")
+    if node is not None and direct and memory_budget is not None:
+        raise MegarefitError("node= with direct=True and a memory_budget: streamed direct writes READ straight into "
+                             "vLLM's tensors and a node group copies shared tensors into the ring; give direct "
+                             "with a staged refit (no memory_budget), or leave node out")
+
+
 def check_init_secret(secret: str | None) -> str | None:
     """The job secret an init call (``init_info["secret"]``, ``init_megarefit(secret=...)``) passes,
     checked against this worker's ``$MEGAREFIT_JOB_SECRET``: where the server was started with
@@ -182,11 +198,13 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
               memory_budget: int | str | None = None, verify_checksums: bool = False,
               transport: str = "auto", secret: str | None = None,
               physical_to_logical: tuple[tuple[int, ...], ...] | None = None, draft: bool = False,
-              replica: tuple[int, int] = (0, 1)) -> RefitReceiver:
+              replica: tuple[int, int] = (0, 1), node: int | None = None) -> RefitReceiver:
     """A receiver for ``model``: the worker's target model, or (``draft``) its MTP draft model;
     full HF tensors pull only what that model loads (the MTP layers go to the draft).
     ``replica``: (this engine's index, how many engines read the trainers), so that the readers
-    of all engines spread their reads over every trainer copy (:class:`Reader`)."""
+    of all engines spread their reads over every trainer copy (:class:`Reader`). ``node``: the
+    target models' receivers on this host, a node group (:mod:`~megarefit.online.receiver.node_share`;
+    a draft model's receiver joins none)."""
     secret = check_init_secret(secret)
     check_replica(*replica)
     name = f"megarefit-vllm-{rank}-{'draft-' if draft else ''}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -209,7 +227,8 @@ def _receiver(host: str, port: int, job: str, timeout: float, rank: int,
                          timeout=timeout, reader=Reader.of(replica[0], replica[1], worker, workers),
                          experts=experts, target=target, device=device, memory_budget=memory_budget,
                          verify_checksums=verify_checksums, transport=transport,  # type: ignore[arg-type]
-                         part="all" if target is not None else "draft" if draft else "model")
+                         part="all" if target is not None else "draft" if draft else "model",
+                         node=None if draft else node)
 
 
 def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
@@ -224,8 +243,8 @@ def _cycle_report(receiver: RefitReceiver, load_s: float) -> dict[str, Any]:
             "checked_bytes": stats.checked_bytes, "unchecked_bytes": stats.unchecked_bytes,
             "direct_bytes": stats.direct_bytes, "ipc_bytes": stats.ipc_bytes, "ipc_ranks": stats.ipc_ranks,
             "refit": stats.refit, "failovers": stats.failovers, "delta_base": stats.delta_base,
-            "delta_reason": stats.delta_reason,
-            "prefetched": stats.prefetched, "prefetch_wait_s": stats.prefetch_wait_s}
+            "delta_reason": stats.delta_reason, "wire_bytes": stats.wire_bytes, "node_bytes": stats.node_bytes,
+            "node_fallbacks": stats.node_fallbacks, "prefetched": stats.prefetched, "prefetch_wait_s": stats.prefetch_wait_s}
 
 
 def _copied(copy: dict[str, torch.Tensor] | None, receiver: RefitReceiver) -> dict[str, Any]:
@@ -495,7 +514,8 @@ class MegarefitWorkerExtension:
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
                        sharded: bool = False, memory_budget: int | str | None = None,
                        verify_checksums: bool = False, direct: bool = False, transport: str = "auto",
-                       secret: str | None = None, replica: int = 0, replicas: int = 1) -> None:
+                       secret: str | None = None, replica: int = 0, replicas: int = 1,
+                       node: int | None = None) -> None:
         """Connect this worker to the trainers' rendezvous (``Rendezvous.serve`` side).
 
         vLLM's reload logger gets an :class:`~megarefit.integrations.vllm_install.ExpectedUnloaded`
@@ -528,12 +548,16 @@ class MegarefitWorkerExtension:
         ``replica`` / ``replicas``: this engine's index among the engines that read the trainers
         (default: the only one): every data-parallel copy of the trainers serves, and the workers
         of all engines spread their reads over them (:mod:`megarefit.planner.holders`).
+        ``node``: how many workers on this host (of every engine) refit together as a node group,
+        each pulling its share of the tensors several of them need and copying the rest from the
+        others over the same-host path (:mod:`megarefit.online.receiver.node_share`; ``None``: none).
 
         Raises:
             MegarefitError: ``direct`` without ``sharded``; ``replica`` / ``replicas`` out of range
-                (:func:`check_replica`).
+                (:func:`check_replica`); ``node`` not a count, or with streamed ``direct`` (:func:`check_node`).
         """
         check_replica(replica, replicas)
+        check_node(node, direct, memory_budget)
         if direct and not sharded:
             raise MegarefitError("direct writes need a sharded refit (sharded=True): only a worker's own shards "
                                  "are its parameters byte for byte")
@@ -546,7 +570,7 @@ class MegarefitWorkerExtension:
         self._megarefit = _receiver(host, port, job, timeout, getattr(self, "rank", 0), model, sharded,
                                     config.parallel_config, memory_budget, verify_checksums, transport, secret,
                                     eplb_placement(runner, runner.model_config, model) if sharded else None,
-                                    replica=(replica, replicas))
+                                    replica=(replica, replicas), node=node)
 
     def update_weights_from_megatron(self, version: int | None = None,
                                      timeout: float | None = None) -> dict[str, Any]:
@@ -726,9 +750,11 @@ class MegarefitInitInfo:
     # sharded and staged: after the first update, copy the shards of modules vLLM's reload leaves byte for byte
     # (checksum evidence) straight into their live tensors, skipping the reload's per-layer work for them
     direct: bool = False
+    node: int | None = None  # workers on this host (of every engine) that split what several need: a node group
 
     def __post_init__(self) -> None:  # vLLM builds it from the init_info dict (parse_init_info): refused there
         check_replica(self.replica, self.replicas)
+        check_node(self.node, self.direct, self.memory_budget)
 
 
 @dataclass
@@ -832,7 +858,8 @@ class _EngineLifecycle:
         placement = eplb_placement(model=model) if info.sharded and model is not None else None
         return _receiver(info.host, info.port, info.job, info.timeout, getattr(self.parallel_config, "rank", 0),
                          model, info.sharded, self.parallel_config, info.memory_budget, info.verify_checksums,
-                         info.transport, info.secret, placement, draft, replica=(info.replica, info.replicas))
+                         info.transport, info.secret, placement, draft, replica=(info.replica, info.replicas),
+                         node=info.node)
 
     def _drafting(self) -> bool:
         """vLLM retargeted this update to the worker's MTP draft model (``start_draft_weight_update``
