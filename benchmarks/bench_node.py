@@ -3,8 +3,10 @@
 Run from the repo root as root (network namespaces; ~3 min on 2 cores):
 
     python benchmarks/bench_node.py [--rate-mbit 300] [--receivers 4] [--per-node 2] [--versions 6] \\
-        [--record docs/node_cpu.jsonl]
+        [--memory-budget BYTES] [--record docs/node_cpu.jsonl]
     python benchmarks/bench_node.py --from-json docs/node_cpu.jsonl   # print the recorded table
+    python benchmarks/bench_node.py --layers 8 --intermediate-size 256 --memory-budget 11000000 \
+        --record docs/node_streamed_cpu.jsonl   # streamed: a model of 8 layers, under its size
 
 Measured in one run (tests/cluster_refit.py: Megatron-Core trainers dp 2 x tp 2 on CPU, one node
 each, every copy serving; ``--receivers`` RefitReceivers of full HF tensors, ``--per-node`` on each
@@ -15,7 +17,8 @@ bytes into each receiver node's veth per cycle, what each receiver READ from the
 copied from its mates, the same-host READ seconds, and the model: the busiest veth's bytes of a
 cycle over its tbf rate, plus the slowest receiver's same-host READs, plus the per-cycle cost
 beyond the wire calibrated on the run without node groups (its cycle less its busiest veth's
-time); medians with ranges.
+time); medians with ranges. ``--memory-budget``: streamed receivers (each serves a node arena
+of its share; ring + scratch + node arena within the budget: their peak is recorded).
 """
 
 from __future__ import annotations
@@ -44,10 +47,13 @@ def _cycles(run, versions: int) -> list[float]:
 
 def one(args: argparse.Namespace, dedup: bool) -> dict:
     """One run of the cluster refit, with or without node groups."""
-    from cluster_refit import refit_on_cluster
+    from cluster_refit import cluster_config, refit_on_cluster
 
-    run = refit_on_cluster(dp=2, tp=2, receivers=args.receivers, versions=args.versions, rate_mbit=args.rate_mbit,
-                           per_node=args.per_node, dedup=dedup)
+    cfg = cluster_config()
+    if args.layers is not None:
+        cfg.update(num_hidden_layers=args.layers, intermediate_size=args.intermediate_size or cfg["intermediate_size"])
+    run = refit_on_cluster(config=cfg, dp=2, tp=2, receivers=args.receivers, versions=args.versions, rate_mbit=args.rate_mbit,
+                           per_node=args.per_node, dedup=dedup, memory_budget=args.memory_budget)
     warm = range(2, args.versions + 1)
     cycles = _cycles(run, args.versions)
     rx = {n: m["rx_bytes"] / args.versions for n, m in sorted(run.moved.items()) if n.startswith("r")}
@@ -59,7 +65,9 @@ def one(args: argparse.Namespace, dedup: bool) -> dict:
             "placed_per_receiver": run.receivers[0]["bytes"][args.versions],
             "read_per_receiver": statistics.median(r["wire"][v] for r in run.receivers for v in warm),
             "copied_per_receiver": statistics.median(r["node_bytes"][v] for r in run.receivers for v in warm),
-            "copy_s": statistics.median(copies), "wire_s": wire, "fallbacks": sum(
+            "copy_s": statistics.median(copies), "wire_s": wire,
+            "peak_extra": max(r["peak_extra"][v] for r in run.receivers for v in range(1, args.versions + 1)),
+            "fallbacks": sum(
                 len(r["node_fallbacks"][v]) for r in run.receivers for v in range(1, args.versions + 1))}
 
 
@@ -69,13 +77,17 @@ def measure(args: argparse.Namespace) -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": os.cpu_count(),
             "versions": {p: version(p) for p in ("torch", "nixl", "megatron-core")},
             "rate_mbit": args.rate_mbit, "receivers": args.receivers, "per_node": args.per_node,
+            "memory_budget": args.memory_budget, "layers": args.layers, "intermediate_size": args.intermediate_size,
             "cycles": args.versions, "runs": [one(args, False), one(args, True)]}
 
 
 def print_table(rec: dict) -> None:
-    n = rec["per_node"]
+    n, budget = rec["per_node"], rec.get("memory_budget")
+    how = "" if budget is None else f", streamed within memory_budget = {budget / 1e6:.2f} MB"
+    if rec.get("layers") is not None:
+        how = f" ({rec['layers']} layers, intermediate size {rec['intermediate_size']})" + how
     print(f"Emulated cluster, {rec['date']}, {rec['cpus']} CPUs: Megatron-Core trainers dp 2 x tp 2 (one node each, "
-          f"every copy serving), {rec['receivers']} receivers of full HF tensors, {n} per node; veths at "
+          f"every copy serving), {rec['receivers']} receivers of full HF tensors{how}, {n} per node; veths at "
           f"{rec['rate_mbit']:.0f} Mbit/s (tbf); {rec['cycles'] - 1} warm cycles each. W: bytes a receiver places; "
           f"S = W (every mate needs every piece); expected READ per receiver with node groups: W - (n-1)/n S.\n")
     print("| node groups | READ from trainers per receiver MB | copied from mates MB | into each receiver node's "
@@ -96,6 +108,10 @@ def print_table(rec: dict) -> None:
     w = rec["runs"][1]["placed_per_receiver"]
     print(f"\nW = {w / 1e6:.2f} MB; W - (n-1)/n S = {(w - (n - 1) / n * w) / 1e6:.2f} MB. "
           f"Node-mate fallbacks: {rec['runs'][1]['fallbacks']}.")
+    if budget is not None:
+        print("Peak ring + scratch (+ node arena) per receiver, MB: " + ", ".join(
+            f"{'with' if r['dedup'] else 'without'} node groups {r['peak_extra'] / 1e6:.2f}" for r in rec["runs"])
+            + f" (memory_budget {budget / 1e6:.2f}).")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--receivers", type=int, default=4)
     ap.add_argument("--per-node", type=int, default=2)
     ap.add_argument("--versions", type=int, default=6)
+    ap.add_argument("--memory-budget", type=int, default=None, help="bytes: streamed receivers")
+    ap.add_argument("--layers", type=int, default=None, help="the model's layers (default: cluster_config's 2)")
+    ap.add_argument("--intermediate-size", type=int, default=None, help="with --layers (default: cluster_config's)")
     recorded_main(ap, measure, print_table, argv)
 
 

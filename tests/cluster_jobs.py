@@ -67,12 +67,13 @@ def trainer_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], case: 
 
 def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store: tuple[str, str], versions: int,
                  timeout: float, transfer_timeout: float | None = None, per_node: int = 1,
-                 dedup: bool = True) -> dict[str, Any]:
+                 dedup: bool = True, memory_budget: int | None = None) -> dict[str, Any]:
     """Receiver ``rank`` in ``nodes[rank]``: pull versions 1..versions, acknowledge each
     (``timeout``, ``transfer_timeout``: the receiver's). ``per_node`` > 1: the receivers sharing a
     node are a node group (``RefitReceiver(node=per_node)``; found by the kernel's identity of the
     namespace; ``dedup=False``: placed so, without node groups), and ``"node_bytes"`` / ``"wire"`` / ``"node_fallbacks"`` / ``"node_s"`` / ``"node_read_s"`` / ``"span_s"`` (pull, fence
-    and same-host copies) are kept per version.
+    and same-host copies) are kept per version. ``memory_budget``: streamed receivers
+    (``"peak_extra"`` per version: ring + scratch + node arena).
 
     Each is reader ``rank`` of ``world`` (:class:`~megarefit.planner.holders.Reader`). Returns
     ``{"received": {v: {hf name: tensor}}, "done": {v: wall time the cycle ended}, "pull_s": {v:
@@ -87,10 +88,11 @@ def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store
     host, job = store
     receiver = RefitReceiver(Rendezvous.connect(host, STORE_PORT, job=job), name=f"receiver-{rank}",
                              timeout=timeout, reader=Reader(rank, world), transfer_timeout=transfer_timeout,
-                             node=per_node if per_node > 1 and dedup else None, heartbeat_s=0.5)
+                             node=per_node if per_node > 1 and dedup else None, heartbeat_s=0.5,
+                             memory_budget=memory_budget)
     out: dict[str, Any] = {"received": {}, "done": {}, "pull_s": {}, "bytes": {}, "failovers": {}, "quarantined": {},
                            "registered": {}, "node_bytes": {}, "wire": {}, "node_fallbacks": {}, "node_s": {},
-                           "node_read_s": {}, "span_s": {}}
+                           "node_read_s": {}, "span_s": {}, "peak_extra": {}}
     for v in range(1, versions + 1):
         out["received"][v] = {name: t.clone() for name, t in receiver.run_refit_cycle(v)}
         out["done"][v] = time.time()
@@ -104,7 +106,8 @@ def receiver_job(rank: int, world: int, _port: int, nodes: list[NodeSpec], store
             stats.node_fallbacks
         out["node_s"][v] = stats.seconds.get("node", 0.0)
         out["node_read_s"][v] = stats.seconds.get("node.read", 0.0)  # the same-host READs alone (no waiting)
-        out["span_s"][v] = sum(stats.seconds.get(k, 0.0) for k in ("pull", "fence", "node"))  # READs to copies done
+        out["span_s"][v] = sum(stats.seconds.get(k, 0.0) for k in ("pull", "fence", "node", "node.arena"))  # READs
+        out["peak_extra"][v] = stats.peak_extra_bytes  # to copies done; streamed: the node arena's pull first
         receiver.acknowledge(v)
     return out
 

@@ -95,12 +95,13 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
                      timeout: float = 120.0, receiver_timeout: float = 60.0, transfer_timeout: float | None = None,
                      during: Callable[[Cluster, dict[str, WorkerGroup]], None] | None = None,
                      config: dict | None = None, per_node: int = 1, killed: tuple[int, ...] = (),
-                     dedup: bool = True) -> ClusterRefit:
+                     dedup: bool = True, memory_budget: int | None = None) -> ClusterRefit:
     """Make the cluster, run store, trainers and receivers in it, remove it all; ``during(c,
     groups)`` runs while the receivers pull (fault injection; ``groups``: "store", "trainers",
     "receivers"). ``receiver_timeout`` / ``transfer_timeout``: the receivers' ``timeout`` /
     ``transfer_timeout``. ``per_node``: receivers per receiver node (``r0`` holds receivers 0 ..
     per_node - 1, ...), a node group each (``dedup=False``: no groups); ``killed``: receivers ``during`` kills (``None`` results).
+    ``memory_budget``: the receivers stream within it (bytes).
 
     Raises:
         RuntimeError / TimeoutError: a job failed (its traceback) or did not end within ``timeout``."""
@@ -121,7 +122,7 @@ def refit_on_cluster(*, dp: int = 2, tp: int = 2, receivers: int = 4, versions: 
         before = c.counters()
         groups["receivers"] = start_workers(receiver_job, world_size=receivers, args=(
             [c[f"r{i // per_node}"].spec for i in range(receivers)], store, versions, receiver_timeout,
-            transfer_timeout, per_node, dedup))
+            transfer_timeout, per_node, dedup, memory_budget))
         try:
             if during is not None:
                 during(c, groups)

@@ -281,8 +281,9 @@ def test_streamed_receivers_of_one_node_pull_half_each_within_their_budget(node)
 def test_a_streamed_mate_that_stops_serving_is_pulled_around_mid_stream(node):
     """Three streamed receivers refit version 1; one closes. In version 2 the other two find its
     node arena unserved at the first group holding its targets, pull those and (the later groups
-    prepared again) the rest of its share from the trainers, naming it in ``stats.node_fallbacks``;
-    every byte exact, and still within the budget; version 3 splits between the two alone."""
+    prepared again, the one in flight pulled again) the rest of its share from the trainers,
+    naming it in ``stats.node_fallbacks``; every byte exact, and still within the budget;
+    version 3 splits between the two alone."""
     rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-f{i}", timeout=30, heartbeat_s=0.2, node=3,
                         memory_budget=STREAM_BUDGET) for i in range(3)]
     _publish(node, 1)
@@ -296,11 +297,13 @@ def test_a_streamed_mate_that_stops_serving_is_pulled_around_mid_stream(node):
             assert not isinstance(g, Exception), g
             assert [n for n in want if not torch.equal(g[n], want[n])] == []
         stats = [r.stats for r in rx]
-        assert all(s.node_bytes + s.wire_bytes == total and s.peak_extra_bytes <= STREAM_BUDGET for s in stats)
-        if v == 2:
+        assert all(s.peak_extra_bytes <= STREAM_BUDGET for s in stats)
+        if v == 2:  # (the group in flight when the mate failed is pulled again: more than W - node bytes)
             assert all(f and all(m == gone.name for m, _ in f) for f in (s.node_fallbacks for s in stats))
+            assert all(s.node_bytes + s.wire_bytes >= total for s in stats)
         else:
             assert [s.node_fallbacks for s in stats] == [(), ()] and sum(s.node_bytes for s in stats) == total
+            assert all(s.node_bytes + s.wire_bytes == total for s in stats)
     for r in rx:
         r.close()
 

@@ -44,11 +44,8 @@ from megarefit.transport.nixl_requests import GatherSizes
 class NodePart(Protocol):
     """A streamed node group's part in preparing the groups (:class:`~.node_stream.NodeStream`)."""
 
-    owned_plan: Plan  # the node arena's targets: the shared ones this receiver pulls for its mates too
-    buffers: dict[TensorRef, torch.Tensor]  # views of the node arena
-
     def exclude(self, plans: Sequence[Plan]) -> list[Plan]:
-        """Each group's plan less the targets the node arena and the node-mates fill."""
+        """Each group's plan less the targets the node-mates fill."""
         ...
 
 
@@ -251,15 +248,14 @@ class ReceiverMemory:
             MemoryBudgetError: the scratch the pulls need leaves no room for the largest layer
                 (names a budget that fits, as :meth:`ring_for`).
 
-        ``node`` (a streamed node group, :mod:`.node_stream`): its node arena's pull is prepared
-        first (the list's entry 0) and each group's plan is the group's less what the node arena
-        and the mates fill."""
+        ``node`` (a streamed node group, :mod:`.node_stream`): each group's plan is the group's
+        less what the mates fill."""
         stream = self.stream
         assert stream is not None
         for attempt in range(3):
             plans, buffers = [g.plan for g in stream.groups], stream.buffers
             if node is not None:
-                plans, buffers = [node.owned_plan, *node.exclude(plans)], [node.buffers, *buffers]
+                plans = node.exclude(plans)
             prepared = self.transport.prepare_groups(plans, manifests, buffers)
             scratch = self.transport.scratch_allocated
             if stream.nbytes + scratch + self.reserve <= stream.budget:

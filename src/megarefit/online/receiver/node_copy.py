@@ -18,6 +18,13 @@ never through the node's NICs.
 version is the one asked for; the sequence is read again after the READ, and a change (the mate
 began rewriting its arena meanwhile) raises ``StaleVersionError(retryable=True)``: the bytes
 copied are not handed over.
+
+**Served while it fills** (a streamed mate's node arena, :mod:`.node_stream`): its progress
+record ``progress/<group>/<mate>`` (``"<sequence> <bytes landed>"``, in the order its targets
+are listed) names the served sequence; a read then waits until the bytes it wants have landed
+(or the mate gave the arena up: :data:`~.replica_chunks.ABANDONED`). Such bytes are not fenced
+by the mate: the reader's own end fence covers every trainer rank, so a rank that wrote while
+the mate read it still tears the reader's cycle, never silently.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 
 from megarefit.online.receiver.arena import arena_key
 from megarefit.online.receiver.cycle import StaleVersionError
+from megarefit.online.receiver.replica_chunks import ABANDONED, parse_progress
 from megarefit.online.store.receivers import ReceiverRegistry
 from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout
 from megarefit.transport.execute import torch_dtype
@@ -78,6 +86,7 @@ class MateReader:
         self.rendezvous, self.nixl, self.group, self.mate, self.timeout = rendezvous, nixl, group, mate, timeout
         self.lease, self._beats = lease, ReceiverRegistry(rendezvous)
         self._loaded: bytes | None = None
+        self._known: tuple[int, dict[str, Any], int] | None = None  # (sequence, info, seq loaded) the mate served
         self._names: set[str] = set()  # remote agents loaded so far
         self.bytes_read = 0  # bytes READ from the mate by the last read()
         self.wait_s = self.read_s = 0.0  # the last read(): seconds waiting for the mate to serve, then READing
@@ -90,6 +99,9 @@ class MateReader:
 
     def _served(self, version: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The mate's (even sequence, arena info) once it serves ``version``."""
+        known = self._known
+        if known is not None and known[1]["version"] == version and self._seq() == known[0]:
+            return known[0], known[1]  # the same arena as the last READ (a streamed cycle's next group)
         beat = self._beats.beat_count(self.mate), time.monotonic()
         while True:
             if self.lease is not None:
@@ -98,6 +110,7 @@ class MateReader:
             if seq % 2 == 0 and self.rendezvous.store.check([self.rendezvous.prefix + self._key("info")]):
                 info = json.loads(self.rendezvous.fetch(self._key("info")))
                 if info["version"] == version and self._seq() == seq:
+                    self._known = (seq, info, -1)
                     return seq, info
                 if info["version"] > version:
                     raise StaleVersionError(f"node-mate {self.mate!r} serves version {info['version']}, "
@@ -169,6 +182,7 @@ class MateReader:
             return 0
         seq, info, deadline = self._wait_served(version)
         served = {n: (d, o, s) for n, d, o, s in info["targets"]}
+        self._wait_landed(seq, info, {w[0] for w in wanted}, deadline)
         copies = []
         for name, dtype, nbytes, dst in wanted:
             if name not in served or served[name][0] != dtype:
@@ -182,17 +196,45 @@ class MateReader:
             copies.append(RangeCopy(d, offset * size, nbytes, dst))
         return self._read(copies, arenas, seq, info, deadline)
 
+    def _wait_landed(self, seq: int, info: dict[str, Any], names: set[str], deadline: float) -> None:
+        """Where the mate serves its arena while it fills (a progress record of sequence ``seq``):
+        wait until every target of ``names`` landed (``wait_s`` grows).
+
+        Raises:
+            TransferError: the mate gave the arena up, or its heartbeat stood still ``lease`` s.
+            RendezvousTimeout: they did not land by ``deadline``."""
+        need, at = 0, 0
+        for n, d, _, shape in info["targets"]:
+            at += _numel(shape) * torch_dtype(d).itemsize
+            if n in names:
+                need = at
+        key, t0, beat = self.rendezvous.prefix + self._key("progress"), time.perf_counter(), None
+        while True:
+            if not self.rendezvous.store.check([key]):
+                return  # never served while filling: whole once served
+            epoch, landed = parse_progress(self.rendezvous.fetch(self._key("progress")))  # (signed)
+            if epoch != seq or landed >= need:
+                break  # (another sequence: an arena served whole)
+            if landed == ABANDONED:
+                raise TransferError(f"node-mate {self.mate!r} gave its node arena up mid-cycle")
+            beat = self._alive(beat or (self._beats.beat_count(self.mate), time.monotonic()))
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"node-mate {self.mate!r}: {need - landed} bytes of the targets wanted "
+                                        f"had not landed in its node arena within {self.timeout:g} s")
+            time.sleep(0.0005)
+        self.wait_s += time.perf_counter() - t0
+
     def _read(self, copies: Sequence[RangeCopy], arenas: dict[str, torch.Tensor], seq: int, info: dict[str, Any],
               deadline: float) -> int:
         t0 = time.perf_counter()
         remote, local, rmem, lmem = self._descriptors(copies, arenas, info)
         try:
-            self._load(info["agent"])
+            self._load(info["agent"], seq)
             self._transfer(info["agent"], remote, local, rmem, lmem, deadline)
         except TransferError:
             raise
         except Exception as exc:  # NIXL's own errors: a mate gone, metadata it cannot load
-            self._loaded = None  # loaded again next time
+            self._loaded, self._known = None, None  # loaded again next time
             raise TransferError(f"READ of {len(copies)} ranges from node-mate {self.mate!r} failed: {exc!r}") from exc
         if self._seq() != seq:
             raise StaleVersionError(f"node-mate {self.mate!r} rewrote its arena during the READ", retryable=True)
@@ -200,8 +242,11 @@ class MateReader:
         self.read_s = time.perf_counter() - t0
         return self.bytes_read
 
-    def _load(self, name: str) -> None:
-        """The mate's current NIXL metadata loaded (an older one of the same agent removed first)."""
+    def _load(self, name: str, seq: int) -> None:
+        """The mate's current NIXL metadata loaded (an older one of the same agent removed first);
+        not fetched again while the mate serves the arena (sequence ``seq``) it was loaded for."""
+        if self._known is not None and self._known[0] == seq and self._known[2] == seq:
+            return
         meta = self.rendezvous.fetch(self._key("meta"))
         if meta == self._loaded:
             return
@@ -212,6 +257,8 @@ class MateReader:
         agent.add_remote_agent(meta)
         self._names.add(name)
         self._loaded = meta
+        if self._known is not None and self._known[0] == seq:
+            self._known = (seq, self._known[1], seq)
 
     def _transfer(self, name: str, remote: list, local: list, rmem: str, lmem: str, deadline: float) -> None:
         """One READ of every ``remote`` -> ``local`` descriptor, waited for until ``deadline``."""

@@ -40,6 +40,7 @@ from megarefit.online.receiver.node import NodeGroup, NodeIdentity, join_node, n
 from megarefit.online.receiver.node_copy import MateReader
 from megarefit.online.receiver.node_split import NodePiece, NodeSplit, node_pieces, pieces_from_json, \
     pieces_to_json, split_node
+from megarefit.online.receiver.replica_chunks import format_progress
 from megarefit.online.receiver.stream import sub_plan
 from megarefit.online.store.receivers import ReceiverRegistry
 from megarefit.online.store.rendezvous import Rendezvous, RendezvousTimeout
@@ -81,6 +82,7 @@ class NodeShare:
         self.rendezvous, self.rid, self.expected, self.timeout, self.lease = rendezvous, rid, expected, timeout, lease
         self.identity = identity or node_identity(device)
         self._beats = ReceiverRegistry(rendezvous)
+        self._progress = (0, 0)  # (sequence, bytes landed) of the arena served while it fills (serve_filling)
         self.group: NodeGroup | None = None
         self.split: NodeSplit | None = None
         self.pieces: tuple[NodePiece, ...] = ()
@@ -165,6 +167,22 @@ class NodeShare:
         rdzv = self.rendezvous
         if rdzv.store.add(rdzv.prefix + arena_key("seq", self.name, self.rid), 0) % 2 == 1:
             rdzv.store.add(rdzv.prefix + arena_key("seq", self.name, self.rid), 1)
+
+    def serve_filling(self, arenas: dict[str, torch.Tensor], layout: list, version: int, metadata: bytes) -> None:
+        """Serve the arena while it fills (a streamed receiver's node arena): published with
+        nothing landed (progress ``0``), sequence even; mates wait for what they want to land
+        (:meth:`landed`). ``layout``: in the order the bytes land."""
+        rdzv = self.rendezvous
+        seq = rdzv.store.add(rdzv.prefix + arena_key("seq", self.name, self.rid), 0)
+        epoch = seq + 1 if seq % 2 else seq  # the sequence mates will see once it is served
+        self._progress = (epoch, 0)
+        rdzv.put(arena_key("progress", self.name, self.rid), format_progress(epoch, 0))  # (signed, as every record)
+        self.serve(arenas, layout, version, metadata)
+
+    def landed(self, nbytes: int) -> None:
+        """The first ``nbytes`` of the arena being served (in its layout's order) landed;
+        :data:`ABANDONED`: it never will this cycle (mates pull those targets themselves)."""
+        self.rendezvous.put(arena_key("progress", self.name, self.rid), format_progress(self._progress[0], nbytes))
 
     def copy_in(self, plan: Plan, nixl: NixlAgent, arenas: dict[str, torch.Tensor], layout: list,
                 version: int) -> NodeCopies:

@@ -3,20 +3,25 @@
 A streamed receiver holds no whole version, so it cannot serve its ring to node-mates: the ring
 is rewritten group after group at the receiver's own pace. It serves a **node arena** instead:
 the shared targets it owns in the split (:mod:`.node_split`), about ``S / n`` bytes of the
-``S`` its group shares. One streamed cycle::
+``S`` its group shares, **served while it fills**. One streamed cycle::
 
-    node arena   its owned shared targets pulled from the trainers first, fenced (no rank wrote
-                 meanwhile), then served to the group (seqlock even: version v there)
-    per group k  the group's other targets READ from the trainers (posted first), and meanwhile
-                 its targets a mate owns READ from that mate's node arena into the ring (the
-                 same-host path) and its own shared targets copied from its node arena; then
-                 checked and handed over as any group (:mod:`.streamed`)
+    start        the node arena served for version v with nothing landed (its targets listed
+                 in the order the groups land them; progress 0)
+    per group k  the group's READs from the trainers into the ring (mates' targets left out);
+                 landed -> its owned shared targets copied into the node arena, progress published (mates may READ them now) -> its targets a mate owns READ
+                 from that mate's node arena into the ring, once the mate's progress covers
+                 them -> checked and handed over as any group (:mod:`.streamed`)
 
-So the same-host copies of group ``k`` overlap its NIC READs, and the end fence covers every
-rank read, as for any streamed cycle. A mate that fails to serve (its heartbeat stands still,
-``timeout``, or it rewrote its arena during the READ) is given up for the rest of the cycle: its
-targets of group ``k`` are pulled from the trainers into the ring, and the later groups are
-prepared again with its targets pulled here (``stats.node_fallbacks`` names it).
+So a mate copies group ``k`` while this receiver's NICs pull group ``k + 1``. Each receiver
+publishes group ``k``'s progress before it waits for its mates' group ``k``: with the groups in
+one order (whole layers, the plan's order) no two mates wait on each other. The node arena's
+bytes are served before this receiver's end fence; a mate's own end fence covers every trainer
+rank, so a rank that wrote while either read it tears the mate's cycle too (reported, never a
+silent mix). A mate that fails to serve (its heartbeat stands still, its progress stops until
+``timeout``, it gave the arena up, or it rewrote its arena during the READ) is given up for the
+rest of the cycle: its targets of group ``k`` are pulled from the trainers into the ring, and
+the later groups are prepared again with its targets pulled here (``stats.node_fallbacks``
+names it).
 
 Memory: ring + scratch + node arena stay within ``memory_budget``; the ring is cut beside the
 node arena (``ReceiverMemory.reserve``), and cut again when a later split gives this receiver a
@@ -25,16 +30,16 @@ larger share.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from megarefit.online.receiver.node_share import NodeCopies, NodeShare
+from megarefit.online.receiver.replica_chunks import ABANDONED
 from megarefit.online.receiver.stream import StreamGroup, sub_plan
 from megarefit.plan import Plan, TensorRef, digest_of
 from megarefit.transport.execute import torch_dtype
 from megarefit.transport.nixl import NixlTransport
-from megarefit.transport.nixl_requests import PreparedPlan
 
 __all__ = ["NodeStream"]
 
@@ -52,10 +57,10 @@ class NodeStream:
     def __init__(self, share: NodeShare, transport: NixlTransport, device: torch.device):
         self.share, self.transport, self.device = share, transport, device
         self.arenas: dict[str, torch.Tensor] = {}  # the node arena, per dtype
-        self.buffers: dict[TensorRef, torch.Tensor] = {}  # its targets, views of it
-        self.layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # as served (name, dtype, element offset, shape)
-        self.owned_plan: Plan | None = None
+        self.buffers: dict[str, torch.Tensor] = {}  # its targets by name, views of it
+        self.layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (name, dtype, element offset, shape)
         self.copies = NodeCopies()  # this cycle's copies from mates (fallbacks, bytes, seconds)
+        self._landed: list[int] = []  # per group: bytes of the node arena landed once it has (served order)
         self._key: tuple[str, str] | None = None
         self._excluded: dict[tuple[str, str, frozenset[str]], Plan] = {}
 
@@ -90,37 +95,36 @@ class NodeStream:
         for r in refs:
             meta = plan.targets[r]
             shape = meta.storage_shape or meta.shape
-            self.buffers[r] = self.arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(shape)
+            self.buffers[r.name] = self.arenas[meta.dtype][at[meta.dtype]: at[meta.dtype] + meta.numel].view(shape)
             self.layout.append((r.name, meta.dtype, at[meta.dtype], tuple(shape)))
             at[meta.dtype] += meta.numel
         if self.arenas:
             self.transport.nixl.register(list(self.arenas.values()))  # one call: released together
-        self.owned_plan = sub_plan(plan, refs, digest_of(plan.digest, "node-arena", key[1]))
         self._key = key
 
-    def pull(self, prepared: PreparedPlan, fenced: Callable[[], None], version: int, timeout: float,
-             grace: float) -> None:
-        """Pull the node arena (``prepared``: its owned plan's READs), check ``fenced`` (no rank
-        wrote meanwhile), then serve it to the mates as ``version``.
+    def serve(self, groups: Sequence[StreamGroup], version: int) -> None:
+        """Serve the node arena for ``version`` while it fills, its targets listed in the order
+        ``groups`` land them (call once the groups are prepared: they are not cut again)."""
+        order = {name: k for k, g in enumerate(groups) for name in (r.name for r in g.plan.targets)}
+        layout = sorted(self.layout, key=lambda e: order.get(e[0], len(groups)))
+        per = [0] * len(groups)
+        for name, *_ in layout:
+            per[order[name]] += self.buffers[name].numel() * self.buffers[name].element_size()
+        self._landed = [sum(per[:k + 1]) for k in range(len(groups))]
+        self.share.begin()  # the last version's node arena is rewritten now: mates must not read it
+        self.share.serve_filling(self.arenas, layout, version, self.transport.nixl.metadata)
 
-        Raises:
-            StaleVersionError: a rank wrote during the pull (``fenced``; the arena is not served).
-            TransferError: a READ failed (not served: mates pull these targets themselves)."""
-        assert self.owned_plan is not None
-        self.share.begin()  # the node arena is rewritten: mates must not read it now
-        self.transport.execute(prepared, self.buffers, timeout=timeout, grace=grace)
-        self.copies.wire_bytes += prepared.wire_bytes
-        fenced()  # no rank wrote while the node arena was read: it holds ``version``
-        self.share.serve(self.arenas, self.layout, version, self.transport.nixl.metadata)
+    def abandon(self) -> None:
+        """The cycle ended before the node arena filled: mates waiting for it pull those targets."""
+        self.share.landed(ABANDONED)
 
     def _elsewhere(self) -> frozenset[str]:
-        """Targets the groups do not pull from the trainers: owned ones, and those of mates not given up."""
+        """Targets the mates (not given up) fill: the groups do not pull them from the trainers."""
         failed = {m for m, _ in self.copies.fallbacks}
-        copied = {p.name for m, ps in self.share.copies().items() if m not in failed for p in ps}
-        return self.share.owned() | copied
+        return frozenset(p.name for m, ps in self.share.copies().items() if m not in failed for p in ps)
 
     def exclude(self, plans: Sequence[Plan]) -> list[Plan]:
-        """Each group's plan less the targets the node arena and the (still serving) mates fill."""
+        """Each group's plan less the targets the (still serving) mates fill."""
         assert self.share.split is not None
         elsewhere = self._elsewhere()
         out = []
@@ -135,16 +139,21 @@ class NodeStream:
             self._excluded = {k: v for k, v in self._excluded.items() if v in out}
         return out
 
-    def land(self, group: StreamGroup, bufs: Mapping[TensorRef, torch.Tensor], ring: torch.Tensor,
-             version: int) -> NodeCopies:
-        """Group ``group``'s shared targets into the ring: each mate's READ from its node arena
-        (mates given up this cycle skipped), its own copied from the node arena. Returns what the
-        mates' READs got; ``missing``: targets of mates that failed now, to pull."""
-        owned = {r.name: t for r, t in self.buffers.items()}
-        names = frozenset(r.name for r in group.plan.targets)
+    def served(self, k: int, group: StreamGroup, bufs: Mapping[TensorRef, torch.Tensor]) -> None:
+        """Group ``k`` landed from the trainers (and finished): its owned targets copied from the
+        ring into the node arena and served (progress: mates may READ them now)."""
         for ref in group.plan.targets:
-            if ref.name in owned:
-                bufs[ref].copy_(owned[ref.name])
+            if ref.name in self.buffers:
+                self.buffers[ref.name].copy_(bufs[ref])
+        if self.device.type == "cuda":  # mates READ them once served
+            torch.cuda.synchronize(self.device)
+        self.share.landed(self._landed[k])
+
+    def from_mates(self, group: StreamGroup, ring: torch.Tensor, version: int) -> NodeCopies:
+        """The group's targets a mate owns READ from that mate's node arena into the ring, once the
+        mate's progress covers them (mates given up this cycle skipped). Returns what the READs
+        got; ``missing``: targets of mates that failed now, to pull."""
+        names = frozenset(r.name for r in group.plan.targets)
         here = {r.name: group.offsets[r] for r in group.plan.targets if r in group.offsets}
         dtypes = {m.dtype for m in group.plan.targets.values()}
         failed = frozenset(m for m, _ in self.copies.fallbacks)

@@ -336,7 +336,7 @@ class CyclePipeline:
             self.memory.wait_consumer()  # a delta lands in the ring: the last cycle's copies out of it are done
             try:
                 patched, prepared = self._prepare_streamed(plan, stream, start, lap)
-            except StaleVersionError as exc:  # a rank wrote during the delta or node arena read: nothing handed over
+            except StaleVersionError as exc:  # a rank wrote during the delta read: nothing handed over
                 if torn is None:
                     raise
                 torn.append(TornUpdateError(f"{exc}; nothing was handed over", retryable=exc.retryable))
@@ -362,12 +362,11 @@ class CyclePipeline:
     def _prepare_streamed(self, plan: Plan, stream: StreamRing | None, start: FenceStart,
                           lap: Callable[[str], None]) -> tuple[bool, list]:
         """(patched, the groups' prepared READs): the direct targets patched with a delta and the rest
-        prepared, or every group prepared; in a node group its node arena pulled first, fenced and
-        served (:mod:`.node_stream`).
+        prepared, or every group prepared; in a node group its node arena served as it fills
+        (:mod:`.node_stream`).
 
         Raises:
-            StaleVersionError: a rank wrote during the delta read or the node arena's pull (nothing
-                was handed over)."""
+            StaleVersionError: a rank wrote during the delta read (nothing was handed over)."""
         if stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.timeout):
             prepared = self.direct_delta.rest_prepared(plan, stream, start.manifests)  # the rest streams
             lap("prepare")
@@ -375,12 +374,9 @@ class CyclePipeline:
         with gc_paused(), plan_threads():
             prepared = self.memory.prepare_stream(plan, start.manifests, self.node_stream)
         lap("prepare")
-        node = self.node_stream
-        if node is None:
-            return False, prepared
-        node.pull(prepared[0], lambda: self.fence.end(start), start.version, self.read_timeout, self.timeout)
-        lap("node.arena")
-        return False, prepared[1:]
+        if self.node_stream is not None:  # served while it fills: mates READ each group once it landed
+            self.node_stream.serve(self.memory.stream.groups, start.version)
+        return False, prepared
 
 
 

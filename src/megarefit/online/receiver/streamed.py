@@ -106,9 +106,12 @@ class GroupStream:
                         break
                     continue  # group k again, from the other holders
                 flight = None
+                if self.parts.node_stream is not None:  # group k + 1's READs fly while the mates' copies run
+                    flight = self._from_mates(k, self._post_next(k))
                 if self.check and not self._check_group(k):
                     self.check = False
-                flight = self._post_next(k)
+                if self.parts.node_stream is None:
+                    flight = self._post_next(k)
                 pull_s += time.perf_counter() - t_pull
                 if self.error is not None:
                     break
@@ -121,6 +124,8 @@ class GroupStream:
             if flight is not None and not flight.done:  # the consumer stopped early: let the READs land
                 with contextlib.suppress(MegarefitError):
                     self.parts.transport.wait(flight, timeout=self.parts.read_timeout)
+            if self.parts.node_stream is not None and k < len(self.stream.groups):  # mates must not wait for it
+                self.parts.node_stream.abandon()
         return pull_s
 
     def _post_next(self, k: int) -> InFlight | None:
@@ -143,13 +148,26 @@ class GroupStream:
         if flight is None:
             self.parts.memory.wait_consumer()  # the ring bytes handed over before may still be read by queued copies
             flight = transport.start(self.prepared[k], timeout=timeout)
-        node = self.parts.node_stream  # the same-host copies while the trainers' READs fly
-        got = None if node is None else node.land(self.stream.groups[k], self.stream.buffers[k], self.stream.ring,
-                                                  self.start.version)
         transport.wait(flight, timeout=timeout, grace=self.parts.timeout)
-        if got is not None and got.missing:
-            self._pull_missing(k, got.missing)
         self._finish_group(k)
+        if self.parts.node_stream is not None:  # its owned shared targets served to the mates
+            self.parts.node_stream.served(k, self.stream.groups[k], self.stream.buffers[k])
+
+    def _from_mates(self, k: int, flight: InFlight | None) -> InFlight | None:
+        """Group ``k``'s targets the mates own READ from their node arenas (``flight``: group
+        ``k + 1``'s READs, in flight meanwhile); returns ``flight``, or ``None`` where a mate
+        failed: then it was waited for, the mate's targets pulled (:meth:`_pull_missing`), and
+        group ``k + 1`` is landed again from its new plan."""
+        node = self.parts.node_stream
+        assert node is not None
+        got = node.from_mates(self.stream.groups[k], self.stream.ring, self.start.version)
+        if not got.missing:
+            return flight
+        if flight is not None:  # its requests are prepared again: it must have landed first (its bytes count)
+            self.parts.transport.wait(flight, timeout=self.parts.read_timeout, grace=self.parts.timeout)
+            node.copies.wire_bytes += self.prepared[k + 1].wire_bytes
+        self._pull_missing(k, got.missing)
+        return None
 
     def _pull_missing(self, k: int, missing: list[TensorRef]) -> None:
         """A node-mate failed to serve group ``k``'s targets ``missing``: pull them from the
@@ -238,9 +256,10 @@ class GroupStream:
         stream = self.stream
         stream.groups = regroup(stream.groups, plan)
         rest = parts.direct_delta.plans(plan, stream)[1] if self.patched else None  # (without the patched targets)
-        if parts.node_stream is not None:  # (without what the node arena and the mates fill)
+        if parts.node_stream is not None:  # (without what the mates fill)
             rest = parts.node_stream.exclude([g.plan for g in stream.groups])
-        self.prepared = self.prepared[:k] + parts.memory.prepare_again(manifests, k, rest)  # (groups before k: done)
+        again = parts.memory.prepare_again(manifests, k, rest)
+        self.prepared = self.prepared[:k] + again  # (groups before k: done)
         parts.memory.within_budget(f"failing over from trainer rank {rank}")
         self.plan = plan
 
