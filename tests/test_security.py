@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -17,7 +18,10 @@ pytest.importorskip("nixl")
 from reference import reference_hf_state, reference_shards  # noqa: E402
 
 from megarefit.errors import MegarefitError  # noqa: E402
-from megarefit.layout.megatron_model import source_layout
+from megarefit.layout.megatron_model import source_layout  # noqa: E402
+from megarefit.online.receiver.arena import arena_key, publish_arena  # noqa: E402
+from megarefit.online.receiver.node_copy import MateReader  # noqa: E402
+from megarefit.online.receiver.replica_chunks import format_progress  # noqa: E402
 from megarefit.online import RefitReceiver  # noqa: E402
 from megarefit.online.store.rendezvous import SECRET_ENV, RecordAuthenticationError, Rendezvous  # noqa: E402
 from megarefit.online.trainer.publisher import Publisher  # noqa: E402
@@ -199,3 +203,17 @@ def test_the_store_listens_only_where_asked_and_only_to_the_job():
         Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="a-guess-of-sixteen-bytes")
     rdzv.mark_consumed(1)
     Rendezvous.connect("127.0.0.1", rdzv.port, job="sec-bind", secret="bind-secret-of-this-test").wait_consumed(1, timeout=5)
+
+
+def test_a_forged_progress_record_is_refused(job):
+    """A node-mate's (or cut-through replica's) progress record says how far its arena landed:
+    one signed with another secret, claiming every byte landed, is refused before any READ."""
+    hf, rdzv, pubs, receiver = job
+    arena = torch.zeros(4)
+    publish_arena(rdzv, "node-g", "mate", {"float32": arena}, [("w", "float32", 0, (4,))], 1, b"metadata")
+    _intruder(rdzv).put(arena_key("progress", "node-g", "mate"), format_progress(0, 1 << 40))
+    reader = MateReader(rdzv, receiver.transport.nixl, group="node-g", mate="mate", timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(RecordAuthenticationError, match="progress/node-g/mate' has a wrong signature"):
+        reader.read_targets([("w", "float32", 16, 0)], {"float32": torch.zeros(4)}, 1)
+    assert time.monotonic() - t0 < 2 and receiver.counters.get("posts", 0) == 0

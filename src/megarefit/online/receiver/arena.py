@@ -10,7 +10,8 @@ its arena here after every pull (:func:`publish_arena`); a
                                     replica's also its epoch (the odd sequence it mirrors under)
     replica_seq/<group>/<id>        seqlock counter: odd while <id> rewrites its arena
     replica_progress/<group>/<id>   a mirroring replica's "<epoch> <bytes landed>" (cut-through:
-                                    :mod:`~megarefit.online.receiver.replica_chunks`)
+                                    :mod:`~megarefit.online.receiver.replica_chunks`), or a
+                                    streamed node-mate's (:mod:`.node_stream`); signed as every record
 """
 
 from __future__ import annotations

@@ -8,11 +8,13 @@ the shared targets it owns in the split (:mod:`.node_split`), about ``S / n`` by
     start        the node arena served for version v with nothing landed (its targets listed
                  in the order the groups land them; progress 0)
     per group k  the group's READs from the trainers into the ring (mates' targets left out);
-                 landed -> its owned shared targets copied into the node arena, progress published (mates may READ them now) -> its targets a mate owns READ
-                 from that mate's node arena into the ring, once the mate's progress covers
-                 them -> checked and handed over as any group (:mod:`.streamed`)
+                 landed -> its owned shared targets copied into the node arena, progress
+                 published (mates may READ them now) -> group k + 1's READs posted -> its
+                 targets a mate owns READ from that mate's node arena into the ring, once the
+                 mate's progress covers them -> checked and handed over as any group
+                 (:mod:`.streamed`)
 
-So a mate copies group ``k`` while this receiver's NICs pull group ``k + 1``. Each receiver
+So a receiver copies group ``k`` from its mates while its NICs pull group ``k + 1``. Each receiver
 publishes group ``k``'s progress before it waits for its mates' group ``k``: with the groups in
 one order (whole layers, the plan's order) no two mates wait on each other. The node arena's
 bytes are served before this receiver's end fence; a mate's own end fence covers every trainer

@@ -140,7 +140,7 @@ class ReplicaReceiver:
 
     def _landed(self, nbytes: int) -> None:
         if self.serve and self.cut_through:
-            self.rendezvous.store.set(self._key("progress"), format_progress(self._epoch, nbytes))
+            self.rendezvous.put(arena_key("progress", self.group, self.name), format_progress(self._epoch, nbytes))
 
     def _publish(self, version: int) -> None:
         publish_arena(self.rendezvous, self.group, self.name, self.arenas, self.targets, version,
@@ -150,7 +150,8 @@ class ReplicaReceiver:
         """Tell children this epoch will not complete (they fail over at once)."""
         if self._epoch is not None:
             with contextlib.suppress(Exception):
-                self.rendezvous.store.set(self._key("progress"), format_progress(self._epoch, ABANDONED))
+                self.rendezvous.put(arena_key("progress", self.group, self.name),
+                                    format_progress(self._epoch, ABANDONED))
 
     def _pull_once(self, version: int | None) -> int:
         deadline = time.monotonic() + self.timeout

@@ -72,7 +72,7 @@ class ParentReader:
     def _progress(self) -> tuple[int, int] | None:
         if not self.rendezvous.store.check([self._key("progress")]):
             return None
-        return parse_progress(self.rendezvous.store.get(self._key("progress")))
+        return parse_progress(self.rendezvous.fetch(arena_key("progress", self.group, self.parent)))  # (signed)
 
     def _usable(self, seq: int, info: dict[str, Any]) -> bool:
         epoch = info.get("epoch")
