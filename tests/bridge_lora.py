@@ -1,6 +1,6 @@
 """Run by tests/test_bridge_lora.py inside the Megatron-Bridge environment (Bridge 0.6.2 on megatron-core
 0.19.2): a real Megatron-Core GPT (Qwen3-style, local layer spec, fp32, CPU, two gloo processes) wrapped
-by Bridge's ``LoRA`` and ``CanonicalLoRA`` (r = 8, alpha = 16, every dense linear), adapters filled
+by Bridge's ``LoRA`` and ``CanonicalLoRA`` (r = 8, alpha = 12, every dense linear), adapters filled
 with noise (Bridge initializes B to zero), at tp = 2 and tp = 1 (dp = 2 there: both processes run it,
 rank 0 reports). Per case:
 
@@ -38,7 +38,7 @@ from bridge_contents import _config  # noqa: E402
 
 CFG = _config("Qwen3-0.6B")
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
-RANK, ALPHA = 8, 16
+RANK, ALPHA = 8, 12  # alpha / r = 1.5: not a power of two, so the order of the scaling shows in the bits
 WRAPPERS = ("lora", "canonical_lora")
 
 

@@ -118,6 +118,11 @@ def peft_to_lora(state: Mapping[str, torch.Tensor], peft_config: Mapping[str, An
     extra = sorted(set(state) - used)
     if extra:
         raise MissingParameterError(f"PEFT tensors no {wrapper} row reads: {extra[:5]}")
+    halves = {n.replace(f".{f.value}.", f".{g.value}.") for n in out[0] for f, g in ((Factor.A, Factor.B),
+                                                                                     (Factor.B, Factor.A))
+              if f".{f.value}." in n} - set(out[0])
+    if halves:
+        raise MissingParameterError(f"adapters with one factor only: the PEFT tensors of {sorted(halves)[:3]} are absent")
     return out
 
 
