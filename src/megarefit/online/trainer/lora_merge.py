@@ -88,6 +88,8 @@ class MergedLoRA:
         self._send = torch.cat([f.detach().reshape(-1) for f in send]) if send else torch.empty(0)
         self._recv = self._send.new_empty(tp * self._send.numel())
         self._copies = _copies([w.weight for w in self._wrapped])
+        largest = max((w.weight.numel() for w in self._wrapped), default=0)  # float32 scratch, reused per linear
+        self._scratch = torch.empty(largest, dtype=torch.float32, device=self._send.device)
         self.served: dict[str, torch.Tensor] = {base_name(n): p for n, p in named.items() if not is_adapter(n)}
         self.served.update({w.name: c for w, c in zip(self._wrapped, self._copies)})
         self.refresh()
@@ -159,8 +161,8 @@ class MergedLoRA:
         """Gather the split factors (one ``all_gather`` over TP) and rewrite every merged copy."""
         full = self._gather()
         for w, copy in zip(self._wrapped, self._copies):
-            merged = w.weight.float()  # a new float32 tensor for a bf16 shard; the base itself for float32
-            merged = merged.clone() if merged.data_ptr() == w.weight.data_ptr() else merged
+            merged = self._scratch[:w.weight.numel()].view(w.weight.shape)
+            merged.copy_(w.weight)  # W.float(): exact
             for part in w.parts:
                 _merge_part(merged, part, full, self.scale, self.tp)
             copy.copy_(merged)
@@ -206,7 +208,8 @@ def _merge_part(merged: torch.Tensor, part: _Part, full: torch.Tensor, scale: fl
     src = part.a if part.gathered is Factor.A else part.b
     gathered = full[:, part.offset:part.offset + src.numel()].reshape(tp * src.shape[0], src.shape[1])
     a, b = (gathered, part.b) if part.gathered is Factor.A else (part.a, gathered)
-    lora = scale * (b.float() @ a.float())
+    lora = b.float() @ a.float()
+    lora.mul_(scale)  # = scale * (B @ A): the same float32 multiply, in place
     for run in part.runs:
         merged[run.base_start:run.base_start + run.length].add_(lora[run.part_start:run.part_start + run.length])
 
