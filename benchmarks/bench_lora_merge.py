@@ -11,7 +11,7 @@ decoder linear wrapped: ``to_wrap.weight`` and A / B with the local shapes of
   (:func:`~megarefit.online.trainer.served.refresh_snapshot`: one ``copy_`` per tensor).
 
 Bytes: the served copies (equal for both) and what a refresh receives over TP. Medians with min-max
-over repeats and both ranks.
+over repeats and both ranks; one torch thread a rank.
 
     python benchmarks/bench_lora_merge.py [--layers 4] [--hidden 512] [--ranks 16 64] [--repeat 9]
                                           [--record docs/lora_merge_cpu.jsonl]
@@ -63,6 +63,7 @@ def job(rank: int, world_size: int, master_port: int, cfg: dict, ranks: list[int
     from megarefit.online.trainer.lora_merge import MergedLoRA
     from megarefit.online.trainer.served import refresh_snapshot, snapshot_buffers
 
+    torch.set_num_threads(1)  # one core a rank (2 ranks on this 2-core box): no oversubscription
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size)
     out = {}
     for r in ranks:
@@ -112,7 +113,7 @@ def measure(ns) -> dict:
 def print_table(res: dict) -> None:
     print(f"Trainer side of a merged LoRA refit, per rank: tp {res['tp']} (gloo, one process a rank), "
           f"{res['layers']} layers, hidden {res['hidden']}, ffn {res['ffn']}, every decoder linear wrapped by "
-          f"Bridge LoRA, {res['dtype']}; median (min-max) over {res['repeat']} repeats x 2 ranks; {res['machine']}, "
+          f"Bridge LoRA, {res['dtype']}, one torch thread a rank; median (min-max) over {res['repeat']} repeats x 2 ranks; {res['machine']}, "
           f"{res['date']} (a 2-core machine shared with other jobs: the ranges are wide).\n")
     print("| r | merged `refresh()` ms | plain served copy ms | x plain | served copy MB | adapter MB | "
           "gathered per refresh kB |")
