@@ -133,7 +133,10 @@ def _compare(key: str, ranks: list[dict], hf_model_of) -> dict:
 def main(work: Path) -> dict:
     import transformers
 
+    from megarefit.demo import workers
     from megarefit.demo.workers import run_workers
+
+    workers.PRELOAD = (*workers.PRELOAD, "bridge_preload")  # tests/bridge_preload.py: Bridge imported once
 
     config = transformers.AutoConfig.for_model(**CFG)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "hf", safe_serialization=True)
