@@ -34,7 +34,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).parent))
-from bridge_contents import _config  # noqa: E402
+from bridge_contents import _config
 
 CFG = _config("Qwen3-0.6B")
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))

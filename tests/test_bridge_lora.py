@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_bridge import _env_python, _run
 
 pytestmark = pytest.mark.megatron

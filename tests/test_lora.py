@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_config
 from megarefit.errors import LayoutError, MissingParameterError, ShapeMismatchError, UnsupportedAdapterError
 from megarefit.layout.classify import classify_model
 from megarefit.layout.dims import ModelDims
@@ -96,10 +96,10 @@ REFUSED_NAMES = {
 }
 
 
-@pytest.mark.parametrize("module", [m for _, m, _, _ in REFUSED])
+@pytest.mark.parametrize("module", [r.module for r in REFUSED])
 def test_refusals_name_the_module_and_the_fix(module):
     name = REFUSED_NAMES[module]
-    fix = next(f for _, m, _, f in REFUSED if m == module)
+    fix = next(r.fix for r in REFUSED if r.module == module)
     with pytest.raises(UnsupportedAdapterError) as err:
         adapter_row(name)
     assert name in str(err.value) and f"on {module} is refused" in str(err.value) and fix in str(err.value)

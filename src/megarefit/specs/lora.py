@@ -133,20 +133,33 @@ CANONICAL_ROWS: tuple[AdapterRow, ...] = _CANONICAL_ONLY + _ROW_BASES
 
 ADAPTER_ROWS = LORA_ROWS + _CANONICAL_ONLY  # each parameter name once
 
-# What is refused, by the module a name lies in: (regex on the name, module, why, fix)
-REFUSED: tuple[tuple[str, str, str, str], ...] = (
-    (r"\.adapter\.weight_magnitude$", "DoRA", "the merged weight is m * (W + s B A) / ||W + s B A|| per output "
-     "row, a different formula, not verified here", "train with LoRA or CanonicalLoRA"),
-    (r"\.mlp\.router\.", "the MoE router", "a router adapter changes routing logits (LoRATopKRouter), which no "
-     "merged or vLLM LoRA path here verifies", "leave mlp.router out of target_modules"),
-    (r"\.mlp\.shared_experts\.", "shared experts", "their adapter layout is not verified on real modules",
-     "exclude *.shared_experts.* (exclude_modules)"),
-    (r"\.mlp\.experts\.", "routed experts", "expert adapters (per-expert, shared or grouped, split over expert-TP) "
-     "are not verified", "exclude *.mlp.experts.* (exclude_modules)"),
-    (r"\.self_attention\.linear_(q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)\.", "MLA attention",
-     "MLA's low-rank projections have no verified adapter rows", "target only linear_proj and the MLP"),
-    (r"\.mixer\.", "a Mamba mixer", "Mamba in_proj / out_proj adapters are not verified",
-     "exclude *.mixer.* (exclude_modules)"),
+@dataclass(frozen=True)
+class Refused:
+    """Adapters megarefit refuses: parameter names matching ``pattern`` (a regex) lie on ``module``;
+    ``why`` it is refused and the ``fix`` (what to train instead) go into the error."""
+
+    pattern: str
+    module: str
+    why: str
+    fix: str
+
+
+REFUSED: tuple[Refused, ...] = (
+    Refused(r"\.adapter\.weight_magnitude$", "DoRA",
+            "the merged weight is m * (W + s B A) / ||W + s B A|| per output row, a different formula, not verified "
+            "here", "train with LoRA or CanonicalLoRA"),
+    Refused(r"\.mlp\.router\.", "the MoE router",
+            "a router adapter changes routing logits (LoRATopKRouter), which no merged or vLLM LoRA path here verifies",
+            "leave mlp.router out of target_modules"),
+    Refused(r"\.mlp\.shared_experts\.", "shared experts", "their adapter layout is not verified on real modules",
+            "exclude *.shared_experts.* (exclude_modules)"),
+    Refused(r"\.mlp\.experts\.", "routed experts",
+            "expert adapters (per-expert, shared or grouped, split over expert-TP) are not verified",
+            "exclude *.mlp.experts.* (exclude_modules)"),
+    Refused(r"\.self_attention\.linear_(q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)\.", "MLA attention",
+            "MLA's low-rank projections have no verified adapter rows", "target only linear_proj and the MLP"),
+    Refused(r"\.mixer\.", "a Mamba mixer", "Mamba in_proj / out_proj adapters are not verified",
+            "exclude *.mixer.* (exclude_modules)"),
 )
 
 _LAYER = r"(?P<layer>0|[1-9][0-9]*)"
@@ -177,9 +190,10 @@ def adapter_row(name: str) -> tuple[AdapterRow, int]:
             MLA or a Mamba mixer (the message names the module, why, and what to do instead).
         UnknownParameterError: no row matches (an adapter on a linear Bridge does not target by default).
     """
-    for regex, module, why, fix in REFUSED:
-        if re.search(regex, name):
-            raise UnsupportedAdapterError(f"adapter parameter {name!r} on {module} is refused: {why}; {fix}")
+    for refused in REFUSED:
+        if re.search(refused.pattern, name):
+            raise UnsupportedAdapterError(f"adapter parameter {name!r} on {refused.module} is refused: {refused.why}; "
+                                          f"{refused.fix}")
     for regex, row in _COMPILED:
         m = regex.fullmatch(name)
         if m:
@@ -188,5 +202,5 @@ def adapter_row(name: str) -> tuple[AdapterRow, int]:
                                 f"{sorted({r.megatron for r in ADAPTER_ROWS})}")
 
 
-__all__ = ["ADAPTER_ROWS", "CANONICAL_ROWS", "LORA_ROWS", "REFUSED", "AdapterRow", "Factor", "UnsupportedAdapterError",
-           "Wrapper", "adapter_row", "base_name", "is_adapter"]
+__all__ = ["ADAPTER_ROWS", "CANONICAL_ROWS", "LORA_ROWS", "REFUSED", "AdapterRow", "Factor", "Refused",
+           "UnsupportedAdapterError", "Wrapper", "adapter_row", "base_name", "is_adapter"]
