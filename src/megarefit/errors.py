@@ -21,6 +21,11 @@ class UnsupportedModelError(MegarefitError):
     """The HF config names an architecture / ``model_type`` with no spec table."""
 
 
+class UnsupportedAdapterError(UnsupportedModelError):
+    """A PEFT adapter megarefit cannot refit exactly (DoRA; adapters on experts, the router, MLA,
+    Mamba); the message names the module, why, and what to train instead."""
+
+
 class SpecTableError(MegarefitError):
     """A spec table is malformed (unknown placeholder, overlapping entries, ...)."""
 

@@ -9,7 +9,9 @@ Three independent sources must agree for every parameter:
 3. the spec table row the name matches -> its role's parallel mode.
 
 Any disagreement, unknown name, or unknown module class is reported with the
-parameter name. Works on any ``torch.nn.Module``; imports no Megatron code.
+parameter name. Megatron-Bridge LoRA models classify too: a wrapped base
+(``<linear>.to_wrap.weight``) by its base row, adapter parameters by their
+:mod:`~megarefit.specs.lora` rows (a refused adapter is reported as the problem). Works on any ``torch.nn.Module``; imports no Megatron code.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from megarefit.errors import ClassificationError, MegarefitError
 from megarefit.layout.dims import ModelDims
+from megarefit.specs.lora import adapter_row, base_name, is_adapter
 from megarefit.specs.megatron_core import MegatronCore
 from megarefit.specs.table import FamilySpec, LayerSpec, ParallelMode, Role, canonical_name
 
@@ -147,7 +150,7 @@ def classify_model(model: torch.nn.Module, dims: ModelDims, *, pp: int = 1, laye
         a_mode = _attr_mode(param)
         role, problem = None, None
         try:
-            role = fam.match(name, conds, layer_spec).spec.role
+            role = _table_role(fam, name, conds, layer_spec)
         except MegarefitError as exc:
             problem = str(exc)
         if problem is None:
@@ -161,6 +164,14 @@ def classify_model(model: torch.nn.Module, dims: ModelDims, *, pp: int = 1, laye
                            f"table role {role.value} needs {want.value}")
         out.append(ParamClass(name, cls_name, m_mode, a_mode, role, problem))
     return out
+
+
+def _table_role(fam: FamilySpec, name: str, conds: frozenset, layer_spec: LayerSpec | None) -> Role:
+    """The role the tables give ``name``: a Bridge PEFT adapter's from its adapter row
+    (:mod:`megarefit.specs.lora`), a wrapped base's (``<linear>.to_wrap.weight``) from the base row."""
+    if is_adapter(name):
+        return adapter_row(name)[0].role
+    return fam.match(base_name(name), conds, layer_spec).spec.role
 
 
 def check_model(model: torch.nn.Module, dims: ModelDims, **kwargs: object) -> list[ParamClass]:
