@@ -10,8 +10,9 @@ model, and the base model (no LoRA request) must still generate as before. A pro
 KV block shows that the versioned ``lora_path`` keeps vLLM's prefix cache apart per version
 (a request of the older version reuses that version's blocks). The oracle is checked by mutants
 (scaling doubled, a module dropped) that must not match it. Refused: a module vLLM's LoRA does not
-serve (the previous version keeps serving), a vLLM internal that is missing (``VllmVersionError``),
-DoRA, a rank above ``max_lora_rank``, an engine without LoRA.
+serve (the previous version keeps serving), a second name while the CPU LoRA cache is full of pinned
+adapters, a vLLM internal that is missing (``VllmVersionError``), DoRA, a rank above
+``max_lora_rank``, an engine without LoRA.
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ def test_unsupported_module_refused_and_previous_version_serves(run):
     bad["base_model.model.model.layers.1.self_attn.q_norm.lora_B.weight"] = torch.ones(64, 8)
     with pytest.raises(MegarefitError, match=r"do not serve .*model\.layers\.1\.self_attn\.q_norm"):
         install_lora(run["llm"], NAME, bad, {**CONFIG, "target_modules": [*TARGETS, "q_norm"]}, version=3)
+    assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])
+
+
+def test_second_name_refused_while_the_cpu_cache_is_full_of_pinned_adapters(run):
+    with pytest.raises(MegarefitError, match="max_cpu_loras=1 pinned adapters"):
+        install_lora(run["llm"], "another-policy", run["v2_tensors"], CONFIG, version=1)
     assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])
 
 

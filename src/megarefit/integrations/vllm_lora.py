@@ -15,7 +15,7 @@ fixed integer id, pinned, so no request ever makes the worker look for it on dis
               PEFTHelper.from_dict + validate_legal(lora_config)   vLLM's own adapter checks
               LoRAModel.from_lora_tensors(id, tensors, helper)     vLLM's own name parsing
               every module served by one of vLLM's LoRA layers?    else refused, named
-              adapter manager: remove old id, add new, pin          the new version serves
+              adapter manager: remove old id, add new, pin (CPU cache)   the new version serves
         ▼
     LoRARequest(name, id, "/megarefit-in-memory-lora/<name>/v<version>")   for generate()
 
@@ -72,7 +72,7 @@ LORA_ATTRS = {
     "GPUModelRunner": ("lora_manager",),  # the worker's model runner (LoRAModelRunnerMixin)
     "LRUCacheWorkerLoRAManager": ("_adapter_manager", "lora_config", "vocab_size", "max_position_embeddings"),
     "LRUCacheLoRAModelManager": ("model", "modules", "packed_modules", "capacity", "list_adapters", "add_adapter",
-                                 "remove_adapter", "remove_oldest_adapter", "pin_adapter"),
+                                 "remove_adapter", "remove_oldest_adapter", "_pin_lora_in_cpu_cache"),
 }
 _WHY = "to install an in-memory LoRA adapter"
 PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<factor>lora_A|lora_B)\.weight$")
@@ -231,14 +231,25 @@ def build_lora_model(internals: SimpleNamespace, name: str, int_id: int, tensors
 
 
 def swap_adapter(manager: Any, lora: Any) -> None:
-    """Replace whatever the adapter manager holds under ``lora.id`` by ``lora``, pinned (never
-    evicted, so never looked up on disk), active in a LoRA slot; evicts the least recently used
-    unpinned adapter where the CPU cache is full, as vLLM's own add does."""
-    manager.remove_adapter(lora.id)
+    """Replace whatever the adapter manager holds under ``lora.id`` by ``lora``, pinned in its CPU
+    cache (never evicted from it, so never looked up on disk). The LoRA slots (``max_loras``) stay
+    vLLM's LRU: the next step that asks for the adapter copies it into a slot from that cache.
+    Where the CPU cache (``max_cpu_loras``) is full, the least recently used unpinned adapter goes,
+    as in vLLM's own add.
+
+    Raises:
+        MegarefitError: the CPU cache is full of pinned adapters (nothing changed)."""
+    manager.remove_adapter(lora.id)  # deactivates it too: its slot is free for the new version
     if len(manager.list_adapters()) + 1 > manager.capacity:
-        manager.remove_oldest_adapter()
+        try:
+            manager.remove_oldest_adapter()
+        except RuntimeError as exc:  # vLLM's LRUCache: "All items are pinned, ..."
+            raise MegarefitError(f"LoRA adapter id {lora.id}: vLLM's CPU LoRA cache holds max_cpu_loras="
+                                 f"{manager.capacity} pinned adapters ({exc}); start the engine with max_cpu_loras "
+                                 "at least the number of in-memory adapter names (plus those loaded from paths)"
+                                 ) from exc
     manager.add_adapter(lora)
-    manager.pin_adapter(lora.id)
+    manager._pin_lora_in_cpu_cache(lora.id)
 
 
 def install_adapter(runner: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any],
