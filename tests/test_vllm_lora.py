@@ -73,7 +73,9 @@ def run(tmp_path_factory):
                    enable_lora=True, max_lora_rank=8, max_loras=1, worker_extension_cls=EXT)
     out["llm"] = llm
     out["base"] = vllm_generate(llm, ALL)
+    before = {k: t.clone() for k, t in v1.items()}
     out["req1"] = install_lora(llm, NAME, v1, CONFIG, version=1)
+    out["caller_tensors_kept"] = all(torch.equal(before[k], v1[k]) for k in before)
     out[1] = vllm_generate(llm, ALL, out["req1"])
     out["mutants"] = {}
     for i, (what, (tensors, config)) in enumerate(_mutants(v1).items()):
@@ -89,6 +91,12 @@ def run(tmp_path_factory):
 def test_base_model_unchanged(run):
     assert same_generation(run["base"], run["hf"]["base"])
     assert same_generation(run["base_after"], run["hf"]["base"])
+
+
+def test_install_leaves_the_callers_tensors_alone(run):
+    """vLLM folds the scaling into lora_B in place: on the caller's tensors (in-process engine)
+    that would rescale the trainer's own adapter."""
+    assert run["caller_tensors_kept"]
 
 
 def test_version_1_generates_as_peft(run):
@@ -132,11 +140,14 @@ def test_second_name_refused_while_the_cpu_cache_is_full_of_pinned_adapters(run)
     assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])
 
 
-def test_missing_vllm_internal_refused(run, monkeypatch):
-    from vllm.lora.lora_model import LoRAModel
+@pytest.mark.parametrize(("module", "owner", "attr"), [("vllm.lora.lora_model", "LoRAModel", "from_lora_tensors"),
+                                                     ("vllm.lora.model_manager", "LRUCacheLoRAModelManager",
+                                                      "_pin_lora_in_cpu_cache")])
+def test_missing_vllm_internal_refused(run, monkeypatch, module, owner, attr):
+    import importlib
 
-    monkeypatch.delattr(LoRAModel, "from_lora_tensors")
-    with pytest.raises(VllmVersionError, match=rf"vLLM {vllm_version()}: LoRAModel has no 'from_lora_tensors'"):
+    monkeypatch.delattr(getattr(importlib.import_module(module), owner), attr)
+    with pytest.raises(VllmVersionError, match=rf"vLLM {vllm_version()}: {owner} has no '{attr}'"):
         install_lora(run["llm"], NAME, run["v2_tensors"], CONFIG, version=3)
     monkeypatch.undo()
     assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])

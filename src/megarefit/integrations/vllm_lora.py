@@ -69,7 +69,7 @@ LORA_API = {
 LORA_ATTRS = {
     "LoRAModel": ("from_lora_tensors",),
     "PEFTHelper": ("from_dict", "validate_legal"),
-    "GPUModelRunner": ("lora_manager",),  # the worker's model runner (LoRAModelRunnerMixin)
+    "GPUModelRunner": ("lora_config", "parallel_config", "lora_manager"),  # the worker's (LoRAModelRunnerMixin)
     "LRUCacheWorkerLoRAManager": ("_adapter_manager", "lora_config", "vocab_size", "max_position_embeddings"),
     "LRUCacheLoRAModelManager": ("model", "modules", "packed_modules", "capacity", "list_adapters", "add_adapter",
                                  "remove_adapter", "remove_oldest_adapter", "_pin_lora_in_cpu_cache"),
@@ -176,14 +176,16 @@ def lora_internals(runner: Any) -> SimpleNamespace:
     for owner in ("LoRAModel", "PEFTHelper"):
         for attr in LORA_ATTRS[owner]:
             vllm_internal(getattr(api, owner), attr, _WHY, owner)
-    if getattr(runner, "lora_config", None) is None:
+    runner_kind = type(runner).__name__
+    if vllm_internal(runner, "lora_config", _WHY, runner_kind) is None:
         raise MegarefitError("this vLLM engine runs without LoRA: start it with enable_lora=True (and "
                              "max_lora_rank >= the adapter's r) to install adapters")
-    pp = getattr(getattr(runner, "parallel_config", None), "pipeline_parallel_size", 1)
+    parallel = vllm_internal(runner, "parallel_config", _WHY, runner_kind)
+    pp = vllm_internal(parallel, "pipeline_parallel_size", _WHY, "ParallelConfig")
     if pp != 1:
         raise MegarefitError(f"pipeline_parallel_size={pp}: in-memory LoRA installs are proved without pipeline "
                              "parallelism only (each stage serves part of the layers)")
-    worker_manager = vllm_internal(runner, "lora_manager", _WHY, type(runner).__name__)
+    worker_manager = vllm_internal(runner, "lora_manager", _WHY, runner_kind)
     for attr in LORA_ATTRS["LRUCacheWorkerLoRAManager"]:
         vllm_internal(worker_manager, attr, _WHY, type(worker_manager).__name__)
     manager = worker_manager._adapter_manager
@@ -216,9 +218,13 @@ def build_lora_model(internals: SimpleNamespace, name: str, int_id: int, tensors
         raise MegarefitError(f"LoRA adapter {name!r} refused by vLLM's checks: {exc}") from exc
     model = manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)  # optional in vLLM too (_load_adapter reads it so)
+    dtype = worker_manager.lora_config.lora_dtype
+    # copies: vLLM folds the scaling into lora_B in place (LoRALayerWeights.optimize), which on
+    # the caller's own tensors (an in-process engine) would rescale the trainer's adapter
+    owned = {k: t.detach().to("cpu", dtype, copy=True) for k, t in tensors.items()}
     lora = api.LoRAModel.from_lora_tensors(
-        lora_model_id=int_id, tensors=dict(tensors), peft_helper=helper, device="cpu",
-        dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size,
+        lora_model_id=int_id, tensors=owned, peft_helper=helper, device="cpu",
+        dtype=dtype, model_vocab_size=worker_manager.vocab_size,
         weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
     unserved = sorted(set(vllm_internal(lora, "loras", _WHY, "LoRAModel")) - served_modules(manager))
