@@ -10,7 +10,7 @@ fixed integer id, pinned, so no request ever makes the worker look for it on dis
 
     trainer:  {PEFT name: tensor} + peft_config (r, lora_alpha, target_modules)
         │  install_lora(llm, name, tensors, peft_config, version)   (driver side)
-        ▼  llm.collective_rpc("megarefit_install_lora", ...)         (every worker)
+        ▼  llm.collective_rpc("megarefit_install_lora", safetensors blob, ...)   (every worker)
     worker:   check_adapter (names, shapes, config)            nothing touched on a refusal
               PEFTHelper.from_dict + validate_legal(lora_config)   vLLM's own adapter checks
               LoRAModel.from_lora_tensors(id, tensors, helper)     vLLM's own name parsing
@@ -27,7 +27,9 @@ them for its tensor-parallel rank, as they do for an adapter read from disk.
 
 The install runs in the worker (``collective_rpc``, through :class:`MegarefitLoraExtension`,
 which :class:`~megarefit.integrations.vllm.MegarefitWorkerExtension` includes), so it works
-where the engine runs its workers in other processes: the tensors travel with the call. vLLM
+where the engine runs its workers in other processes: the tensors travel with the call, as one
+safetensors blob (:func:`adapter_blob`; vLLM's multiprocess RPC turns tensors nested in its
+untyped arguments into lists, and bytes arrive as sent). vLLM
 runs a ``collective_rpc`` between engine steps: requests *started after* the install use the
 new version; a request in flight under the same name switches at its next step.
 
@@ -279,14 +281,39 @@ def install_adapter(runner: Any, name: str, tensors: Mapping[str, torch.Tensor],
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
+def adapter_blob(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The adapter's tensors as one safetensors blob (the bytes PEFT writes to
+    ``adapter_model.safetensors``, kept in memory): what ``collective_rpc`` carries to the
+    workers. vLLM's multiprocess RPC decodes tensors nested in untyped arguments as lists; bytes
+    arrive as sent, in the engine's process and in worker processes alike."""
+    from safetensors.torch import save
+
+    return save({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
+
+
+def tensors_of_blob(blob: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of an :func:`adapter_blob` (fresh CPU tensors: the caller's are never aliased).
+
+    Raises:
+        MegarefitError: ``blob`` is not bytes (an RPC layer that re-encoded it)."""
+    from safetensors.torch import load
+
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise MegarefitError(f"the adapter reached the worker as {type(blob).__name__}, not the safetensors bytes "
+                             "install_lora sends")
+    return load(bytes(blob))
+
+
 class MegarefitLoraExtension:
     """vLLM worker-extension methods for in-memory LoRA adapters (``self`` is the worker);
     :class:`~megarefit.integrations.vllm.MegarefitWorkerExtension` includes them."""
 
-    def megarefit_install_lora(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
-                               version: int, lora_int_id: int | None = None) -> dict[str, Any]:
+    def megarefit_install_lora(self, name: str, adapter: bytes, peft_config: dict[str, Any], version: int,
+                               lora_int_id: int | None = None) -> dict[str, Any]:
         """Install version ``version`` of adapter ``name`` in this worker (:func:`install_adapter`);
-        the report adds ``version`` and this worker's ``rank``."""
+        ``adapter``: its tensors as one safetensors blob (:func:`adapter_blob`). The report adds
+        ``version`` and this worker's ``rank``."""
+        tensors = tensors_of_blob(adapter)
         report = install_adapter(self.model_runner, name, tensors, peft_config, lora_int_id)  # type: ignore[attr-defined]
         versions = self.__dict__.setdefault("_megarefit_lora_versions", {})
         versions[name] = version
@@ -312,7 +339,7 @@ def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_
     check_adapter(tensors, peft_config)  # refused here, before any worker is called
     int_id = lora_int_id or adapter_id(name)
     reports = llm.collective_rpc("megarefit_install_lora", kwargs={
-        "name": name, "tensors": dict(tensors), "peft_config": dict(peft_config), "version": version,
+        "name": name, "adapter": adapter_blob(tensors), "peft_config": dict(peft_config), "version": version,
         "lora_int_id": int_id})
     seen = {(r["name"], r["lora_int_id"], r["version"], r["modules"]) for r in reports}
     if len(seen) != 1:
@@ -320,6 +347,6 @@ def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_
     return lora_request(name, version, int_id)
 
 
-__all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "MegarefitLoraExtension", "check_adapter", "install_adapter",
-           "install_lora", "adapter_id", "lora_internals", "lora_path", "lora_request", "lora_scaling",
-           "served_modules"]
+__all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "MegarefitLoraExtension", "adapter_blob", "adapter_id",
+           "check_adapter", "install_adapter", "install_lora", "lora_internals", "lora_path", "lora_request",
+           "lora_scaling", "served_modules", "tensors_of_blob"]
