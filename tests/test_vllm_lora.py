@@ -33,7 +33,12 @@ from vllm_helpers import EXT, PROMPTS, e2e_config, hf_generate, same_generation,
 from megarefit.errors import MegarefitError  # noqa: E402
 from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
 from megarefit.integrations.vllm_install import VllmVersionError, vllm_version  # noqa: E402
-from megarefit.integrations.vllm_lora import check_adapter, install_lora, lora_internals  # noqa: E402
+from megarefit.integrations.vllm_lora import (  # noqa: E402
+    check_adapter,
+    install_lora,
+    lora_internals,
+    plain_peft_config,
+)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": TARGETS}
@@ -80,7 +85,7 @@ def run(tmp_path_factory):
     out["mutants"] = {}
     for i, (what, (tensors, config)) in enumerate(_mutants(v1).items()):
         out["mutants"][what] = vllm_generate(llm, PROMPTS, install_lora(llm, NAME, tensors, config, version=10 + i))
-    out["req2"] = install_lora(llm, NAME, v2, CONFIG, version=2)
+    out["req2"] = install_lora(llm, NAME, v2, peft2.peft_config["default"].to_dict(), version=2)  # PEFT's own
     out[2] = vllm_generate(llm, ALL, out["req2"])
     out["base_after"] = vllm_generate(llm, ALL)
     out["req1_after"] = vllm_generate(llm, ALL, out["req1"])  # version 1's request: version 2's weights
@@ -173,6 +178,12 @@ def test_adapter_checks_before_vllm():
         check_adapter({**ok, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": a}, CONFIG)
     with pytest.raises(MegarefitError, match="not among peft_config target_modules"):
         check_adapter(ok, {**CONFIG, "target_modules": ["v_proj"]})
+
+
+def test_peft_configs_own_dict_is_carried_plain():
+    config = plain_peft_config(peft.LoraConfig(**CONFIG).to_dict())
+    assert config["target_modules"] == sorted(TARGETS) and config["peft_type"] == "LORA"
+    assert check_adapter({}, config) == []
 
 
 def test_engine_without_lora_refused():

@@ -48,6 +48,7 @@ layers serves (named), pipeline parallelism (not proven yet), an engine without 
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 import zlib
@@ -135,6 +136,18 @@ def _module(module: str, pair: dict[str, torch.Tensor], targets: Any) -> Adapter
     if isinstance(targets, (list, tuple, set)) and module.rsplit(".", 1)[-1] not in targets:
         raise MegarefitError(f"adapter module {module!r} is not among peft_config target_modules {sorted(targets)}")
     return AdapterModule(module, int(a.shape[0]), int(a.shape[1]), int(b.shape[0]))
+
+
+def plain_peft_config(peft_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``peft_config`` with plain values, as ``collective_rpc`` can carry them: sets (PEFT's
+    ``LoraConfig.target_modules``) as sorted lists, enums (``peft_type``, ``task_type``) as their values.
+    ``LoraConfig(...).to_dict()`` may be passed as it is."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        return value.value if isinstance(value, enum.Enum) else value
+
+    return {str(k): plain(v) for k, v in peft_config.items()}
 
 
 def lora_scaling(peft_config: Mapping[str, Any]) -> float:
@@ -265,7 +278,8 @@ def install_adapter(runner: Any, name: str, tensors: Mapping[str, torch.Tensor],
     """Install ``tensors`` (PEFT names) as adapter ``name`` into this worker's vLLM model runner,
     replacing the version it held. Everything is checked (:func:`check_adapter`,
     :func:`lora_internals`, :func:`build_lora_model`) before the previous version is taken out:
-    a refused install leaves it serving.
+    a refused install leaves it serving. (Should vLLM's own ``add_adapter`` fail after that, no
+    version is left under the name, and its requests fail loudly, naming the path.)
 
     Returns:
         ``{"name", "lora_int_id", "modules", "tensors", "bytes"}``.
@@ -336,10 +350,11 @@ def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_
     Raises:
         MegarefitError: a refusal (see :func:`install_adapter`); the workers disagree on what they installed.
         VllmVersionError: a vLLM internal is absent (:func:`lora_internals`)."""
+    peft_config = plain_peft_config(peft_config)
     check_adapter(tensors, peft_config)  # refused here, before any worker is called
     int_id = lora_int_id or adapter_id(name)
     reports = llm.collective_rpc("megarefit_install_lora", kwargs={
-        "name": name, "adapter": adapter_blob(tensors), "peft_config": dict(peft_config), "version": version,
+        "name": name, "adapter": adapter_blob(tensors), "peft_config": peft_config, "version": version,
         "lora_int_id": int_id})
     seen = {(r["name"], r["lora_int_id"], r["version"], r["modules"]) for r in reports}
     if len(seen) != 1:
@@ -349,4 +364,4 @@ def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_
 
 __all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "MegarefitLoraExtension", "adapter_blob", "adapter_id",
            "check_adapter", "install_adapter", "install_lora", "lora_internals", "lora_path", "lora_request",
-           "lora_scaling", "served_modules", "tensors_of_blob"]
+           "lora_scaling", "plain_peft_config", "served_modules", "tensors_of_blob"]
