@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    import torch
     import test_vllm_lora as t
+    import torch
     from vllm_helpers import e2e_config, hf_generate, same_generation, vllm_generate
 
     parser = argparse.ArgumentParser()

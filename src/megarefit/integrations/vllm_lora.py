@@ -328,7 +328,8 @@ class MegarefitLoraExtension:
         ``adapter``: its tensors as one safetensors blob (:func:`adapter_blob`). The report adds
         ``version`` and this worker's ``rank``."""
         tensors = tensors_of_blob(adapter)
-        report = install_adapter(self.model_runner, name, tensors, peft_config, lora_int_id)  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        report = install_adapter(runner, name, tensors, peft_config, lora_int_id)
         versions = self.__dict__.setdefault("_megarefit_lora_versions", {})
         versions[name] = version
         return {**report, "version": version, "rank": getattr(self, "rank", 0)}
