@@ -63,7 +63,7 @@ SLOW_FIRST = ("test_vllm_refit.py", "test_megatron_0_19.py", "test_megatron_0_17
 # CLI's whole-model demos (each module here costs 20 s to minutes on 2 cores; --durations says which).
 SLOW = frozenset(SLOW_FIRST) | {
     "test_vllm_dsv4_target.py", "test_vllm_fp8_target.py", "test_vllm_gdn_fp8.py", "test_vllm_moe_target.py",
-    "test_vllm_target.py", "test_nemotron_h.py", "test_qwen3_next.py", "test_demo_families.py",
+    "test_vllm_target.py", "test_vllm_lora.py", "test_nemotron_h.py", "test_qwen3_next.py", "test_demo_families.py",
     "test_demo_configs.py", "test_megatron_gdn.py", "test_fp8.py", "test_cluster.py", "test_holders.py",
     "test_bridge_lora.py"}
 

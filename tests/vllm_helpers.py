@@ -10,12 +10,13 @@ MAX_TOKENS = 8
 EXT = "megarefit.integrations.vllm.MegarefitWorkerExtension"
 
 
-def vllm_generate(llm) -> list[tuple[list[int], list[float]]]:
+def vllm_generate(llm, prompts=PROMPTS, lora_request=None) -> list[tuple[list[int], list[float]]]:
     import vllm
 
     params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, detokenize=False,
                                  ignore_eos=True)  # HF's loop below never stops early either
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=lora_request)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -33,9 +34,9 @@ def generate_or_refusal(llm, key: str) -> dict:
 
 
 @torch.no_grad()
-def hf_generate(model) -> list[tuple[list[int], list[float]]]:
+def hf_generate(model, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
     result = []
-    for p in PROMPTS:
+    for p in prompts:
         ids = torch.tensor([p])
         tokens, logprobs = [], []
         for _ in range(MAX_TOKENS):

@@ -86,6 +86,7 @@ from megarefit.integrations.vllm_install import (
     vllm_target_of,
     vllm_version,
 )
+from megarefit.integrations.vllm_lora import MegarefitLoraExtension
 from megarefit.integrations.vllm_shadow import Shadows, prepare_shadows
 from megarefit.online.receiver.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
@@ -508,8 +509,9 @@ def _budget(keep_previous: int | str, workers: int = 1) -> int:
     return int(keep_previous)
 
 
-class MegarefitWorkerExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
+class MegarefitWorkerExtension(MegarefitLoraExtension):
+    """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker. Includes
+    the in-memory LoRA adapter methods (:mod:`megarefit.integrations.vllm_lora`)."""
 
     def init_megarefit(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
                        sharded: bool = False, memory_budget: int | str | None = None,

@@ -1,0 +1,194 @@
+"""Adapter-only LoRA into a running vLLM (vllm-cpu, in process), in memory (issue 61).
+
+A tiny random Qwen3-architecture model is served by a vLLM engine with LoRA enabled and
+megarefit's worker extension. Two versions of a random PEFT LoRA adapter (``peft``, every
+linear of every layer, nonzero ``lora_B``) are installed in memory under one name, the second
+replacing the first without a restart. After each install, vLLM's greedy generation with the
+returned ``LoRARequest`` must equal transformers + ``peft`` generating with the same adapter
+(token ids, chosen-token logprobs within 1e-3), differ from the other version and from the base
+model, and the base model (no LoRA request) must still generate as before. A prompt longer than a
+KV block shows that the versioned ``lora_path`` keeps vLLM's prefix cache apart per version
+(a request of the older version reuses that version's blocks). The oracle is checked by mutants
+(scaling doubled, a module dropped) that must not match it. Refused: a module vLLM's LoRA does not
+serve (the previous version keeps serving), a second name while the CPU LoRA cache is full of pinned
+adapters, a vLLM internal that is missing (``VllmVersionError``), DoRA, a rank above
+``max_lora_rank``, an engine without LoRA.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+vllm = pytest.importorskip("vllm")
+peft = pytest.importorskip("peft")
+
+from vllm_helpers import EXT, PROMPTS, e2e_config, hf_generate, same_generation, vllm_generate  # noqa: E402
+
+from megarefit.errors import MegarefitError  # noqa: E402
+from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
+from megarefit.integrations.vllm_install import VllmVersionError, vllm_version  # noqa: E402
+from megarefit.integrations.vllm_lora import (  # noqa: E402
+    check_adapter,
+    install_lora,
+    lora_internals,
+    plain_peft_config,
+)
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": TARGETS}
+LONG = [(7 * i) % 480 + 3 for i in range(40)]  # a full KV block (block_size=32: what vllm-cpu allows) and 8 more
+ALL = [*PROMPTS, LONG]
+NAME = "policy"
+
+
+def peft_adapter(base: torch.nn.Module, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``base`` wrapped by ``peft`` with random factors (lora_B nonzero), and its PEFT state dict."""
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**CONFIG, lora_dropout=0.0))
+    state = peft.get_peft_model_state_dict(model)
+    g = torch.Generator().manual_seed(seed)
+    peft.set_peft_model_state_dict(model, {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in state.items()})
+    return model.eval(), {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+def _mutants(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[dict, dict]]:
+    """Wrong installs of an adapter, each of which the oracle must tell from the right one."""
+    dropped = {k: v for k, v in tensors.items() if ".layers.0.self_attn.q_proj." not in k}
+    return {"scaling doubled": (tensors, {**CONFIG, "lora_alpha": 2 * CONFIG["lora_alpha"]}),
+            "q_proj of layer 0 dropped": (dropped, CONFIG)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    cfg = {**e2e_config(), "num_hidden_layers": 2}
+    ckpt = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    base = build_hf_model(cfg).eval()
+    save_checkpoint(ckpt, cfg, {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"})
+    (peft1, v1), (peft2, v2) = peft_adapter(base, 1), peft_adapter(base, 2)
+    out = {"hf": {"base": hf_generate(base, ALL), 1: hf_generate(peft1, ALL), 2: hf_generate(peft2, ALL)},
+           "v2_tensors": v2}
+    llm = vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                   max_model_len=128, block_size=32, enable_prefix_caching=True, max_num_seqs=4,
+                   enable_lora=True, max_lora_rank=8, max_loras=1, worker_extension_cls=EXT)
+    out["llm"] = llm
+    out["base"] = vllm_generate(llm, ALL)
+    before = {k: t.clone() for k, t in v1.items()}
+    out["req1"] = install_lora(llm, NAME, v1, CONFIG, version=1)
+    out["caller_tensors_kept"] = all(torch.equal(before[k], v1[k]) for k in before)
+    out[1] = vllm_generate(llm, ALL, out["req1"])
+    out["mutants"] = {}
+    for i, (what, (tensors, config)) in enumerate(_mutants(v1).items()):
+        out["mutants"][what] = vllm_generate(llm, PROMPTS, install_lora(llm, NAME, tensors, config, version=10 + i))
+    out["req2"] = install_lora(llm, NAME, v2, peft2.peft_config["default"].to_dict(), version=2)  # PEFT's own
+    out[2] = vllm_generate(llm, ALL, out["req2"])
+    out["base_after"] = vllm_generate(llm, ALL)
+    out["req1_after"] = vllm_generate(llm, ALL, out["req1"])  # version 1's request: version 2's weights
+    out["versions"] = llm.collective_rpc("megarefit_lora_versions")
+    return out
+
+
+def test_base_model_unchanged(run):
+    assert same_generation(run["base"], run["hf"]["base"])
+    assert same_generation(run["base_after"], run["hf"]["base"])
+
+
+def test_install_leaves_the_callers_tensors_alone(run):
+    """vLLM folds the scaling into lora_B in place: on the caller's tensors (in-process engine)
+    that would rescale the trainer's own adapter."""
+    assert run["caller_tensors_kept"]
+
+
+def test_version_1_generates_as_peft(run):
+    assert same_generation(run[1], run["hf"][1]), (run[1], run["hf"][1])
+    assert [t for t, _ in run[1]] != [t for t, _ in run["hf"]["base"]]
+
+
+def test_version_2_replaces_version_1_without_restart(run):
+    assert same_generation(run[2], run["hf"][2]), (run[2], run["hf"][2])
+    for other in (run["hf"][1], run["hf"]["base"]):
+        assert [t for t, _ in run[2]] != [t for t, _ in other]
+    assert run["versions"] == [{NAME: 2}]
+    assert run["req2"].lora_int_id == run["req1"].lora_int_id and run["req2"].lora_path != run["req1"].lora_path
+
+
+def test_prefix_cache_kept_apart_per_version(run):
+    """Version 2's request does not reuse the KV blocks version 1 computed for the long prompt
+    (its tokens equal peft's above); version 1's request, served by version 2's weights, does."""
+    stale = run["req1_after"]
+    assert same_generation(stale[:len(PROMPTS)], run["hf"][2][:len(PROMPTS)])  # short prompts: no block cached
+    assert not same_generation(stale[-1:], run["hf"][2][-1:])
+
+
+@pytest.mark.parametrize("what", list(_mutants({})))
+def test_oracle_tells_wrong_installs(run, what):
+    assert not same_generation(run["mutants"][what], run["hf"][1][:len(PROMPTS)]), what
+
+
+def test_unsupported_module_refused_and_previous_version_serves(run):
+    bad = dict(run["v2_tensors"])
+    bad["base_model.model.model.layers.1.self_attn.q_norm.lora_A.weight"] = torch.ones(8, 64)
+    bad["base_model.model.model.layers.1.self_attn.q_norm.lora_B.weight"] = torch.ones(64, 8)
+    with pytest.raises(MegarefitError, match=r"do not serve .*model\.layers\.1\.self_attn\.q_norm"):
+        install_lora(run["llm"], NAME, bad, {**CONFIG, "target_modules": [*TARGETS, "q_norm"]}, version=3)
+    assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])
+
+
+def test_second_name_refused_while_the_cpu_cache_is_full_of_pinned_adapters(run):
+    with pytest.raises(MegarefitError, match="max_cpu_loras=1 pinned adapters"):
+        install_lora(run["llm"], "another-policy", run["v2_tensors"], CONFIG, version=1)
+    assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])
+
+
+@pytest.mark.parametrize(("module", "owner", "attr"), [("vllm.lora.lora_model", "LoRAModel", "from_lora_tensors"),
+                                                     ("vllm.lora.model_manager", "LRUCacheLoRAModelManager",
+                                                      "_pin_lora_in_cpu_cache")])
+def test_missing_vllm_internal_refused(run, monkeypatch, module, owner, attr):
+    import importlib
+
+    monkeypatch.delattr(getattr(importlib.import_module(module), owner), attr)
+    with pytest.raises(VllmVersionError, match=rf"vLLM {vllm_version()}: {owner} has no '{attr}'"):
+        install_lora(run["llm"], NAME, run["v2_tensors"], CONFIG, version=3)
+    monkeypatch.undo()
+    assert same_generation(vllm_generate(run["llm"], PROMPTS, run["req2"]), run["hf"][2][:len(PROMPTS)])
+
+
+def test_rank_above_max_lora_rank_refused_by_vllm_checks(run):
+    big = {k: torch.zeros(16, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 16)
+           for k, v in run["v2_tensors"].items()}
+    with pytest.raises(MegarefitError, match="refused by vLLM's checks: LoRA rank 16 is greater than max_lora_rank 8"):
+        install_lora(run["llm"], NAME, big, {**CONFIG, "r": 16}, version=3)
+
+
+def test_adapter_checks_before_vllm():
+    a, b = torch.zeros(8, 4), torch.zeros(4, 8)
+    ok = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b}
+    assert [m.module for m in check_adapter(ok, CONFIG)] == ["model.layers.0.self_attn.q_proj"]
+    with pytest.raises(MegarefitError, match="use_dora=True refused: DoRA"):
+        check_adapter(ok, {**CONFIG, "use_dora": True})
+    with pytest.raises(MegarefitError, match="lora_A and lora_B are both needed"):
+        check_adapter({k: v for k, v in ok.items() if "lora_A" in k}, CONFIG)
+    with pytest.raises(MegarefitError, match="not a PEFT LoRA factor"):
+        check_adapter({**ok, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": a}, CONFIG)
+    with pytest.raises(MegarefitError, match="not among peft_config target_modules"):
+        check_adapter(ok, {**CONFIG, "target_modules": ["v_proj"]})
+
+
+def test_peft_configs_own_dict_is_carried_plain():
+    config = plain_peft_config(peft.LoraConfig(**CONFIG).to_dict())
+    assert config["target_modules"] == sorted(TARGETS) and config["peft_type"] == "LORA"
+    assert check_adapter({}, config) == []
+
+
+def test_engine_without_lora_refused():
+    class Runner:  # what lora_internals reads of a model runner whose engine runs without LoRA
+        lora_config = None
+
+    with pytest.raises(MegarefitError, match="enable_lora=True"):
+        lora_internals(Runner())
