@@ -12,6 +12,10 @@ whose READ fails mid-stream is failed over, as in a staged cycle (:mod:`.failove
                   reused: no second ring nor arena; ring + scratch still within the budget) -> the
                   failed group pulled again from the new holders, and the rest
 
+In a node group (:mod:`.node_stream`) each group, once landed, serves its owned shared targets
+to the node-mates, posts group ``k + 1``, then copies its targets the mates own from their node
+arenas (a mate that fails: its targets pulled here, ``k + 1`` landed again).
+
 Groups handed over before the failure stay: they hold the fenced version, and the end fence
 still checks every rank read (R up to the failure, its replacements from it) for a move or a
 write, so a mix of versions is still reported (TornUpdateError), never handed on silently.
@@ -107,7 +111,8 @@ class GroupStream:
                     continue  # group k again, from the other holders
                 flight = None
                 if self.parts.node_stream is not None:  # group k + 1's READs fly while the mates' copies run
-                    flight = self._from_mates(k, self._post_next(k))
+                    flight = self._post_next(k)
+                    flight = self._from_mates(k, flight)
                 if self.check and not self._check_group(k):
                     self.check = False
                 if self.parts.node_stream is None:
