@@ -134,27 +134,26 @@ class RedisStore:
 
     def _do(self, op: str, *args: Any) -> Any:
         """One command; an idempotent one (:data:`IDEMPOTENT`) whose connection broke is sent
-        once more on a new connection. ``INCRBY`` is never sent twice: it may have been applied."""
+        again on a new connection, up to twice (the new client's connection may be dropped as
+        well: Redis dropping every client). ``INCRBY`` is never sent twice: it may have been applied."""
         import redis
 
         client = self._client
-        try:
-            return client.execute_command(op, *args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if op not in IDEMPOTENT:
-                raise StoreError(f"the rendezvous at {self.where} failed during {op!r} (it may or may not have "
-                                 f"been applied): {type(exc).__name__}: {exc}") from None
-        except (redis.RedisError, OSError) as exc:
-            raise StoreError(f"the rendezvous at {self.where} failed during {op!r}: {type(exc).__name__}: "
-                             f"{exc}") from None
-        with self._lock:  # threads share this store: one reopens, none closes a client another is using
-            if self._client is client:
-                self._client = self._open()
-        try:
-            return self._client.execute_command(op, *args)
-        except (redis.RedisError, OSError) as exc:
-            raise StoreError(f"the rendezvous at {self.where} failed during {op!r}: {type(exc).__name__}: "
-                             f"{exc}") from None
+        for attempt in range(3):
+            try:
+                return client.execute_command(op, *args)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if op not in IDEMPOTENT or attempt == 2:
+                    raise StoreError(f"the rendezvous at {self.where} failed during {op!r} (it may or may not have "
+                                     f"been applied): {type(exc).__name__}: {exc}") from None
+            except (redis.RedisError, OSError) as exc:
+                raise StoreError(f"the rendezvous at {self.where} failed during {op!r}: {type(exc).__name__}: "
+                                 f"{exc}") from None
+            with self._lock:  # threads share this store: one reopens, none closes a client another is using
+                if self._client is client:
+                    self._client = self._open()
+                client = self._client
+        raise AssertionError("unreachable")
 
     def set(self, key: str, value: bytes | str) -> None:
         self._do("SET", key, value.encode() if isinstance(value, str) else bytes(value))
