@@ -173,3 +173,16 @@ def test_forkserver_workers_take_the_callers_environment_and_refuse_vllm_jobs(mo
                     timeout=120)
     with pytest.raises(ValueError, match="expected one of"):
         run_workers(_report_start, world_size=1, args=("X", False), start_method="fork")
+
+
+def test_a_node_group_init_that_cannot_hold_is_refused_as_vllm_parses_it():
+    """``init_info["node"]`` (and ``init_megarefit(node=)``): a count of workers, and not with
+    streamed direct writes (they READ straight into vLLM's tensors, never copied from mates)."""
+    from megarefit.integrations.vllm import MegarefitInitInfo
+
+    for kw, match in (({"node": 0}, "node=0"), ({"node": True}, "node=True"), ({"node": "2"}, "node='2'"),
+                      ({"node": 2, "direct": True, "memory_budget": 1 << 20}, "streamed direct writes")):
+        with pytest.raises(MegarefitError, match=match):
+            MegarefitInitInfo("127.0.0.1", 1, **kw)
+    assert MegarefitInitInfo("127.0.0.1", 1, node=2, direct=True).node == 2  # staged copies: fine
+    assert MegarefitInitInfo("127.0.0.1", 1, node=2, memory_budget=1 << 20).node == 2
