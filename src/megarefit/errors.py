@@ -26,6 +26,12 @@ class UnsupportedAdapterError(UnsupportedModelError):
     Mamba); the message names the module, why, and what to train instead."""
 
 
+class BaseChangedError(MegarefitError):
+    """A LoRA adapter refit was asked for while the base weights under the adapter differ from what the
+    engines hold (changed on the trainer since the adapter publisher was built, or another base version):
+    the base must be refit first."""
+
+
 class SpecTableError(MegarefitError):
     """A spec table is malformed (unknown placeholder, overlapping entries, ...)."""
 

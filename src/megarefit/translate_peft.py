@@ -30,17 +30,9 @@ from megarefit.errors import MissingParameterError, ShapeMismatchError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.hf_dims import load_hf_config
 from megarefit.layout.lora import adapter_global_shape, adapter_local_shape, part_runs
+from megarefit.planner.lora_to_peft import PEFT_PREFIX, peft_names
 from megarefit.specs.lora import ADAPTER_ROWS, CANONICAL_ROWS, LORA_ROWS, AdapterRow, Factor, Wrapper, adapter_row
 from megarefit.specs.table import Role
-
-PEFT_PREFIX = "base_model.model."
-_SUFFIX = {Factor.A: ".lora_A.weight", Factor.B: ".lora_B.weight"}
-
-
-def peft_names(row: AdapterRow, layer: int) -> tuple[str, ...]:
-    """The PEFT tensor names adapter ``row`` of ``layer`` becomes, one per base part."""
-    return tuple(PEFT_PREFIX + m.format(layer=layer) + _SUFFIX[row.factor] for m in row.peft_modules())
-
 
 def _assemble(row: AdapterRow, locals_: list[torch.Tensor], dims: ModelDims) -> list[torch.Tensor]:
     """Global tensors, one per base part, from the TP shards of one adapter tensor."""

@@ -20,7 +20,7 @@ from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims
 from megarefit.plan import digest_of
 
-FORMAT = "megarefit.transport.manifest/4"  # /2: NIXL memory type and device; /3: quantization; /4: CUDA IPC
+FORMAT = "megarefit.transport.manifest/5"  # /2: NIXL memory type; /3: quantization; /4: CUDA IPC; /5: LoRA adapters
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,31 @@ class IpcStorage:
 
 
 @dataclass(frozen=True)
+class LoraInfo:
+    """What a LoRA adapter's manifest adds (:mod:`megarefit.online.trainer.lora_publisher`).
+
+    Attributes:
+        r: the adapter rank (LoRA's ``dim``; PEFT's ``r``).
+        alpha: LoRA's ``alpha`` (PEFT's ``lora_alpha``): the adapter scales ``B @ A`` by ``alpha / r``.
+        base_version: the version of the base weights the adapter trains on, as the engines got them: a full
+            refit's version, or -1 for the checkpoint both sides loaded.
+    """
+
+    r: int
+    alpha: float
+    base_version: int = -1
+
+    @classmethod
+    def parse(cls, value: Any) -> LoraInfo:
+        """Raises ManifestError: not ``[r, alpha, base_version]`` with a positive ``r`` and a finite ``alpha``."""
+        if (not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, (int, float)) for v in value)
+                or isinstance(value[0], bool) or not isinstance(value[0], int) or not isinstance(value[2], int)
+                or value[0] < 1 or not math.isfinite(value[1]) or value[2] < -1):
+            raise ManifestError(f"LoRA record {value!r}: expected [r >= 1, finite alpha, base_version >= -1]")
+        return cls(value[0], float(value[1]), value[2])
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What one trainer rank publishes; see the module docstring."""
 
@@ -135,6 +160,7 @@ class Manifest:
     checksums: tuple[int, int, str, int] | None = None  # (addr, nbytes, mem, dev) of the rank's int64 checksums
     # (:mod:`megarefit.transport.checksum`: each tensor's, in ``tensors`` order), rewritten by every publish
     ipc: tuple[IpcStorage, ...] = ()  # CUDA storages holding the served bytes (and checksums), for same-GPU receivers
+    lora: LoraInfo | None = None  # a LoRA adapter's manifest: its tensors are adapter shards (None: model weights)
 
     @property
     def model_dtype(self) -> str:
@@ -150,7 +176,7 @@ class Manifest:
     def layout_digest(self) -> str:
         """Digest of what decides the plan: dims, layout, dtypes (not addresses, not version)."""
         return digest_of(self.dims.to_dict(), self.layout.to_dict(), sorted({t.dtype for t in self.tensors}),
-                         self.dtype, self.quantization)
+                         self.dtype, self.quantization, None if self.lora is None else asdict(self.lora))
 
     @cached_property
     def memory_digest(self) -> str:
@@ -175,6 +201,7 @@ class Manifest:
             "quantization": None if self.quantization is None else [list(self.quantization[0]), self.quantization[1]],
             "checksums": None if self.checksums is None else list(self.checksums),
             "ipc": [asdict(s) for s in self.ipc],
+            **({} if self.lora is None else {"lora": [self.lora.r, self.lora.alpha, self.lora.base_version]}),
             "tensors": [[t.name, t.role, t.dtype, list(t.shape), list(t.global_shape), t.addr, t.nbytes, t.mem,
                          t.dev, t.region] for t in self.tensors],
         }
@@ -219,7 +246,7 @@ class Manifest:
                    str(data["agent"]), tensors, dtype=str(data.get("dtype", "")),
                    quantization=None if quant is None else (tuple(_count(b, "block") for b in quant[0]), bool(quant[1])),
                    checksums=None if data.get("checksums") is None else tuple(data["checksums"]),
-                   ipc=ipc)
+                   ipc=ipc, lora=None if data.get("lora") is None else LoraInfo.parse(data["lora"]))
 
     def summary(self) -> dict[str, Any]:
         return {"rank": tuple(self.rank), "agent": self.agent, "tensors": len(self.tensors),

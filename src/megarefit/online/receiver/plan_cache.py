@@ -32,7 +32,7 @@ from megarefit.transport.execute import torch_dtype
 from megarefit.transport.manifest import Manifest
 
 
-def _common(manifests: dict[RankCoord, Manifest]) -> Manifest:
+def common_manifest(manifests: dict[RankCoord, Manifest]) -> Manifest:
     """The first rank's manifest, once every rank agrees with it on dims, layout and quantization.
 
     Raises:
@@ -115,7 +115,7 @@ class PlanCache:
 
         Raises:
             LayoutError: the ranks disagree on dims, layout or quantization."""
-        first = _common(manifests)
+        first = common_manifest(manifests)
         fmt = None if first.quantization is None else Fp8Format(*first.quantization)
         plan = self._plan
         if plan is not None and (plan.dims, plan.layout, plan.dtype, self._fmt) == (first.dims, first.layout,
@@ -215,4 +215,4 @@ class PlanCache:
         self._checked = key
 
 
-__all__ = ["PlanCache"]
+__all__ = ["PlanCache", "common_manifest"]

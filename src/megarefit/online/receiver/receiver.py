@@ -125,45 +125,40 @@ class RefitReceiver:
             loader skips them); ``"draft"``, the MTP layers only (a vLLM MTP draft model).
         device: where the pulled tensors land (``"cuda:0"`` in a GPU worker: NIXL reads
             trainer memory, host or GPU, straight into GPU memory; registered as VRAM).
-        scratch_budget: bytes of scratch for gathered pulls (small and strided pieces read as
-            large runs, then placed by one batched copy; :mod:`~megarefit.transport.gather`).
-            ``None``: 5% of the target bytes, at least 64 MiB (streamed: 1/8 of ``memory_budget``).
-            Smaller budgets read in more waves through two reused halves per trainer rank.
+        scratch_budget: bytes of scratch for gathered pulls (small and strided pieces read as large runs, then placed
+            by one batched copy; :mod:`~megarefit.transport.gather`). ``None``: 5% of the target bytes, at least 64
+            MiB (streamed: 1/8 of ``memory_budget``). Smaller budgets read in more waves through two reused halves per
+            trainer rank.
         retries: pulls repeated when a rank wrote during one (its sequence or version moved), before
             StaleVersionError (``stats.retries``); a rank whose READ failed is failed over (:mod:`.failover`).
-        heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s``
-            seconds on a daemon thread, so trainers waiting in ``Publisher.wait_receivers``
-            know it is alive; call :meth:`acknowledge` once the pulled weights are installed.
+        heartbeat_s: the receiver registers under ``name`` and beats every ``heartbeat_s`` seconds on a daemon thread,
+            so trainers waiting in ``Publisher.wait_receivers`` know it is alive; call :meth:`acknowledge` once the
+            pulled weights are installed.
         replica_group: serve each pulled version to :class:`~megarefit.online.receiver.replica.ReplicaReceiver`
             s of this group (same target) from the arena, guarded by a seqlock of its own.
-        memory_budget: bytes for a **streamed** refit (:mod:`~megarefit.online.receiver.stream`): the
-            plan is cut into groups of whole layers pulled through one ring buffer (the budget
-            less the scratch), and each group is handed over as it lands, so the receiver
-            holds at most the budget (ring + scratch) instead of the whole share. ``"auto"``:
-            the larger of 1 GiB and a ring holding the two largest layers. ``None``
-            (default): staged, the whole share pulled and fenced before the first tensor.
-        verify_checksums: check every pulled box against the checksums its trainer rank
-            publishes (``Publisher(checksums=True)``; :mod:`~megarefit.online.receiver.integrity`) on
-            this receiver's device, before the box is handed over; a mismatch raises
-            :class:`~megarefit.transport.checksum.ChecksumMismatchError` (streamed, after
-            earlier groups were handed over: :class:`TornUpdateError`, not retried). A plan
-            with a box no published sum covers is refused before anything is pulled
-            (:class:`~megarefit.transport.checksum.UncheckableBoxError`).
-        direct: streamed only: ``{target name: the consumer's tensor}`` to READ straight into
-            (same shape and dtype, contiguous, on ``device``; e.g. an HF model's own parameters,
-            or a vLLM parameter whose live bytes equal its checkpoint-format shard). Those
-            targets take no ring bytes and are not handed over (``stats.direct_bytes``); the
-            consumer's tensors change while the cycle runs, as a streamed install does. See
-            :meth:`set_direct`.
-        transport: ``"auto"`` (default): trainer ranks on this receiver's own GPU (same device
-            UUID, exported by ``Publisher``) are read by device copies through CUDA IPC
-            (:mod:`~megarefit.transport.cuda_ipc`; colocated RL), the rest over NIXL, in one
-            cycle; ``"nixl"``: every rank over NIXL; ``"ipc"``: every rank through CUDA IPC
-            (:class:`~megarefit.transport.cuda_ipc.IpcError` names a rank that cannot be).
-        delta: staged only: where the arena holds an older version whole and the trainer ranks
-            publish deltas (``Publisher(delta=True)``) of every version since, pull only the
-            elements that changed, per tensor where cheaper than the tensor itself
-            (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
+        memory_budget: bytes for a **streamed** refit (:mod:`~megarefit.online.receiver.stream`): the plan is cut into
+            groups of whole layers pulled through one ring buffer (the budget less the scratch), and each group is
+            handed over as it lands, so the receiver holds at most the budget (ring + scratch) instead of the whole
+            share. ``"auto"``: the larger of 1 GiB and a ring holding the two largest layers. ``None`` (default):
+            staged, the whole share pulled and fenced before the first tensor.
+        verify_checksums: check every pulled box against the checksums its trainer rank publishes
+            (``Publisher(checksums=True)``; :mod:`~megarefit.online.receiver.integrity`) on this receiver's device,
+            before the box is handed over; a mismatch raises
+            :class:`~megarefit.transport.checksum.ChecksumMismatchError` (streamed, after earlier groups were handed
+            over: :class:`TornUpdateError`, not retried). A plan with a box no published sum covers is refused before
+            anything is pulled (:class:`~megarefit.transport.checksum.UncheckableBoxError`).
+        direct: streamed only: ``{target name: the consumer's tensor}`` to READ straight into (same shape and dtype,
+            contiguous, on ``device``; e.g. an HF model's own parameters, or a vLLM parameter whose live bytes equal
+            its checkpoint-format shard). Those targets take no ring bytes and are not handed over
+            (``stats.direct_bytes``); the consumer's tensors change while the cycle runs, as a streamed install does.
+            See :meth:`set_direct`.
+        transport: ``"auto"`` (default): trainer ranks on this receiver's own GPU (same device UUID, exported by
+            ``Publisher``) are read by device copies through CUDA IPC (:mod:`~megarefit.transport.cuda_ipc`; colocated
+            RL), the rest over NIXL, in one cycle; ``"nixl"``: every rank over NIXL; ``"ipc"``: every rank through
+            CUDA IPC (:class:`~megarefit.transport.cuda_ipc.IpcError` names a rank that cannot be).
+        delta: staged only: where the arena holds an older version whole and the trainer ranks publish deltas
+            (``Publisher(delta=True)``) of every version since, pull only the elements that changed, per tensor where
+            cheaper than the tensor itself (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
             ``stats.delta_reason`` why a cycle was full. ``False``: always full.
         reader: its place among all readers (``Reader.of(...)``): who serves each source (planner/holders.py).
         node: receivers on this host (this one included) that split the targets several need, each pulling
@@ -195,7 +190,7 @@ class RefitReceiver:
         rendezvous.register_receiver(name)
         self._heartbeat = Heartbeat(rendezvous, name, heartbeat_s)
         # the HF planner is named here, where it always was (callers patch this module's plan_megatron_to_hf)
-        self._plans = PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf, reader=reader)
+        self._plans = self._plan_cache(target, part, reader)
         self._memory = ReceiverMemory(self.transport, self.device, memory_budget, scratch_budget, direct)
         fence = VersionFence(rendezvous, name, self._plans.ranks_for)  # fences the ranks its plan reads
         self.node = None if node is None else NodeShare(rendezvous, name, node, timeout=timeout,
@@ -205,6 +200,10 @@ class RefitReceiver:
                                        transfer_timeout=transfer_timeout, node=self.node)
 
         self._prefetch = PrefetchSlot(self.device, lambda: self._pipeline.stats, self.transport.polite)
+
+    def _plan_cache(self, target: VllmTarget | None, part: ModelPart, reader: Reader | None) -> PlanCache:
+        """The plans this receiver pulls by (a LoRA receiver plans adapters)."""
+        return PlanCache(target, part, self.experts, hf_planner=plan_megatron_to_hf, reader=reader)
 
     @property
     def plan(self) -> Plan | None:

@@ -73,8 +73,7 @@ from megarefit.transport.manifest import Manifest
 
 
 class Rendezvous:
-    """Manifest and version exchange between trainer ranks and receivers (records signed with
-    the job secret; see the module docstring)."""
+    """Manifest and version exchange between trainer ranks and receivers (signed records; see the module docstring)."""
 
     def __init__(self, store: KeyValueStore | RedisStore, job: str = "default", secret: bytes | str | None = None):
         self.store = store
@@ -88,8 +87,7 @@ class Rendezvous:
         self._present: set[str] = set()  # keys seen to exist (megarefit never deletes them): no check again
 
     def all_present(self, keys: list[str]) -> bool:
-        """Whether every key (full, with the job prefix) exists: one round trip, none once all
-        were seen (megarefit never deletes the keys it asks this of)."""
+        """Whether every key (full, with the job prefix) exists: one round trip, none once all were seen (kept)."""
         if self._present.issuperset(keys):
             return True
         if self.store.check(keys):
@@ -140,6 +138,11 @@ class Rendezvous:
         if is_redis_address(host):
             return cls(RedisStore(host, timeout, tls=tls), job, key)
         return cls(KeyValueStore(host, port, key, timeout, tls=tls), job, key)
+
+    def channel(self, name: str) -> Rendezvous:
+        """A rendezvous of this job's store and secret for other tensors (``"lora/policy"``: a LoRA adapter): its
+        manifests, versions, sequences and acknowledgements apart, signed for job ``<job>/<name>``."""
+        return Rendezvous(self.store, f"{self.job}/{name}", self._secret)
 
     @property
     def secret(self) -> str:
@@ -353,8 +356,7 @@ class Rendezvous:
         return self._registry.members("receivers")
 
     def join(self, registry: str, member: str) -> list[str]:
-        """Add ``member`` to the append-only list ``registry`` (once, however often it joins:
-        a restarted process keeps its place); the members in joining order."""
+        """Add ``member`` to append-only ``registry`` (once: a restarted process keeps its place); the members."""
         return self._registry.join(registry, member)
 
     def members(self, registry: str) -> list[str]:

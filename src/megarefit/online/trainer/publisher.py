@@ -60,7 +60,7 @@ from megarefit.quant.fp8 import Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
 from megarefit.specs.table import canonical_name
-from megarefit.transport.manifest import Manifest, TensorEntry
+from megarefit.transport.manifest import LoraInfo, Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
 
 
@@ -68,7 +68,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _entry(name: str, role: str, t: torch.Tensor, gshape: tuple[int, ...]) -> TensorEntry:
+def tensor_entry(name: str, role: str, t: torch.Tensor, gshape: tuple[int, ...]) -> TensorEntry:
     return TensorEntry(name, role, _dtype_name(t.dtype), tuple(t.shape), gshape, t.data_ptr(),
                        t.numel() * t.element_size(), *mem_type(t))
 
@@ -115,55 +115,57 @@ class VersionOrderError(MegarefitError):
 class Publisher:
     """Serves one trainer rank's parameters (one model chunk); see the module docstring.
 
-    Build it with :meth:`from_megatron`, which reads the layout from Megatron. The constructor is
-    the explicit form: ``params`` (Megatron's local names, e.g. :func:`refit_tensors` of the model),
-    the rank's coordinate ``rank = (tp rank, stage, ep rank)`` and the whole trainer's ``layout``
-    (a :class:`~megarefit.layout.SourceLayout`, e.g. from
-    :func:`~megarefit.layout.megatron_model.source_layout`). With Megatron's interleaved pipeline
-    (``vpp > 1``) ``layout.pp`` counts ``pp * vpp`` virtual stages and chunk ``c`` of pipeline rank
-    ``p`` is stage ``virtual_stage(p, c, pp)``, one Publisher per chunk (:class:`PublisherGroup`).
+    Build it with :meth:`from_megatron`, which reads the layout from Megatron. The constructor is the explicit form:
+    ``params`` (Megatron's local names, e.g. :func:`refit_tensors` of the model), the rank's coordinate ``rank = (tp
+    rank, stage, ep rank)`` and the whole trainer's ``layout`` (a :class:`~megarefit.layout.SourceLayout`, e.g. from
+    :func:`~megarefit.layout.megatron_model.source_layout`). With Megatron's interleaved pipeline (``vpp > 1``)
+    ``layout.pp`` counts ``pp * vpp`` virtual stages and chunk ``c`` of pipeline rank ``p`` is stage
+    ``virtual_stage(p, c, pp)``, one Publisher per chunk (:class:`PublisherGroup`).
 
-    ``snapshot=True`` (asynchronous RL): receivers read a registered copy of the rank's
-    shards that every ``publish`` refreshes from the live parameters at device-copy speed
-    (inside the seqlock), so training may go on writing its parameters during a pull. It
-    costs one extra copy of the rank's unquantized shards (FP8 shards are already served
-    from their own buffers). Allocate trainer memory that NIXL reads over a network
-    (RDMA) outside PyTorch's ``expandable_segments`` (registration of VMM-mapped memory
-    succeeds, but the NIC faults at transfer time): a Publisher serving CUDA tensors
-    while ``PYTORCH_CUDA_ALLOC_CONF`` enables expandable segments warns.
+    ``snapshot=True`` (asynchronous RL): receivers read a registered copy of the rank's shards that every
+    ``publish`` refreshes from the live parameters at device-copy speed (inside the seqlock), so training may go on
+    writing its parameters during a pull. It costs one extra copy of the rank's unquantized shards (FP8 shards are
+    already served from their own buffers). Allocate trainer memory that NIXL reads over a network (RDMA) outside
+    PyTorch's ``expandable_segments`` (registration of VMM-mapped memory succeeds, but the NIC faults at transfer
+    time): a Publisher serving CUDA tensors while ``PYTORCH_CUDA_ALLOC_CONF`` enables expandable segments warns.
 
-    ``ddp``: the rank's Megatron-Core ``DistributedDataParallel`` model chunk(s) (found by
-    :meth:`from_megatron` in the wrappers). With the distributed optimizer and
-    ``overlap_param_gather``, parameters are whole again only after the next forward's
-    all-gather; ``publish`` / ``updating`` then wait for gathers in flight and refuse
+    ``ddp``: the rank's Megatron-Core ``DistributedDataParallel`` model chunk(s) (found by :meth:`from_megatron` in
+    the wrappers). With the distributed optimizer and ``overlap_param_gather``, parameters are whole again only
+    after the next forward's all-gather; ``publish`` / ``updating`` then wait for gathers in flight and refuse
     (``ParamSyncPendingError``) if one was not dispatched: call
     :func:`megarefit.online.trainer.param_sync.finish_param_sync` on every data-parallel rank after the step.
 
-    ``ipc`` (default on): CUDA storages served are also exported for CUDA IPC (PyTorch's
-    reduction; :mod:`~megarefit.transport.cuda_ipc`), so a receiver on the same GPU (colocated
-    RL) reads them by device copies instead of NIXL through the host. If PyTorch cannot
-    export them, a warning says so and receivers use NIXL.
+    ``ipc`` (default on): CUDA storages served are also exported for CUDA IPC (PyTorch's reduction;
+    :mod:`~megarefit.transport.cuda_ipc`), so a receiver on the same GPU (colocated RL) reads them by device copies
+    instead of NIXL through the host. If PyTorch cannot export them, a warning says so and receivers use NIXL.
 
-    ``delta`` (``True`` or :class:`~megarefit.online.delta.log.DeltaOptions`): every publish also
-    packs the elements that changed since the previous published version into registered host
-    slots and publishes them (:mod:`~megarefit.online.delta.log`), so receivers holding that
-    version pull only those (a delta refit). Costs a host copy of the served tensors and
-    ``keep`` slots; ``last_delta`` reports each publish's changed fraction and seconds.
-    ``tracker`` (a :class:`~megarefit.online.delta.track.ChangeTracker`, from
-    :func:`~megarefit.online.delta.track.track_changes` of the Megatron optimizer on every
-    data-parallel rank): the changes of every parameter it tracks come from the optimizer's
-    main-to-model copy instead, so only untracked tensors (FP8 buffers, parameters the optimizer
-    does not copy) keep a mirror.
+    ``delta`` (``True`` or :class:`~megarefit.online.delta.log.DeltaOptions`): every publish also packs the elements
+    that changed since the previous published version into registered host slots and publishes them
+    (:mod:`~megarefit.online.delta.log`), so receivers holding that version pull only those (a delta refit). Costs a
+    host copy of the served tensors and ``keep`` slots; ``last_delta`` reports each publish's changed fraction and
+    seconds. ``tracker`` (a :class:`~megarefit.online.delta.track.ChangeTracker`, from
+    :func:`~megarefit.online.delta.track.track_changes` of the Megatron optimizer on every data-parallel rank): the
+    changes of every parameter it tracks come from the optimizer's main-to-model copy instead, so only untracked
+    tensors (FP8 buffers, parameters the optimizer does not copy) keep a mirror.
+
+
 
     Raises (at construction):
         LayoutError: ``layout`` does not fit the model, or ``rank`` is not in its grid.
-        MissingParameterError / UnexpectedParameterError: the parameters are not
-            exactly what the spec table and layout place on this rank.
-        ShapeMismatchError: a parameter's shape differs from the layout's, or is
-            not contiguous.
+        MissingParameterError / UnexpectedParameterError: the parameters are not exactly what the spec table and
+            layout place on this rank.
+        ShapeMismatchError: a parameter's shape differs from the layout's, or is not contiguous.
         UnverifiedMegatronError: the trainer's Megatron-Core version (``layout.megatron``), or a
             config flag that matters for this model, is not one megarefit has verified.
     """
+
+    lora: LoraInfo | None = None  # what the manifest says of a LoRA adapter (None: the model's weights)
+    # what each served tensor is (checked against the layout), its entries and tensors (LoraPublisher: adapters)
+    def _expected(self) -> dict[str, Any]:
+        return _checked_params(self)
+
+    def _served(self, expected: Mapping[str, Any]) -> tuple[list[TensorEntry], list[torch.Tensor]]:
+        return _served_entries(self, expected)
 
     def __init__(self, params: Mapping[str, torch.Tensor], hf_config: Any, *, rank: tuple[int, int, int],
                  layout: SourceLayout, rendezvous: Rendezvous, agent_name: str | None = None,
@@ -176,20 +178,18 @@ class Publisher:
         self.quantization = resolve_quantization(quantization, cfg)
         self.layout = _checked_layout(layout, self.dims, self.rank)
         self.params = {c: p for n, p in params.items() if (c := canonical_name(n)) is not None}
-        expected = _checked_params(self)
+        expected = self._expected()
         self.dtype = _dtype_name(_most_common_dtype(self.params.values()))
-        # FP8: the shards whose blocks lie inside this rank are served quantized, from buffers
-        # allocated and registered once and re-filled by every publish() (quant/planning.py)
+        # FP8: the shards whose blocks lie inside this rank served quantized, from buffers re-filled by every publish()
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.quantization is not None:
             plan = plan_fp8(plan_megatron_to_hf(self.dims, self.layout, self.dtype), self.quantization)
             self.fp8 = fp8_buffers(self.params, [ref.name for ref in fp8_sources(plan, self.rank.first)], self.quantization)
-        # snapshot: receivers read a registered copy that publish() refreshes, never the live
-        # parameters (training goes on during the pull: one-step off-policy RL)
+        # snapshot: receivers read a copy publish() refreshes, not the live parameters (training goes on during a pull)
         self.snapshot: dict[str, torch.Tensor] = {}
         if snapshot:
             self.snapshot = snapshot_buffers(self.params, [n for n in expected if n not in self.fp8])
-        entries, served = _served_entries(self, expected)
+        entries, served = self._served(expected)
         warn_expandable_segments(served, f"rank {self.rank}")
         name = agent_name or (f"megarefit-trainer-{self.rank.tp}-{self.rank.pp}-{self.rank.ep}"
                                + (f"-{self.rank.copy}" if self.rank.copy else ""))
@@ -266,7 +266,7 @@ class Publisher:
         sums = None if self.checksums is None else (self.checksums[0].data_ptr(), self.checksums[0].numel() * 8,
                                                      *mem_type(self.checksums[0]))
         return Manifest(self.rank, self.dims, self.layout, agent_name, tuple(entries), dtype=self.dtype,
-                        quantization=quant, checksums=sums, ipc=self.ipc)
+                        quantization=quant, checksums=sums, ipc=self.ipc, lora=self.lora)
 
     @property
     def counters(self):
@@ -447,12 +447,12 @@ def _served_entries(pub: Publisher, expected: Mapping[str, SourceTensor]
         gshape = global_shape(t.spec, pub.dims, pub.layout)
         if name in pub.fp8:
             weight, scale = pub.fp8[name]
-            entries.append(_entry(name, t.spec.role.value, weight, gshape))
-            entries.append(_entry(name + SCALE_SUFFIX, "fp8_scale", scale, pub.quantization.scale_shape(gshape)))
+            entries.append(tensor_entry(name, t.spec.role.value, weight, gshape))
+            entries.append(tensor_entry(name + SCALE_SUFFIX, "fp8_scale", scale, pub.quantization.scale_shape(gshape)))
             served += [weight, scale]
         else:
             tensor = pub.snapshot.get(name, pub.params[name])
-            entries.append(_entry(name, t.spec.role.value, tensor, gshape))
+            entries.append(tensor_entry(name, t.spec.role.value, tensor, gshape))
             served.append(tensor)
     return entries, served
 
