@@ -38,6 +38,7 @@ from megarefit.integrations.vllm_lora import (  # noqa: E402
     install_lora,
     lora_internals,
     plain_peft_config,
+    refit_lora,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,7 +91,58 @@ def run(tmp_path_factory):
     out["base_after"] = vllm_generate(llm, ALL)
     out["req1_after"] = vllm_generate(llm, ALL, out["req1"])  # version 1's request: version 2's weights
     out["versions"] = llm.collective_rpc("megarefit_lora_versions")
+    out["refit"] = _refit_from_trainers(llm, cfg, v1, v2)
     return out
+
+
+def _refit_from_trainers(llm, cfg, v1, v2):
+    """Adapter-only refit cycles over megarefit's transport: tp-2 LoraPublishers serve v1's shards (CanonicalLoRA's
+    layout, from ``peft_to_lora``), then v2's written inside the seqlock; ``refit_lora`` pulls each into the
+    engine's workers (checksums verified) and installs it under the same name."""
+    from megarefit.layout.dims import ModelDims
+    from megarefit.layout.parallel import SourceLayout
+    from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
+    from megarefit.online.trainer.lora_publisher import LoraPublisher
+    from megarefit.translate_peft import peft_to_lora
+
+    job = f"vllm-lora-refit-{os.getpid()}"
+    rdzv = Rendezvous.serve(job=job)
+    saved, os.environ[SECRET_ENV] = os.environ.get(SECRET_ENV), rdzv.secret  # the workers' job secret
+    try:
+        dims = ModelDims.from_hf_config(cfg)
+        layout = SourceLayout.build(tp=2, pp=1, padded_vocab_size=dims.padded_vocab_size(2), num_layers=dims.num_layers)
+        shards1, shards2 = (peft_to_lora(v, CONFIG, cfg, tp=2, wrapper="canonical_lora") for v in (v1, v2))
+        pubs = [LoraPublisher({n: x.clone() for n, x in shards1[t].items()}, cfg, rank=(t, 0, 0), layout=layout,
+                              rendezvous=rdzv.channel(f"lora/{NAME}"), alpha=CONFIG["lora_alpha"],
+                              agent_name=f"{job}-t{t}", checksums=True) for t in range(2)]
+        for p in pubs:
+            p.publish(21)
+        out = {"req1": refit_lora(llm, NAME, "127.0.0.1", rdzv.port, job=job, verify_checksums=True)}
+        out[1] = vllm_generate(llm, ALL, out["req1"])
+        out["acked"] = pubs[0].wait_receivers(21, timeout=30)
+        for p in pubs:
+            with p.updating(22):  # the optimizer step on the adapter
+                for n, x in shards2[p.rank.tp].items():
+                    p.params[n].copy_(x)
+        out["req2"] = refit_lora(llm, NAME, "127.0.0.1", rdzv.port, job=job, verify_checksums=True)
+        out[2] = vllm_generate(llm, ALL, out["req2"])
+        out["versions"] = llm.collective_rpc("megarefit_lora_versions")
+        return out
+    finally:
+        if saved is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = saved
+
+
+def test_adapter_refit_cycles_from_trainers_generate_as_peft(run):
+    """Version 21 (v1's factors) and 22 (v2's, written in the seqlock) pulled from tp-2 trainer ranks over NIXL,
+    assembled into PEFT tensors by the adapter plan and installed: vLLM generates as transformers + peft."""
+    refit = run["refit"]
+    assert same_generation(refit[1], run["hf"][1]), (refit[1], run["hf"][1])
+    assert same_generation(refit[2], run["hf"][2]), (refit[2], run["hf"][2])
+    assert list(refit["acked"].values()) == ["acked"] and refit["versions"] == [{NAME: 22}]
+    assert refit["req2"].lora_path.endswith("/v22") and refit["req1"].lora_path.endswith("/v21")
 
 
 def test_base_model_unchanged(run):

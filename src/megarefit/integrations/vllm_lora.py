@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import re
+import uuid
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ import torch
 
 from megarefit.errors import MegarefitError
 from megarefit.integrations.vllm_install import vllm_api, vllm_internal
+from megarefit.online.receiver.lora_receiver import LoraReceiver
+from megarefit.online.store.rendezvous import Rendezvous
 
 # vLLM modules and the names megarefit reads from them
 LORA_API = {
@@ -334,6 +338,37 @@ class MegarefitLoraExtension:
         versions[name] = version
         return {**report, "version": version, "rank": getattr(self, "rank", 0)}
 
+    def megarefit_refit_lora(self, name: str, host: str, port: int, job: str = "default", version: int | None = None,
+                             base_version: int = -1, timeout: float = 60.0, verify_checksums: bool = False,
+                             lora_int_id: int | None = None) -> dict[str, Any]:
+        """Pull adapter ``name`` (``version``, default the trainers' current one) from the trainers'
+        :class:`~megarefit.online.trainer.lora_publisher.LoraPublisher` s on channel ``lora/<name>`` of ``job``,
+        install it (:func:`install_adapter`) and acknowledge it. The job secret comes from
+        ``$MEGAREFIT_JOB_SECRET``. The worker keeps one :class:`~megarefit.online.receiver.lora_receiver.LoraReceiver`
+        per adapter and store (its plan and NIXL connections stay warm). The report adds the ``version``, the
+        cycle's ``seconds`` and ``bytes_moved``, and this worker's ``rank``.
+
+        Raises:
+            BaseChangedError: the adapter trains on another base than ``base_version``; and what
+                :meth:`LoraReceiver.pull_adapter` and :func:`install_adapter` raise (nothing is installed then)."""
+        rank = getattr(self, "rank", 0)
+        receivers = self.__dict__.setdefault("_megarefit_lora_receivers", {})
+        key = (name, host, int(port), job)
+        if key not in receivers:
+            channel = Rendezvous.connect(host, int(port), job=job, timeout=timeout).channel(f"lora/{name}")
+            rid = f"megarefit-lora-{name}-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            receivers[key] = LoraReceiver(channel, name=rid, timeout=timeout, verify_checksums=verify_checksums)
+        receiver = receivers[key]
+        receiver.base_version = base_version
+        pulled = receiver.pull_adapter(version)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        report = install_adapter(runner, name, pulled.tensors, pulled.peft_config, lora_int_id)
+        receiver.acknowledge(pulled.version)
+        self.__dict__.setdefault("_megarefit_lora_versions", {})[name] = pulled.version
+        stats = receiver.stats
+        return {**report, "version": pulled.version, "rank": rank, "bytes_moved": stats.bytes_moved if stats else 0,
+                "seconds": dict(stats.seconds) if stats else {}}
+
     def megarefit_lora_versions(self) -> dict[str, int]:
         """``{adapter name: version}`` installed in this worker."""
         return dict(self.__dict__.get("_megarefit_lora_versions", {}))
@@ -363,6 +398,33 @@ def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_
     return lora_request(name, version, int_id)
 
 
+def refit_lora(llm: Any, name: str, host: str, port: int, *, job: str = "default", version: int | None = None,
+               base_version: int = -1, timeout: float = 60.0, verify_checksums: bool = False,
+               lora_int_id: int | None = None) -> Any:
+    """An adapter-only refit: every worker of ``llm`` pulls adapter ``name`` from the trainers over megarefit's
+    transport (:meth:`MegarefitLoraExtension.megarefit_refit_lora`) and installs it, in memory, under one LoRA
+    name. ``version`` ``None``: the trainers' current one; should the workers land on different versions (the
+    trainers published in between), all of them pull the newest again, so the engine never serves a mix.
+
+    Returns:
+        The ``LoRARequest`` to generate with (:func:`lora_request` of the version installed).
+
+    Raises:
+        BaseChangedError: the adapter trains on another base than ``base_version`` (refit the base first).
+        MegarefitError: the workers still disagree on what they installed; and what the workers raise."""
+    kwargs = {"name": name, "host": host, "port": int(port), "job": job, "base_version": base_version,
+              "timeout": timeout, "verify_checksums": verify_checksums, "lora_int_id": lora_int_id or adapter_id(name)}
+    reports = llm.collective_rpc("megarefit_refit_lora", kwargs={**kwargs, "version": version})
+    if len({r["version"] for r in reports}) > 1:
+        reports = llm.collective_rpc("megarefit_refit_lora", kwargs={**kwargs,
+                                                                     "version": max(r["version"] for r in reports)})
+    seen = {(r["name"], r["lora_int_id"], r["version"], r["modules"]) for r in reports}
+    if len(seen) != 1:
+        raise MegarefitError(f"LoRA adapter {name!r}: the workers report {sorted(seen)}")
+    (_, int_id, installed, _), = seen
+    return lora_request(name, installed, int_id)
+
+
 __all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "MegarefitLoraExtension", "adapter_blob", "adapter_id",
            "check_adapter", "install_adapter", "install_lora", "lora_internals", "lora_path", "lora_request",
-           "lora_scaling", "plain_peft_config", "served_modules", "tensors_of_blob"]
+           "lora_scaling", "plain_peft_config", "refit_lora", "served_modules", "tensors_of_blob"]

@@ -35,6 +35,7 @@ import torch
 from megarefit.errors import BaseChangedError, LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
 from megarefit.layout.lora import adapter_global_shape, adapter_local_shape
 from megarefit.online.trainer.publisher import Publisher, tensor_entry
+from megarefit.planner.lora_to_peft import adapter_rows
 from megarefit.specs.lora import Factor, adapter_row, is_adapter
 from megarefit.transport.checksum import tensor_checksum
 from megarefit.transport.manifest import LoraInfo, TensorEntry
@@ -98,6 +99,11 @@ class LoraPublisher(Publisher):
             found[name] = row
         if len(ranks) != 1:
             raise ShapeMismatchError(f"rank {self.rank}: adapters of more than one rank r: {sorted(ranks)}")
+        rows = adapter_rows(list(found))  # the same wrapped linears on every layer that has any
+        want = {row.megatron.format(layer=n) for row in rows for n in range(self.layout.stage_layers[self.rank.pp])}
+        if want != set(found):
+            raise MissingParameterError(f"rank {self.rank}: every layer of its stage must carry the same adapters; "
+                                        f"absent: {sorted(want - set(found))[:4]}")
         self.r = ranks.pop()
         out = {}
         for name, row in found.items():
