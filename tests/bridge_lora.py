@@ -12,7 +12,10 @@ rank 0 reports). Per case:
   ``convert_adapter_weights_to_peft_state`` (what ``save_hf_adapter`` writes), against
   ``lora_to_peft`` of the raw adapter shards;
 * megarefit's classifier on the wrapped model (every module class and ``partition_dim`` against
-  the adapter rows).
+  the adapter rows);
+* the adapter-only refit: the layout, rank and ``alpha`` / ``dim`` ``LoraPublisher.from_megatron`` reads
+  from the model, and ``plan_lora_to_peft`` of them run over the adapter shards, against Bridge's PEFT
+  state.
 
 Bridge's ``peft.utils.HAVE_TE`` is set to False before the wrappers are applied: without
 Transformer Engine, ``megatron.core.extensions.transformer_engine`` still defines the TE class names
@@ -76,6 +79,7 @@ def _case(wrapper: str, tp: int, work: str) -> dict:
                          for c in classify_model(model, ModelDims.from_hf_config(CFG)) if ".adapter." in c.name
                          or c.problem]
     res["gathered_bytes"] = merged.gathered_bytes
+    res["lora_read"] = _lora_read(model)
     res["megatron"] = megatron_core_of(model)
     bridge = AutoBridge.from_hf_pretrained(str(Path(work) / "hf"), torch_dtype=torch.float32)
     res["bridge_merged"] = {k: v.detach().clone() for k, v in bridge.export_hf_weights(
@@ -83,6 +87,37 @@ def _case(wrapper: str, tp: int, work: str) -> dict:
     exported = list(bridge.export_adapter_weights([model], cpu=True, show_progress=False))
     res["bridge_peft"] = convert_adapter_weights_to_peft_state(exported)[0]
     return res
+
+
+def _lora_read(model: torch.nn.Module) -> dict:
+    """What ``LoraPublisher.from_megatron`` serves of this rank (it reads the model as here; its NIXL
+    agent is not built: the Bridge environment has no NIXL)."""
+    import dataclasses
+
+    from megarefit.layout.dims import ModelDims
+    from megarefit.layout.megatron_model import read_chunks
+    from megarefit.online.trainer.lora_merge import adapter_alpha_dim
+
+    chunk, = read_chunks(model, ModelDims.from_hf_config(CFG))
+    return {"rank": list(chunk.rank), "layout": dataclasses.replace(chunk.layout, dp=0).to_dict(),
+            "replica": chunk.replica, "alpha_dim": list(adapter_alpha_dim(model)),
+            "names": sorted(n for n in chunk.params if ".adapter." in n)}
+
+
+def _planned_peft(cases: list[dict]) -> dict[str, torch.Tensor]:
+    """The adapter-only refit's PEFT tensors: ``plan_lora_to_peft`` of the layout read from the model, run over
+    every TP rank's adapter shards."""
+    from megarefit.layout import RankCoord, SourceLayout
+    from megarefit.layout.dims import ModelDims
+    from megarefit.planner.lora_to_peft import adapter_rows, plan_lora_to_peft
+    from megarefit.transport.execute import materialize
+    from megarefit.transport.local import LocalTransport
+
+    read = cases[0]["lora_read"]
+    plan = plan_lora_to_peft(ModelDims.from_hf_config(CFG), SourceLayout.from_dict(read["layout"]), "float32",
+                             read["alpha_dim"][1], adapter_rows(read["names"]))
+    sources = {RankCoord(*c["lora_read"]["rank"]): c["adapters"] for c in cases}
+    return {ref.name: t.clone() for ref, t in materialize(plan, LocalTransport(sources))}
 
 
 def job(rank: int, world_size: int, master_port: int, work: str) -> dict:
@@ -114,7 +149,12 @@ def _compare(key: str, ranks: list[dict], hf_model_of) -> dict:
     hf_logits = hf_model_of(hf_state)(input_ids=TOKENS).logits.float()
     peft, peft_config = lora_to_peft({t: c["adapters"] for t, c in enumerate(cases)}, CFG, alpha=ALPHA)
     bridge_peft = cases[0]["bridge_peft"]
+    planned = _planned_peft(cases)
     return {
+        "planned_names_differ": sorted(set(planned) ^ set(bridge_peft)),
+        "planned_bytes_differ": sorted(k for k in planned if k in bridge_peft and not torch.equal(planned[k],
+                                                                                                bridge_peft[k])),
+        "lora_read": [{k: c["lora_read"][k] for k in ("rank", "replica", "alpha_dim")} for c in cases],
         "merged_names_differ": sorted(set(hf_state) ^ set(bridge)),
         "merged_bytes_differ": sorted(k for k in hf_state if k in bridge and not torch.equal(hf_state[k], bridge[k])),
         "merged_max_abs_diff": max(float((hf_state[k] - bridge[k]).abs().max()) for k in hf_state if k in bridge),

@@ -8,6 +8,9 @@ wraps a real Qwen3-style GPT with Bridge's ``LoRA`` and ``CanonicalLoRA`` at tp 
 * the merged HF tensors are bit-equal to Bridge's ``export_hf_weights(..., merge_adapter_weights=True)``;
 * ``lora_to_peft`` of the raw adapter shards is bit-equal to Bridge's ``export_adapter_weights`` in
   PEFT's on-disk names (Bridge's ``convert_adapter_weights_to_peft_state``);
+* the adapter-only refit: the layout, rank and ``alpha`` / ``dim`` that ``LoraPublisher.from_megatron``
+  reads from the model, and ``plan_lora_to_peft`` of them over the adapter shards, give Bridge's PEFT
+  state bit for bit;
 * megarefit's classifier agrees with every adapter module's class and ``partition_dim``, and the
   local shapes are the ones :mod:`megarefit.layout.lora` gives (the splits this suite relies on,
   measured, not assumed).
@@ -55,6 +58,17 @@ def test_lora_to_peft_equals_bridge_adapter_export(result, case):
     assert r["peft_tensors"] == 2 * 7 * 2  # A and B of 7 HF projections in 2 layers
     assert r["peft_names_differ"] == [] and r["peft_bytes_differ"] == []
     assert r["peft_config"] == {"peft_type": "LORA", "r": 8, "lora_alpha": 12, "target_modules": TARGETS}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adapter_refit_plan_equals_bridge_adapter_export(result, case):
+    """The adapter-only refit of a real Bridge model: what LoraPublisher.from_megatron reads (layout, rank,
+    alpha / dim) and plan_lora_to_peft of it over the adapter shards give Bridge's PEFT state bit for bit."""
+    r = result[case]
+    assert r["planned_names_differ"] == [] and r["planned_bytes_differ"] == [], r
+    tp = 2 if case.endswith("tp2") else 1
+    assert [x["rank"] for x in r["lora_read"]] == [[t, 0, 0] for t in range(tp)]
+    assert all(x["alpha_dim"] == [12.0, 8] and not x["replica"] for x in r["lora_read"])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -127,12 +127,49 @@ def _refit_from_trainers(llm, cfg, v1, v2):
         out["req2"] = refit_lora(llm, NAME, "127.0.0.1", rdzv.port, job=job, verify_checksums=True)
         out[2] = vllm_generate(llm, ALL, out["req2"])
         out["versions"] = llm.collective_rpc("megarefit_lora_versions")
+        out["hook"] = _pulled_by_vllms_own_add(llm, pubs, shards1, rdzv.port, job)
+        install_lora(llm, NAME, v2, CONFIG, version=2)  # the state the tests after these expect: v2, pinned
         return out
     finally:
         if saved is None:
             os.environ.pop(SECRET_ENV, None)
         else:
             os.environ[SECRET_ENV] = saved
+
+
+def _pulled_by_vllms_own_add(llm, pubs, shards, port, job):
+    """What ``/v1/load_lora_adapter`` does over HTTP: vLLM's own ``add_lora`` of ``lora_path(NAME, 23)``,
+    ``load_inplace``. The workers pull version 23 (v1's factors again) in vLLM's ``_load_adapter``; then an
+    add of a version never published fails and version 23 keeps serving."""
+    from megarefit.integrations.vllm_lora import adapter_id, lora_path
+
+    llm.collective_rpc("megarefit_init_lora", kwargs={"host": "127.0.0.1", "port": port, "job": job, "timeout": 3.0,
+                                                      "verify_checksums": True})
+    for p in pubs:
+        with p.updating(23):
+            for n, x in shards[p.rank.tp].items():
+                p.params[n].copy_(x)
+    request = vllm.lora.request.LoRARequest(NAME, adapter_id(NAME), lora_path(NAME, 23), load_inplace=True)
+    out = {"added": llm.llm_engine.add_lora(request), "acked": pubs[0].wait_receivers(23, timeout=30)}
+    out[1] = vllm_generate(llm, ALL, request)
+    missing = vllm.lora.request.LoRARequest(NAME, adapter_id(NAME), lora_path(NAME, 99), load_inplace=True)
+    try:
+        llm.llm_engine.add_lora(missing)
+        out["missing"] = None
+    except Exception as exc:  # vLLM re-raises the worker's error
+        out["missing"] = f"{type(exc).__name__}: {exc}"
+    out["after_missing"] = vllm_generate(llm, ALL, request)
+    return out
+
+
+def test_vllms_own_add_lora_pulls_a_megarefit_path_from_the_trainers(run):
+    """The route /v1/load_lora_adapter takes: vLLM's add_lora of lora_path(name, version) pulls that version
+    from the trainers inside vLLM's loader; a version that never comes is an error, the last one serves on."""
+    hook = run["refit"]["hook"]
+    assert hook["added"] and list(hook["acked"].values()) == ["acked"]
+    assert same_generation(hook[1], run["hf"][1]), (hook[1], run["hf"][1])
+    assert hook["missing"] is not None and "99" in hook["missing"], hook["missing"]
+    assert same_generation(hook["after_missing"], run["hf"][1])
 
 
 def test_adapter_refit_cycles_from_trainers_generate_as_peft(run):

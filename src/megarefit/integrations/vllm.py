@@ -86,7 +86,7 @@ from megarefit.integrations.vllm_install import (
     vllm_target_of,
     vllm_version,
 )
-from megarefit.integrations.vllm_lora import MegarefitLoraExtension
+from megarefit.integrations.vllm_lora import LoraPulls, MegarefitLoraExtension, enable_lora_pulls, set_lora_base_version
 from megarefit.integrations.vllm_shadow import Shadows, prepare_shadows
 from megarefit.online.receiver.receiver import RefitReceiver, TornUpdateError
 from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
@@ -753,6 +753,9 @@ class MegarefitInitInfo:
     # (checksum evidence) straight into their live tensors, skipping the reload's per-layer work for them
     direct: bool = False
     node: int | None = None  # workers on this host (of every engine) that split what several need: a node group
+    # adapters vLLM loads from lora_path(name, version) (/v1/load_lora_adapter) are pulled from the trainers'
+    # LoraPublishers of this job, on the base version the engine's last full update installed (vllm_lora.py)
+    lora: bool = False
 
     def __post_init__(self) -> None:  # vLLM builds it from the init_info dict (parse_init_info): refused there
         check_replica(self.replica, self.replicas)
@@ -854,6 +857,10 @@ class _EngineLifecycle:
         self.window: _UpdateWindow | None = None
         _budget(init_info.keep_previous)  # checked now, measured at each update
         self.previous = PreviousWeights(0)  # host copies, reused across updates
+        if init_info.lora:
+            enable_lora_pulls(LoraPulls(init_info.host, init_info.port, init_info.job, init_info.timeout,
+                                        init_info.verify_checksums, init_info.secret,
+                                        base_version=-1 if getattr(self, "served", None) is None else self.served))
 
     def _make_receiver(self, model: torch.nn.Module | None, draft: bool) -> RefitReceiver:
         info = self.init_info
@@ -981,6 +988,7 @@ class _EngineLifecycle:
             window.receiver.acknowledge(window.version)  # trainers in wait_receivers may go on
             if not window.draft:
                 self.served = window.version  # named in the next failure's message
+                set_lora_base_version(window.version)  # adapters pulled from now on train on this base
         if window.installed or not _refusing(model):  # else a mix from before: still refused
             _serve_model(model)
 

@@ -219,6 +219,28 @@ class VllmHttpRefit:
             self.abandon()
             self._call("POST", "init_weight_transfer_engine", body)
 
+    def refit_lora(self, name: str, version: int) -> str:
+        """An adapter-only refit over HTTP: ``POST /v1/load_lora_adapter`` of ``lora_path(name, version)``,
+        in place. Every worker pulls that version of adapter ``name`` from the trainers' ``LoraPublisher`` s
+        inside vLLM's own loader (:func:`~megarefit.integrations.vllm_lora.enable_lora_pulls`; the server
+        inited with ``lora=True``, started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``),
+        and the server points ``name`` at it. No pause: vLLM swaps adapters between engine steps. Returns
+        ``name``: requests name it as their ``model``; the versioned path keeps vLLM's prefix cache apart
+        per version.
+
+        Raises:
+            RefitHTTPError: the server refused (its text says why: a version not published in time, an
+                adapter on another base, a module vLLM's LoRA does not serve ...); the version it served
+                before keeps serving."""
+        from megarefit.integrations.vllm_lora import lora_path  # imported here: this module imports no torch
+
+        body = {"lora_name": name, "lora_path": lora_path(name, version), "load_inplace": True}
+        try:
+            self._call("POST", "v1/load_lora_adapter", body)
+        except json.JSONDecodeError:  # vLLM answers success in plain text (RefitHTTPError is raised on)
+            pass
+        return name
+
     def abandon(self) -> str:
         """End the server's open weight update without serving it: what a new controller does after
         one died mid-refit (its ``/update_weights`` may have completed inside the server after it

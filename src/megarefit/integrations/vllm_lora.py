@@ -71,13 +71,15 @@ LORA_API = {
     "vllm.lora.lora_model": ("LoRAModel",),
     "vllm.lora.peft_helper": ("PEFTHelper",),
     "vllm.lora.request": ("LoRARequest",),
+    "vllm.lora.worker_manager": ("LRUCacheWorkerLoRAManager",),
 }
 # attributes of live vLLM objects megarefit reads or calls: owner -> names
 LORA_ATTRS = {
     "LoRAModel": ("from_lora_tensors",),
     "PEFTHelper": ("from_dict", "validate_legal"),
     "GPUModelRunner": ("lora_config", "parallel_config", "lora_manager"),  # the worker's (LoRAModelRunnerMixin)
-    "LRUCacheWorkerLoRAManager": ("_adapter_manager", "lora_config", "vocab_size", "max_position_embeddings"),
+    "LRUCacheWorkerLoRAManager": ("_adapter_manager", "lora_config", "vocab_size", "max_position_embeddings",
+                                  "_load_adapter"),  # the last: hooked for adapters pulled from trainers
     "LRUCacheLoRAModelManager": ("model", "modules", "packed_modules", "capacity", "list_adapters", "add_adapter",
                                  "remove_adapter", "remove_oldest_adapter", "_pin_lora_in_cpu_cache"),
 }
@@ -204,7 +206,15 @@ def lora_internals(runner: Any) -> SimpleNamespace:
     if pp != 1:
         raise MegarefitError(f"pipeline_parallel_size={pp}: in-memory LoRA installs are proved without pipeline "
                              "parallelism only (each stage serves part of the layers)")
-    worker_manager = vllm_internal(runner, "lora_manager", _WHY, runner_kind)
+    return manager_internals(vllm_internal(runner, "lora_manager", _WHY, runner_kind), api)
+
+
+def manager_internals(worker_manager: Any, api: SimpleNamespace | None = None) -> SimpleNamespace:
+    """The vLLM internals of one worker's LoRA manager (``LRUCacheWorkerLoRAManager``), checked.
+
+    Raises:
+        VllmVersionError: an attribute of :data:`LORA_ATTRS` is absent, naming vLLM's version."""
+    api = api or vllm_api(LORA_API, _WHY)
     for attr in LORA_ATTRS["LRUCacheWorkerLoRAManager"]:
         vllm_internal(worker_manager, attr, _WHY, type(worker_manager).__name__)
     manager = worker_manager._adapter_manager
@@ -322,6 +332,110 @@ def tensors_of_blob(blob: bytes) -> dict[str, torch.Tensor]:
     return load(bytes(blob))
 
 
+# ---- adapters pulled inside vLLM's own add_lora (``/v1/load_lora_adapter`` with a megarefit path) ------------
+@dataclass
+class LoraPulls:
+    """Where this worker process pulls adapters from when vLLM loads a megarefit path
+    (``/megarefit-in-memory-lora/<name>/v<version>``): the job's rendezvous, its secret (``None``:
+    ``$MEGAREFIT_JOB_SECRET``) and the base version the engine holds (a full refit's, -1 for its checkpoint)."""
+
+    host: str
+    port: int
+    job: str = "default"
+    timeout: float = 60.0
+    verify_checksums: bool = False
+    secret: str | None = None
+    base_version: int = -1
+
+    def receiver(self, name: str) -> LoraReceiver:
+        """The receiver of adapter ``name`` (:func:`lora_receiver`), on this engine's base version."""
+        receiver = lora_receiver(name, self.host, self.port, self.job, self.timeout, self.verify_checksums,
+                                 self.secret)
+        receiver.base_version = self.base_version
+        return receiver
+
+
+_PULLS: dict[str, LoraPulls] = {}  # this process's ("pulls": the last init's)
+_RECEIVERS: dict[tuple[str, str, int, str], LoraReceiver] = {}  # this process's, per adapter and store
+
+
+def lora_receiver(name: str, host: str, port: int, job: str, timeout: float = 60.0, verify_checksums: bool = False,
+                  secret: str | None = None) -> LoraReceiver:
+    """This process's receiver of adapter ``name`` from job ``job``'s store (channel ``lora/<name>``), built once
+    and kept warm: one registered receiver per worker and adapter, whichever path pulls (trainers waiting in
+    ``wait_receivers`` wait for it). ``timeout``: the last call's; ``verify_checksums``: the first's."""
+    key = (name, host, int(port), job)
+    if key not in _RECEIVERS:
+        channel = Rendezvous.connect(host, int(port), job=job, timeout=timeout, secret=secret).channel(f"lora/{name}")
+        rid = f"megarefit-lora-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        _RECEIVERS[key] = LoraReceiver(channel, name=rid, timeout=timeout, verify_checksums=verify_checksums)
+    receiver = _RECEIVERS[key]
+    receiver.timeout = timeout
+    return receiver
+
+
+def enable_lora_pulls(pulls: LoraPulls) -> None:
+    """From now on, when vLLM in this process loads an adapter whose ``lora_path`` is
+    :func:`lora_path` ``(name, version)`` (``/v1/load_lora_adapter``, ``add_lora``, a request that names it),
+    the worker pulls version ``version`` of adapter ``name`` from the trainers' LoraPublishers
+    (:class:`~megarefit.online.receiver.lora_receiver.LoraReceiver`), builds vLLM's ``LoRAModel`` of it
+    (:func:`build_lora_model`) and acknowledges it, instead of reading the path. Every other path loads as
+    vLLM does. megarefit replaces ``LRUCacheWorkerLoRAManager._load_adapter`` for that (once per process).
+
+    Raises:
+        VllmVersionError: the vLLM internals this needs are absent (named, with vLLM's version)."""
+    api = vllm_api(LORA_API, _WHY)
+    cls = api.LRUCacheWorkerLoRAManager
+    original = vllm_internal(cls, "_load_adapter", _WHY, "LRUCacheWorkerLoRAManager")
+    if not getattr(original, "megarefit_hook", False):
+        def _load_adapter(self: Any, lora_request: Any) -> Any:
+            return pull_or_load(self, lora_request, original)
+
+        _load_adapter.megarefit_hook = True  # type: ignore[attr-defined]
+        cls._load_adapter = _load_adapter
+    _PULLS["pulls"] = pulls
+
+
+def set_lora_base_version(version: int) -> None:
+    """The engine holds base version ``version`` now (a full refit completed): adapters pulled from here on
+    must train on it (no-op where pulls are not enabled)."""
+    if "pulls" in _PULLS:
+        _PULLS["pulls"].base_version = int(version)
+
+
+def parse_lora_path(path: str) -> tuple[str, int] | None:
+    """``(name, version)`` of a :func:`lora_path`, or ``None`` for any other path."""
+    m = re.fullmatch(re.escape(PATH_ROOT) + r"/(?P<name>[^/]+)/v(?P<version>0|[1-9][0-9]*)", path or "")
+    return None if m is None else (m["name"], int(m["version"]))
+
+
+def pull_or_load(worker_manager: Any, lora_request: Any, original: Any) -> Any:
+    """vLLM's ``_load_adapter`` for a megarefit path: pull, check, build, acknowledge; else ``original``.
+
+    Raises:
+        MegarefitError: a megarefit path whose name is not the request's, or one this worker pulls none for
+            (no ``enable_lora_pulls``); and what the pull and :func:`build_lora_model` raise (vLLM's add then
+            fails, and the version it held keeps serving)."""
+    parsed = parse_lora_path(lora_request.lora_path)
+    if parsed is None:
+        return original(worker_manager, lora_request)
+    name, version = parsed
+    if name != lora_request.lora_name:
+        raise MegarefitError(f"lora_path {lora_request.lora_path!r} names adapter {name!r}, the request "
+                             f"{lora_request.lora_name!r}: give lora_path(name, version) of the same name")
+    pulls = _PULLS.get("pulls")
+    if pulls is None:
+        raise MegarefitError(f"{lora_request.lora_path!r} is a megarefit in-memory adapter, and this worker pulls no "
+                             "adapters: init the megarefit engine with lora=True (or megarefit_init_lora) first")
+    receiver = pulls.receiver(name)
+    pulled = receiver.pull_adapter(version)
+    check_adapter(pulled.tensors, pulled.peft_config)
+    lora = build_lora_model(manager_internals(worker_manager), name, lora_request.lora_int_id, pulled.tensors,
+                            pulled.peft_config)
+    receiver.acknowledge(pulled.version)
+    return lora
+
+
 class MegarefitLoraExtension:
     """vLLM worker-extension methods for in-memory LoRA adapters (``self`` is the worker);
     :class:`~megarefit.integrations.vllm.MegarefitWorkerExtension` includes them."""
@@ -352,13 +466,7 @@ class MegarefitLoraExtension:
             BaseChangedError: the adapter trains on another base than ``base_version``; and what
                 :meth:`LoraReceiver.pull_adapter` and :func:`install_adapter` raise (nothing is installed then)."""
         rank = getattr(self, "rank", 0)
-        receivers = self.__dict__.setdefault("_megarefit_lora_receivers", {})
-        key = (name, host, int(port), job)
-        if key not in receivers:
-            channel = Rendezvous.connect(host, int(port), job=job, timeout=timeout).channel(f"lora/{name}")
-            rid = f"megarefit-lora-{name}-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            receivers[key] = LoraReceiver(channel, name=rid, timeout=timeout, verify_checksums=verify_checksums)
-        receiver = receivers[key]
+        receiver = lora_receiver(name, host, port, job, timeout, verify_checksums)
         receiver.base_version = base_version
         pulled = receiver.pull_adapter(version)
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -368,6 +476,12 @@ class MegarefitLoraExtension:
         stats = receiver.stats
         return {**report, "version": pulled.version, "rank": rank, "bytes_moved": stats.bytes_moved if stats else 0,
                 "seconds": dict(stats.seconds) if stats else {}}
+
+    def megarefit_init_lora(self, host: str, port: int, job: str = "default", timeout: float = 60.0,
+                            verify_checksums: bool = False, base_version: int = -1) -> None:
+        """Pull adapters named by a megarefit ``lora_path`` from this job's trainers (:func:`enable_lora_pulls`);
+        the megarefit engine's ``init_info`` ``lora=True`` does the same over HTTP."""
+        enable_lora_pulls(LoraPulls(host, int(port), job, timeout, verify_checksums, base_version=base_version))
 
     def megarefit_lora_versions(self) -> dict[str, int]:
         """``{adapter name: version}`` installed in this worker."""
@@ -425,6 +539,7 @@ def refit_lora(llm: Any, name: str, host: str, port: int, *, job: str = "default
     return lora_request(name, installed, int_id)
 
 
-__all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "MegarefitLoraExtension", "adapter_blob", "adapter_id",
-           "check_adapter", "install_adapter", "install_lora", "lora_internals", "lora_path", "lora_request",
-           "lora_scaling", "plain_peft_config", "refit_lora", "served_modules", "tensors_of_blob"]
+__all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "LoraPulls", "MegarefitLoraExtension", "adapter_blob",
+           "adapter_id", "check_adapter", "enable_lora_pulls", "install_adapter", "install_lora", "lora_internals",
+           "lora_path", "lora_receiver", "lora_request", "lora_scaling", "manager_internals", "parse_lora_path", "plain_peft_config",
+           "pull_or_load", "refit_lora", "served_modules", "set_lora_base_version", "tensors_of_blob"]

@@ -61,6 +61,19 @@ class _Wrapped:
     parts: tuple[_Part, ...]
 
 
+def adapter_alpha_dim(model: torch.nn.Module) -> tuple[float, int]:
+    """``(alpha, dim)`` of a Bridge LoRA model's adapters (``ParallelLinearAdapter`` modules: ``linear_in``,
+    ``alpha``, ``dim``), ``dim`` being the adapter rank r.
+
+    Raises:
+        LayoutError: no adapter module, or adapters that disagree on ``alpha`` / ``dim``."""
+    found = {(float(m.alpha), int(m.dim)) for m in model.modules() if hasattr(m, "linear_in") and hasattr(m, "alpha")}
+    if len(found) != 1:
+        raise LayoutError(f"expected one (alpha, dim) over the model's LoRA adapters, found {found or 'no adapter'}")
+    (alpha, dim), = found
+    return alpha, dim
+
+
 class MergedLoRA:
     """Served copies of one TP rank's LoRA-wrapped linears with the adapters merged in.
 
@@ -138,10 +151,7 @@ class MergedLoRA:
         """
         from megatron.core import parallel_state as ps
 
-        found = {(float(m.alpha), int(m.dim)) for m in model.modules() if hasattr(m, "linear_in") and hasattr(m, "alpha")}
-        if len(found) != 1:
-            raise LayoutError(f"MergedLoRA.from_megatron: expected one (alpha, dim) over the adapters, found {found}")
-        (alpha, rank), = found
+        alpha, rank = adapter_alpha_dim(model)
         dims = ModelDims.from_hf_config(load_hf_config(hf_config))
         return cls(dict(model.named_parameters()), dims, alpha=alpha, rank=rank,
                    tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -229,4 +239,4 @@ def _copies(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in out if t is not None]
 
 
-__all__ = ["MergedLoRA"]
+__all__ = ["MergedLoRA", "adapter_alpha_dim"]

@@ -34,6 +34,7 @@ import torch
 
 from megarefit.errors import BaseChangedError, LayoutError, MegarefitError, MissingParameterError, ShapeMismatchError
 from megarefit.layout.lora import adapter_global_shape, adapter_local_shape
+from megarefit.online.trainer.lora_merge import adapter_alpha_dim
 from megarefit.online.trainer.publisher import Publisher, tensor_entry
 from megarefit.planner.lora_to_peft import adapter_rows
 from megarefit.specs.lora import Factor, adapter_row, is_adapter
@@ -69,10 +70,11 @@ class LoraPublisher(Publisher):
             model's).
         alpha: LoRA's ``alpha`` (the adapter scales ``B @ A`` by ``alpha / r``); ``r`` is read from the shards.
         base: the base tensors under the adapter on this rank (frozen), fingerprinted at every publish;
-            ``None``: not checked (then nothing stops an adapter from being served on a changed base).
+            ``"params"`` (default): every other tensor of ``params``; ``None``: not checked (then nothing
+            stops an adapter from being served on a changed base).
         base_version: the version of the base the engines hold under this adapter (a full refit's), or -1
             for the checkpoint both sides loaded.
-        checksums, snapshot, agent_name, ipc: as :class:`Publisher` (no FP8, no delta: adapters are small).
+        checksums, snapshot, agent_name, ipc, ddp: as :class:`Publisher` (no FP8, no delta: adapters are small).
 
     Raises:
         UnsupportedAdapterError / UnknownParameterError: an adapter megarefit refuses or does not know.
@@ -82,16 +84,19 @@ class LoraPublisher(Publisher):
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], hf_config: Any, *, rank: tuple[int, int, int],
-                 layout: Any, rendezvous: Any, alpha: float, base: Mapping[str, torch.Tensor] | None = None,
+                 layout: Any, rendezvous: Any, alpha: float, base: Mapping[str, torch.Tensor] | str | None = "params",
                  base_version: int = -1, **options: Any):
-        for refused in ("quantization", "delta", "tracker", "ddp"):
+        for refused in ("quantization", "delta", "tracker"):
             if options.get(refused):
                 raise MegarefitError(f"LoraPublisher takes no {refused}= (adapters are served as trained, whole)")
         if layout.ep != 1:
             raise LayoutError(f"LoraPublisher serves ep=1 trainers (expert adapters are refused), got ep={layout.ep}")
         self.alpha, self.base_version = float(alpha), int(base_version)
         self.r = 0  # read from the shards by _expected
-        self.base = dict(base) if base is not None else None
+        if isinstance(base, str) and base != "params":
+            raise MegarefitError(f"base={base!r}: give the base tensors, 'params' (the others of params) or None")
+        self.base = {n: p for n, p in params.items() if not is_adapter(n)} if base == "params" else (
+            None if base is None else dict(base))
         self._base_sums = _fingerprint(self.base) if self.base is not None else None
         self.last_base_check_s = 0.0
         adapters = {n: p for n, p in params.items() if is_adapter(n)}
@@ -100,6 +105,21 @@ class LoraPublisher(Publisher):
                               f"{len(params)} parameters: is Bridge's LoRA applied?")
         super().__init__(adapters, hf_config, rank=rank, layout=layout, rendezvous=rendezvous, quantization=None,
                          **options)
+
+    @classmethod
+    def from_megatron(cls, model: Any, hf_config: Any, *, rendezvous: Any, base_version: int = -1,
+                      **options: Any) -> Any:
+        """Serve this rank's Bridge LoRA adapters (``LoRA`` / ``CanonicalLoRA`` applied to a Megatron-Core
+        model): the layout read from Megatron as :meth:`Publisher.from_megatron` reads it, ``alpha`` from the
+        adapter modules, the base fingerprinted (``base="params"``). Data-parallel copy 0 alone serves (an
+        adapter is small: nothing to spread); the other copies get an empty ``PublisherGroup``.
+
+        Raises:
+            LayoutError: no adapter module, or adapters that disagree on ``alpha`` / ``dim``.
+            and what :meth:`Publisher.from_megatron` and the constructor raise."""
+        alpha, _ = adapter_alpha_dim(model)
+        return super().from_megatron(model, hf_config, rendezvous=rendezvous, serve_copies=False, alpha=alpha,
+                                     base_version=base_version, **options)
 
     def _expected(self) -> dict[str, Any]:
         """Per adapter name, ``(row, global shape)``; the shards checked against one ``r`` and ``layout.tp``."""
