@@ -16,7 +16,7 @@ acknowledgements before the next version. Medians with min-max over the warm ver
 plans, registrations) and both ranks; one torch thread a rank.
 
     python benchmarks/bench_lora_cycle.py [--layers 4] [--hidden 512] [--ranks 16 64] [--repeat 9]
-                                          [--record docs/lora_cycle_cpu.jsonl]
+                                          [--tp 2] [--device cpu] [--record docs/lora_cycle_cpu.jsonl]
     python benchmarks/bench_lora_cycle.py --from-json docs/lora_cycle_cpu.jsonl    # the recorded table
 """
 
@@ -59,7 +59,8 @@ def lora_model(cfg: dict, r: int, tp: int, tp_rank: int):
     return dims, params
 
 
-def job(rank: int, world_size: int, master_port: int, cfg: dict, r: int, repeat: int, port: int, job_name: str):
+def job(rank: int, world_size: int, master_port: int, cfg: dict, r: int, repeat: int, port: int, job_name: str,
+        device: str = "cpu"):
     import torch
     import torch.distributed as dist
 
@@ -69,9 +70,11 @@ def job(rank: int, world_size: int, master_port: int, cfg: dict, r: int, repeat:
     from megarefit.online.trainer.lora_publisher import LoraPublisher
     from megarefit.online.trainer.publisher import Publisher
 
-    torch.set_num_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size)
     dims, params = lora_model(cfg, r, world_size, rank)
+    params = {n: p.to(device) for n, p in params.items()}
     layout = source_layout(cfg, tp=world_size, pp=1)
     rdzv = Rendezvous.connect("127.0.0.1", port, job=job_name, timeout=120)
     merged = MergedLoRA(params, dims, alpha=2 * r, rank=r, tp=world_size, tp_rank=rank, tp_group=dist.group.WORLD)
@@ -104,27 +107,27 @@ def job(rank: int, world_size: int, master_port: int, cfg: dict, r: int, repeat:
     return {"times": times, "base_bytes": sum(p.nbytes for n, p in params.items() if ".adapter." not in n)}
 
 
-def _wait_published(channels: list, version: int, timeout: float = 120.0) -> None:
+def _wait_published(channels: list, version: int, tp: int, timeout: float = 120.0) -> None:
     from megarefit.layout import RankCoord
 
-    ranks, end = [RankCoord(0, 0, 0), RankCoord(1, 0, 0)], time.monotonic() + timeout
+    ranks, end = [RankCoord(t, 0, 0) for t in range(tp)], time.monotonic() + timeout
     while any(any(x is None or x < version for x in c.versions(ranks).values()) for c in channels):
         if time.monotonic() > end:
             raise TimeoutError(f"version {version} was not published in {timeout} s")
         time.sleep(0.001)
 
 
-def _receive(rdzv, job_name: str, repeat: int, out: dict) -> None:
+def _receive(rdzv, job_name: str, repeat: int, out: dict, device: str = "cpu", tp: int = 2) -> None:
     from megarefit.online.receiver.lora_receiver import LoraReceiver
     from megarefit.online.receiver.receiver import RefitReceiver
 
-    full = RefitReceiver(rdzv, name=f"{job_name}-rx-full", timeout=120)
-    lora = LoraReceiver(rdzv.channel("lora/policy"), name=f"{job_name}-rx-lora", timeout=120)
+    full = RefitReceiver(rdzv, name=f"{job_name}-rx-full", timeout=120, device=device)
+    lora = LoraReceiver(rdzv.channel("lora/policy"), name=f"{job_name}-rx-lora", timeout=120, device=device)
     pulls: dict[str, list[float]] = {"full": [], "adapter": []}
     stages: dict[str, list[float]] = {}  # the adapter cycle's stages (RefitReceiver's CycleStats.seconds)
     try:
         for v in range(1, repeat + 2):
-            _wait_published([rdzv, rdzv.channel("lora/policy")], v)  # the pulls are timed, not the trainers
+            _wait_published([rdzv, rdzv.channel("lora/policy")], v, tp)  # the pulls are timed, not the trainers
             t0 = time.perf_counter()
             for _ in full.run_refit_cycle(v):
                 pass
@@ -138,7 +141,7 @@ def _receive(rdzv, job_name: str, repeat: int, out: dict) -> None:
                 pulls["adapter"].append(t2 - t1)
                 for k, x in lora.stats.seconds.items():
                     stages.setdefault(k, []).append(x)
-        out.update(stages={k: statistics.median(x) for k, x in stages.items()},pulls=pulls, full_bytes=full.stats.bytes_moved, adapter_bytes=lora.stats.bytes_moved,
+        out.update(stages={k: statistics.median(x) for k, x in stages.items()}, ipc_launches=full.counters.get("ipc_launches", 0),pulls=pulls, full_bytes=full.stats.bytes_moved, adapter_bytes=lora.stats.bytes_moved,
                    peft_bytes=adapter.nbytes, tensors=len(adapter.tensors))
     except Exception as exc:  # reported by measure()
         out["error"] = repr(exc)
@@ -151,7 +154,7 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _one(cfg: dict, r: int, repeat: int) -> dict:
+def _one(cfg: dict, r: int, repeat: int, tp: int = 2, device: str = "cpu") -> dict:
     from megarefit.demo.workers import run_workers
     from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
 
@@ -159,9 +162,9 @@ def _one(cfg: dict, r: int, repeat: int) -> dict:
     os.environ[SECRET_ENV] = secrets.token_hex(16)  # the trainer processes inherit it
     rdzv = Rendezvous.serve(job=job_name)
     got: dict = {}
-    rx = threading.Thread(target=_receive, args=(rdzv, job_name, repeat, got), daemon=True)
+    rx = threading.Thread(target=_receive, args=(rdzv, job_name, repeat, got, device, tp), daemon=True)
     rx.start()
-    per_rank = run_workers(job, world_size=2, args=(cfg, r, repeat, rdzv.port, job_name), timeout=900)
+    per_rank = run_workers(job, world_size=tp, args=(cfg, r, repeat, rdzv.port, job_name, device), timeout=900)
     rx.join(120)
     if "error" in got or "pulls" not in got:
         raise RuntimeError(f"receiver failed: {got.get('error', 'no result')}")
@@ -178,8 +181,8 @@ def measure(ns) -> dict:
 
     cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=ns.layers, hidden_size=ns.hidden, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=ns.hidden // 8, intermediate_size=3 * ns.hidden)
-    rows = [_one(cfg, r, ns.repeat) for r in ns.ranks]
-    return {"rows": rows, "tp": 2, "layers": ns.layers, "hidden": ns.hidden, "ffn": 3 * ns.hidden,
+    rows = [_one(cfg, r, ns.repeat, ns.tp, ns.device) for r in ns.ranks]
+    return {"rows": rows, "tp": ns.tp, "device": ns.device, "layers": ns.layers, "hidden": ns.hidden, "ffn": 3 * ns.hidden,
             "vocab": cfg["vocab_size"], "dtype": "bfloat16", "repeat": ns.repeat, "machine": machine(),
             "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
 
@@ -189,11 +192,13 @@ def _ms(s: dict) -> str:
 
 
 def print_table(res: dict) -> None:
+    where = ("trainer ranks and receiver on one GPU (CUDA IPC)" if res.get("device", "cpu") != "cpu" else
+             "real NIXL (UCX) on one host")
     print(f"One refit of a LoRA policy, three ways: tp {res['tp']} trainer ranks (gloo, one process a rank) and one "
-          f"receiver, real NIXL (UCX) on one host; {res['layers']} layers, hidden {res['hidden']}, ffn {res['ffn']}, "
+          f"receiver, {where}; {res['layers']} layers, hidden {res['hidden']}, ffn {res['ffn']}, "
           f"vocab {res['vocab']}, every decoder linear wrapped by Bridge LoRA, {res['dtype']}; median (min-max) over "
-          f"{res['repeat']} warm versions (trainer: x 2 ranks); {res['machine']}, {res['date']} (a 2-core machine: "
-          "trainers and receiver share it).\n")
+          f"{res['repeat']} warm versions (trainer: x {res['tp']} ranks); {res['machine']}, {res['date']}"
+          + (" (a 2-core machine: trainers and receiver share it)" if res.get("cores", 0) <= 2 else "") + ".\n")
     print("| r | way | trainer ms | pull ms | pulled MB | x adapter bytes |")
     print("|---:|---|---:|---:|---:|---:|")
     for row in res["rows"]:
@@ -216,6 +221,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--tp", type=int, default=2, help="trainer ranks (gloo: one GPU takes tp 1)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: trainers and receiver on one GPU")
     recorded_main(ap, measure, print_table)
 
 

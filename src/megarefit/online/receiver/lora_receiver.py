@@ -142,6 +142,8 @@ class LoraReceiver(RefitReceiver):
         for refused in ("memory_budget", "node", "replica_group", "target", "experts", "direct", "part", "reader"):
             if options.get(refused) is not None:
                 raise MegarefitError(f"LoraReceiver takes no {refused}= (an adapter is pulled whole and staged)")
+        if options.pop("delta", False):
+            raise MegarefitError("LoraReceiver takes no delta= (an adapter is pulled whole: it is small)")
         self._base_version = base_version
         super().__init__(rendezvous, delta=False, **options)
 

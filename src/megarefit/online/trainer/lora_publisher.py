@@ -55,8 +55,15 @@ def _word_sums(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint(base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    sums = {n: _word_sums(t) for n, t in base.items()}
-    return {n: s.cpu() for n, s in sums.items()}
+    """Per tensor, :func:`_word_sums`, brought to the host in one copy per device (one wait)."""
+    per_device: dict[torch.device, list[str]] = {}
+    for n, t in base.items():
+        per_device.setdefault(t.device, []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for names in per_device.values():
+        sums = torch.stack([_word_sums(base[n]) for n in names]).cpu()
+        out.update(zip(names, sums))
+    return out
 
 
 class LoraPublisher(Publisher):
