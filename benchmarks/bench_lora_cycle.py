@@ -31,7 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-from recorded import recorded_main  # benchmarks/recorded.py: the script's folder is on sys.path
+from bench_lora_merge import model_args  # the script's folder is on sys.path
+from recorded import recorded_main  # benchmarks/recorded.py
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -143,7 +144,7 @@ def _receive(rdzv, job_name: str, repeat: int, out: dict, device: str = "cpu", t
                     stages.setdefault(k, []).append(x)
         out.update(stages={k: statistics.median(x) for k, x in stages.items()}, ipc_launches=full.counters.get("ipc_launches", 0),pulls=pulls, full_bytes=full.stats.bytes_moved, adapter_bytes=lora.stats.bytes_moved,
                    peft_bytes=adapter.nbytes, tensors=len(adapter.tensors))
-    except Exception as exc:  # reported by measure()
+    except Exception as exc:  # noqa: BLE001 - reported by measure()
         out["error"] = repr(exc)
     finally:
         full.close()
@@ -216,11 +217,7 @@ def print_table(res: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--repeat", type=int, default=9)
+    ap = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--tp", type=int, default=2, help="trainer ranks (gloo: one GPU takes tp 1)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: trainers and receiver on one GPU")
     recorded_main(ap, measure, print_table)

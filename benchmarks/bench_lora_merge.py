@@ -125,13 +125,17 @@ def print_table(res: dict) -> None:
               f"{row['copy_bytes'] / 1e6:.1f} | {row['adapter_bytes'] / 1e6:.2f} | {row['gathered_bytes'] / 1e3:.0f} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The LoRA benchmarks' model and repeat options (this one's and bench_lora_cycle.py's)."""
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64], help="adapter ranks r")
     ap.add_argument("--repeat", type=int, default=9)
-    recorded_main(ap, measure, print_table)
+    return ap
+
+
+def main() -> None:
+    recorded_main(model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])), measure, print_table)
 
 
 if __name__ == "__main__":

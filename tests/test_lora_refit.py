@@ -77,7 +77,7 @@ def test_the_adapter_plan_equals_concatenating_the_shards(groups, per_group, hea
     rows = [row for row in (CANONICAL_ROWS if canonical else LORA_ROWS)
             if only == "all" or (only == "attention") == (".self_attention." in row.megatron)]
     shards = _shards(cfg, rows, r, tp, seed)
-    want, config = lora_to_peft(shards, cfg, alpha=2 * r)
+    want, _ = lora_to_peft(shards, cfg, alpha=2 * r)
     staged = _staged(shards, cfg, pp)
     plan = plan_lora_to_peft(ModelDims.from_hf_config(cfg), _layout(cfg, tp, pp), "float32", r,
                              adapter_rows(list(staged[RankCoord(0, 0, 0)])))
@@ -180,9 +180,9 @@ def test_a_changed_base_is_refused_on_the_trainer_and_another_base_version_on_th
     rx.base_version = 3
     assert rx.pull_adapter().base_version == 3
     trainer.base[0]["decoder.layers.0.self_attention.linear_qkv.to_wrap.weight"][5, 7] += 1.0
-    with pytest.raises(BaseChangedError, match=r"linear_qkv\.to_wrap\.weight on rank \(tp=0, pp=0, ep=0\) changed"):
-        with trainer.pubs[0].updating(2):
-            pass
+    changed = r"linear_qkv\.to_wrap\.weight on rank \(tp=0, pp=0, ep=0\) changed"
+    with pytest.raises(BaseChangedError, match=changed), trainer.pubs[0].updating(2):
+        pass
     trainer.pubs[1].publish(2)
     rx.timeout = 2  # rank 0 stays marked writing: no adapter version 2 is ever accepted from it
     with pytest.raises(MegarefitError):

@@ -64,14 +64,20 @@ def _mutants(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[dict, dict]]:
             "q_proj of layer 0 dropped": (dropped, CONFIG)}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def base_and_adapters(ckpt) -> tuple[dict, torch.nn.Module, list]:
+    """(config, the random 2-layer base saved as a checkpoint at ``ckpt``, two random PEFT adapters of it:
+    ``(peft model, PEFT tensors)``): what these tests and the by-hand scenarios serve."""
     cfg = {**e2e_config(), "num_hidden_layers": 2}
-    ckpt = tmp_path_factory.mktemp("base")
     torch.manual_seed(0)
     base = build_hf_model(cfg).eval()
     save_checkpoint(ckpt, cfg, {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"})
-    (peft1, v1), (peft2, v2) = peft_adapter(base, 1), peft_adapter(base, 2)
+    return cfg, base, [peft_adapter(base, seed) for seed in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("base")
+    cfg, base, ((peft1, v1), (peft2, v2)) = base_and_adapters(ckpt)
     out = {"hf": {"base": hf_generate(base, ALL), 1: hf_generate(peft1, ALL), 2: hf_generate(peft2, ALL)},
            "v2_tensors": v2}
     llm = vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
@@ -156,7 +162,7 @@ def _pulled_by_vllms_own_add(llm, pubs, shards, port, job):
     try:
         llm.llm_engine.add_lora(missing)
         out["missing"] = None
-    except Exception as exc:  # vLLM re-raises the worker's error
+    except Exception as exc:  # noqa: BLE001 - vLLM re-raises the worker's error as it comes
         out["missing"] = f"{type(exc).__name__}: {exc}"
     out["after_missing"] = vllm_generate(llm, ALL, request)
     return out

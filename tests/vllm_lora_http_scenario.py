@@ -44,20 +44,14 @@ def _publishers(cfg, adapters, rdzv, job):
 
 def main() -> None:
     import test_vllm_lora as t
-    import torch
-    from vllm_helpers import completions, e2e_config, hf_generate, same_generation, stop_server, wait_healthy
+    from vllm_helpers import PROMPTS, completions, hf_generate, same_generation, stop_server, wait_healthy
 
     from megarefit.demo.workers import free_port
     from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit
     from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
-    from vllm_helpers import PROMPTS
 
-    cfg = {**e2e_config(), "num_hidden_layers": 2}
     ckpt = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    base = t.build_hf_model(cfg).eval()
-    t.save_checkpoint(ckpt, cfg, {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"})
-    adapters = [t.peft_adapter(base, seed) for seed in (1, 2)]
+    cfg, base, adapters = t.base_and_adapters(ckpt)
     job = "lora-http"
     rdzv = Rendezvous.serve(job=job)
     os.environ[SECRET_ENV] = rdzv.secret  # the server's workers inherit the job secret

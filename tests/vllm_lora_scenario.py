@@ -23,17 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     import test_vllm_lora as t
     import torch
-    from vllm_helpers import e2e_config, hf_generate, same_generation, vllm_generate
+    from vllm_helpers import hf_generate, same_generation, vllm_generate
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (worker processes)")
     tp = parser.parse_args().tp
-    cfg = {**e2e_config(), "num_hidden_layers": 2}
     ckpt = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    base = t.build_hf_model(cfg).eval()
-    t.save_checkpoint(ckpt, cfg, {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"})
-    adapters = [t.peft_adapter(base, seed) for seed in (1, 2)]
+    _, _, adapters = t.base_and_adapters(ckpt)
     llm = t.vllm.LLM(model=ckpt, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
                      block_size=32, max_num_seqs=4, enable_lora=True, max_lora_rank=8, max_loras=1,
                      worker_extension_cls=t.EXT, tensor_parallel_size=tp,
