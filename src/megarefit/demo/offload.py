@@ -46,7 +46,14 @@ def offload_like_verl(ddp: Any, only: Sequence[int] | None = None) -> Iterator[l
     moves: list[tuple[int, int]] = []
     yield moves
     for buf, (old, host, nbytes) in zip(chosen, saved):
-        buf.param_data.untyped_storage().resize_(nbytes)
+        storage = buf.param_data.untyped_storage()
+        storage.resize_(nbytes)
+        for _ in range(4):  # no squatter landed on it and the freed block came back: hold it, allocate again
+            if buf.param_data.data_ptr() != old:
+                break
+            storage.resize_(0)
+            squatters.append([torch.empty(nbytes, dtype=torch.uint8)])
+            storage.resize_(nbytes)
         buf.param_data.copy_(host)
         moves.append((old, buf.param_data.data_ptr()))
     for held in squatters:
