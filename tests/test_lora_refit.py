@@ -22,6 +22,7 @@ from megarefit.errors import BaseChangedError, LayoutError, MegarefitError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.lora import adapter_local_shape
 from megarefit.layout.parallel import RankCoord, SourceLayout
+from megarefit.online.receiver.cycle import VersionMismatchError
 from megarefit.planner.lora_to_peft import adapter_rows, plan_lora_to_peft
 from megarefit.specs.lora import CANONICAL_ROWS, LORA_ROWS
 from megarefit.translate_peft import lora_to_peft
@@ -155,6 +156,9 @@ def test_an_adapter_refit_cycle_pulls_peft_tensors_and_the_next_version_replaces
     assert second.version == 2 and all(torch.equal(second.tensors[n], want2[n]) for n in want2)
     assert not torch.equal(second.tensors[next(iter(want))], got.tensors[next(iter(want))])
     assert rx.plans_built == 1  # the second version pulled by the same plan
+    rx.timeout = 1.0  # a version not published: the error gives the whole wait, not what was left of it
+    with pytest.raises(VersionMismatchError, match=r"do not publish version 9 after 1\.\d s: \(0, 0, 0\): 2"):
+        rx.pull_adapter(9)
     rx.close()
 
 

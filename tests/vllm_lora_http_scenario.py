@@ -2,6 +2,7 @@
 the suite's budget; tests/test_vllm_lora.py proves the same worker path in process)::
 
     python tests/vllm_lora_http_scenario.py
+    VLLM_CPU_OMP_THREADS_BIND="0|1" python tests/vllm_lora_http_scenario.py --tp 2   # 2 TP worker processes
 
 A real ``vllm serve`` (the OpenAI server as a module, ``--enable-lora``, the megarefit backend,
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, and ``VLLM_SERVER_DEV_MODE=1`` for vLLM's weight-transfer
@@ -15,6 +16,7 @@ base model is unchanged, and the server's answer to a version never published.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -50,6 +52,9 @@ def main() -> None:
     from megarefit.integrations.vllm_http import RefitHTTPError, VllmHttpRefit
     from megarefit.online.store.rendezvous import SECRET_ENV, Rendezvous
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1, help="vLLM --tensor-parallel-size (worker processes)")
+    tp = parser.parse_args().tp
     ckpt = tempfile.mkdtemp()
     cfg, base, adapters = t.base_and_adapters(ckpt)
     job = "lora-http"
@@ -63,6 +68,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
                                "--max-model-len", "128", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1",
+                               "--tensor-parallel-size", str(tp),
                                "--weight-transfer-config", json.dumps({"backend": "megarefit"})],
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

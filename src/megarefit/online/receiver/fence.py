@@ -108,9 +108,9 @@ class VersionFence:
             time.sleep(0.001)
 
     def wait_version(self, ranks: list[RankCoord], version: int | None, seen: dict[RankCoord, int | None],
-                     timeout: float) -> tuple[int, bool]:
+                     timeout: float, since: float | None = None) -> tuple[int, bool]:
         """The common version (``version`` if given; ``seen``: the versions just read) and whether
-        it had to be waited for.
+        it had to be waited for (``since``: when the cycle began waiting, for the error's seconds).
 
         Raises:
             VersionMismatchError: no common (or not the asked) version after ``timeout`` seconds;
@@ -130,7 +130,8 @@ class VersionFence:
             if time.monotonic() > deadline:
                 detail = ", ".join(f"{tuple(r)}: {v}" for r, v in sorted(seen.items()))
                 want = f"version {version}" if version is not None else "one common version"
-                raise VersionMismatchError(f"trainer ranks do not publish {want} after {timeout:.1f} s: "
+                waited_s = timeout if since is None else time.monotonic() - since
+                raise VersionMismatchError(f"trainer ranks do not publish {want} after {waited_s:.1f} s: "
                                            f"{detail} (ranks as (tp, pp, ep): their versions; {self.where()}); "
                                            "publish it from every rank, or ask for the version they serve")
             time.sleep(0.005)
@@ -196,7 +197,7 @@ class VersionFence:
         lap("discover")
         ranks = sorted(manifests)
         seq, seen = self.wait_stable(ranks, timeout, state)  # seqlock: read before the bytes (with the generations)
-        got, waited = self.wait_version(ranks, version, seen, timeout)
+        got, waited = self.wait_version(ranks, version, seen, timeout, since=began)
         if waited:  # a rank (re)started or re-registered meanwhile: its manifest may be new
             manifests, metadata, _ = self.discover(timeout)
             if sorted(manifests) != ranks:
