@@ -216,3 +216,21 @@ def test_the_receiver_refuses_a_model_channel_and_options_an_adapter_refit_does_
     rx.close()
     with pytest.raises(MegarefitError, match="LoraReceiver takes no memory_budget="):
         LoraReceiver(rdzv, name=f"{job}-rx2", memory_budget=1 << 20)
+
+
+def test_a_plain_publisher_of_a_lora_model_is_refused_naming_both_ways_to_serve_it():
+    """A Bridge LoRA rank's parameters (``to_wrap`` bases, adapters) given to a plain Publisher: refused before any
+    NIXL agent exists, naming the merged and the adapter-only ways."""
+    from reference import reference_hf_state, reference_shards
+
+    from megarefit.errors import UnsupportedAdapterError
+    from megarefit.layout.megatron_model import source_layout
+    from megarefit.online.trainer.publisher import Publisher
+
+    cfg = _cfg(layers=2)
+    shards = reference_shards(reference_hf_state(cfg, "qwen3"), cfg, tp=1, pp=1)[(0, 0, 0)]
+    params = {(n.replace(".weight", ".to_wrap.weight") if ".linear_qkv.weight" in n else n): t
+              for n, t in shards.items()}
+    params.update(_shards(cfg, LORA_ROWS[:2], 4, 1)[0])
+    with pytest.raises(UnsupportedAdapterError, match=r"LoRA-wrapped model .*MergedLoRA.*LoraPublisher"):
+        Publisher(params, cfg, rank=(0, 0, 0), layout=source_layout(cfg, tp=1, pp=1), rendezvous=None)

@@ -37,6 +37,7 @@ from megarefit.errors import (
     MissingParameterError,
     ShapeMismatchError,
     UnexpectedParameterError,
+    UnsupportedAdapterError,
 )
 from megarefit.layout import RankCoord, SourceLayout
 from megarefit.layout.dims import ModelDims, load_hf_config
@@ -59,6 +60,7 @@ from megarefit.planner import plan_megatron_to_hf
 from megarefit.quant.fp8 import Fp8Format, resolve_quantization
 from megarefit.quant.kernel import Fp8Quantizer
 from megarefit.quant.planning import SCALE_SUFFIX, fp8_sources, plan_fp8
+from megarefit.specs.lora import WRAPPED, is_adapter
 from megarefit.specs.table import canonical_name
 from megarefit.transport.manifest import LoraInfo, Manifest, TensorEntry
 from megarefit.transport.nixl_agent import NixlAgent, mem_type
@@ -420,9 +422,15 @@ def _checked_params(pub: Publisher) -> dict[str, SourceTensor]:
 
     Raises:
         MissingParameterError / UnexpectedParameterError / ShapeMismatchError: as the class says.
+        UnsupportedAdapterError: the parameters are a LoRA-wrapped model's (``to_wrap`` bases, adapters).
     """
     expected = source_tensors(pub.dims, pub.layout)[pub.rank.first]
     missing, extra = sorted(expected.keys() - pub.params.keys()), sorted(pub.params.keys() - expected.keys())
+    lora = [n for n in extra if is_adapter(n) or WRAPPED in n]
+    if lora:
+        raise UnsupportedAdapterError(f"rank {pub.rank} serves a LoRA-wrapped model (Megatron-Bridge LoRA: "
+                                      f"{lora[:2]}): serve the adapter merged in (MergedLoRA(...).served, "
+                                      "docs/lora.md) or the adapter alone (LoraPublisher, the adapter-only refit)")
     if missing:
         raise MissingParameterError(f"rank {pub.rank} lacks {len(missing)} parameter(s) the layout places "
                                     f"there, e.g. {missing[:3]}")
