@@ -14,7 +14,8 @@ whose READ fails mid-stream is failed over, as in a staged cycle (:mod:`.failove
 
 In a node group (:mod:`.node_stream`) each group, once landed, serves its owned shared targets
 to the node-mates, posts group ``k + 1``, then copies its targets the mates own from their node
-arenas (a mate that fails: its targets pulled here, ``k + 1`` landed again).
+arenas (a mate that fails: its targets pulled here, ``k + 1`` landed again; a trainer rank that fails
+during that pull: failed over, group ``k`` landed again from the other holders).
 
 Groups handed over before the failure stay: they hold the fenced version, and the end fence
 still checks every rank read (R up to the failure, its replacements from it) for a move or a
@@ -65,6 +66,9 @@ class StreamParts(Protocol):
     node_stream: NodeStream | None  # a streamed node group's node arena and copies from mates
 
 
+_AGAIN = object()  # _from_mates: a trainer rank failed over, group k is landed again
+
+
 class GroupStream:
     """The groups of one streamed cycle (see the module docstring); iterate :meth:`run`.
 
@@ -111,8 +115,13 @@ class GroupStream:
                     continue  # group k again, from the other holders
                 flight = None
                 if self.parts.node_stream is not None:  # group k + 1's READs fly while the mates' copies run
-                    flight = self._post_next(k)
-                    flight = self._from_mates(k, flight)
+                    flight = self._from_mates(k, self._post_next(k))
+                    if flight is _AGAIN:  # failed over while pulling a mate's share: group k from the new plan
+                        flight = None
+                        pull_s += time.perf_counter() - t_pull
+                        if self.error is not None:
+                            break
+                        continue
                 if self.check and not self._check_group(k):
                     self.check = False
                 if self.parts.node_stream is None:
@@ -158,11 +167,12 @@ class GroupStream:
         if self.parts.node_stream is not None:  # its owned shared targets served to the mates
             self.parts.node_stream.served(k, self.stream.groups[k], self.stream.buffers[k])
 
-    def _from_mates(self, k: int, flight: InFlight | None) -> InFlight | None:
+    def _from_mates(self, k: int, flight: InFlight | None) -> InFlight | object | None:
         """Group ``k``'s targets the mates own READ from their node arenas (``flight``: group
         ``k + 1``'s READs, in flight meanwhile); returns ``flight``, or ``None`` where a mate
         failed: then it was waited for, the mate's targets pulled (:meth:`_pull_missing`), and
-        group ``k + 1`` is landed again from its new plan."""
+        group ``k + 1`` is landed again from its new plan; ``_AGAIN`` where that pull's trainer
+        rank failed too: it was failed over (:meth:`_fail_over`) and group ``k`` is landed again."""
         node = self.parts.node_stream
         assert node is not None
         got = node.from_mates(self.stream.groups[k], self.stream.ring, self.start.version)
@@ -171,7 +181,11 @@ class GroupStream:
         if flight is not None:  # its requests are prepared again: it must have landed first (its bytes count)
             self.parts.transport.wait(flight, timeout=self.parts.read_timeout, grace=self.parts.timeout)
             node.copies.wire_bytes += self.prepared[k + 1].wire_bytes
-        self._pull_missing(k, got.missing)
+        try:
+            self._pull_missing(k, got.missing)
+        except TransferError as exc:  # a trainer rank failed too: its share from the other holders, group k again
+            self._fail_over(exc, k)
+            return _AGAIN
         return None
 
     def _pull_missing(self, k: int, missing: list[TensorRef]) -> None:
