@@ -247,6 +247,30 @@ def test_a_mate_that_stops_serving_is_pulled_around_then_left_out(node):
         r.close()
 
 
+def test_node_mates_serve_their_replica_groups_the_whole_arena(node):
+    """Two staged node-mates, each the first tier of a replica group: once a mate's copies from the other are
+    in, its arena is served to its group, and each group's replica mirrors every byte of versions 1 and 2
+    (of which about half came to its parent from the node-mate, not the trainers)."""
+    from megarefit.online.receiver.replica import ReplicaReceiver
+
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-lead{i}", timeout=30, node=2, delta=False,
+                        replica_group=f"{node['job']}-g{i}") for i in range(2)]
+    replicas = [ReplicaReceiver(node["rdzv"], group=f"{node['job']}-g{i}", parent=f"{node['job']}-lead{i}",
+                                name=f"{node['job']}-rep{i}", timeout=30) for i in range(2)]
+    for v in (1, 2):
+        want = _publish(node, v)
+        for g in _cycles(rx, v):
+            assert not isinstance(g, Exception), g
+            assert [n for n in want if not torch.equal(g[n], want[n])] == []
+        assert all(r.stats.node_bytes > 0 for r in rx)
+        for rep in replicas:
+            mirrored = {n: t.clone() for n, t in rep.run_refit_cycle()}
+            assert rep.version == v and mirrored.keys() == want.keys()
+            assert [n for n in want if not torch.equal(mirrored[n], want[n])] == []
+    for r in rx:
+        r.close()
+
+
 # ---- streamed receivers (memory_budget): a node arena each, copies by layer group -----------------
 STREAM_BUDGET = 720_000  # bytes (model: 819,456): half the model (the node arena), a ring of two layers, scratch
 
@@ -315,6 +339,6 @@ def test_node_options_that_cannot_hold_are_refused(node):
     rx.close()
     direct = {"model.norm.weight": torch.empty(CFG["hidden_size"], dtype=torch.bfloat16)}
     for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "memory_budget": 1 << 20, "direct": direct}, "direct"),
-                      ({"node": 2, "replica_group": "g"}, "replica_group")):
+                      ({"node": 2, "replica_group": "g", "memory_budget": 1 << 20}, "replica group")):
         with pytest.raises(MegarefitError, match=match):
             RefitReceiver(node["rdzv"], name=f"{node['job']}-bad", **kw)

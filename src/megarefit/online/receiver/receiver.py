@@ -81,9 +81,6 @@ def _check_options(memory_budget: int | Literal["auto"] | None, replica_group: s
                              "(VllmTarget(draft=True) picks a worker's draft model)")
     if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 1):
         raise MegarefitError(f"node={node!r}: give the number of receivers on this node (>= 1), or None")
-    if node is not None and replica_group is not None:
-        raise MegarefitError("node= splits the pull among node-mates that serve each other their arenas; it takes "
-                             "no replica_group (yet): give one or the other")
     if node is not None and direct:
         raise MegarefitError("node= copies shared targets into the ring from node-mates; direct writes (READ "
                              "straight into the consumer's tensors) are not copied there (yet): give one or the other")
@@ -163,7 +160,8 @@ class RefitReceiver:
         reader: its place among all readers (``Reader.of(...)``): who serves each source (planner/holders.py).
         node: receivers on this host (this one included) that split the targets several need, each pulling
             its share, copying the rest from node-mates (:mod:`.node_share`, streamed: :mod:`.node_stream`;
-            not with ``direct`` nor ``replica_group``; ``None``: no group).
+            not with ``direct``; with ``replica_group`` (staged) the arena is served to the replicas once the
+            mates' copies are in; ``None``: no group).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
