@@ -302,6 +302,31 @@ def test_streamed_receivers_of_one_node_pull_half_each_within_their_budget(node)
 
 
 @pytest.mark.parametrize("node", [False], indirect=True, ids=["full"])
+def test_streamed_mates_write_direct_targets_their_mate_pulled_straight_into_the_consumers_tensors(node):
+    """Two streamed mates, each with direct writes (``direct=``: the consumer's own tensors) for every MLP weight
+    and the embedding: those READ from the trainers or from the mate's node arena land in the consumer's tensors,
+    never in the ring, and are not handed over; every byte of versions 1 and 2 is exact, across what is handed
+    over and what was written directly, and each mate copies about half of the model from the other."""
+    names = [n for n in node["hf"] if ".mlp." in n or "embed_tokens" in n]
+    consumers = [{n: torch.zeros_like(node["hf"][n]) for n in names} for _ in range(2)]
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-d{i}", timeout=30, node=2, memory_budget=STREAM_BUDGET,
+                        direct=consumers[i]) for i in range(2)]
+    total = sum(t.numel() * t.element_size() for t in node["hf"].values())
+    for v in (1, 2):
+        want = _publish(node, v)
+        for g, consumer in zip(_cycles(rx, v), consumers):
+            assert not isinstance(g, Exception), g
+            assert sorted(g) == sorted(set(want) - set(names))
+            assert [n for n in g if not torch.equal(g[n], want[n])] == []
+            assert [n for n in names if not torch.equal(consumer[n], want[n])] == []
+        stats = [r.stats for r in rx]
+        assert all(s.direct_bytes > 0 and s.node_fallbacks == () for s in stats)
+        assert sum(s.node_bytes for s in stats) == total and all(s.node_bytes + s.wire_bytes == total for s in stats)
+    for r in rx:
+        r.close()
+
+
+@pytest.mark.parametrize("node", [False], indirect=True, ids=["full"])
 def test_a_streamed_mate_that_stops_serving_is_pulled_around_mid_stream(node):
     """Three streamed receivers refit version 1; one closes. In version 2 the other two find its
     node arena unserved at the first group holding its targets, pull those and (the later groups
@@ -338,7 +363,7 @@ def test_node_options_that_cannot_hold_are_refused(node):
         rx.release_memory()
     rx.close()
     direct = {"model.norm.weight": torch.empty(CFG["hidden_size"], dtype=torch.bfloat16)}
-    for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "memory_budget": 1 << 20, "direct": direct}, "direct"),
+    for kw, match in (({"node": 0}, "node=0"), ({"node": 2, "direct": direct}, "direct writes need a streamed"),
                       ({"node": 2, "replica_group": "g", "memory_budget": 1 << 20}, "replica group")):
         with pytest.raises(MegarefitError, match=match):
             RefitReceiver(node["rdzv"], name=f"{node['job']}-bad", **kw)

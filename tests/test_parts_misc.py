@@ -177,7 +177,7 @@ def test_forkserver_workers_take_the_callers_environment_and_refuse_vllm_jobs(mo
 
 def test_a_node_group_init_that_cannot_hold_is_refused_as_vllm_parses_it():
     """``init_info["node"]`` (and ``init_megarefit(node=)``): a count of workers, and not with
-    streamed direct writes (they READ straight into vLLM's tensors, never copied from mates)."""
+    streamed direct writes (a receiver does both; through vLLM's install it is not proved yet)."""
     from megarefit.integrations.vllm import MegarefitInitInfo
 
     for kw, match in (({"node": 0}, "node=0"), ({"node": True}, "node=True"), ({"node": "2"}, "node='2'"),

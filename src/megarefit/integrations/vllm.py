@@ -167,13 +167,14 @@ def check_node(node: Any, direct: bool, memory_budget: Any) -> None:
 
     Raises:
         MegarefitError: ``node`` not an int >= 1, or given with streamed direct writes (``direct``
-            with ``memory_budget``: READ straight into vLLM's tensors, not copied from node-mates)."""
+            with ``memory_budget``: a receiver does both, vLLM's streamed direct install with node-mates is
+            not proved yet)."""
     if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 1):
         raise MegarefitError(f"node={node!r}: give the number of workers on this host that refit together "
                              "(an int >= 1), or None")
     if node is not None and direct and memory_budget is not None:
-        raise MegarefitError("node= with direct=True and a memory_budget: streamed direct writes READ straight into "
-                             "vLLM's tensors and a node group copies shared tensors into the ring; give direct "
+        raise MegarefitError("node= with direct=True and a memory_budget: streamed direct writes into vLLM's "
+                             "tensors with node-mates are not proved through vLLM's install yet; give direct "
                              "with a staged refit (no memory_budget), or leave node out")
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +59,14 @@ def _numel(shape: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class RangeCopy:
     """Copy ``nbytes`` bytes from byte ``src`` of the mate's ``dtype`` arena to byte ``dst`` of
-    this receiver's ``dtype`` arena (offsets and sizes in bytes, not elements)."""
+    this receiver's ``dtype`` arena (offsets and sizes in bytes, not elements); ``local``: the key of
+    the local tensor instead (a consumer's tensor a streamed receiver writes directly), ``None``: ``dtype``."""
 
     dtype: str
     src: int
     nbytes: int
     dst: int
+    local: str | None = None
 
 
 class MateReader:
@@ -134,10 +136,10 @@ class MateReader:
                      info: dict[str, Any]) -> tuple[list, list, str, str]:
         remote, local, rmems, lmems = [], [], set(), set()
         for c in copies:
-            if c.dtype not in info["arenas"] or c.dtype not in arenas:
+            if c.dtype not in info["arenas"] or (c.local or c.dtype) not in arenas:
                 raise TransferError(f"node-mate {self.mate!r}: no {c.dtype} arena on both sides for {c}")
             addr, numel, rmem, rdev = info["arenas"][c.dtype]
-            mine, theirs = arenas[c.dtype], numel * torch_dtype(c.dtype).itemsize  # (here: a ring of bytes, maybe)
+            mine, theirs = arenas[c.local or c.dtype], numel * torch_dtype(c.dtype).itemsize  # (here: a byte ring?)
             if c.src < 0 or c.nbytes <= 0 or c.src + c.nbytes > theirs \
                     or c.dst < 0 or c.dst + c.nbytes > mine.numel() * mine.element_size():
                 raise TransferError(f"node-mate {self.mate!r}: {c} lies outside the {c.dtype} arenas "
@@ -169,10 +171,11 @@ class MateReader:
         return seq, info, deadline
 
     def read_targets(self, wanted: Sequence[tuple[str, str, int, int]], arenas: dict[str, torch.Tensor],
-                     version: int) -> int:
+                     version: int, local: Mapping[str, str] | None = None) -> int:
         """Copy whole targets of the mate's ``version`` into ``arenas``: ``wanted`` is ``(name, dtype,
         bytes, byte offset here)``, each found by name among the targets the mate serves (their
-        offsets published with its arena); returns the bytes READ.
+        offsets published with its arena); ``local``: per name, the key in ``arenas`` of the tensor it
+        lands in (default its dtype's arena); returns the bytes READ.
 
         Raises:
             TransferError: the mate serves no such target, or with another dtype or size.
@@ -193,7 +196,7 @@ class MateReader:
             if _numel(shape) * size != nbytes:
                 raise TransferError(f"node-mate {self.mate!r} serves {name!r} as {shape} ({_numel(shape) * size} "
                                     f"bytes), {nbytes} bytes expected here")
-            copies.append(RangeCopy(d, offset * size, nbytes, dst))
+            copies.append(RangeCopy(d, offset * size, nbytes, dst, None if local is None else local.get(name)))
         return self._read(copies, arenas, seq, info, deadline)
 
     def _wait_landed(self, seq: int, info: dict[str, Any], names: set[str], deadline: float) -> None:

@@ -195,11 +195,15 @@ class NodeShare:
         return self.copy_targets(plan, nixl, arenas, here, version)
 
     def copy_targets(self, plan: Plan, nixl: NixlAgent, arenas: dict[str, torch.Tensor], here: Mapping[str, int],
-                     version: int, *, only: frozenset[str] | None = None, skip: frozenset[str] = frozenset()
-                     ) -> NodeCopies:
+                     version: int, *, only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
+                     into: Mapping[str, torch.Tensor] | None = None) -> NodeCopies:
         """:meth:`copy_in` of the targets a mate pulled for this receiver, those in ``only`` (default:
         all) of mates not in ``skip``, each to byte ``here[name]`` of ``arenas[dtype]`` (a streamed
-        receiver: its ring, for every dtype)."""
+        receiver: its ring, for every dtype), or into ``into[name]`` where given (a consumer's tensor,
+        registered with ``nixl``: a streamed receiver's direct writes)."""
+        into = into or {}
+        arenas = {**arenas, **{f"direct:{n}": t for n, t in into.items()}}
+        local = {n: f"direct:{n}" for n in into}
         out = NodeCopies()
         refs = {r.name: r for r in plan.targets}
         for mate, pieces in self.copies().items():
@@ -210,9 +214,9 @@ class NodeShare:
             if reader is None:
                 reader = self._readers[mate] = MateReader(self.rendezvous, nixl, group=self.name, mate=mate,
                                                           timeout=self.timeout, lease=self.lease)
-            wanted = [(p.name, p.dtype, p.nbytes, here[p.name]) for p in pieces]
+            wanted = [(p.name, p.dtype, p.nbytes, 0 if p.name in into else here[p.name]) for p in pieces]
             try:
-                out.bytes += reader.read_targets(wanted, arenas, version)
+                out.bytes += reader.read_targets(wanted, arenas, version, local)
                 out.wait_s, out.read_s = out.wait_s + reader.wait_s, out.read_s + reader.read_s
             except (RendezvousTimeout, TransferError, StaleVersionError) as exc:
                 self._give_up(mate, exc)

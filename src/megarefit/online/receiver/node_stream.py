@@ -151,16 +151,18 @@ class NodeStream:
             torch.cuda.synchronize(self.device)
         self.share.landed(self._landed[k])
 
-    def from_mates(self, group: StreamGroup, ring: torch.Tensor, version: int) -> NodeCopies:
-        """The group's targets a mate owns READ from that mate's node arena into the ring, once the
-        mate's progress covers them (mates given up this cycle skipped). Returns what the READs
-        got; ``missing``: targets of mates that failed now, to pull."""
+    def from_mates(self, group: StreamGroup, ring: torch.Tensor, version: int,
+                   direct: Mapping[str, torch.Tensor] | None = None) -> NodeCopies:
+        """The group's targets a mate owns READ from that mate's node arena into the ring (``direct``:
+        by name, the consumer's tensors some land in instead), once the mate's progress covers them
+        (mates given up this cycle skipped). Returns what the READs got; ``missing``: targets of mates
+        that failed now, to pull."""
         names = frozenset(r.name for r in group.plan.targets)
         here = {r.name: group.offsets[r] for r in group.plan.targets if r in group.offsets}
         dtypes = {m.dtype for m in group.plan.targets.values()}
         failed = frozenset(m for m, _ in self.copies.fallbacks)
         got = self.share.copy_targets(group.plan, self.transport.nixl, dict.fromkeys(dtypes, ring), here, version,
-                                      only=names, skip=failed)
+                                      only=names, skip=failed, into=direct)
         c = self.copies
         c.bytes, c.wait_s, c.read_s = c.bytes + got.bytes, c.wait_s + got.wait_s, c.read_s + got.read_s
         c.fallbacks.extend(got.fallbacks)

@@ -367,7 +367,8 @@ class CyclePipeline:
 
         Raises:
             StaleVersionError: a rank wrote during the delta read (nothing was handed over)."""
-        if stream is not None and self.direct_delta.patch(self.fence, plan, stream, start, self.timeout):
+        patch = stream is not None and self.node_stream is None  # (a node group serves whole targets: no patches)
+        if patch and self.direct_delta.patch(self.fence, plan, stream, start, self.timeout):
             prepared = self.direct_delta.rest_prepared(plan, stream, start.manifests)  # the rest streams
             lap("prepare")
             return True, prepared

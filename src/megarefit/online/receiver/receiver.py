@@ -81,9 +81,6 @@ def _check_options(memory_budget: int | Literal["auto"] | None, replica_group: s
                              "(VllmTarget(draft=True) picks a worker's draft model)")
     if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 1):
         raise MegarefitError(f"node={node!r}: give the number of receivers on this node (>= 1), or None")
-    if node is not None and direct:
-        raise MegarefitError("node= copies shared targets into the ring from node-mates; direct writes (READ "
-                             "straight into the consumer's tensors) are not copied there (yet): give one or the other")
     if direct and memory_budget is None:
         raise MegarefitError("direct writes need a streamed refit (memory_budget=...): a staged refit leaves "
                              "the consumer's tensors untouched until every byte is fenced")
@@ -158,10 +155,10 @@ class RefitReceiver:
             cheaper than the tensor itself (:mod:`~megarefit.online.delta.apply`); ``stats.refit`` says which ran and
             ``stats.delta_reason`` why a cycle was full. ``False``: always full.
         reader: its place among all readers (``Reader.of(...)``): who serves each source (planner/holders.py).
-        node: receivers on this host (this one included) that split the targets several need, each pulling
-            its share, copying the rest from node-mates (:mod:`.node_share`, streamed: :mod:`.node_stream`;
-            not with ``direct``; with ``replica_group`` (staged) the arena is served to the replicas once the
-            mates' copies are in; ``None``: no group).
+        node: receivers on this host (this one included) that split the targets several need, each pulling its
+            share, copying the rest from node-mates (:mod:`.node_share`, streamed: :mod:`.node_stream`; ``direct``:
+            a mate's targets READ into the consumer's tensors too; ``replica_group``, staged: the arena served to
+            the replicas once the mates' copies are in; ``None``: no group).
     """
 
     def __init__(self, rendezvous: Rendezvous, *, name: str = "megarefit-receiver", timeout: float = 60.0,
@@ -315,9 +312,9 @@ class RefitReceiver:
         """Targets to READ straight into ``tensors`` from the next cycle on (see ``direct``);
         the ring is cut again then. An empty mapping ends direct writes.
 
-        Raises: MegarefitError: not a streamed receiver, or one in a node group (``node``)."""
-        if tensors and (self.memory_budget is None or self.node is not None):
-            raise MegarefitError("direct writes need a streamed refit (memory_budget=...), and no node group (node=)")
+        Raises: MegarefitError: not a streamed receiver."""
+        if tensors and self.memory_budget is None:
+            raise MegarefitError("direct writes need a streamed refit (memory_budget=...)")
         self._memory.direct = dict(tensors)
         self._plans.invalidate()  # re-planned (same plan, cached) and the ring re-cut on the next cycle
 

@@ -175,7 +175,9 @@ class GroupStream:
         rank failed too: it was failed over (:meth:`_fail_over`) and group ``k`` is landed again."""
         node = self.parts.node_stream
         assert node is not None
-        got = node.from_mates(self.stream.groups[k], self.stream.ring, self.start.version)
+        group, bufs = self.stream.groups[k], self.stream.buffers[k]
+        direct = {r.name: bufs[r] for r in group.plan.targets if r in self.stream.direct}
+        got = node.from_mates(group, self.stream.ring, self.start.version, direct)
         if not got.missing:
             return flight
         if flight is not None:  # its requests are prepared again: it must have landed first (its bytes count)
