@@ -1,4 +1,4 @@
-"""Adapter-only LoRA refit: install an in-memory PEFT adapter into a running vLLM under one name.
+"""Adapter-only LoRA refit: install a PEFT adapter into a running vLLM under one name, in memory.
 
 vLLM 0.32 / 0.33 load a LoRA adapter from a *path* only (``LoRARequest.lora_path``,
 ``/v1/load_lora_adapter``): the worker's ``WorkerLoRAManager._load_adapter`` reads
@@ -38,6 +38,13 @@ name (``_gen_lora_extra_hash_keys``): KV blocks computed under version v are nev
 request of version v+1. A request built for an older version still runs the newest weights
 (one adapter per name in the worker) but may reuse that version's cached blocks: use the
 request each install returns.
+
+From the trainer, the tensors never ride on the RPC: :func:`refit_lora` has every worker pull the
+adapter from the trainers' ``LoraPublisher`` s (one ``LoraReceiver`` per worker and adapter,
+:func:`lora_receiver`), then install it as above and acknowledge it; and over HTTP, with
+:func:`enable_lora_pulls` (the megarefit engine's ``init_info`` ``lora=True``), vLLM's own loader
+pulls ``lora_path(name, version)`` from them when ``/v1/load_lora_adapter`` names that path
+(``LRUCacheWorkerLoRAManager._load_adapter`` replaced; every other path loads as vLLM does).
 
 Every vLLM internal touched is named in :data:`LORA_API` / :data:`LORA_ATTRS` and checked
 before anything changes (:class:`~megarefit.integrations.vllm_install.VllmVersionError`,
