@@ -23,6 +23,7 @@ pytest.importorskip("megatron.core")
 
 from conftest import tiny_config  # noqa: E402
 from reference import reference_hf_state, reference_shards, unshard  # noqa: E402
+from test_node_share import cycles_on_threads  # noqa: E402
 
 from megarefit.demo.trainer_jobs import TrainerCase, serving_trainer_job  # noqa: E402
 from megarefit.demo.workers import start_workers  # noqa: E402
@@ -34,24 +35,6 @@ pytestmark = pytest.mark.megatron
 
 TOKENS = torch.randint(0, 250, (1, 8), generator=torch.Generator().manual_seed(5))
 BUDGET = 1 << 26  # bytes: one ring group holds the tiny model
-
-
-def _cycles(receivers, version: int, timeout: float = 120.0) -> list:
-    out: list = [None] * len(receivers)
-
-    def run(i):
-        try:
-            out[i] = {n: t.clone() for n, t in receivers[i].run_refit_cycle(version)}
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(receivers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a receiver's cycle did not end"
-    return out
 
 
 def _want(case: TrainerCase, snapdir, version: int) -> dict[str, torch.Tensor]:
@@ -82,12 +65,12 @@ def test_a_trainer_copy_killed_while_a_dead_mates_share_is_pulled_is_failed_over
     try:
         rx = [RefitReceiver(rdzv, name=f"{job}-{i}", timeout=30, heartbeat_s=0.2, node=3, memory_budget=BUDGET)
               for i in range(3)]
-        assert all(not isinstance(g, Exception) for g in _cycles(rx, 1))
+        assert all(not isinstance(g, Exception) for g in cycles_on_threads(rx, 1))
         gone = rx.pop(1)
         gone.close()
         rdzv.mark_consumed(1)
         monkeypatch.setattr(streamed.GroupStream, "_pull_missing", kill_then_pull)
-        got = _cycles(rx, 2)
+        got = cycles_on_threads(rx, 2)
         assert killed.is_set()
         assert all(not isinstance(g, Exception) for g in got), got
         want = _want(case, tmp_path, 2)

@@ -125,7 +125,7 @@ def _publishers(rdzv: Rendezvous, job: str, hf: dict, **kw) -> list[Publisher]:
                       rendezvous=rdzv, agent_name=f"{job}-t{r[0]}", **kw) for r, s in shards.items()]
 
 
-def _cycles(receivers, version: int, timeout: float = 60.0) -> list:
+def cycles_on_threads(receivers, version: int, timeout: float = 60.0) -> list:
     """Each receiver's cycle of ``version`` on a thread of its own: ``{name: tensor}`` or the error."""
     out: list = [None] * len(receivers)
 
@@ -182,7 +182,7 @@ def test_two_full_hf_receivers_of_one_node_pull_half_each_and_both_get_every_byt
     biggest = max(t.numel() * t.element_size() for t in node["hf"].values())
     for v in (1, 2, 3):
         want = _publish(node, v)
-        got = _cycles(rx, v)
+        got = cycles_on_threads(rx, v)
         for g in got:
             assert not isinstance(g, Exception), g
             assert g.keys() == want.keys() and [n for n in want if not torch.equal(g[n], want[n])] == []
@@ -206,7 +206,7 @@ def test_vllm_tp_ranks_of_one_node_copy_only_the_replicated_tensors(node):
     rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-w{i}", timeout=30, node=2, target=VllmTarget(2, i),
                         delta=False) for i in range(2)]
     want_hf = _publish(node, 1)
-    got = _cycles(rx, 1)
+    got = cycles_on_threads(rx, 1)
     for i, g in enumerate(got):
         assert not isinstance(g, Exception), g
         want = vllm_reference(want_hf, CFG, 2, i)
@@ -227,13 +227,13 @@ def test_a_mate_that_stops_serving_is_pulled_around_then_left_out(node):
     rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-r{i}", timeout=30, heartbeat_s=0.2, node=3, delta=False)
           for i in range(3)]
     want = _publish(node, 1)
-    assert all(not isinstance(g, Exception) for g in _cycles(rx, 1))
+    assert all(not isinstance(g, Exception) for g in cycles_on_threads(rx, 1))
     gone = rx.pop(1)
     gone.close()
     for v in (2, 3):
         want = _publish(node, v)
         t0 = time.monotonic()
-        got = _cycles(rx, v)
+        got = cycles_on_threads(rx, v)
         for g in got:
             assert not isinstance(g, Exception), g
             assert [n for n in want if not torch.equal(g[n], want[n])] == []
@@ -259,7 +259,7 @@ def test_node_mates_serve_their_replica_groups_the_whole_arena(node):
                                 name=f"{node['job']}-rep{i}", timeout=30) for i in range(2)]
     for v in (1, 2):
         want = _publish(node, v)
-        for g in _cycles(rx, v):
+        for g in cycles_on_threads(rx, v):
             assert not isinstance(g, Exception), g
             assert [n for n in want if not torch.equal(g[n], want[n])] == []
         assert all(r.stats.node_bytes > 0 for r in rx)
@@ -288,7 +288,7 @@ def test_streamed_receivers_of_one_node_pull_half_each_within_their_budget(node)
     assert total > STREAM_BUDGET
     for v in (1, 2):
         want = _publish(node, v)
-        for g in _cycles(rx, v):
+        for g in cycles_on_threads(rx, v):
             assert not isinstance(g, Exception), g
             assert g.keys() == want.keys() and [n for n in want if not torch.equal(g[n], want[n])] == []
         stats = [r.stats for r in rx]
@@ -314,7 +314,7 @@ def test_streamed_mates_write_direct_targets_their_mate_pulled_straight_into_the
     total = sum(t.numel() * t.element_size() for t in node["hf"].values())
     for v in (1, 2):
         want = _publish(node, v)
-        for g, consumer in zip(_cycles(rx, v), consumers):
+        for g, consumer in zip(cycles_on_threads(rx, v), consumers):
             assert not isinstance(g, Exception), g
             assert sorted(g) == sorted(set(want) - set(names))
             assert [n for n in g if not torch.equal(g[n], want[n])] == []
@@ -336,13 +336,13 @@ def test_a_streamed_mate_that_stops_serving_is_pulled_around_mid_stream(node):
     rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-f{i}", timeout=30, heartbeat_s=0.2, node=3,
                         memory_budget=STREAM_BUDGET) for i in range(3)]
     _publish(node, 1)
-    assert all(not isinstance(g, Exception) for g in _cycles(rx, 1))
+    assert all(not isinstance(g, Exception) for g in cycles_on_threads(rx, 1))
     gone = rx.pop(1)
     gone.close()
     total = sum(t.numel() * t.element_size() for t in node["hf"].values())
     for v in (2, 3):
         want = _publish(node, v)
-        for g in _cycles(rx, v):
+        for g in cycles_on_threads(rx, v):
             assert not isinstance(g, Exception), g
             assert [n for n in want if not torch.equal(g[n], want[n])] == []
         stats = [r.stats for r in rx]
