@@ -208,6 +208,12 @@ def print_table(res: dict) -> None:
                 ("full (no LoRA)", t["plain"], p["full"], row["full_bytes"]))
         for way, tr, pu, nbytes in ways:
             print(f"| {row['r']} | {way} | {_ms(tr)} | {_ms(pu)} | {nbytes / 1e6:.2f} | {nbytes / a:.0f} |")
+    print()
+    for row in res["rows"]:
+        t, p = row["trainer"], row["pull"]
+        print(f"At r {row['r']}, the adapter-only way moves {row['full_bytes'] / row['adapter_bytes']:.0f}x fewer bytes; "
+              f"its trainer side takes {t['adapter']['median'] / t['merged']['median']:.2f}x a merged publish, its "
+              f"pull {p['adapter']['median'] / p['full']['median']:.2f}x the full pull (medians).")
     last = res["rows"][-1]
     print(f"\nThe adapter-only trainer time is the publish with its base check "
           f"({last['trainer']['base_check']['median'] * 1e3:.1f} ms at r {last['r']}: the word sums of "

@@ -282,3 +282,32 @@ def test_a_plain_publisher_of_a_lora_model_is_refused_naming_both_ways_to_serve_
     params.update(_shards(cfg, LORA_ROWS[:2], 4, 1)[0])
     with pytest.raises(UnsupportedAdapterError, match=r"LoRA-wrapped model .*MergedLoRA.*LoraPublisher"):
         Publisher(params, cfg, rank=(0, 0, 0), layout=source_layout(cfg, tp=1, pp=1), rendezvous=None)
+
+
+def test_adapter_shards_a_publisher_cannot_serve_are_refused_naming_tensor_rank_and_values():
+    """Before any NIXL agent: shards of two adapter ranks r (naming a tensor of each), and a layer of the stage
+    without its adapters (naming the tensors absent)."""
+    from megarefit.errors import MissingParameterError, ShapeMismatchError
+    from megarefit.online.trainer.lora_publisher import LoraPublisher
+
+    cfg = _cfg()
+    shards = _shards(cfg, LORA_ROWS, 8, 1)[0]
+    odd = "decoder.layers.2.mlp.linear_fc2.adapter.linear_out.weight"
+    mixed = {**shards, odd: torch.zeros(64, 4)}
+    with pytest.raises(ShapeMismatchError, match=rf"rank \(tp=0, pp=0, ep=0\): adapters of more than one rank r "
+                                                 rf"\(at tp=1\): r=4 in {re.escape(odd)}, r=8 in"):
+        LoraPublisher(mixed, cfg, rank=(0, 0, 0), layout=_layout(cfg, 1, 1), rendezvous=None, alpha=16)
+    short = {n: t for n, t in shards.items() if ".layers.3." not in n}
+    with pytest.raises(MissingParameterError, match=r"4 layers\) must carry the same adapters; absent: "
+                                                    r"\['decoder\.layers\.3\."):
+        LoraPublisher(short, cfg, rank=(0, 0, 0), layout=_layout(cfg, 1, 1), rendezvous=None, alpha=16)
+
+
+@pytest.mark.parametrize("record", [[0, 16.0, -1], [8, float("nan"), -1], [8, 16.0, -2], [True, 16.0, -1],
+                                    [8, 16.0], "8,16,-1", [8.0, 16.0, -1]])
+def test_a_manifests_lora_record_is_checked_as_it_arrives(record):
+    from megarefit.transport.manifest import LoraInfo, ManifestError
+
+    with pytest.raises(ManifestError, match="LoRA record"):
+        LoraInfo.parse(record)
+    assert LoraInfo.parse([8, 16, 3]) == LoraInfo(8, 16.0, 3)

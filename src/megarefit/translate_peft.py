@@ -30,7 +30,7 @@ from megarefit.errors import MissingParameterError, ShapeMismatchError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.hf_dims import load_hf_config
 from megarefit.layout.lora import adapter_global_shape, adapter_local_shape, part_runs
-from megarefit.planner.lora_to_peft import PEFT_PREFIX, peft_names
+from megarefit.planner.lora_to_peft import PEFT_PREFIX, peft_config, peft_names
 from megarefit.specs.lora import ADAPTER_ROWS, CANONICAL_ROWS, LORA_ROWS, AdapterRow, Factor, Wrapper, adapter_row
 from megarefit.specs.table import Role
 
@@ -69,10 +69,9 @@ def lora_to_peft(shards: Mapping[int, Mapping[str, torch.Tensor]], hf_config: An
         parts = _assemble(row, [shards[t][name] for t in range(tp)], dims)
         ranks_of_r.add(parts[0].shape[0 if row.factor is Factor.A else 1])
         out.update(zip(peft_names(row, layer), parts, strict=True))
-    modules = sorted({n.split(".")[-3] for n in out})  # ...self_attn.q_proj.lora_A.weight -> q_proj
     if len(ranks_of_r) != 1:
         raise ShapeMismatchError(f"adapters of more than one rank r: {sorted(ranks_of_r)}")
-    return out, {"peft_type": "LORA", "r": ranks_of_r.pop(), "lora_alpha": alpha, "target_modules": modules}
+    return out, peft_config(out, ranks_of_r.pop(), alpha)
 
 
 def peft_to_lora(state: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any], hf_config: Any, *, tp: int = 1,

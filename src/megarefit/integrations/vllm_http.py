@@ -201,7 +201,7 @@ class VllmHttpRefit:
         """``POST /init_weight_transfer_engine``: connect every worker's receiver to the trainers'
         rendezvous at ``host:port`` for ``job``. ``init_info`` takes the backend's other keys
         (``sharded``, ``memory_budget``, ``verify_checksums``, ``transport``, ``timeout``,
-        ``secret``, ``direct``: see :class:`~megarefit.integrations.vllm.MegarefitInitInfo`).
+        ``secret``, ``direct``, ``node``, ``lora``: see :class:`~megarefit.integrations.vllm.MegarefitInitInfo`).
 
         A server whose engine holds an open weight update (a controller that died mid-refit: the
         engine refuses the init, saying what the update holds, :data:`OPEN_UPDATE`) gets that

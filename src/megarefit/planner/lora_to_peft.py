@@ -22,7 +22,8 @@ from the first data-parallel copy of each rank (a few MB: there is nothing to sp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from megarefit.errors import LayoutError
 from megarefit.layout.dims import ModelDims
@@ -40,6 +41,13 @@ _SUFFIX = {Factor.A: ".lora_A.weight", Factor.B: ".lora_B.weight"}
 def peft_names(row: AdapterRow, layer: int) -> tuple[str, ...]:
     """The PEFT tensor names adapter ``row`` of (global) ``layer`` becomes, one per base part."""
     return tuple(PEFT_PREFIX + m.format(layer=layer) + _SUFFIX[row.factor] for m in row.peft_modules())
+
+
+def peft_config(names: Iterable[str], r: int, alpha: float) -> dict[str, Any]:
+    """PEFT's ``LoraConfig`` essentials of an adapter with PEFT tensor ``names``: ``peft_type``, ``r``,
+    ``lora_alpha`` and ``target_modules`` (the adapted HF module kinds, sorted: ``q_proj``, ...)."""
+    modules = sorted({n.split(".")[-3] for n in names})  # ...self_attn.q_proj.lora_A.weight -> q_proj
+    return {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": modules}
 
 
 def part_shapes(row: AdapterRow, dims: ModelDims, r: int, tp: int) -> tuple[tuple[int, int], ...]:
@@ -134,4 +142,4 @@ def plan_lora_to_peft(dims: ModelDims, layout: SourceLayout, dtype: str, r: int,
     return plan
 
 
-__all__ = ["PEFT_PREFIX", "adapter_rows", "part_shapes", "peft_names", "plan_lora_to_peft"]
+__all__ = ["PEFT_PREFIX", "adapter_rows", "part_shapes", "peft_config", "peft_names", "plan_lora_to_peft"]

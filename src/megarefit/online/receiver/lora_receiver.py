@@ -31,7 +31,7 @@ from megarefit.online.receiver.plan_cache import PlanCache, common_manifest
 from megarefit.online.receiver.receiver import RefitReceiver
 from megarefit.plan import Plan
 from megarefit.planner.holders import read_ranks
-from megarefit.planner.lora_to_peft import adapter_rows, plan_lora_to_peft
+from megarefit.planner.lora_to_peft import adapter_rows, peft_config, plan_lora_to_peft
 from megarefit.transport.manifest import LoraInfo, Manifest
 
 
@@ -169,9 +169,7 @@ class LoraReceiver(RefitReceiver):
         tensors = {name: t.clone() for name, t in self.run_refit_cycle(version)}
         info = self._plans.info  # type: ignore[attr-defined]
         assert info is not None and self.stats is not None
-        modules = sorted({n.split(".")[-3] for n in tensors})  # ...self_attn.q_proj.lora_A.weight -> q_proj
-        config = {"peft_type": "LORA", "r": info.r, "lora_alpha": info.alpha, "target_modules": modules}
-        return PulledAdapter(tensors, config, self.stats.version, info.base_version)
+        return PulledAdapter(tensors, peft_config(tensors, info.r, info.alpha), self.stats.version, info.base_version)
 
 
 __all__ = ["LoraPlanCache", "LoraReceiver", "PulledAdapter"]

@@ -131,20 +131,23 @@ class LoraPublisher(Publisher):
     def _expected(self) -> dict[str, Any]:
         """Per adapter name, ``(row, global shape)``; the shards checked against one ``r`` and ``layout.tp``."""
         found: dict[str, Any] = {}
-        ranks = set()
+        ranks: dict[int, str] = {}  # adapter rank r -> a tensor that has it
         for name, p in self.params.items():
             row, _ = adapter_row(name)
             a = row.factor is Factor.A  # A [r/tp, in] of a column base (the gathered A), [r, in/tp] of a row base
-            ranks.add(p.shape[0] * (self.layout.tp if row.gathered else 1) if a else p.shape[1])
+            ranks.setdefault(p.shape[0] * (self.layout.tp if row.gathered else 1) if a else p.shape[1], name)
             found[name] = row
         if len(ranks) != 1:
-            raise ShapeMismatchError(f"rank {self.rank}: adapters of more than one rank r: {sorted(ranks)}")
+            raise ShapeMismatchError(f"rank {self.rank}: adapters of more than one rank r (at tp={self.layout.tp}): "
+                                     + ", ".join(f"r={r} in {n}" for r, n in sorted(ranks.items())))
         rows = adapter_rows(list(found))  # the same wrapped linears on every layer that has any
         want = {row.megatron.format(layer=n) for row in rows for n in range(self.layout.stage_layers[self.rank.pp])}
         if want != set(found):
-            raise MissingParameterError(f"rank {self.rank}: every layer of its stage must carry the same adapters; "
-                                        f"absent: {sorted(want - set(found))[:4]}")
-        self.r = ranks.pop()
+            raise MissingParameterError(
+                f"rank {self.rank}: every layer of its stage ({self.layout.stage_layers[self.rank.pp]} layers) must "
+                f"carry the same adapters; absent: {sorted(want - set(found))[:3]}, past the stage's layers: "
+                f"{sorted(set(found) - want)[:3]}")
+        self.r = next(iter(ranks))
         out = {}
         for name, row in found.items():
             want = adapter_local_shape(row, self.dims, self.r, self.layout.tp, name=name)
