@@ -3,8 +3,10 @@ checks the same code on real Bridge-wrapped Megatron-Core modules).
 
 * ``lora_to_peft`` / ``peft_to_lora`` are exact inverses for both wrappers, any dims and TP (hypothesis);
 * LoRA's fused ``linear_qkv`` holds one A: unequal q / k / v ``lora_A`` are refused, naming the fix;
-* each refused adapter (DoRA, router, shared and routed experts, MLA, Mamba) is refused by
+* each refused adapter (DoRA, router, Transformer-Engine grouped experts, MLA, Mamba) is refused by
   ``adapter_row``, the classifier and ``MergedLoRA``, the message naming the module and the fix;
+* shared-expert and SequentialMLP experts' adapters merge per expert; routed experts' ``linear_fc2``
+  adapters are refused at expert-TP > 1, and MoE adapters by the adapter-only refit;
 * ``MergedLoRA`` at tp=1 serves ``(W.float() + (alpha / r) * (B.float() @ A.float())).to(W.dtype)``
   (Bridge's merge, float32 and bfloat16), refreshes from the live factors, and leaves the rest as is.
 """
@@ -89,8 +91,7 @@ def test_peft_names_and_the_duplicated_a():
 REFUSED_NAMES = {
     "DoRA": "decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude",
     "the MoE router": "decoder.layers.1.mlp.router.adapter.linear_in.weight",
-    "shared experts": "decoder.layers.1.mlp.shared_experts.linear_fc1.adapter.linear_in.weight",
-    "routed experts": "decoder.layers.1.mlp.experts.linear_fc1.adapter.linear_out.weight",
+    "Transformer-Engine grouped experts": "decoder.layers.1.mlp.experts.linear_fc1.adapter.linear_out.weight",
     "MLA attention": "decoder.layers.0.self_attention.linear_kv_down_proj.adapter.linear_in.weight",
     "a Mamba mixer": "decoder.layers.0.mixer.in_proj.adapter.linear_in.weight",
 }
@@ -164,12 +165,66 @@ def test_merge_refuses_incomplete_or_misshapen_adapters():
     dims = ModelDims.from_hf_config(tiny_config("Qwen3-0.6B", num_hidden_layers=1))
     params = _lora_params(dims, 4, torch.float32)
     L = "module.decoder.layers.0."
-    with pytest.raises(LayoutError, match=r"linear_in.weight on tp rank 0: local shape \(4, 64\), expected \(2, 64\)"):
+    with pytest.raises(LayoutError, match=r"linear_in.weight on tp rank 0: local shape \(4, 64\), expected \(2, 64\) \(r=2, split over 1\)"):
         MergedLoRA(params, dims, alpha=4, rank=2)
     broken = {n: p for n, p in params.items() if n != L + "mlp.linear_fc2.adapter.linear_out.weight"}
     with pytest.raises(MissingParameterError, match="lacks linear_out"):
         MergedLoRA(broken, dims, alpha=4, rank=4)
-    with pytest.raises(LayoutError, match="needs the tensor-parallel group"):
+    with pytest.raises(LayoutError, match=r"at tp=2 needs the tensor-parallel group \(tp_group\)"):
         MergedLoRA(params, dims, alpha=4, rank=4, tp=2)
     with pytest.raises(LayoutError, match="the adapter rank r = 3 does not split over tp=2"):
         adapter_local_shape(LORA_ROWS[0], dims, 3, 2)
+
+
+def _moe_params(dims: ModelDims, r: int, experts: int) -> dict[str, torch.Tensor]:
+    """A MoE layer's wrapped shared expert and SequentialMLP experts (tp = etp = 1), full factors."""
+    g, L = torch.Generator().manual_seed(2), "decoder.layers.1.mlp."
+    h, f, s = dims.hidden_size, dims.moe_ffn_hidden_size, dims.shared_expert_ffn
+    shapes = {"shared_experts.linear_fc1": (2 * s, h), "shared_experts.linear_fc2": (h, s)}
+    shapes.update({f"experts.local_experts.{e}.linear_fc{k}": (2 * f, h) if k == 1 else (h, f)
+                   for e in range(experts) for k in (1, 2)})
+    out = {L + "router.weight": torch.randn(dims.num_experts, h, generator=g)}
+    for mod, (o, i) in shapes.items():
+        out[L + mod + ".to_wrap.weight"] = torch.randn(o, i, generator=g)
+        out[L + mod + ".adapter.linear_in.weight"] = torch.randn(r, i, generator=g)
+        out[L + mod + ".adapter.linear_out.weight"] = torch.randn(o, r, generator=g)
+    return out
+
+
+def test_moe_adapters_merge_per_expert():
+    """Shared-expert and every routed expert's adapters merge into their own base (tp = etp = 1: Bridge's
+    product, computed here from the full factors); the router, unadapted, is served as is."""
+    cfg = tiny_config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, num_hidden_layers=2)
+    dims = ModelDims.from_hf_config(cfg)
+    params = _moe_params(dims, 4, 4)
+    merged = MergedLoRA(params, dims, alpha=6, rank=4)
+    wrapped = sorted({n.split(".to_wrap.")[0] for n in params if ".to_wrap." in n})
+    assert len(wrapped) == 2 + 2 * 4
+    for mod in wrapped:
+        w, a, b = (params[mod + s] for s in (".to_wrap.weight", ".adapter.linear_in.weight", ".adapter.linear_out.weight"))
+        assert torch.equal(merged.served[mod + ".weight"], w + 1.5 * (b @ a)), mod
+    assert merged.served["decoder.layers.1.mlp.router.weight"] is params["decoder.layers.1.mlp.router.weight"]
+
+
+def test_expert_fc2_adapters_refused_at_expert_tp():
+    """At expert_tensor_parallel_size > 1 Bridge's routed-expert linear_fc2 adapter does not compute the merged
+    product (Megatron-Bridge #5634, measured in tests/test_bridge_lora.py): refused before any collective; the
+    shared expert's split over TP is not affected."""
+    cfg = tiny_config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, num_hidden_layers=2)
+    dims = ModelDims.from_hf_config(cfg)
+    params = {n: p for n, p in _moe_params(dims, 4, 1).items() if "local_experts" in n and "fc2" in n}
+    params = {n: p[:, :16] if n.endswith("to_wrap.weight") or "linear_in" in n else p[:32] for n, p in params.items()}
+    with pytest.raises(UnsupportedAdapterError, match=r"local_experts.0.linear_fc2.adapter.linear_in.weight at "
+                       r"expert_tensor_parallel_size=2: .*issue #5634.*expert_tensor_parallel_size=1"):
+        MergedLoRA(params, dims, alpha=6, rank=4, etp=2, etp_rank=0, etp_group=object())
+
+
+def test_moe_adapters_refused_for_the_adapter_only_refit():
+    cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=2)
+    for name in ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.linear_in.weight",
+                 "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_out.weight"):
+        assert adapter_row(name)[1] == 1
+        with pytest.raises(UnsupportedAdapterError, match="adapter-only refit plans dense adapters only.*MergedLoRA"):
+            lora_to_peft({0: {name: torch.zeros(2, 2)}}, cfg, alpha=1)

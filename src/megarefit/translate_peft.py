@@ -31,8 +31,9 @@ from megarefit.layout.dims import ModelDims
 from megarefit.layout.hf_dims import load_hf_config
 from megarefit.layout.lora import adapter_global_shape, adapter_local_shape, part_runs
 from megarefit.planner.lora_to_peft import PEFT_PREFIX, peft_config, peft_names
-from megarefit.specs.lora import ADAPTER_ROWS, CANONICAL_ROWS, LORA_ROWS, AdapterRow, Factor, Wrapper, adapter_row
+from megarefit.specs.lora import ADAPTER_ROWS, CANONICAL_ROWS, LORA_ROWS, AdapterRow, Factor, Wrapper, peft_row
 from megarefit.specs.table import Role
+
 
 def _assemble(row: AdapterRow, locals_: list[torch.Tensor], dims: ModelDims) -> list[torch.Tensor]:
     """Global tensors, one per base part, from the TP shards of one adapter tensor."""
@@ -54,7 +55,7 @@ def lora_to_peft(shards: Mapping[int, Mapping[str, torch.Tensor]], hf_config: An
 
     Raises:
         MissingParameterError: a TP rank lacks an adapter tensor another rank has.
-        UnsupportedAdapterError / UnknownParameterError: as :func:`~megarefit.specs.lora.adapter_row`.
+        UnsupportedAdapterError / UnknownParameterError: as :func:`~megarefit.specs.lora.peft_row`.
     """
     dims = ModelDims.from_hf_config(load_hf_config(hf_config))
     tp = len(shards)
@@ -62,7 +63,7 @@ def lora_to_peft(shards: Mapping[int, Mapping[str, torch.Tensor]], hf_config: An
     out: dict[str, torch.Tensor] = {}
     ranks_of_r: set[int] = set()
     for name in names:
-        row, layer = adapter_row(name)
+        row, layer = peft_row(name)
         missing = [t for t in range(tp) if name not in shards[t]]
         if missing:
             raise MissingParameterError(f"adapter {name}: missing on tp ranks {missing}")

@@ -63,11 +63,19 @@ def adapter_local_shape(row: AdapterRow, dims: ModelDims, rank: int, tp: int, *,
     return shape[0], shape[1]
 
 
+def split_size(row: AdapterRow, tp: int, etp: int) -> int:
+    """The size of the group ``row`` splits over: ``etp`` (expert-TP) for a routed expert's adapter, else ``tp``.
+
+    Callers pass it as the ``tp`` of :func:`adapter_local_shape` and :func:`part_runs`."""
+    return etp if row.expert else tp
+
+
 def part_runs(row: AdapterRow, dims: ModelDims, tp: int) -> tuple[PartRun, ...]:
     """Where the rows of each base part (``row.parts``) sit in the base's local rows on any TP rank.
 
-    ``qkv`` base: per local query group, q then k then v rows; ``gated_mlp``: gate then up;
-    other bases: one part, every row.
+    ``qkv`` base: per local query group, q then k then v rows; ``gated_mlp`` / ``expert_gated_mlp``
+    (dense, shared or routed experts' ``linear_fc1``): gate then up; other bases: one part, every row.
+    ``tp`` is the split group's size (:func:`split_size`).
     """
     base = row.base.role
     if base is Role.QKV:
@@ -79,10 +87,10 @@ def part_runs(row: AdapterRow, dims: ModelDims, tp: int) -> tuple[PartRun, ...]:
                 runs.append(PartRun(part, g * size, at, size))
                 at += size
         return tuple(runs)
-    if base is Role.GATED_MLP:
-        f = dims.ffn_hidden_size // tp
+    if base in (Role.GATED_MLP, Role.EXPERT_GATED_MLP):  # dense, shared or routed experts' [gate_t; up_t]
+        f = dims.size(row.base.shape[0]) // 2 // tp
         return PartRun(0, 0, 0, f), PartRun(1, 0, f, f)
     return (PartRun(0, 0, 0, dims.size(row.base.shape[0]) // (tp if base.parallel_mode is ParallelMode.COLUMN else 1)),)
 
 
-__all__ = ["PartRun", "adapter_global_shape", "adapter_local_shape", "adapter_split_dim", "part_runs"]
+__all__ = ["PartRun", "adapter_global_shape", "adapter_local_shape", "adapter_split_dim", "part_runs", "split_size"]

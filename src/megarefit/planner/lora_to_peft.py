@@ -31,7 +31,7 @@ from megarefit.layout.lora import adapter_global_shape, adapter_local_shape, par
 from megarefit.layout.parallel import Box, RankCoord, SourceLayout
 from megarefit.plan import Plan, TensorMeta, TensorRef, digest_of, itemsize, make_op, validate_plan
 from megarefit.plan.ops import CopyOp
-from megarefit.specs.lora import AdapterRow, Factor, adapter_row
+from megarefit.specs.lora import AdapterRow, Factor, peft_row
 from megarefit.specs.table import Role
 
 PEFT_PREFIX = "base_model.model."
@@ -64,12 +64,12 @@ def adapter_rows(names: Sequence[str]) -> tuple[AdapterRow, ...]:
 
     Raises:
         LayoutError: layers carry different adapters (names the layers and rows).
-        UnsupportedAdapterError / UnknownParameterError: as :func:`~megarefit.specs.lora.adapter_row`.
+        UnsupportedAdapterError / UnknownParameterError: as :func:`~megarefit.specs.lora.peft_row`.
     """
     per_layer: dict[int, set[str]] = {}
     rows: dict[str, AdapterRow] = {}
     for name in names:
-        row, layer = adapter_row(name)
+        row, layer = peft_row(name)
         per_layer.setdefault(layer, set()).add(row.megatron)
         rows[row.megatron] = row
     kinds = {frozenset(v) for v in per_layer.values()}

@@ -20,6 +20,12 @@ How TP splits them (Bridge's ``ParallelLinearAdapter.__init__``, measured on rea
     row        B       ColumnParallelLinear(r, out,          dim 0 over out     [hidden/tp, r]
                          gather_output=True)
 
+MoE layers (``MOE_ROWS``, measured on a GLM-4.5-style model by tests/bridge_lora_moe.py): the shared
+expert's ``linear_fc1`` / ``linear_fc2`` split as the dense MLP's, over TP (``2shared_ffn`` / ``shared_ffn``);
+each SequentialMLP expert (``mlp.experts.local_experts.{expert}.``) has its own adapter, split as above but
+over expert-TP (``etp``; Bridge's ``is_expert_linear``), on the EP rank that holds the expert.
+Transformer-Engine grouped experts' adapters are refused (not verified here).
+
 So the factor a rank lacks in full is A for a column base and B for a row base (Bridge's
 ``LoRAMerge.merge`` gathers exactly that one); the other factor is already this rank's part of the
 product. CanonicalLoRA's B of q / k / v is a plain column split of ``q_proj`` / ``k_proj`` /
@@ -39,6 +45,7 @@ from typing import Literal
 
 from megarefit.errors import UnknownParameterError, UnsupportedAdapterError
 from megarefit.specs.gpt import ATTENTION, GATED_MLP
+from megarefit.specs.moe import moe_rows
 from megarefit.specs.table import ParallelMode, ParamSpec, Role
 
 Wrapper = Literal["lora", "canonical_lora"]
@@ -80,6 +87,11 @@ class AdapterRow:
     parts: tuple[int, ...]
 
     @property
+    def expert(self) -> bool:
+        """Split over the expert-TP group (``etp``; Bridge's ``is_expert_linear``: routed experts, not shared)."""
+        return self.base.role.is_expert
+
+    @property
     def gathered(self) -> bool:
         """The factor a merge gathers over TP: A of a column base, B of a row base."""
         return (self.factor is Factor.A) == (self.base.role.parallel_mode is ParallelMode.COLUMN)
@@ -90,14 +102,19 @@ class AdapterRow:
 
 
 def _row(pattern: str) -> ParamSpec:
-    return next(r for r in ATTENTION + GATED_MLP if r.megatron == pattern)
+    return next(r for r in ATTENTION + GATED_MLP + moe_rows(shared="shared_experts") if r.megatron == pattern)
 
 
 _L = "decoder.layers.{layer}."
+_E = _L + "mlp.experts.local_experts.{expert}."  # SequentialMLP experts (the local spelling)
 QKV = _row(_L + "self_attention.linear_qkv.weight")
 PROJ = _row(_L + "self_attention.linear_proj.weight")
 FC1 = _row(_L + "mlp.linear_fc1.weight")
 FC2 = _row(_L + "mlp.linear_fc2.weight")
+SHARED_FC1 = _row(_L + "mlp.shared_experts.linear_fc1.weight")
+SHARED_FC2 = _row(_L + "mlp.shared_experts.linear_fc2.weight")
+EXPERT_FC1 = _row(_E + "linear_fc1.weight")
+EXPERT_FC2 = _row(_E + "linear_fc2.weight")
 R = Role
 
 
@@ -111,17 +128,22 @@ def _plain(base: ParamSpec, wrappers: tuple[Wrapper, ...], b_role: Role, b_out: 
             AdapterRow(_adapter(base, "linear_out.weight"), wrappers, Factor.B, base, b_role, (b_out, "r"), parts))
 
 
-def _canonical(base: ParamSpec, keys: tuple[str, ...], outs: tuple[str, ...]) -> tuple[AdapterRow, ...]:
+def _canonical(base: ParamSpec, keys: tuple[str, ...], outs: tuple[str, ...],
+               column: Role = R.COLUMN) -> tuple[AdapterRow, ...]:
     return tuple(row for i, (key, out) in enumerate(zip(keys, outs)) for row in (
-        AdapterRow(_adapter(base, f"adapter_{key}.linear_in.weight"), ("canonical_lora",), Factor.A, base, R.COLUMN,
+        AdapterRow(_adapter(base, f"adapter_{key}.linear_in.weight"), ("canonical_lora",), Factor.A, base, column,
                    ("r", "hidden"), (i,)),
-        AdapterRow(_adapter(base, f"adapter_{key}.linear_out.weight"), ("canonical_lora",), Factor.B, base, R.COLUMN,
+        AdapterRow(_adapter(base, f"adapter_{key}.linear_out.weight"), ("canonical_lora",), Factor.B, base, column,
                    (out, "r"), (i,))))
 
 
 _BOTH: tuple[Wrapper, ...] = ("lora", "canonical_lora")
 _ROW_BASES = (_plain(PROJ, _BOTH, R.COLUMN, "hidden", R.ROW, "q") + _plain(FC2, _BOTH, R.COLUMN, "hidden", R.ROW, "ffn"))
 _CANONICAL_ONLY = _canonical(QKV, ("q", "k", "v"), ("q", "kv", "kv")) + _canonical(FC1, ("gate", "up"), ("ffn", "ffn"))
+_MOE_ROW_BASES = (_plain(SHARED_FC2, _BOTH, R.COLUMN, "hidden", R.ROW, "shared_ffn")
+                  + _plain(EXPERT_FC2, _BOTH, R.EXPERT_COLUMN, "hidden", R.EXPERT_ROW, "moe_ffn"))
+_MOE_CANONICAL_ONLY = (_canonical(SHARED_FC1, ("gate", "up"), ("shared_ffn", "shared_ffn"))
+                       + _canonical(EXPERT_FC1, ("gate", "up"), ("moe_ffn", "moe_ffn"), R.EXPERT_COLUMN))
 
 LORA_ROWS: tuple[AdapterRow, ...] = (
     _plain(QKV, ("lora",), R.QKV, "qkv", R.COLUMN, "hidden")
@@ -131,7 +153,16 @@ LORA_ROWS: tuple[AdapterRow, ...] = (
 CANONICAL_ROWS: tuple[AdapterRow, ...] = _CANONICAL_ONLY + _ROW_BASES
 """Bridge ``CanonicalLoRA``: q / k / v and gate / up adapters apart; ``linear_proj`` / ``linear_fc2`` as LoRA."""
 
-ADAPTER_ROWS = LORA_ROWS + _CANONICAL_ONLY  # each parameter name once
+MOE_ROWS: tuple[AdapterRow, ...] = (
+    _plain(SHARED_FC1, ("lora",), R.GATED_MLP, "2shared_ffn", R.COLUMN, "hidden")
+    + _plain(EXPERT_FC1, ("lora",), R.EXPERT_GATED_MLP, "2moe_ffn", R.EXPERT_COLUMN, "hidden")
+    + _MOE_ROW_BASES + _MOE_CANONICAL_ONLY)
+"""MoE layers' adapters, both wrappers (Bridge's default ``target_modules`` name ``linear_fc1`` / ``linear_fc2``,
+which match the shared experts' and every SequentialMLP expert's): shared experts split over TP like the
+dense MLP (Bridge's ``is_expert_linear`` excludes them), routed experts over expert-TP (``etp``), one
+adapter per expert (``local_experts.{expert}``)."""
+
+ADAPTER_ROWS = LORA_ROWS + _CANONICAL_ONLY + MOE_ROWS  # each parameter name once
 
 @dataclass(frozen=True)
 class Refused:
@@ -151,22 +182,25 @@ REFUSED: tuple[Refused, ...] = (
     Refused(r"\.mlp\.router\.", "the MoE router",
             "a router adapter changes routing logits (LoRATopKRouter), which no merged or vLLM LoRA path here verifies",
             "leave mlp.router out of target_modules"),
-    Refused(r"\.mlp\.shared_experts\.", "shared experts", "their adapter layout is not verified on real modules",
-            "exclude *.shared_experts.* (exclude_modules)"),
-    Refused(r"\.mlp\.experts\.", "routed experts",
-            "expert adapters (per-expert, shared or grouped, split over expert-TP) are not verified",
-            "exclude *.mlp.experts.* (exclude_modules)"),
+    Refused(r"\.mlp\.experts\.linear_fc[12]\.", "Transformer-Engine grouped experts",
+            "Bridge adapts them with one adapter shared by the EP rank's local experts (share_expert_adapters), a "
+            "GroupedExpertLinearAdapter per expert, or a SharedOuterGroupedExpertAdapter, none verified here on "
+            "real modules (the Bridge environment has no Transformer Engine)",
+            "build the experts as SequentialMLP (moe_grouped_gemm=False), or exclude *.mlp.experts.* (exclude_modules)"),
     Refused(r"\.self_attention\.linear_(q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)\.", "MLA attention",
             "MLA's low-rank projections have no verified adapter rows", "target only linear_proj and the MLP"),
     Refused(r"\.mixer\.", "a Mamba mixer", "Mamba in_proj / out_proj adapters are not verified",
             "exclude *.mixer.* (exclude_modules)"),
 )
 
-_LAYER = r"(?P<layer>0|[1-9][0-9]*)"
+_INDEX = r"(?P<{}>0|[1-9][0-9]*)"
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(re.escape(pattern).replace(re.escape("{layer}"), _LAYER))
+    out = re.escape(pattern)
+    for key in ("layer", "expert"):
+        out = out.replace(re.escape(f"{{{key}}}"), _INDEX.format(key))
+    return re.compile(out)
 
 
 _COMPILED = tuple((_regex(r.megatron), r) for r in ADAPTER_ROWS)
@@ -186,8 +220,8 @@ def adapter_row(name: str) -> tuple[AdapterRow, int]:
     """The row of adapter parameter ``name`` and its layer index.
 
     Raises:
-        UnsupportedAdapterError: the adapter is DoRA, or adapts the router, shared or routed experts,
-            MLA or a Mamba mixer (the message names the module, why, and what to do instead).
+        UnsupportedAdapterError: the adapter is DoRA, or adapts the router, Transformer-Engine grouped
+            experts, MLA or a Mamba mixer (the message names the module, why, and what to do instead).
         UnknownParameterError: no row matches (an adapter on a linear Bridge does not target by default).
     """
     for refused in REFUSED:
@@ -202,5 +236,22 @@ def adapter_row(name: str) -> tuple[AdapterRow, int]:
                                 f"{sorted({r.megatron for r in ADAPTER_ROWS})}")
 
 
-__all__ = ["ADAPTER_ROWS", "CANONICAL_ROWS", "LORA_ROWS", "REFUSED", "AdapterRow", "Factor", "Refused",
-           "UnsupportedAdapterError", "Wrapper", "adapter_row", "base_name", "is_adapter"]
+def peft_row(name: str) -> tuple[AdapterRow, int]:
+    """:func:`adapter_row` for the adapter-only refit (PEFT tensors into vLLM's LoRA): dense rows only.
+
+    Raises:
+        UnsupportedAdapterError: ``name`` adapts shared or routed experts (the merged refit,
+            :class:`~megarefit.online.trainer.lora_merge.MergedLoRA`, takes them), and what :func:`adapter_row`
+            raises.
+    """
+    row, layer = adapter_row(name)
+    if row in MOE_ROWS:
+        raise UnsupportedAdapterError(
+            f"adapter parameter {name!r} adapts an MoE layer's experts: the adapter-only refit plans dense "
+            "adapters only (vLLM's MoE LoRA takes per-expert PEFT tensors no plan here writes yet); refit the "
+            "model merged (MergedLoRA serves W + (alpha / r) B A), or exclude *.mlp.* of MoE layers (exclude_modules)")
+    return row, layer
+
+
+__all__ = ["ADAPTER_ROWS", "CANONICAL_ROWS", "LORA_ROWS", "MOE_ROWS", "REFUSED", "AdapterRow", "Factor", "Refused",
+           "UnsupportedAdapterError", "Wrapper", "adapter_row", "base_name", "is_adapter", "peft_row"]

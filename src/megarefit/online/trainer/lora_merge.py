@@ -35,23 +35,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarefit.errors import LayoutError, MissingParameterError
+from megarefit.errors import LayoutError, MissingParameterError, UnsupportedAdapterError
 from megarefit.layout.dims import ModelDims
 from megarefit.layout.hf_dims import load_hf_config
 from megarefit.layout.lora import PartRun, adapter_local_shape, part_runs
+from megarefit.layout.megatron_model import refit_tensors, unwrap
 from megarefit.specs.lora import WRAPPED, AdapterRow, Factor, adapter_row, base_name, is_adapter
-from megarefit.specs.table import canonical_name
+from megarefit.specs.table import ParallelMode, canonical_name
 
 
 @dataclass(frozen=True)
 class _Part:
-    """One adapter of a wrapped linear: its factors, the one gathered, where its rows land."""
+    """One adapter of a wrapped linear: its factors, the one gathered, over which group, where its rows land."""
 
     a: torch.Tensor
     b: torch.Tensor
     gathered: Factor
+    expert: bool  # split over expert-TP (a routed expert's adapter), else over TP
     runs: tuple[PartRun, ...]
-    offset: int  # of the gathered factor in the flat send buffer (elements)
+    offset: int  # of the gathered factor in its group's flat send buffer (elements)
 
 
 @dataclass(frozen=True)
@@ -61,89 +63,124 @@ class _Wrapped:
     parts: tuple[_Part, ...]
 
 
+@dataclass(frozen=True)
+class _Group:
+    """A group the adapters split over (TP, or expert-TP for routed experts): size, rank, process group."""
+
+    size: int
+    rank: int
+    handle: Any
+
+
 def adapter_alpha_dim(model: torch.nn.Module) -> tuple[float, int]:
     """``(alpha, dim)`` of a Bridge LoRA model's adapters (``ParallelLinearAdapter`` modules: ``linear_in``,
     ``alpha``, ``dim``), ``dim`` being the adapter rank r.
 
     Raises:
-        LayoutError: no adapter module, or adapters that disagree on ``alpha`` / ``dim``."""
+        LayoutError: no adapter module, or adapters that disagree on ``alpha`` / ``dim`` (Bridge's
+            ``normalize_moe_lora`` gives experts ``dim // moe_router_topk``: not supported)."""
     found = {(float(m.alpha), int(m.dim)) for m in model.modules() if hasattr(m, "linear_in") and hasattr(m, "alpha")}
     if len(found) != 1:
-        raise LayoutError(f"expected one (alpha, dim) over the model's LoRA adapters, found {found or 'no adapter'}")
+        raise LayoutError(f"expected one (alpha, dim) over the model's LoRA adapters, found {found or 'no adapter'} "
+                          "(adapters of several ranks, e.g. Bridge's normalize_moe_lora=True, are not supported)")
     (alpha, dim), = found
     return alpha, dim
 
 
 class MergedLoRA:
-    """Served copies of one TP rank's LoRA-wrapped linears with the adapters merged in.
+    """Served copies of one rank's LoRA-wrapped linears with the adapters merged in.
 
     Args:
         params: the rank's parameters by name (``named_parameters()``, ``module.`` prefixes allowed):
             wrapped bases, their adapters and every other parameter.
         dims: model dims (query groups and head_dim place CanonicalLoRA's q / k / v rows).
         alpha, rank: Bridge's ``alpha`` and ``dim``; the merge scale is ``alpha / rank``.
-        tp, tp_rank, tp_group: the tensor-parallel group the adapters are split over (``tp_group``
-            ``None`` only with ``tp == 1``).
+        tp, tp_rank, tp_group: the tensor-parallel group dense and shared-expert adapters are split over
+            (``tp_group`` ``None`` only with ``tp == 1``).
+        etp, etp_rank, etp_group: the expert-tensor-parallel group routed experts' adapters are split over
+            (Megatron's ``expert_tensor_parallel_size``; ``etp_group`` ``None`` only with ``etp == 1``).
 
     Raises:
         UnsupportedAdapterError: an adapter megarefit refuses (:func:`~megarefit.specs.lora.adapter_row`).
         MissingParameterError: a wrapped base without its adapter factors, or an adapter without its base.
-        LayoutError: a factor's local shape is not what ``rank`` and ``tp`` imply.
+        LayoutError: a factor's local shape is not what ``rank`` and ``tp`` / ``etp`` imply.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], dims: ModelDims, *, alpha: float, rank: int, tp: int = 1,
-                 tp_rank: int = 0, tp_group: Any = None) -> None:
-        if tp > 1 and tp_group is None:
-            raise LayoutError(f"MergedLoRA at tp={tp} needs the tensor-parallel group (tp_group)")
-        self.scale, self.tp, self.tp_rank, self._group = alpha / rank, tp, tp_rank, tp_group
+                 tp_rank: int = 0, tp_group: Any = None, etp: int = 1, etp_rank: int = 0, etp_group: Any = None) -> None:
+        for what, size, group in (("tp", tp, "tensor"), ("etp", etp, "expert-tensor")):
+            if size > 1 and (tp_group if what == "tp" else etp_group) is None:
+                raise LayoutError(f"MergedLoRA at {what}={size} needs the {group}-parallel group ({what}_group)")
+        self.scale = alpha / rank
+        self._groups = {False: _Group(tp, tp_rank, tp_group), True: _Group(etp, etp_rank, etp_group)}
         named = {canonical_name(n): p for n, p in params.items() if canonical_name(n) is not None}
         self._wrapped, send = self._collect(named, dims, rank)
-        self._send = torch.cat([f.detach().reshape(-1) for f in send]) if send else torch.empty(0)
-        self._recv = self._send.new_empty(tp * self._send.numel())
+        device = next((w.weight.device for w in self._wrapped), torch.device("cpu"))
+        self._send = {k: torch.cat([f.detach().reshape(-1) for f in v]) if v else torch.empty(0, device=device)
+                      for k, v in send.items()}
+        self._recv = {k: v.new_empty(self._groups[k].size * v.numel()) for k, v in self._send.items()}
         self._copies = _copies([w.weight for w in self._wrapped])
         largest = max((w.weight.numel() for w in self._wrapped), default=0)  # float32 scratch, reused per linear
-        self._scratch = torch.empty(largest, dtype=torch.float32, device=self._send.device)
+        self._scratch = torch.empty(largest, dtype=torch.float32, device=device)
         self.served: dict[str, torch.Tensor] = {base_name(n): p for n, p in named.items() if not is_adapter(n)}
         self.served.update({w.name: c for w, c in zip(self._wrapped, self._copies)})
         self.refresh()
 
-    def _collect(self, named: Mapping[str, torch.Tensor], dims: ModelDims,
-                 rank: int) -> tuple[tuple[_Wrapped, ...], list[torch.Tensor]]:
+    def _adapters(self, named: Mapping[str, torch.Tensor], dims: ModelDims,
+                  rank: int) -> dict[str, dict[str, tuple[AdapterRow, torch.Tensor]]]:
+        """Adapter factors by wrapped module, then by their name under ``.adapter.``, shapes checked."""
         groups: dict[str, dict[str, tuple[AdapterRow, torch.Tensor]]] = {}
         for name, p in named.items():
             if is_adapter(name):
                 row, _ = adapter_row(name)
-                want = adapter_local_shape(row, dims, rank, self.tp, name=name)
+                g = self._groups[row.expert]
+                if row.expert and g.size > 1 and row.base.role.parallel_mode is ParallelMode.ROW:
+                    raise UnsupportedAdapterError(
+                        f"adapter {name} at expert_tensor_parallel_size={g.size}: Bridge's adapter on a routed expert's "
+                        "linear_fc2 does not compute W + (alpha / r) B A there (its linear_in leaves a partial sum the "
+                        "MoE dispatcher then counts once per expert-TP rank: Megatron-Bridge issue #5634), so no merged "
+                        "weight serves what the trainer computes; train with expert_tensor_parallel_size=1, or leave "
+                        "the experts' linear_fc2 out of target_modules")
+                want = adapter_local_shape(row, dims, rank, g.size, name=name)
                 if tuple(p.shape) != want:
-                    raise LayoutError(f"adapter {name} on tp rank {self.tp_rank}: local shape {tuple(p.shape)}, "
-                                      f"expected {want} (r={rank}, tp={self.tp})")
+                    raise LayoutError(f"adapter {name} on {'etp' if row.expert else 'tp'} rank {g.rank}: local shape "
+                                      f"{tuple(p.shape)}, expected {want} (r={rank}, split over {g.size})")
                 module = name.split(".adapter.")[0]
                 groups.setdefault(module, {})[name.split(".adapter.")[1]] = (row, p)
-        wrapped, send, at = [], [], 0
+        return groups
+
+    def _collect(self, named: Mapping[str, torch.Tensor], dims: ModelDims,
+                 rank: int) -> tuple[tuple[_Wrapped, ...], dict[bool, list[torch.Tensor]]]:
+        groups = self._adapters(named, dims, rank)
+        wrapped: list[_Wrapped] = []
+        send: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        at = {False: 0, True: 0}
         for name, p in named.items():
             if WRAPPED not in name or not name.endswith(".weight"):
                 continue
-            module = name.split(WRAPPED)[0]
-            parts = groups.pop(module, None)
+            parts = groups.pop(name.split(WRAPPED)[0], None)
             if not parts:
-                raise MissingParameterError(f"{name} on tp rank {self.tp_rank} is wrapped but has no adapter")
+                raise MissingParameterError(f"{name} on tp rank {self._groups[False].rank} is wrapped but has no "
+                                            "adapter")
             built = []
             for a, b in _pairs(name, parts):
-                full = a if a[0].gathered else b
-                built.append(_Part(a[1].detach(), b[1].detach(), Factor.A if a[0].gathered else Factor.B,
-                                   _runs(a[0], dims, self.tp), at))
-                send.append(full[1])
-                at += full[1].numel()
+                full, expert = (a if a[0].gathered else b), a[0].expert
+                built.append(_Part(a[1].detach(), b[1].detach(), Factor.A if a[0].gathered else Factor.B, expert,
+                                   _runs(a[0], dims, self._groups[expert].size), at[expert]))
+                send[expert].append(full[1])
+                at[expert] += full[1].numel()
             wrapped.append(_Wrapped(base_name(name), p.detach(), tuple(built)))
         if groups:
-            raise MissingParameterError(f"adapters on tp rank {self.tp_rank} without a wrapped base weight: "
-                                        f"{sorted(groups)}")
+            raise MissingParameterError(f"adapters on tp rank {self._groups[False].rank} without a wrapped base "
+                                        f"weight: {sorted(groups)}")
         return tuple(wrapped), send
 
     @classmethod
     def from_megatron(cls, model: torch.nn.Module, hf_config: Any) -> MergedLoRA:
-        """The served copies of this rank's Bridge LoRA model (``LoRA`` or ``CanonicalLoRA`` applied), TP
-        read from ``megatron.core.parallel_state``, ``alpha`` / ``dim`` from the adapter modules.
+        """The served copies of this rank's Bridge LoRA model (``LoRA`` or ``CanonicalLoRA`` applied), TP and
+        expert-TP read from ``megatron.core.parallel_state``, ``alpha`` / ``dim`` from the adapter modules; the
+        parameters and the persistent buffers a refit serves (:func:`~megarefit.layout.megatron_model.refit_tensors`:
+        the router's ``expert_bias``).
 
         Raises:
             LayoutError: the adapters disagree on ``alpha`` / ``dim``, or none is found.
@@ -153,14 +190,22 @@ class MergedLoRA:
 
         alpha, rank = adapter_alpha_dim(model)
         dims = ModelDims.from_hf_config(load_hf_config(hf_config))
-        return cls(dict(model.named_parameters()), dims, alpha=alpha, rank=rank,
+        tensors = refit_tensors(model)
+        _check_shared_overlap(unwrap(model)[0], tensors, ps.get_tensor_model_parallel_world_size())
+        return cls(tensors, dims, alpha=alpha, rank=rank,
                    tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                   tp_group=ps.get_tensor_model_parallel_group())
+                   tp_group=ps.get_tensor_model_parallel_group(),
+                   etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+                   etp_group=ps.get_expert_tensor_parallel_group(check_initialized=False))
+
+    @property
+    def tp(self) -> int:
+        return self._groups[False].size
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes one :meth:`refresh` receives from the other TP ranks (the r-split / out-split factors)."""
-        return (self.tp - 1) * self._send.numel() * self._send.element_size()
+        """Bytes one :meth:`refresh` receives from the other ranks of TP and expert-TP (the split factors)."""
+        return sum((self._groups[k].size - 1) * v.numel() * v.element_size() for k, v in self._send.items())
 
     @property
     def served_copy_bytes(self) -> int:
@@ -168,26 +213,41 @@ class MergedLoRA:
         return sum(c.numel() * c.element_size() for c in self._copies)
 
     def refresh(self) -> None:
-        """Gather the split factors (one ``all_gather`` over TP) and rewrite every merged copy."""
-        full = self._gather()
+        """Gather the split factors (one ``all_gather`` over TP, one over expert-TP where split) and rewrite every
+        merged copy."""
+        full = {k: self._gather(k) for k in (False, True)}
         for w, copy in zip(self._wrapped, self._copies):
             merged = self._scratch[:w.weight.numel()].view(w.weight.shape)
             merged.copy_(w.weight)  # W.float(): exact
             for part in w.parts:
-                _merge_part(merged, part, full, self.scale, self.tp)
+                _merge_part(merged, part, full[part.expert], self.scale, self._groups[part.expert].size)
             copy.copy_(merged)
 
-    def _gather(self) -> torch.Tensor:
-        flat = self._send
+    def _gather(self, expert: bool) -> torch.Tensor:
+        flat, group = self._send[expert], self._groups[expert]
         for w in self._wrapped:
             for part in w.parts:
-                src = part.a if part.gathered is Factor.A else part.b
-                flat[part.offset:part.offset + src.numel()].copy_(src.reshape(-1))  # this step's values
-        if self.tp == 1:
+                if part.expert is expert:
+                    src = part.a if part.gathered is Factor.A else part.b
+                    flat[part.offset:part.offset + src.numel()].copy_(src.reshape(-1))  # this step's values
+        if group.size == 1 or flat.numel() == 0:
             return flat.view(1, -1)
-        chunks = list(self._recv.view(self.tp, -1).unbind(0))
-        dist.all_gather(chunks, flat, group=self._group)
-        return self._recv.view(self.tp, -1)
+        chunks = list(self._recv[expert].view(group.size, -1).unbind(0))
+        dist.all_gather(chunks, flat, group=group.handle)
+        return self._recv[expert].view(group.size, -1)
+
+
+def _check_shared_overlap(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp: int) -> None:
+    """Refuse shared-expert adapters under ``moe_shared_expert_overlap`` at TP > 1 (Megatron-Bridge issue #5634:
+    the base drops its TP collectives there and the adapter does not follow, so the trainer's forward is not
+    W + (alpha / r) B A)."""
+    config = getattr(model, "config", None)
+    shared = next((n for n in tensors if is_adapter(n) and ".mlp.shared_experts." in n), None)
+    if shared is not None and tp > 1 and getattr(config, "moe_shared_expert_overlap", False):
+        raise UnsupportedAdapterError(
+            f"adapter {shared} with moe_shared_expert_overlap=True at tp={tp}: Bridge's shared-expert adapter does "
+            "not compute W + (alpha / r) B A there (Megatron-Bridge issue #5634); train with "
+            "moe_shared_expert_overlap=False, or leave the shared experts out of target_modules")
 
 
 def _pairs(name: str, parts: Mapping[str, tuple[AdapterRow, torch.Tensor]]) -> list[tuple[tuple, tuple]]:
