@@ -228,3 +228,16 @@ def test_moe_adapters_refused_for_the_adapter_only_refit():
         assert adapter_row(name)[1] == 1
         with pytest.raises(UnsupportedAdapterError, match="adapter-only refit plans dense adapters only.*MergedLoRA"):
             lora_to_peft({0: {name: torch.zeros(2, 2)}}, cfg, alpha=1)
+
+
+def test_shared_expert_adapters_refused_under_overlap_at_tp2():
+    cfg = tiny_config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, num_hidden_layers=2)
+    dims = ModelDims.from_hf_config(cfg)
+    params = {n: p for n, p in _moe_params(dims, 4, 1).items() if "shared_experts.linear_fc2" in n}
+    params = {n: p[:, :16] if n.endswith("to_wrap.weight") or "linear_in" in n else p[:32] for n, p in params.items()}
+    with pytest.raises(UnsupportedAdapterError, match=r"shared_experts.linear_fc2.adapter.* with "
+                       r"moe_shared_expert_overlap=True at tp=2: .*#5634"):
+        MergedLoRA(params, dims, alpha=6, rank=4, tp=2, tp_group=object(), shared_expert_overlap=True)
+    whole = {n: p for n, p in _moe_params(dims, 4, 1).items() if "shared_experts" in n}
+    assert len(MergedLoRA(whole, dims, alpha=6, rank=4, shared_expert_overlap=True).served) == 2  # tp 1: exact

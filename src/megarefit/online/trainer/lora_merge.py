@@ -99,21 +99,28 @@ class MergedLoRA:
             (``tp_group`` ``None`` only with ``tp == 1``).
         etp, etp_rank, etp_group: the expert-tensor-parallel group routed experts' adapters are split over
             (Megatron's ``expert_tensor_parallel_size``; ``etp_group`` ``None`` only with ``etp == 1``).
+        shared_expert_overlap: the model's ``moe_shared_expert_overlap``.
 
     Raises:
-        UnsupportedAdapterError: an adapter megarefit refuses (:func:`~megarefit.specs.lora.adapter_row`).
+        UnsupportedAdapterError: an adapter megarefit refuses (:func:`~megarefit.specs.lora.adapter_row`); a
+            routed expert's ``linear_fc2`` adapter at ``etp > 1``, or a shared expert's under
+            ``shared_expert_overlap`` at ``tp > 1`` (Bridge's forward is not the merged product there:
+            Megatron-Bridge issue #5634).
         MissingParameterError: a wrapped base without its adapter factors, or an adapter without its base.
         LayoutError: a factor's local shape is not what ``rank`` and ``tp`` / ``etp`` imply.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], dims: ModelDims, *, alpha: float, rank: int, tp: int = 1,
-                 tp_rank: int = 0, tp_group: Any = None, etp: int = 1, etp_rank: int = 0, etp_group: Any = None) -> None:
+                 tp_rank: int = 0, tp_group: Any = None, etp: int = 1, etp_rank: int = 0, etp_group: Any = None,
+                 shared_expert_overlap: bool = False) -> None:
         for what, size, group in (("tp", tp, "tensor"), ("etp", etp, "expert-tensor")):
             if size > 1 and (tp_group if what == "tp" else etp_group) is None:
                 raise LayoutError(f"MergedLoRA at {what}={size} needs the {group}-parallel group ({what}_group)")
         self.scale = alpha / rank
         self._groups = {False: _Group(tp, tp_rank, tp_group), True: _Group(etp, etp_rank, etp_group)}
         named = {canonical_name(n): p for n, p in params.items() if canonical_name(n) is not None}
+        if shared_expert_overlap:
+            _check_shared_overlap(named, tp)
         self._wrapped, send = self._collect(named, dims, rank)
         device = next((w.weight.device for w in self._wrapped), torch.device("cpu"))
         self._send = {k: torch.cat([f.detach().reshape(-1) for f in v]) if v else torch.empty(0, device=device)
@@ -190,13 +197,13 @@ class MergedLoRA:
 
         alpha, rank = adapter_alpha_dim(model)
         dims = ModelDims.from_hf_config(load_hf_config(hf_config))
-        tensors = refit_tensors(model)
-        _check_shared_overlap(unwrap(model)[0], tensors, ps.get_tensor_model_parallel_world_size())
-        return cls(tensors, dims, alpha=alpha, rank=rank,
+        overlap = bool(getattr(getattr(unwrap(model)[0], "config", None), "moe_shared_expert_overlap", False))
+        return cls(refit_tensors(model), dims, alpha=alpha, rank=rank,
                    tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                    tp_group=ps.get_tensor_model_parallel_group(),
                    etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
-                   etp_group=ps.get_expert_tensor_parallel_group(check_initialized=False))
+                   etp_group=ps.get_expert_tensor_parallel_group(check_initialized=False),
+                   shared_expert_overlap=overlap)
 
     @property
     def tp(self) -> int:
@@ -237,13 +244,12 @@ class MergedLoRA:
         return self._recv[expert].view(group.size, -1)
 
 
-def _check_shared_overlap(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp: int) -> None:
+def _check_shared_overlap(tensors: Mapping[str, torch.Tensor], tp: int) -> None:
     """Refuse shared-expert adapters under ``moe_shared_expert_overlap`` at TP > 1 (Megatron-Bridge issue #5634:
     the base drops its TP collectives there and the adapter does not follow, so the trainer's forward is not
     W + (alpha / r) B A)."""
-    config = getattr(model, "config", None)
     shared = next((n for n in tensors if is_adapter(n) and ".mlp.shared_experts." in n), None)
-    if shared is not None and tp > 1 and getattr(config, "moe_shared_expert_overlap", False):
+    if shared is not None and tp > 1:
         raise UnsupportedAdapterError(
             f"adapter {shared} with moe_shared_expert_overlap=True at tp={tp}: Bridge's shared-expert adapter does "
             "not compute W + (alpha / r) B A there (Megatron-Bridge issue #5634); train with "
