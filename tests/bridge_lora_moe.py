@@ -9,7 +9,8 @@ Layouts ``(tp, ep, etp)``: (2, 1, 1) splits the dense and shared-expert adapters
 spreads the experts over two EP ranks, (1, 2, 1) is data-parallel for the dense layers. Per case, as
 tests/bridge_lora.py: the Megatron LoRA model's forward logits; megarefit's ``MergedLoRA`` served copies
 of every rank, translated to HF by ``megatron_to_hf``; Bridge's ``export_hf_weights(...,
-merge_adapter_weights=True)``; the classifier on the wrapped model; the adapters' local shapes.
+merge_adapter_weights=True)``; the classifier on the wrapped model; the adapters' local shapes. One case
+trains with Bridge's ``normalize_moe_lora`` (experts' rank ``dim // moe_router_topk``, their own scale).
 
 At (2, 1, 2) (expert-TP 2) ``MergedLoRA`` refuses the routed experts' ``linear_fc2`` adapters. The case
 records the refusal and what it rests on, measured on the real modules: the expert-TP sum (what the MoE
@@ -39,7 +40,8 @@ CFG = _config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_sha
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
 RANK, ALPHA = 8, 12
 CASES = {"lora-tp2": ("lora", 2, 1, 1), "canonical_lora-tp2": ("canonical_lora", 2, 1, 1),
-         "lora-tp2-ep2": ("lora", 2, 2, 1), "canonical_lora-tp1-ep2": ("canonical_lora", 1, 2, 1)}
+         "lora-tp2-ep2": ("lora", 2, 2, 1), "canonical_lora-tp1-ep2": ("canonical_lora", 1, 2, 1),
+         "lora-tp1-ep2-normalized": ("lora", 1, 2, 1)}  # normalize_moe_lora: experts' dim = 8 // top-k 2 = 4
 REFUSED = ("lora", 2, 1, 2)  # expert-TP 2: the experts' linear_fc2 adapters are refused (Bridge issue #5634)
 
 
@@ -53,7 +55,7 @@ def _noise_adapters(model: torch.nn.Module, tp_rank: int, ep_rank: int, etp_rank
                 p.copy_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode()))))
 
 
-def _case(wrapper: str, tp: int, work: str) -> dict:
+def _case(wrapper: str, tp: int, work: str, normalize: bool = False) -> dict:
     from megatron.bridge import AutoBridge
     from megatron.bridge.peft.canonical_lora import CanonicalLoRA
     from megatron.bridge.peft.lora import LoRA
@@ -70,8 +72,8 @@ def _case(wrapper: str, tp: int, work: str) -> dict:
     perturb_parameters_(model, seed=1)
     targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"] if wrapper == "lora" else [
         "linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"]
-    model = (LoRA if wrapper == "lora" else CanonicalLoRA)(target_modules=targets, dim=RANK, alpha=ALPHA)(
-        model, training=False)
+    model = (LoRA if wrapper == "lora" else CanonicalLoRA)(target_modules=targets, dim=RANK, alpha=ALPHA,
+                                                           normalize_moe_lora=normalize)(model, training=False)
     _noise_adapters(model, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
                     ps.get_expert_tensor_parallel_rank())
     res: dict = {"logits": forward_logits(model, TOKENS)}
@@ -153,7 +155,7 @@ def job(rank: int, world_size: int, master_port: int, work: str) -> dict:
     out = {}
     for key, (wrapper, tp, ep, etp) in CASES.items():
         init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=tp, pp=1, ep=ep, etp=etp)
-        out[key] = _case(wrapper, tp, work)
+        out[key] = _case(wrapper, tp, work, normalize=key.endswith("normalized"))
     _, tp, ep, etp = REFUSED
     init_parallel(rank=rank, world_size=world_size, master_port=master_port, tp=tp, pp=1, ep=ep, etp=etp)
     out["refused"] = _refused_case()

@@ -109,7 +109,7 @@ def test_refresh_gathers_only_the_split_factor(result):
     assert result["lora-tp1"]["gathered_bytes"] == [0]
 
 
-MOE_CASES = ("lora-tp2", "canonical_lora-tp2", "lora-tp2-ep2", "canonical_lora-tp1-ep2")
+MOE_CASES = ("lora-tp2", "canonical_lora-tp2", "lora-tp2-ep2", "canonical_lora-tp1-ep2", "lora-tp1-ep2-normalized")
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,9 @@ def test_moe_splits_measured_at_tp2(moe):
         "mlp.shared_experts.linear_fc1.adapter.linear_out.weight": [32, 8],
         "mlp.shared_experts.linear_fc2.adapter.linear_in.weight": [8, 16],
         "mlp.shared_experts.linear_fc2.adapter.linear_out.weight": [32, 8]}
+    normalized = moe["lora-tp1-ep2-normalized"]["adapter_shapes"]  # normalize_moe_lora: experts' r = 8 // top-k 2
+    assert normalized["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.adapter.linear_out.weight"] == [64, 4]
+    assert normalized["decoder.layers.1.mlp.shared_experts.linear_fc1.adapter.linear_in.weight"] == [8, 64]
     # per rank: dense A of qkv / fc1 and B of proj / fc2 (layer 0), qkv / proj / shared fc1 / fc2 (layer 1)
     assert moe["lora-tp2"]["gathered_bytes"] == [4 * 8 * 256] * 2
     assert moe["canonical_lora-tp1-ep2"]["gathered_bytes"] == [0, 0]

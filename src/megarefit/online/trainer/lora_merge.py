@@ -65,11 +65,33 @@ class _Wrapped:
 
 @dataclass(frozen=True)
 class _Group:
-    """A group the adapters split over (TP, or expert-TP for routed experts): size, rank, process group."""
+    """A group the adapters split over (TP, or expert-TP for routed experts): size, rank, process group, and the
+    adapter rank ``r`` (Bridge's ``dim``) of the adapters split over it."""
 
     size: int
     rank: int
     handle: Any
+    r: int
+
+
+def adapter_alpha_dims(model: torch.nn.Module) -> tuple[float, int, int]:
+    """``(alpha, dim, expert dim)`` of a Bridge LoRA model's adapters: routed experts' adapters (``is_expert``)
+    may have their own ``dim`` (Bridge's ``normalize_moe_lora``: ``dim // moe_router_topk``); the expert dim is
+    ``dim`` where no expert is adapted.
+
+    Raises:
+        LayoutError: no adapter module, adapters of one kind that disagree on ``alpha`` / ``dim``, or alphas that
+            differ between the kinds."""
+    kinds: dict[bool, set[tuple[float, int]]] = {False: set(), True: set()}
+    for m in model.modules():
+        if hasattr(m, "linear_in") and hasattr(m, "alpha"):
+            kinds[bool(getattr(m, "is_expert", False))].add((float(m.alpha), int(m.dim)))
+    dense, expert = kinds[False] or kinds[True], kinds[True] or kinds[False]
+    if len(dense) != 1 or len(expert) != 1 or next(iter(dense))[0] != next(iter(expert))[0]:
+        raise LayoutError(f"expected one (alpha, dim) over the model's dense LoRA adapters and one over its routed "
+                          f"experts' (same alpha), found {kinds[False] or 'none'} and {kinds[True] or 'none'}")
+    (alpha, dim), (_, expert_dim) = next(iter(dense)), next(iter(expert))
+    return alpha, dim, expert_dim
 
 
 def adapter_alpha_dim(model: torch.nn.Module) -> tuple[float, int]:
@@ -95,6 +117,8 @@ class MergedLoRA:
             wrapped bases, their adapters and every other parameter.
         dims: model dims (query groups and head_dim place CanonicalLoRA's q / k / v rows).
         alpha, rank: Bridge's ``alpha`` and ``dim``; the merge scale is ``alpha / rank``.
+        expert_rank: the routed experts' adapter rank, where it differs (Bridge's ``normalize_moe_lora``:
+            ``dim // moe_router_topk``, their scale ``alpha / expert_rank``); default ``rank``.
         tp, tp_rank, tp_group: the tensor-parallel group dense and shared-expert adapters are split over
             (``tp_group`` ``None`` only with ``tp == 1``).
         etp, etp_rank, etp_group: the expert-tensor-parallel group routed experts' adapters are split over
@@ -112,16 +136,18 @@ class MergedLoRA:
 
     def __init__(self, params: Mapping[str, torch.Tensor], dims: ModelDims, *, alpha: float, rank: int, tp: int = 1,
                  tp_rank: int = 0, tp_group: Any = None, etp: int = 1, etp_rank: int = 0, etp_group: Any = None,
-                 shared_expert_overlap: bool = False) -> None:
+                 shared_expert_overlap: bool = False, expert_rank: int | None = None) -> None:
         for what, size, group in (("tp", tp, "tensor"), ("etp", etp, "expert-tensor")):
             if size > 1 and (tp_group if what == "tp" else etp_group) is None:
                 raise LayoutError(f"MergedLoRA at {what}={size} needs the {group}-parallel group ({what}_group)")
         self.scale = alpha / rank
-        self._groups = {False: _Group(tp, tp_rank, tp_group), True: _Group(etp, etp_rank, etp_group)}
+        self.alpha = alpha
+        self._groups = {False: _Group(tp, tp_rank, tp_group, rank),
+                        True: _Group(etp, etp_rank, etp_group, expert_rank or rank)}
         named = {canonical_name(n): p for n, p in params.items() if canonical_name(n) is not None}
         if shared_expert_overlap:
             _check_shared_overlap(named, tp)
-        self._wrapped, send = self._collect(named, dims, rank)
+        self._wrapped, send = self._collect(named, dims)
         device = next((w.weight.device for w in self._wrapped), torch.device("cpu"))
         self._send = {k: torch.cat([f.detach().reshape(-1) for f in v]) if v else torch.empty(0, device=device)
                       for k, v in send.items()}
@@ -133,8 +159,8 @@ class MergedLoRA:
         self.served.update({w.name: c for w, c in zip(self._wrapped, self._copies)})
         self.refresh()
 
-    def _adapters(self, named: Mapping[str, torch.Tensor], dims: ModelDims,
-                  rank: int) -> dict[str, dict[str, tuple[AdapterRow, torch.Tensor]]]:
+    def _adapters(self, named: Mapping[str, torch.Tensor],
+                  dims: ModelDims) -> dict[str, dict[str, tuple[AdapterRow, torch.Tensor]]]:
         """Adapter factors by wrapped module, then by their name under ``.adapter.``, shapes checked."""
         groups: dict[str, dict[str, tuple[AdapterRow, torch.Tensor]]] = {}
         for name, p in named.items():
@@ -148,17 +174,17 @@ class MergedLoRA:
                         "MoE dispatcher then counts once per expert-TP rank: Megatron-Bridge issue #5634), so no merged "
                         "weight serves what the trainer computes; train with expert_tensor_parallel_size=1, or leave "
                         "the experts' linear_fc2 out of target_modules")
-                want = adapter_local_shape(row, dims, rank, g.size, name=name)
+                want = adapter_local_shape(row, dims, g.r, g.size, name=name)
                 if tuple(p.shape) != want:
                     raise LayoutError(f"adapter {name} on {'etp' if row.expert else 'tp'} rank {g.rank}: local shape "
-                                      f"{tuple(p.shape)}, expected {want} (r={rank}, split over {g.size})")
+                                      f"{tuple(p.shape)}, expected {want} (r={g.r}, split over {g.size})")
                 module = name.split(".adapter.")[0]
                 groups.setdefault(module, {})[name.split(".adapter.")[1]] = (row, p)
         return groups
 
-    def _collect(self, named: Mapping[str, torch.Tensor], dims: ModelDims,
-                 rank: int) -> tuple[tuple[_Wrapped, ...], dict[bool, list[torch.Tensor]]]:
-        groups = self._adapters(named, dims, rank)
+    def _collect(self, named: Mapping[str, torch.Tensor],
+                 dims: ModelDims) -> tuple[tuple[_Wrapped, ...], dict[bool, list[torch.Tensor]]]:
+        groups = self._adapters(named, dims)
         wrapped: list[_Wrapped] = []
         send: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         at = {False: 0, True: 0}
@@ -195,7 +221,7 @@ class MergedLoRA:
         """
         from megatron.core import parallel_state as ps
 
-        alpha, rank = adapter_alpha_dim(model)
+        alpha, rank, expert_rank = adapter_alpha_dims(model)
         dims = ModelDims.from_hf_config(load_hf_config(hf_config))
         overlap = bool(getattr(getattr(unwrap(model)[0], "config", None), "moe_shared_expert_overlap", False))
         return cls(refit_tensors(model), dims, alpha=alpha, rank=rank,
@@ -203,7 +229,7 @@ class MergedLoRA:
                    tp_group=ps.get_tensor_model_parallel_group(),
                    etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
                    etp_group=ps.get_expert_tensor_parallel_group(check_initialized=False),
-                   shared_expert_overlap=overlap)
+                   shared_expert_overlap=overlap, expert_rank=expert_rank)
 
     @property
     def tp(self) -> int:
@@ -227,7 +253,8 @@ class MergedLoRA:
             merged = self._scratch[:w.weight.numel()].view(w.weight.shape)
             merged.copy_(w.weight)  # W.float(): exact
             for part in w.parts:
-                _merge_part(merged, part, full[part.expert], self.scale, self._groups[part.expert].size)
+                g = self._groups[part.expert]
+                _merge_part(merged, part, full[part.expert], self.alpha / g.r, g.size)
             copy.copy_(merged)
 
     def _gather(self, expert: bool) -> torch.Tensor:
@@ -305,4 +332,4 @@ def _copies(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in out if t is not None]
 
 
-__all__ = ["MergedLoRA", "adapter_alpha_dim"]
+__all__ = ["MergedLoRA", "adapter_alpha_dim", "adapter_alpha_dims"]
