@@ -32,13 +32,17 @@ CASES = ("lora-tp2", "canonical_lora-tp2", "lora-tp1", "canonical_lora-tp1")
 TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
-    python = _env_python()
-    proc = _run([str(python), str(Path(__file__).with_name("bridge_lora.py")), str(tmp_path_factory.mktemp("lora"))],
-                timeout=600, cwd=Path(__file__).resolve().parents[1])
+def _bridge_json(script: str, workdir: Path) -> dict:
+    """``script`` (beside this file) run in the Bridge environment; its last stdout line, JSON."""
+    proc = _run([str(_env_python()), str(Path(__file__).with_name(script)), str(workdir)], timeout=600,
+                cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    return _bridge_json("bridge_lora.py", tmp_path_factory.mktemp("lora"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -114,11 +118,7 @@ MOE_CASES = ("lora-tp2", "canonical_lora-tp2", "lora-tp2-ep2", "canonical_lora-t
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> dict:
-    python = _env_python()
-    proc = _run([str(python), str(Path(__file__).with_name("bridge_lora_moe.py")), str(tmp_path_factory.mktemp("moe"))],
-                timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _bridge_json("bridge_lora_moe.py", tmp_path_factory.mktemp("moe"))
 
 
 @pytest.mark.parametrize("case", MOE_CASES)
