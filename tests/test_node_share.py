@@ -200,6 +200,38 @@ def test_two_full_hf_receivers_of_one_node_pull_half_each_and_both_get_every_byt
         r.close()
 
 
+@pytest.mark.parametrize("node", [False], indirect=True, ids=["full"])
+def test_a_mate_that_rewrote_its_arena_during_the_read_is_read_again(node, monkeypatch):
+    """The first same-host READ of the cycle ends as if its mate had rewritten its arena meanwhile (the mate began
+    another cycle of the same version: a torn cycle pulled again, a version pulled twice): the READ is done again
+    once the mate serves, not given up: no fallback, every shared byte copied, every byte exact."""
+    from megarefit.online.receiver.cycle import StaleVersionError
+    from megarefit.online.receiver.node_copy import MateReader
+
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-rx{i}", timeout=30, node=2) for i in range(2)]
+    want = _publish(node, 1)
+    read, calls = MateReader.read_targets, []
+
+    def rewritten_once(self, *args, **kwargs):
+        got = read(self, *args, **kwargs)
+        calls.append(self.mate)
+        if len(calls) == 1:
+            raise StaleVersionError(f"node-mate {self.mate!r} rewrote its arena during the READ", retryable=True)
+        return got
+
+    monkeypatch.setattr(MateReader, "read_targets", rewritten_once)
+    got = cycles_on_threads(rx, 1)
+    total = sum(t.numel() * t.element_size() for t in node["hf"].values())
+    for g in got:
+        assert not isinstance(g, Exception), g
+        assert [n for n in want if not torch.equal(g[n], want[n])] == []
+    assert len(calls) == 3 and calls.count(calls[0]) == 2  # each mate's READ, the first one twice
+    assert all(r.stats.node_fallbacks == () for r in rx)
+    assert sum(r.stats.node_bytes for r in rx) == total  # every piece copied once, none pulled instead
+    for r in rx:
+        r.close()
+
+
 def test_vllm_tp_ranks_of_one_node_copy_only_the_replicated_tensors(node):
     """vLLM tp 2's two workers on one node: each gets exactly vLLM's layout of its rank; what they
     copy from each other are the tensors both hold whole, nothing else."""

