@@ -8,10 +8,14 @@ receivers on its host) runs each staged cycle as::
                every active mate's read back
     split      computed alone, the same on every mate (node_split.split_node)
     pull       only the targets it pulls itself (not shared, or shared and its own), from the
-               trainers, fenced as any pull
-    serve      its arena published to the group (seqlock even: version v whole there)
-    copy       every other shared target READ from the mate that pulled it (node_copy.py:
-               the same-host path, never the NICs), once that mate serves version v fenced
+               trainers, by layer group, its arena served while it fills (node_staged.py)
+    copy       every other shared target of a group READ from the mate that pulled it
+               (node_copy.py: the same-host path, never the NICs), once that mate's progress
+               covers it, while the next group's READs fly; then the end fence over it all
+    serve      its arena published whole (seqlock even: version v whole there)
+
+(A plan processed after the pull, quantized or with value steps, pulls whole, fences, serves
+and copies in that order.)
 
 A mate that rewrote its arena during the READ (it began another cycle of the same version) is
 READ again once it serves, up to ``REREADS`` times. A mate that does not serve in time (its

@@ -37,6 +37,7 @@ from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
 from megarefit.online.receiver.node_share import NodeCopies, NodeShare
+from megarefit.online.receiver.node_staged import GroupedPull, overlaps, pull_with_mates
 from megarefit.online.receiver.node_stream import NodeStream
 from megarefit.online.receiver.plan_cache import PlanCache
 from megarefit.online.receiver.stream import sub_plan
@@ -79,6 +80,29 @@ def staged_stats(pipe: CyclePipeline, plan: Plan, pulled: object, got: int, seco
                       arena_bytes, pulled.scratch_bytes, pulled.descriptors, attempt,
                       peak_extra_bytes=arena_bytes + pulled.scratch_bytes, ipc_bytes=pulled.ipc_bytes,
                       ipc_ranks=len(pipe.transport.ipc.ranks), delta_reason=pipe.delta.reason, **checks)
+
+
+def _execute(pipe: CyclePipeline, plan: Plan, pulled: object, overlapped: bool, start: FenceStart,
+             warm: bool) -> object:
+    """Move the bytes ``pulled`` names: a delta, a node pull with its copies beside it (``overlapped``:
+    ``pulled`` is the plan less the mates' share; returns a :class:`~.node_staged.GroupedPull`), or a
+    prepared plan. ``warm``: the cost model learns from the pull."""
+    if isinstance(pulled, DeltaChoice):
+        pipe.delta.pull(plan, pulled, pipe.memory.buffers, start.manifests, pipe.read_timeout,
+                        stable=functools.partial(pipe.fence.end, start))
+        return pulled
+    if overlapped:
+        assert pipe.node is not None and isinstance(pulled, Plan)
+        grouped, pipe.node_copies = pull_with_mates(
+            pipe.transport, pipe.node, plan, pulled, start.manifests, pipe.memory.arenas, pipe.memory.layout,
+            pipe.memory.buffers, start.version, timeout=pipe.read_timeout, grace=pipe.timeout)
+        return grouped
+    t_read = time.perf_counter()
+    pipe.transport.execute(pulled, pipe.memory.buffers, timeout=pipe.read_timeout, grace=pipe.timeout)
+    if warm:  # the cost model learns from pulls, not set-up
+        pipe.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
+        pipe.delta.measured("full", 0, time.perf_counter() - t_read)
+    return pulled
 
 
 def _count_nics(meter: NicMeter | None, nic: NicChoice | None, stats: CycleStats) -> None:
@@ -232,10 +256,12 @@ class CyclePipeline:
         with gc_paused(), plan_threads():  # cold: ~10^5 objects and small-array work
             plan = self._plan(start, lap)
             pulled = self.delta.choice(self.fence.rendezvous, plan, start.manifests, start.ranks, start.version)
+            overlapped = False
             if isinstance(pulled, str):  # a full pull (why: the delta receiver's reason)
                 self.delta.reason = pulled
                 mine = plan if self.node is None else self.node.restrict(self.plans.base, plan)  # less the mates' share
-                pulled = self.transport.prepare(mine, start.manifests, self.memory.buffers)
+                overlapped = self.node is not None and overlaps(plan, self.node)  # copies beside the NIC reads
+                pulled = mine if overlapped else self.transport.prepare(mine, start.manifests, self.memory.buffers)
             lap("prepare")
         if self.replica_group is not None and not self._serving:  # replicas must not read the arena now
             self._bump_replica_seq()
@@ -244,27 +270,21 @@ class CyclePipeline:
             self.node.begin()
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
         with naming_the_job(self.fence.where(), version):
-            if isinstance(pulled, DeltaChoice):
-                self.delta.pull(plan, pulled, self.memory.buffers, start.manifests, self.read_timeout,
-                                stable=functools.partial(self.fence.end, start))
-            else:
-                t_read = time.perf_counter()
-                self.transport.execute(pulled, self.memory.buffers, timeout=self.read_timeout, grace=self.timeout)
-                if before == self._setup_count():  # warm: the cost model learns from pulls, not set-up
-                    self.delta.measured("wire", pulled.wire_bytes, time.perf_counter() - t_read)
-                    self.delta.measured("full", 0, time.perf_counter() - t_read)
+            pulled = _execute(self, plan, pulled, overlapped, start, warm=before == self._setup_count())
             if self.verifier is not None:
                 self.verifier.pull(start.manifests, self.read_timeout)
         full = not isinstance(pulled, DeltaChoice)
         quant_s = self._after_pull(plan) if full else 0.0
         lap("pull")
-        seconds.update({f"pull.{k}": v for k, v in self.transport.last_seconds.items()} if full else self.delta.seconds)
+        pull_s = pulled.seconds if isinstance(pulled, GroupedPull) else self.transport.last_seconds
+        seconds.update({f"pull.{k}": v for k, v in pull_s.items()} if full else self.delta.seconds)
         if plan.quantize:
             seconds["pull.quantize"] = quant_s
         self.fence.end(start)
         lap("fence")
         if self.node is not None:  # a delta: its own (small) for every target; it still serves its mates
-            self.node_copies = self._from_node_mates(plan, start, version, copy=full)
+            self.node_copies = self._from_node_mates(plan, start, version, copy=full,
+                                                     copied=self.node_copies if overlapped else None)
             lap("node")  # (of which waiting for mates, and their READs: _with_node)
         if self.verifier is not None:  # after the fence: a mismatch is not a concurrent write
             self._verified = self.verifier.verify(plan, self.memory.buffers, start.manifests, start.version)
@@ -273,15 +293,19 @@ class CyclePipeline:
         seconds.update({k: v for k, v in self.delta.seconds.items() if k.startswith("held.")})
         return plan, pulled, start.version, seconds, before != self._setup_count()
 
-    def _from_node_mates(self, plan: Plan, start: FenceStart, version: int | None, copy: bool) -> NodeCopies:
+    def _from_node_mates(self, plan: Plan, start: FenceStart, version: int | None, copy: bool,
+                         copied: NodeCopies | None = None) -> NodeCopies:
         """Serve this receiver's fenced arena to its node-mates; ``copy`` (a full pull, split): copy
-        theirs in, and pull here from the trainers what a mate failed to serve, fenced again
-        (:mod:`.node_share`)."""
+        theirs in (``copied``: already, beside the pull: :mod:`.node_staged`), and pull here from the
+        trainers what a mate failed to serve, fenced again (:mod:`.node_share`)."""
         assert self.node is not None
+        if copied is not None:  # served while it filled: now whole
+            self.node.landed(sum(a.numel() * a.element_size() for a in self.memory.arenas.values()))
         self.node.serve(self.memory.arenas, self.memory.layout, start.version, self.transport.nixl.metadata)
         if not copy:
             return NodeCopies()
-        got = self.node.copy_in(plan, self.transport.nixl, self.memory.arenas, self.memory.layout, start.version)
+        got = copied if copied is not None else self.node.copy_in(plan, self.transport.nixl, self.memory.arenas,
+                                                                  self.memory.layout, start.version)
         if got.missing:
             names = sorted(r.name for r in got.missing)
             sub = sub_plan(plan, got.missing, digest_of(plan.digest, "node-fallback", names))
