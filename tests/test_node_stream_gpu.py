@@ -61,7 +61,10 @@ def test_mates_on_one_gpu_get_every_byte(monkeypatch, budget):
         stats = [r.stats for r in rx]
         assert all(s.node_fallbacks == () for s in stats)
         assert budget is None or all(s.groups > 1 and s.peak_extra_bytes <= budget for s in stats)
-        assert sum(s.node_bytes for s in stats) == total and all(s.node_bytes + s.wire_bytes == total for s in stats)
+        assert sum(s.node_bytes for s in stats) == total  # every shared byte copied once between the mates
+        # staged READs take gathered runs whole (strided pulls): at least the rest, streamed exactly the rest
+        assert all(s.node_bytes + s.wire_bytes == total if budget else s.node_bytes + s.wire_bytes >= total
+                   for s in stats)
     for r in rx:
         r.close()
     rdzv.store.close()
