@@ -285,9 +285,10 @@ def test_a_plain_publisher_of_a_lora_model_is_refused_naming_both_ways_to_serve_
 
 
 def test_adapter_shards_a_publisher_cannot_serve_are_refused_naming_tensor_rank_and_values():
-    """Before any NIXL agent: shards of two adapter ranks r (naming a tensor of each), and a layer of the stage
-    without its adapters (naming the tensors absent)."""
-    from megarefit.errors import MissingParameterError, ShapeMismatchError
+    """Before any NIXL agent: shards of two adapter ranks r (naming a tensor of each), an MoE expert's adapter
+    (the adapter-only refit plans dense ones), and a layer of the stage without its adapters (naming the
+    tensors absent)."""
+    from megarefit.errors import MissingParameterError, ShapeMismatchError, UnsupportedAdapterError
     from megarefit.online.trainer.lora_publisher import LoraPublisher
 
     cfg = _cfg()
@@ -297,6 +298,10 @@ def test_adapter_shards_a_publisher_cannot_serve_are_refused_naming_tensor_rank_
     with pytest.raises(ShapeMismatchError, match=rf"rank \(tp=0, pp=0, ep=0\): adapters of more than one rank r "
                                                  rf"\(at tp=1\): r=4 in {re.escape(odd)}, r=8 in"):
         LoraPublisher(mixed, cfg, rank=(0, 0, 0), layout=_layout(cfg, 1, 1), rendezvous=None, alpha=16)
+    expert = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.adapter.linear_in.weight"
+    with pytest.raises(UnsupportedAdapterError, match=rf"{re.escape(expert)}.* adapter-only refit plans dense"):
+        LoraPublisher({**shards, expert: torch.zeros(8, 64)}, cfg, rank=(0, 0, 0), layout=_layout(cfg, 1, 1),
+                      rendezvous=None, alpha=16)
     short = {n: t for n, t in shards.items() if ".layers.3." not in n}
     with pytest.raises(MissingParameterError, match=r"4 layers\) must carry the same adapters; absent: "
                                                     r"\['decoder\.layers\.3\."):

@@ -200,6 +200,23 @@ def test_two_full_hf_receivers_of_one_node_pull_half_each_and_both_get_every_byt
         r.close()
 
 
+@pytest.mark.parametrize("node", [True], indirect=True, ids=["delta"])
+def test_node_mates_time_their_warm_pulls_so_that_deltas_can_follow(node):
+    """With the cost model learning (its default), a node-mate's warm grouped pull is timed, the baseline a
+    delta needs (without it every cycle stays full: "no warm full pull timed yet")."""
+    rx = [RefitReceiver(node["rdzv"], name=f"{node['job']}-rx{i}", timeout=30, node=2) for i in range(2)]
+    for v in (1, 2):  # cold, then warm
+        want = _publish(node, v)
+        for g in cycles_on_threads(rx, v):
+            assert not isinstance(g, Exception), g
+            assert [n for n in want if not torch.equal(g[n], want[n])] == []
+    assert all(r.stats.node_bytes > 0 for r in rx)  # the grouped pull, copies beside it
+    assert all(r.delta_model.rates["full"] > 0 and r.delta_model.rates["wire"] > 0 for r in rx), \
+        [r.delta_model.rates for r in rx]
+    for r in rx:
+        r.close()
+
+
 @pytest.mark.parametrize("node", [False], indirect=True, ids=["full"])
 def test_a_mate_that_rewrote_its_arena_during_the_read_is_read_again(node, monkeypatch):
     """The first same-host READ of the cycle ends as if its mate had rewritten its arena meanwhile (the mate began

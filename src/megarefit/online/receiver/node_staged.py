@@ -26,7 +26,10 @@ once processed, whole (:func:`overlaps` is false).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +41,24 @@ from megarefit.plan import Plan, TensorRef, digest_of
 from megarefit.transport.execute import torch_dtype
 from megarefit.transport.nixl import NixlTransport
 
-__all__ = ["GROUPS", "GroupedPull", "overlaps", "pull_with_mates"]
+__all__ = ["GROUPS", "GroupedPull", "StagedNodePull", "abandon_on_error", "overlaps"]
+
+log = logging.getLogger(__name__)
 
 GROUPS = 8  # layer groups a staged node pull is cut into (at most; one per layer where fewer)
+
+
+@contextmanager
+def abandon_on_error(share: NodeShare | None) -> Iterator[None]:
+    """Give the arena served while it filled up (``ABANDONED``) where the cycle fails after the grouped pull,
+    before it is fenced (torn, checksums, the receiver-side steps): mates never take unfenced bytes of a
+    failed cycle for a finished one. ``share`` ``None``: nothing to do."""
+    try:
+        yield
+    except BaseException:
+        if share is not None:
+            share.landed(ABANDONED)
+        raise
 
 
 def overlaps(plan: Plan, share: NodeShare) -> bool:
@@ -95,44 +113,88 @@ class GroupedPull:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def pull_with_mates(transport: NixlTransport, share: NodeShare, plan: Plan, mine: Plan, manifests: Mapping,
-                    arenas: dict[str, torch.Tensor], layout: list, buffers: Mapping[TensorRef, torch.Tensor],
-                    version: int, *, timeout: float, grace: float) -> tuple[GroupedPull, NodeCopies]:
-    """Pull ``mine`` (``plan`` less the mates' share) group by group into the arena while serving it, and
-    copy the mates' share of each group as it lands there (module docstring). Returns what was pulled and
-    the copies (``missing``: targets of mates that failed, for the caller to pull and fence).
+@dataclass(frozen=True)
+class _Layout:
+    """One (plan, share, arena layout)'s groups, served layout, progress per group, byte offsets, sub-plans."""
 
-    Raises:
-        TransferError: a READ from the trainers failed (the arena given up to the mates first)."""
-    groups = _groups(plan)
-    own = {r.name for r in mine.targets}
-    served, landed = _served_layout(layout, groups)
-    here = {n: o * torch_dtype(d).itemsize for n, d, o, _ in layout}
-    subs = [sub_plan(mine, [r for r in g if r.name in own], digest_of(mine.digest, "node-staged", k, len(groups)))
-            for k, g in enumerate(groups)]
-    prepared = transport.prepare_groups(subs, manifests, [buffers] * len(subs))
-    share.serve_filling(arenas, served, version, transport.nixl.metadata)
-    out, seconds = NodeCopies(), {}
-    device = next(iter(arenas.values())).device if arenas else torch.device("cpu")
+    groups: list[list[TensorRef]]
+    served: list
+    landed: list[int]
+    here: dict[str, int]
+    subs: list[Plan]
+    own: frozenset[str]
+
+
+class StagedNodePull:
+    """A staged receiver's grouped node pull (module docstring); keeps each plan's groups and sub-plans, so a
+    warm cycle builds nothing (its sub-plans' prepared requests are the transport's, cached by digest)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, _Layout] = {}
+
+    def _layout(self, plan: Plan, mine: Plan, layout: list) -> _Layout:
+        key = (plan.digest, mine.digest, tuple(e[:3] for e in layout))
+        if key not in self._cache:
+            groups, own = _groups(plan), frozenset(r.name for r in mine.targets)
+            served, landed = _served_layout(layout, groups)
+            subs = [sub_plan(mine, [r for r in g if r.name in own], digest_of(mine.digest, "node-staged", k,
+                                                                               len(groups))) for k, g in enumerate(groups)]
+            here = {n: o * torch_dtype(d).itemsize for n, d, o, _ in layout}
+            self._cache = {key: _Layout(groups, served, landed, here, subs, own)}  # the current plan's only
+        return self._cache[key]
+
+    def pull(self, transport: NixlTransport, share: NodeShare, plan: Plan, mine: Plan, manifests: Mapping,
+             arenas: dict[str, torch.Tensor], layout: list, buffers: Mapping[TensorRef, torch.Tensor],
+             version: int, *, timeout: float, grace: float) -> tuple[GroupedPull, NodeCopies]:
+        """Pull ``mine`` (``plan`` less the mates' share) group by group into the arena while serving it, and
+        copy the mates' share of each group as it lands there (module docstring). Returns what was pulled
+        and the copies (``missing``: targets of mates that failed, for the caller to pull and fence);
+        ``GroupedPull.seconds["pull"]``: the seconds of the pull less the waits for and READs from mates.
+
+        Raises:
+            TransferError: a READ from the trainers failed. On any error the READs still in flight are
+                waited for (a late one sets ``transport.late``) and the arena is given up to the mates."""
+        lay = self._layout(plan, mine, layout)
+        t0 = time.perf_counter()
+        prepared = transport.prepare_groups(lay.subs, manifests, [buffers] * len(lay.subs))
+        share.serve_filling(arenas, lay.served, version, transport.nixl.metadata)
+        out, seconds, flight = NodeCopies(), {}, None
+        device = next(iter(arenas.values())).device if arenas else torch.device("cpu")
+        try:
+            flight = transport.start(prepared[0], timeout=timeout) if lay.subs[0].targets else None
+            for k, group in enumerate(lay.groups):
+                if flight is not None:
+                    done, flight = flight, None
+                    transport.wait(done, timeout=timeout, grace=grace)
+                    for key, value in transport.last_seconds.items():
+                        seconds[key] = seconds.get(key, 0.0) + value
+                if device.type == "cuda":  # the waves' placements done before mates READ them
+                    torch.cuda.synchronize(device)
+                share.landed(lay.landed[k])
+                if k + 1 < len(lay.groups) and lay.subs[k + 1].targets:
+                    flight = transport.start(prepared[k + 1], timeout=timeout)
+                _copy_group(share, transport, plan, arenas, lay.here, version, {r.name for r in group} - lay.own, out)
+        except BaseException:
+            _give_up(transport, share, flight, timeout, grace)
+            raise
+        seconds["pull"] = time.perf_counter() - t0 - out.wait_s - out.read_s
+        pulled = GroupedPull(sum(p.wire_bytes for p in prepared), sum(p.ipc_bytes for p in prepared),
+                             max(p.scratch_bytes for p in prepared), sum(p.descriptors for p in prepared), seconds)
+        return pulled, out
+
+
+def _give_up(transport: NixlTransport, share: NodeShare, flight: object, timeout: float, grace: float) -> None:
+    """After an error mid-pull: the READs still in flight waited for (their failure sets ``transport.late``),
+    the arena given up (mates pull those targets themselves); neither hides the error being raised."""
+    if flight is not None:
+        try:
+            transport.wait(flight, timeout=timeout, grace=grace)  # type: ignore[arg-type]
+        except Exception:  # the first error is the one raised; a late READ is in transport.late
+            log.warning("node pull: READs in flight at an error ended badly too", exc_info=True)
     try:
-        flight = transport.start(prepared[0], timeout=timeout) if subs[0].targets else None
-        for k, group in enumerate(groups):
-            if flight is not None:
-                transport.wait(flight, timeout=timeout, grace=grace)
-                for key, value in transport.last_seconds.items():
-                    seconds[key] = seconds.get(key, 0.0) + value
-            if device.type == "cuda":  # the waves' placements done before mates READ them
-                torch.cuda.synchronize(device)
-            share.landed(landed[k])
-            nxt = k + 1 < len(groups) and subs[k + 1].targets
-            flight = transport.start(prepared[k + 1], timeout=timeout) if nxt else None
-            _copy_group(share, transport, plan, arenas, here, version, {r.name for r in group} - own, out)
-    except BaseException:
         share.landed(ABANDONED)
-        raise
-    pulled = GroupedPull(sum(p.wire_bytes for p in prepared), sum(p.ipc_bytes for p in prepared),
-                         max(p.scratch_bytes for p in prepared), sum(p.descriptors for p in prepared), seconds)
-    return pulled, out
+    except Exception:  # as above: the store may be what failed
+        log.warning("node pull: could not give the arena up to the mates", exc_info=True)
 
 
 def _copy_group(share: NodeShare, transport: NixlTransport, plan: Plan, arenas: dict[str, torch.Tensor],

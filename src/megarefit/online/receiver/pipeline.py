@@ -37,7 +37,7 @@ from megarefit.online.receiver.fence import FenceStart, VersionFence
 from megarefit.online.receiver.integrity import ChecksumVerifier
 from megarefit.online.receiver.memory import ReceiverMemory, StreamRing
 from megarefit.online.receiver.node_share import NodeCopies, NodeShare
-from megarefit.online.receiver.node_staged import GroupedPull, overlaps, pull_with_mates
+from megarefit.online.receiver.node_staged import GroupedPull, StagedNodePull, abandon_on_error, overlaps
 from megarefit.online.receiver.node_stream import NodeStream
 from megarefit.online.receiver.plan_cache import PlanCache
 from megarefit.online.receiver.stream import sub_plan
@@ -83,20 +83,24 @@ def staged_stats(pipe: CyclePipeline, plan: Plan, pulled: object, got: int, seco
 
 
 def _execute(pipe: CyclePipeline, plan: Plan, pulled: object, overlapped: bool, start: FenceStart,
-             warm: bool) -> object:
+             before: tuple) -> object:
     """Move the bytes ``pulled`` names: a delta, a node pull with its copies beside it (``overlapped``:
     ``pulled`` is the plan less the mates' share; returns a :class:`~.node_staged.GroupedPull`), or a
-    prepared plan. ``warm``: the cost model learns from the pull."""
+    prepared plan. A warm full pull (nothing set up since ``before``) teaches the cost model."""
     if isinstance(pulled, DeltaChoice):
         pipe.delta.pull(plan, pulled, pipe.memory.buffers, start.manifests, pipe.read_timeout,
                         stable=functools.partial(pipe.fence.end, start))
         return pulled
     if overlapped:
         assert pipe.node is not None and isinstance(pulled, Plan)
-        grouped, pipe.node_copies = pull_with_mates(
+        grouped, pipe.node_copies = pipe.node_pull.pull(
             pipe.transport, pipe.node, plan, pulled, start.manifests, pipe.memory.arenas, pipe.memory.layout,
             pipe.memory.buffers, start.version, timeout=pipe.read_timeout, grace=pipe.timeout)
+        if before == pipe._setup_count():  # (the groups' requests were prepared in there)
+            pipe.delta.measured("wire", grouped.wire_bytes, grouped.seconds["pull"])
+            pipe.delta.measured("full", 0, grouped.seconds["pull"])
         return grouped
+    warm = before == pipe._setup_count()
     t_read = time.perf_counter()
     pipe.transport.execute(pulled, pipe.memory.buffers, timeout=pipe.read_timeout, grace=pipe.timeout)
     if warm:  # the cost model learns from pulls, not set-up
@@ -138,6 +142,7 @@ class CyclePipeline:
         self.node_copies = NodeCopies()  # the last staged cycle's copies from node-mates
         self.node_stream = None if node is None or memory.memory_budget is None else NodeStream(
             node, transport, memory.device)  # streamed: the node arena it serves (.node_stream)
+        self.node_pull = StagedNodePull()  # staged: the grouped pull beside the mates' copies (node_staged.py)
         self.delta = DeltaReceiver(transport, memory.device, delta)
         self.direct_delta = DirectDelta(self.delta, transport)  # streamed: deltas into the direct targets
         self.verifier = verifier
@@ -269,18 +274,18 @@ class CyclePipeline:
         if self.node is not None:  # node-mates must not read it now either
             self.node.begin()
         self.memory.wait_consumer()  # the previous cycle's tensors may still be read by queued device work
-        with naming_the_job(self.fence.where(), version):
-            pulled = _execute(self, plan, pulled, overlapped, start, warm=before == self._setup_count())
+        with naming_the_job(self.fence.where(), version), abandon_on_error(self.node if overlapped else None):
+            pulled = _execute(self, plan, pulled, overlapped, start, before)
             if self.verifier is not None:
                 self.verifier.pull(start.manifests, self.read_timeout)
-        full = not isinstance(pulled, DeltaChoice)
-        quant_s = self._after_pull(plan) if full else 0.0
-        lap("pull")
-        pull_s = pulled.seconds if isinstance(pulled, GroupedPull) else self.transport.last_seconds
-        seconds.update({f"pull.{k}": v for k, v in pull_s.items()} if full else self.delta.seconds)
-        if plan.quantize:
-            seconds["pull.quantize"] = quant_s
-        self.fence.end(start)
+            full = not isinstance(pulled, DeltaChoice)
+            quant_s = self._after_pull(plan) if full else 0.0
+            lap("pull")
+            pull_s = pulled.seconds if isinstance(pulled, GroupedPull) else self.transport.last_seconds
+            seconds.update({f"pull.{k}": v for k, v in pull_s.items()} if full else self.delta.seconds)
+            if plan.quantize:
+                seconds["pull.quantize"] = quant_s
+            self.fence.end(start)  # (failing: a grouped pull's arena given up to the mates)
         lap("fence")
         if self.node is not None:  # a delta: its own (small) for every target; it still serves its mates
             self.node_copies = self._from_node_mates(plan, start, version, copy=full,

@@ -37,7 +37,7 @@ from megarefit.layout.lora import adapter_global_shape, adapter_local_shape
 from megarefit.online.trainer.lora_merge import adapter_alpha_dim
 from megarefit.online.trainer.publisher import Publisher, tensor_entry
 from megarefit.planner.lora_to_peft import adapter_rows
-from megarefit.specs.lora import Factor, adapter_row, is_adapter
+from megarefit.specs.lora import Factor, is_adapter, peft_row
 from megarefit.transport.manifest import LoraInfo, TensorEntry
 
 
@@ -133,7 +133,7 @@ class LoraPublisher(Publisher):
         found: dict[str, Any] = {}
         ranks: dict[int, str] = {}  # adapter rank r -> a tensor that has it
         for name, p in self.params.items():
-            row, _ = adapter_row(name)
+            row, _ = peft_row(name)  # MoE adapters refused here first, named
             a = row.factor is Factor.A  # A [r/tp, in] of a column base (the gathered A), [r, in/tp] of a row base
             ranks.setdefault(p.shape[0] * (self.layout.tp if row.gathered else 1) if a else p.shape[1], name)
             found[name] = row
