@@ -27,6 +27,7 @@ once processed, whole (:func:`overlaps` is false).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -88,15 +89,8 @@ def _served_layout(layout: list, groups: list[list[TensorRef]]) -> tuple[list, l
     served = sorted(layout, key=lambda e: order.get(e[0], len(groups)))
     per = [0] * (len(groups) + 1)
     for name, dtype, _, shape in served:
-        per[order.get(name, len(groups))] += _numel(shape) * torch_dtype(dtype).itemsize
+        per[order.get(name, len(groups))] += math.prod(int(d) for d in shape) * torch_dtype(dtype).itemsize
     return served, [sum(per[:k + 1]) for k in range(len(groups))]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @dataclass(frozen=True)
