@@ -12,7 +12,9 @@ KV block shows that the versioned ``lora_path`` keeps vLLM's prefix cache apart 
 (scaling doubled, a module dropped) that must not match it. Refused: a module vLLM's LoRA does not
 serve (the previous version keeps serving), a second name while the CPU LoRA cache is full of pinned
 adapters, a vLLM internal that is missing (``VllmVersionError``), DoRA, a rank above
-``max_lora_rank``, an engine without LoRA.
+``max_lora_rank``, an engine without LoRA. A refit that would leave the workers on different
+versions takes the adapter out of every worker: the coordination on a stand-in engine of two
+workers (the one real worker here cannot disagree with itself), the removal on the real engine.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ peft = pytest.importorskip("peft")
 
 from vllm_helpers import EXT, PROMPTS, e2e_config, hf_generate, same_generation, vllm_generate  # noqa: E402
 
-from megarefit.errors import MegarefitError  # noqa: E402
+from megarefit.errors import BaseChangedError, MegarefitError  # noqa: E402
 from megarefit.integrations.hf import build_hf_model, save_checkpoint  # noqa: E402
 from megarefit.integrations.vllm_install import VllmVersionError, vllm_version  # noqa: E402
 from megarefit.integrations.vllm_lora import (  # noqa: E402
@@ -40,6 +42,8 @@ from megarefit.integrations.vllm_lora import (  # noqa: E402
     plain_peft_config,
     refit_lora,
 )
+from megarefit.online.receiver.cycle import StaleVersionError  # noqa: E402
+from megarefit.transport.nixl_agent import TransferError  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": TARGETS}
@@ -134,6 +138,7 @@ def _refit_from_trainers(llm, cfg, v1, v2):
         out[2] = vllm_generate(llm, ALL, out["req2"])
         out["versions"] = llm.collective_rpc("megarefit_lora_versions")
         out["hook"] = _pulled_by_vllms_own_add(llm, pubs, shards1, rdzv.port, job)
+        out["removed"] = _removed(llm)
         install_lora(llm, NAME, v2, CONFIG, version=2)  # the state the tests after these expect: v2, pinned
         return out
     finally:
@@ -141,6 +146,17 @@ def _refit_from_trainers(llm, cfg, v1, v2):
             os.environ.pop(SECRET_ENV, None)
         else:
             os.environ[SECRET_ENV] = saved
+
+
+def _removed(llm):
+    """What never_a_mix does to a real engine: megarefit_remove_lora takes the adapter out of vLLM's manager."""
+    from megarefit.integrations.vllm_lora import adapter_id
+
+    before = set(llm.llm_engine.list_loras())
+    removed = llm.collective_rpc("megarefit_remove_lora", kwargs={"name": NAME})
+    return {"before": before, "after": set(llm.llm_engine.list_loras()), "id": adapter_id(NAME), "removed": removed,
+            "versions": llm.collective_rpc("megarefit_lora_versions"),
+            "again": llm.collective_rpc("megarefit_remove_lora", kwargs={"name": NAME})}
 
 
 def _pulled_by_vllms_own_add(llm, pubs, shards, port, job):
@@ -176,6 +192,14 @@ def test_vllms_own_add_lora_pulls_a_megarefit_path_from_the_trainers(run):
     assert same_generation(hook[1], run["hf"][1]), (hook[1], run["hf"][1])
     assert hook["missing"] is not None and "99" in hook["missing"], hook["missing"]
     assert same_generation(hook["after_missing"], run["hf"][1])
+
+
+def test_remove_takes_the_adapter_out_of_vllms_manager(run):
+    """megarefit_remove_lora (what a refit that would leave a mix does) on the real engine: the id leaves
+    vLLM's own list_loras and the worker's version record; a second removal finds nothing."""
+    r = run["refit"]["removed"]
+    assert r["id"] in r["before"] and r["id"] not in r["after"], r
+    assert r["removed"] == [True] and r["again"] == [False] and r["versions"] == [{}], r
 
 
 def test_adapter_refit_cycles_from_trainers_generate_as_peft(run):
@@ -287,3 +311,92 @@ def test_engine_without_lora_refused():
 
     with pytest.raises(MegarefitError, match="enable_lora=True"):
         lora_internals(Runner())
+
+
+class _Engine:
+    """Stand-in for an engine of several workers, for refit_lora's coordination alone (one real worker in
+    the engine above cannot land on another version than itself). ``pulls``: the trainers' current version
+    as each pull reaches them, in order (a pull of an explicit older version is refused, as the trainers
+    serve their current one only); ``fail``: ``{(pass, worker): exception}``. Every worker runs each call,
+    then the first error is raised, as vLLM's ``collective_rpc`` does."""
+
+    def __init__(self, held, pulls, fail=None):
+        self.held, self.pulls, self.fail, self.calls, self.passes = list(held), iter(pulls), fail or {}, [], 0
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append((method, dict(kwargs or {})))
+        self.passes += method == "megarefit_refit_lora"
+        out, errors = [], []
+        for w in range(len(self.held)):
+            try:
+                out.append(getattr(self, method)(w, **(kwargs or {})))
+            except Exception as exc:  # noqa: BLE001 - raised after every worker ran
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return out
+
+    def megarefit_refit_lora(self, w, name, version, lora_int_id, **_):
+        if (self.passes, w) in self.fail:
+            raise self.fail[self.passes, w]
+        now = next(self.pulls)
+        if version is not None and version != now:
+            raise StaleVersionError(f"trainers serve version {now}, not {version}")
+        self.held[w] = now
+        return {"name": name, "lora_int_id": lora_int_id, "version": now, "modules": 4}
+
+    def megarefit_install_lora(self, w, name, version, lora_int_id, **_):
+        if (1, w) in self.fail:
+            raise self.fail[1, w]
+        self.held[w] = version
+        return {"name": name, "lora_int_id": lora_int_id, "version": version, "modules": 1}
+
+    def megarefit_lora_versions(self, w):
+        return {} if self.held[w] is None else {NAME: self.held[w]}
+
+    def megarefit_remove_lora(self, w, name, lora_int_id):
+        self.held[w] = None
+        return True
+
+
+def _refit(engine):
+    return refit_lora(engine, NAME, "127.0.0.1", 1, job="j")
+
+
+def test_workers_on_different_versions_all_pull_the_newest():
+    engine = _Engine([2, 2], pulls=[3, 4, 4, 4])  # the trainers published 4 between the two workers' pulls
+    assert _refit(engine).lora_path.endswith("/v4") and engine.held == [4, 4]
+    assert [kw["version"] for m, kw in engine.calls if m == "megarefit_refit_lora"] == [None, 4]
+
+
+def test_a_mix_left_after_the_second_pass_is_taken_out_of_every_worker():
+    engine = _Engine([2, 2], pulls=[3, 4, 5, 5])  # 5 published before the second pass: it cannot pull 4
+    with pytest.raises(StaleVersionError) as err:
+        _refit(engine)
+    assert engine.held == [None, None], engine.held
+    assert any("versions [3, 4]" in n and "taken out of every worker" in n for n in err.value.__notes__)
+
+
+def test_a_worker_failing_while_the_other_installed_leaves_no_mix():
+    engine = _Engine([2, 2], pulls=[3], fail={(1, 1): TransferError("checksum of q_proj differs")})
+    with pytest.raises(TransferError):
+        _refit(engine)
+    assert engine.held == [None, None], engine.held
+
+
+def test_a_failure_on_every_worker_alike_leaves_the_installed_version_serving():
+    refused = BaseChangedError("the adapter trains on base version 7, the engine holds 6")
+    engine = _Engine([2, 2], pulls=[], fail={(1, 0): refused, (1, 1): refused})
+    with pytest.raises(BaseChangedError):
+        _refit(engine)
+    assert engine.held == [2, 2] and not [m for m, _ in engine.calls if m == "megarefit_remove_lora"]
+
+
+def test_an_install_failing_on_one_worker_leaves_no_mix():
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{q}.lora_A.weight": torch.zeros(8, 16), f"{q}.lora_B.weight": torch.zeros(16, 8)}
+    engine = _Engine([2, 2], pulls=[], fail={(1, 1): MemoryError("no room for the adapter on worker 1")})
+    with pytest.raises(MemoryError) as err:
+        install_lora(engine, NAME, tensors, CONFIG, version=3)
+    assert engine.held == [None, None], engine.held
+    assert any("versions [2, 3]" in n for n in err.value.__notes__)

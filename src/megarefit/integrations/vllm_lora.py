@@ -494,6 +494,14 @@ class MegarefitLoraExtension:
         """``{adapter name: version}`` installed in this worker."""
         return dict(self.__dict__.get("_megarefit_lora_versions", {}))
 
+    def megarefit_remove_lora(self, name: str, lora_int_id: int | None = None) -> bool:
+        """Take adapter ``name`` (id ``lora_int_id``, default :func:`adapter_id`) out of this worker's
+        LoRA manager; a request that names it later fails loudly (its path is no adapter on disk) or,
+        with :func:`enable_lora_pulls`, pulls the version its path names. Returns whether it was there."""
+        manager = lora_internals(self.model_runner).manager  # type: ignore[attr-defined]
+        self.__dict__.setdefault("_megarefit_lora_versions", {}).pop(name, None)
+        return bool(manager.remove_adapter(lora_int_id or adapter_id(name)))
+
 
 def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any],
                  version: int, lora_int_id: int | None = None) -> Any:
@@ -505,17 +513,25 @@ def install_lora(llm: Any, name: str, tensors: Mapping[str, torch.Tensor], peft_
         The ``LoRARequest`` to pass to ``llm.generate(..., lora_request=...)`` for this version.
 
     Raises:
-        MegarefitError: a refusal (see :func:`install_adapter`); the workers disagree on what they installed.
+        MegarefitError: a refusal (see :func:`install_adapter`); the workers disagree on what they installed
+            (then, as where a worker fails while others installed, the adapter is taken out of every worker:
+            :func:`never_a_mix`).
         VllmVersionError: a vLLM internal is absent (:func:`lora_internals`)."""
     peft_config = plain_peft_config(peft_config)
     check_adapter(tensors, peft_config)  # refused here, before any worker is called
     int_id = lora_int_id or adapter_id(name)
-    reports = llm.collective_rpc("megarefit_install_lora", kwargs={
-        "name": name, "adapter": adapter_blob(tensors), "peft_config": peft_config, "version": version,
-        "lora_int_id": int_id})
+    try:
+        reports = llm.collective_rpc("megarefit_install_lora", kwargs={
+            "name": name, "adapter": adapter_blob(tensors), "peft_config": peft_config, "version": version,
+            "lora_int_id": int_id})
+    except Exception as exc:
+        _no_mix_after(llm, name, int_id, exc)
+        raise
     seen = {(r["name"], r["lora_int_id"], r["version"], r["modules"]) for r in reports}
     if len(seen) != 1:
-        raise MegarefitError(f"LoRA adapter {name!r} version {version}: the workers report {sorted(seen)}")
+        never_a_mix(llm, name, int_id, always=True)
+        raise MegarefitError(f"LoRA adapter {name!r} version {version}: the workers report {sorted(seen)}; it was "
+                             "taken out of every worker, so none serves a mix: install it again")
     return lora_request(name, version, int_id)
 
 
@@ -526,6 +542,10 @@ def refit_lora(llm: Any, name: str, host: str, port: int, *, job: str = "default
     transport (:meth:`MegarefitLoraExtension.megarefit_refit_lora`) and installs it, in memory, under one LoRA
     name. ``version`` ``None``: the trainers' current one; should the workers land on different versions (the
     trainers published in between), all of them pull the newest again, so the engine never serves a mix.
+    Should that fail too, or a worker fail while others installed (a checksum, a trainer gone), the adapter is
+    taken out of every worker (:func:`never_a_mix`) and the error says so: requests naming it then fail
+    loudly instead of running a mix of versions. A failure on every worker alike (a refusal before any
+    install) leaves the installed version serving.
 
     Returns:
         The ``LoRARequest`` to generate with (:func:`lora_request` of the version installed).
@@ -533,20 +553,52 @@ def refit_lora(llm: Any, name: str, host: str, port: int, *, job: str = "default
     Raises:
         BaseChangedError: the adapter trains on another base than ``base_version`` (refit the base first).
         MegarefitError: the workers still disagree on what they installed; and what the workers raise."""
+    int_id = lora_int_id or adapter_id(name)
     kwargs = {"name": name, "host": host, "port": int(port), "job": job, "base_version": base_version,
-              "timeout": timeout, "verify_checksums": verify_checksums, "lora_int_id": lora_int_id or adapter_id(name)}
-    reports = llm.collective_rpc("megarefit_refit_lora", kwargs={**kwargs, "version": version})
-    if len({r["version"] for r in reports}) > 1:
-        reports = llm.collective_rpc("megarefit_refit_lora", kwargs={**kwargs,
-                                                                     "version": max(r["version"] for r in reports)})
+              "timeout": timeout, "verify_checksums": verify_checksums, "lora_int_id": int_id}
+    try:
+        reports = llm.collective_rpc("megarefit_refit_lora", kwargs={**kwargs, "version": version})
+        if len({r["version"] for r in reports}) > 1:
+            reports = llm.collective_rpc("megarefit_refit_lora", kwargs={**kwargs,
+                                                                         "version": max(r["version"] for r in reports)})
+    except Exception as exc:
+        _no_mix_after(llm, name, int_id, exc)
+        raise
     seen = {(r["name"], r["lora_int_id"], r["version"], r["modules"]) for r in reports}
     if len(seen) != 1:
-        raise MegarefitError(f"LoRA adapter {name!r}: the workers report {sorted(seen)}")
-    (_, int_id, installed, _), = seen
+        never_a_mix(llm, name, int_id, always=True)
+        raise MegarefitError(f"LoRA adapter {name!r}: the workers report {sorted(seen)}; it was taken out of "
+                             "every worker, so none serves a mix: refit it again")
+    (_, _, installed, _), = seen
     return lora_request(name, installed, int_id)
+
+
+def _no_mix_after(llm: Any, name: str, int_id: int, exc: Exception) -> None:
+    """After ``exc`` in a refit pass: :func:`never_a_mix`, its outcome noted on ``exc``."""
+    try:
+        removed = never_a_mix(llm, name, int_id)
+    except Exception as again:  # noqa: BLE001 - the engine itself failing: say so, the first error raised
+        exc.add_note(f"megarefit: could not check which versions of LoRA adapter {name!r} the workers hold "
+                     f"({again!r}); they may hold a mix: refit it again or restart the engine")
+        return
+    if removed:
+        exc.add_note(f"megarefit: the workers were left holding versions {removed} of LoRA adapter {name!r}; it "
+                     "was taken out of every worker, so none serves a mix: refit it again")
+
+
+def never_a_mix(llm: Any, name: str, int_id: int, always: bool = False) -> list[int | None]:
+    """Where the workers of ``llm`` hold different versions of adapter ``name`` (or ``always``), take it
+    out of every one (:meth:`MegarefitLoraExtension.megarefit_remove_lora`). Returns the versions they
+    held, sorted (``None``: none), where it was taken out; ``[]`` where they agree."""
+    held = {v.get(name) for v in llm.collective_rpc("megarefit_lora_versions")}
+    if len(held) < 2 and not always:
+        return []
+    llm.collective_rpc("megarefit_remove_lora", kwargs={"name": name, "lora_int_id": int_id})
+    return sorted(held, key=lambda v: -1 if v is None else v)
 
 
 __all__ = ["LORA_API", "LORA_ATTRS", "AdapterModule", "LoraPulls", "MegarefitLoraExtension", "adapter_blob",
            "adapter_id", "check_adapter", "enable_lora_pulls", "install_adapter", "install_lora", "lora_internals",
-           "lora_path", "lora_receiver", "lora_request", "lora_scaling", "manager_internals", "parse_lora_path", "plain_peft_config",
-           "pull_or_load", "refit_lora", "served_modules", "set_lora_base_version", "tensors_of_blob"]
+           "lora_path", "lora_receiver", "lora_request", "lora_scaling", "manager_internals", "never_a_mix",
+           "parse_lora_path", "plain_peft_config", "pull_or_load", "refit_lora", "served_modules",
+           "set_lora_base_version", "tensors_of_blob"]
