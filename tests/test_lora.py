@@ -8,7 +8,9 @@ checks the same code on real Bridge-wrapped Megatron-Core modules).
 * shared-expert and SequentialMLP experts' adapters merge per expert; routed experts' ``linear_fc2``
   adapters are refused at expert-TP > 1, and MoE adapters by the adapter-only refit;
 * ``MergedLoRA`` at tp=1 serves ``(W.float() + (alpha / r) * (B.float() @ A.float())).to(W.dtype)``
-  (Bridge's merge, float32 and bfloat16), refreshes from the live factors, and leaves the rest as is.
+  (Bridge's merge, float32 and bfloat16), refreshes from the live factors, and leaves the rest as is;
+* the Transformer-Engine spelling of wrapped linears (``to_wrap.layer_norm_weight``; stand-in modules
+  of TE's class names, no TE here) classifies as the TE rows and merges, the fused norms served as is.
 """
 
 from __future__ import annotations
@@ -241,3 +243,57 @@ def test_shared_expert_adapters_refused_under_overlap_at_tp2():
         MergedLoRA(params, dims, alpha=6, rank=4, tp=2, tp_group=object(), shared_expert_overlap=True)
     whole = {n: p for n, p in _moe_params(dims, 4, 1).items() if "shared_experts" in n}
     assert len(MergedLoRA(whole, dims, alpha=6, rank=4, shared_expert_overlap=True).served) == 2  # tp 1: exact
+
+
+def _named_class(name: str) -> type[torch.nn.Module]:
+    return type(name, (torch.nn.Module,), {})  # classified by class name, as Megatron's / TE's own are
+
+
+def _te_wrapped_layer(dims: ModelDims, r: int) -> torch.nn.Module:
+    """One decoder layer as Bridge's ``LoRA`` wraps Megatron's Transformer-Engine spec: the fused-norm
+    ``TELayerNormColumnParallelLinear`` under ``to_wrap`` keeps its ``layer_norm_weight`` there
+    (Bridge 0.6.2 ``TEFusedLoRALinear`` reads ``self.to_wrap.layer_norm_weight``), no separate norms; the
+    adapter is Megatron's local Column/RowParallelLinear whatever the base's spelling."""
+    g = torch.Generator().manual_seed(2)
+    shapes = {"self_attention.linear_qkv": ("TELayerNormColumnParallelLinear", dims.size("qkv"), dims.hidden_size),
+              "self_attention.linear_proj": ("TERowParallelLinear", dims.hidden_size, dims.size("q")),
+              "mlp.linear_fc1": ("TELayerNormColumnParallelLinear", dims.size("2ffn"), dims.hidden_size),
+              "mlp.linear_fc2": ("TERowParallelLinear", dims.hidden_size, dims.ffn_hidden_size)}
+    root = torch.nn.Module()
+    for mod, (cls, o, i) in shapes.items():
+        node = root
+        for part in ("decoder", "layers", "0", *mod.split(".")):
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        base, adapter = _named_class(cls)(), torch.nn.Module()
+        base.weight = torch.nn.Parameter(torch.randn(o, i, generator=g))
+        if cls.startswith("TELayerNorm"):
+            base.layer_norm_weight = torch.nn.Parameter(torch.randn(i, generator=g))
+        a_cls, b_cls = ("ColumnParallelLinear",) * 2 if "Column" in cls else ("RowParallelLinear", "ColumnParallelLinear")
+        adapter.linear_in, adapter.linear_out = _named_class(a_cls)(), _named_class(b_cls)()
+        adapter.linear_in.weight = torch.nn.Parameter(torch.randn(r, i, generator=g))
+        adapter.linear_out.weight = torch.nn.Parameter(torch.randn(o, r, generator=g))
+        node.to_wrap, node.adapter = base, adapter
+    return root
+
+
+def test_te_spelled_wrapped_bases_classify_and_serve_as_the_te_spec():
+    """The Transformer-Engine spelling of a wrapped layer (no TE on this machine: names and module classes
+    as Bridge's code gives them, not real TE modules): every parameter agrees with the TE rows, the fused
+    norms are served unchanged under the unwrapped TE names, the linears merged."""
+    dims = ModelDims.from_hf_config(tiny_config("Qwen3-0.6B", num_hidden_layers=1))
+    layer = _te_wrapped_layer(dims, r=4)
+    result = classify_model(layer, dims)
+    assert result and all(c.ok for c in result), [c.problem for c in result if not c.ok]
+    norms = {c.name: c.role.value for c in result if c.name.endswith("layer_norm_weight")}
+    assert len(norms) == 2 and set(norms.values()) == {"replicated"}, norms
+    params = dict(layer.named_parameters())
+    merged = MergedLoRA(params, dims, alpha=8, rank=4)
+    L = "decoder.layers.0."
+    for mod in ("self_attention.linear_qkv", "mlp.linear_fc1"):
+        assert merged.served[L + mod + ".layer_norm_weight"] is params[L + mod + ".to_wrap.layer_norm_weight"]
+    w, a, b = (params[L + "mlp.linear_fc1" + s] for s in (".to_wrap.weight", ".adapter.linear_in.weight",
+                                                          ".adapter.linear_out.weight"))
+    assert torch.equal(merged.served[L + "mlp.linear_fc1.weight"], w + 2 * (b @ a))
+    assert not any(".to_wrap." in n or ".adapter." in n for n in merged.served)
