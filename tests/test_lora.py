@@ -15,6 +15,9 @@ checks the same code on real Bridge-wrapped Megatron-Core modules).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -278,10 +281,24 @@ def _te_wrapped_layer(dims: ModelDims, r: int) -> torch.nn.Module:
     return root
 
 
+TE_RUN = Path(__file__).resolve().parents[1] / "docs" / "lora_te_h200.jsonl"
+
+
+def test_the_te_stand_in_is_what_real_te_gave():
+    """The stand-in's wrapped parameters and the module classes megarefit reads for them are those of the
+    real TE run (tests/bridge_lora_te_gpu.py on an H200: Megatron-Core's TE spec wrapped by Bridge's LoRA,
+    recorded in docs/lora_te_h200.jsonl), so the test below runs on what Bridge builds over real TE."""
+    dims = ModelDims.from_hf_config(tiny_config("Qwen3-0.6B", num_hidden_layers=1))
+    stand_in = {c.name: c.module_class for c in classify_model(_te_wrapped_layer(dims, r=4), dims)}
+    for line in TE_RUN.read_text().splitlines():
+        run = json.loads(line)
+        assert stand_in == run["cases"]["lora-tp1"]["wrapped"], (run["transformer_engine"], run["tf32"])
+
+
 def test_te_spelled_wrapped_bases_classify_and_serve_as_the_te_spec():
-    """The Transformer-Engine spelling of a wrapped layer (no TE on this machine: names and module classes
-    as Bridge's code gives them, not real TE modules): every parameter agrees with the TE rows, the fused
-    norms are served unchanged under the unwrapped TE names, the linears merged."""
+    """The Transformer-Engine spelling of a wrapped layer (stand-in modules of TE's class names, as the real
+    TE run gave them: the test above): every parameter agrees with the TE rows, the fused norms are served
+    unchanged under the unwrapped TE names, the linears merged."""
     dims = ModelDims.from_hf_config(tiny_config("Qwen3-0.6B", num_hidden_layers=1))
     layer = _te_wrapped_layer(dims, r=4)
     result = classify_model(layer, dims)
