@@ -9,7 +9,12 @@ one. Real TE modules (``TELayerNormColumnParallelLinear`` with the input norm fu
   ``megatron_to_hf``: HF transformers' logits on them (CPU) against the TE model's own forward (GPU), and
   the merged tensors against Bridge's ``export_hf_weights(..., merge_adapter_weights=True)``;
 * the adapter-only refit's PEFT tensors (``plan_lora_to_peft`` over the layout ``LoraPublisher`` reads)
-  against Bridge's PEFT export.
+  against Bridge's PEFT export;
+* tests/bridge_lora_moe.py's GLM-4.5-style MoE on the TE decoder block spec with grouped experts
+  (``moe_grouped_gemm``: ``TEGroupedMLP``, ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``),
+  both wrappers, Bridge's default ``share_expert_adapters``: the merged weights against Bridge's export and
+  HF's logits on them against the TE model's forward; and ``MergedLoRA``'s refusal of Bridge's per-expert
+  (``share_expert_adapters=False``) and shared-outer (``experts_shared_outer_loras=True``) grouped adapters.
 
 Usage: ``python tests/bridge_lora_te_gpu.py WORKDIR`` writes everything to ``WORKDIR/result.json`` and
 prints the record line (:func:`summary`; docs/lora_te_h200.jsonl holds the runs);
@@ -55,59 +60,148 @@ def _build_te_gpt(arch, *, seed: int = 1234, **_):
     return model.eval()
 
 
+def _build_te_moe(arch, *, seed: int = 1234, **_):
+    """``build_gpt_model`` of tests/bridge_lora_moe.py's cases on the TE decoder block spec, grouped experts."""
+    import dataclasses
+
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megarefit.demo import megatron_cpu
+
+    arch = dataclasses.replace(arch, moe_grouped_gemm=True)
+    config, _ = megatron_cpu._transformer_config(arch, None)
+    config.use_cpu_initialization = False
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab_size,
+                     max_sequence_length=arch.max_sequence_length, pre_process=True, post_process=True,
+                     parallel_output=False, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                     position_embedding_type="rope", rotary_base=arch.rotary_base,
+                     rotary_percent=arch.rotary_percent)
+    return model.eval()
+
+
+def _moe(work: Path) -> dict:
+    """The MoE cases (tp 1, ep 1), and the grouped adapters MergedLoRA refuses."""
+    import bridge_lora_moe as moe
+    import transformers
+
+    from megarefit.demo import megatron_cpu
+    from megarefit.integrations.hf import save_checkpoint
+
+    megatron_cpu.build_gpt_model = _build_te_moe
+    config = transformers.AutoConfig.for_model(**moe.CFG)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "hf", safe_serialization=True)
+
+    def hf_model_of(state: dict) -> torch.nn.Module:  # as tests/bridge_lora_moe.py's
+        save_checkpoint(work / "merged", moe.CFG, state)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(work / "merged", output_loading_info=True,
+                                                                        dtype=torch.float32)
+        assert not any(info.values()), info
+        return model.eval()
+
+    out: dict = {}
+    for wrapper in ("lora", "canonical_lora"):
+        key = f"moe-{wrapper}-tp1"
+        moe.CASES[key] = (wrapper, 1, 1, 1)
+        case = _guarded(moe._case, wrapper, 1, str(work))
+        out[key] = case if "error" in case else _guarded(moe._compare, key, [{key: _to_cpu(case)}], hf_model_of)
+    for option in ("share_expert_adapters", "experts_shared_outer_loras"):
+        out[f"moe-refused-{option}"] = _guarded(_grouped_refusal, option)
+    return out
+
+
+def _grouped_refusal(option: str) -> dict:
+    """MergedLoRA on the TE MoE wrapped with Bridge's per-expert / shared-outer grouped adapters: the refusal."""
+    import bridge_lora_moe as moe
+    from megatron.bridge.peft.lora import LoRA
+
+    from megarefit.demo import megatron_cpu
+    from megarefit.errors import UnsupportedAdapterError
+    from megarefit.online.trainer.lora_merge import MergedLoRA
+
+    wrap = LoRA(dim=moe.RANK, alpha=moe.ALPHA, **{option: option != "share_expert_adapters"})
+    model = wrap(_build_te_moe(megatron_cpu.gpt_arch_from_hf(moe.CFG, tp=1), seed=0), training=False)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if ".layers.1.mlp.experts." in n and ".adapter." in n}
+    try:
+        MergedLoRA.from_megatron(model, moe.CFG)
+        return {"refusal": None, "adapter_shapes": shapes}
+    except UnsupportedAdapterError as exc:
+        return {"refusal": str(exc), "adapter_shapes": shapes}
+
+
 def summary(result: dict, *, tf32: bool, date: str) -> dict:
-    """The record line of one run's ``result`` (what :func:`main` returns): versions, and per wrapper
-    the counts of differing names / tensors against Bridge, the largest merged difference, the logits'
-    difference against HF transformers (CPU, fp32) and the largest |logit|, the TE modules' rows, and
-    layer 0's wrapped parameters with their module classes."""
+    """The record line of one run's ``result`` (what :func:`main` returns): versions, and per case the counts of
+    differing names / tensors against Bridge, the largest merged difference, the logits' difference against HF
+    transformers (CPU, fp32) and the largest |logit|; for the dense cases the TE modules' rows and layer 0's
+    wrapped parameters with their module classes; the grouped adapters' refusals."""
     line = {k: result[k] for k in ("gpu", "torch", "transformer_engine", "megatron_core", "bridge")}
     line.update(tf32=tf32, date=date, cases={})
     for key, case in result.items():
-        if not key.endswith("-tp1"):
-            continue
-        probe = result[f"probe-{key.removesuffix('-tp1')}"]
-        line["cases"][key] = {"error": case["error"][-300:]} if "error" in case else {
-            **{k: len(case[k]) for k in ("merged_names_differ", "merged_bytes_differ", "peft_names_differ",
-                                         "peft_bytes_differ", "planned_names_differ", "planned_bytes_differ")},
-            "merged_max_abs_diff": case["merged_max_abs_diff"], "logits_diff": case["logits_diff"],
-            "logits_max_abs": case["logits_max_abs"],
-            "classified": len(probe["classified"]), "problems": sum(bool(c[3]) for c in probe["classified"]),
+        if key.startswith("moe-refused-"):
+            line["cases"][key] = {"refusal": (case.get("refusal") or "")[:400], "error": case.get("error", "")[-300:],
+                                  "factor_ndims": sorted({len(s) for s in case.get("adapter_shapes", {}).values()})}
+        elif key.endswith("-tp1"):
+            line["cases"][key] = {"error": case["error"][-300:]} if "error" in case else _case_line(key, case, result)
+    return line
+
+
+def _case_line(key: str, case: dict, result: dict) -> dict:
+    counted = [k for k in ("merged_names_differ", "merged_bytes_differ", "peft_names_differ", "peft_bytes_differ",
+                           "planned_names_differ", "planned_bytes_differ") if k in case]
+    line = {**{k: len(case[k]) for k in counted}, "merged_max_abs_diff": case["merged_max_abs_diff"],
+            "logits_diff": case["logits_diff"], "logits_max_abs": case["logits_max_abs"]}
+    if key.startswith("moe-"):
+        return {**line, "classified": len(case["classified"]), "problems": sum(bool(c[3]) for c in case["classified"]),
+                "grouped_adapters": {n: s for n, s in case["adapter_shapes"].items() if ".mlp.experts." in n}}
+    probe = result[f"probe-{key.removesuffix('-tp1')}"]
+    return {**line, "classified": len(probe["classified"]), "problems": sum(bool(c[3]) for c in probe["classified"]),
             "te_rows": sorted({f"{c[1]}:{c[2]}" for c in probe["classified"] if c[1].startswith("TE")}),
             # the wrapped linears of layer 0 as classified (name -> module class): tests/test_lora.py's
             # stand-in of the TE spelling is checked against these
             "wrapped": {c[0]: c[1] for c in probe["classified"]
                         if ".layers.0." in c[0] and (".to_wrap." in c[0] or ".adapter." in c[0])}}
-    return line
 
 
 def table(path: Path) -> str:
-    """The markdown table of the record lines in ``path``."""
+    """The markdown tables of the record lines in ``path``: the dense cases, the MoE cases, the refusals."""
     rows = [json.loads(t) for t in path.read_text().splitlines() if t.strip()]
     first = rows[0]
-    head = (f"Bridge {first['bridge']} on megatron-core {first['megatron_core']}, Transformer Engine "
-            f"{first['transformer_engine']}, torch {first['torch']}, one {first['gpu']}, tp 1, fp32, "
-            f"{first['date']} (by hand: tests/bridge_lora_te_gpu.py). Classified: the parameters of layer 0 "
-            "and outside the layers. Against Bridge: tensors whose names or bytes differ, of the merged HF "
-            "export and of the PEFT adapter export (lora_to_peft and the adapter-only plan). Logits: the TE "
-            "model's forward (GPU) against HF transformers (CPU) on megarefit's merged weights.")
     bar = r"\|"
-    out = [head, "",
-           (f"| wrapper | TF32 | classified (problems) | merged tensors differing | PEFT tensors differing "
+    out = [(f"Bridge {first['bridge']} on megatron-core {first['megatron_core']}, Transformer Engine "
+            f"{first['transformer_engine']}, torch {first['torch']}, one {first['gpu']}, tp 1, ep 1, fp32, "
+            f"{first['date']} (by hand: tests/bridge_lora_te_gpu.py). Differing: tensors whose names or bytes "
+            "differ from Bridge's export, merged (HF) and PEFT (lora_to_peft and the adapter-only plan). Logits: "
+            "the TE model's forward (GPU) against HF transformers (CPU) on megarefit's merged weights. Classified: "
+            "dense, the parameters of layer 0 and outside the layers; MoE, every adapter (problems: of every "
+            "parameter)."), "",
+           (f"| model | wrapper | TF32 | classified (problems) | merged differing | PEFT differing "
             f"| max {bar}logits diff{bar} | max {bar}logit{bar} |"),
-           "|---|---|---:|---:|---:|---:|---:|"]
+           "|---|---|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         tf32 = "on (default)" if row["tf32"] else "off"
         for key, c in row["cases"].items():
-            if "error" in c:
-                out.append(f"| {key} | {tf32} | error | | | | |")
+            model, wrapper = ("GLM-4.5-style MoE", key[4:]) if key.startswith("moe-") else ("Qwen3 dense", key)
+            if key.startswith("moe-refused-"):
                 continue
-            merged = c["merged_names_differ"] + c["merged_bytes_differ"]
-            peft = sum(c[k] for k in ("peft_names_differ", "peft_bytes_differ", "planned_names_differ",
-                                      "planned_bytes_differ"))
-            out.append(f"| {key.removesuffix('-tp1')} | {tf32} | {c['classified']} ({c['problems']}) | {merged} "
-                       f"| {peft} | {c['logits_diff']:.1e} | {c['logits_max_abs']:.2f} |")
+            if "error" in c:
+                out.append(f"| {model} | {wrapper.removesuffix('-tp1')} | {tf32} | error | | | | |")
+                continue
+            peft = sum(c.get(k, 0) for k in ("peft_names_differ", "peft_bytes_differ", "planned_names_differ",
+                                             "planned_bytes_differ"))
+            out.append(f"| {model} | {wrapper.removesuffix('-tp1')} | {tf32} | {c['classified']} ({c['problems']}) "
+                       f"| {c['merged_names_differ'] + c['merged_bytes_differ']} "
+                       f"| {peft if 'peft_names_differ' in c else '-'} | {c['logits_diff']:.1e} "
+                       f"| {c['logits_max_abs']:.2f} |")
     te_rows = sorted({r for row in rows for c in row["cases"].values() for r in c.get("te_rows", [])})
-    out += ["", "TE modules' parameters classified as: " + ", ".join(f"`{r}`" for r in te_rows) + "."]
+    refused = {k.removeprefix("moe-refused-"): c for k, c in first["cases"].items() if k.startswith("moe-refused-")}
+    out += ["", "Dense TE modules' parameters classified as: " + ", ".join(f"`{r}`" for r in te_rows) + ".", ""]
+    out += [f"- Bridge's `{k}={k != 'share_expert_adapters'}` (factors {', '.join(f'{n}-D' for n in c['factor_ndims'])}):"
+            f" {'refused' if c['refusal'] else 'NOT refused'}, \"{c['refusal'].split(': ', 1)[-1][:90]}...\""
+            for k, c in refused.items()]
     return "\n".join(out)
 
 
@@ -193,6 +287,7 @@ def main(work: Path) -> dict:
     with torch.no_grad():
         for key in ranks:
             out[key] = _guarded(_compare, key, [ranks], hf_model_of)
+        out.update(_moe(work / "moe"))
     return out
 
 

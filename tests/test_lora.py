@@ -3,14 +3,16 @@ checks the same code on real Bridge-wrapped Megatron-Core modules).
 
 * ``lora_to_peft`` / ``peft_to_lora`` are exact inverses for both wrappers, any dims and TP (hypothesis);
 * LoRA's fused ``linear_qkv`` holds one A: unequal q / k / v ``lora_A`` are refused, naming the fix;
-* each refused adapter (DoRA, router, Transformer-Engine grouped experts, MLA, Mamba) is refused by
-  ``adapter_row``, the classifier and ``MergedLoRA``, the message naming the module and the fix;
-* shared-expert and SequentialMLP experts' adapters merge per expert; routed experts' ``linear_fc2``
-  adapters are refused at expert-TP > 1, and MoE adapters by the adapter-only refit;
+* each refused adapter (DoRA, router, MLA, Mamba) is refused by ``adapter_row``, the classifier and
+  ``MergedLoRA``, the message naming the module and the fix;
+* shared-expert and SequentialMLP experts' adapters merge per expert, a TE grouped linear's shared adapter
+  into each of its local experts (its per-expert / shared-outer 3-D adapters refused); routed experts'
+  ``linear_fc2`` adapters are refused at expert-TP > 1, and MoE adapters by the adapter-only refit;
 * ``MergedLoRA`` at tp=1 serves ``(W.float() + (alpha / r) * (B.float() @ A.float())).to(W.dtype)``
   (Bridge's merge, float32 and bfloat16), refreshes from the live factors, and leaves the rest as is;
 * the Transformer-Engine spelling of wrapped linears (``to_wrap.layer_norm_weight``; stand-in modules
-  of TE's class names, no TE here) classifies as the TE rows and merges, the fused norms served as is.
+  of TE's class names, no TE here) classifies as the TE rows and merges, the fused norms served as is;
+  the stand-ins are checked against the names a real TE run recorded (docs/lora_te_h200.jsonl).
 """
 
 from __future__ import annotations
@@ -96,7 +98,6 @@ def test_peft_names_and_the_duplicated_a():
 REFUSED_NAMES = {
     "DoRA": "decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude",
     "the MoE router": "decoder.layers.1.mlp.router.adapter.linear_in.weight",
-    "Transformer-Engine grouped experts": "decoder.layers.1.mlp.experts.linear_fc1.adapter.linear_out.weight",
     "MLA attention": "decoder.layers.0.self_attention.linear_kv_down_proj.adapter.linear_in.weight",
     "a Mamba mixer": "decoder.layers.0.mixer.in_proj.adapter.linear_in.weight",
 }
@@ -212,6 +213,60 @@ def test_moe_adapters_merge_per_expert():
     assert merged.served["decoder.layers.1.mlp.router.weight"] is params["decoder.layers.1.mlp.router.weight"]
 
 
+def _grouped_params(dims: ModelDims, r: int, experts: int, factor_dims: int = 2) -> dict[str, torch.Tensor]:
+    """A TEGroupedMLP layer as Bridge's LoRA wraps it (tp = etp = 1): ``weight{e}`` per local expert under
+    ``to_wrap``, one adapter per grouped linear (``share_expert_adapters``), or 3-D factors (one per expert)."""
+    g, L = torch.Generator().manual_seed(3), "decoder.layers.1.mlp.experts."
+    h, f = dims.hidden_size, dims.moe_ffn_hidden_size
+    out = {}
+    for mod, (o, i) in {"linear_fc1": (2 * f, h), "linear_fc2": (h, f)}.items():
+        out.update({f"{L}{mod}.to_wrap.weight{e}": torch.randn(o, i, generator=g) for e in range(experts)})
+        lead = (experts,) * (factor_dims - 2)
+        out[L + mod + ".adapter.linear_in.weight"] = torch.randn(*lead, r, i, generator=g)
+        out[L + mod + ".adapter.linear_out.weight"] = torch.randn(*lead, o, r, generator=g)
+    return out
+
+
+def test_grouped_expert_adapters_merge_into_every_local_expert():
+    """TE grouped experts under Bridge's share_expert_adapters: the one adapter of a grouped linear merges into
+    each local expert's ``weight{e}`` (the product computed here from the factors), served unwrapped."""
+    cfg = tiny_config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, num_hidden_layers=2)
+    dims = ModelDims.from_hf_config(cfg)
+    params = _grouped_params(dims, 4, 4)
+    merged = MergedLoRA(params, dims, alpha=6, rank=4)
+    L = "decoder.layers.1.mlp.experts."
+    assert sorted(merged.served) == sorted(f"{L}linear_fc{k}.weight{e}" for k in (1, 2) for e in range(4))
+    for k in (1, 2):
+        a, b = (params[f"{L}linear_fc{k}.adapter.{f}.weight"] for f in ("linear_in", "linear_out"))
+        for e in range(4):
+            want = params[f"{L}linear_fc{k}.to_wrap.weight{e}"] + 1.5 * (b @ a)
+            assert torch.equal(merged.served[f"{L}linear_fc{k}.weight{e}"], want), (k, e)
+
+
+def test_the_grouped_stand_in_is_what_real_te_gave():
+    """The grouped experts' adapter names and factor ranks of the stand-in above are those Bridge built over real
+    TE grouped experts (docs/lora_te_h200.jsonl, both wrappers: CanonicalLoRA keeps a grouped linear_fc1 unfused)."""
+    cfg = tiny_config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, num_hidden_layers=2)
+    stand_in = {n: p.ndim for n, p in _grouped_params(ModelDims.from_hf_config(cfg), 4, 4).items() if ".adapter." in n}
+    for line in TE_RUN.read_text().splitlines():
+        for key in ("moe-lora-tp1", "moe-canonical_lora-tp1"):
+            real = json.loads(line)["cases"][key]["grouped_adapters"]
+            assert stand_in == {n: len(shape) for n, shape in real.items()}, key
+
+
+def test_grouped_expert_adapters_of_one_per_expert_refused():
+    """Bridge's GroupedExpertLinearAdapter / SharedOuterGroupedExpertAdapter keep the grouped adapter's names with
+    3-D factors: refused, naming Bridge's switch."""
+    cfg = tiny_config("GLM-4.5-Air", n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, num_hidden_layers=2)
+    dims = ModelDims.from_hf_config(cfg)
+    with pytest.raises(UnsupportedAdapterError, match=r"linear_fc1.adapter.linear_in.weight: a 3-D factor "
+                       r"\(4, 4, 64\), Bridge's GroupedExpertLinearAdapter.*share_expert_adapters=True"):
+        MergedLoRA(_grouped_params(dims, 4, 4, factor_dims=3), dims, alpha=6, rank=4)
+
+
 def test_expert_fc2_adapters_refused_at_expert_tp():
     """At expert_tensor_parallel_size > 1 Bridge's routed-expert linear_fc2 adapter does not compute the merged
     product (Megatron-Bridge #5634, measured in tests/test_bridge_lora.py): refused before any collective; the
@@ -229,6 +284,7 @@ def test_expert_fc2_adapters_refused_at_expert_tp():
 def test_moe_adapters_refused_for_the_adapter_only_refit():
     cfg = tiny_config("Qwen3-0.6B", num_hidden_layers=2)
     for name in ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.linear_in.weight",
+                 "decoder.layers.1.mlp.experts.linear_fc2.adapter.linear_in.weight",
                  "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_out.weight"):
         assert adapter_row(name)[1] == 1
         with pytest.raises(UnsupportedAdapterError, match="adapter-only refit plans dense adapters only.*MergedLoRA"):

@@ -24,7 +24,14 @@ MoE layers (``MOE_ROWS``, measured on a GLM-4.5-style model by tests/bridge_lora
 expert's ``linear_fc1`` / ``linear_fc2`` split as the dense MLP's, over TP (``2shared_ffn`` / ``shared_ffn``);
 each SequentialMLP expert (``mlp.experts.local_experts.{expert}.``) has its own adapter, split as above but
 over expert-TP (``etp``; Bridge's ``is_expert_linear``), on the EP rank that holds the expert.
-Transformer-Engine grouped experts' adapters are refused (not verified here).
+Transformer-Engine grouped experts (``TEGroupedMLP``: ``mlp.experts.linear_fc1.weight{expert}``) get, under
+Bridge's default ``share_expert_adapters=True``, one ``ParallelLinearAdapter`` per grouped linear, shared by
+the EP rank's local experts (``mlp.experts.linear_fc1.adapter.linear_in.weight``, 2-D, split over expert-TP
+as a SequentialMLP expert's): each local expert's weight takes the same ``B @ A``. ``CanonicalLoRA`` gives a
+grouped ``linear_fc1`` one such adapter too, not gate / up apart. Measured on real TE 2.9 modules at tp 1,
+ep 1 by tests/bridge_lora_te_gpu.py (by hand, on a GPU). Bridge's other grouped adapters, one per
+expert (``GroupedExpertLinearAdapter``) or shared-outer (``SharedOuterGroupedExpertAdapter``), have the same
+names with 3-D factors and are refused by shape (:mod:`megarefit.online.trainer.lora_merge`).
 
 So the factor a rank lacks in full is A for a column base and B for a row base (Bridge's
 ``LoRAMerge.merge`` gathers exactly that one); the other factor is already this rank's part of the
@@ -115,11 +122,15 @@ SHARED_FC1 = _row(_L + "mlp.shared_experts.linear_fc1.weight")
 SHARED_FC2 = _row(_L + "mlp.shared_experts.linear_fc2.weight")
 EXPERT_FC1 = _row(_E + "linear_fc1.weight")
 EXPERT_FC2 = _row(_E + "linear_fc2.weight")
+GROUPED_FC1 = _row(_L + "mlp.experts.linear_fc1.weight{expert}")  # TEGroupedMLP: one tensor a local expert
+GROUPED_FC2 = _row(_L + "mlp.experts.linear_fc2.weight{expert}")
 R = Role
 
 
 def _adapter(base: ParamSpec, sub: str) -> str:
-    return base.megatron.removesuffix(".weight") + f".adapter.{sub}"
+    """The adapter parameter ``sub`` of ``base``'s wrapped module (a grouped linear's shared adapter sits under
+    the module, not under one of its ``weight{expert}`` tensors)."""
+    return base.megatron.removesuffix(".weight{expert}").removesuffix(".weight") + f".adapter.{sub}"
 
 
 def _plain(base: ParamSpec, wrappers: tuple[Wrapper, ...], b_role: Role, b_out: str, a_role: Role, a_in: str) -> tuple[AdapterRow, ...]:
@@ -141,7 +152,8 @@ _BOTH: tuple[Wrapper, ...] = ("lora", "canonical_lora")
 _ROW_BASES = (_plain(PROJ, _BOTH, R.COLUMN, "hidden", R.ROW, "q") + _plain(FC2, _BOTH, R.COLUMN, "hidden", R.ROW, "ffn"))
 _CANONICAL_ONLY = _canonical(QKV, ("q", "k", "v"), ("q", "kv", "kv")) + _canonical(FC1, ("gate", "up"), ("ffn", "ffn"))
 _MOE_ROW_BASES = (_plain(SHARED_FC2, _BOTH, R.COLUMN, "hidden", R.ROW, "shared_ffn")
-                  + _plain(EXPERT_FC2, _BOTH, R.EXPERT_COLUMN, "hidden", R.EXPERT_ROW, "moe_ffn"))
+                  + _plain(EXPERT_FC2, _BOTH, R.EXPERT_COLUMN, "hidden", R.EXPERT_ROW, "moe_ffn")
+                  + _plain(GROUPED_FC2, _BOTH, R.EXPERT_COLUMN, "hidden", R.EXPERT_ROW, "moe_ffn"))
 _MOE_CANONICAL_ONLY = (_canonical(SHARED_FC1, ("gate", "up"), ("shared_ffn", "shared_ffn"))
                        + _canonical(EXPERT_FC1, ("gate", "up"), ("moe_ffn", "moe_ffn"), R.EXPERT_COLUMN))
 
@@ -156,11 +168,13 @@ CANONICAL_ROWS: tuple[AdapterRow, ...] = _CANONICAL_ONLY + _ROW_BASES
 MOE_ROWS: tuple[AdapterRow, ...] = (
     _plain(SHARED_FC1, ("lora",), R.GATED_MLP, "2shared_ffn", R.COLUMN, "hidden")
     + _plain(EXPERT_FC1, ("lora",), R.EXPERT_GATED_MLP, "2moe_ffn", R.EXPERT_COLUMN, "hidden")
+    # CanonicalLoRA keeps a grouped linear_fc1 unfused too (its _should_treat_linear_fc1_as_unfused)
+    + _plain(GROUPED_FC1, _BOTH, R.EXPERT_GATED_MLP, "2moe_ffn", R.EXPERT_COLUMN, "hidden")
     + _MOE_ROW_BASES + _MOE_CANONICAL_ONLY)
 """MoE layers' adapters, both wrappers (Bridge's default ``target_modules`` name ``linear_fc1`` / ``linear_fc2``,
-which match the shared experts' and every SequentialMLP expert's): shared experts split over TP like the
-dense MLP (Bridge's ``is_expert_linear`` excludes them), routed experts over expert-TP (``etp``), one
-adapter per expert (``local_experts.{expert}``)."""
+which match the shared experts' and the routed experts'): shared experts split over TP like the dense MLP
+(Bridge's ``is_expert_linear`` excludes them), routed experts over expert-TP (``etp``), one adapter per
+SequentialMLP expert (``local_experts.{expert}``) or one per TEGroupedMLP linear, shared by its local experts."""
 
 ADAPTER_ROWS = LORA_ROWS + _CANONICAL_ONLY + MOE_ROWS  # each parameter name once
 
@@ -182,11 +196,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused(r"\.mlp\.router\.", "the MoE router",
             "a router adapter changes routing logits (LoRATopKRouter), which no merged or vLLM LoRA path here verifies",
             "leave mlp.router out of target_modules"),
-    Refused(r"\.mlp\.experts\.linear_fc[12]\.", "Transformer-Engine grouped experts",
-            "Bridge adapts them with one adapter shared by the EP rank's local experts (share_expert_adapters), a "
-            "GroupedExpertLinearAdapter per expert, or a SharedOuterGroupedExpertAdapter, none verified here on "
-            "real modules (the Bridge environment has no Transformer Engine)",
-            "build the experts as SequentialMLP (moe_grouped_gemm=False), or exclude *.mlp.experts.* (exclude_modules)"),
     Refused(r"\.self_attention\.linear_(q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)\.", "MLA attention",
             "MLA's low-rank projections have no verified adapter rows", "target only linear_proj and the MLP"),
     Refused(r"\.mixer\.", "a Mamba mixer", "Mamba in_proj / out_proj adapters are not verified",
@@ -220,8 +229,8 @@ def adapter_row(name: str) -> tuple[AdapterRow, int]:
     """The row of adapter parameter ``name`` and its layer index.
 
     Raises:
-        UnsupportedAdapterError: the adapter is DoRA, or adapts the router, Transformer-Engine grouped
-            experts, MLA or a Mamba mixer (the message names the module, why, and what to do instead).
+        UnsupportedAdapterError: the adapter is DoRA, or adapts the router, MLA or a Mamba mixer (the message
+            names the module, why, and what to do instead).
         UnknownParameterError: no row matches (an adapter on a linear Bridge does not target by default).
     """
     for refused in REFUSED:

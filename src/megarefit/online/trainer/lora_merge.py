@@ -15,6 +15,11 @@ writes each merged shard into its served copy, in the shard's dtype. :attr:`Merg
 Megatron names as an unwrapped model spells them (``to_wrap.`` dropped; adapters absent), so existing
 plans, publishers and receivers, vLLM-sharded targets included, move merged weights unchanged.
 
+A Transformer-Engine grouped linear (``TEGroupedMLP``: ``<linear>.to_wrap.weight{e}`` per local expert) has one
+adapter under Bridge's default ``share_expert_adapters``: every local expert's weight takes the same product,
+each merged and served under its own name (``mlp.experts.linear_fc1.weight{e}``). Bridge's per-expert and
+shared-outer grouped adapters (3-D factors) are refused.
+
 Rounding, against Bridge 0.6.2's ``export_hf_weights(..., merge_adapter_weights=True)``: Bridge
 gathers both factors whole, splits B per HF tensor and computes, per HF tensor, in float32,
 ``(W.float() + (alpha / r) * (B.float() @ A.float())).to(W.dtype)`` (``_merge_single_adapter_weight``
@@ -28,6 +33,7 @@ before the one rounding to the shard's dtype.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +48,8 @@ from megarefit.layout.lora import PartRun, adapter_local_shape, part_runs
 from megarefit.layout.megatron_model import refit_tensors, unwrap
 from megarefit.specs.lora import WRAPPED, AdapterRow, Factor, adapter_row, base_name, is_adapter
 from megarefit.specs.table import ParallelMode, canonical_name
+
+_WRAPPED_WEIGHT = re.compile(re.escape(WRAPPED) + r"weight[0-9]*$")  # a base (TE grouped: weight{expert})
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,12 @@ class MergedLoRA:
                         "MoE dispatcher then counts once per expert-TP rank: Megatron-Bridge issue #5634), so no merged "
                         "weight serves what the trainer computes; train with expert_tensor_parallel_size=1, or leave "
                         "the experts' linear_fc2 out of target_modules")
+                if p.ndim != 2:
+                    raise UnsupportedAdapterError(
+                        f"adapter {name}: a {p.ndim}-D factor {tuple(p.shape)}, Bridge's GroupedExpertLinearAdapter (one "
+                        "adapter per grouped expert, share_expert_adapters=False) or SharedOuterGroupedExpertAdapter "
+                        "(experts_shared_outer_loras=True), not verified here; train with Bridge's default "
+                        "share_expert_adapters=True (one adapter shared by an EP rank's grouped experts)")
                 want = adapter_local_shape(row, dims, g.r, g.size, name=name)
                 if tuple(p.shape) != want:
                     raise LayoutError(f"adapter {name} on {'etp' if row.expert else 'tp'} rank {g.rank}: local shape "
@@ -188,25 +202,33 @@ class MergedLoRA:
         wrapped: list[_Wrapped] = []
         send: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         at = {False: 0, True: 0}
+        built: dict[str, tuple[_Part, ...]] = {}  # by wrapped module: a grouped linear's experts share one adapter
         for name, p in named.items():
-            if WRAPPED not in name or not name.endswith(".weight"):
+            if not _WRAPPED_WEIGHT.search(name):
                 continue
-            parts = groups.pop(name.split(WRAPPED)[0], None)
-            if not parts:
-                raise MissingParameterError(f"{name} on tp rank {self._groups[False].rank} is wrapped but has no "
-                                            "adapter")
-            built = []
-            for a, b in _pairs(name, parts):
-                full, expert = (a if a[0].gathered else b), a[0].expert
-                built.append(_Part(a[1].detach(), b[1].detach(), Factor.A if a[0].gathered else Factor.B, expert,
-                                   _runs(a[0], dims, self._groups[expert].size), at[expert]))
-                send[expert].append(full[1])
-                at[expert] += full[1].numel()
-            wrapped.append(_Wrapped(base_name(name), p.detach(), tuple(built)))
+            module = name.split(WRAPPED)[0]
+            if module not in built:
+                parts = groups.pop(module, None)
+                if not parts:
+                    raise MissingParameterError(f"{name} on tp rank {self._groups[False].rank} is wrapped but has no "
+                                                "adapter")
+                built[module] = tuple(self._part(a, b, dims, send, at) for a, b in _pairs(name, parts))
+            wrapped.append(_Wrapped(base_name(name), p.detach(), built[module]))
         if groups:
             raise MissingParameterError(f"adapters on tp rank {self._groups[False].rank} without a wrapped base "
                                         f"weight: {sorted(groups)}")
         return tuple(wrapped), send
+
+    def _part(self, a: tuple[AdapterRow, torch.Tensor], b: tuple[AdapterRow, torch.Tensor], dims: ModelDims,
+              send: dict[bool, list[torch.Tensor]], at: dict[bool, int]) -> _Part:
+        """One adapter's factors as a :class:`_Part`; its gathered factor appended to its group's send list."""
+        gathered, expert = a[0].gathered, a[0].expert
+        full = a if gathered else b
+        part = _Part(a[1].detach(), b[1].detach(), Factor.A if gathered else Factor.B, expert,
+                     _runs(a[0], dims, self._groups[expert].size), at[expert])
+        send[expert].append(full[1])
+        at[expert] += full[1].numel()
+        return part
 
     @classmethod
     def from_megatron(cls, model: torch.nn.Module, hf_config: Any) -> MergedLoRA:
